@@ -1,0 +1,147 @@
+"""Typed checkpoint references: what travels in Flower messages instead of weights.
+
+A reference says where a checkpoint lives, what it is (actor or critic), how it is laid out on
+disk, how many ranks wrote it and a content hash over its files. The server resolves references
+against the run's checkpoint root and refuses anything outside it, missing or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+CheckpointKind = Literal["actor", "critic"]
+CheckpointFormat = Literal["fsdp-shards", "hf-safetensors"]
+KINDS: tuple[str, ...] = ("actor", "critic")
+FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
+
+# Files that carry weights; the hash covers these plus the small JSON configs so that a swapped
+# config (another architecture) is caught as well. Tokenizer files and logs are left out: they
+# do not change the tensors that get averaged.
+_HASHED_SUFFIXES = (".pt", ".safetensors", ".json")
+_HASH_BLOCK = 8 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint reference that cannot be used: outside the root, missing, corrupt, mismatched."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A reference to one model checkpoint directory.
+
+    ``path`` is an absolute path (or, later, an fsspec URI) to the directory holding the weights:
+    for ``fsdp-shards`` the verl ``.../global_step_N/actor`` directory with
+    ``model_world_size_W_rank_R.pt`` files; for ``hf-safetensors`` a Hugging Face model directory.
+    """
+
+    path: str
+    kind: CheckpointKind = "actor"
+    format: CheckpointFormat = "hf-safetensors"
+    world_size: int = 1
+    sha256: str = ""
+
+    def to_config(self, prefix: str) -> dict[str, Any]:
+        """Flatten into ConfigRecord-compatible scalars under ``prefix`` (e.g. ``actor``)."""
+        return {f"{prefix}-{k.replace('_', '-')}": v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_config(cls, config: Any, prefix: str) -> CheckpointRef:
+        """Rebuild a reference from a ConfigRecord (or dict) written by :meth:`to_config`.
+
+        Raises :class:`CheckpointError` naming the missing or malformed key.
+        """
+        values: dict[str, Any] = {}
+        for name in ("path", "kind", "format", "world_size", "sha256"):
+            key = f"{prefix}-{name.replace('_', '-')}"
+            if key not in config:
+                raise CheckpointError(f"checkpoint reference is missing '{key}'")
+            values[name] = config[key]
+        ref = cls(
+            path=str(values["path"]),
+            kind=str(values["kind"]),  # type: ignore[arg-type]
+            format=str(values["format"]),  # type: ignore[arg-type]
+            world_size=int(values["world_size"]),
+            sha256=str(values["sha256"]),
+        )
+        ref.check_fields()
+        return ref
+
+    def check_fields(self) -> None:
+        """Validate the scalar fields (not the files)."""
+        if self.kind not in KINDS:
+            raise CheckpointError(f"unknown checkpoint kind '{self.kind}' (expected one of {KINDS})")
+        if self.format not in FORMATS:
+            raise CheckpointError(
+                f"unknown checkpoint format '{self.format}' (expected one of {FORMATS})"
+            )
+        if self.world_size < 1:
+            raise CheckpointError(f"world size must be >= 1, got {self.world_size}")
+        if not self.path:
+            raise CheckpointError("checkpoint reference has an empty path")
+
+    @classmethod
+    def for_directory(
+        cls,
+        path: str | os.PathLike[str],
+        kind: CheckpointKind = "actor",
+        fmt: CheckpointFormat | None = None,
+    ) -> CheckpointRef:
+        """Describe an existing checkpoint directory: detect format and world size, hash it."""
+        directory = Path(path).resolve()
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        shards = sorted(directory.glob("model_world_size_*_rank_*.pt"))
+        detected: CheckpointFormat = "fsdp-shards" if shards else "hf-safetensors"
+        fmt = fmt or detected
+        world_size = 1
+        if fmt == "fsdp-shards":
+            if not shards:
+                raise CheckpointError(f"{directory} holds no model_world_size_*_rank_*.pt shard")
+            world_size = int(shards[0].name.split("_")[3])
+        elif not any(directory.glob("*.safetensors")):
+            raise CheckpointError(f"{directory} holds no *.safetensors file")
+        return cls(
+            path=str(directory),
+            kind=kind,
+            format=fmt,
+            world_size=world_size,
+            sha256=hash_checkpoint_dir(directory),
+        )
+
+
+def hashed_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The files covered by the content hash, in a stable order (top level only)."""
+    root = Path(directory)
+    return sorted(
+        p for p in root.iterdir() if p.is_file() and p.name.endswith(_HASHED_SUFFIXES)
+    )
+
+
+def hash_checkpoint_dir(directory: str | os.PathLike[str]) -> str:
+    """sha256 over (name, size, bytes) of every hashed file, streamed in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    for file in hashed_files(directory):
+        digest.update(file.name.encode())
+        digest.update(str(file.stat().st_size).encode())
+        with open(file, "rb") as handle:
+            while block := handle.read(_HASH_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def resolve_inside(ref: CheckpointRef, root: str | os.PathLike[str]) -> Path:
+    """Return the reference's directory if it lies inside ``root`` (symlinks resolved).
+
+    Refuses foreign schemes, ``..`` escapes and symlinks that point outside the root.
+    """
+    if "://" in ref.path:
+        raise CheckpointError(f"reference {ref.path!r} uses a scheme this run cannot read")
+    root_path = Path(root).resolve()
+    target = Path(ref.path).resolve()
+    if target != root_path and root_path not in target.parents:
+        raise CheckpointError(f"reference {ref.path!r} lies outside the run root {root_path}")
+    return target

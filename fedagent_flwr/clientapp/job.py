@@ -1,0 +1,118 @@
+"""TrainJob / TrainResult (and the evaluation pair): the JSON contract between the ClientApp and
+a trainer subprocess.
+
+The ClientApp writes a job file, starts ``python -m <backend module> train|evaluate <job.json>``
+and reads the result file the subprocess wrote (atomically) next to it. Keeping this contract
+small and typed lets the CPU reference trainer and the verl backend be swapped freely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class JobFileError(ValueError):
+    """A job or result file that is missing, not JSON, or lacks required fields."""
+
+
+@dataclass
+class TrainJob:
+    """Everything a trainer needs for one (round, client) training run."""
+
+    model_path: str  # HF directory of the global model to start from
+    output_dir: str  # where the trainer writes checkpoints/, train_result.json, logs
+    env_spec: dict[str, Any]  # {"envs": [{name, n_envs, max_turns, config}]}
+    round: int
+    client_id: int
+    num_clients: int
+    data_seed: int  # base_seed + 100 * round + client_id (FedAgent's rule)
+    algorithm: str = "grpo"
+    local_steps: int = 1
+    proximal_mu: float = 0.0
+    critic_path: str = ""
+    partition: dict[str, Any] = field(default_factory=dict)
+    service_url: str = ""
+    trainer: dict[str, Any] = field(default_factory=dict)  # backend hyper-parameters
+
+
+@dataclass
+class TrainResult:
+    """What a trainer reports back: checkpoint directories and metrics."""
+
+    actor_dir: str  # checkpoint directory to aggregate (fsdp-shards or hf-safetensors)
+    actor_format: str
+    num_episodes: int
+    metrics: dict[str, float]
+    critic_dir: str = ""
+    world_size: int = 1
+
+
+@dataclass
+class EvalJob:
+    """Validation episodes of one model on the unperturbed validation setting."""
+
+    model_path: str
+    output_dir: str
+    env_spec: dict[str, Any]
+    round: int
+    seeds: list[int]  # one episode per seed
+    service_url: str = ""
+    trainer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalResult:
+    """Validation outcome: episodes run, success rate and mean reward."""
+
+    num_episodes: int
+    success_rate: float
+    reward_mean: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
+    """Write JSON to a temporary file in the same directory and rename it into place."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write a job/result dataclass as JSON, atomically."""
+    write_json_atomic(path, asdict(obj))
+
+
+def load(cls: type[T], path: str | os.PathLike[str]) -> T:
+    """Read a job/result dataclass from JSON; unknown or missing fields give a JobFileError."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise JobFileError(f"{cls.__name__} file {path} does not exist") from exc
+    except json.JSONDecodeError as exc:
+        raise JobFileError(f"{cls.__name__} file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise JobFileError(f"{cls.__name__} file {path} must hold a JSON object")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise JobFileError(f"{cls.__name__} file {path} has unknown fields {unknown}")
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise JobFileError(f"{cls.__name__} file {path}: {exc}") from exc

@@ -1,0 +1,259 @@
+"""Run configuration: Flower run config -> Hydra composition under ``conf/`` -> one checked config.
+
+Flower's run config carries only ``config-name`` and ``overrides`` (a Hydra override string such
+as ``"num_rounds=3 clients.total=4 strategy=fedprox"``). Composition is strict: an unknown key
+or a bad value stops the run at start with one message that names the key, because a typo in a
+multi-hour RL run should never silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+MODES = ("federated", "centralized", "local")
+ALGORITHMS = ("grpo", "ppo")
+TRAINER_BACKENDS = ("reference",)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the offending key."""
+
+
+def conf_dir() -> Path:
+    """Locate the Hydra config directory.
+
+    ``$FEDAGENT_CONF_DIR`` wins; otherwise ``conf/`` beside the package (source checkout and
+    Flower's installed app bundle) or ``fedagent_flwr/_conf`` (a wheel install).
+    """
+    if env := os.environ.get("FEDAGENT_CONF_DIR"):
+        return Path(env).resolve()
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "conf", package / "_conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise ConfigError(
+        f"no Hydra config directory found beside {package}; set FEDAGENT_CONF_DIR to the conf/ folder"
+    )
+
+
+def parse_overrides(overrides: str | Sequence[str]) -> list[str]:
+    """Split a Flower run-config override string with shell quoting rules."""
+    if isinstance(overrides, str):
+        try:
+            return shlex.split(overrides)
+        except ValueError as exc:
+            raise ConfigError(f"overrides {overrides!r} cannot be parsed: {exc}") from exc
+    return [str(item) for item in overrides]
+
+
+def compose_config(config_name: str = "config", overrides: str | Sequence[str] = "") -> DictConfig:
+    """Compose ``conf/<config_name>.yaml`` with Hydra overrides; unknown keys are errors."""
+    items = parse_overrides(overrides)
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=items)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain_hydra_error(exc, items)) from None
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
+    """Turn Hydra's multi-line errors into one line that names the culprit."""
+    text = " ".join(str(exc).split())
+    for item in items:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if f"'{key}'" in text or f"override '{key}'" in text.lower():
+            if "not in struct" in text or "Could not override" in text:
+                return f"unknown config key '{key}' (from override '{item}')"
+            if "Could not find" in text or "not found" in text:
+                found = re.search(r"Available options in '[^']*': (.*?) Config search path", text)
+                options = f" (available: {found.group(1).strip()})" if found else ""
+                return f"config group '{key}' has no option '{item.split('=', 1)[1]}'{options}"
+    return f"configuration error: {text}"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The checked configuration of one federated run (plus the raw composed tree)."""
+
+    config_name: str
+    run_name: str
+    output_dir: str
+    num_rounds: int
+    seed: int
+    model_path: str
+    critic_path: str
+    total_clients: int
+    clients_per_round: int
+    mode: str
+    local_client_id: int
+    algorithm: str
+    local_steps: int
+    epochs: int
+    env_name: str
+    train_env_spec: dict[str, Any]
+    val_env_spec: dict[str, Any]
+    trainer: dict[str, Any]
+    strategy_name: str
+    strategy_class: str
+    proximal_mu: float
+    fixed_weights: tuple[float, ...]
+    strategy_kwargs: dict[str, Any]
+    partition: dict[str, Any]
+    eval_enabled: bool
+    eval_before_train: bool
+    eval_num_episodes: int
+    eval_seed: int
+    round_timeout: float
+    raw: dict[str, Any]
+
+    @property
+    def trainer_backend(self) -> str:
+        return str(self.trainer["backend"])
+
+
+def _get(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"config key '{dotted}' is missing")
+        node = node[part]
+    return node
+
+
+def _typed(cfg: dict[str, Any], key: str, kind: type, check: Callable[[Any], bool] | None = None,
+           expect: str = "") -> Any:
+    value = _get(cfg, key)
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {value!r}")
+    if check is not None and not check(value):
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected {expect}")
+    return value
+
+
+_TRAINER_NUMBERS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+    "timeout_s": (float, lambda v: v > 0, "> 0"),
+    "rollout_n": (int, lambda v: v >= 1, ">= 1"),
+    "lr": (float, lambda v: v > 0, "> 0"),
+    "weight_decay": (float, lambda v: v >= 0, ">= 0"),
+    "kl_coef": (float, lambda v: v >= 0, ">= 0"),
+    "entropy_coeff": (float, lambda v: v >= 0, ">= 0"),
+    "clip_ratio": (float, lambda v: v > 0, "> 0"),
+    "ppo_epochs": (int, lambda v: v >= 1, ">= 1"),
+    "max_new_tokens": (int, lambda v: v >= 1, ">= 1"),
+    "temperature": (float, lambda v: v > 0, "> 0"),
+    "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "val_temperature": (float, lambda v: v > 0, "> 0"),
+    "max_model_len": (int, lambda v: v >= 16, ">= 16"),
+    "num_threads": (int, lambda v: v >= 0, ">= 0"),
+}
+
+
+def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
+    """Check every value the run uses; return typed settings or raise ConfigError naming the key."""
+    from fedagent_flwr.envs.spec import load_env_spec  # local: envs import torch-free helpers only
+
+    raw: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    total = _typed(raw, "clients.total", int, lambda v: v >= 1, ">= 1")
+    per_round = _typed(raw, "clients.per_round", int, lambda v: v >= 1, ">= 1")
+    local_id = _typed(raw, "experiment.local_client_id", int, lambda v: -1 <= v < total,
+                      f"-1 (off) or a client id in [0, {total - 1}]")
+    mode = "local" if local_id >= 0 else ("centralized" if total == 1 else "federated")
+    declared = str(_get(raw, "experiment.name"))
+    if declared not in MODES:
+        raise ConfigError(f"config key 'experiment.name' = {declared!r} is invalid: expected one of {MODES}")
+    if declared != mode:
+        raise ConfigError(
+            f"experiment '{declared}' does not match the other keys, which describe a '{mode}' run "
+            f"(clients.total={total}, experiment.local_client_id={local_id})"
+        )
+    algorithm = _typed(raw, "algorithm", str, lambda v: v in ALGORITHMS, f"one of {ALGORITHMS}")
+    trainer = dict(_get(raw, "trainer"))
+    backend = _typed(raw, "trainer.backend", str)
+    if backend not in TRAINER_BACKENDS:
+        raise ConfigError(
+            f"config key 'trainer.backend' = {backend!r}: available backends are {TRAINER_BACKENDS}"
+        )
+    if algorithm == "ppo" and backend == "reference":
+        raise ConfigError("config key 'algorithm' = 'ppo' needs the verl backend; the reference trainer is GRPO only")
+    for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
+        if name in trainer:
+            trainer[name] = _typed(raw, f"trainer.{name}", kind, check, expect)
+    proximal_mu = _typed(raw, "strategy.proximal_mu", float, lambda v: v >= 0, ">= 0")
+    weights = _get(raw, "strategy.weights")
+    if not isinstance(weights, list) or any(
+        isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 for w in weights
+    ):
+        raise ConfigError(f"config key 'strategy.weights' must be a list of positive numbers, got {weights!r}")
+    if weights and len(weights) != total:
+        raise ConfigError(
+            f"config key 'strategy.weights' has {len(weights)} entries but clients.total is {total}"
+        )
+    partition = dict(_get(raw, "partition"))
+    _typed(raw, "partition.strategy", str, lambda v: v in ("none", "uniform"), "'none' or 'uniform'")
+    _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
+    specs = {}
+    for split in ("train", "val"):
+        try:
+            specs[split] = load_env_spec(_get(raw, f"env.{split}")).to_dict()
+        except ValueError as exc:
+            raise ConfigError(f"config key 'env.{split}': {exc}") from None
+    kwargs = _get(raw, "strategy.kwargs")
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
+    return RunSettings(
+        config_name=config_name,
+        run_name=_typed(raw, "run_name", str),
+        output_dir=_typed(raw, "output_dir", str, lambda v: bool(v.strip()), "a non-empty path"),
+        num_rounds=_typed(raw, "num_rounds", int, lambda v: v >= 1, ">= 1"),
+        seed=_typed(raw, "seed", int),
+        model_path=_typed(raw, "model.path", str),
+        critic_path=_typed(raw, "model.critic_path", str),
+        total_clients=total,
+        clients_per_round=min(per_round, total),
+        mode=mode,
+        local_client_id=local_id,
+        algorithm=algorithm,
+        local_steps=_typed(raw, "train.local_steps", int, lambda v: v >= 1, ">= 1"),
+        epochs=_typed(raw, "train.epochs", int, lambda v: v >= 1, ">= 1"),
+        env_name=_typed(raw, "env.name", str),
+        train_env_spec=specs["train"],
+        val_env_spec=specs["val"],
+        trainer=trainer,
+        strategy_name=_typed(raw, "strategy.name", str),
+        strategy_class=_typed(raw, "strategy.class_path", str, lambda v: "." in v,
+                              "a dotted path such as mypkg.module.MyStrategy"),
+        proximal_mu=proximal_mu,
+        fixed_weights=tuple(float(w) for w in weights),
+        strategy_kwargs=dict(kwargs),
+        partition=partition,
+        eval_enabled=_typed(raw, "eval.enabled", bool),
+        eval_before_train=_typed(raw, "eval.before_train", bool),
+        eval_num_episodes=_typed(raw, "eval.num_episodes", int, lambda v: v >= 0, ">= 0"),
+        eval_seed=_typed(raw, "eval.seed", int),
+        round_timeout=_typed(raw, "round_timeout", float, lambda v: v > 0, "> 0"),
+        raw=raw,
+    )
+
+
+def load_settings(config_name: str = "config", overrides: str | Sequence[str] = "") -> RunSettings:
+    """Compose and validate in one call (what the ServerApp does at start)."""
+    return validate(compose_config(config_name, overrides), config_name)

@@ -1,0 +1,32 @@
+"""Every seeded choice of a run, in one place, so runs are reproducible and match FedAgent.
+
+FedAgent's rules (reference/fedagent.md §1.2-1.3): round r samples
+``sorted(random.Random(base_seed + r - 1).sample(range(N), M))`` (all clients when M >= N, the
+pinned client in local mode), and client c trains round r with data seed
+``base_seed + 100 * r + c``.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def select_clients(
+    server_round: int, total: int, per_round: int, base_seed: int, local_client_id: int = -1
+) -> list[int]:
+    """Client (partition) ids trained in ``server_round`` (1-based)."""
+    if local_client_id >= 0:
+        return [local_client_id]
+    if per_round >= total:
+        return list(range(total))
+    return sorted(random.Random(base_seed + server_round - 1).sample(range(total), per_round))
+
+
+def data_seed(base_seed: int, server_round: int, client_id: int) -> int:
+    """Seed of client ``client_id``'s environments and sampling in ``server_round``."""
+    return base_seed + 100 * server_round + client_id
+
+
+def validation_seeds(eval_seed: int, num_episodes: int) -> list[int]:
+    """Episode seeds of the validation set: fixed across rounds so curves are comparable."""
+    return [eval_seed * 100000 + i for i in range(num_episodes)]

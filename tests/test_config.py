@@ -1,0 +1,72 @@
+"""Run configuration: Hydra composition from the Flower run config, strict validation, modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.seeding import data_seed, select_clients
+
+
+def test_defaults_describe_the_two_client_federated_job() -> None:
+    settings = load_settings()
+    assert (settings.mode, settings.total_clients, settings.clients_per_round, settings.num_rounds) == (
+        "federated", 2, 2, 2)
+    assert settings.strategy_class.endswith("FedAvgFSDP")
+    assert settings.train_env_spec["envs"][0]["name"] == "TinyGuess"
+    assert settings.trainer_backend == "reference"
+
+
+def test_modes_come_from_config_alone() -> None:
+    assert load_settings(overrides="experiment=centralized").mode == "centralized"
+    local = load_settings(overrides="experiment=local clients.total=4 experiment.local_client_id=3")
+    assert (local.mode, local.local_client_id, local.total_clients) == ("local", 3, 4)
+    prox = load_settings(overrides="strategy=fedprox strategy.proximal_mu=0.5")
+    assert prox.strategy_class.endswith("FedProxFSDP") and prox.proximal_mu == 0.5
+
+
+def test_per_round_larger_than_total_means_all_clients() -> None:
+    assert load_settings(overrides="clients.per_round=5").clients_per_round == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("foo=1", "unknown config key 'foo'"),
+        ("model.pathh=x", "unknown config key 'model.pathh'"),
+        ("num_rounds=abc", "config key 'num_rounds' must be int"),
+        ("num_rounds=0", "config key 'num_rounds' = 0 is invalid"),
+        ("clients.per_round=0", "config key 'clients.per_round'"),
+        ("trainer.lr=-1", "config key 'trainer.lr'"),
+        ("trainer.top_p=2", "config key 'trainer.top_p'"),
+        ("strategy=nope", "config group 'strategy' has no option 'nope' (available: fedavg fedprox)"),
+        ("strategy.weights=[1,0]", "config key 'strategy.weights'"),
+        ("strategy.weights=[1,2,3]", "has 3 entries but clients.total is 2"),
+        ("strategy.proximal_mu=-0.1", "config key 'strategy.proximal_mu'"),
+        ("experiment.local_client_id=5", "config key 'experiment.local_client_id'"),
+        ("experiment=centralized clients.total=2", "experiment 'centralized' does not match"),
+        ("algorithm=ppo", "needs the verl backend"),
+        ("algorithm=dqn", "config key 'algorithm'"),
+        ("partition.strategy=random", "config key 'partition.strategy'"),
+        ("env.train.envs.0.n_envs=0", "config key 'env.train'"),
+        ("env.train.envs.0.name=Nope", "config key 'env.train'"),
+        ("num_rounds", "is not of the form key=value"),
+        ("overrides='unbalanced", "cannot be parsed"),
+    ],
+)
+def test_bad_config_names_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(overrides=override)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_client_selection_follows_fedagent_rule() -> None:
+    import random
+
+    for r in (1, 2, 7):
+        expected = sorted(random.Random(42 + r - 1).sample(range(10), 3))
+        assert select_clients(r, 10, 3, 42) == expected
+    assert select_clients(3, 4, 4, 42) == [0, 1, 2, 3]
+    assert select_clients(3, 4, 2, 42, local_client_id=1) == [1]
+    assert data_seed(42, 2, 3) == 42 + 200 + 3
