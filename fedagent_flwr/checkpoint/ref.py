@@ -18,10 +18,11 @@ CheckpointFormat = Literal["fsdp-shards", "hf-safetensors"]
 KINDS: tuple[str, ...] = ("actor", "critic")
 FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
 
-# Files that carry weights; the hash covers these plus the small JSON configs so that a swapped
-# config (another architecture) is caught as well. Tokenizer files and logs are left out: they
-# do not change the tensors that get averaged.
-_HASHED_SUFFIXES = (".pt", ".safetensors", ".json")
+# Files that carry the model weights, plus the small JSON configs so that a swapped config
+# (another architecture) is caught as well. verl's optimizer and extra-state shards
+# (optim_*.pt, extra_state_*.pt; about twice the model) are left out: they are never averaged,
+# and hashing them would triple the bytes the server reads. Tokenizer files and logs likewise.
+_HASHED_SUFFIXES = (".safetensors", ".json")
 _HASH_BLOCK = 8 * 1024 * 1024
 
 
@@ -117,7 +118,10 @@ def hashed_files(directory: str | os.PathLike[str]) -> list[Path]:
     """The files covered by the content hash, in a stable order (top level only)."""
     root = Path(directory)
     return sorted(
-        p for p in root.iterdir() if p.is_file() and p.name.endswith(_HASHED_SUFFIXES)
+        p
+        for p in root.iterdir()
+        if p.is_file()
+        and (p.name.endswith(_HASHED_SUFFIXES) or (p.name.startswith("model_") and p.name.endswith(".pt")))
     )
 
 

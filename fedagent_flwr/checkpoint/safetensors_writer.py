@@ -1,0 +1,178 @@
+"""Write a ``.safetensors`` file one tensor at a time.
+
+``safetensors.torch.save_file`` wants the whole state dict in memory; an aggregated model is
+produced key by key, so this writer takes the list of (key, shape[, dtype]) up front, writes the
+header (which fixes every tensor's byte range) and then accepts the tensors in that order. Memory
+is one tensor. The file is written under a temporary name, fsynced and renamed, so a reader never
+sees a partial file under the final name.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length, a JSON
+header ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded
+with spaces to a multiple of 8, then the raw little-endian tensor bytes back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import torch
+
+from fedagent_flwr.checkpoint.ref import CheckpointError
+
+__all__ = ["SAFETENSORS_DTYPE_NAMES", "SafetensorsStreamWriter", "fsync_dir"]
+
+SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+TensorSpec = tuple[str, Sequence[int]] | tuple[str, Sequence[int], torch.dtype]
+
+
+class SafetensorsStreamWriter:
+    """Streams tensors into a safetensors file whose header is written first.
+
+    Usage::
+
+        with SafetensorsStreamWriter(path, [("a", (2, 3)), ("b", (4,))]) as writer:
+            writer.write("a", tensor_a)
+            writer.write("b", tensor_b)
+        # the file appears at ``path`` only if every tensor was written and no error occurred
+
+    Entries default to fp32; a third item gives another dtype (e.g. an integer buffer).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: Sequence[TensorSpec],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        if sys.byteorder != "little":  # safetensors is little-endian; tensors are written raw
+            raise CheckpointError("the streaming safetensors writer needs a little-endian host")
+        self.path = Path(path)
+        self._tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        self._order: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        for entry in entries:
+            key, shape = entry[0], tuple(int(s) for s in entry[1])
+            dtype = entry[2] if len(entry) > 2 else torch.float32  # type: ignore[misc]
+            if key in header:
+                raise CheckpointError(f"duplicate tensor name '{key}' for {self.path}")
+            if dtype not in SAFETENSORS_DTYPE_NAMES:
+                raise CheckpointError(f"dtype {dtype} of '{key}' cannot be written to safetensors")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[key] = {
+                "dtype": SAFETENSORS_DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._order.append((key, shape, dtype, nbytes))
+            offset += nbytes
+        self.data_bytes = offset
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+        self._next = 0
+        self._file: BinaryIO | None = open(self._tmp, "wb")
+        try:
+            self._file.write(struct.pack("<Q", len(encoded)))
+            self._file.write(encoded)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor; it must be the next key in order, with its shape and dtype."""
+        if self._file is None:
+            raise CheckpointError(f"writer for {self.path} is closed")
+        if self._next >= len(self._order):
+            raise CheckpointError(f"'{key}' is one tensor too many for {self.path}")
+        want_key, shape, dtype, nbytes = self._order[self._next]
+        if key != want_key:
+            raise CheckpointError(f"expected tensor '{want_key}' next in {self.path}, got '{key}'")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(
+                f"'{key}' has shape {tuple(tensor.shape)} / {tensor.dtype}, the header promises "
+                f"{shape} / {dtype}"
+            )
+        data = tensor.detach().to("cpu").contiguous()
+        if nbytes:
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            self._file.write(view)
+        self._next += 1
+
+    def close(self) -> Path:
+        """Check every tensor was written, flush to disk and move the file into place."""
+        if self._file is None:
+            raise CheckpointError(f"writer for {self.path} is already closed")
+        if self._next != len(self._order):
+            missing = self._order[self._next][0]
+            self.abort()
+            raise CheckpointError(
+                f"{self.path}: only {self._next} of {len(self._order)} tensors written "
+                f"(next was '{missing}')"
+            )
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsStreamWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._file is not None:
+            self.close()
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory so that renames inside it survive a crash (best effort)."""
+    # Some filesystems (and non-POSIX hosts) refuse to open or fsync a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,390 @@
+"""One verl/FSDP rank file (``model_world_size_W_rank_R.pt``): its structure and its bytes.
+
+A rank file is a ``torch.save`` zip of a state dict whose values are DTensors (FSDP2, and FSDP1
+as verl configures it), plain tensors (world size 1, replicated buffers) or, in older FSDP1
+set-ups, ``ShardedTensor``s. The aggregation must read many such files without holding a model
+in memory, so a rank file is opened in two steps:
+
+1. the pickle is loaded with ``map_location="meta"`` and ``weights_only=True``: this yields the
+   full structure (global shapes, placements, mesh coordinates, shard offsets) and, per storage,
+   its byte offset inside the zip, while reading no tensor data;
+2. the bytes of one local block are read on demand with plain positioned reads into freshly
+   allocated memory, which is freed once the caller is done with it.
+
+Reading with ``read()`` rather than through an ``mmap`` keeps the resident set bounded: touched
+pages of a file mapping count towards RSS until the mapping goes away, so streaming a 2 GB set of
+shards through ``mmap`` shows up as a 2 GB process. It also turns a file truncated after opening
+into a clean error instead of a SIGBUS. If a torch version stops exposing the storage offsets the
+file falls back to ``torch.load(mmap=True)`` (same results, higher RSS).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+# DTensor classes must be imported for torch.load(weights_only=True) to accept DTensors.
+import torch.distributed.tensor  # noqa: F401
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fedagent_flwr.checkpoint.ref import CheckpointError
+
+IoMode = Literal["auto", "pread", "mmap"]
+PieceKind = Literal["plain", "dtensor", "sharded"]
+
+_READ_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of a global tensor stored in one rank file, and where it sits in the full tensor."""
+
+    offsets: tuple[int, ...]  # start index of the block along every dimension of the global tensor
+    shape: tuple[int, ...]
+    tensor: torch.Tensor  # meta (pread mode) or memory-mapped (mmap mode) view of the stored block
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What one rank file stores for one state-dict key.
+
+    ``kind`` says how the rank's data relates to the global tensor:
+    ``plain`` - the whole tensor (world size 1 or replicated);
+    ``dtensor`` - one block of a DTensor; ``placements`` has one item per mesh dimension, either
+    ``("shard", tensor_dim)`` or ``("replicate", -1)``; ``coordinate`` is the saving rank's position
+    in the mesh; the block's offsets are only known once all ranks are seen;
+    ``sharded`` - a ShardedTensor, whose local shards carry their own offsets.
+    """
+
+    key: str
+    kind: PieceKind
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+    placements: tuple[tuple[str, int], ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    coordinate: tuple[int, ...] = ()
+
+
+class ShardFile:
+    """Structure and lazy block reads of one ``model_world_size_W_rank_R.pt`` file."""
+
+    def __init__(self, path: str | os.PathLike[str], io: IoMode = "auto") -> None:
+        self.path = Path(path)
+        self.bytes_read = 0
+        self._size = self.path.stat().st_size
+        self._check_zip()
+        state = _load_state(self.path, map_location="meta")
+        self.entries: dict[str, Entry] = {}
+        self.skipped: list[str] = []  # non-tensor values (e.g. ``_extra_state``); never averaged
+        for key, value in state.items():
+            entry = _parse_entry(self.path, key, value)
+            if entry is None:
+                self.skipped.append(key)
+            else:
+                self.entries[key] = entry
+        has_offsets = all(
+            getattr(p.tensor.untyped_storage(), "_checkpoint_offset", None) is not None
+            for e in self.entries.values()
+            for p in e.pieces
+        )
+        if io == "pread" and not has_offsets:
+            raise CheckpointError(
+                f"{self.path}: this torch version does not expose storage offsets; use io='mmap'"
+            )
+        self.io: Literal["pread", "mmap"] = "pread" if io in ("auto", "pread") and has_offsets else "mmap"
+        self._handle: Any = open(self.path, "rb") if self.io == "pread" else None
+        self._mmapped: dict[str, Entry] | None = None
+
+    # -- reading --------------------------------------------------------------------------------
+    def read_piece(self, key: str, index: int) -> torch.Tensor:
+        """Return block ``index`` of ``key`` as a new CPU tensor in its stored dtype."""
+        piece = self.entries[key].pieces[index]
+        if self.io == "mmap":
+            data = self._mmap_piece(key, index).clone(memory_format=torch.contiguous_format)
+            self.bytes_read += data.numel() * data.element_size()
+            return data
+        meta = piece.tensor
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+        if meta.numel() == 0:
+            return out
+        if meta.is_contiguous():
+            self._pread_into(meta, out)
+            return out
+        # A non-contiguous view: read the span of storage it covers, then gather through strides.
+        span = 1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride()))
+        flat = torch.empty(span, dtype=meta.dtype)
+        self._pread_into(meta, flat, span_elements=span)
+        base = flat.as_strided(meta.shape, meta.stride(), 0)
+        out.copy_(base)
+        return out
+
+    def read_piece_into(self, key: str, index: int, out: torch.Tensor) -> None:
+        """Write block ``index`` of ``key`` into ``out`` (same shape; dtype converted if needed).
+
+        When the stored block is contiguous, has ``out``'s dtype and ``out`` is contiguous, the
+        bytes go straight from the file into ``out``: no intermediate copy.
+        """
+        piece = self.entries[key].pieces[index]
+        if tuple(out.shape) != piece.shape:
+            raise CheckpointError(
+                f"{self.path}: block of '{key}' has shape {piece.shape}, expected {tuple(out.shape)}"
+            )
+        meta = piece.tensor
+        if self.io == "mmap":
+            source = self._mmap_piece(key, index)
+            out.copy_(source)
+            self.bytes_read += source.numel() * source.element_size()
+            return
+        if (
+            meta.numel() > 0
+            and meta.is_contiguous()
+            and meta.dtype == out.dtype
+            and out.is_contiguous()
+        ):
+            self._pread_into(meta, out)
+            return
+        out.copy_(self.read_piece(key, index))
+
+    def _pread_into(
+        self, meta: torch.Tensor, out: torch.Tensor, span_elements: int | None = None
+    ) -> None:
+        storage = meta.untyped_storage()
+        itemsize = meta.element_size()
+        count = meta.numel() if span_elements is None else span_elements
+        nbytes = count * itemsize
+        first = meta.storage_offset() * itemsize
+        if first + nbytes > storage.nbytes():
+            raise CheckpointError(f"{self.path}: a tensor view runs past the end of its storage")
+        start = storage._checkpoint_offset + first  # type: ignore[attr-defined]
+        if start + nbytes > self._size:
+            raise CheckpointError(
+                f"{self.path} is truncated: a tensor needs bytes up to {start + nbytes}, "
+                f"the file has {self._size}"
+            )
+        target = memoryview(out.view(-1).view(torch.uint8).numpy())
+        if len(target) < nbytes:  # defensive: the caller sized ``out`` from ``meta``
+            raise CheckpointError(f"{self.path}: destination too small for a tensor block")
+        handle = self._handle
+        handle.seek(start)
+        done = 0
+        while done < nbytes:
+            got = handle.readinto(target[done : min(nbytes, done + _READ_CHUNK)])
+            if not got:
+                raise CheckpointError(f"{self.path} is truncated (short read at byte {start + done})")
+            done += got
+        self.bytes_read += nbytes
+
+    def _mmap_piece(self, key: str, index: int) -> torch.Tensor:
+        if self._mmapped is None:
+            state = _load_state(self.path, map_location="cpu", mmap=True)
+            self._mmapped = {}
+            for k, v in state.items():
+                entry = _parse_entry(self.path, k, v)
+                if entry is not None:
+                    self._mmapped[k] = entry
+        return self._mmapped[key].pieces[index].tensor
+
+    def close(self) -> None:
+        """Release the file handle and any memory mapping."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._mmapped = None
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_zip(self) -> None:
+        # torch.load reports a truncated or foreign file with a raw zip/pickle error; check the
+        # container first so the message names the file and says what is wrong with it.
+        try:
+            with zipfile.ZipFile(self.path) as archive:
+                infos = archive.infolist()
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CheckpointError(
+                f"{self.path} is not a readable torch checkpoint (truncated or corrupt: {exc})"
+            ) from None
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{self.path}: record {info.filename} is compressed")
+            if info.filename.endswith("/byteorder") or info.filename == "byteorder":
+                with zipfile.ZipFile(self.path) as archive:
+                    order = archive.read(info).decode(errors="replace")
+                if order != "little":
+                    raise CheckpointError(f"{self.path}: byte order '{order}' is not supported")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and parsing
+
+
+def _load_state(path: Path, map_location: str, mmap: bool = False) -> dict[str, Any]:
+    try:
+        with _quiet_device_mesh(), torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
+            state = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # pickle, zip, runtime errors from a damaged or foreign file
+        raise CheckpointError(f"{path} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a state dict (found {type(state).__name__})")
+    return state
+
+
+@contextmanager
+def _quiet_device_mesh() -> Iterator[None]:
+    # Unpickling a DeviceMesh without process groups logs a torch.compile warning per tensor;
+    # it is harmless here (nothing is compiled) and would flood the server log.
+    logger = logging.getLogger("torch.distributed.device_mesh")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _parse_entry(path: Path, key: str, value: Any) -> Entry | None:
+    if isinstance(value, DTensor):
+        return _parse_dtensor(path, key, value)
+    if isinstance(value, _ShardedTensorStub):
+        return _parse_sharded(path, key, value)
+    if isinstance(value, torch.Tensor):
+        shape = tuple(value.shape)
+        return Entry(key, "plain", shape, value.dtype, (Piece((0,) * len(shape), shape, value),))
+    return None
+
+
+def _parse_dtensor(path: Path, key: str, value: DTensor) -> Entry:
+    local = value._local_tensor
+    mesh = value.device_mesh
+    placements: list[tuple[str, int]] = []
+    for placement in value.placements:
+        # Exact type checks: _StridedShard subclasses Shard but interleaves, which a plain
+        # concatenation would silently get wrong.
+        if type(placement) is Shard:
+            placements.append(("shard", placement.dim % max(1, value.ndim)))
+        elif type(placement) is Replicate:
+            placements.append(("replicate", -1))
+        else:
+            raise CheckpointError(
+                f"{path}: '{key}' has placement {placement!r}; only Shard and Replicate are supported"
+            )
+    # The mesh pickles the saving rank's coordinate; get_coordinate() returns it without any
+    # process group, which is what locates this block among the ranks.
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise CheckpointError(f"{path}: '{key}' was saved by a rank outside its device mesh")
+    return Entry(
+        key=key,
+        kind="dtensor",
+        global_shape=tuple(value.shape),
+        dtype=local.dtype,
+        pieces=(Piece((0,) * local.ndim, tuple(local.shape), local),),
+        placements=tuple(placements),
+        mesh_shape=tuple(mesh.shape),
+        coordinate=tuple(int(c) for c in coordinate),
+    )
+
+
+def _parse_sharded(path: Path, key: str, value: _ShardedTensorStub) -> Entry:
+    try:
+        local_shards, metadata = value.st_state[0], value.st_state[1]
+        global_shape = tuple(int(s) for s in metadata.size)
+        pieces = []
+        for shard in local_shards:
+            offsets = tuple(int(o) for o in shard.metadata.shard_offsets)
+            sizes = tuple(int(s) for s in shard.metadata.shard_sizes)
+            if tuple(shard.tensor.shape) != sizes:
+                raise CheckpointError(
+                    f"{path}: a shard of '{key}' has shape {tuple(shard.tensor.shape)}, "
+                    f"its metadata says {sizes}"
+                )
+            pieces.append(Piece(offsets, sizes, shard.tensor))
+    except (AttributeError, IndexError, TypeError) as exc:
+        raise CheckpointError(f"{path}: ShardedTensor '{key}' has an unexpected layout ({exc})") from None
+    dtype = pieces[0].tensor.dtype if pieces else torch.float32
+    return Entry(key, "sharded", global_shape, dtype, tuple(pieces))
+
+
+# ---------------------------------------------------------------------------------------------
+# ShardedTensor without a process group
+#
+# ShardedTensor.__setstate__ insists on an initialised process group with the saving rank's
+# rank and world size, which a server never has. The weights-only unpickler lets a pickled name
+# be mapped to another class, so the ShardedTensor machinery is mapped to inert records that
+# just keep their state. Nothing else becomes loadable: only these names are added.
+
+
+class _Record:
+    """Keeps whatever state the pickle gives it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
+            state = state[1]  # (dict state, slot state) with no dict part
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
+
+
+class _ProcessGroupState(_Record):
+    pass
+
+
+class _ShardedTensorStub(torch.Tensor):
+    """Stands in for ShardedTensor; ``st_state`` = (local_shards, metadata, pg, spec, rrefs)."""
+
+    ProcessGroupState = _ProcessGroupState
+    st_state: tuple[Any, ...] = ()
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise CheckpointError("a ShardedTensor placeholder cannot be used as a tensor")
+
+    def __setstate__(self, state: Any) -> None:
+        self.st_state = tuple(state)
+
+
+def _restricted_getattr(obj: Any, name: str) -> Any:
+    # ShardedTensor pickles its nested ProcessGroupState class as getattr(ShardedTensor, ...);
+    # that is the only attribute lookup a rank file may perform.
+    if obj is _ShardedTensorStub and name == "ProcessGroupState":
+        return _ProcessGroupState
+    raise CheckpointError(f"rank file asks for attribute {name!r} of {obj!r}")
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _record_type(name: str) -> type:
+    return type(name, (_Record,), {})
+
+
+_ST = "torch.distributed._shard."
+_SHARDED_TENSOR_GLOBALS: list[Any] = [
+    (_ShardedTensorStub, _ST + "sharded_tensor.api.ShardedTensor"),
+    (_ProcessGroupState, _ST + "sharded_tensor.api.ShardedTensor.ProcessGroupState"),
+    (_record_type("Shard"), _ST + "sharded_tensor.shard.Shard"),
+    (_record_type("ShardMetadata"), _ST + "metadata.ShardMetadata"),
+    (_record_type("ShardedTensorMetadata"), _ST + "sharded_tensor.metadata.ShardedTensorMetadata"),
+    (_record_type("TensorProperties"), _ST + "sharded_tensor.metadata.TensorProperties"),
+    (_identity, _ST + "sharded_tensor.metadata.MEM_FORMAT_ENCODING"),
+    (_record_type("ChunkShardingSpec"), _ST + "sharding_spec.chunk_sharding_spec.ChunkShardingSpec"),
+    (_record_type("EnumerableShardingSpec"), _ST + "sharding_spec.api.EnumerableShardingSpec"),
+    (_record_type("RemoteDevice"), "torch.distributed.remote_device._remote_device"),
+    (_restricted_getattr, "builtins.getattr"),
+    (_restricted_getattr, "__builtin__.getattr"),
+]
