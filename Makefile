@@ -1,0 +1,39 @@
+# Quickstart targets. `make run` runs the default federated job (2 clients x 2 rounds, TinyGuess,
+# SmolLM2-135M-Instruct, CPU reference trainer) in Flower's simulation; `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch. On a GPU node install the CUDA build first (see README) and use
+# `make install TORCH_SPEC=`.
+TORCH_SPEC ?= torch==2.13.0
+FLWR_HOME ?= $(CURDIR)/.flwr
+ARGS ?=
+
+export FLWR_HOME
+export FLWR_TELEMETRY_ENABLED = 0
+export FLWR_DISABLE_UPDATE_CHECK = 1
+# Flower would otherwise `uv sync` the app's dependencies (torch included) for every run.
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION = 1
+# Our own local SuperLink ports, so an existing Flower setup on the machine is left alone.
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT ?= 39191
+export FLWR_LOCAL_CONTROL_API_PORT ?= 39193
+
+.PHONY: install run test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"; fi
+	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
+	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(FLWR_HOME)

@@ -1,0 +1,138 @@
+"""ClientApp: one federated client = one partition of the environment, trained by a subprocess.
+
+Train: read the global model's reference and the knobs from the instruction, write a TrainJob,
+run the trainer backend, reply with the checkpoint's reference and one MetricRecord.
+Evaluate: play validation episodes of the global model on the unperturbed validation setting.
+Query ``partition``: report which partition this node serves (the server maps clients to nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.clientapp import job as jobs
+from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
+
+app = ClientApp()
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """(partition-id, num-partitions) of this node from its node config."""
+    config = context.node_config
+    if "partition-id" not in config or "num-partitions" not in config:
+        raise ValueError(
+            "this SuperNode has no partition: start it with "
+            "--node-config 'partition-id=<i> num-partitions=<N>'"
+        )
+    return int(config["partition-id"]), int(config["num-partitions"])
+
+
+@app.query("partition")
+def report_partition(msg: Message, context: Context) -> Message:
+    """Tell the server which client partition this node trains."""
+    partition, count = node_partition(context)
+    return Message(RecordDict({"config": ConfigRecord({"partition-id": partition, "num-partitions": count})}), reply_to=msg)
+
+
+def _global_model(config: ConfigRecord, prefix: str = "global") -> CheckpointRef:
+    ref = CheckpointRef.from_config(config, prefix)
+    if not Path(ref.path).is_dir():
+        raise CheckpointError(f"global model {ref.path} is not a directory on this node")
+    return ref
+
+
+def _json_field(config: ConfigRecord, key: str) -> Any:
+    try:
+        return json.loads(str(config[key]))
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"instruction field '{key}' is missing or not JSON: {exc}") from None
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train this client's partition for one round and reply with checkpoint references."""
+    config = msg.content["config"]
+    client = int(config["client-id"])
+    server_round = int(config["server-round"])
+    partition, _ = node_partition(context)
+    if partition != client:
+        raise ValueError(f"instruction for client {client} reached the node of partition {partition}")
+    start_model = _global_model(config)
+    out_dir = Path(str(config["run-root"])) / f"round_{server_round}" / f"client_{client}"
+    trainer = _json_field(config, "trainer-json")
+    job = jobs.TrainJob(
+        model_path=start_model.path,
+        output_dir=str(out_dir),
+        env_spec=_json_field(config, "env-spec-json"),
+        round=server_round,
+        client_id=client,
+        num_clients=int(config["num-clients"]),
+        data_seed=int(config["data-seed"]),
+        algorithm=str(config.get("algorithm", "grpo")),
+        local_steps=int(config.get("local-steps", 1)),
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        partition=_json_field(config, "partition-json"),
+        trainer=trainer,
+    )
+    job_path = out_dir / "train_job.json"
+    jobs.save(job, job_path)
+    label = f"client {client} round {server_round}"
+    started = time.monotonic()
+    run_trainer(str(trainer.get("backend", "reference")), "train", job_path, out_dir / "train.log",
+                label, float(trainer.get("timeout_s", 3600)))
+    try:
+        result = jobs.load(jobs.TrainResult, out_dir / "train_result.json")
+    except jobs.JobFileError as exc:
+        raise TrainerFailed(f"{label}: trainer finished without a usable result: {exc}") from None
+    actor = CheckpointRef.for_directory(result.actor_dir, "actor", result.actor_format)  # type: ignore[arg-type]
+    reply_config: dict[str, Any] = {"client-id": client, "train-dir": str(out_dir), **actor.to_config("actor")}
+    if result.critic_dir:
+        reply_config.update(CheckpointRef.for_directory(result.critic_dir, "critic").to_config("critic"))
+    metrics = {
+        "num-examples": int(result.num_episodes),
+        "reward-mean": float(result.metrics.get("reward_mean", 0.0)),
+        "success-rate": float(result.metrics.get("success_rate", 0.0)),
+        "train-seconds": round(time.monotonic() - started, 3),
+    }
+    return Message(RecordDict({"config": ConfigRecord(reply_config), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Play this node's share of the validation episodes with the global model."""
+    config = msg.content["config"]
+    client = int(config["client-id"])
+    server_round = int(config["server-round"])
+    model = _global_model(config)
+    out_dir = Path(str(config["run-root"])) / f"round_{server_round}" / "eval" / f"client_{client}"
+    trainer = _json_field(config, "trainer-json")
+    job = jobs.EvalJob(
+        model_path=model.path,
+        output_dir=str(out_dir),
+        env_spec=_json_field(config, "env-spec-json"),
+        round=server_round,
+        seeds=[int(s) for s in config["eval-seeds"]],  # type: ignore[union-attr]
+        trainer=trainer,
+    )
+    job_path = out_dir / "eval_job.json"
+    jobs.save(job, job_path)
+    label = f"client {client} eval round {server_round}"
+    run_trainer(str(trainer.get("backend", "reference")), "evaluate", job_path, out_dir / "eval.log",
+                label, float(trainer.get("timeout_s", 3600)))
+    try:
+        result = jobs.load(jobs.EvalResult, out_dir / "eval_result.json")
+    except jobs.JobFileError as exc:
+        raise TrainerFailed(f"{label}: evaluation finished without a usable result: {exc}") from None
+    metrics = {
+        "num-examples": int(result.num_episodes),
+        "success-rate": float(result.success_rate),
+        "reward-mean": float(result.reward_mean),
+    }
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -1,0 +1,81 @@
+"""Run a trainer backend as a subprocess and turn its failures into one readable error.
+
+The trainer runs in its own process (never inside Flower's Ray actor or ``flwr-clientapp``
+process) so that a crash, an out-of-memory kill or a CUDA fault costs one client-round, not the
+node. Its output is streamed line by line to the node's log, prefixed with the client, and kept in
+a log file beside the job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+BACKEND_MODULES = {"reference": "fedagent_flwr.clientapp.reference_trainer"}
+
+
+class TrainerFailed(RuntimeError):
+    """The trainer subprocess exited non-zero, timed out or wrote no result."""
+
+
+def trainer_environment() -> dict[str, str]:
+    """The subprocess environment: Flower's Ray variables removed so a trainer that starts its
+    own Ray (verl) never joins Flower's simulation cluster by accident."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    # Run the same copy of the package as this ClientApp (Flower imports it from the installed
+    # app bundle, which may differ from what site-packages holds).
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_trainer(
+    backend: str,
+    mode: str,
+    job_path: Path,
+    log_path: Path,
+    label: str,
+    timeout_s: float,
+) -> None:
+    """Run ``python -m <backend module> <mode> <job_path>``; raise TrainerFailed on failure.
+
+    ``label`` names the client in progress lines and errors (e.g. ``client 1 round 2``).
+    """
+    if backend not in BACKEND_MODULES:
+        raise TrainerFailed(f"{label}: unknown trainer backend {backend!r} (known: {sorted(BACKEND_MODULES)})")
+    command = [sys.executable, "-m", BACKEND_MODULES[backend], mode, str(job_path)]
+    tail: deque[str] = deque(maxlen=15)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=trainer_environment(), bufsize=1,
+        )
+        timer = threading.Timer(timeout_s, process.kill)
+        timer.start()
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                log_file.flush()
+                tail.append(line.rstrip())
+                print(f"[{label}] {line.rstrip()}", flush=True)
+            code = process.wait()
+        finally:
+            timer.cancel()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    elapsed = time.monotonic() - started
+    if elapsed >= timeout_s and code != 0:
+        raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
+    if code != 0:
+        last = " | ".join(line for line in tail if line)[-800:]
+        raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")

@@ -1,0 +1,175 @@
+"""ServerApp: compose the run config, build the strategy, run the rounds, write the summary."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from logging import ERROR, INFO
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app.exception import AppExitException
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore.exit import ExitCode
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.config import ConfigError, RunSettings, load_settings
+from fedagent_flwr.seeding import validation_seeds
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from fedagent_flwr.serverapp.strategy.fedavg_fsdp import payload_json
+
+app = ServerApp()
+
+
+class RunSetupError(AppExitException):
+    """The run cannot start (bad config, missing model, unusable output dir)."""
+
+    exit_code = ExitCode.SERVERAPP_STRATEGY_PRECONDITION_UNMET
+
+
+def run_directory(settings: RunSettings, run_id: int) -> Path:
+    """The run's absolute output directory; refuses to reuse one that already holds a run."""
+    name = settings.run_name or f"run-{run_id}"
+    if "/" in name or name in (".", ".."):
+        raise ConfigError(f"config key 'run_name' = {name!r} must be a plain directory name")
+    run_dir = (Path(settings.output_dir).expanduser() / name).resolve()
+    if (run_dir / "federated_summary.json").exists():
+        raise ConfigError(
+            f"output directory {run_dir} already holds a run; choose another run_name or output_dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def load_strategy_class(class_path: str) -> type[Strategy]:
+    """Import ``package.module.Class`` and check it is a Flower Strategy."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"config key 'strategy.class_path' = {class_path!r} cannot be imported: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ConfigError(f"config key 'strategy.class_path' = {class_path!r} is not a flwr Strategy subclass")
+    if not issubclass(cls, FedAvgFSDP):
+        raise ConfigError(
+            f"strategy {class_path!r} must subclass fedagent_flwr.serverapp.strategy.FedAvgFSDP: "
+            "clients exchange checkpoint references, which plain array strategies cannot aggregate"
+        )
+    return cls
+
+
+def build_strategy(
+    settings: RunSettings, run_dir: Path, initial_model: CheckpointRef, recorder: RunRecorder | None
+) -> FedAvgFSDP:
+    """Instantiate the configured strategy with the run's plan."""
+    cls = load_strategy_class(settings.strategy_class)
+    kwargs: dict[str, Any] = dict(
+        run_root=str(run_dir),
+        initial_model=initial_model,
+        num_clients=settings.total_clients,
+        clients_per_round=settings.clients_per_round,
+        base_seed=settings.seed,
+        local_client_id=settings.local_client_id,
+        num_rounds=settings.num_rounds,
+        fixed_weights=settings.fixed_weights,
+        train_payload={
+            "algorithm": settings.algorithm,
+            "local-steps": settings.local_steps,
+            "epochs": settings.epochs,
+            "trainer-json": payload_json(settings.trainer),
+            "env-spec-json": payload_json(settings.train_env_spec),
+            "partition-json": payload_json(settings.partition),
+        },
+        eval_payload={
+            "trainer-json": payload_json(settings.trainer),
+            "env-spec-json": payload_json(settings.val_env_spec),
+        },
+        eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
+        recorder=recorder,
+        **settings.strategy_kwargs,
+    )
+    if "proximal_mu" in inspect.signature(cls).parameters:
+        kwargs["proximal_mu"] = settings.proximal_mu
+    elif settings.proximal_mu > 0:
+        raise ConfigError(
+            f"config key 'strategy.proximal_mu' = {settings.proximal_mu} has no effect with "
+            f"{cls.__name__}; use strategy=fedprox (FedProxFSDP) or set it to 0"
+        )
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"strategy {settings.strategy_class!r} rejected its arguments: {exc}") from None
+
+
+def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef) -> dict[str, Any]:
+    """FedAgent's summary fields (reference/fedagent.md §1.7) plus ours."""
+    return {
+        "run_id": run_id,
+        "total_clients": settings.total_clients,
+        "clients_per_round": settings.clients_per_round,
+        "total_rounds": settings.num_rounds,
+        "epochs_per_round": settings.epochs,
+        "local_steps": settings.local_steps,
+        "env_kind": settings.env_name,
+        "mode": settings.mode,
+        "adv_estimator": "gae" if settings.algorithm == "ppo" else "grpo",
+        "local_client_id": settings.local_client_id if settings.mode == "local" else None,
+        "partition_strategy": settings.partition.get("strategy") or "none",
+        "strategy": settings.strategy_name,
+        "strategy_class": settings.strategy_class,
+        "proximal_mu": settings.proximal_mu,
+        "trainer_backend": settings.trainer_backend,
+        "base_seed": settings.seed,
+        "base_model": base_model.path,
+        "base_model_sha256": base_model.sha256,
+        "config": settings.raw,
+    }
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the federated job described by ``config-name`` + ``overrides`` of the run config."""
+    from fedagent_flwr.models.smollm2 import resolve_model_path
+
+    run_config = context.run_config
+    try:
+        settings = load_settings(str(run_config.get("config-name", "config")), str(run_config.get("overrides", "")))
+        run_dir = run_directory(settings, context.run_id)
+        log(INFO, "[fedagent] run directory: %s", run_dir)
+        base = CheckpointRef.for_directory(resolve_model_path(settings.model_path), "actor")
+    except (ConfigError, ValueError, OSError) as exc:
+        log(ERROR, "[fedagent] cannot start the run: %s", exc)
+        raise RunSetupError(str(exc)) from None
+
+    recorder = RunRecorder(run_dir, summary_header(settings, context.run_id, base))
+    try:
+        strategy = build_strategy(settings, run_dir, base, recorder)
+    except ConfigError as exc:
+        log(ERROR, "[fedagent] cannot start the run: %s", exc)
+        recorder.finish("failed", str(exc))
+        raise RunSetupError(str(exc)) from None
+    log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
+        settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
+        settings.env_name, settings.trainer_backend, type(strategy).__name__)
+    try:
+        if settings.eval_enabled and settings.eval_before_train:
+            strategy.evaluate_initial(grid, timeout=settings.round_timeout)
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(),
+            num_rounds=settings.num_rounds,
+            timeout=settings.round_timeout,
+            train_config=ConfigRecord(),
+            evaluate_config=ConfigRecord(),
+        )
+    except BaseException as exc:
+        recorder.finish("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    recorder.finish("completed")
+    log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
+    log(INFO, "[fedagent] summary: %s", recorder.summary_path)
+    log(INFO, "[fedagent] learning curve: %s", run_dir / "learning_curve.png")

@@ -1,0 +1,157 @@
+"""The run's written record: ``federated_summary.json``, ``metrics.jsonl`` and a learning curve.
+
+The summary follows FedAgent's schema (reference/fedagent.md §1.7) so existing analysis scripts
+read it, plus a few fields of ours (strategy, status, rejected clients, timings). Everything is
+rewritten atomically after every round and evaluation, so a crash leaves the last complete state.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.clientapp.job import write_json_atomic
+
+
+class RunRecorder:
+    """Collects provenance and curves of one run and writes them after every update."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], header: dict[str, Any]) -> None:
+        self.run_dir = Path(run_dir)
+        self.summary: dict[str, Any] = {
+            **header,
+            "status": "running",
+            "final_model": header.get("base_model"),
+            "val_curve": [],
+            "client_curve": [],
+            "rounds": [],
+        }
+        self.events: list[dict[str, Any]] = []
+        self._started = time.time()
+        self.write()
+
+    @property
+    def summary_path(self) -> Path:
+        return self.run_dir / "federated_summary.json"
+
+    def record_round(
+        self,
+        *,
+        server_round: int,
+        clients: list[int],
+        started_from: str,
+        client_actors: dict[int, str],
+        aggregated: str | None,
+        rejected: dict[int, str],
+        client_metrics: dict[int, dict[str, Any]],
+    ) -> None:
+        """Provenance of one round: started_from -> client checkpoints -> aggregated model."""
+        entry = {
+            "round": server_round,
+            "clients": clients,
+            "started_from": started_from,
+            "client_actors": [client_actors[c] for c in sorted(client_actors)],
+            "client_actor_ids": sorted(client_actors),
+            "aggregated_actor": aggregated,
+            "aggregated_hf": aggregated,
+            "rejected": {str(c): reason for c, reason in sorted(rejected.items())},
+        }
+        self.summary["rounds"].append(entry)
+        if aggregated is not None:
+            self.summary["final_model"] = aggregated
+        for client, metrics in sorted(client_metrics.items()):
+            point = {
+                "round": server_round,
+                "client": client,
+                "n": int(metrics.get("num-examples", 0)),
+                "success_rate": float(metrics.get("success-rate", 0.0)),
+                "reward_mean": float(metrics.get("reward-mean", 0.0)),
+            }
+            self.summary["client_curve"].append(point)
+            self.events.append({"event": "train", **point, "metrics": metrics})
+        self.events.append({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")}})
+        self.write()
+
+    def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any]) -> None:
+        """One point of the validation curve (round 0 is the base model)."""
+        point = {
+            "round": server_round,
+            "model": model,
+            "n": int(metrics.get("num-examples", 0)),
+            "success_rate": float(metrics.get("success-rate", 0.0)),
+            "reward_mean": float(metrics.get("reward-mean", 0.0)),
+        }
+        self.summary["val_curve"].append(point)
+        self.events.append({"event": "evaluate", **point})
+        self.write()
+
+    def finish(self, status: str = "completed", error: str = "") -> None:
+        """Mark the run finished (or failed, with the reason) and write everything once more."""
+        self.summary["status"] = status
+        if error:
+            self.summary["error"] = error
+        self.write()
+
+    def write(self) -> None:
+        """Rewrite summary, metrics and plot atomically."""
+        self.summary["wall_seconds"] = round(time.time() - self._started, 3)
+        write_json_atomic(self.summary_path, self.summary)
+        lines = "".join(_json_line(event) for event in self.events)
+        _write_text_atomic(self.run_dir / "metrics.jsonl", lines)
+        if self.summary["val_curve"] or self.summary["client_curve"]:
+            plot_learning_curve(self.summary, self.run_dir / "learning_curve.png")
+
+
+def _json_line(event: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(event, sort_keys=True) + "\n"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
+    """Validation success rate of the global model and the clients' training reward per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    val = summary["val_curve"]
+    if val:
+        left.plot([p["round"] for p in val], [p["success_rate"] for p in val], "o-", label="global model")
+    left.set_title("Validation success rate")
+    left.set_xlabel("round")
+    left.set_ylim(-0.02, 1.02)
+    left.grid(alpha=0.3)
+    for client in sorted({p["client"] for p in summary["client_curve"]}):
+        points = [p for p in summary["client_curve"] if p["client"] == client]
+        right.plot([p["round"] for p in points], [p["reward_mean"] for p in points], "o-", label=f"client {client}")
+    right.set_title("Training reward (mean per episode)")
+    right.set_xlabel("round")
+    right.grid(alpha=0.3)
+    if summary["client_curve"]:
+        right.legend(fontsize=8)
+    fig.suptitle(f"{summary.get('env_kind', '')} · {summary.get('mode', '')} · {summary.get('strategy', '')}")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,411 @@
+"""FedAvg over checkpoint references (FedAvgFSDP).
+
+Federated Averaging [McMahan et al., 2017, arxiv.org/abs/1602.05629] for models too large to
+travel as arrays: clients train verl/FSDP (or reference-trainer) checkpoints on disk and reply
+with typed :class:`CheckpointRef` s in a ``ConfigRecord``; this strategy resolves and checks
+them, averages the weights tensor by tensor in fp32 and sends the reference of the new global
+model back. No ``ArrayRecord`` ever carries weights.
+
+Compared with Flower's ``FedAvg`` it also
+- selects clients with FedAgent's seeded rule over partition ids (``seeding.select_clients``),
+  so runs are reproducible and comparable with FedAgent's;
+- refuses a bad client checkpoint (outside the run root, missing, corrupt, wrong hash, shapes
+  that differ from the global model) with a message naming the client, and aggregates the rest;
+- keeps the previous global model when no client checkpoint is usable.
+
+Subclasses change the rule by overriding :meth:`aggregation_weights` (weights per reply) or
+:meth:`aggregate_checkpoints` (the tensor computation).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedagent_flwr.checkpoint import (
+    AggregateReport,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointRef,
+    check_compatible,
+    open_checkpoint,
+    weighted_mean,
+)
+from fedagent_flwr.seeding import data_seed, select_clients
+from fedagent_flwr.serverapp.recorder import RunRecorder
+
+QUERY_PARTITION = "query.partition"
+
+
+class NoClientsError(RuntimeError):
+    """The federation does not serve the client partitions this run needs."""
+
+
+class FedAvgFSDP(FedAvg):
+    """Federated Averaging of checkpoint references.
+
+    Parameters
+    ----------
+    run_root : str
+        Absolute directory of this run; every client and global checkpoint lives under it.
+    initial_model : CheckpointRef
+        The global model of round 1 (an HF directory, possibly outside ``run_root``).
+    num_clients : int
+        N, the number of client partitions (``partition-id`` 0..N-1 in node configs).
+    clients_per_round : int
+        M, clients trained per round (all when M >= N).
+    base_seed : int
+        Seeds client selection (``base_seed + r - 1``) and data (``base_seed + 100 r + c``).
+    local_client_id : int
+        >= 0 pins one client (FedAgent's local baseline); -1 samples.
+    num_rounds : int
+        T, used to know which partitions must be online before round 1.
+    fixed_weights : Sequence[float]
+        Per-client-id aggregation weights; empty means weighting by ``num-examples``.
+    train_payload, eval_payload : dict
+        ConfigRecord values added to every train / evaluate instruction (trainer settings,
+        env specs as JSON strings).
+    eval_seeds : Sequence[int]
+        Validation episode seeds, split across the evaluating clients.
+    recorder : RunRecorder | None
+        Receives provenance and curves and writes the run summary after every step.
+    **kwargs
+        Passed to Flower's ``FedAvg`` (e.g. ``weighted_by_key``).
+    """
+
+    def __init__(
+        self,
+        *,
+        run_root: str,
+        initial_model: CheckpointRef,
+        num_clients: int,
+        clients_per_round: int,
+        base_seed: int = 42,
+        local_client_id: int = -1,
+        num_rounds: int = 1,
+        fixed_weights: Sequence[float] = (),
+        train_payload: dict[str, Any] | None = None,
+        eval_payload: dict[str, Any] | None = None,
+        eval_seeds: Sequence[int] = (),
+        recorder: RunRecorder | None = None,
+        discovery_timeout: float = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("min_available_nodes", 1)
+        kwargs.setdefault("min_train_nodes", 1)
+        kwargs.setdefault("min_evaluate_nodes", 1)
+        super().__init__(**kwargs)
+        self.run_root = str(Path(run_root).resolve())
+        self.global_model = initial_model
+        self.global_critic: CheckpointRef | None = None
+        self.num_clients = num_clients
+        self.clients_per_round = clients_per_round
+        self.base_seed = base_seed
+        self.local_client_id = local_client_id
+        self.num_rounds = num_rounds
+        self.fixed_weights = tuple(float(w) for w in fixed_weights)
+        self.train_payload = dict(train_payload or {})
+        self.eval_payload = dict(eval_payload or {})
+        self.eval_seeds = list(eval_seeds)
+        self.recorder = recorder
+        self.discovery_timeout = discovery_timeout
+        self._node_of_client: dict[int, int] = {}
+        self._started_from: dict[int, CheckpointRef] = {}
+
+    # ----------------------------------------------------------------------------- selection
+    def select_clients(self, server_round: int) -> list[int]:
+        """Client ids trained in ``server_round`` (FedAgent's seeded rule)."""
+        return select_clients(
+            server_round, self.num_clients, self.clients_per_round, self.base_seed,
+            self.local_client_id,
+        )
+
+    def required_clients(self) -> list[int]:
+        """Every client id this run will train: the union of all rounds' selections."""
+        needed: set[int] = set()
+        for server_round in range(1, self.num_rounds + 1):
+            needed.update(self.select_clients(server_round))
+        return sorted(needed)
+
+    def discover_clients(self, grid: Grid) -> dict[int, int]:
+        """Map client (partition) id -> node id by asking every connected node once.
+
+        Waits until the partitions this run needs are served, up to ``discovery_timeout``.
+        """
+        needed = set(self.required_clients())
+        deadline = time.monotonic() + self.discovery_timeout
+        asked: set[int] = set()
+        while True:
+            online = set(grid.get_node_ids())
+            # Forget nodes that left (deployment), ask nodes we have not asked yet.
+            self._node_of_client = {
+                c: n for c, n in self._node_of_client.items() if n in online
+            }
+            new_nodes = sorted(online - asked)
+            if new_nodes:
+                self._ask_partitions(grid, new_nodes)
+                asked.update(new_nodes)
+            missing = needed - set(self._node_of_client)
+            if not missing:
+                return dict(self._node_of_client)
+            if time.monotonic() > deadline:
+                raise NoClientsError(
+                    f"no SuperNode serves client partition(s) {sorted(missing)} of "
+                    f"{self.num_clients}: start one SuperNode per partition with "
+                    f"--node-config 'partition-id=<i> num-partitions={self.num_clients}', or in "
+                    f"simulation run with --federation-config 'num-supernodes={self.num_clients}'"
+                )
+            log(INFO, "Waiting for client partitions %s to connect", sorted(missing))
+            time.sleep(1.0)
+
+    def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
+        messages = [
+            Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type=QUERY_PARTITION)
+            for node in node_ids
+        ]
+        for reply in grid.send_and_receive(messages, timeout=self.discovery_timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "Node %d did not report its partition: %s", node, reply.error.reason)
+                continue
+            config = reply.content["config"]
+            partition, count = int(config["partition-id"]), int(config["num-partitions"])
+            if partition in self._node_of_client and self._node_of_client[partition] != node:
+                log(WARNING, "Partition %d is served by two nodes; using node %d", partition,
+                    self._node_of_client[partition])
+                continue
+            if count != self.num_clients and partition < self.num_clients:
+                log(WARNING, "Node %d reports num-partitions=%d but the run has %d clients; "
+                    "it trains partition %d of %d", node, count, self.num_clients, partition,
+                    self.num_clients)
+            self._node_of_client[partition] = node
+
+    # ----------------------------------------------------------------------------- train
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send each selected client the global model's reference, its seeds and the knobs."""
+        nodes = self.discover_clients(grid)
+        clients = self.select_clients(server_round)
+        log(INFO, "configure_train: round %d trains clients %s (out of %d)", server_round,
+            clients, self.num_clients)
+        self._started_from = {}
+        messages = []
+        for client in clients:
+            values: dict[str, Any] = dict(config)
+            values.update(self.train_payload)
+            values.update(self.global_model.to_config("global"))
+            if self.global_critic is not None:
+                values.update(self.global_critic.to_config("global-critic"))
+            values.update(
+                {
+                    "server-round": server_round,
+                    "client-id": client,
+                    "num-clients": self.num_clients,
+                    "data-seed": data_seed(self.base_seed, server_round, client),
+                    "run-root": self.run_root,
+                }
+            )
+            record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
+            messages.append(Message(record, dst_node_id=nodes[client], message_type=MessageType.TRAIN))
+            self._started_from[client] = self.global_model
+        return messages
+
+    def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
+        """One weight per accepted reply: fixed per client id if configured, else num-examples."""
+        weights = []
+        for reply in replies:
+            if self.fixed_weights:
+                weights.append(self.fixed_weights[int(reply.content[self.configrecord_key]["client-id"])])
+            else:
+                weights.append(float(_single_metrics(reply)[self.weighted_by_key]))
+        return weights
+
+    def aggregate_checkpoints(
+        self, server_round: int, sources: Sequence[tuple[CheckpointReader, float]], out_dir: Path,
+        reference: CheckpointReader,
+    ) -> AggregateReport:
+        """Write the new global checkpoint; the default is the weighted mean."""
+        return weighted_mean(sources, out_dir, reference=reference)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check the clients' checkpoint references and average the good ones."""
+        valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
+        rejected: dict[int, str] = {}
+        client_of_node = {node: client for client, node in self._node_of_client.items()}
+        for reply in errors:
+            client = client_of_node.get(reply.metadata.src_node_id, -1)
+            rejected[client] = str(reply.error.reason)
+            log(WARNING, "round %d: client %d failed: %s", server_round, client, reply.error.reason)
+        accepted: list[tuple[Message, int]] = []
+        for reply in valid:
+            try:
+                client = int(reply.content[self.configrecord_key]["client-id"])
+                _single_metrics(reply)
+            except (KeyError, TypeError, ValueError) as exc:
+                node = reply.metadata.src_node_id
+                log(WARNING, "round %d: reply of node %d is malformed (%s); skipped", server_round, node, exc)
+                rejected[client_of_node.get(node, -1)] = f"malformed reply: {exc}"
+                continue
+            accepted.append((reply, client))
+        metrics = None
+        if accepted:
+            metrics = self.train_metrics_aggr_fn([r.content for r, _ in accepted], self.weighted_by_key)
+        new_refs: dict[str, CheckpointRef] = {}
+        client_refs: dict[str, dict[int, str]] = {}
+        kinds = ("actor", "critic") if self.global_critic is not None else ("actor",)
+        for kind in kinds:
+            current = self.global_model if kind == "actor" else self.global_critic
+            assert current is not None
+            new_ref, used = self._aggregate_kind(server_round, kind, current, accepted, rejected)
+            client_refs[kind] = used
+            if new_ref is not None:
+                new_refs[kind] = new_ref
+        started = self.global_model
+        if "actor" in new_refs:
+            self.global_model = new_refs["actor"]
+            log(INFO, "round %d: new global model %s", server_round, self.global_model.path)
+        else:
+            log(WARNING, "round %d: no valid client checkpoint; keeping the previous global model %s",
+                server_round, self.global_model.path)
+        if "critic" in new_refs:
+            self.global_critic = new_refs["critic"]
+        if self.recorder is not None:
+            self.recorder.record_round(
+                server_round=server_round,
+                clients=sorted(self._started_from),
+                started_from=started.path,
+                client_actors=client_refs.get("actor", {}),
+                aggregated=self.global_model.path if "actor" in new_refs else None,
+                rejected=rejected,
+                client_metrics={c: dict(_single_metrics(r)) for r, c in accepted},
+            )
+        return None, metrics
+
+    def _aggregate_kind(
+        self,
+        server_round: int,
+        kind: str,
+        current: CheckpointRef,
+        accepted: list[tuple[Message, int]],
+        rejected: dict[int, str],
+    ) -> tuple[CheckpointRef | None, dict[int, str]]:
+        reference = open_checkpoint(current, check_hash=False)
+        readers: list[CheckpointReader] = []
+        used: list[Message] = []
+        paths: dict[int, str] = {}
+        try:
+            for reply, client in accepted:
+                if client in rejected:
+                    continue
+                try:
+                    ref = CheckpointRef.from_config(reply.content[self.configrecord_key], kind)
+                    if ref.kind != kind:
+                        raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
+                    reader = open_checkpoint(ref, root=self.run_root)
+                    try:
+                        check_compatible(reader, reference)
+                    except CheckpointError:
+                        reader.close()
+                        raise
+                except CheckpointError as exc:
+                    log(WARNING, "round %d: %s checkpoint of client %d refused: %s", server_round, kind, client, exc)
+                    rejected[client] = f"{kind}: {exc}"
+                    continue
+                readers.append(reader)
+                used.append(reply)
+                paths[client] = ref.path
+            if not readers:
+                return None, paths
+            weights = self.aggregation_weights(server_round, used)
+            out_dir = Path(self.run_root) / f"round_{server_round}" / ("global" if kind == "actor" else "global_critic")
+            report = self.aggregate_checkpoints(server_round, list(zip(readers, weights)), out_dir, reference)
+            log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
+                server_round, len(readers), kind, report.num_tensors,
+                [round(w, 4) for w in report.weights], report.seconds)
+            return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), paths  # type: ignore[arg-type]
+        finally:
+            for reader in readers:
+                reader.close()
+            reference.close()
+
+    # ----------------------------------------------------------------------------- evaluate
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Split the validation seeds across the available clients' nodes."""
+        if not self.eval_seeds or self.fraction_evaluate == 0.0:
+            return []
+        nodes = self.discover_clients(grid)
+        clients = sorted(nodes)[: max(1, min(len(nodes), len(self.eval_seeds)))]
+        messages = []
+        for index, client in enumerate(clients):
+            seeds = self.eval_seeds[index :: len(clients)]
+            values: dict[str, Any] = dict(config)
+            values.update(self.eval_payload)
+            values.update(self.global_model.to_config("global"))
+            values.update(
+                {
+                    "server-round": server_round,
+                    "client-id": client,
+                    "eval-seeds": seeds,
+                    "run-root": self.run_root,
+                }
+            )
+            record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
+            messages.append(Message(record, dst_node_id=nodes[client], message_type=MessageType.EVALUATE))
+        log(INFO, "configure_evaluate: round %d evaluates %s on clients %s (%d episodes)",
+            server_round, Path(self.global_model.path).name, clients, len(self.eval_seeds))
+        return messages
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Episode-weighted success rate and reward of the global model."""
+        metrics = super().aggregate_evaluate(server_round, replies)
+        if metrics is not None and self.recorder is not None:
+            self.recorder.record_eval(
+                server_round=server_round,
+                model="base" if server_round == 0 else "aggregated",
+                metrics=dict(metrics),
+            )
+        return metrics
+
+    def evaluate_initial(self, grid: Grid, timeout: float) -> MetricRecord | None:
+        """Round-0 evaluation of the base model (Flower's ``start`` only evaluates server-side)."""
+        messages = list(self.configure_evaluate(0, ArrayRecord(), ConfigRecord(), grid))
+        if not messages:
+            return None
+        log(INFO, "")
+        log(INFO, "[ROUND 0]")
+        return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
+
+    def summary(self) -> None:
+        """Log the strategy's settings, as Flower's strategies do."""
+        log(INFO, "\t├── %s: N=%d clients, M=%d per round, seed %d%s", type(self).__name__,
+            self.num_clients, self.clients_per_round, self.base_seed,
+            f", local client {self.local_client_id}" if self.local_client_id >= 0 else "")
+        log(INFO, "\t├── Weights: %s", list(self.fixed_weights) or f"'{self.weighted_by_key}'")
+        log(INFO, "\t├── Run root: %s", self.run_root)
+        log(INFO, "\t└── Initial global model: %s", self.global_model.path)
+
+
+def _single_metrics(reply: Message) -> MetricRecord:
+    records = list(reply.content.metric_records.values())
+    if len(records) != 1:
+        raise ValueError(f"expected exactly one MetricRecord, got {len(records)}")
+    return records[0]
+
+
+def payload_json(value: Any) -> str:
+    """Encode structured settings (env specs, trainer knobs) as a ConfigRecord string."""
+    return json.dumps(value, sort_keys=True)

@@ -1,0 +1,115 @@
+"""Start a real Flower SuperLink (simulation mode) on free loopback ports and run the app.
+
+Tests start the SuperLink themselves, rather than letting ``flwr run`` spawn its detached local
+one, so that they know its PID and stop exactly it, and so that runtime dependency installation
+is off (it would re-resolve torch for every run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class SuperLink:
+    """A running SuperLink and the environment in which ``flwr`` talks to it."""
+
+    env: dict[str, str]
+    connection: str
+    log_file: Path
+    process: subprocess.Popen[bytes]
+
+    def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path = REPO,
+            extra_run_config: str = "") -> subprocess.CompletedProcess[str]:
+        """``flwr run <app> <connection> --stream`` with the given Hydra overrides."""
+        run_config = f'overrides="{overrides}"'
+        if extra_run_config:
+            run_config += f" {extra_run_config}"
+        command = [
+            str(BIN / "flwr"), "run", str(app), self.connection, "--stream",
+            "--run-config", run_config,
+            "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=2",
+        ]
+        return subprocess.run(command, env=self.env, cwd=self.env["FEDAGENT_TEST_CWD"], text=True,
+                              capture_output=True, timeout=timeout)
+
+
+@contextmanager
+def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) -> Iterator[SuperLink]:
+    """Yield a simulation SuperLink whose working directory (and so the apps' cwd) is ``workdir``."""
+    home = workdir / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "test"\n\n'
+        f'[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        FEDAGENT_TEST_CWD=str(workdir),
+        PYTHONUNBUFFERED="1",
+        # The SuperLink launches flower-superexec / flwr-simulation by name.
+        PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+    )
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")])
+    log_file = home / "superlink.log"
+    process = subprocess.Popen(
+        [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
+         "--host", "127.0.0.1", "--port", str(port),
+         "--disable-runtime-dependency-installation", "--log-file", str(log_file)],
+        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"flower-superlink exited with {process.returncode}; see {log_file}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flower-superlink did not become healthy; see {log_file}")
+            time.sleep(0.3)
+        yield SuperLink(env=env, connection="test", log_file=log_file, process=process)
+    finally:
+        # The SuperLink runs in its own session with its superexec/simulation children: stop the
+        # whole group we created, and only it.
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,115 @@
+"""End to end: `flwr run` on a real SuperLink in simulation mode, clients training the tiny model
+with the reference trainer, the server averaging their real checkpoints every round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedagent_flwr.seeding import select_clients
+from tests.flower_harness import REPO, SuperLink, simulation_superlink
+
+pytestmark = pytest.mark.slow
+
+COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3"
+
+
+@pytest.fixture(scope="module")
+def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
+    workdir = tmp_path_factory.mktemp("superlink")
+    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
+        yield link
+
+
+def _client_state(client_dir: Path) -> dict[str, torch.Tensor]:
+    result = json.loads((client_dir / "train_result.json").read_text())
+    shard = Path(result["actor_dir"]) / "model_world_size_1_rank_0.pt"
+    return torch.load(shard, map_location="cpu", weights_only=True)
+
+
+def _check_round_mean(run_dir: Path, entry: dict, weights: dict[int, float]) -> float:
+    """Max abs error between the written aggregate and the mean recomputed from client files."""
+    states = {c: _client_state(run_dir / f"round_{entry['round']}" / f"client_{c}") for c in weights}
+    total = sum(weights.values())
+    aggregate = load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors"))
+    worst = 0.0
+    for key, tensor in aggregate.items():
+        expected = sum(states[c][key].double() * (w / total) for c, w in weights.items())
+        worst = max(worst, (tensor.double() - expected).abs().max().item())
+    assert len(aggregate) >= len(next(iter(states.values()))) - 1  # tied lm_head may be dropped
+    return worst
+
+
+def _run(superlink: SuperLink, tmp_path: Path, overrides: str, supernodes: int) -> tuple[dict, Path, str]:
+    proc = superlink.run(f"output_dir={tmp_path} run_name=job {overrides}", supernodes=supernodes)
+    output = proc.stdout + proc.stderr
+    summary_path = tmp_path / "job" / "federated_summary.json"
+    assert summary_path.exists(), output[-4000:]
+    return json.loads(summary_path.read_text()), tmp_path / "job", output
+
+
+def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path) -> None:
+    mu = 0.05
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} clients.total=3 clients.per_round=2 strategy=fedprox "
+        f"strategy.proximal_mu={mu} {COMMON}",
+        supernodes=3,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    assert summary["strategy"] == "fedprox" and summary["mode"] == "federated"
+    assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
+    previous = str(Path(tiny_model_dir).resolve())
+    for entry in summary["rounds"]:
+        r = entry["round"]
+        assert entry["clients"] == select_clients(r, 3, 2, 42)
+        assert entry["client_actor_ids"] == entry["clients"] and not entry["rejected"]
+        assert entry["started_from"] == previous
+        episodes = {}
+        for c in entry["clients"]:
+            job = json.loads((run_dir / f"round_{r}" / f"client_{c}" / "train_job.json").read_text())
+            result = json.loads((run_dir / f"round_{r}" / f"client_{c}" / "train_result.json").read_text())
+            assert job["model_path"] == previous  # the client started from the last aggregate
+            assert job["proximal_mu"] == mu and result["metrics"]["proximal_mu"] == mu
+            assert job["data_seed"] == 42 + 100 * r + c
+            episodes[c] = float(result["num_episodes"])
+        assert _check_round_mean(run_dir, entry, episodes) < 1e-6
+        previous = entry["aggregated_actor"]
+    assert summary["final_model"] == previous
+    assert (run_dir / "learning_curve.png").stat().st_size > 1000
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {e["event"] for e in events} == {"train", "aggregate", "evaluate"}
+
+
+def test_custom_strategy_by_dotted_path_and_a_crashing_client(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} strategy.class_path=tests.strategies_for_tests.ClientIdWeighted "
+        f"strategy.name=client-id-weighted {COMMON}",
+        supernodes=2,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    first, second = summary["rounds"]
+    # Round 1: client 1's trainer crashed (unknown env); the round went on with client 0 alone.
+    assert "1" in first["rejected"] and "exited with code" in first["rejected"]["1"]
+    assert "NoSuchEnv" in first["rejected"]["1"]
+    assert first["client_actor_ids"] == [0]
+    assert _check_round_mean(run_dir, first, {0: 1.0}) < 1e-6
+    # Round 2: both clients, weighted 1:2 by the custom rule rather than by episode counts.
+    assert second["client_actor_ids"] == [0, 1] and second["started_from"] == first["aggregated_actor"]
+    assert _check_round_mean(run_dir, second, {0: 1.0, 1: 2.0}) < 1e-6
+    # Round 1's outputs were not touched by round 2.
+    assert (Path(first["aggregated_actor"]) / "model.safetensors").exists()
+
+
+def test_bad_config_stops_the_run_at_start(superlink: SuperLink, tmp_path: Path) -> None:
+    proc = superlink.run(f"output_dir={tmp_path} num_roundz=3", supernodes=2, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert "unknown config key 'num_roundz'" in output, output[-4000:]
+    assert not list(tmp_path.glob("*/federated_summary.json"))

@@ -1,0 +1,128 @@
+"""FedAvgFSDP's aggregate_train on real FSDP checkpoints: good clients averaged, bad ones
+refused by name, the previous global model kept when nothing is usable, and no earlier round's
+output touched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from safetensors.torch import load_file
+
+from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_mean
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _task_identity() -> None:
+    # Flower sets this inside real runs; building Messages in a unit test needs it too.
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+
+
+def _reply(client: int, ref: CheckpointRef, episodes: int) -> Message:
+    content = RecordDict({
+        "config": ConfigRecord({"client-id": client, **ref.to_config("actor")}),
+        "metrics": MetricRecord({"num-examples": episodes, "reward-mean": 0.5, "success-rate": 0.25}),
+    })
+    return Message(content, dst_node_id=100 + client, message_type="train")
+
+
+def _error_reply(client: int) -> Message:
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+    return Message(Error(code=0, reason="trainer exited with code 1"), reply_to=instruction)
+
+
+def _strategy(tmp_path: Path, initial: CheckpointRef) -> tuple[FedAvgFSDP, Path]:
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated", "strategy": "fedavg"})
+    strategy = FedAvgFSDP(run_root=str(run_root), initial_model=initial, num_clients=6, clients_per_round=6,
+                          recorder=recorder)
+    strategy._node_of_client = {c: 100 + c for c in range(6)}
+    return strategy, run_root
+
+
+def _initial(tmp_path: Path) -> CheckpointRef:
+    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
+    return CheckpointRef.for_directory(tmp_path / "base")
+
+
+def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suite, tmp_path: Path) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    refs = {c: CheckpointRef.for_directory(suite.copy(name, run_root)) for c, name in
+            enumerate(["qwen_a", "qwen_b", "qwen_plain"])}
+    episodes = {0: 4, 1: 8, 2: 12}
+    _, metrics = strategy.aggregate_train(1, [_reply(c, refs[c], episodes[c]) for c in refs])
+    assert metrics is not None and metrics["reward-mean"] == pytest.approx(0.5)
+    assert strategy.global_model.path == str(run_root / "round_1" / "global")
+    sources = [(open_checkpoint(refs[c], root=run_root), float(episodes[c])) for c in refs]
+    assert verify_mean(sources, strategy.global_model.path) < 1e-6
+    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
+    assert entry["client_actor_ids"] == [0, 1, 2] and entry["aggregated_actor"] == strategy.global_model.path
+
+
+def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
+    outside = CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path))
+    wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", run_root))
+    wrong_hash = CheckpointRef(**{**wrong_hash.__dict__, "sha256": "0" * 64})
+    truncated_dir = suite.copy("qwen_plain", run_root)
+    truncated = CheckpointRef.for_directory(truncated_dir)
+    shard = truncated_dir / "model_world_size_1_rank_0.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    truncated = CheckpointRef(**{**truncated.__dict__, "sha256": ""})  # get past the hash to the reader
+    other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", run_root))
+    replies = [_reply(0, good, 4), _reply(1, outside, 4), _reply(2, wrong_hash, 4), _reply(3, truncated, 4),
+               _reply(4, other_shapes, 4), _error_reply(5)]
+    with caplog.at_level(logging.WARNING):
+        strategy.aggregate_train(1, replies)
+    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
+    assert entry["client_actor_ids"] == [0]
+    rejected = entry["rejected"]
+    assert "outside the run root" in rejected["1"]
+    assert "hash" in rejected["2"]
+    assert "model_world_size_1_rank_0.pt" in rejected["3"]
+    assert "shape" in rejected["4"] or "keys" in rejected["4"]
+    assert "exited with code 1" in rejected["5"]
+    assert "client 2 refused" in caplog.text
+    aggregate = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
+    expected = suite.expected("qwen_a")
+    assert max((aggregate[k] - expected[k].float()).abs().max().item() for k in aggregate) == 0.0
+
+
+def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouched(
+    suite: Suite, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    first = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
+    strategy.aggregate_train(1, [_reply(0, first, 4)])
+    round_one = strategy.global_model
+    digest = hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest()
+
+    broken = CheckpointRef(**{**CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path / "x")).__dict__})
+    with caplog.at_level(logging.WARNING):
+        arrays, metrics = strategy.aggregate_train(2, [_reply(0, broken, 4), _error_reply(1)])
+    assert arrays is None
+    assert strategy.global_model == round_one
+    assert "no valid client checkpoint; keeping the previous global model" in caplog.text
+    assert not (run_root / "round_2" / "global").exists()
+    summary = json.loads((run_root / "federated_summary.json").read_text())
+    assert summary["rounds"][1]["aggregated_actor"] is None and summary["final_model"] == round_one.path
+    assert hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest() == digest
+    # A round that would write over an existing global model refuses instead of overwriting it.
+    again = CheckpointRef.for_directory(suite.copy("qwen_c", run_root))
+    with pytest.raises(Exception, match="exists"):
+        strategy.aggregate_train(1, [_reply(0, again, 4)])
+    assert hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest() == digest
+    assert torch.equal(load_file(str(Path(round_one.path) / "model.safetensors"))["lm_head.weight"],
+                       suite.expected("qwen_a")["lm_head.weight"].float())
