@@ -1,0 +1,1 @@
+"""ServerApp, strategies and the run record."""

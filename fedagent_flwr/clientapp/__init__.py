@@ -1,0 +1,1 @@
+"""ClientApp, trainer backends and the TrainJob/TrainResult contract."""
