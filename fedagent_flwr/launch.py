@@ -1,8 +1,10 @@
-"""Helpers around Flower's managed local SuperLink for ``make run``.
+"""Stopping a Flower SuperLink together with everything it started, by PID.
 
-``flwr run .`` starts a detached local SuperLink that keeps running after the run (Flower's
-design). ``make run`` gives it a project-local ``FLWR_HOME``; this module finds that SuperLink by
-the log file path only it uses and stops it by PID, so nothing else on the machine is touched.
+A SuperLink starts ``flower-superexec`` in a session of its own, which runs ``flwr-simulation``
+and Ray; Ray's agents outlive their parents when the SuperLink alone is stopped. ``flwr run .``
+also leaves its managed local SuperLink running after the run (Flower's design). ``make run``
+gives that SuperLink a project-local ``FLWR_HOME``; :func:`stop_local_superlink` finds it by the
+log path only it uses and stops its process tree, so nothing else on the machine is touched.
 
     python -m fedagent_flwr.launch stop-local .flwr
 """
@@ -16,44 +18,79 @@ import time
 from pathlib import Path
 
 
-def local_superlink_pids(flwr_home: str | os.PathLike[str]) -> list[int]:
-    """PIDs of ``flower-superlink`` processes started for this ``FLWR_HOME``."""
-    marker = str(Path(flwr_home).resolve() / "local-superlink")
+def pids_with_cmdline(marker: str) -> list[int]:
+    """PIDs whose command line contains ``marker``."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        words = [a.decode(errors="replace") for a in argv if a]
-        if any(w.endswith("flower-superlink") for w in words[:2]) and any(marker in w for w in words):
+        if marker in cmdline:
             pids.append(int(entry.name))
     return pids
 
 
-def stop_local_superlink(flwr_home: str | os.PathLike[str], grace_s: float = 15.0) -> list[int]:
-    """SIGTERM this home's local SuperLink(s), SIGKILL after ``grace_s``; return the PIDs."""
+def stop_group(group: int, grace_s: float = 15.0) -> None:
+    """SIGTERM a process group, SIGKILL whatever is left after ``grace_s``."""
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.3)
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def stop_superlink_tree(pid: int, grace_s: float = 15.0) -> None:
+    """Stop a SuperLink (its process group) and the superexec group(s) it launched."""
+    groups = []
+    for child in pids_with_cmdline(f"--parent-pid {pid}"):
+        try:
+            groups.append(os.getpgid(child))
+        except ProcessLookupError:
+            continue
+    try:
+        groups.insert(0, os.getpgid(pid))
+    except ProcessLookupError:
+        pass
+    for group in dict.fromkeys(groups):
+        stop_group(group, grace_s)
+
+
+def local_superlink_pids(flwr_home: str | os.PathLike[str]) -> list[int]:
+    """PIDs of ``flower-superlink`` processes started by ``flwr run`` for this ``FLWR_HOME``."""
+    marker = str(Path(flwr_home).resolve() / "local-superlink")
+    return [pid for pid in pids_with_cmdline(marker) if pid != os.getpid()
+            and "flower-superlink" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def stop_local_superlink(flwr_home: str | os.PathLike[str]) -> list[int]:
+    """Stop this home's managed local SuperLink(s) and their children; return the PIDs."""
     pids = local_superlink_pids(flwr_home)
     for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+        stop_superlink_tree(pid)
     return pids
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``stop-local FLWR_HOME``: used by ``make run`` after ``flwr run`` returns."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "stop-local":
         print("usage: python -m fedagent_flwr.launch stop-local FLWR_HOME", file=sys.stderr)
         return 2
     pids = stop_local_superlink(args[1])
-    print(f"stopped local SuperLink {pids}" if pids else "no local SuperLink running for this FLWR_HOME")
+    print(f"stopped the local SuperLink {pids}" if pids else "no local SuperLink runs for this FLWR_HOME")
     return 0
 
 

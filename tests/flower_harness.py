@@ -8,7 +8,6 @@ is off (it would re-resolve torch for every run).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from fedagent_flwr.launch import stop_superlink_tree
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -100,16 +101,5 @@ def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) ->
             time.sleep(0.3)
         yield SuperLink(env=env, connection="test", log_file=log_file, process=process)
     finally:
-        # The SuperLink runs in its own session with its superexec/simulation children: stop the
-        # whole group we created, and only it.
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_superlink_tree(process.pid)
+        process.wait(timeout=5)

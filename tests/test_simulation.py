@@ -63,6 +63,7 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     assert summary["status"] == "completed", output[-4000:]
     assert summary["strategy"] == "fedprox" and summary["mode"] == "federated"
     assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
+    assert all(p["n"] == 2 for p in summary["val_curve"])  # eval.num_episodes, split over clients
     previous = str(Path(tiny_model_dir).resolve())
     for entry in summary["rounds"]:
         r = entry["round"]

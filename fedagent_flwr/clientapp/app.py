@@ -48,6 +48,11 @@ def _global_model(config: ConfigRecord, prefix: str = "global") -> CheckpointRef
     return ref
 
 
+def _trainer_knobs(settings: dict[str, Any]) -> dict[str, Any]:
+    """The trainer group minus what the ClientApp itself consumes (backend, timeout)."""
+    return {k: v for k, v in settings.items() if k not in ("backend", "timeout_s")}
+
+
 def _json_field(config: ConfigRecord, key: str) -> Any:
     try:
         return json.loads(str(config[key]))
@@ -79,7 +84,7 @@ def train(msg: Message, context: Context) -> Message:
         local_steps=int(config.get("local-steps", 1)),
         proximal_mu=float(config.get("proximal-mu", 0.0)),
         partition=_json_field(config, "partition-json"),
-        trainer=trainer,
+        trainer=_trainer_knobs(trainer),
     )
     job_path = out_dir / "train_job.json"
     jobs.save(job, job_path)
@@ -119,7 +124,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         env_spec=_json_field(config, "env-spec-json"),
         round=server_round,
         seeds=[int(s) for s in config["eval-seeds"]],  # type: ignore[union-attr]
-        trainer=trainer,
+        trainer=_trainer_knobs(trainer),
     )
     job_path = out_dir / "eval_job.json"
     jobs.save(job, job_path)

@@ -371,13 +371,19 @@ class FedAvgFSDP(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Episode-weighted success rate and reward of the global model."""
+        replies = list(replies)
         metrics = super().aggregate_evaluate(server_round, replies)
-        if metrics is not None and self.recorder is not None:
-            self.recorder.record_eval(
-                server_round=server_round,
-                model="base" if server_round == 0 else "aggregated",
-                metrics=dict(metrics),
+        if metrics is not None:
+            # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
+            metrics[self.weighted_by_key] = sum(
+                int(_single_metrics(r)[self.weighted_by_key]) for r in replies if not r.has_error()
             )
+            if self.recorder is not None:
+                self.recorder.record_eval(
+                    server_round=server_round,
+                    model="base" if server_round == 0 else "aggregated",
+                    metrics=dict(metrics),
+                )
         return metrics
 
     def evaluate_initial(self, grid: Grid, timeout: float) -> MetricRecord | None:

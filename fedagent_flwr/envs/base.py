@@ -1,0 +1,77 @@
+"""The text-environment contract every agent environment implements.
+
+Gymnasium-style, but text in, text out, and async so that service-backed environments (WebShop,
+ALFWorld behind HTTP) and in-process ones (TinyGuess) look the same to the episode runner:
+
+* ``system_prompt()`` - the task description shown as the chat's system message;
+* ``reset(seed)`` - start an episode; the same seed always gives the same episode;
+* ``step(action_text)`` - apply the model's reply; returns (observation, reward, done, info) with
+  ``info["success"]`` telling whether the task was solved;
+* ``close()`` - release the episode's resources (a pooled service session, for example).
+
+Environments with a finite pool of goals (TinyGuess's secrets, WebShop's instructions) also say
+how large that pool is and how to restrict a config to a subset of it; heterogeneity partitions
+(``fedagent_flwr.hetero``) use that to give each federated client its own goals.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, ClassVar
+
+
+class EnvConfigError(ValueError):
+    """An environment config value that the environment cannot use."""
+
+
+class BaseTextEnv(abc.ABC):
+    """Abstract async text environment; one instance runs one episode at a time."""
+
+    #: Display name under which the class is registered (set by ``register_env``).
+    env_name: ClassVar[str] = ""
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        self.config: dict[str, Any] = dict(config or {})
+
+    @abc.abstractmethod
+    async def system_prompt(self) -> str:
+        """The task description, used as the system message of every episode."""
+
+    @abc.abstractmethod
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        """Start a new episode chosen by ``seed`` (deterministic); return (observation, info)."""
+
+    @abc.abstractmethod
+    async def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """Apply one model reply; return (observation, reward, done, info with ``success``)."""
+
+    async def close(self) -> None:
+        """Release resources held by the episode; the default has nothing to release."""
+
+    async def __aenter__(self) -> BaseTextEnv:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # --- goal pools (for partitioning); environments without a finite pool keep the defaults ---
+
+    @classmethod
+    def num_goals(cls, config: Mapping[str, Any]) -> int | None:
+        """Size of the goal pool ``config`` draws episodes from, or None if there is no pool."""
+        return None
+
+    @classmethod
+    def restrict_goals(cls, config: Mapping[str, Any], goal_indices: Sequence[int]) -> dict[str, Any]:
+        """Return a copy of ``config`` whose episodes only use the given goal indices.
+
+        Indices refer to the pool that :meth:`num_goals` counts for the same ``config``.
+        """
+        raise NotImplementedError(f"{cls.__name__} has no goal pool to restrict")

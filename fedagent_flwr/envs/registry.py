@@ -1,0 +1,81 @@
+"""Name -> environment class registry.
+
+Names are case-insensitive ("TinyGuess", "tinyguess"). Built-in environments are registered
+lazily: the registry knows which module defines each built-in name and imports it only when the
+name is asked for, so looking up TinyGuess never imports a heavy service client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from fedagent_flwr.envs.base import BaseTextEnv
+
+E = TypeVar("E", bound=type[BaseTextEnv])
+
+# lower-cased name -> module whose import registers it. Add service-backed envs here.
+_BUILTIN_MODULES: dict[str, str] = {
+    "tinyguess": "fedagent_flwr.envs.tiny_guess",
+}
+
+_REGISTRY: dict[str, type[BaseTextEnv]] = {}
+
+
+class UnknownEnvError(ValueError):
+    """An environment name that no registered or built-in environment has."""
+
+
+def register_env(name: str) -> Callable[[E], E]:
+    """Class decorator: register an environment class under ``name`` (case-insensitive).
+
+    Registering the same class twice is allowed (module reloads); a different class under a
+    taken name is refused, since silently replacing an environment would change experiments.
+    """
+    if not name or not name.strip():
+        raise ValueError("environment name must be a non-empty string")
+
+    def decorator(cls: E) -> E:
+        if not (isinstance(cls, type) and issubclass(cls, BaseTextEnv)):
+            raise TypeError(f"{cls!r} registered as {name!r} is not a BaseTextEnv subclass")
+        key = name.strip().lower()
+        existing = _REGISTRY.get(key)
+        # Same module and name = the same class re-imported (reload); anything else is a clash.
+        if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(
+                f"environment name {name!r} is already taken by {existing.__module__}.{existing.__qualname__}"
+            )
+        cls.env_name = name.strip()
+        _REGISTRY[key] = cls
+        return cls
+
+    return decorator
+
+
+def known_envs() -> list[str]:
+    """Display names of every environment that can be made (built-in ones are imported)."""
+    for key in _BUILTIN_MODULES:
+        _load_builtin(key)
+    return sorted(cls.env_name for cls in _REGISTRY.values())
+
+
+def _load_builtin(key: str) -> None:
+    module = _BUILTIN_MODULES.get(key)
+    if module is not None and key not in _REGISTRY:
+        importlib.import_module(module)
+
+
+def get_env_class(name: str) -> type[BaseTextEnv]:
+    """The class registered under ``name``; raises :class:`UnknownEnvError` listing known names."""
+    key = str(name).strip().lower()
+    _load_builtin(key)
+    cls = _REGISTRY.get(key)
+    if cls is None:
+        raise UnknownEnvError(f"unknown environment {name!r} (known: {', '.join(known_envs())})")
+    return cls
+
+
+def make_env(name: str, config: Mapping[str, Any] | None = None) -> BaseTextEnv:
+    """Build one environment instance of ``name`` with ``config``."""
+    return get_env_class(name)(config or {})

@@ -1,0 +1,138 @@
+"""Environment specs: which environments a client trains (or a model is validated) on.
+
+The format is FedAgent's env-spec YAML::
+
+    envs:
+      - name: TinyGuess      # a registered environment name (case-insensitive)
+        n_envs: 64           # episodes (dataset rows) per training step for this entry
+        max_turns: 6         # turn budget of one episode
+        config: {lo: 1, hi: 50}
+
+:func:`load_env_spec` accepts a YAML/JSON path, a mapping or an :class:`EnvSpec` and reports the
+first problem in one message that names the offending field (``envs[1].n_envs``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
+
+DEFAULT_MAX_TURNS = 6
+_ENTRY_KEYS = ("name", "n_envs", "max_turns", "config")
+
+
+class EnvSpecError(ValueError):
+    """An env spec that is missing, unreadable or has a bad field."""
+
+
+@dataclass(frozen=True)
+class EnvSpecEntry:
+    """One environment of a spec: ``n_envs`` episodes of ``name`` with ``config``."""
+
+    name: str  # the registered name (case as registered)
+    n_envs: int
+    max_turns: int = DEFAULT_MAX_TURNS
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def env_config(self) -> dict[str, Any]:
+        """The config to build the environment with.
+
+        The entry's ``max_turns`` is passed down as the environment's own turn limit unless the
+        config sets one, so the runner's and the environment's budgets agree.
+        """
+        return {"max_turns": self.max_turns, **self.config}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "n_envs": self.n_envs, "max_turns": self.max_turns,
+                "config": dict(self.config)}
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A validated env spec: a non-empty tuple of entries."""
+
+    envs: tuple[EnvSpecEntry, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-serialisable form (what a TrainJob carries)."""
+        return {"envs": [entry.to_dict() for entry in self.envs]}
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EnvSpecError(f"{where} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_entry(raw: Any, where: str) -> EnvSpecEntry:
+    if not isinstance(raw, Mapping):
+        raise EnvSpecError(f"{where} must be a mapping with {', '.join(_ENTRY_KEYS)}, got {raw!r}")
+    unknown = sorted(set(raw) - set(_ENTRY_KEYS))
+    if unknown:
+        raise EnvSpecError(f"{where} has unknown field(s) {unknown} (allowed: {', '.join(_ENTRY_KEYS)})")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise EnvSpecError(f"{where}.name must be a non-empty string, got {name!r}")
+    try:
+        # The registered spelling, so metric names and logs do not depend on how a spec cased it.
+        name = get_env_class(name).env_name
+    except UnknownEnvError as exc:
+        raise EnvSpecError(f"{where}.name: {exc}") from None
+    if "n_envs" not in raw:
+        raise EnvSpecError(f"{where}.n_envs is missing")
+    n_envs = _positive_int(raw["n_envs"], f"{where}.n_envs")
+    max_turns = _positive_int(raw.get("max_turns", DEFAULT_MAX_TURNS), f"{where}.max_turns")
+    config = raw.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise EnvSpecError(f"{where}.config must be a mapping, got {config!r}")
+    return EnvSpecEntry(name=name.strip(), n_envs=n_envs, max_turns=max_turns, config=dict(config))
+
+
+def _read_file(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise EnvSpecError(f"env spec file {path} does not exist") from None
+    except OSError as exc:
+        raise EnvSpecError(f"env spec file {path} cannot be read: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as exc:  # yaml and json raise different types; both mean "not parseable"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EnvSpecError(f"env spec file {path} cannot be parsed: {first_line}") from None
+
+
+def load_env_spec(source: str | os.PathLike[str] | Mapping[str, Any] | EnvSpec) -> EnvSpec:
+    """Load and validate an env spec from a YAML/JSON file, a mapping or an existing EnvSpec."""
+    if isinstance(source, EnvSpec):
+        return source
+    label = "env spec"
+    if isinstance(source, Mapping):
+        raw: Any = source
+    else:
+        path = Path(source).expanduser()
+        label = f"env spec {path}"
+        raw = _read_file(path)
+    if not isinstance(raw, Mapping):
+        raise EnvSpecError(f"{label} must be a mapping with an 'envs' list, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"envs"})
+    if unknown:
+        raise EnvSpecError(f"{label} has unknown top-level field(s) {unknown} (allowed: envs)")
+    envs = raw.get("envs")
+    if not isinstance(envs, list) or not envs:
+        raise EnvSpecError(f"{label}: 'envs' must be a non-empty list, got {envs!r}")
+    try:
+        entries = tuple(_parse_entry(item, f"envs[{i}]") for i, item in enumerate(envs))
+    except EnvSpecError as exc:
+        raise EnvSpecError(f"{label}: {exc}") from None
+    return EnvSpec(envs=entries)

@@ -1,0 +1,56 @@
+"""A tiny random-weight causal LM with the real SmolLM2 tokenizer, for tests and smoke runs.
+
+Random weights make the policy emit noise, but every code path (chat template, masks, sampling,
+GRPO update, checkpoint layout, aggregation) runs on a real tokenizer and a real transformers
+model in a fraction of a second per step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write a tiny Qwen2 causal LM (hidden 64, 2 layers, 4/2 heads, tied embeddings) to ``out_dir``.
+
+    The weights are a pure function of ``seed`` (the global torch RNG is left untouched), saved as
+    fp32 safetensors next to the tokenizer (SmolLM2's by default), so ``from_pretrained`` and the
+    trainers load it like any other model directory.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or smollm2_tokenizer_dir()))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,246 @@
+"""The multi-turn episode runner ("concat mode"): one training sample per episode.
+
+Shared by the verl agent loop and the CPU reference trainer, so both train on exactly the same
+token layout:
+
+* ``prompt_ids`` = chat template of ``[system: env.system_prompt(), user: reset observation]``
+  with the generation prompt;
+* ``response_ids`` = every turn's sampled tokens, **exactly as sampled** (mask 1), each followed,
+  unless the episode ends there, by the template glue that closes the assistant turn and wraps
+  the next observation as a user turn (mask 0).
+
+The glue is derived from the chat template *as text*: the conversation is rendered before and
+after adding the assistant reply and the observation, and only the new suffix is tokenised. The
+sampled tokens are never re-tokenised, so the policy is trained on the very tokens it produced.
+That relies on the template only ever extending its previous output; a template that rewrites
+earlier turns is refused with :class:`ChatTemplateError` naming the tokenizer.
+
+No silent truncation: a turn starts only if its prompt plus ``max_new_tokens`` fits in
+``max_model_len``; otherwise the episode stops with ``truncated=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedagent_flwr.envs.base import BaseTextEnv
+
+
+class ChatTemplateError(ValueError):
+    """A chat template whose output for a longer conversation does not extend the shorter one."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one turn is sampled: at most ``max_new_tokens`` tokens at ``temperature`` / ``top_p``.
+
+    ``temperature <= 0`` means greedy decoding.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+#: ``generate(prompt_ids, sampling)`` -> ids of the new tokens only (a final EOS included, as
+#: vLLM and ``model.generate`` return it), at most ``sampling.max_new_tokens`` of them.
+GenerateFn = Callable[[list[int], SamplingParams], Awaitable[list[int]]]
+
+
+@dataclass
+class TurnRecord:
+    """What happened in one turn (kept for logs and debugging; not used for training)."""
+
+    action: str
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any]
+    num_tokens: int
+    ended_with_eos: bool
+
+
+@dataclass
+class Episode:
+    """One finished episode as a training sample plus its transcript.
+
+    ``messages`` is the conversation that ``prompt_ids + response_ids`` encode (the last
+    observation is in ``turns`` only, since no tokens follow it).
+    """
+
+    seed: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    reward: float
+    success: bool
+    num_turns: int
+    truncated: bool
+    messages: list[dict[str, str]]
+    turns: list[TurnRecord] = field(default_factory=list)
+
+
+def _tokenizer_name(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+class _ChatRenderer:
+    """Renders conversations with one tokenizer's chat template and derives turn glue."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: Mapping[str, Any] | None) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = dict(template_kwargs or {})
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The rendered template already holds every special token; adding BOS/EOS here would
+        # differ from apply_chat_template(tokenize=True).
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _extends(self, shorter: str, longer: str, step: str) -> str:
+        if not longer.startswith(shorter):
+            raise ChatTemplateError(
+                f"the chat template of tokenizer {_tokenizer_name(self.tokenizer)!r} does not only "
+                f"extend its previous output when {step}; multi-turn masks cannot be built from it"
+            )
+        return longer[len(shorter):]
+
+    def glue(
+        self,
+        prompt_text: str,
+        history: list[dict[str, str]],
+        reply: str,
+        observation: str,
+        ended_with_eos: bool,
+        eos_texts: Iterable[str],
+    ) -> tuple[str, str]:
+        """Text between the sampled reply and the next generation, and the next prompt's text.
+
+        ``history`` ends with the assistant ``reply``; ``prompt_text`` is the rendered history
+        before that reply, with the generation prompt.
+        """
+        with_reply = self.render(history, add_generation_prompt=False)
+        reply_part = self._extends(prompt_text, with_reply, "adding the assistant reply")
+        if not reply_part.startswith(reply):
+            raise ChatTemplateError(
+                f"the chat template of tokenizer {_tokenizer_name(self.tokenizer)!r} does not render "
+                "the assistant reply verbatim; multi-turn masks cannot be built from it"
+            )
+        closing = reply_part[len(reply):]
+        if ended_with_eos:
+            # The sampled EOS already closed the turn when the template closes turns with it;
+            # otherwise the template's own closing follows the sampled EOS.
+            for eos_text in eos_texts:
+                if eos_text and closing.startswith(eos_text):
+                    closing = closing[len(eos_text):]
+                    break
+        next_prompt = self.render(
+            [*history, {"role": "user", "content": observation}], add_generation_prompt=True
+        )
+        wrapped = self._extends(with_reply, next_prompt, "adding the next observation")
+        return closing + wrapped, next_prompt
+
+
+async def run_episode(
+    env: BaseTextEnv,
+    seed: int,
+    tokenizer: Any,
+    generate: GenerateFn,
+    sampling: SamplingParams,
+    max_turns: int,
+    max_model_len: int,
+    *,
+    eos_token_ids: Iterable[int] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> Episode:
+    """Play one episode of ``env`` (reset with ``seed``) with the policy behind ``generate``.
+
+    ``eos_token_ids`` are the ids that end a turn (default: the tokenizer's EOS). The environment
+    is closed when the episode ends, also on error, so pooled sessions always go back.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    stop_ids = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
+    stop_ids.discard(None)
+    eos_texts = [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
+    renderer = _ChatRenderer(tokenizer, chat_template_kwargs)
+    try:
+        system = await env.system_prompt()
+        observation, _ = await env.reset(seed)
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": observation},
+        ]
+        prompt_text = renderer.render(messages, add_generation_prompt=True)
+        prompt_ids = renderer.encode(prompt_text)
+        context = list(prompt_ids)
+        response_ids: list[int] = []
+        response_mask: list[int] = []
+        turns: list[TurnRecord] = []
+        reward, success, truncated = 0.0, False, False
+
+        while len(turns) < max_turns:
+            if len(context) + sampling.max_new_tokens > max_model_len:
+                truncated = True
+                break
+            new_ids = [int(i) for i in await generate(list(context), sampling)]
+            if len(new_ids) > sampling.max_new_tokens:
+                raise ValueError(
+                    f"generate returned {len(new_ids)} tokens for max_new_tokens={sampling.max_new_tokens}"
+                )
+            ended_with_eos = bool(new_ids) and new_ids[-1] in stop_ids
+            response_ids += new_ids
+            response_mask += [1] * len(new_ids)
+            context += new_ids
+            reply = tokenizer.decode(new_ids, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": reply})
+
+            observation, step_reward, done, info = await env.step(reply)
+            reward += float(step_reward)
+            success = success or bool(info.get("success", False))
+            turns.append(
+                TurnRecord(reply, observation, float(step_reward), bool(done), dict(info),
+                           len(new_ids), ended_with_eos)
+            )
+            if done or len(turns) >= max_turns:
+                break  # nothing follows the last reply, so no observation tokens are added
+
+            glue_text, next_prompt = renderer.glue(
+                prompt_text, messages, reply, observation, ended_with_eos, eos_texts
+            )
+            glue_ids = renderer.encode(glue_text)
+            if len(context) + len(glue_ids) + sampling.max_new_tokens > max_model_len:
+                truncated = True
+                break
+            messages.append({"role": "user", "content": observation})
+            prompt_text = next_prompt
+            response_ids += glue_ids
+            response_mask += [0] * len(glue_ids)
+            context += glue_ids
+
+        return Episode(
+            seed=seed,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            reward=reward,
+            success=success,
+            num_turns=len(turns),
+            truncated=truncated,
+            messages=messages,
+            turns=turns,
+        )
+    finally:
+        await env.close()

@@ -1,0 +1,204 @@
+"""The CPU reference GRPO trainer, run as a real subprocess on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, load, save
+from fedagent_flwr.clientapp.reference_trainer import grpo_advantages, train_env_seed
+
+MODULE = "fedagent_flwr.clientapp.reference_trainer"
+SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {"lo": 1, "hi": 50}}]}
+# A learning rate this high moves the tiny model's weights measurably in two optimiser steps. The
+# large entropy bonus gives every weight a gradient well above Adam's epsilon in the first step:
+# with FedAgent's 0.001 most embedding rows barely move at first, and Adam's normalised step on
+# the proximal gradient then overshoots the start by ~lr, so FedProx would not look "closer".
+TRAINER = {"rollout_n": 2, "max_new_tokens": 8, "lr": 1e-2, "ppo_epochs": 2, "entropy_coeff": 0.1,
+           "num_threads": 2}
+
+
+def run_trainer(mode: str, job_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", MODULE, mode, str(job_path)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ))
+
+
+def train_job(tmp: Path, model: Path, name: str, **overrides: Any) -> Path:
+    job = TrainJob(model_path=str(model), output_dir=str(tmp / name), env_spec=SPEC, round=1,
+                   client_id=1, num_clients=2, data_seed=42 + 100 + 1, local_steps=1,
+                   partition={"strategy": "uniform", "min_goals_per_client": 10}, trainer=dict(TRAINER))
+    for key, value in overrides.items():
+        setattr(job, key, value)
+    path = tmp / f"{name}.json"
+    save(job, path)
+    return path
+
+
+def trained(tmp: Path, model: Path, name: str, **overrides: Any) -> tuple[TrainResult, dict[str, torch.Tensor], str]:
+    proc = run_trainer("train", train_job(tmp, model, name, **overrides))
+    assert proc.returncode == 0, proc.stderr
+    result = load(TrainResult, tmp / name / "train_result.json")
+    state = torch.load(Path(result.actor_dir) / "model_world_size_1_rank_0.pt", weights_only=True)
+    return result, state, proc.stdout
+
+
+def start_weights(model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model / "model.safetensors"))
+
+
+def l2_from(state: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
+    return float(sum(((state[k] - start[k]) ** 2).sum() for k in start) ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def baseline(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> tuple[Path, TrainResult, dict[str, torch.Tensor], str]:
+    """One training run (client 1, mu = 0) shared by the layout, determinism and FedProx tests."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    return (tmp, *trained(tmp, tiny_model_dir, "a"))
+
+
+def test_checkpoint_layout_and_result(baseline: tuple, tiny_model_dir: Path) -> None:
+    tmp, result, state, stdout = baseline
+    actor = tmp / "a" / "checkpoints" / "global_step_1" / "actor"
+    assert Path(result.actor_dir) == actor.resolve()
+    assert (result.actor_format, result.world_size, result.num_episodes) == ("fsdp-shards", 1, 4)
+    assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 1}
+    hf = actor / "huggingface"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (hf / name).is_file(), name
+    assert not any(p.name.startswith(".") for p in (tmp / "a" / "checkpoints").iterdir())  # no temp left
+
+    start = start_weights(tiny_model_dir)
+    assert set(start) <= set(state)  # HF key names (plus the tied lm_head.weight)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert l2_from(state, start) > 1e-3  # training moved the weights
+
+    metrics = result.metrics
+    for key in ("reward_mean", "success_rate", "num_turns_mean", "truncated_rate", "loss", "kl",
+                "train_seconds", "proximal_mu"):
+        assert key in metrics, key
+    assert 0.0 <= metrics["success_rate"] <= 1.0 and metrics["proximal_mu"] == 0.0
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and "episodes 4" in lines[0] and "reward_mean" in lines[0]
+
+    # The server-side reader accepts it as a world-size-1 FSDP checkpoint.
+    ref = CheckpointRef.for_directory(actor)
+    assert (ref.format, ref.world_size) == ("fsdp-shards", 1)
+    with open_checkpoint(ref, root=tmp) as reader:
+        assert set(reader.keys()) == set(state)
+        assert torch.equal(reader.read("model.embed_tokens.weight"), state["model.embed_tokens.weight"])
+
+
+def test_same_job_gives_bit_identical_weights(baseline: tuple, tiny_model_dir: Path) -> None:
+    tmp, result, state, _ = baseline
+    again, state2, _ = trained(tmp, tiny_model_dir, "a_again")
+    assert state.keys() == state2.keys()
+    assert all(torch.equal(state[k], state2[k]) for k in state)
+    timing_free = {k: v for k, v in result.metrics.items() if "seconds" not in k}
+    assert timing_free == {k: v for k, v in again.metrics.items() if "seconds" not in k}
+
+
+def test_float32_mode_is_bit_identical_too(tmp_path: Path, tiny_model_dir: Path) -> None:
+    fp32 = {**TRAINER, "compute_dtype": "float32"}
+    _, first, _ = trained(tmp_path, tiny_model_dir, "f1", trainer=fp32)
+    _, second, _ = trained(tmp_path, tiny_model_dir, "f2", trainer=fp32)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_clients_train_differently(baseline: tuple, tiny_model_dir: Path) -> None:
+    tmp, _, state, _ = baseline
+    _, other, _ = trained(tmp, tiny_model_dir, "client0", client_id=0, data_seed=42 + 100)
+    assert not all(torch.equal(state[k], other[k]) for k in state)
+
+
+def test_fedprox_stays_closer_to_the_start(baseline: tuple, tiny_model_dir: Path) -> None:
+    tmp, _, state, _ = baseline
+    prox_result, prox_state, _ = trained(tmp, tiny_model_dir, "prox", proximal_mu=100.0)
+    start = start_weights(tiny_model_dir)
+    assert prox_result.metrics["proximal_mu"] == 100.0
+    assert l2_from(prox_state, start) < 0.5 * l2_from(state, start)
+
+
+def test_kl_micro_batches_several_envs_and_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
+    spec = {"envs": [SPEC["envs"][0], {"name": "tinyguess", "n_envs": 1, "max_turns": 1, "config": {"hi": 9}}]}
+    knobs = {**TRAINER, "kl_coef": 0.5, "micro_batch_size": 4}
+    result, _, stdout = trained(tmp_path, tiny_model_dir, "kl", env_spec=spec, local_steps=2, trainer=knobs)
+    assert result.num_episodes == 2 * (2 + 1) * 2
+    assert Path(result.actor_dir).parent.name == "global_step_2"
+    assert result.metrics["kl"] > 0.0  # the second PPO epoch has moved away from the reference
+    assert [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
+
+
+def test_evaluate_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "eval"), env_spec=SPEC,
+                  round=3, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
+    save(job, tmp_path / "eval.json")
+    proc = run_trainer("evaluate", tmp_path / "eval.json")
+    assert proc.returncode == 0, proc.stderr
+    result = load(EvalResult, tmp_path / "eval" / "eval_result.json")
+    assert result.num_episodes == 3
+    assert 0.0 <= result.success_rate <= 1.0 and result.reward_mean == pytest.approx(result.success_rate)
+    assert result.metrics["success_rate/TinyGuess"] == result.success_rate
+    assert result.metrics["num_turns_mean"] > 0
+
+
+def _bad(tmp: Path, name: str, content: str | dict) -> Path:
+    path = tmp / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("mode", "make", "needle"),
+    [
+        ("train", lambda tmp, model: tmp / "missing.json", "missing.json"),
+        ("train", lambda tmp, model: _bad(tmp, "broken.json", "{not json"), "not valid JSON"),
+        ("train", lambda tmp, model: _bad(tmp, "unknown_env.json", asdict(TrainJob(
+            str(model), str(tmp / "o"), {"envs": [{"name": "NoSuchEnv", "n_envs": 1}]}, 0, 0, 1, 42))),
+         "'NoSuchEnv'"),
+        ("train", lambda tmp, model: _bad(tmp, "bad_strategy.json", asdict(TrainJob(
+            str(model), str(tmp / "o"), SPEC, 0, 0, 1, 42, partition={"strategy": "zipf"}))), "'zipf'"),
+        ("train", lambda tmp, model: _bad(tmp, "no_model.json", asdict(TrainJob(
+            str(tmp / "no-such-model"), str(tmp / "o"), SPEC, 0, 0, 1, 42))), "no-such-model"),
+        ("train", lambda tmp, model: _bad(tmp, "bad_knob.json", asdict(TrainJob(
+            str(model), str(tmp / "o"), SPEC, 0, 0, 1, 42, trainer={"rollout_n": "two"}))), "trainer.rollout_n"),
+        ("train", lambda tmp, model: _bad(tmp, "bad_type.json", {**asdict(TrainJob(
+            str(model), str(tmp / "o"), SPEC, 0, 0, 1, 42)), "local_steps": "3"}), "'local_steps'"),
+        ("train", lambda tmp, model: _bad(tmp, "bad_dtype.json", asdict(TrainJob(
+            str(model), str(tmp / "o"), SPEC, 0, 0, 1, 42, trainer={"compute_dtype": "fp8"}))),
+         "trainer.compute_dtype"),
+        ("train", lambda tmp, model: _bad(tmp, "not_a_model.json", asdict(TrainJob(
+            str(tmp), str(tmp / "o"), SPEC, 0, 0, 1, 42))), "cannot load the model"),
+        ("evaluate", lambda tmp, model: _bad(tmp, "eval_extra.json", {"model_path": str(model)}), "eval_extra.json"),
+        ("fly", lambda tmp, model: tmp / "x.json", "expected 'train JOB.json'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tmp_path: Path, tiny_model_dir: Path, mode: str, make: Any, needle: str
+) -> None:
+    proc = run_trainer(mode, make(tmp_path, tiny_model_dir))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle in lines[0] and lines[0].startswith("reference_trainer: error:")
+
+
+def test_seed_rule_and_advantages() -> None:
+    assert train_env_seed(143, 0, 0, 2, 1) == 14_300_001
+    assert train_env_seed(143, 1, 2, 4, 3) == 14_300_000 + 1000 + 8 + 3
+    assert grpo_advantages([1.0, 0.0, 0.5, 0.5, 2.0], [7, 7, 8, 8, 9]) == pytest.approx(
+        [1 / (2**0.5 / 2 + 1e-6) * 0.5, -1 / (2**0.5 / 2 + 1e-6) * 0.5, 0.0, 0.0, 0.0]
+    )
