@@ -3,11 +3,11 @@
 Builds one ~500 MB fp32 checkpoint per client with Llama-like tensor shapes, in verl's
 ``fsdp-shards`` layout: even clients are world size 1 with plain tensors, odd clients world size
 2 with DTensor ``Shard(0)`` blocks written by two gloo processes. For 2 and 4 clients it then
-measures, twice each:
+measures, twice each, with a cold page cache (the files' pages evicted with
+``posix_fadvise(DONTNEED)`` before each measurement, so both read from disk) and a warm one:
 
-* the raw read speed of the same shard files (``cat files > /dev/null``, page cache left as is:
-  the files were just written, so both the cat and the aggregation mostly read from cache), and
-  a Python ``readinto`` loop over them (GNU cat may hand the copy to the kernel with
+* the raw read speed of the same shard files (``cat files > /dev/null``), and, warm, a Python
+  ``readinto`` loop over them (GNU cat may hand the copy to the kernel with
   ``copy_file_range``/``splice`` and touch no data when the target is /dev/null);
 * the aggregation (``open_checkpoint`` + ``weighted_mean``) in a child process: wall time,
   MB/s of input, ratio to the cat, and the child's peak RSS (``VmHWM``) next to its peak
@@ -156,6 +156,18 @@ print(json.dumps({"open_s": open_s, "agg_s": agg_s, "weighted_mean_s": report.se
 """
 
 
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (POSIX_FADV_DONTNEED needs no privileges for
+    clean pages), so the next read comes from disk: the cold-cache rows compare disk reads."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def time_cat(files: list[Path]) -> float:
     started = time.perf_counter()
     with open(os.devnull, "wb") as sink:
@@ -210,25 +222,34 @@ def main() -> None:
             dirs = clients[:n]
             files = sorted(f for d in dirs for f in d.glob("model_world_size_*.pt"))
             input_mb = sum(f.stat().st_size for f in files) / 1e6
-            for rep in range(1, args.repeats + 1):
-                cat_s = time_cat(files)
-                read_s = time_python_read(files)
-                out = work / f"global_{n}_{rep}"
-                child = run_aggregation(dirs, out)
-                shutil.rmtree(out)
-                rows.append({
-                    "clients": n, "rep": rep, "input_mb": round(input_mb, 1),
-                    "cat_s": round(cat_s, 3), "cat_mb_s": round(input_mb / cat_s, 1),
-                    "pyread_s": round(read_s, 3), "pyread_mb_s": round(input_mb / read_s, 1),
-                    "agg_s": round(child["agg_s"], 3), "agg_mb_s": round(input_mb / child["agg_s"], 1),
-                    "ratio_agg_over_cat": round(child["agg_s"] / cat_s, 2),
-                    "open_s": round(child["open_s"], 3),
-                    "peak_rss_mb": round(child["peak_rss_mb"], 1),
-                    "base_rss_mb": round(child["base_rss_mb"], 1),
-                    "hash_s": round(child["hash_s"], 3),
-                    "bytes_read_mb": round(child["bytes_read"] / 1e6, 1), "io": child["io"],
-                })
-        header = ("clients", "rep", "input_mb", "cat_s", "cat_mb_s", "pyread_mb_s", "agg_s",
+            for cache in ("cold", "warm"):
+                for rep in range(1, args.repeats + 1):
+                    if cache == "cold":
+                        evict(files)
+                    cat_s = time_cat(files)
+                    if cache == "cold":
+                        evict(files)
+                        read_s = float("nan")
+                    else:
+                        read_s = time_python_read(files)
+                    out = work / f"global_{n}_{cache}_{rep}"
+                    if cache == "cold":
+                        evict(files)
+                    child = run_aggregation(dirs, out)
+                    shutil.rmtree(out)
+                    rows.append({
+                        "clients": n, "cache": cache, "rep": rep, "input_mb": round(input_mb, 1),
+                        "cat_s": round(cat_s, 3), "cat_mb_s": round(input_mb / cat_s, 1),
+                        "pyread_s": round(read_s, 3), "pyread_mb_s": round(input_mb / read_s, 1),
+                        "agg_s": round(child["agg_s"], 3), "agg_mb_s": round(input_mb / child["agg_s"], 1),
+                        "ratio_agg_over_cat": round(child["agg_s"] / cat_s, 2),
+                        "open_s": round(child["open_s"], 3),
+                        "peak_rss_mb": round(child["peak_rss_mb"], 1),
+                        "base_rss_mb": round(child["base_rss_mb"], 1),
+                        "hash_s": round(child["hash_s"], 3),
+                        "bytes_read_mb": round(child["bytes_read"] / 1e6, 1), "io": child["io"],
+                    })
+        header = ("clients", "cache", "rep", "input_mb", "cat_s", "cat_mb_s", "pyread_mb_s", "agg_s",
                   "agg_mb_s", "ratio_agg_over_cat", "peak_rss_mb", "base_rss_mb", "hash_s")
         widths = [max(8, len(h)) for h in header]
         print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
