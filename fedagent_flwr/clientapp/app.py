@@ -80,6 +80,7 @@ def train(msg: Message, context: Context) -> Message:
         client_id=client,
         num_clients=int(config["num-clients"]),
         data_seed=int(config["data-seed"]),
+        base_seed=int(config.get("base-seed", 42)),
         algorithm=str(config.get("algorithm", "grpo")),
         local_steps=int(config.get("local-steps", 1)),
         proximal_mu=float(config.get("proximal-mu", 0.0)),

@@ -33,6 +33,7 @@ class TrainJob:
     client_id: int
     num_clients: int
     data_seed: int  # base_seed + 100 * round + client_id (FedAgent's rule)
+    base_seed: int = 42  # the run's seed: partitions are drawn from it, identical in every round
     algorithm: str = "grpo"
     local_steps: int = 1
     proximal_mu: float = 0.0

@@ -651,7 +651,8 @@ def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path]:
     cfg, ignored = GRPOConfig.from_mapping(job.trainer)
     if ignored:
         print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
-    spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients)
+    spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
+                              base_seed=job.base_seed)
     if len(spec.envs) > 1 and any(e.n_envs * job.local_steps > SEEDS_PER_ENTRY for e in spec.envs):
         print(f"{PROG}: note: more than {SEEDS_PER_ENTRY} env seeds per spec entry; later entries "
               "reuse some of the seeds of earlier ones", file=sys.stderr)

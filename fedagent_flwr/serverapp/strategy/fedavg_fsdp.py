@@ -212,6 +212,7 @@ class FedAvgFSDP(FedAvg):
                     "client-id": client,
                     "num-clients": self.num_clients,
                     "data-seed": data_seed(self.base_seed, server_round, client),
+                    "base-seed": self.base_seed,
                     "run-root": self.run_root,
                 }
             )
