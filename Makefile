@@ -9,6 +9,8 @@ FLWR_HOME ?= $(CURDIR)/.flwr
 ARGS ?=
 
 export FLWR_HOME
+# flwr starts flower-superlink, flower-superexec and flwr-simulation by name.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 export FLWR_TELEMETRY_ENABLED = 0
 export FLWR_DISABLE_UPDATE_CHECK = 1
 # Flower would otherwise `uv sync` the app's dependencies (torch included) for every run.

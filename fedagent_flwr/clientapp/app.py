@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -21,6 +21,7 @@ from fedagent_flwr.clientapp import job as jobs
 from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
 
 app = ClientApp()
+T = TypeVar("T")
 
 
 def node_partition(context: Context) -> tuple[int, int]:
@@ -60,6 +61,19 @@ def _json_field(config: ConfigRecord, key: str) -> Any:
         raise ValueError(f"instruction field '{key}' is missing or not JSON: {exc}") from None
 
 
+def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T]) -> T:
+    """Write the job file, run the backend subprocess on it, read back its result file."""
+    job_path = out_dir / f"{mode}_job.json"
+    jobs.save(job, job_path)
+    run_trainer(str(trainer.get("backend", "reference")), mode, job_path, out_dir / f"{mode}.log",
+                label, float(trainer.get("timeout_s", 3600)))
+    result_name = "train_result.json" if mode == "train" else "eval_result.json"
+    try:
+        return jobs.load(result_cls, out_dir / result_name)
+    except jobs.JobFileError as exc:
+        raise TrainerFailed(f"{label}: the {mode} run finished without a usable result: {exc}") from None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train this client's partition for one round and reply with checkpoint references."""
@@ -87,16 +101,8 @@ def train(msg: Message, context: Context) -> Message:
         partition=_json_field(config, "partition-json"),
         trainer=_trainer_knobs(trainer),
     )
-    job_path = out_dir / "train_job.json"
-    jobs.save(job, job_path)
-    label = f"client {client} round {server_round}"
     started = time.monotonic()
-    run_trainer(str(trainer.get("backend", "reference")), "train", job_path, out_dir / "train.log",
-                label, float(trainer.get("timeout_s", 3600)))
-    try:
-        result = jobs.load(jobs.TrainResult, out_dir / "train_result.json")
-    except jobs.JobFileError as exc:
-        raise TrainerFailed(f"{label}: trainer finished without a usable result: {exc}") from None
+    result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult)
     actor = CheckpointRef.for_directory(result.actor_dir, "actor", result.actor_format)  # type: ignore[arg-type]
     reply_config: dict[str, Any] = {"client-id": client, "train-dir": str(out_dir), **actor.to_config("actor")}
     if result.critic_dir:
@@ -127,15 +133,8 @@ def evaluate(msg: Message, context: Context) -> Message:
         seeds=[int(s) for s in config["eval-seeds"]],  # type: ignore[union-attr]
         trainer=_trainer_knobs(trainer),
     )
-    job_path = out_dir / "eval_job.json"
-    jobs.save(job, job_path)
-    label = f"client {client} eval round {server_round}"
-    run_trainer(str(trainer.get("backend", "reference")), "evaluate", job_path, out_dir / "eval.log",
-                label, float(trainer.get("timeout_s", 3600)))
-    try:
-        result = jobs.load(jobs.EvalResult, out_dir / "eval_result.json")
-    except jobs.JobFileError as exc:
-        raise TrainerFailed(f"{label}: evaluation finished without a usable result: {exc}") from None
+    result = _run_job("evaluate", job, out_dir, f"client {client} eval round {server_round}", trainer,
+                      jobs.EvalResult)
     metrics = {
         "num-examples": int(result.num_episodes),
         "success-rate": float(result.success_rate),
