@@ -97,14 +97,12 @@ class RunSettings:
     num_rounds: int
     seed: int
     model_path: str
-    critic_path: str
     total_clients: int
     clients_per_round: int
     mode: str
     local_client_id: int
     algorithm: str
     local_steps: int
-    epochs: int
     env_name: str
     train_env_spec: dict[str, Any]
     val_env_spec: dict[str, Any]
@@ -226,14 +224,12 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         num_rounds=_typed(raw, "num_rounds", int, lambda v: v >= 1, ">= 1"),
         seed=_typed(raw, "seed", int),
         model_path=_typed(raw, "model.path", str),
-        critic_path=_typed(raw, "model.critic_path", str),
         total_clients=total,
         clients_per_round=min(per_round, total),
         mode=mode,
         local_client_id=local_id,
         algorithm=algorithm,
         local_steps=_typed(raw, "train.local_steps", int, lambda v: v >= 1, ">= 1"),
-        epochs=_typed(raw, "train.epochs", int, lambda v: v >= 1, ">= 1"),
         env_name=_typed(raw, "env.name", str),
         train_env_spec=specs["train"],
         val_env_spec=specs["val"],

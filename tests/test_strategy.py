@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,15 @@ def _task_identity() -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
 
 
-def _reply(client: int, ref: CheckpointRef, episodes: int) -> Message:
+def _reply(client: int, ref: CheckpointRef, episodes: float, metrics: dict | None = None) -> Message:
+    """A train reply as client ``client``'s node (node 100 + client) would send it."""
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+    values = {"num-examples": episodes, "reward-mean": 0.5, "success-rate": 0.25} if metrics is None else metrics
     content = RecordDict({
         "config": ConfigRecord({"client-id": client, **ref.to_config("actor")}),
-        "metrics": MetricRecord({"num-examples": episodes, "reward-mean": 0.5, "success-rate": 0.25}),
+        "metrics": MetricRecord(values),
     })
-    return Message(content, dst_node_id=100 + client, message_type="train")
+    return Message(content, reply_to=instruction)
 
 
 def _error_reply(client: int) -> Message:
@@ -40,13 +44,16 @@ def _error_reply(client: int) -> Message:
     return Message(Error(code=0, reason="trainer exited with code 1"), reply_to=instruction)
 
 
-def _strategy(tmp_path: Path, initial: CheckpointRef) -> tuple[FedAvgFSDP, Path]:
+def _strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgFSDP] = FedAvgFSDP,
+              clients: int = 6) -> tuple[FedAvgFSDP, Path]:
     run_root = tmp_path / "run"
     run_root.mkdir()
     recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated", "strategy": "fedavg"})
-    strategy = FedAvgFSDP(run_root=str(run_root), initial_model=initial, num_clients=6, clients_per_round=6,
-                          recorder=recorder)
-    strategy._node_of_client = {c: 100 + c for c in range(6)}
+    strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients,
+                   recorder=recorder)
+    # What configure_train would have established: node 100 + c serves client c, all selected.
+    strategy._node_of_client = {c: 100 + c for c in range(clients)}
+    strategy._selected = list(range(clients))
     return strategy, run_root
 
 
@@ -56,7 +63,7 @@ def _initial(tmp_path: Path) -> CheckpointRef:
 
 
 def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=3)
     refs = {c: CheckpointRef.for_directory(suite.copy(name, run_root)) for c, name in
             enumerate(["qwen_a", "qwen_b", "qwen_plain"])}
     episodes = {0: 4, 1: 8, 2: 12}
@@ -119,10 +126,48 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
     summary = json.loads((run_root / "federated_summary.json").read_text())
     assert summary["rounds"][1]["aggregated_actor"] is None and summary["final_model"] == round_one.path
     assert hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest() == digest
-    # A round that would write over an existing global model refuses instead of overwriting it.
-    again = CheckpointRef.for_directory(suite.copy("qwen_c", run_root))
-    with pytest.raises(Exception, match="exists"):
-        strategy.aggregate_train(1, [_reply(0, again, 4)])
-    assert hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest() == digest
     assert torch.equal(load_file(str(Path(round_one.path) / "model.safetensors"))["lm_head.weight"],
                        suite.expected("qwen_a")["lm_head.weight"].float())
+
+
+def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: Suite, tmp_path: Path) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    ref = {c: CheckpointRef.for_directory(suite.copy(n, run_root)) for c, n in
+           [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain")]}
+    spoofed = _reply(3, ref[3], 4)
+    spoofed.content["config"]["client-id"] = 0  # node of client 3 claims to be client 0
+    replies = [_reply(0, ref[0], 4), _reply(1, ref[1], 0), _reply(2, ref[2], 4, {"reward-mean": 1.0}), spoofed]
+    strategy._absent = {5: "no SuperNode serves this partition now"}
+    strategy.aggregate_train(1, replies)  # client 4 never answers, client 5 was absent
+    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
+    assert entry["client_actor_ids"] == [0]
+    rejected = entry["rejected"]
+    assert "'num-examples' = 0.0 is not a positive number" in rejected["1"]
+    assert "malformed reply" in rejected["2"] and "num-examples" in rejected["2"]
+    assert "claims client 0" in rejected["3"]
+    assert rejected["4"] == "no reply within the round timeout"
+    assert rejected["5"] == "no SuperNode serves this partition now"
+
+
+class _DamageWhileStreaming(FedAvgFSDP):
+    """Damages client 1's shard after every check passed, as a failing disk would."""
+
+    def aggregate_checkpoints(self, server_round, sources, out_dir, reference):  # type: ignore[no-untyped-def]
+        for reader, _ in sources:
+            for shard in Path(reader.directory).glob("model_world_size_2_rank_1.pt"):
+                os.truncate(shard, shard.stat().st_size // 2)
+        return super().aggregate_checkpoints(server_round, sources, out_dir, reference)
+
+
+def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suite: Suite, tmp_path: Path) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), cls=_DamageWhileStreaming, clients=2)
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
+    damaged = CheckpointRef.for_directory(suite.copy("qwen_b", run_root))  # world size 2
+    strategy.aggregate_train(1, [_reply(0, good, 4), _reply(1, damaged, 4)])
+    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
+    assert entry["client_actor_ids"] == [0]
+    assert "model_world_size_2_rank_1.pt" in entry["rejected"]["1"]
+    aggregate = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
+    expected = suite.expected("qwen_a")
+    assert max((aggregate[k] - expected[k].float()).abs().max().item() for k in aggregate) == 0.0
+    assert not [p for p in (run_root / "round_1").iterdir() if p.name.startswith(".")]

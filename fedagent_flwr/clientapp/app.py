@@ -65,8 +65,8 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
     """Write the job file, run the backend subprocess on it, read back its result file."""
     job_path = out_dir / f"{mode}_job.json"
     jobs.save(job, job_path)
-    run_trainer(str(trainer.get("backend", "reference")), mode, job_path, out_dir / f"{mode}.log",
-                label, float(trainer.get("timeout_s", 3600)))
+    run_trainer(str(trainer["backend"]), mode, job_path, out_dir / f"{mode}.log", label,
+                float(trainer["timeout_s"]))
     result_name = "train_result.json" if mode == "train" else "eval_result.json"
     try:
         return jobs.load(result_cls, out_dir / result_name)
@@ -94,19 +94,17 @@ def train(msg: Message, context: Context) -> Message:
         client_id=client,
         num_clients=int(config["num-clients"]),
         data_seed=int(config["data-seed"]),
-        base_seed=int(config.get("base-seed", 42)),
-        algorithm=str(config.get("algorithm", "grpo")),
-        local_steps=int(config.get("local-steps", 1)),
-        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        base_seed=int(config["base-seed"]),
+        algorithm=str(config["algorithm"]),
+        local_steps=int(config["local-steps"]),
+        proximal_mu=float(config.get("proximal-mu", 0.0)),  # only FedProx-style strategies send it
         partition=_json_field(config, "partition-json"),
         trainer=_trainer_knobs(trainer),
     )
     started = time.monotonic()
     result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult)
     actor = CheckpointRef.for_directory(result.actor_dir, "actor", result.actor_format)  # type: ignore[arg-type]
-    reply_config: dict[str, Any] = {"client-id": client, "train-dir": str(out_dir), **actor.to_config("actor")}
-    if result.critic_dir:
-        reply_config.update(CheckpointRef.for_directory(result.critic_dir, "critic").to_config("critic"))
+    reply_config: dict[str, Any] = {"client-id": client, **actor.to_config("actor")}
     metrics = {
         "num-examples": int(result.num_episodes),
         "reward-mean": float(result.metrics.get("reward_mean", 0.0)),

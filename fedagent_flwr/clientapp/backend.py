@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
 
@@ -52,13 +51,18 @@ def run_trainer(
     command = [sys.executable, "-m", BACKEND_MODULES[backend], mode, str(job_path)]
     tail: deque[str] = deque(maxlen=15)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=trainer_environment(), bufsize=1,
         )
-        timer = threading.Timer(timeout_s, process.kill)
+        timed_out = threading.Event()
+
+        def kill_on_timeout() -> None:
+            timed_out.set()
+            process.kill()
+
+        timer = threading.Timer(timeout_s, kill_on_timeout)
         timer.start()
         try:
             assert process.stdout is not None
@@ -73,8 +77,7 @@ def run_trainer(
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    elapsed = time.monotonic() - started
-    if elapsed >= timeout_s and code != 0:
+    if timed_out.is_set():
         raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
     if code != 0:
         last = " | ".join(line for line in tail if line)[-800:]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
+
+from fedagent_flwr.atomic import write_json_atomic
 
 T = TypeVar("T")
 
@@ -76,22 +77,6 @@ class EvalResult:
     success_rate: float
     reward_mean: float
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
-    """Write JSON to a temporary file in the same directory and rename it into place."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from logging import ERROR, INFO
+import json
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,7 @@ from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp.recorder import RunRecorder
-from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from fedagent_flwr.serverapp.strategy.fedavg_fsdp import payload_json
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP
 
 app = ServerApp()
 
@@ -29,6 +29,11 @@ class RunSetupError(AppExitException):
     """The run cannot start (bad config, missing model, unusable output dir)."""
 
     exit_code = ExitCode.SERVERAPP_STRATEGY_PRECONDITION_UNMET
+
+
+def payload_json(value: Any) -> str:
+    """Structured settings (env specs, trainer knobs) travel as JSON strings in ConfigRecords."""
+    return json.dumps(value, sort_keys=True)
 
 
 def run_directory(settings: RunSettings, run_id: int) -> Path:
@@ -67,7 +72,7 @@ def build_strategy(
 ) -> FedAvgFSDP:
     """Instantiate the configured strategy with the run's plan."""
     cls = load_strategy_class(settings.strategy_class)
-    kwargs: dict[str, Any] = dict(
+    planned: dict[str, Any] = dict(
         run_root=str(run_dir),
         initial_model=initial_model,
         num_clients=settings.total_clients,
@@ -79,7 +84,6 @@ def build_strategy(
         train_payload={
             "algorithm": settings.algorithm,
             "local-steps": settings.local_steps,
-            "epochs": settings.epochs,
             "trainer-json": payload_json(settings.trainer),
             "env-spec-json": payload_json(settings.train_env_spec),
             "partition-json": payload_json(settings.partition),
@@ -90,9 +94,12 @@ def build_strategy(
         },
         eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
         recorder=recorder,
-        **settings.strategy_kwargs,
     )
-    if "proximal_mu" in inspect.signature(cls).parameters:
+    clash = sorted(set(planned) & set(settings.strategy_kwargs))
+    if clash:
+        raise ConfigError(f"config key 'strategy.kwargs.{clash[0]}' is set by the run itself and cannot be overridden")
+    kwargs = {**planned, **settings.strategy_kwargs}
+    if issubclass(cls, FedProxFSDP) or "proximal_mu" in inspect.signature(cls).parameters:
         kwargs["proximal_mu"] = settings.proximal_mu
     elif settings.proximal_mu > 0:
         raise ConfigError(
@@ -112,7 +119,7 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "total_clients": settings.total_clients,
         "clients_per_round": settings.clients_per_round,
         "total_rounds": settings.num_rounds,
-        "epochs_per_round": settings.epochs,
+        "epochs_per_round": None,  # the reference trainer counts optimiser steps (local_steps)
         "local_steps": settings.local_steps,
         "env_kind": settings.env_name,
         "mode": settings.mode,
@@ -133,7 +140,7 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federated job described by ``config-name`` + ``overrides`` of the run config."""
-    from fedagent_flwr.models.smollm2 import resolve_model_path
+    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
 
     run_config = context.run_config
     try:
@@ -141,9 +148,13 @@ def main(grid: Grid, context: Context) -> None:
         run_dir = run_directory(settings, context.run_id)
         log(INFO, "[fedagent] run directory: %s", run_dir)
         base = CheckpointRef.for_directory(resolve_model_path(settings.model_path), "actor")
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ModelResolutionError, ValueError, OSError) as exc:
         log(ERROR, "[fedagent] cannot start the run: %s", exc)
         raise RunSetupError(str(exc)) from None
+    if settings.total_clients > 100:
+        log(WARNING, "[fedagent] with more than 100 clients FedAgent's data seed rule "
+            "(seed + 100 * round + client) gives some clients the seed another client had a "
+            "round later")
 
     recorder = RunRecorder(run_dir, summary_header(settings, context.run_id, base))
     try:

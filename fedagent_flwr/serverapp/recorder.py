@@ -7,13 +7,16 @@ rewritten atomically after every round and evaluation, so a crash leaves the las
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 import time
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.clientapp.job import write_json_atomic
+from flwr.common import log
+
+from fedagent_flwr.atomic import atomic_path, write_json_atomic, write_text_atomic
 
 
 class RunRecorder:
@@ -100,26 +103,16 @@ class RunRecorder:
         self.summary["wall_seconds"] = round(time.time() - self._started, 3)
         write_json_atomic(self.summary_path, self.summary)
         lines = "".join(_json_line(event) for event in self.events)
-        _write_text_atomic(self.run_dir / "metrics.jsonl", lines)
+        write_text_atomic(self.run_dir / "metrics.jsonl", lines)
         if self.summary["val_curve"] or self.summary["client_curve"]:
-            plot_learning_curve(self.summary, self.run_dir / "learning_curve.png")
+            try:
+                plot_learning_curve(self.summary, self.run_dir / "learning_curve.png")
+            except Exception as exc:  # a plot is a convenience; it must never stop a run
+                log(WARNING, "[fedagent] learning curve not drawn: %s", exc)
 
 
 def _json_line(event: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(event, sort_keys=True) + "\n"
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
@@ -145,13 +138,14 @@ def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
     right.grid(alpha=0.3)
     if summary["client_curve"]:
         right.legend(fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in (left, right):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     fig.suptitle(f"{summary.get('env_kind', '')} · {summary.get('mode', '')} · {summary.get('strategy', '')}")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)

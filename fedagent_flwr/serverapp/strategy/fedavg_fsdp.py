@@ -19,7 +19,7 @@ Subclasses change the rule by overriding :meth:`aggregation_weights` (weights pe
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
@@ -106,7 +106,6 @@ class FedAvgFSDP(FedAvg):
         super().__init__(**kwargs)
         self.run_root = str(Path(run_root).resolve())
         self.global_model = initial_model
-        self.global_critic: CheckpointRef | None = None
         self.num_clients = num_clients
         self.clients_per_round = clients_per_round
         self.base_seed = base_seed
@@ -119,7 +118,9 @@ class FedAvgFSDP(FedAvg):
         self.recorder = recorder
         self.discovery_timeout = discovery_timeout
         self._node_of_client: dict[int, int] = {}
-        self._started_from: dict[int, CheckpointRef] = {}
+        self._asked_nodes: set[int] = set()
+        self._selected: list[int] = []
+        self._absent: dict[int, str] = {}
 
     # ----------------------------------------------------------------------------- selection
     def select_clients(self, server_round: int) -> list[int]:
@@ -136,26 +137,25 @@ class FedAvgFSDP(FedAvg):
             needed.update(self.select_clients(server_round))
         return sorted(needed)
 
-    def discover_clients(self, grid: Grid) -> dict[int, int]:
-        """Map client (partition) id -> node id by asking every connected node once.
+    def discover_clients(self, grid: Grid, wait: bool = True) -> dict[int, int]:
+        """Map client (partition) id -> node id, asking each newly connected node once.
 
-        Waits until the partitions this run needs are served, up to ``discovery_timeout``.
+        With ``wait`` (the first round) it waits, up to ``discovery_timeout``, until every
+        partition this run will train is served; later rounds take whoever is connected, so a
+        SuperNode that died costs its client that round, not the run.
         """
         needed = set(self.required_clients())
         deadline = time.monotonic() + self.discovery_timeout
-        asked: set[int] = set()
         while True:
             online = set(grid.get_node_ids())
             # Forget nodes that left (deployment), ask nodes we have not asked yet.
-            self._node_of_client = {
-                c: n for c, n in self._node_of_client.items() if n in online
-            }
-            new_nodes = sorted(online - asked)
+            self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
+            new_nodes = sorted(online - self._asked_nodes)
             if new_nodes:
                 self._ask_partitions(grid, new_nodes)
-                asked.update(new_nodes)
+                self._asked_nodes.update(new_nodes)
             missing = needed - set(self._node_of_client)
-            if not missing:
+            if not missing or not wait:
                 return dict(self._node_of_client)
             if time.monotonic() > deadline:
                 raise NoClientsError(
@@ -189,36 +189,37 @@ class FedAvgFSDP(FedAvg):
                     self.num_clients)
             self._node_of_client[partition] = node
 
+    def _instruction(self, message_type: str, node: int, values: dict[str, Any]) -> Message:
+        """One instruction: the global model's reference and ``values``; an empty ArrayRecord."""
+        values = {**values, **self.global_model.to_config("global"), "run-root": self.run_root}
+        record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
+        return Message(record, dst_node_id=node, message_type=message_type)
+
     # ----------------------------------------------------------------------------- train
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send each selected client the global model's reference, its seeds and the knobs."""
-        nodes = self.discover_clients(grid)
+        nodes = self.discover_clients(grid, wait=not self._asked_nodes)
         clients = self.select_clients(server_round)
-        log(INFO, "configure_train: round %d trains clients %s (out of %d)", server_round,
-            clients, self.num_clients)
-        self._started_from = {}
+        self._selected = clients
+        self._absent = {c: "no SuperNode serves this partition now" for c in clients if c not in nodes}
+        log(INFO, "configure_train: round %d trains clients %s (out of %d)%s", server_round, clients,
+            self.num_clients, f"; absent: {sorted(self._absent)}" if self._absent else "")
         messages = []
         for client in clients:
-            values: dict[str, Any] = dict(config)
-            values.update(self.train_payload)
-            values.update(self.global_model.to_config("global"))
-            if self.global_critic is not None:
-                values.update(self.global_critic.to_config("global-critic"))
-            values.update(
-                {
-                    "server-round": server_round,
-                    "client-id": client,
-                    "num-clients": self.num_clients,
-                    "data-seed": data_seed(self.base_seed, server_round, client),
-                    "base-seed": self.base_seed,
-                    "run-root": self.run_root,
-                }
-            )
-            record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
-            messages.append(Message(record, dst_node_id=nodes[client], message_type=MessageType.TRAIN))
-            self._started_from[client] = self.global_model
+            if client in self._absent:
+                continue
+            values = {
+                **dict(config),
+                **self.train_payload,
+                "server-round": server_round,
+                "client-id": client,
+                "num-clients": self.num_clients,
+                "data-seed": data_seed(self.base_seed, server_round, client),
+                "base-seed": self.base_seed,
+            }
+            messages.append(self._instruction(MessageType.TRAIN, nodes[client], values))
         return messages
 
     def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
@@ -241,79 +242,87 @@ class FedAvgFSDP(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check the clients' checkpoint references and average the good ones."""
+        """Check the clients' checkpoint references and average the good ones.
+
+        Every refused client is recorded with its reason (failed, malformed reply, bad
+        checkpoint, no reply, absent); the round goes on with the rest, and keeps the previous
+        global model when nobody is left.
+        """
         valid, errors = self._check_and_log_replies(list(replies), is_train=True, validate=False)
-        rejected: dict[int, str] = {}
+        rejected: dict[int, str] = dict(self._absent)
         client_of_node = {node: client for client, node in self._node_of_client.items()}
         for reply in errors:
             client = client_of_node.get(reply.metadata.src_node_id, -1)
             rejected[client] = str(reply.error.reason)
             log(WARNING, "round %d: client %d failed: %s", server_round, client, reply.error.reason)
-        accepted: list[tuple[Message, int]] = []
+        candidates: list[tuple[Message, int]] = []
         for reply in valid:
-            try:
-                client = int(reply.content[self.configrecord_key]["client-id"])
-                _single_metrics(reply)
-            except (KeyError, TypeError, ValueError) as exc:
-                node = reply.metadata.src_node_id
-                log(WARNING, "round %d: reply of node %d is malformed (%s); skipped", server_round, node, exc)
-                rejected[client_of_node.get(node, -1)] = f"malformed reply: {exc}"
-                continue
-            accepted.append((reply, client))
-        metrics = None
-        if accepted:
-            metrics = self.train_metrics_aggr_fn([r.content for r, _ in accepted], self.weighted_by_key)
-        new_refs: dict[str, CheckpointRef] = {}
-        client_refs: dict[str, dict[int, str]] = {}
-        kinds = ("actor", "critic") if self.global_critic is not None else ("actor",)
-        for kind in kinds:
-            current = self.global_model if kind == "actor" else self.global_critic
-            assert current is not None
-            new_ref, used = self._aggregate_kind(server_round, kind, current, accepted, rejected)
-            client_refs[kind] = used
-            if new_ref is not None:
-                new_refs[kind] = new_ref
+            client = client_of_node.get(reply.metadata.src_node_id, -1)
+            problem = self._reply_problem(reply, client)
+            if problem:
+                log(WARNING, "round %d: reply of client %d refused: %s", server_round, client, problem)
+                rejected[client] = problem
+            else:
+                candidates.append((reply, client))
+        for client in self._selected:
+            if client not in rejected and client not in {c for _, c in candidates}:
+                rejected[client] = "no reply within the round timeout"
+                log(WARNING, "round %d: client %d did not reply in time", server_round, client)
+
         started = self.global_model
-        if "actor" in new_refs:
-            self.global_model = new_refs["actor"]
-            log(INFO, "round %d: new global model %s", server_round, self.global_model.path)
+        new_ref, used = self._aggregate_actor(server_round, candidates, rejected)
+        if new_ref is not None:
+            self.global_model = new_ref
+            log(INFO, "round %d: new global model %s", server_round, new_ref.path)
         else:
             log(WARNING, "round %d: no valid client checkpoint; keeping the previous global model %s",
-                server_round, self.global_model.path)
-        if "critic" in new_refs:
-            self.global_critic = new_refs["critic"]
+                server_round, started.path)
+        metrics = None
+        if used:
+            try:
+                metrics = self.train_metrics_aggr_fn([r.content for r, _, _ in used], self.weighted_by_key)
+            except (KeyError, TypeError, ValueError) as exc:  # metric keys differ between clients
+                log(WARNING, "round %d: client metrics could not be averaged: %s", server_round, exc)
         if self.recorder is not None:
             self.recorder.record_round(
                 server_round=server_round,
-                clients=sorted(self._started_from),
+                clients=list(self._selected),
                 started_from=started.path,
-                client_actors=client_refs.get("actor", {}),
-                aggregated=self.global_model.path if "actor" in new_refs else None,
+                client_actors={c: path for _, c, path in used},
+                aggregated=new_ref.path if new_ref is not None else None,
                 rejected=rejected,
-                client_metrics={c: dict(_single_metrics(r)) for r, c in accepted},
+                client_metrics={c: dict(_single_metrics(r)) for r, c, _ in used},
             )
         return None, metrics
 
-    def _aggregate_kind(
-        self,
-        server_round: int,
-        kind: str,
-        current: CheckpointRef,
-        accepted: list[tuple[Message, int]],
-        rejected: dict[int, str],
-    ) -> tuple[CheckpointRef | None, dict[int, str]]:
-        reference = open_checkpoint(current, check_hash=False)
-        readers: list[CheckpointReader] = []
-        used: list[Message] = []
-        paths: dict[int, str] = {}
+    def _reply_problem(self, reply: Message, client: int) -> str:
+        """Why a (non-error) train reply cannot be used, or "" if it can."""
+        if client < 0:
+            return f"reply from unknown node {reply.metadata.src_node_id}"
         try:
-            for reply, client in accepted:
-                if client in rejected:
-                    continue
+            config = reply.content[self.configrecord_key]
+            if int(config["client-id"]) != client:
+                return f"reply claims client {config['client-id']} but comes from client {client}'s node"
+            weight = float(_single_metrics(reply)[self.weighted_by_key])
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"malformed reply: {exc}"
+        if not math.isfinite(weight) or weight <= 0:
+            return f"'{self.weighted_by_key}' = {weight} is not a positive number"
+        return ""
+
+    def _aggregate_actor(
+        self, server_round: int, candidates: list[tuple[Message, int]], rejected: dict[int, str]
+    ) -> tuple[CheckpointRef | None, list[tuple[Message, int, str]]]:
+        """Open and check each candidate's checkpoint, then average; a client whose checkpoint
+        fails while streaming is refused and the mean is recomputed without it."""
+        reference = open_checkpoint(self.global_model, check_hash=False)
+        opened: list[tuple[Message, int, CheckpointReader]] = []
+        try:
+            for reply, client in candidates:
                 try:
-                    ref = CheckpointRef.from_config(reply.content[self.configrecord_key], kind)
-                    if ref.kind != kind:
-                        raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
+                    ref = CheckpointRef.from_config(reply.content[self.configrecord_key], "actor")
+                    if ref.kind != "actor":
+                        raise CheckpointError(f"reference says kind '{ref.kind}', expected 'actor'")
                     reader = open_checkpoint(ref, root=self.run_root)
                     try:
                         check_compatible(reader, reference)
@@ -321,25 +330,50 @@ class FedAvgFSDP(FedAvg):
                         reader.close()
                         raise
                 except CheckpointError as exc:
-                    log(WARNING, "round %d: %s checkpoint of client %d refused: %s", server_round, kind, client, exc)
-                    rejected[client] = f"{kind}: {exc}"
+                    self._refuse(server_round, client, str(exc), rejected)
                     continue
-                readers.append(reader)
-                used.append(reply)
-                paths[client] = ref.path
-            if not readers:
-                return None, paths
-            weights = self.aggregation_weights(server_round, used)
-            out_dir = Path(self.run_root) / f"round_{server_round}" / ("global" if kind == "actor" else "global_critic")
-            report = self.aggregate_checkpoints(server_round, list(zip(readers, weights)), out_dir, reference)
-            log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
-                server_round, len(readers), kind, report.num_tensors,
-                [round(w, 4) for w in report.weights], report.seconds)
-            return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), paths  # type: ignore[arg-type]
+                opened.append((reply, client, reader))
+            out_dir = Path(self.run_root) / f"round_{server_round}" / "global"
+            while opened:
+                weights = self.aggregation_weights(server_round, [r for r, _, _ in opened])
+                bad = [i for i, w in enumerate(weights) if not (math.isfinite(w) and w > 0)]
+                if bad:
+                    for i in reversed(bad):
+                        _, client, reader = opened.pop(i)
+                        reader.close()
+                        self._refuse(server_round, client, f"aggregation weight {weights[i]} is not positive", rejected)
+                    continue
+                try:
+                    report = self.aggregate_checkpoints(
+                        server_round, [(reader, w) for (_, _, reader), w in zip(opened, weights)], out_dir, reference
+                    )
+                except CheckpointError as exc:
+                    culprits = [i for i, (_, _, reader) in enumerate(opened) if str(reader.directory) in str(exc)]
+                    if not culprits:
+                        log(WARNING, "round %d: aggregation failed: %s", server_round, exc)
+                        for _, client, _ in opened:
+                            rejected.setdefault(client, f"aggregation failed: {exc}")
+                        return None, []
+                    for i in reversed(culprits):
+                        _, client, reader = opened.pop(i)
+                        reader.close()
+                        self._refuse(server_round, client, str(exc), rejected)
+                    continue
+                log(INFO, "round %d: averaged %d checkpoints (%d tensors, weights %s) in %.1f s",
+                    server_round, len(opened), report.num_tensors,
+                    [round(w, 4) for w in report.weights], report.seconds)
+                used = [(reply, client, str(reader.directory)) for reply, client, reader in opened]
+                return CheckpointRef.for_directory(out_dir, "actor", "hf-safetensors"), used
+            return None, []
         finally:
-            for reader in readers:
+            for _, _, reader in opened:
                 reader.close()
             reference.close()
+
+    @staticmethod
+    def _refuse(server_round: int, client: int, reason: str, rejected: dict[int, str]) -> None:
+        log(WARNING, "round %d: checkpoint of client %d refused: %s", server_round, client, reason)
+        rejected[client] = reason
 
     # ----------------------------------------------------------------------------- evaluate
     def configure_evaluate(
@@ -348,24 +382,21 @@ class FedAvgFSDP(FedAvg):
         """Split the validation seeds across the available clients' nodes."""
         if not self.eval_seeds or self.fraction_evaluate == 0.0:
             return []
-        nodes = self.discover_clients(grid)
+        nodes = self.discover_clients(grid, wait=not self._asked_nodes)
+        if not nodes:
+            log(WARNING, "configure_evaluate: round %d: no client is connected; skipping evaluation", server_round)
+            return []
         clients = sorted(nodes)[: max(1, min(len(nodes), len(self.eval_seeds)))]
         messages = []
         for index, client in enumerate(clients):
-            seeds = self.eval_seeds[index :: len(clients)]
-            values: dict[str, Any] = dict(config)
-            values.update(self.eval_payload)
-            values.update(self.global_model.to_config("global"))
-            values.update(
-                {
-                    "server-round": server_round,
-                    "client-id": client,
-                    "eval-seeds": seeds,
-                    "run-root": self.run_root,
-                }
-            )
-            record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
-            messages.append(Message(record, dst_node_id=nodes[client], message_type=MessageType.EVALUATE))
+            values = {
+                **dict(config),
+                **self.eval_payload,
+                "server-round": server_round,
+                "client-id": client,
+                "eval-seeds": self.eval_seeds[index :: len(clients)],
+            }
+            messages.append(self._instruction(MessageType.EVALUATE, nodes[client], values))
         log(INFO, "configure_evaluate: round %d evaluates %s on clients %s (%d episodes)",
             server_round, Path(self.global_model.path).name, clients, len(self.eval_seeds))
         return messages
@@ -411,8 +442,3 @@ def _single_metrics(reply: Message) -> MetricRecord:
     if len(records) != 1:
         raise ValueError(f"expected exactly one MetricRecord, got {len(records)}")
     return records[0]
-
-
-def payload_json(value: Any) -> str:
-    """Encode structured settings (env specs, trainer knobs) as a ConfigRecord string."""
-    return json.dumps(value, sort_keys=True)

@@ -1,0 +1,67 @@
+"""ServerApp and ClientApp plumbing that needs no simulation: strategy loading, run directory,
+trainer subprocess failures and timeouts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.clientapp import backend
+from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
+from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.serverapp.app import build_strategy, load_strategy_class, run_directory
+from fedagent_flwr.serverapp.strategy import FedProxFSDP
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("nowhere.module.Strategy", "cannot be imported"),
+        ("fedagent_flwr.config.ConfigError", "is not a flwr Strategy subclass"),
+        ("flwr.serverapp.strategy.FedAvg", "must subclass fedagent_flwr.serverapp.strategy.FedAvgFSDP"),
+    ],
+)
+def test_strategy_class_errors_name_the_path(path: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_strategy_class(path)
+
+
+def test_build_strategy_checks_kwargs_and_mu(tmp_path: Path, tiny_model_dir: Path) -> None:
+    base = CheckpointRef.for_directory(tiny_model_dir)
+    prox = build_strategy(load_settings(overrides="strategy=fedprox strategy.proximal_mu=0.3"), tmp_path, base, None)
+    assert isinstance(prox, FedProxFSDP) and prox.proximal_mu == 0.3
+    with pytest.raises(ConfigError, match="strategy.kwargs.num_clients"):
+        build_strategy(load_settings(overrides="+strategy.kwargs.num_clients=3"), tmp_path, base, None)
+    with pytest.raises(ConfigError, match="has no effect with FedAvgFSDP"):
+        build_strategy(load_settings(overrides="strategy.proximal_mu=0.1"), tmp_path, base, None)
+    custom = build_strategy(load_settings(overrides="+strategy.kwargs.weighted_by_key=episodes"), tmp_path, base, None)
+    assert custom.weighted_by_key == "episodes"
+
+
+def test_run_directory_is_never_reused(tmp_path: Path) -> None:
+    settings = load_settings(overrides=f"output_dir={tmp_path} run_name=a")
+    run_dir = run_directory(settings, 7)
+    assert run_dir == (tmp_path / "a").resolve()
+    (run_dir / "federated_summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_directory(settings, 7)
+    with pytest.raises(ConfigError, match="plain directory name"):
+        run_directory(load_settings(overrides=f"output_dir={tmp_path} run_name=../x"), 7)
+
+
+def test_trainer_failure_and_timeout_give_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(backend.BACKEND_MODULES, "sleepy", "tests.sleepy_backend")
+    job = tmp_path / "job.json"
+    with pytest.raises(TrainerFailed) as info:
+        run_trainer("sleepy", "fail", job, tmp_path / "fail.log", "client 3 round 2", timeout_s=60)
+    message = str(info.value)
+    assert message.startswith("client 3 round 2: sleepy trainer exited with code 3")
+    assert "something went wrong in the trainer" in message and str(tmp_path / "fail.log") in message
+    with pytest.raises(TrainerFailed, match="killed after the 2 s timeout"):
+        run_trainer("sleepy", "30", job, tmp_path / "slow.log", "client 0 round 1", timeout_s=2)
+    log = (tmp_path / "slow.log").read_text()
+    assert "sleepy backend 30" in log and "finished sleeping" not in log  # killed, not waited for
+    with pytest.raises(TrainerFailed, match="unknown trainer backend 'nope'"):
+        run_trainer("nope", "train", job, tmp_path / "x.log", "client 0 round 1", timeout_s=5)
