@@ -4,6 +4,8 @@ with the reference trainer, the server averaging their real checkpoints every ro
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,11 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {e["event"] for e in events} == {"train", "aggregate", "evaluate"}
+    # The user-facing audit command agrees: every round's aggregate matches its recorded sources.
+    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
+                           capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.count(" ok") == 2
 
 
 def test_custom_strategy_by_dotted_path_and_a_crashing_client(

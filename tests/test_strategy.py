@@ -171,3 +171,15 @@ def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suit
     expected = suite.expected("qwen_a")
     assert max((aggregate[k] - expected[k].float()).abs().max().item() for k in aggregate) == 0.0
     assert not [p for p in (run_root / "round_1").iterdir() if p.name.startswith(".")]
+
+
+def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tmp_path: Path) -> None:
+    from fedagent_flwr.checkpoint.verify import main as verify
+
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
+    refs = [CheckpointRef.for_directory(suite.copy(n, run_root)) for n in ("qwen_a", "qwen_b")]
+    strategy.aggregate_train(1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
+    assert verify([str(run_root)]) == 0
+    shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # a client file altered afterwards
+    assert verify([str(run_root)]) == 1
