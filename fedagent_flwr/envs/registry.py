@@ -18,6 +18,8 @@ E = TypeVar("E", bound=type[BaseTextEnv])
 # lower-cased name -> module whose import registers it. Add service-backed envs here.
 _BUILTIN_MODULES: dict[str, str] = {
     "tinyguess": "fedagent_flwr.envs.tiny_guess",
+    "webshop": "fedagent_flwr.envs.webshop.env",
+    "service": "fedagent_flwr.envs.service.client",
 }
 
 _REGISTRY: dict[str, type[BaseTextEnv]] = {}
