@@ -106,6 +106,7 @@ class RunSettings:
     env_name: str
     train_env_spec: dict[str, Any]
     val_env_spec: dict[str, Any]
+    env_service: dict[str, Any]
     trainer: dict[str, Any]
     strategy_name: str
     strategy_class: str
@@ -233,6 +234,11 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         env_name=_typed(raw, "env.name", str),
         train_env_spec=specs["train"],
         val_env_spec=specs["val"],
+        env_service={
+            "enabled": _typed(raw, "env.service.enabled", bool),
+            "pool_size": _typed(raw, "env.service.pool_size", int, lambda v: v >= 1, ">= 1"),
+            "startup_timeout_s": _typed(raw, "env.service.startup_timeout_s", float, lambda v: v > 0, "> 0"),
+        },
         trainer=trainer,
         strategy_name=_typed(raw, "strategy.name", str),
         strategy_class=_typed(raw, "strategy.class_path", str, lambda v: "." in v,

@@ -122,3 +122,31 @@ def test_bad_config_stops_the_run_at_start(superlink: SuperLink, tmp_path: Path)
     output = proc.stdout + proc.stderr
     assert "unknown config key 'num_roundz'" in output, output[-4000:]
     assert not list(tmp_path.glob("*/federated_summary.json"))
+
+
+def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from fedagent_flwr.launch import pids_with_cmdline
+
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} env=tinyguess_service num_rounds=1 eval.num_episodes=2 "
+        "trainer.max_new_tokens=8",
+        supernodes=2,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    partitions = {}
+    for client in (0, 1):
+        (health,) = json.loads((run_dir / "round_1" / f"client_{client}" / "service_health.json").read_text())
+        assert health["ready"] and health["env"] == "TinyGuess"
+        assert health["partition"]["strategy"] == "uniform" and health["partition"]["client_id"] == client
+        partitions[client] = health["partition"]["goal_indices"]
+        job = json.loads((run_dir / "round_1" / f"client_{client}" / "train_job.json").read_text())
+        assert job["env_spec"]["envs"][0]["name"] == "Service"  # the trainer played over HTTP
+        logs = sorted(p.name for p in (run_dir / "services" / f"client_{client}").glob("*.log"))
+        assert logs == ["train_0.json.log", "val_0.json.log"]  # a separate validation service
+        assert not list((run_dir / "services" / f"client_{client}").glob("*.json"))  # stopped, forgotten
+    assert partitions == {0: [0, 1, 2, 3, 4], 1: [5, 6, 7, 8, 9]}  # uniform over secrets 1..10
+    assert "2 env service(s) stopped" in output or "4 env service(s) stopped" in output
+    assert pids_with_cmdline(str(run_dir / "services")) == []  # no service outlives the run

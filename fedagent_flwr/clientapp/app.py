@@ -18,7 +18,9 @@ from flwr.clientapp import ClientApp
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.clientapp import job as jobs
+from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
+from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services
 
 app = ClientApp()
 T = TypeVar("T")
@@ -40,6 +42,14 @@ def report_partition(msg: Message, context: Context) -> Message:
     """Tell the server which client partition this node trains."""
     partition, count = node_partition(context)
     return Message(RecordDict({"config": ConfigRecord({"partition-id": partition, "num-partitions": count})}), reply_to=msg)
+
+
+@app.query("shutdown")
+def shutdown(msg: Message, context: Context) -> Message:
+    """End of the run: stop the env services this node started for it."""
+    partition, _ = node_partition(context)
+    stopped = stop_client_services(str(msg.content["config"]["run-root"]), partition)
+    return Message(RecordDict({"metrics": MetricRecord({"services-stopped": len(stopped)})}), reply_to=msg)
 
 
 def _global_model(config: ConfigRecord, prefix: str = "global") -> CheckpointRef:
@@ -84,12 +94,24 @@ def train(msg: Message, context: Context) -> Message:
     if partition != client:
         raise ValueError(f"instruction for client {client} reached the node of partition {partition}")
     start_model = _global_model(config)
-    out_dir = Path(str(config["run-root"])) / f"round_{server_round}" / f"client_{client}"
+    run_root = str(config["run-root"])
+    out_dir = Path(run_root) / f"round_{server_round}" / f"client_{client}"
     trainer = _json_field(config, "trainer-json")
+    env_spec, partition = _json_field(config, "env-spec-json"), _json_field(config, "partition-json")
+    service = _json_field(config, "service-json")
+    if service["enabled"]:
+        # This client's own partitioned services: the service applies the partition, the
+        # trainer talks to it over HTTP.
+        env_spec, managers = serve_env_spec(
+            env_spec, split="train", run_root=run_root, client_id=client, settings=service,
+            partition=partition, num_clients=int(config["num-clients"]), base_seed=int(config["base-seed"]),
+        )
+        write_json_atomic(out_dir / "service_health.json", [m.health() for m in managers])
+        partition = {"strategy": "none"}
     job = jobs.TrainJob(
         model_path=start_model.path,
         output_dir=str(out_dir),
-        env_spec=_json_field(config, "env-spec-json"),
+        env_spec=env_spec,
         round=server_round,
         client_id=client,
         num_clients=int(config["num-clients"]),
@@ -98,7 +120,7 @@ def train(msg: Message, context: Context) -> Message:
         algorithm=str(config["algorithm"]),
         local_steps=int(config["local-steps"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)),  # only FedProx-style strategies send it
-        partition=_json_field(config, "partition-json"),
+        partition=partition,
         trainer=_trainer_knobs(trainer),
     )
     started = time.monotonic()
@@ -121,12 +143,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     client = int(config["client-id"])
     server_round = int(config["server-round"])
     model = _global_model(config)
-    out_dir = Path(str(config["run-root"])) / f"round_{server_round}" / "eval" / f"client_{client}"
+    run_root = str(config["run-root"])
+    out_dir = Path(run_root) / f"round_{server_round}" / "eval" / f"client_{client}"
     trainer = _json_field(config, "trainer-json")
+    env_spec = _json_field(config, "env-spec-json")
+    service = _json_field(config, "service-json")
+    if service["enabled"]:
+        # A separate, unperturbed validation service: never the client's training world.
+        env_spec, _ = serve_env_spec(env_spec, split="val", run_root=run_root, client_id=client, settings=service)
     job = jobs.EvalJob(
         model_path=model.path,
         output_dir=str(out_dir),
-        env_spec=_json_field(config, "env-spec-json"),
+        env_spec=env_spec,
         round=server_round,
         seeds=[int(s) for s in config["eval-seeds"]],  # type: ignore[union-attr]
         trainer=_trainer_knobs(trainer),

@@ -87,10 +87,12 @@ def build_strategy(
             "trainer-json": payload_json(settings.trainer),
             "env-spec-json": payload_json(settings.train_env_spec),
             "partition-json": payload_json(settings.partition),
+            "service-json": payload_json(settings.env_service),
         },
         eval_payload={
             "trainer-json": payload_json(settings.trainer),
             "env-spec-json": payload_json(settings.val_env_spec),
+            "service-json": payload_json(settings.env_service),
         },
         eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
         recorder=recorder,
@@ -180,6 +182,11 @@ def main(grid: Grid, context: Context) -> None:
     except BaseException as exc:
         recorder.finish("failed", f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        try:
+            strategy.shutdown_clients(grid)
+        except Exception as exc:  # never mask the run's own outcome
+            log(WARNING, "[fedagent] could not tell the nodes to shut down: %s", exc)
     recorder.finish("completed")
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
     log(INFO, "[fedagent] summary: %s", recorder.summary_path)

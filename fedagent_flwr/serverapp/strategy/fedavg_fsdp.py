@@ -44,6 +44,7 @@ from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.recorder import RunRecorder
 
 QUERY_PARTITION = "query.partition"
+QUERY_SHUTDOWN = "query.shutdown"
 
 
 class NoClientsError(RuntimeError):
@@ -426,6 +427,23 @@ class FedAvgFSDP(FedAvg):
         log(INFO, "")
         log(INFO, "[ROUND 0]")
         return self.aggregate_evaluate(0, grid.send_and_receive(messages, timeout=timeout))
+
+    def shutdown_clients(self, grid: Grid, timeout: float = 120.0) -> None:
+        """Tell every known node the run is over, so it stops what it started (env services)."""
+        messages = [
+            Message(RecordDict({"config": ConfigRecord({"run-root": self.run_root})}), dst_node_id=node,
+                    message_type=QUERY_SHUTDOWN)
+            for node in sorted(set(self._node_of_client.values()))
+        ]
+        if not messages:
+            return
+        stopped = 0
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            if reply.has_error():
+                log(WARNING, "Node %d did not shut down cleanly: %s", reply.metadata.src_node_id, reply.error.reason)
+            else:
+                stopped += int(reply.content["metrics"]["services-stopped"])
+        log(INFO, "[fedagent] run over: %d node(s) told, %d env service(s) stopped", len(messages), stopped)
 
     def summary(self) -> None:
         """Log the strategy's settings, as Flower's strategies do."""

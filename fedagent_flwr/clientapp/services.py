@@ -1,0 +1,85 @@
+"""Per-node env services: each client serves its own partition of each environment over HTTP.
+
+FedAgent runs one service per client, and the service decides the client's world. Here the
+ClientApp starts (or reuses, or restarts) one service per env-spec entry and split under the
+run directory, records it in a state file so that later messages, which in deployment run in
+fresh processes, find it again, and rewrites the trainer's env spec to point at the services.
+A final ``shutdown`` query from the ServerApp stops them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.envs.registry import get_env_class
+from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
+from fedagent_flwr.envs.spec import load_env_spec
+from fedagent_flwr.hetero import partition_goals
+
+SERVICE_ENV = "Service"
+
+
+def services_dir(run_root: str | Path, client_id: int) -> Path:
+    """Where a client's service state files and logs live."""
+    return Path(run_root) / "services" / f"client_{client_id}"
+
+
+def client_partition(
+    env_name: str, env_config: dict[str, Any], partition: dict[str, Any], client_id: int,
+    num_clients: int, base_seed: int,
+) -> dict[str, Any]:
+    """The partition description a client's service is started with (echoed by /health)."""
+    num_goals = get_env_class(env_name).num_goals(env_config)
+    strategy = str(partition.get("strategy") or "none")
+    description: dict[str, Any] = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients}
+    if num_goals is not None and strategy != "none":
+        description["goal_indices"] = partition_goals(
+            strategy, client_id, num_clients, num_goals, partition, base_seed
+        )
+    return description
+
+
+def serve_env_spec(
+    spec: dict[str, Any],
+    *,
+    split: str,
+    run_root: str | Path,
+    client_id: int,
+    settings: dict[str, Any],
+    partition: dict[str, Any] | None = None,
+    num_clients: int = 1,
+    base_seed: int = 42,
+) -> tuple[dict[str, Any], list[EnvServiceManager]]:
+    """Make sure this client's services for ``spec`` run; return the spec pointed at them.
+
+    ``partition`` None means the unperturbed validation world (the whole goal pool).
+    """
+    entries = load_env_spec(spec).envs
+    state_dir = services_dir(run_root, client_id)
+    served, managers = [], []
+    for index, entry in enumerate(entries):
+        config = entry.env_config()
+        part = (
+            client_partition(entry.name, config, partition, client_id, num_clients, base_seed)
+            if partition is not None
+            else {"strategy": "none", "split": "validation"}
+        )
+        launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part)
+        manager = EnvServiceManager.attach_or_create(
+            state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])
+        )
+        url = manager.ensure_running()
+        managers.append(manager)
+        served.append({"name": SERVICE_ENV, "n_envs": entry.n_envs, "max_turns": entry.max_turns,
+                       "config": {"url": url, "env": entry.name}})
+    return {"envs": served}, managers
+
+
+def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
+    """Stop every service recorded for this client; return the state files handled."""
+    stopped = []
+    for state_file in sorted(services_dir(run_root, client_id).glob("*.json")):
+        EnvServiceManager.attach(state_file).stop()
+        stopped.append(state_file.name)
+    return stopped
