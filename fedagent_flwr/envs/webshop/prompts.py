@@ -1,0 +1,132 @@
+"""WebShop prompts and FedAgent's action projection (spec §7).
+
+Two prompt styles exist in FedAgent:
+
+* "concat" (this project's episode runner): a fixed system message, then one user turn per
+  observation (:func:`concat_user_turn`);
+* "windowed" (the paper's verl-agent 0.3.1 default): one self-contained user message per step
+  carrying the last two (observation, action) pairs (:func:`windowed_prompt`).
+
+The observation text is FedAgent 0.8's raw env observation by default; :func:`baseline_observation`
+gives the 0.3.1 baseline's quoted form.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SEP = " [SEP] "
+CJK_RE = re.compile("[\u4e00-\u9fff]")
+
+CONCAT_SYSTEM_PROMPT = (
+    "You are an expert autonomous agent operating in the WebShop e-commerce environment. Each turn, "
+    "first reason step-by-step about the current situation inside <think> </think> tags, then choose exactly "
+    "one admissible action and present it inside <action> </action> tags."
+)
+
+# U+2011 in "e‑commerce" and the trailing spaces after "environment.", "are:" and "tags." are upstream's.
+_WINDOWED_INTRO = "You are an expert autonomous agent operating in the WebShop e\u2011commerce environment. \n"
+_WINDOWED_TAIL = (
+    "Your admissible actions of the current situation are: \n[\n{available_actions}\n].\n\n"
+    "Now it's your turn to take one action for the current step.\n"
+    "You should first reason step-by-step about the current situation, then think carefully which "
+    "admissible action best advances the shopping goal. This reasoning process MUST be enclosed within "
+    "<think> </think> tags. \n"
+    "Once you've finished your reasoning, you should choose an admissible action for current step and "
+    "present it within <action> </action> tags.\n"
+)
+WEBSHOP_TEMPLATE_NO_HIS = (
+    "\n" + _WINDOWED_INTRO + "Your task is to: {task_description}.\n"
+    "Your current observation is: {current_observation}.\n" + _WINDOWED_TAIL
+)
+WEBSHOP_TEMPLATE = (
+    "\n" + _WINDOWED_INTRO + "Your task is to: {task_description}.\n"
+    "Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
+    "{history_length} observations and the corresponding actions you took: {action_history}\n"
+    "You are now at step {current_step} and your current observation is: {current_observation}.\n"
+    + _WINDOWED_TAIL
+)
+#: Windowed prompts longer than this fall back to the no-history template.
+MAX_WINDOWED_CHARS = 13000
+HISTORY_LENGTH = 2
+
+
+def project_action(text: str) -> tuple[str, bool]:
+    """FedAgent's ``webshop_projection``: (action, is_valid) of a model reply.
+
+    Lowercases; without both ``<action>``/``</action>`` tags the action is the last 20 characters and
+    the reply is invalid. Otherwise the action is the text between the first tags (empty if the close
+    tag comes first); the reply is invalid without ``<think>``/``</think>`` in the original text or
+    with CJK characters.
+    """
+    lowered = text.lower()
+    start_tag, end_tag = "<action>", "</action>"
+    if start_tag not in lowered or end_tag not in lowered:
+        return lowered[-20:], False
+    start = lowered.find(start_tag) + len(start_tag)
+    end = lowered.find(end_tag)
+    action = lowered[start:end].strip() if end >= start else ""
+    valid = "<think>" in text and "</think>" in text and CJK_RE.search(text) is None
+    return action, valid
+
+
+def admissible_actions_text(available: Mapping[str, Any]) -> str:
+    """``'search[<your query>]',`` (if there is a search bar) and ``'click[x]',`` lines, newline-joined."""
+    actions = ["search[<your query>]"] if available.get("has_search_bar") else []
+    actions += [f"click[{c}]" for c in available.get("clickables", [])]
+    return "\n".join(f"'{a}'," for a in actions)
+
+
+def task_from_observation(observation: str) -> str:
+    """The task: the first non-empty segment after "Instruction:" (FedAgent 0.8 client)."""
+    parts = observation.split(SEP)
+    if "Instruction:" in parts:
+        for part in parts[parts.index("Instruction:") + 1:]:
+            if part.strip():
+                return part.strip()
+    return observation
+
+
+def baseline_observation(observation: str) -> str:
+    """The 0.3.1 baseline's ``format_obs``: quoted segments after the instruction (raw if none)."""
+    parts = observation.split(SEP)
+    if "Instruction:" not in parts:
+        return observation
+    rest = parts[parts.index("Instruction:") + 2:]
+    return SEP.join(f"'{p}'" for p in rest)
+
+
+def concat_user_turn(observation: str, available: Mapping[str, Any], task: str | None = None) -> str:
+    """One user turn of concat mode; the first turn (``task`` given) starts with the task line."""
+    body = (
+        f"Your current observation is: {observation}.\n"
+        f"Your admissible actions of the current situation are:\n[\n{admissible_actions_text(available)}\n]."
+    )
+    return f"Your task is to: {task}.\n{body}" if task is not None else body
+
+
+def windowed_prompt(
+    task: str,
+    observation: str,
+    available: Mapping[str, Any],
+    memory: Sequence[tuple[str, str]] = (),
+    history_length: int = HISTORY_LENGTH,
+) -> str:
+    """The windowed single-message prompt; ``memory`` = (observation before, projected action) per step."""
+    actions = admissible_actions_text(available)
+    no_history = WEBSHOP_TEMPLATE_NO_HIS.format(
+        task_description=task, current_observation=observation, available_actions=actions)
+    if not memory:
+        return no_history
+    start = max(len(memory) - history_length, 0)
+    history = "".join(
+        f"\n[Observation {i + 1}: '{obs}', Action {i + 1}: '{act}']"
+        for i, (obs, act) in enumerate(memory) if i >= start
+    ).strip()
+    prompt = WEBSHOP_TEMPLATE.format(
+        task_description=task, step_count=len(memory), history_length=history_length,
+        action_history=history, current_step=len(memory) + 1, current_observation=observation,
+        available_actions=actions)
+    return prompt if len(prompt) <= MAX_WINDOWED_CHARS else no_history
