@@ -150,3 +150,31 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
     assert partitions == {0: [0, 1, 2, 3, 4], 1: [5, 6, 7, 8, 9]}  # uniform over secrets 1..10
     assert "2 env service(s) stopped" in output or "4 env service(s) stopped" in output
     assert pids_with_cmdline(str(run_dir / "services")) == []  # no service outlives the run
+
+
+WEBSHOP_DATA = REPO.parent / "shared" / "data" / "webshop"
+
+
+@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),
+                    reason=f"WebShop data not found at {WEBSHOP_DATA}")
+def test_webshop_two_clients_on_their_own_partitioned_services(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} "
+        "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=3 env.val.envs.0.max_turns=3 "
+        "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=2048 "
+        "partition.min_goals_per_client=10",
+        supernodes=2,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    assert [e["aggregated_actor"] is not None for e in summary["rounds"]] == [True, True]
+    goals = {}
+    for client in (0, 1):
+        for r in (1, 2):
+            (health,) = json.loads((run_dir / f"round_{r}" / f"client_{client}" / "service_health.json").read_text())
+            assert health["env"] == "WebShop" and health["partition"]["client_id"] == client
+            goals.setdefault(client, health["partition"]["goal_indices"])
+            assert health["partition"]["goal_indices"] == goals[client]  # same service, both rounds
+    assert goals[0] and goals[1] and not set(goals[0]) & set(goals[1])  # disjoint uniform slices
