@@ -596,3 +596,32 @@ def test_server_module_refuses_bad_arguments() -> None:
         capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert result.returncode == 2 and "unknown environment 'NoSuchEnv'" in result.stderr
+
+
+def test_service_exits_with_its_owner_so_a_crash_leaves_no_orphan(tmp_path: Path) -> None:
+    # The owner stands in for the node's long-lived process (a Ray actor, a SuperNode) that
+    # dies without a clean shutdown: SIGKILL, so no shutdown message ever arrives.
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        launch = ServiceLaunch(env="TinyGuess", config=TINY_CONFIG, pool_size=1, owner_pid=owner.pid)
+        manager = EnvServiceManager(launch, tmp_path / "svc.json")
+        manager.ensure_running()
+        service_pid = manager.pid
+        assert service_pid is not None and manager.is_alive()
+        # Another process of the same node (new owner pid) reuses the running service.
+        same = EnvServiceManager.attach_or_create(tmp_path / "svc.json", dataclasses.replace(launch, owner_pid=os.getpid()))
+        assert same.pid == service_pid
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 60  # bounded wait for the watchdog (checks every 2 s)
+        while Path(f"/proc/{service_pid}").exists() and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(service_pid, os.WNOHANG)  # reap it: we are its parent here
+            time.sleep(0.2)
+        assert not Path(f"/proc/{service_pid}").exists(), "the service outlived its owner"
+        assert "owner process" in manager.log_file.read_text()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        with contextlib.suppress(Exception):
+            EnvServiceManager.attach(tmp_path / "svc.json").stop()

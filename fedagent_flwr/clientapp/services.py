@@ -9,6 +9,7 @@ A final ``shutdown`` query from the ServerApp stops them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,30 @@ from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.hetero import partition_goals
 
 SERVICE_ENV = "Service"
+
+
+def node_owner_pid() -> int:
+    """The long-lived process of this node, which the services watch and die with.
+
+    In deployment every message runs in a fresh ``flwr-clientapp`` process under the
+    ``flower-supernode``: the SuperNode is the owner. In simulation the ClientApp runs in a Ray
+    actor that lives for the whole run: this process is the owner.
+    """
+    pid = os.getpid()
+    current = pid
+    for _ in range(8):
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            break
+        if parent <= 1:
+            break
+        if b"flower-supernode" in cmdline:
+            return parent
+        current = parent
+    return pid
 
 
 def services_dir(run_root: str | Path, client_id: int) -> Path:
@@ -65,7 +90,8 @@ def serve_env_spec(
             if partition is not None
             else {"strategy": "none", "split": "validation"}
         )
-        launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part)
+        launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part,
+                               owner_pid=node_owner_pid())
         manager = EnvServiceManager.attach_or_create(
             state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])
         )

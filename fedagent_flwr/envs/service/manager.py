@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,6 +54,7 @@ class ServiceLaunch:
     create_timeout_s: float | None = None
     max_body_bytes: int | None = None
     log_level: str = "warning"
+    owner_pid: int | None = None  # the service exits when this process is gone
 
     def command(self, ready_file: Path, python: str) -> list[str]:
         """The command line of the server module for this launch."""
@@ -73,6 +74,8 @@ class ServiceLaunch:
             cmd += ["--create-timeout", str(self.create_timeout_s)]
         if self.max_body_bytes is not None:
             cmd += ["--max-body-bytes", str(self.max_body_bytes)]
+        if self.owner_pid is not None:
+            cmd += ["--owner-pid", str(self.owner_pid)]
         return cmd
 
 
@@ -249,7 +252,9 @@ class EnvServiceManager:
                 existing = cls.attach(path, **kwargs)
             except EnvServiceError:
                 existing = None
-            if existing is not None and existing.launch == launch:
+            # The owner is whoever started the service; another process of the same node may ask
+            # for the same service (a simulation node can move between Ray actors).
+            if existing is not None and replace(existing.launch, owner_pid=None) == replace(launch, owner_pid=None):
                 return existing
             if existing is not None:
                 existing.stop()

@@ -128,20 +128,51 @@ class _ReadyFileServer(uvicorn.Server):
             write_text_atomic(self.ready_file, self.url + "\n")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def _exit_with_owner(server: uvicorn.Server, owner_pid: int, interval_s: float = 2.0) -> None:
+    """Stop serving once the owner process is gone.
+
+    The service runs in its own session so that stopping it never touches its owner; the price
+    is that nothing stops it when the owner dies without a clean shutdown (a crash, SIGKILL,
+    Ctrl-C of the run). Watching the owner closes that gap: no orphaned services.
+    """
+    while not server.should_exit:
+        if not process_alive(owner_pid):
+            logging.getLogger(__name__).warning("owner process %d is gone; shutting down", owner_pid)
+            server.should_exit = True
+            return
+        await asyncio.sleep(interval_s)
+
+
 async def serve(
     setup: ServiceEnvSetup,
     settings: ServiceSettings,
     sock: socket.socket,
     ready_file: str | Path | None = None,
     log_level: str = "warning",
+    owner_pid: int | None = None,
 ) -> None:
-    """Serve the env service on an already listening socket until SIGTERM/SIGINT."""
+    """Serve the env service on an already listening socket until SIGTERM/SIGINT (or until
+    ``owner_pid`` exits, when given)."""
     app = create_service_app(setup.factory, settings)
     # No websockets: the protocol is plain request/reply, and it keeps the deprecated
     # websockets.legacy import (and its warning) out of the process.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", ws="none")
     server = _ReadyFileServer(config, socket_url(sock), Path(ready_file) if ready_file else None)
-    await server.serve(sockets=[sock])
+    watchdog = asyncio.create_task(_exit_with_owner(server, owner_pid)) if owner_pid else None
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 def _json_object(text: str, flag: str) -> dict[str, Any]:
@@ -173,6 +204,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest accepted request body")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--owner-pid", type=int, default=None,
+                        help="exit when this process is gone (the node's long-lived process)")
     return parser.parse_args(argv)
 
 
@@ -200,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"env service {settings.env_name} listening on {socket_url(sock)} (pool {args.pool})",
           file=sys.stderr, flush=True)
     try:
-        asyncio.run(serve(setup, settings, sock, args.ready_file, args.log_level.lower()))
+        asyncio.run(serve(setup, settings, sock, args.ready_file, args.log_level.lower(), args.owner_pid))
     finally:
         sock.close()
     return 0

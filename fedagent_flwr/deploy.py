@@ -1,0 +1,201 @@
+"""Files a SuperLink/SuperNode deployment needs: TLS certificates, node keys, the connection config.
+
+Production sites should use certificates from their own CA; :func:`make_tls_files` writes a
+self-signed CA and a server certificate for local testing and small private federations. Node
+authentication keys must be elliptic-curve keys in OpenSSH format (Flower loads them with
+``load_ssh_private_key``), which :func:`make_node_key` writes.
+
+    python -m fedagent_flwr.deploy tls DIR --host 10.0.0.5 [--host superlink.example.org]
+    python -m fedagent_flwr.deploy node-key DIR/supernode-0
+    python -m fedagent_flwr.deploy connection FLWR_HOME NAME ADDRESS --root-certificates DIR/ca.crt
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for ``flower-superlink --ssl-ca-certfile/--ssl-certfile/--ssl-keyfile``."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """A SuperNode's key pair: ``--auth-supernode-private-key`` and the ``flwr supernode register`` file."""
+
+    private_key: Path
+    public_key: Path
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+def _san_entry(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | list[str] = ("127.0.0.1",),
+                   days: int = 365) -> TlsFiles:
+    """Write ``ca.crt``, ``server.pem`` and ``server.key`` into ``directory``.
+
+    ``hosts`` are the addresses SuperNodes and ``flwr`` use to reach the SuperLink (IP addresses
+    or DNS names); each becomes a subjectAltName of the server certificate, which TLS checks.
+    The CA's private key is not kept: nothing else can be signed with it later.
+    """
+    if not hosts:
+        raise ValueError("the server certificate needs at least one host (IP address or DNS name)")
+    out = Path(directory)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedagent-flwr test CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name).issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    server_key = ec.generate_private_key(ec.SECP384R1())
+    server_cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName([_san_entry(h) for h in hosts]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    pem = serialization.Encoding.PEM
+    return TlsFiles(
+        ca_cert=_write(out / "ca.crt", ca_cert.public_bytes(pem)),
+        server_cert=_write(out / "server.pem", server_cert.public_bytes(pem)),
+        server_key=_write(out / "server.key", server_key.private_bytes(
+            pem, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()), private=True),
+    )
+
+
+def make_node_key(path: str | os.PathLike[str]) -> NodeKey:
+    """Write an ECDSA (P-384) key pair in OpenSSH format: ``path`` and ``path.pub``.
+
+    The same files ``ssh-keygen -t ecdsa -b 384 -N "" -f path`` would write.
+    """
+    private = Path(path)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private_bytes = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                      serialization.NoEncryption())
+    public_bytes = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                 serialization.PublicFormat.OpenSSH)
+    return NodeKey(private_key=_write(private, private_bytes, private=True),
+                   public_key=_write(private.with_name(private.name + ".pub"), public_bytes + b"\n"))
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def connection_toml(name: str, address: str, root_certificates: str | os.PathLike[str] | None = None,
+                    insecure: bool = False, default: bool = True) -> str:
+    """A Flower configuration (``$FLWR_HOME/config.toml``) with one SuperLink connection.
+
+    TLS is the default: give ``root_certificates`` (the CA that signed the SuperLink's
+    certificate), or ``insecure=True`` for local testing only.
+    """
+    if not name or not all(ch.isalnum() or ch in "-_" for ch in name):
+        raise ValueError(f"connection name {name!r} must be letters, digits, '-' or '_'")
+    if insecure == (root_certificates is not None):
+        raise ValueError("give either root_certificates (TLS) or insecure=True, not both or neither")
+    lines = []
+    if default:
+        lines += ["[superlink]", f"default = {_toml_string(name)}", ""]
+    lines += [f"[superlink.{name}]", f"address = {_toml_string(address)}"]
+    if insecure:
+        lines.append("insecure = true")
+    else:
+        lines.append(f"root-certificates = {_toml_string(str(Path(root_certificates).resolve()))}")  # type: ignore[arg-type]
+    return "\n".join(lines) + "\n"
+
+
+def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
+                     root_certificates: str | os.PathLike[str] | None = None, insecure: bool = False) -> Path:
+    """Write ``flwr_home/config.toml`` holding just this connection (made the default); return its path.
+
+    An existing file is replaced; to keep other connections, append :func:`connection_toml`
+    with ``default=False`` to it instead.
+    """
+    return _write(Path(flwr_home) / "config.toml",
+                  connection_toml(name, address, root_certificates, insecure).encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.deploy", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    tls = sub.add_parser("tls", help="self-signed CA + SuperLink server certificate")
+    tls.add_argument("directory")
+    tls.add_argument("--host", action="append", required=True,
+                     help="address SuperNodes use to reach the SuperLink (repeat for several)")
+    tls.add_argument("--days", type=int, default=365)
+    key = sub.add_parser("node-key", help="ECDSA key pair in OpenSSH format for one SuperNode")
+    key.add_argument("path")
+    conn = sub.add_parser("connection", help="write FLWR_HOME/config.toml with one connection")
+    conn.add_argument("flwr_home")
+    conn.add_argument("name")
+    conn.add_argument("address")
+    group = conn.add_mutually_exclusive_group(required=True)
+    group.add_argument("--root-certificates")
+    group.add_argument("--insecure", action="store_true", help="no TLS: local testing only")
+    args = parser.parse_args(argv)
+    if args.command == "tls":
+        files = make_tls_files(args.directory, args.host, args.days)
+        print(f"CA certificate:     {files.ca_cert}  (give to every SuperNode and flwr user)")
+        print(f"server certificate: {files.server_cert}")
+        print(f"server key:         {files.server_key}  (SuperLink only)")
+    elif args.command == "node-key":
+        pair = make_node_key(args.path)
+        print(f"private key: {pair.private_key}  (this SuperNode only)")
+        print(f"public key:  {pair.public_key}  (flwr supernode register)")
+    else:
+        print(write_connection(args.flwr_home, args.name, args.address, args.root_certificates, args.insecure))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
