@@ -9,35 +9,65 @@ environment exposes a goal pool. Validation always uses the full, unpartitioned 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec, EnvSpecEntry, load_env_spec
+from fedagent_flwr.hetero.common import GoalInfo
+from fedagent_flwr.hetero.task import (
+    coverage_partition,
+    coverage_strategy,
+    hardness_partition,
+    hardness_strategy,
+    load_hardness_labels,
+    preference_partition,
+    preference_strategy,
+    task_disjoint_partition,
+    task_disjoint_strategy,
+)
 from fedagent_flwr.hetero.uniform import PartitionError, uniform_partition
 
 __all__ = [
+    "GOAL_INFO_STRATEGIES",
+    "GoalInfo",
     "PartitionError",
     "STRATEGIES",
+    "coverage_partition",
+    "hardness_partition",
+    "load_hardness_labels",
+    "preference_partition",
+    "task_disjoint_partition",
     "partition_env_spec",
     "partition_goals",
     "uniform_partition",
 ]
 
-# strategy name -> fn(client_id, num_clients, num_goals, knobs, base_seed) -> goal indices
-GoalPartitioner = Callable[[int, int, int, Mapping[str, Any], int], list[int]]
+# strategy name -> fn(client_id, num_clients, num_goals, knobs, base_seed, goal_info) -> goal indices
+GoalPartitioner = Callable[[int, int, int, Mapping[str, Any], int, "Sequence[GoalInfo] | None"], list[int]]
 
 
-def _none(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int) -> list[int]:
+def _none(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int,
+          goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     # FedAgent's "" strategy: every client samples the whole pool.
     return list(range(num_goals))
 
 
-def _uniform(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int) -> list[int]:
+def _uniform(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int,
+             goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     return uniform_partition(client_id, num_clients, num_goals, int(knobs.get("min_goals_per_client", 0)))
 
 
-STRATEGIES: dict[str, GoalPartitioner] = {"none": _none, "uniform": _uniform}
+STRATEGIES: dict[str, GoalPartitioner] = {
+    "none": _none,
+    "uniform": _uniform,
+    "task_disjoint": task_disjoint_strategy,
+    "preference": preference_strategy,
+    "coverage": coverage_strategy,
+    "hardness": hardness_strategy,
+}
+#: Strategies that read goal metadata (``goal_info``: one :class:`GoalInfo` per pool goal).
+GOAL_INFO_STRATEGIES = frozenset({"preference", "hardness"})
 # FedAgent spells "no partition" as an empty string.
 _ALIASES = {"": "none", "iid": "none"}
 
@@ -47,7 +77,7 @@ def _strategy_key(strategy: str | None) -> str:
     key = _ALIASES.get(key, key)
     if key not in STRATEGIES:
         raise PartitionError(
-            f"unknown partition strategy {strategy!r} (known: {', '.join(sorted(STRATEGIES))})"
+            f"unknown partition strategy {strategy!r} (known: {', '.join(STRATEGIES)})"
         )
     return key
 
@@ -59,15 +89,20 @@ def partition_goals(
     num_goals: int,
     knobs: Mapping[str, Any] | None = None,
     base_seed: int = 42,
+    goal_info: Sequence[GoalInfo] | None = None,
 ) -> list[int]:
-    """Goal indices of ``client_id`` under ``strategy`` ("none" = all goals, "uniform" = slice).
+    """Goal indices (sorted, distinct, in ``range(num_goals)``) of ``client_id`` under ``strategy``.
 
-    ``knobs`` holds the strategy's parameters (``min_goals_per_client`` for "uniform"); keys a
-    strategy does not use are ignored, so one partition config can serve several strategies.
-    ``base_seed`` is part of the contract for randomised strategies; "none" and "uniform" are
-    pure arithmetic and do not use it.
+    Strategies: "none" (all goals), "uniform" (slice), "task_disjoint" (FedAgent's n//N slice),
+    "preference" (knob ``omega``), "coverage" (``size_std``), "hardness" (``success_std``, optional
+    ``trajectories_file``); all honour ``min_goals_per_client`` (absent: 0 for "uniform", FedAgent's
+    100 for the others). ``knobs`` keys a strategy does not use are ignored, so one partition config
+    can serve several strategies. ``base_seed`` seeds the randomised strategies ("none", "uniform"
+    and "task_disjoint" are pure arithmetic). ``goal_info[i]`` describes pool goal ``i``; it is
+    required by the strategies in :data:`GOAL_INFO_STRATEGIES` and ignored by the others.
     """
-    return STRATEGIES[_strategy_key(strategy)](client_id, num_clients, num_goals, dict(knobs or {}), base_seed)
+    return STRATEGIES[_strategy_key(strategy)](client_id, num_clients, num_goals, dict(knobs or {}), base_seed,
+                                               goal_info)
 
 
 def partition_env_spec(
@@ -81,7 +116,9 @@ def partition_env_spec(
 
     ``partition`` is the job's partition config: ``{"strategy": ..., <knobs>}`` (empty or
     missing strategy = "none"). Entries whose environment has no goal pool (``num_goals`` is
-    None) are left as they are; with strategy "none" the spec is returned unchanged.
+    None) are left as they are; with strategy "none" the spec is returned unchanged. Strategies
+    that need goal metadata call the environment class's ``goal_info(config)`` classmethod (one
+    :class:`GoalInfo` per pool goal) and fail with :class:`PartitionError` when it has none.
     """
     env_spec = load_env_spec(spec)
     knobs = dict(partition or {})
@@ -95,7 +132,13 @@ def partition_env_spec(
         if pool is None:
             entries.append(entry)
             continue
-        goals = partition_goals(key, client_id, num_clients, pool, knobs, base_seed)
+        goal_info = None
+        if key in GOAL_INFO_STRATEGIES:
+            provider = getattr(env_cls, "goal_info", None)
+            if provider is None:
+                raise PartitionError(f"partition strategy {key!r} needs goal metadata, which {entry.name} does not provide")
+            goal_info = provider(entry.config)
+        goals = partition_goals(key, client_id, num_clients, pool, knobs, base_seed, goal_info)
         restricted = env_cls.restrict_goals(entry.config, goals)
         entries.append(EnvSpecEntry(entry.name, entry.n_envs, entry.max_turns, restricted))
     return EnvSpec(envs=tuple(entries))
