@@ -217,9 +217,14 @@ def coverage_partition(
     generator, so all clients agree on it and each returns its own part.
     """
     check_args(client_id, num_clients, num_goals)
+    return coverage_assignment(num_clients, num_goals, min_goals_per_client, size_std, base_seed)[client_id]
+
+
+def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
+                        size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[list[int]]:
+    """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
     sizes = coverage_sizes(num_clients, num_goals, min_goals_per_client, size_std, base_seed)
-    parts = assign_with_overlap(sizes, num_goals, shared_rng(base_seed, "coverage-assign"))
-    return parts[client_id]
+    return assign_with_overlap(sizes, num_goals, shared_rng(base_seed, "coverage-assign"))
 
 
 # --- hardness -------------------------------------------------------------------------------------
