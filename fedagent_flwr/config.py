@@ -207,14 +207,29 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             f"config key 'strategy.weights' has {len(weights)} entries but clients.total is {total}"
         )
     partition = dict(_get(raw, "partition"))
-    _typed(raw, "partition.strategy", str, lambda v: v in ("none", "uniform"), "'none' or 'uniform'")
+    from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, STRATEGIES
+
+    strategy = _typed(raw, "partition.strategy", str, lambda v: v in STRATEGIES, f"one of {sorted(STRATEGIES)}")
     _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
+    for knob, check, expect in (("omega", lambda v: 0 < v < 1, "in (0, 1)"),
+                                ("size_std", lambda v: v > 0, "> 0"), ("success_std", lambda v: v > 0, "> 0")):
+        if knob in partition:
+            partition[knob] = _typed(raw, f"partition.{knob}", float, check, expect)
     specs = {}
     for split in ("train", "val"):
         try:
             specs[split] = load_env_spec(_get(raw, f"env.{split}")).to_dict()
         except ValueError as exc:
             raise ConfigError(f"config key 'env.{split}': {exc}") from None
+    if strategy in GOAL_INFO_STRATEGIES:
+        from fedagent_flwr.envs.registry import get_env_class
+
+        for entry in specs["train"]["envs"]:
+            if not hasattr(get_env_class(entry["name"]), "goal_info"):
+                raise ConfigError(
+                    f"config key 'partition.strategy' = {strategy!r} needs goal metadata, which "
+                    f"environment {entry['name']} does not provide (use it with env=webshop)"
+                )
     kwargs = _get(raw, "strategy.kwargs")
     if not isinstance(kwargs, dict):
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")

@@ -16,7 +16,7 @@ from typing import Any
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.envs.spec import load_env_spec
-from fedagent_flwr.hetero import partition_goals
+from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, partition_goals
 
 SERVICE_ENV = "Service"
 
@@ -55,12 +55,15 @@ def client_partition(
     num_clients: int, base_seed: int,
 ) -> dict[str, Any]:
     """The partition description a client's service is started with (echoed by /health)."""
-    num_goals = get_env_class(env_name).num_goals(env_config)
+    env_cls = get_env_class(env_name)
+    num_goals = env_cls.num_goals(env_config)
     strategy = str(partition.get("strategy") or "none")
-    description: dict[str, Any] = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients}
+    description: dict[str, Any] = {**partition, "strategy": strategy, "client_id": client_id,
+                                   "num_clients": num_clients}
     if num_goals is not None and strategy != "none":
+        goal_info = env_cls.goal_info(env_config) if strategy in GOAL_INFO_STRATEGIES else None
         description["goal_indices"] = partition_goals(
-            strategy, client_id, num_clients, num_goals, partition, base_seed
+            strategy, client_id, num_clients, num_goals, partition, base_seed, goal_info
         )
     return description
 

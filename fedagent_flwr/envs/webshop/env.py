@@ -203,6 +203,14 @@ class WebShopEnv(BaseTextEnv):
         return len(indices) if indices is not None else size
 
     @classmethod
+    def goal_info(cls, config: Mapping[str, Any]) -> list[Any]:
+        """Metadata (category, task id, hardness label, ASIN) of each pool goal, for the
+        partitions that need it (preference, hardness)."""
+        from fedagent_flwr.envs.webshop.goal_info import goal_info_for_config
+
+        return goal_info_for_config(config)
+
+    @classmethod
     def restrict_goals(cls, config: Mapping[str, Any], goal_indices: Sequence[int]) -> dict[str, Any]:
         """Copy of ``config`` limited to the given pool indices (composes with an existing restriction)."""
         pool = cls.num_goals(config) or 0
