@@ -215,6 +215,14 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
                                 ("size_std", lambda v: v > 0, "> 0"), ("success_std", lambda v: v > 0, "> 0")):
         if knob in partition:
             partition[knob] = _typed(raw, f"partition.{knob}", float, check, expect)
+    if strategy == "hardness":
+        labels = _typed(raw, "partition.trajectories_file", str)
+        if not labels or not Path(labels).expanduser().is_file():
+            raise ConfigError(
+                f"config key 'partition.trajectories_file' = {labels!r} must name the success-label file "
+                "(e.g. <webshop data dir>/hardness/qwen2.5-1.5b_webshop_trajectories.json)"
+            )
+        partition["trajectories_file"] = str(Path(labels).expanduser().resolve())
     specs = {}
     for split in ("train", "val"):
         try:

@@ -70,3 +70,14 @@ def test_client_selection_follows_fedagent_rule() -> None:
     assert select_clients(3, 4, 4, 42) == [0, 1, 2, 3]
     assert select_clients(3, 4, 2, 42, local_client_id=1) == [1]
     assert data_seed(42, 2, 3) == 42 + 200 + 3
+
+
+def test_partition_strategies_and_knobs_are_checked() -> None:
+    assert load_settings(overrides="env=webshop partition=coverage partition.size_std=0.5").partition["size_std"] == 0.5
+    for override, message in [
+        ("partition=preference", "needs goal metadata, which environment TinyGuess does not provide"),
+        ("env=webshop partition=preference partition.omega=1.5", "config key 'partition.omega'"),
+        ("env=webshop partition=hardness", "config key 'partition.trajectories_file'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_settings(overrides=override)
