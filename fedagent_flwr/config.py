@@ -209,9 +209,14 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     partition = dict(_get(raw, "partition"))
     from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, STRATEGIES
 
-    strategy = _typed(raw, "partition.strategy", str, lambda v: v in STRATEGIES, f"one of {sorted(STRATEGIES)}")
+    from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
+
+    known = sorted({*STRATEGIES, *ENV_LEVEL_STRATEGIES})
+    strategy = _typed(raw, "partition.strategy", str, lambda v: v in known, f"one of {known}")
     _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
     for knob, check, expect in (("omega", lambda v: 0 < v < 1, "in (0, 1)"),
+                                ("env_div", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                ("keep_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
                                 ("size_std", lambda v: v > 0, "> 0"), ("success_std", lambda v: v > 0, "> 0")):
         if knob in partition:
             partition[knob] = _typed(raw, f"partition.{knob}", float, check, expect)
@@ -238,7 +243,21 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
                     f"config key 'partition.strategy' = {strategy!r} needs goal metadata, which "
                     f"environment {entry['name']} does not provide (use it with env=webshop)"
                 )
-    kwargs = _get(raw, "strategy.kwargs")
+    if strategy in ENV_LEVEL_STRATEGIES:
+        from fedagent_flwr.envs.registry import get_env_class
+
+        if not _get(raw, "env.service.enabled"):
+            raise ConfigError(
+                f"config key 'partition.strategy' = {strategy!r} changes the client's environment, "
+                "which its env service builds: set env.service.enabled=true (env=webshop does)"
+            )
+        for entry in specs["train"]["envs"]:
+            if not hasattr(get_env_class(entry["name"]), "service_setup"):
+                raise ConfigError(
+                    f"config key 'partition.strategy' = {strategy!r} is an environment-level arm that "
+                    f"environment {entry['name']} does not support (use it with env=webshop)"
+                )
+        kwargs = _get(raw, "strategy.kwargs")
     if not isinstance(kwargs, dict):
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
     return RunSettings(

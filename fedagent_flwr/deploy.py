@@ -45,7 +45,9 @@ class NodeKey:
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(fd, mode)  # also when the file existed with other permissions
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     return path

@@ -41,6 +41,13 @@ def stop_group(group: int, grace_s: float = 15.0) -> None:
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
+        # Reap members that are our own children: an exited but unreaped child (a zombie) keeps
+        # its group "alive" and would make us wait out the whole grace period.
+        try:
+            while os.waitpid(-group, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
         try:
             os.killpg(group, 0)
         except ProcessLookupError:

@@ -102,4 +102,7 @@ def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) ->
         yield SuperLink(env=env, connection="test", log_file=log_file, process=process)
     finally:
         stop_superlink_tree(process.pid)
-        process.wait(timeout=5)
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # already reaped by stop_superlink_tree
+            pass

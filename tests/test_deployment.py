@@ -1,6 +1,7 @@
 """End to end in Flower's deployment runtime: a real SuperLink and two real SuperNodes on
 loopback, with TLS (a self-signed CA generated here) and SuperNode authentication, running the
-default job with the tiny model; and a SuperNode whose key was never registered is refused."""
+default job with the tiny model; and a SuperNode whose key was never registered is refused.
+The fast tests at the end check the generated certificates, keys and connection config."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fedagent_flwr.deploy import connection_toml, make_node_key, make_tls_files
 from tests.deployment_harness import CONNECTION, Deployment, tls_deployment
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     assert running.leftovers() == []
 
 
+@pytest.mark.slow
 def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
     deployment: Deployment, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -49,13 +50,15 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
     assert summary["final_model"] == previous
     # Each message ran in a fresh flwr-clientapp process under its SuperNode.
     for node in deployment.supernodes:
-        assert "flwr-clientapp" in node.log() or "Receiving: train message" in node.log(), node.log()[-2000:]
+        log = node.log()
+        assert "Receiving: train message" in log and "Start `flwr-clientapp` process" in log, log[-2000:]
     audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.count(" ok") == 2
 
 
+@pytest.mark.slow
 def test_a_supernode_with_an_unregistered_key_is_refused(deployment: Deployment) -> None:
     intruder = deployment.start_supernode(0, 2, deployment.new_node_key("intruder"), name="intruder")
     returncode = intruder.process.wait(timeout=300)  # a hang guard: refusal comes at the first contact
@@ -70,3 +73,47 @@ def test_a_supernode_with_an_unregistered_key_is_refused(deployment: Deployment)
                   for line in node.log().splitlines() if "SuperNode ID:" in line}
     assert {n["node-id"] for n in listed} == registered and len(registered) == 2, listed
     assert {n["status"] for n in listed} == {"online"}, listed
+
+
+def test_tls_files_chain_to_the_ca_and_name_the_hosts(tmp_path: Path) -> None:
+    import ipaddress
+
+    from cryptography import x509
+
+    files = make_tls_files(tmp_path, hosts=("127.0.0.1", "superlink.example.org"))
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert san.get_values_for_type(x509.DNSName) == ["superlink.example.org"]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert files.server_key.stat().st_mode & 0o777 == 0o600
+
+
+def test_node_keys_are_ec_in_openssh_format(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    pair = make_node_key(tmp_path / "node")
+    private = load_ssh_private_key(pair.private_key.read_bytes(), password=None)
+    public = load_ssh_public_key(pair.public_key.read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey)
+    assert private.public_key().public_numbers() == public.public_numbers()
+    assert pair.private_key.stat().st_mode & 0o777 == 0o600
+
+
+def test_connection_config_is_tls_unless_insecure_is_explicit(tmp_path: Path) -> None:
+    import tomllib
+
+    text = connection_toml("site", "10.0.0.5:8000", root_certificates=tmp_path / "ca.crt")
+    parsed = tomllib.loads(text)["superlink"]
+    assert parsed["default"] == "site"
+    assert parsed["site"] == {"address": "10.0.0.5:8000", "root-certificates": str((tmp_path / "ca.crt").resolve())}
+    assert tomllib.loads(connection_toml("local", "127.0.0.1:8000", insecure=True))["superlink"]["local"]["insecure"]
+    with pytest.raises(ValueError, match="either root_certificates"):
+        connection_toml("site", "10.0.0.5:8000")
+    with pytest.raises(ValueError, match="either root_certificates"):
+        connection_toml("site", "10.0.0.5:8000", root_certificates="ca.crt", insecure=True)
+    with pytest.raises(ValueError, match="connection name"):
+        connection_toml("a.b", "10.0.0.5:8000", insecure=True)

@@ -178,3 +178,24 @@ def test_webshop_two_clients_on_their_own_partitioned_services(
             goals.setdefault(client, health["partition"]["goal_indices"])
             assert health["partition"]["goal_indices"] == goals[client]  # same service, both rounds
     assert goals[0] and goals[1] and not set(goals[0]) & set(goals[1])  # disjoint uniform slices
+
+
+@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),
+                    reason=f"WebShop data not found at {WEBSHOP_DATA}")
+def test_webshop_catalog_split_gives_each_client_its_own_catalogue(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} partition=catalog_split "
+        "num_rounds=1 env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
+        "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=2048",
+        supernodes=2,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    described = {}
+    for client in (0, 1):
+        (health,) = json.loads((run_dir / "round_1" / f"client_{client}" / "service_health.json").read_text())
+        assert health["variant"]["strategy"] == "catalog_split" and health["variant"]["client_id"] == client
+        described[client] = health["info"]["variant"]
+    assert described[0] != described[1]  # two different worlds, echoed by /health

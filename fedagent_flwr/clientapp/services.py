@@ -17,6 +17,7 @@ from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, partition_goals
+from fedagent_flwr.hetero.env_level import variant_request
 
 SERVICE_ENV = "Service"
 
@@ -53,19 +54,27 @@ def services_dir(run_root: str | Path, client_id: int) -> Path:
 def client_partition(
     env_name: str, env_config: dict[str, Any], partition: dict[str, Any], client_id: int,
     num_clients: int, base_seed: int,
-) -> dict[str, Any]:
-    """The partition description a client's service is started with (echoed by /health)."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(partition, variant) a client's service is started with; both are echoed by /health.
+
+    Task-level strategies choose the client's goals (``goal_indices``); environment-level ones
+    (catalog_split, lookalike, ...) describe how the client's world differs (the variant), and
+    the service resolves them against its data.
+    """
     env_cls = get_env_class(env_name)
-    num_goals = env_cls.num_goals(env_config)
     strategy = str(partition.get("strategy") or "none")
     description: dict[str, Any] = {**partition, "strategy": strategy, "client_id": client_id,
                                    "num_clients": num_clients}
+    variant = variant_request(strategy, client_id, num_clients, partition, base_seed)
+    if variant is not None:
+        return description, variant
+    num_goals = env_cls.num_goals(env_config)
     if num_goals is not None and strategy != "none":
         goal_info = env_cls.goal_info(env_config) if strategy in GOAL_INFO_STRATEGIES else None
         description["goal_indices"] = partition_goals(
             strategy, client_id, num_clients, num_goals, partition, base_seed, goal_info
         )
-    return description
+    return description, {}
 
 
 def serve_env_spec(
@@ -88,13 +97,13 @@ def serve_env_spec(
     served, managers = [], []
     for index, entry in enumerate(entries):
         config = entry.env_config()
-        part = (
+        part, variant = (
             client_partition(entry.name, config, partition, client_id, num_clients, base_seed)
             if partition is not None
-            else {"strategy": "none", "split": "validation"}
+            else ({"strategy": "none", "split": "validation"}, {})
         )
         launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part,
-                               owner_pid=node_owner_pid())
+                               variant=variant, owner_pid=node_owner_pid())
         manager = EnvServiceManager.attach_or_create(
             state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])
         )

@@ -50,6 +50,14 @@ EnvFactory = Callable[[int], BaseTextEnv]
 
 
 @dataclass(frozen=True)
+class ServiceEnvSetup:
+    """How a service builds its pool: the per-slot factory and env facts for ``/health``."""
+
+    factory: EnvFactory
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ServiceSettings:
     """What a service hosts and how; fixed for the life of the service.
 

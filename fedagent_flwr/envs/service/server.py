@@ -23,7 +23,6 @@ import logging
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,15 @@ from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.service.app import (
     DEFAULT_CREATE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
-    EnvFactory,
+    ServiceEnvSetup,
     ServiceSettings,
     create_service_app,
 )
 
+__all__ = ["ServiceEnvSetup", "bind_socket", "build_env_setup", "serve", "socket_url"]
+
 
 DEFAULT_HOST = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class ServiceEnvSetup:
-    """How a service builds its pool: the per-slot factory and env facts for ``/health``."""
-
-    factory: EnvFactory
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 def build_env_setup(

@@ -20,7 +20,14 @@ Config keys (all optional except the data location):
   ``observation_format`` ("raw", FedAgent 0.8's default, or "baseline", the 0.3.1 quoted form),
   ``search_seed`` (seeds the ``<r>`` random-search keyword, combined with the episode seed),
   ``bm25_in_memory`` ({fields, k1, b}: FedAgent's in-memory BM25Okapi backend instead of the
-  Lucene-style one; also chosen, with FedAgent's default fields, when extra products are given).
+  Lucene-style one; also chosen, with FedAgent's default fields, when extra products are given),
+  ``rank_wrapper`` ({type, seed, shuffle_k, p}: FedAgent's V5 re-ranking over the in-memory BM25,
+  one RNG per env instance; see :mod:`fedagent_flwr.envs.webshop.variants`).
+
+Environment-level heterogeneity (``catalog_split``, ``bm25_field_subset``, ``bm25_reweight``,
+``lookalike``, ``rank_wrapper``) reaches a service as a small ``variant`` request, which
+:meth:`WebShopEnv.service_setup` resolves into the keys above
+(:func:`fedagent_flwr.envs.webshop.variants.variant_env_config`).
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ def _search_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
     products select the in-memory BM25Okapi backend; otherwise the Lucene-style bm25s index is used.
     """
     spec = config.get("bm25_in_memory")
-    if spec is None and not config.get("extra_product_files"):
+    if spec is None and not config.get("extra_product_files") and not config.get("rank_wrapper"):
         return ("lucene",)
     spec = spec or {}
     if not isinstance(spec, Mapping) or set(spec) - {"fields", "k1", "b"}:
@@ -183,6 +190,11 @@ class WebShopEnv(BaseTextEnv):
         if catalog is not None and (isinstance(catalog, str) or not isinstance(catalog, Sequence)):
             raise EnvConfigError(f"WebShop config 'catalog' must be a list of ASINs, got {catalog!r}")
         self.world, self.search_index = shared_world(self.config)
+        if self.config.get("rank_wrapper") is not None:
+            from fedagent_flwr.envs.webshop.variants import rank_wrapper_search
+
+            # Per instance: the wrapper's RNG is the env instance's, as in FedAgent.
+            self.search_index = rank_wrapper_search(self.search_index, self.config["rank_wrapper"])
         self.offset, self.pool_size = _split_bounds(self.config)
         self.goal_indices = _goal_indices(self.config, self.pool_size)
         self.engine = WebShopEngine(
@@ -223,6 +235,46 @@ class WebShopEnv(BaseTextEnv):
         current = _goal_indices(config, size)
         chosen = [current[g] for g in goal_indices] if current is not None else [int(g) for g in goal_indices]
         return {**dict(config), "goal_indices": chosen}
+
+    @classmethod
+    def service_setup(
+        cls, config: Mapping[str, Any], partition: Mapping[str, Any], variant: Mapping[str, Any]
+    ) -> Any:
+        """The service pool for a client: ``partition`` (``goal_indices``) and ``variant`` applied.
+
+        Without a variant this is the generic setup (goals restricted by the partition, one
+        instance built up front so config errors surface before the port is bound). With one, the
+        request is resolved by :func:`~fedagent_flwr.envs.webshop.variants.variant_env_config`;
+        ``/health`` info then carries its short description under ``"variant"``.
+        """
+        from fedagent_flwr.envs.webshop.variants import variant_env_config
+
+        from fedagent_flwr.envs.service.app import ServiceEnvSetup
+
+        effective = dict(config)
+        resolved = None
+        if variant:
+            effective, resolved = variant_env_config(effective, variant)
+        goal_indices = (partition or {}).get("goal_indices")
+        if goal_indices is not None:
+            if resolved is not None and resolved.goal_indices is not None:
+                raise EnvConfigError(
+                    f"the {resolved.strategy} variant chooses the goals itself; the partition must not set goal_indices"
+                )
+            effective = cls.restrict_goals(effective, list(goal_indices))
+        probe = cls(effective)
+        catalog = effective.get("catalog")
+        info: dict[str, Any] = {
+            "num_goals": cls.num_goals(effective),
+            "catalog_size": len(set(catalog)) if catalog is not None else len(probe.world.products),
+        }
+        if resolved is not None:
+            info["variant"] = resolved.describe()
+
+        def factory(_slot: int) -> WebShopEnv:
+            return cls(effective)
+
+        return ServiceEnvSetup(factory=factory, info=info)
 
     def goal_index_for_seed(self, seed: int) -> int:
         """Absolute index into the shuffled goal list that an episode with ``seed`` uses."""
