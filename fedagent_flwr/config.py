@@ -207,7 +207,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             f"config key 'strategy.weights' has {len(weights)} entries but clients.total is {total}"
         )
     partition = dict(_get(raw, "partition"))
-    from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, STRATEGIES
+    from fedagent_flwr.hetero import STRATEGIES
 
     from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
 
@@ -234,30 +234,8 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             specs[split] = load_env_spec(_get(raw, f"env.{split}")).to_dict()
         except ValueError as exc:
             raise ConfigError(f"config key 'env.{split}': {exc}") from None
-    if strategy in GOAL_INFO_STRATEGIES:
-        from fedagent_flwr.envs.registry import get_env_class
-
-        for entry in specs["train"]["envs"]:
-            if not hasattr(get_env_class(entry["name"]), "goal_info"):
-                raise ConfigError(
-                    f"config key 'partition.strategy' = {strategy!r} needs goal metadata, which "
-                    f"environment {entry['name']} does not provide (use it with env=webshop)"
-                )
-    if strategy in ENV_LEVEL_STRATEGIES:
-        from fedagent_flwr.envs.registry import get_env_class
-
-        if not _get(raw, "env.service.enabled"):
-            raise ConfigError(
-                f"config key 'partition.strategy' = {strategy!r} changes the client's environment, "
-                "which its env service builds: set env.service.enabled=true (env=webshop does)"
-            )
-        for entry in specs["train"]["envs"]:
-            if not hasattr(get_env_class(entry["name"]), "service_setup"):
-                raise ConfigError(
-                    f"config key 'partition.strategy' = {strategy!r} is an environment-level arm that "
-                    f"environment {entry['name']} does not support (use it with env=webshop)"
-                )
-        kwargs = _get(raw, "strategy.kwargs")
+    _check_partition_fits_envs(strategy, specs["train"], bool(_get(raw, "env.service.enabled")))
+    kwargs = _get(raw, "strategy.kwargs")
     if not isinstance(kwargs, dict):
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
     return RunSettings(
@@ -296,6 +274,31 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         round_timeout=_typed(raw, "round_timeout", float, lambda v: v > 0, "> 0"),
         raw=raw,
     )
+
+
+def _check_partition_fits_envs(strategy: str, train_spec: dict[str, Any], served: bool) -> None:
+    """Refuse a partition strategy the configured environments cannot honour, at start."""
+    from fedagent_flwr.envs.registry import get_env_class
+    from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES
+    from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
+
+    if strategy in ENV_LEVEL_STRATEGIES and not served:
+        raise ConfigError(
+            f"config key 'partition.strategy' = {strategy!r} changes the client's environment, "
+            "which its env service builds: set env.service.enabled=true (env=webshop does)"
+        )
+    for entry in train_spec["envs"]:
+        env_cls = get_env_class(entry["name"])
+        if strategy in GOAL_INFO_STRATEGIES and not hasattr(env_cls, "goal_info"):
+            raise ConfigError(
+                f"config key 'partition.strategy' = {strategy!r} needs goal metadata, which "
+                f"environment {entry['name']} does not provide (use it with env=webshop)"
+            )
+        if strategy in ENV_LEVEL_STRATEGIES and not hasattr(env_cls, "service_setup"):
+            raise ConfigError(
+                f"config key 'partition.strategy' = {strategy!r} is an environment-level arm that "
+                f"environment {entry['name']} does not support (use it with env=webshop)"
+            )
 
 
 def load_settings(config_name: str = "config", overrides: str | Sequence[str] = "") -> RunSettings:

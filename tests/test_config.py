@@ -81,3 +81,14 @@ def test_partition_strategies_and_knobs_are_checked() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_settings(overrides=override)
+
+
+def test_environment_level_arms_need_a_served_env() -> None:
+    assert load_settings(overrides="env=webshop partition=catalog_split").partition["env_div"] == 0.7
+    assert load_settings(overrides="env=webshop partition=lookalike").partition["strategy"] == "lookalike"
+    with pytest.raises(ConfigError, match="set env.service.enabled=true"):
+        load_settings(overrides="partition=catalog_split")
+    with pytest.raises(ConfigError, match="environment TinyGuess does not support"):
+        load_settings(overrides="env=tinyguess_service partition=rank_wrapper")
+    with pytest.raises(ConfigError, match="config key 'partition.env_div'"):
+        load_settings(overrides="env=webshop partition=catalog_split partition.env_div=3")
