@@ -14,18 +14,16 @@ import os
 import ssl
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from fedagent_flwr.deploy import NodeKey, TlsFiles, make_node_key, make_tls_files, write_connection
 from fedagent_flwr.launch import stop_superlink_tree
-from tests.flower_harness import BIN, REPO, free_port
+from tests.flower_harness import BIN, REPO, free_port, wait_healthy
 
 CONNECTION = "tls-deploy"
 
@@ -144,19 +142,8 @@ def _stop_tree(process: subprocess.Popen[bytes]) -> None:
 
 
 def _wait_healthy(process: subprocess.Popen[bytes], port: int, ca_cert: Path, log_file: Path) -> None:
-    context = ssl.create_default_context(cafile=str(ca_cert))
-    deadline = time.monotonic() + 120  # a hang guard: start-up takes a few seconds
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {process.returncode}; see {log_file}")
-        try:
-            if httpx.get(f"https://127.0.0.1:{port}/health", verify=context, timeout=1.0).is_success:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"flower-superlink did not become healthy; see {log_file}")
-        time.sleep(0.3)
+    wait_healthy(process, f"https://127.0.0.1:{port}/health", log_file,
+                 verify=ssl.create_default_context(cafile=str(ca_cert)))
 
 
 @contextmanager

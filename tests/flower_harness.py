@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,6 +30,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def wait_healthy(process: subprocess.Popen[bytes], url: str, log_file: Path, verify: Any = True,
+                 limit_s: float = 120) -> None:
+    """Poll a SuperLink's ``/health`` until it answers; fail with its log file if it exits."""
+    deadline = time.monotonic() + limit_s  # a hang guard: start-up takes a few seconds
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"flower-superlink exited with {process.returncode}; see {log_file}")
+        try:
+            if httpx.get(url, verify=verify, timeout=1.0).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"flower-superlink did not become healthy; see {log_file}")
+        time.sleep(0.3)
 
 
 @dataclass
@@ -87,18 +105,7 @@ def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) ->
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"flower-superlink exited with {process.returncode}; see {log_file}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"flower-superlink did not become healthy; see {log_file}")
-            time.sleep(0.3)
+        wait_healthy(process, f"http://127.0.0.1:{port}/health", log_file)
         yield SuperLink(env=env, connection="test", log_file=log_file, process=process)
     finally:
         stop_superlink_tree(process.pid)
