@@ -66,13 +66,7 @@ class RunRecorder:
         if aggregated is not None:
             self.summary["final_model"] = aggregated
         for client, metrics in sorted(client_metrics.items()):
-            point = {
-                "round": server_round,
-                "client": client,
-                "n": int(metrics.get("num-examples", 0)),
-                "success_rate": float(metrics.get("success-rate", 0.0)),
-                "reward_mean": float(metrics.get("reward-mean", 0.0)),
-            }
+            point = _curve_point(server_round, "client", client, metrics)
             self.summary["client_curve"].append(point)
             self.events.append({"event": "train", **point, "metrics": metrics})
         self.events.append({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")}})
@@ -80,13 +74,7 @@ class RunRecorder:
 
     def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any]) -> None:
         """One point of the validation curve (round 0 is the base model)."""
-        point = {
-            "round": server_round,
-            "model": model,
-            "n": int(metrics.get("num-examples", 0)),
-            "success_rate": float(metrics.get("success-rate", 0.0)),
-            "reward_mean": float(metrics.get("reward-mean", 0.0)),
-        }
+        point = _curve_point(server_round, "model", model, metrics)
         self.summary["val_curve"].append(point)
         self.events.append({"event": "evaluate", **point})
         self.write()
@@ -109,6 +97,17 @@ class RunRecorder:
                 plot_learning_curve(self.summary, self.run_dir / "learning_curve.png")
             except Exception as exc:  # a plot is a convenience; it must never stop a run
                 log(WARNING, "[fedagent] learning curve not drawn: %s", exc)
+
+
+def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One point of FedAgent's val_curve / client_curve from a Flower MetricRecord's values."""
+    return {
+        "round": server_round,
+        label: value,
+        "n": int(metrics.get("num-examples", 0)),
+        "success_rate": float(metrics.get("success-rate", 0.0)),
+        "reward_mean": float(metrics.get("reward-mean", 0.0)),
+    }
 
 
 def _json_line(event: dict[str, Any]) -> str:
