@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fedagent_flwr.deploy import NodeKey, TlsFiles, make_node_key, make_tls_files, write_connection
 from fedagent_flwr.launch import stop_superlink_tree
-from tests.flower_harness import BIN, REPO, free_port, wait_healthy
+from tests.flower_harness import BIN, REPO, flower_env, free_port, wait_healthy
 
 CONNECTION = "tls-deploy"
 
@@ -158,16 +158,7 @@ def tls_deployment(root: Path, num_supernodes: int = 2) -> Iterator[Deployment]:
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     write_connection(home, CONNECTION, f"127.0.0.1:{port}", root_certificates=tls.ca_cert)
-    env = dict(os.environ)
-    env.update(
-        FLWR_HOME=str(home),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-        PYTHONUNBUFFERED="1",
-        # SuperLink and SuperNodes launch flower-superexec, flwr-serverapp, flwr-clientapp by name.
-        PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
-    )
+    env = flower_env(home)
     superlink_log = link_dir / "superlink.log"
     superlink = subprocess.Popen(
         [str(BIN / "flower-superlink"),

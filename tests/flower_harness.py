@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from fedagent_flwr.deploy import write_connection
 from fedagent_flwr.launch import stop_superlink_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +31,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def flower_env(home: Path, **extra: str) -> dict[str, str]:
+    """Environment for Flower processes of a test: its own FLWR_HOME, no telemetry, no runtime
+    dependency installation, and this venv's Flower commands on PATH (they start each other by
+    name: flower-superexec, flwr-simulation, flwr-serverapp, flwr-clientapp)."""
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+        PYTHONUNBUFFERED="1",
+        PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        **extra,
+    )
+    return env
 
 
 def wait_healthy(process: subprocess.Popen[bytes], url: str, log_file: Path, verify: Any = True,
@@ -79,21 +97,8 @@ def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) ->
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    (home / "config.toml").write_text(
-        '[superlink]\ndefault = "test"\n\n'
-        f'[superlink.test]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
-    env = dict(os.environ)
-    env.update(
-        FLWR_HOME=str(home),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
-        FEDAGENT_TEST_CWD=str(workdir),
-        PYTHONUNBUFFERED="1",
-        # The SuperLink launches flower-superexec / flwr-simulation by name.
-        PATH=os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
-    )
+    write_connection(home, "test", f"127.0.0.1:{port}", insecure=True)
+    env = flower_env(home, FEDAGENT_TEST_CWD=str(workdir))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")])
     log_file = home / "superlink.log"
