@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
-TRAINER_BACKENDS = ("reference",)
+TRAINER_BACKENDS = ("reference", "verl")
 
 
 class ConfigError(ValueError):
@@ -196,6 +196,15 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
         if name in trainer:
             trainer[name] = _typed(raw, f"trainer.{name}", kind, check, expect)
+    if backend == "verl":
+        # The verl job's own knobs, checked here so a bad value stops the run before any client
+        # spends minutes starting Ray and vLLM. (Torch- and verl-free import.)
+        from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
+
+        try:
+            VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in ("backend", "timeout_s")})
+        except VerlSettingsError as exc:
+            raise ConfigError(f"config key {exc}") from None
     proximal_mu = _typed(raw, "strategy.proximal_mu", float, lambda v: v >= 0, ">= 0")
     weights = _get(raw, "strategy.weights")
     if not isinstance(weights, list) or any(

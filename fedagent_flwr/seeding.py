@@ -30,3 +30,18 @@ def data_seed(base_seed: int, server_round: int, client_id: int) -> int:
 def validation_seeds(eval_seed: int, num_episodes: int) -> list[int]:
     """Episode seeds of the validation set: fixed across rounds so curves are comparable."""
     return [eval_seed * 100000 + i for i in range(num_episodes)]
+
+
+# Seeds one env-spec entry may use per round before running into the next entry's block.
+SEEDS_PER_ENTRY = 1000
+
+
+def train_env_seed(data_seed: int, spec_index: int, step: int, n_envs: int, i: int) -> int:
+    """Environment seed of row ``i`` of spec entry ``spec_index`` at local step ``step``.
+
+    ``data_seed * 100000 + spec_index * 1000 + step * n_envs + i``: FedAgent's dataset rule
+    (``data_seed * 100000 + spec_index * 1000 + i``) with the rows of later local steps following
+    those of earlier ones, so each step plays new seeds. Both trainer backends use it, so they
+    play the same environment instances. Valid while ``local_steps * n_envs <= 1000``.
+    """
+    return data_seed * 100_000 + spec_index * SEEDS_PER_ENTRY + step * n_envs + i

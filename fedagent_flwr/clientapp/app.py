@@ -94,6 +94,9 @@ def train(msg: Message, context: Context) -> Message:
     if partition != client:
         raise ValueError(f"instruction for client {client} reached the node of partition {partition}")
     start_model = _global_model(config)
+    # PPO: the aggregated critic of the previous round (absent in round 1: the job starts its
+    # critic from the model).
+    critic_path = _global_model(config, "global-critic").path if "global-critic-path" in config else ""
     run_root = str(config["run-root"])
     out_dir = Path(run_root) / f"round_{server_round}" / f"client_{client}"
     trainer = _json_field(config, "trainer-json")
@@ -120,6 +123,7 @@ def train(msg: Message, context: Context) -> Message:
         algorithm=str(config["algorithm"]),
         local_steps=int(config["local-steps"]),
         proximal_mu=float(config.get("proximal-mu", 0.0)),  # only FedProx-style strategies send it
+        critic_path=critic_path,
         partition=partition,
         trainer=_trainer_knobs(trainer),
     )
@@ -127,13 +131,24 @@ def train(msg: Message, context: Context) -> Message:
     result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult)
     actor = CheckpointRef.for_directory(result.actor_dir, "actor", result.actor_format)  # type: ignore[arg-type]
     reply_config: dict[str, Any] = {"client-id": client, **actor.to_config("actor")}
+    if result.critic_dir:
+        critic = CheckpointRef.for_directory(result.critic_dir, "critic", "fsdp-shards")
+        reply_config.update(critic.to_config("critic"))
     metrics = {
         "num-examples": int(result.num_episodes),
         "reward-mean": float(result.metrics.get("reward_mean", 0.0)),
         "success-rate": float(result.metrics.get("success_rate", 0.0)),
         "train-seconds": round(time.monotonic() - started, 3),
     }
+    # Backend timings and losses (verl: cold start, per-phase step times) travel as metrics too.
+    metrics.update({_metric_key(k): float(v) for k, v in result.metrics.items()
+                    if k.startswith(("verl/", "fedprox/"))})
     return Message(RecordDict({"config": ConfigRecord(reply_config), "metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _metric_key(name: str) -> str:
+    """A backend metric name as a MetricRecord key (``verl/timing_s/gen`` -> ``verl.timing_s.gen``)."""
+    return name.replace("/", ".")
 
 
 @app.evaluate()

@@ -9,13 +9,17 @@ a log file beside the job.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 from pathlib import Path
 
-BACKEND_MODULES = {"reference": "fedagent_flwr.clientapp.reference_trainer"}
+BACKEND_MODULES = {
+    "reference": "fedagent_flwr.clientapp.reference_trainer",
+    "verl": "fedagent_flwr.clientapp.verl_backend.entry",
+}
 
 
 class TrainerFailed(RuntimeError):
@@ -52,15 +56,17 @@ def run_trainer(
     tail: deque[str] = deque(maxlen=15)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
+        # A session of its own: on timeout the whole tree goes (a verl job's driver, Ray and
+        # vLLM processes included), not just the backend's own process.
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=trainer_environment(), bufsize=1,
+            env=trainer_environment(), bufsize=1, start_new_session=True,
         )
         timed_out = threading.Event()
 
         def kill_on_timeout() -> None:
             timed_out.set()
-            process.kill()
+            _terminate_tree(process)
 
         timer = threading.Timer(timeout_s, kill_on_timeout)
         timer.start()
@@ -75,10 +81,26 @@ def run_trainer(
         finally:
             timer.cancel()
             if process.poll() is None:
-                process.kill()
+                _terminate_tree(process)
                 process.wait()
     if timed_out.is_set():
         raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
     if code != 0:
         last = " | ".join(line for line in tail if line)[-800:]
         raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")
+
+
+def _terminate_tree(process: subprocess.Popen[str]) -> None:
+    """SIGTERM the backend's session (the verl backend then stops its own job), SIGKILL after 20 s."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

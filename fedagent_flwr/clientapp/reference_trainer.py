@@ -66,6 +66,7 @@ from fedagent_flwr.envs.spec import EnvSpec, EnvSpecError, load_env_spec
 from fedagent_flwr.hetero import PartitionError, partition_env_spec
 from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
 from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
+from fedagent_flwr.seeding import SEEDS_PER_ENTRY, train_env_seed
 
 PROG = "reference_trainer"
 ACTOR_SHARD = "model_world_size_1_rank_0.pt"
@@ -73,14 +74,13 @@ TRAIN_RESULT = "train_result.json"
 EVAL_RESULT = "eval_result.json"
 # Spec entries are 1000 seeds apart (FedAgent's dataset rule); more seeds per entry would run
 # into the next entry's range.
-SEEDS_PER_ENTRY = 1000
 
 
 class InputError(ValueError):
     """Bad input to the trainer: reported as one line on stderr with exit status 2."""
 
 
-_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+_CHOICES = {"compute_dtype": ("auto", "float32", "bfloat16"), "device": ("auto", "cpu", "cuda")}
 
 
 def _native_bf16() -> bool:
@@ -124,6 +124,9 @@ class GRPOConfig:
     # precision + bf16 vLLM do; about 2x faster on CPUs with native bf16. "auto" picks bfloat16
     # on such CPUs, else "float32" (everything in fp32).
     compute_dtype: str = "auto"
+    # "auto": the first CUDA GPU when there is one (the verl backend evaluates this way on GPU
+    # nodes), else the CPU. Training always runs on the CPU.
+    device: str = "auto"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> tuple[GRPOConfig, list[str]]:
@@ -135,8 +138,9 @@ class GRPOConfig:
                 continue
             default = known[key].default
             if isinstance(default, str):
-                if value not in _COMPUTE_DTYPES:
-                    raise InputError(f"trainer.{key} must be one of {list(_COMPUTE_DTYPES)}, got {value!r}")
+                choices = _CHOICES[key]
+                if value not in choices:
+                    raise InputError(f"trainer.{key} must be one of {list(choices)}, got {value!r}")
             elif isinstance(default, int) and not isinstance(default, bool):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise InputError(f"trainer.{key} must be an integer, got {value!r}")
@@ -160,12 +164,22 @@ class GRPOConfig:
             if not 0 < getattr(self, name) <= 1:
                 raise InputError(f"trainer.{name} must be in (0, 1], got {getattr(self, name)}")
 
-    def torch_compute_dtype(self) -> Any:
-        """The resolved compute dtype (``torch.float32`` or ``torch.bfloat16``)."""
+    def torch_device(self) -> Any:
+        """The resolved evaluation device."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_compute_dtype(self, device: Any = None) -> Any:
+        """The resolved compute dtype (``torch.float32`` or ``torch.bfloat16``); "auto" is bf16
+        on a GPU and on CPUs with native bf16."""
         import torch
 
         if self.compute_dtype == "auto":
-            return torch.bfloat16 if _native_bf16() else torch.float32
+            on_gpu = device is not None and torch.device(device).type == "cuda"
+            return torch.bfloat16 if on_gpu or _native_bf16() else torch.float32
         return torch.bfloat16 if self.compute_dtype == "bfloat16" else torch.float32
 
     def sampling(self, validate: bool = False) -> SamplingParams:
@@ -177,17 +191,6 @@ class GRPOConfig:
 # --------------------------------------------------------------------------------------------
 # Seeds
 # --------------------------------------------------------------------------------------------
-
-
-def train_env_seed(data_seed: int, spec_index: int, step: int, n_envs: int, i: int) -> int:
-    """Environment seed of row ``i`` of spec entry ``spec_index`` at local step ``step``.
-
-    ``data_seed * 100000 + spec_index * 1000 + step * n_envs + i``: FedAgent's dataset rule
-    (``data_seed * 100000 + spec_index * 1000 + i``) with the rows of later local steps following
-    those of earlier ones, so each step plays new seeds. (``data_seed`` is FedAgent's
-    ``base_seed + 100 * round + client_id``.) Valid while ``local_steps * n_envs <= 1000``.
-    """
-    return data_seed * 100_000 + spec_index * SEEDS_PER_ENTRY + step * n_envs + i
 
 
 def derive_seed(*parts: object) -> int:
@@ -250,27 +253,30 @@ class HFPolicy:
         import torch
 
         batch, width = len(prompts), max(len(p) for p in prompts)
+        device = self.model.device
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((batch, width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
             input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
             attention[row, width - len(prompt):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        stop = torch.tensor(self.stop_ids, dtype=torch.long)
+        stop = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
         outputs: list[list[int]] = [[] for _ in range(batch)]
-        alive = torch.ones(batch, dtype=torch.bool)
+        alive = torch.ones(batch, dtype=torch.bool, device=device)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
             next_position = positions[:, -1:] + 1
             for t in range(sampling.max_new_tokens):
                 tokens = _pick_tokens(out.logits[:, -1, :].float(), sampling, generator)
+                chosen = tokens.tolist()
                 for row in torch.nonzero(alive).flatten().tolist():
-                    outputs[row].append(int(tokens[row]))
+                    outputs[row].append(int(chosen[row]))
                 alive &= ~torch.isin(tokens, stop)
                 if not bool(alive.any()) or t + 1 == sampling.max_new_tokens:
                     break
-                attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+                attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
                 cache = getattr(out, "cache", None)
                 if cache is None:
                     cache = getattr(out, "past_key_values", None)
@@ -753,16 +759,19 @@ def evaluate(job: EvalJob) -> EvalResult:
     started = time.monotonic()
     seed_everything(derive_seed("eval", job.round))
     model, tokenizer = _load_model(model_path, cfg.num_threads)
-    policy = HFPolicy(model.to(cfg.torch_compute_dtype()), tokenizer, cfg.gen_batch_size)
+    device = cfg.torch_device()
+    policy = HFPolicy(model.to(device=device, dtype=cfg.torch_compute_dtype(device)), tokenizer, cfg.gen_batch_size)
     tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
              for e in spec.envs for k, s in enumerate(job.seeds)]
-    generator = torch.Generator().manual_seed(derive_seed("eval", job.round))
+    generator = torch.Generator(device=device).manual_seed(derive_seed("eval", job.round))
     episodes = play_episodes(policy, tokenizer, tasks, cfg.sampling(validate=True), cfg.max_model_len, generator)
     metrics = _episode_metrics(episodes)
     for j, entry in enumerate(spec.envs):
         mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]
         metrics[f"success_rate/{entry.name}"] = _mean([float(e.success) for e in mine])
     metrics["eval_seconds"] = time.monotonic() - started
+    print(f"evaluate: {len(episodes)} episodes on {device}: success_rate {metrics['success_rate']:.4f} "
+          f"reward_mean {metrics['reward_mean']:.4f} in {metrics['eval_seconds']:.1f} s", flush=True)
     result = EvalResult(
         num_episodes=len(episodes),
         success_rate=metrics["success_rate"],

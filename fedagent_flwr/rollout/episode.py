@@ -164,12 +164,16 @@ async def run_episode(
     *,
     eos_token_ids: Iterable[int] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_response_len: int | None = None,
 ) -> Episode:
     """Play one episode of ``env`` (reset with ``seed``) with the policy behind ``generate``.
 
     ``eos_token_ids`` are the ids that end a turn (default: the tokenizer's EOS). The environment
     is closed when the episode ends, also on error, so pooled sessions always go back.
+    ``max_response_len`` additionally bounds the tokens after the prompt (verl pads responses to
+    a fixed ``response_length``): a turn that might not fit is not started (``truncated``).
     """
+    response_budget = max_model_len if max_response_len is None else max_response_len
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     stop_ids = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
@@ -192,7 +196,8 @@ async def run_episode(
         reward, success, truncated = 0.0, False, False
 
         while len(turns) < max_turns:
-            if len(context) + sampling.max_new_tokens > max_model_len:
+            if (len(context) + sampling.max_new_tokens > max_model_len
+                    or len(response_ids) + sampling.max_new_tokens > response_budget):
                 truncated = True
                 break
             new_ids = [int(i) for i in await generate(list(context), sampling)]
@@ -221,7 +226,8 @@ async def run_episode(
                 prompt_text, messages, reply, observation, ended_with_eos, eos_texts
             )
             glue_ids = renderer.encode(glue_text)
-            if len(context) + len(glue_ids) + sampling.max_new_tokens > max_model_len:
+            if (len(context) + len(glue_ids) + sampling.max_new_tokens > max_model_len
+                    or len(response_ids) + len(glue_ids) + sampling.max_new_tokens > response_budget):
                 truncated = True
                 break
             messages.append({"role": "user", "content": observation})

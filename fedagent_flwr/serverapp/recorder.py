@@ -50,8 +50,11 @@ class RunRecorder:
         aggregated: str | None,
         rejected: dict[int, str],
         client_metrics: dict[int, dict[str, Any]],
+        client_critics: dict[int, str] | None = None,
+        aggregated_critic: str | None = None,
     ) -> None:
-        """Provenance of one round: started_from -> client checkpoints -> aggregated model."""
+        """Provenance of one round: started_from -> client checkpoints -> aggregated model
+        (and, for PPO, the clients' critics -> the aggregated critic)."""
         entry = {
             "round": server_round,
             "clients": clients,
@@ -62,6 +65,9 @@ class RunRecorder:
             "aggregated_hf": aggregated,
             "rejected": {str(c): reason for c, reason in sorted(rejected.items())},
         }
+        if client_critics:
+            entry["client_critics"] = [client_critics[c] for c in sorted(client_critics)]
+            entry["aggregated_critic"] = aggregated_critic
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated

@@ -122,6 +122,8 @@ class FedAvgFSDP(FedAvg):
         self._asked_nodes: set[int] = set()
         self._selected: list[int] = []
         self._absent: dict[int, str] = {}
+        # PPO: the aggregated critic, sent with the actor from the round after the first.
+        self.global_critic: CheckpointRef | None = None
 
     # ----------------------------------------------------------------------------- selection
     def select_clients(self, server_round: int) -> list[int]:
@@ -193,6 +195,8 @@ class FedAvgFSDP(FedAvg):
     def _instruction(self, message_type: str, node: int, values: dict[str, Any]) -> Message:
         """One instruction: the global model's reference and ``values``; an empty ArrayRecord."""
         values = {**values, **self.global_model.to_config("global"), "run-root": self.run_root}
+        if self.global_critic is not None:
+            values.update(self.global_critic.to_config("global-critic"))
         record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
         return Message(record, dst_node_id=node, message_type=message_type)
 
@@ -235,9 +239,11 @@ class FedAvgFSDP(FedAvg):
 
     def aggregate_checkpoints(
         self, server_round: int, sources: Sequence[tuple[CheckpointReader, float]], out_dir: Path,
-        reference: CheckpointReader,
+        reference: CheckpointReader | None,
     ) -> AggregateReport:
-        """Write the new global checkpoint; the default is the weighted mean."""
+        """Write the new global checkpoint (actor, or PPO critic); the default is the weighted
+        mean. ``reference`` is the current global checkpoint of that kind (None for the first
+        critic)."""
         return weighted_mean(sources, out_dir, reference=reference)
 
     def aggregate_train(
@@ -271,13 +277,21 @@ class FedAvgFSDP(FedAvg):
                 log(WARNING, "round %d: client %d did not reply in time", server_round, client)
 
         started = self.global_model
-        new_ref, used = self._aggregate_actor(server_round, candidates, rejected)
+        new_ref, used = self._aggregate_role(server_round, candidates, rejected, "actor")
         if new_ref is not None:
             self.global_model = new_ref
             log(INFO, "round %d: new global model %s", server_round, new_ref.path)
         else:
             log(WARNING, "round %d: no valid client checkpoint; keeping the previous global model %s",
                 server_round, started.path)
+        critic_used: list[tuple[Message, int, str]] = []
+        with_critic = [(r, c) for r, c, _ in used if "critic-path" in r.content[self.configrecord_key]]
+        if with_critic:
+            # PPO: the critics of exactly the clients whose actors were averaged, with the same rule.
+            critic_ref, critic_used = self._aggregate_role(server_round, with_critic, rejected, "critic")
+            if critic_ref is not None:
+                self.global_critic = critic_ref
+                log(INFO, "round %d: new global critic %s", server_round, critic_ref.path)
         metrics = None
         if used:
             try:
@@ -293,6 +307,8 @@ class FedAvgFSDP(FedAvg):
                 aggregated=new_ref.path if new_ref is not None else None,
                 rejected=rejected,
                 client_metrics={c: dict(_single_metrics(r)) for r, c, _ in used},
+                client_critics={c: path for _, c, path in critic_used},
+                aggregated_critic=self.global_critic.path if critic_used and self.global_critic else None,
             )
         return None, metrics
 
@@ -311,22 +327,27 @@ class FedAvgFSDP(FedAvg):
             return f"'{self.weighted_by_key}' = {weight} is not a positive number"
         return ""
 
-    def _aggregate_actor(
-        self, server_round: int, candidates: list[tuple[Message, int]], rejected: dict[int, str]
+    def _aggregate_role(
+        self, server_round: int, candidates: list[tuple[Message, int]], rejected: dict[int, str],
+        kind: str,
     ) -> tuple[CheckpointRef | None, list[tuple[Message, int, str]]]:
-        """Open and check each candidate's checkpoint, then average; a client whose checkpoint
-        fails while streaming is refused and the mean is recomputed without it."""
-        reference = open_checkpoint(self.global_model, check_hash=False)
+        """Open and check each candidate's ``kind`` (actor or critic) checkpoint, then average; a
+        client whose checkpoint fails while streaming is refused and the mean is recomputed
+        without it. Shapes are checked against the current global actor (critic: the global
+        critic, once there is one)."""
+        start = self.global_model if kind == "actor" else self.global_critic
+        reference = open_checkpoint(start, check_hash=False) if start is not None else None
         opened: list[tuple[Message, int, CheckpointReader]] = []
         try:
             for reply, client in candidates:
                 try:
-                    ref = CheckpointRef.from_config(reply.content[self.configrecord_key], "actor")
-                    if ref.kind != "actor":
-                        raise CheckpointError(f"reference says kind '{ref.kind}', expected 'actor'")
+                    ref = CheckpointRef.from_config(reply.content[self.configrecord_key], kind)
+                    if ref.kind != kind:
+                        raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
                     reader = open_checkpoint(ref, root=self.run_root)
                     try:
-                        check_compatible(reader, reference)
+                        if reference is not None:
+                            check_compatible(reader, reference)
                     except CheckpointError:
                         reader.close()
                         raise
@@ -334,7 +355,7 @@ class FedAvgFSDP(FedAvg):
                     self._refuse(server_round, client, str(exc), rejected)
                     continue
                 opened.append((reply, client, reader))
-            out_dir = Path(self.run_root) / f"round_{server_round}" / "global"
+            out_dir = Path(self.run_root) / f"round_{server_round}" / ("global" if kind == "actor" else "global_critic")
             while opened:
                 weights = self.aggregation_weights(server_round, [r for r, _, _ in opened])
                 bad = [i for i, w in enumerate(weights) if not (math.isfinite(w) and w > 0)]
@@ -360,16 +381,17 @@ class FedAvgFSDP(FedAvg):
                         reader.close()
                         self._refuse(server_round, client, str(exc), rejected)
                     continue
-                log(INFO, "round %d: averaged %d checkpoints (%d tensors, weights %s) in %.1f s",
-                    server_round, len(opened), report.num_tensors,
+                log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
+                    server_round, len(opened), kind, report.num_tensors,
                     [round(w, 4) for w in report.weights], report.seconds)
                 used = [(reply, client, str(reader.directory)) for reply, client, reader in opened]
-                return CheckpointRef.for_directory(out_dir, "actor", "hf-safetensors"), used
+                return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), used  # type: ignore[arg-type]
             return None, []
         finally:
             for _, _, reader in opened:
                 reader.close()
-            reference.close()
+            if reference is not None:
+                reference.close()
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, rejected: dict[int, str]) -> None:

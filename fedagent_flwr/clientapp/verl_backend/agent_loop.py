@@ -1,0 +1,134 @@
+"""The verl agent loop: one environment episode per trajectory, played by the shared episode runner.
+
+verl instantiates :class:`EnvAgentLoop` once per trajectory inside its Ray agent-loop workers
+(registered through the ``agent_loop_config_path`` YAML the entry module writes, because the
+``@register`` decorator only reaches processes that import this module). ``run`` receives the
+dataset row (``env_name``, ``env_config``, ``seed``, ``max_turns``) and plays the episode with
+:func:`fedagent_flwr.rollout.run_episode`, whose ``generate`` is verl's vLLM server
+(``server_manager.generate``, token in / token out, one sticky request id per episode so the
+server's prefix cache serves every turn). The CPU reference trainer runs the very same runner, so
+both backends train on the same token layout: prompt = system + first observation, response = each
+turn's sampled tokens (mask 1) and the template glue + next observation (mask 0).
+
+The trajectory's ``reward_score`` is the episode return minus ``invalid_action_penalty`` per action
+the environment flagged invalid (``info["is_action_valid"] is False``; FedAgent's rule), so verl's
+reward workers never score it. Every finished episode is also appended, as one JSON line, to the
+job's episode log, from which the entry module reports the client's success rate and reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
+
+from fedagent_flwr.envs.registry import make_env
+from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
+
+
+class PromptTooLongError(ValueError):
+    """An episode's first prompt does not fit ``data.max_prompt_length``."""
+
+
+def count_invalid_actions(episode: Episode) -> int:
+    """Turns whose action the environment flagged invalid (``is_action_valid`` False)."""
+    return sum(1 for turn in episode.turns if turn.info.get("is_action_valid") is False)
+
+
+def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -> list[float]:
+    """Log-probs aligned with the response: the sampled tokens' in order on mask-1 positions,
+    0.0 on the glue/observation tokens the model did not generate."""
+    values = iter(sampled_logprobs)
+    aligned = [next(values) if m else 0.0 for m in response_mask]
+    return aligned
+
+
+def append_episode_record(path: str, record: dict[str, Any]) -> None:
+    """Append one JSON line; a single ``write`` on an ``O_APPEND`` descriptor keeps concurrent
+    workers' lines whole."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class EnvAgentLoop(AgentLoopBase):
+    """Plays one multi-turn text-environment episode and returns it as a verl trajectory.
+
+    Extra constructor arguments come from the agent-loop YAML: ``max_new_tokens`` (per turn),
+    ``invalid_action_penalty`` and ``episode_log`` (a JSON-lines file; "" disables it).
+    """
+
+    def __init__(self, *args: Any, max_new_tokens: int = 64, invalid_action_penalty: float = 0.1,
+                 episode_log: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_new_tokens = int(max_new_tokens)
+        self.invalid_action_penalty = float(invalid_action_penalty)
+        self.episode_log = str(episode_log)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        env_name = str(kwargs["env_name"])
+        seed = int(kwargs["seed"])
+        env = make_env(env_name, dict(kwargs["env_config"]))
+        prompt_length = int(self.rollout_config.prompt_length)
+        response_length = int(self.rollout_config.response_length)
+        request_id = uuid4().hex
+        sampled_logprobs: list[float] = []
+        generate_seconds = 0.0
+
+        async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+            nonlocal generate_seconds
+            params = dict(sampling_params)
+            params["max_tokens"] = sampling.max_new_tokens
+            started = time.monotonic()
+            output = await self.server_manager.generate(
+                request_id=request_id, prompt_ids=prompt_ids, sampling_params=params
+            )
+            generate_seconds += time.monotonic() - started
+            tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
+            logprobs = list(output.log_probs or [])[: len(tokens)]
+            sampled_logprobs.extend(logprobs + [0.0] * (len(tokens) - len(logprobs)))
+            return tokens
+
+        sampling = SamplingParams(self.max_new_tokens, float(sampling_params.get("temperature", 1.0)),
+                                  float(sampling_params.get("top_p", 1.0) or 1.0))
+        episode = await run_episode(
+            env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]),
+            prompt_length + response_length,
+            chat_template_kwargs=self.apply_chat_template_kwargs,
+            max_response_len=response_length,
+        )
+        if len(episode.prompt_ids) > prompt_length:
+            raise PromptTooLongError(
+                f"{env_name} seed {seed}: the first prompt has {len(episode.prompt_ids)} tokens but "
+                f"data.max_prompt_length is {prompt_length}; raise trainer.max_prompt_length"
+            )
+        invalid = count_invalid_actions(episode)
+        score = episode.reward - self.invalid_action_penalty * invalid
+        if self.episode_log:
+            append_episode_record(self.episode_log, {
+                "env": env_name, "seed": seed, "reward": episode.reward, "score": score,
+                "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
+                "truncated": episode.truncated, "response_tokens": sum(episode.response_mask),
+                "pid": os.getpid(),
+            })
+        return AgentLoopOutput(
+            prompt_ids=episode.prompt_ids,
+            response_ids=episode.response_ids,
+            response_mask=episode.response_mask,
+            response_logprobs=response_logprobs(episode.response_mask, sampled_logprobs),
+            reward_score=score,
+            num_turns=episode.num_turns,
+            metrics=AgentLoopMetrics(generate_sequences=generate_seconds),
+            extra_fields={"reward_extra_info": {
+                "traj_success": float(episode.success),
+                "env_reward": float(episode.reward),
+                "invalid_actions": float(invalid),
+            }},
+        )

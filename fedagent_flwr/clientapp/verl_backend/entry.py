@@ -1,0 +1,352 @@
+"""The verl trainer backend, run by the ClientApp as a subprocess::
+
+    python -m fedagent_flwr.clientapp.verl_backend.entry train    JOB.json   # TrainJob
+    python -m fedagent_flwr.clientapp.verl_backend.entry evaluate JOB.json   # EvalJob
+
+``train`` turns the TrainJob into one ``python -m verl.trainer.main_ppo`` job (GRPO, or PPO with a
+federated critic) on this client's partition and reports its checkpoint as a TrainResult:
+
+1. checks the job and the verl settings, and plans the rows (env instances) of every local step
+   with the same seed rule as the reference trainer (:mod:`.dataset`);
+2. writes the agent-loop registry YAML (verl's ``agent_loop_config_path``: the ``@register``
+   decorator alone never reaches Ray's workers) and the Hydra overrides (:mod:`.overrides`);
+3. starts verl in a session of its own with a scrubbed environment: no inherited ``RAY_*`` (a
+   trainer must never join Flower's simulation cluster), a private Ray cluster and temp dir per
+   job, the FedProx hook armed through ``sitecustomize`` when ``proximal_mu > 0`` (:mod:`.fedprox`);
+4. tees verl's log to ``<output>/verl/verl.log``, parses its per-step metrics and timings, and
+   stops whatever is left of the job's Ray cluster when verl exits, also on failure or timeout;
+5. refuses to report a result that is not there: a non-zero exit (crash, CUDA out of memory), a
+   missing actor (or critic) checkpoint, no episode played, or FedProx not active in every actor
+   worker each exit non-zero with one line naming the cause and the log.
+
+``evaluate`` plays the validation episodes with the global model through Hugging Face generation
+on the node's GPU (the reference trainer's evaluator): a 135M-parameter model needs seconds for
+that, whereas a verl job would spend minutes starting Ray and vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, load, save
+from fedagent_flwr.clientapp.verl_backend import fedprox
+from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
+from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, build_overrides, job_paths
+from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
+from fedagent_flwr.clientapp.verl_backend.verl_log import parse_step_line
+from fedagent_flwr.envs.base import EnvConfigError
+from fedagent_flwr.envs.registry import UnknownEnvError, make_env
+from fedagent_flwr.envs.spec import EnvSpecError
+from fedagent_flwr.hetero import PartitionError, partition_env_spec
+from fedagent_flwr.launch import pids_with_cmdline, stop_group
+from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+
+PROG = "verl_backend"
+TRAIN_RESULT = "train_result.json"
+# Actor/critic shard files verl writes per rank; the aggregator reads exactly these.
+_SHARD_GLOB = "model_world_size_*_rank_*.pt"
+_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
+
+
+class InputError(ValueError):
+    """A job this backend cannot run (bad field, setting, env, model)."""
+
+
+class VerlJobFailed(RuntimeError):
+    """The verl job ran but did not produce a usable result."""
+
+
+def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str) -> dict[str, str]:
+    """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
+
+    * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
+      would join Flower's cluster instead of starting its own;
+    * ``PYTHONPATH``: the FedProx ``sitecustomize`` directory and this package first, so every
+      Ray worker imports the same code;
+    * vLLM without FlashInfer's sampler (the GPU wheel set leaves FlashInfer out), unbuffered
+      output, Ray logs not de-duplicated (each worker's lines matter when something fails);
+    * the FedProx variables only when ``proximal_mu > 0``.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
+    for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS):
+        env.pop(key, None)
+    package_root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (fedprox.SITE_DIR, package_root, base.get("PYTHONPATH", "")) if p
+    )
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.setdefault("TOKENIZERS_PARALLELISM", "true")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["RAY_DEDUP_LOGS"] = "0"
+    env["HYDRA_FULL_ERROR"] = "1"
+    if proximal_mu > 0:
+        env[fedprox.ENV_MU] = repr(float(proximal_mu))
+        env[fedprox.ENV_MARKERS] = marker_dir
+    return env
+
+
+def ray_temp_dir(output_dir: str) -> str:
+    """A short per-job Ray temp dir: Ray puts Unix sockets under it (paths must stay < 108 bytes)."""
+    digest = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:10]
+    return f"/tmp/fa-ray-{digest}"
+
+
+def agent_loop_registry(settings: VerlSettings, episode_log: str) -> list[dict[str, Any]]:
+    """The ``agent_loop_config_path`` YAML content: our loop under ``AGENT_NAME``."""
+    return [{
+        "name": AGENT_NAME,
+        "_target_": f"{AGENT_LOOP_MODULE}.EnvAgentLoop",
+        "max_new_tokens": settings.max_new_tokens,
+        "invalid_action_penalty": settings.invalid_action_penalty,
+        "episode_log": episode_log,
+    }]
+
+
+def _check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path]:
+    """Everything checkable before verl starts; raises InputError naming the culprit."""
+    if job.algorithm not in ("grpo", "ppo"):
+        raise InputError(f"algorithm {job.algorithm!r}: the verl backend does 'grpo' or 'ppo'")
+    if isinstance(job.local_steps, bool) or not isinstance(job.local_steps, int) or job.local_steps < 1:
+        raise InputError(f"local_steps must be an integer >= 1, got {job.local_steps!r}")
+    if not 0 <= job.client_id < job.num_clients:
+        raise InputError(f"client_id {job.client_id} is out of range for num_clients {job.num_clients}")
+    if job.proximal_mu < 0:
+        raise InputError(f"proximal_mu must be >= 0, got {job.proximal_mu}")
+    if job.critic_path and not Path(job.critic_path).is_dir():
+        raise InputError(f"critic_path {job.critic_path} is not a directory")
+    try:
+        settings, ignored = VerlSettings.from_mapping(job.trainer)
+    except VerlSettingsError as exc:
+        raise InputError(str(exc)) from None
+    if ignored:
+        print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
+                              base_seed=job.base_seed)
+    for entry in spec.envs:
+        make_env(entry.name, entry.env_config())  # config errors surface now, not in a Ray worker
+    return settings, spec, resolve_model_path(job.model_path)
+
+
+def _cleanup_ray(temp_dir: str) -> None:
+    """Stop what is left of the job's private Ray cluster (found by its temp dir)."""
+    for pid in pids_with_cmdline(temp_dir):
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+             temp_dir: str) -> tuple[int, float | None, list[str], dict[int, dict[str, float]]]:
+    """Run verl in its own session; tee its output to ``log_path`` and our stdout.
+
+    Returns (exit code, seconds from launch to the first training step or None, the last lines,
+    per-step metrics). A SIGTERM to this process stops the job's whole process group.
+    """
+    started = time.monotonic()
+    first_step: float | None = None
+    tail: deque[str] = deque(maxlen=40)
+    steps: dict[int, dict[str, float]] = {}
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1, start_new_session=True)
+
+    def forward_term(signum: int, frame: Any) -> None:
+        stop_group(process.pid, grace_s=5.0)
+        _cleanup_ray(temp_dir)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, forward_term)
+    try:
+        with open(log_path, "w") as log_file:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                log_file.flush()
+                sys.stdout.write(line)
+                tail.append(line.rstrip())
+                parsed = parse_step_line(line)
+                if parsed is not None:
+                    steps[parsed[0]] = parsed[1]
+                    if first_step is None:
+                        first_step = time.monotonic() - started
+        code = process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_group(process.pid, grace_s=5.0)  # verl if still running, and helpers left in its session
+        _cleanup_ray(temp_dir)
+    return code, first_step, list(tail), steps
+
+
+def _failure_reason(code: int, tail: Sequence[str]) -> str:
+    text = "\n".join(tail)
+    if any(marker in text for marker in _OOM_MARKERS):
+        return "ran out of GPU memory (CUDA out of memory)"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    errors = [line for line in tail if "Error" in line or "error:" in line]
+    last = (errors or [line for line in tail if line.strip()] or ["no output"])[-1]
+    return f"exited with code {code}: {last.strip()[-400:]}"
+
+
+def _checkpoint_dir(root: Path, step: int, role: str) -> Path:
+    directory = root / f"global_step_{step}" / role
+    if not directory.is_dir() or not list(directory.glob(_SHARD_GLOB)):
+        raise VerlJobFailed(f"verl finished but wrote no {role} checkpoint ({_SHARD_GLOB}) in {directory}")
+    return directory
+
+
+def _episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
+    import json
+
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not records:
+        raise VerlJobFailed(f"verl finished but no episode was recorded in {path}")
+    n = len(records)
+    return n, {
+        "reward_mean": sum(float(r["reward"]) for r in records) / n,
+        "score_mean": sum(float(r["score"]) for r in records) / n,
+        "success_rate": sum(float(bool(r["success"])) for r in records) / n,
+        "num_turns_mean": sum(float(r["num_turns"]) for r in records) / n,
+        "truncated_rate": sum(float(bool(r["truncated"])) for r in records) / n,
+        "invalid_actions_mean": sum(float(r["invalid"]) for r in records) / n,
+    }
+
+
+# verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
+_STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
+              "critic/score/mean", "response_length/mean", "timing_s/step", "timing_s/gen",
+              "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
+              "timing_s/update_actor", "timing_s/update_critic", "timing_s/save_checkpoint")
+
+
+def train(job: TrainJob) -> TrainResult:
+    """Run one verl job for ``job`` and write ``train_result.json``."""
+    settings, spec, model_path = _check_train_job(job)
+    started = time.monotonic()
+    output = Path(job.output_dir).resolve()
+    work = output / "verl"
+    work.mkdir(parents=True, exist_ok=True)
+    temp_dir = ray_temp_dir(str(output))
+    paths = job_paths(work, str(model_path), job.critic_path, temp_dir)
+    # A retried client-round must never report a checkpoint or episodes of an earlier attempt.
+    shutil.rmtree(paths.checkpoint_dir, ignore_errors=True)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    episode_log = work / "episodes.jsonl"
+    episode_log.unlink(missing_ok=True)
+    marker_dir = work / "fedprox_markers"
+    shutil.rmtree(marker_dir, ignore_errors=True)
+
+    rows = plan_rows(spec, job.data_seed, job.local_steps)
+    batch_size = sum(entry.n_envs for entry in spec.envs)
+    write_rows(rows, Path(paths.rows_file))
+    write_rows(rows[:batch_size], Path(paths.val_rows_file))
+    Path(paths.agent_loop_file).write_text(yaml.safe_dump(agent_loop_registry(settings, str(episode_log))))
+    overrides = build_overrides(
+        algorithm=job.algorithm, settings=settings, paths=paths, batch_size=batch_size,
+        local_steps=job.local_steps, seed=job.data_seed,
+        experiment_name=f"round{job.round}_client{job.client_id}",
+    )
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
+    env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir))
+    print(f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {len(rows)} env "
+          f"instances ({batch_size} per step x {job.local_steps} steps, n={settings.rollout_n}), "
+          f"model {model_path}", flush=True)
+
+    code, first_step, tail, steps = run_verl(command, env, work, work / "verl.log", temp_dir)
+    if code != 0:
+        raise VerlJobFailed(f"verl {_failure_reason(code, tail)} (log: {work / 'verl.log'})")
+    checkpoints = Path(paths.checkpoint_dir)
+    actor_dir = _checkpoint_dir(checkpoints, job.local_steps, "actor")
+    critic_dir = _checkpoint_dir(checkpoints, job.local_steps, "critic") if job.algorithm == "ppo" else None
+    if job.proximal_mu > 0:
+        markers = fedprox.read_markers(str(marker_dir))
+        if len(markers) < settings.n_gpus_per_node:
+            raise VerlJobFailed(
+                f"FedProx (mu={job.proximal_mu}) was active in {len(markers)} of {settings.n_gpus_per_node} "
+                f"actor workers; refusing to report a FedAvg update as FedProx (log: {work / 'verl.log'})"
+            )
+    num_episodes, metrics = _episode_metrics(episode_log)
+    last = steps.get(max(steps)) if steps else {}
+    for key in _STEP_KEYS:
+        if last and key in last:
+            metrics[f"verl/{key}"] = last[key]
+    metrics["verl/steps"] = float(len(steps))
+    if first_step is not None:
+        metrics["verl/launch_to_first_step_s"] = round(first_step, 2)
+    metrics["train_seconds"] = round(time.monotonic() - started, 2)
+    metrics["proximal_mu"] = float(job.proximal_mu)
+    if job.proximal_mu > 0:
+        metrics["fedprox/active_workers"] = float(len(fedprox.read_markers(str(marker_dir))))
+    result = TrainResult(
+        actor_dir=str(actor_dir),
+        actor_format="fsdp-shards",
+        num_episodes=num_episodes,
+        metrics=metrics,
+        critic_dir=str(critic_dir) if critic_dir else "",
+        world_size=settings.n_gpus_per_node,
+    )
+    save(result, output / TRAIN_RESULT)
+    return result
+
+
+def evaluate(job: EvalJob) -> Any:
+    """Validation episodes with Hugging Face generation on the node's accelerator."""
+    from fedagent_flwr.clientapp import reference_trainer
+
+    try:
+        settings, _ = VerlSettings.from_mapping(job.trainer)
+    except VerlSettingsError as exc:
+        raise InputError(str(exc)) from None
+    knobs = {
+        "max_new_tokens": settings.max_new_tokens,
+        "val_temperature": settings.val_temperature,
+        "max_model_len": settings.max_model_len,
+        "device": "auto",
+    }
+    eval_job = EvalJob(**{**job.__dict__, "trainer": knobs})
+    return reference_trainer.evaluate(eval_job)
+
+
+_BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, PartitionError, EnvConfigError,
+              ModelResolutionError, ValueError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit status 0 ok, 2 bad input, 1 the verl job failed."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] not in ("train", "evaluate"):
+        print(f"{PROG}: error: expected 'train JOB.json' or 'evaluate JOB.json'", file=sys.stderr)
+        return 2
+    mode, job_path = args
+    try:
+        if mode == "train":
+            train(load(TrainJob, job_path))
+        else:
+            evaluate(load(EvalJob, job_path))
+    except VerlJobFailed as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    except _BAD_INPUT as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+#!/bin/bash
+# One federated job in Flower's simulation on a GPU node, logged to OUT/NAME.log; the SuperLink it
+# leaves running is stopped at the end. Run it detached for jobs longer than your session's patience:
+#   setsid nohup bash tools/gpu/run_federated.sh grpo "trainer=verl num_rounds=2" "num-supernodes=2 client-resources-num-gpus=0.5" &
+# usage: run_federated.sh NAME HYDRA_OVERRIDES [FEDERATION_CONFIG]
+set -u
+NAME=$1; OVERRIDES=$2
+FEDERATION=${3:-"num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+source tools/gpu/node_env.sh
+export FLWR_HOME=/tmp/flwr-$NAME
+# Each job gets its own local SuperLink ports, so two jobs can run side by side.
+case $NAME in *ppo*) P=39291;; *) P=39191;; esac
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$P FLWR_LOCAL_CONTROL_API_PORT=$((P + 2))
+T0=$(date +%s)
+echo "[$NAME] start $(date -u +%FT%TZ) overrides: $OVERRIDES | federation: $FEDERATION"
+flwr run . --stream --federation-config "$FEDERATION" \
+  --run-config "overrides=\"output_dir=$OUT/runs run_name=$NAME $OVERRIDES\"" > "$OUT/$NAME.log" 2>&1
+rc=$?
+python3 -m fedagent_flwr.launch stop-local "$FLWR_HOME" >> "$OUT/$NAME.log" 2>&1
+echo "[$NAME] exit rc=$rc after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/$NAME.log"
