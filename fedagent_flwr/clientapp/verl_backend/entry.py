@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, load, save
-from fedagent_flwr.clientapp.verl_backend import fedprox
+from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, build_overrides, job_paths
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
@@ -68,7 +68,8 @@ class VerlJobFailed(RuntimeError):
     """The verl job ran but did not produce a usable result."""
 
 
-def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str) -> dict[str, str]:
+def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str,
+                    critic_attn: str = "") -> dict[str, str]:
     """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
 
     * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
@@ -92,6 +93,9 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
     env["PYTHONUNBUFFERED"] = "1"
     env["RAY_DEDUP_LOGS"] = "0"
     env["HYDRA_FULL_ERROR"] = "1"
+    env.pop(critic_attention.ENV_ATTN, None)
+    if critic_attn:
+        env[critic_attention.ENV_ATTN] = critic_attn  # see critic_attention: verl hard-codes FA2
     if proximal_mu > 0:
         env[fedprox.ENV_MU] = repr(float(proximal_mu))
         env[fedprox.ENV_MARKERS] = marker_dir
@@ -263,7 +267,8 @@ def train(job: TrainJob) -> TrainResult:
     )
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
-    env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir))
+    env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir),
+                          critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "")
     print(f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {len(rows)} env "
           f"instances ({batch_size} per step x {job.local_steps} steps, n={settings.rollout_n}), "
           f"model {model_path}", flush=True)

@@ -26,7 +26,7 @@ import importlib.machinery
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -137,21 +137,22 @@ def patch_engine_module(module: Any, mu: float, marker_dir: str) -> None:
     engine_cls._fedagent_fedprox_mu = mu
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``TARGET_MODULE`` with the normal machinery, then patches it right after it executes."""
+class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``target`` with the normal machinery, then runs ``patch(module)`` right after the
+    module executes, in whichever process first imports it (verl's Ray workers included)."""
 
-    def __init__(self, mu: float, marker_dir: str) -> None:
-        self.mu = mu
-        self.marker_dir = marker_dir
+    def __init__(self, target: str, patch: Callable[[Any], None]) -> None:
+        self.target = target
+        self.patch = patch
         self._inner: Any = None
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != TARGET_MODULE:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
-            raise FedProxHookError(f"FedProx: cannot locate {TARGET_MODULE} to patch")
+            raise FedProxHookError(f"cannot locate {self.target} to patch")
         self._inner = spec.loader
         spec.loader = self
         return spec
@@ -161,7 +162,15 @@ class _PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
-        patch_engine_module(module, self.mu, self.marker_dir)
+        self.patch(module)
+
+
+def patch_when_imported(target: str, patch: Callable[[Any], None]) -> None:
+    """Apply ``patch`` to module ``target`` now if it is loaded, else as soon as it is imported."""
+    if target in sys.modules:
+        patch(sys.modules[target])
+    else:
+        sys.meta_path.insert(0, PatchOnImport(target, patch))
 
 
 def install_from_environment() -> bool:
@@ -179,8 +188,5 @@ def install_from_environment() -> bool:
     marker_dir = os.environ.get(ENV_MARKERS, "")
     if not marker_dir:
         raise FedProxHookError(f"FedProx: {ENV_MU} is set but {ENV_MARKERS} is not")
-    if TARGET_MODULE in sys.modules:
-        patch_engine_module(sys.modules[TARGET_MODULE], mu, marker_dir)
-    else:
-        sys.meta_path.insert(0, _PatchOnImport(mu, marker_dir))
+    patch_when_imported(TARGET_MODULE, lambda module: patch_engine_module(module, mu, marker_dir))
     return True
