@@ -233,7 +233,13 @@ def _file_chunks(path: Path, offset: int, report: TransferReport) -> Iterator[by
 
 
 def _pause(attempt: int, retries: int, what: str, problem: object) -> None:
-    """Back off before the next attempt, or give up with a CheckpointError after the last one."""
+    """Back off before the next attempt, or give up with a CheckpointError after the last one.
+
+    A certificate the client does not trust is final: retrying cannot fix it.
+    """
+    if "CERTIFICATE_VERIFY_FAILED" in str(problem) or "certificate verify failed" in str(problem):
+        raise CheckpointError(f"{what}: the store's TLS certificate is not trusted ({problem}); "
+                              "the run's storage.ssl_ca_certfile must be the CA that signed it")
     if attempt >= retries:
         raise CheckpointError(f"{what} failed after {retries + 1} attempts: {problem}")
     time.sleep(min(30.0, 0.5 * 2**attempt))

@@ -328,11 +328,18 @@ async def _append_body(request: Request, part: Path, have: int, size: int, name:
                     part.unlink()
                     raise HTTPException(413, f"{name!r}: the body runs past the declared {size} bytes; "
                                         "partial file discarded")
-                await run_in_threadpool(handle.write, chunk)
+                await run_in_threadpool(_write_through, handle, chunk)
                 have += len(chunk)
         except ClientDisconnect:
             pass
     return have
+
+
+def _write_through(handle: Any, chunk: bytes) -> None:
+    # Flushed per chunk: the size on disk is what the status endpoint reports as received, and
+    # what survives when the connection (or this process) goes away.
+    handle.write(chunk)
+    handle.flush()
 
 
 def _start_uvicorn(app: FastAPI, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
