@@ -24,8 +24,10 @@ from typing import Any
 import httpx
 from filelock import FileLock
 
+from fedagent_flwr.atomic import fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import ClientStore, store_ref_parts
 
 _CHUNK = 1024 * 1024
@@ -107,6 +109,7 @@ class HttpClientStore(ClientStore):
                     f"says {digest[:16]}...; discarded"
                 )
             staging.replace(target)
+            fsync_dir(self.cache_dir)
         return target
 
     def _get_json(self, url: str) -> Any:
@@ -145,6 +148,7 @@ class HttpClientStore(ClientStore):
                 _pause(attempt, self.retries, f"download of {entry.name}",
                        f"got {part.stat().st_size} of {entry.size} bytes")
                 continue
+            fsync_file(part)  # the cache trusts a renamed file without hashing it again
             actual = file_sha256(part)
             if actual != entry.sha256:
                 part.unlink()

@@ -35,9 +35,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.atomic import fsync_file, write_json_atomic
 from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256, file_sha256
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
+from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
     CA_FIELD,
     KIND_FIELD,
@@ -267,7 +268,7 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
             have = await _append_body(request, part, have, size, file)
             if have < size:
                 return {"received": have, "complete": False}
-            actual = await run_in_threadpool(file_sha256, part)
+            actual = await run_in_threadpool(_hash_and_sync, part)
             if actual != sha256:
                 part.unlink()
                 raise HTTPException(422, f"{file!r}: received bytes hash to {actual[:16]}..., the upload "
@@ -307,6 +308,7 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                 if path.is_file() and name not in listed:
                     path.unlink()
             files.replace(final)
+            fsync_dir(final.parent)
             shutil.rmtree(staging)
         return {"ref": {"path": ref.path, "kind": ref.kind, "format": ref.format,
                         "world_size": ref.world_size, "sha256": ref.sha256}}
@@ -333,6 +335,11 @@ async def _append_body(request: Request, part: Path, have: int, size: int, name:
         except ClientDisconnect:
             pass
     return have
+
+
+def _hash_and_sync(path: Path) -> str:
+    fsync_file(path)  # before it is renamed complete: a crash must not leave a short "complete" file
+    return file_sha256(path)
 
 
 def _write_through(handle: Any, chunk: bytes) -> None:
