@@ -38,15 +38,10 @@ from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # n
 from tests.store_harness import RUN, SHARD, node, tree
 
 
-@pytest.fixture(autouse=True)
-def _task_identity() -> None:
-    # Flower sets this inside real runs; building Messages in a unit test needs it too.
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
-
-
 def reply(client: int, config: dict[str, Any], metrics: dict[str, Any] | None = None,
           arrays: ArrayRecord | None = None) -> Message:
     """A train reply from client ``client``'s node (node 100 + client) with exactly this content."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
     records: dict[str, Any] = {"config": ConfigRecord({"client-id": client, **config}),
                                "metrics": MetricRecord(metrics or {"num-examples": 4.0})}

@@ -4,11 +4,11 @@ Train: read the global model's reference and the knobs from the instruction, fet
 through the run's checkpoint store, write a TrainJob, run the trainer backend, put the checkpoint
 into the store and reply with its reference and one MetricRecord.
 Evaluate: play validation episodes of the global model on the unperturbed validation setting.
+Query ``partition``: report which partition this node serves (the server maps clients to nodes).
 
 With a shared filesystem the node works under the server's run root; with the http store it
 works in its own directory (node config ``work-dir``, default ``./fedagent-work``) and shares no
 path with the server.
-Query ``partition``: report which partition this node serves (the server maps clients to nodes).
 """
 
 from __future__ import annotations
