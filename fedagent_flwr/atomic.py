@@ -23,11 +23,16 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(tmp)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a written file to disk, so that a rename after it never exposes missing bytes."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

@@ -21,6 +21,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fedagent_flwr.checkpoint.store import STORE_KINDS, StorageSettings, is_loopback
+
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
 TRAINER_BACKENDS = ("reference", "verl")
@@ -119,6 +121,7 @@ class RunSettings:
     eval_num_episodes: int
     eval_seed: int
     round_timeout: float
+    storage: StorageSettings
     raw: dict[str, Any]
 
     @property
@@ -146,6 +149,68 @@ def _typed(cfg: dict[str, Any], key: str, kind: type, check: Callable[[Any], boo
     if check is not None and not check(value):
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected {expect}")
     return value
+
+
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HOST = re.compile(r"^[A-Za-z0-9.:-]{1,253}$")
+
+
+def _path_text(cfg: dict[str, Any], key: str, required: bool = False) -> str:
+    """A config string that becomes a path: no control characters (a newline or NUL in a path
+    is a mistake or an attack, never a directory name)."""
+    value = _typed(cfg, key, str)
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ConfigError(f"config key '{key}' = {value!r} holds control characters")
+    if required and not value.strip():
+        raise ConfigError(f"config key '{key}' must be a non-empty path")
+    return value
+
+
+def _existing_file(cfg: dict[str, Any], key: str) -> str:
+    """An optional path that must name a readable file when set; returned absolute."""
+    value = _path_text(cfg, key)
+    if value and not Path(value).expanduser().is_file():
+        raise ConfigError(f"config key '{key}' = {value!r} is not a file")
+    return str(Path(value).expanduser().resolve()) if value else ""
+
+
+def _host(cfg: dict[str, Any], key: str) -> str:
+    return _typed(cfg, key, str, lambda v: bool(_HOST.match(v)), "an IP address or host name")
+
+
+def _storage(raw: dict[str, Any]) -> StorageSettings:
+    """The ``storage`` group: the http store serves checkpoints and tokens, so it binds to
+    loopback unless configured otherwise, and anywhere else only with TLS."""
+    kind = _typed(raw, "storage.kind", str, lambda v: v in STORE_KINDS, f"one of {STORE_KINDS}")
+    settings = StorageSettings(
+        kind=kind,
+        host=_host(raw, "storage.host"),
+        port=_typed(raw, "storage.port", int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
+        url=_typed(raw, "storage.url", str, lambda v: v == "" or re.match(r"^https?://[A-Za-z0-9.:\[\]-]+/?$", v)
+                   is not None, "'' or http(s)://host:port"),
+        ssl_certfile=_existing_file(raw, "storage.ssl_certfile"),
+        ssl_keyfile=_existing_file(raw, "storage.ssl_keyfile"),
+        ssl_ca_certfile=_existing_file(raw, "storage.ssl_ca_certfile"),
+        max_file_bytes=_typed(raw, "storage.max_file_bytes", int, lambda v: v >= 1, ">= 1"),
+    )
+    if kind != "http":
+        return settings
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        raise ConfigError("config keys 'storage.ssl_certfile' and 'storage.ssl_keyfile' must be set together")
+    if not settings.tls and not is_loopback(settings.host):
+        raise ConfigError(
+            f"config key 'storage.host' = {settings.host!r} exposes the checkpoint store beyond this "
+            "machine: set storage.ssl_certfile and storage.ssl_keyfile (TLS), or bind to 127.0.0.1"
+        )
+    if settings.url and settings.url.startswith("http://") and settings.tls:
+        raise ConfigError(f"config key 'storage.url' = {settings.url!r} must be https:// when the store uses TLS")
+    if settings.url.startswith("https://") and not settings.tls:
+        raise ConfigError(f"config key 'storage.url' = {settings.url!r} is https:// but no storage.ssl_certfile is set")
+    if not settings.url and settings.host in ("0.0.0.0", "::"):
+        raise ConfigError(
+            f"config key 'storage.url' must name the address clients reach when storage.host is {settings.host!r}"
+        )
+    return settings
 
 
 _TRAINER_NUMBERS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
@@ -249,11 +314,12 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
     return RunSettings(
         config_name=config_name,
-        run_name=_typed(raw, "run_name", str),
-        output_dir=_typed(raw, "output_dir", str, lambda v: bool(v.strip()), "a non-empty path"),
+        run_name=_typed(raw, "run_name", str, lambda v: v == "" or bool(_PLAIN_NAME.match(v)),
+                        "'' or a plain directory name (letters, digits, '.', '_', '-'; not starting with '.')"),
+        output_dir=_path_text(raw, "output_dir", required=True),
         num_rounds=_typed(raw, "num_rounds", int, lambda v: v >= 1, ">= 1"),
         seed=_typed(raw, "seed", int),
-        model_path=_typed(raw, "model.path", str),
+        model_path=_path_text(raw, "model.path"),
         total_clients=total,
         clients_per_round=min(per_round, total),
         mode=mode,
@@ -266,11 +332,13 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         env_service={
             "enabled": _typed(raw, "env.service.enabled", bool),
             "pool_size": _typed(raw, "env.service.pool_size", int, lambda v: v >= 1, ">= 1"),
+            "host": _host(raw, "env.service.host"),
             "startup_timeout_s": _typed(raw, "env.service.startup_timeout_s", float, lambda v: v > 0, "> 0"),
         },
         trainer=trainer,
         strategy_name=_typed(raw, "strategy.name", str),
-        strategy_class=_typed(raw, "strategy.class_path", str, lambda v: "." in v,
+        strategy_class=_typed(raw, "strategy.class_path", str,
+                              lambda v: "." in v and all(part.isidentifier() for part in v.split(".")),
                               "a dotted path such as mypkg.module.MyStrategy"),
         proximal_mu=proximal_mu,
         fixed_weights=tuple(float(w) for w in weights),
@@ -281,6 +349,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         eval_num_episodes=_typed(raw, "eval.num_episodes", int, lambda v: v >= 0, ">= 0"),
         eval_seed=_typed(raw, "eval.seed", int),
         round_timeout=_typed(raw, "round_timeout", float, lambda v: v > 0, "> 0"),
+        storage=_storage(raw),
         raw=raw,
     )
 

@@ -3,7 +3,8 @@
 Everything lives in one temporary directory: the certificates and node keys (generated with
 ``fedagent_flwr.deploy``), the SuperLink's working directory and Flower home (which the ``flwr``
 CLI shares, as an operator's machine would), and one working directory and Flower home per
-SuperNode, as if each ran on a machine of its own. Every process is started in a session of
+SuperNode, as if each ran on a machine of its own (with the http checkpoint store a SuperNode's
+files go to its own ``work`` directory: node config ``work-dir``). Every process is started in a session of
 its own and stopped by process group at the end; :meth:`Deployment.leftovers` lists any process
 still running inside the directory.
 """
@@ -36,6 +37,11 @@ class SuperNode:
     workdir: Path
     log_file: Path
     process: subprocess.Popen[bytes]
+
+    @property
+    def store_dir(self) -> Path:
+        """The node's own directory for runs without a shared filesystem (node config ``work-dir``)."""
+        return self.workdir / "work"
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
@@ -78,6 +84,7 @@ class Deployment:
         """Start ``flower-supernode`` in a working directory (and Flower home) of its own."""
         name = name or f"supernode-{partition_id}"
         workdir = self.root / name
+        node_config = f'partition-id={partition_id} num-partitions={num_partitions} work-dir="{workdir / "work"}"'
         home = workdir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         env = dict(self.env, FLWR_HOME=str(home))
@@ -88,7 +95,7 @@ class Deployment:
                  "--root-certificates", str(self.tls.ca_cert),
                  "--superlink", self.address,
                  "--auth-supernode-private-key", str(key.private_key),
-                 "--node-config", f"partition-id={partition_id} num-partitions={num_partitions}",
+                 "--node-config", node_config,
                  "--host", "127.0.0.1", "--port", str(free_port())],
                 cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )

@@ -1,6 +1,7 @@
 """End to end in Flower's deployment runtime: a real SuperLink and two real SuperNodes on
 loopback, with TLS (a self-signed CA generated here) and SuperNode authentication, running the
-default job with the tiny model; and a SuperNode whose key was never registered is refused.
+default job with the tiny model, once on a shared filesystem and once through the http
+checkpoint store with no shared path; and a SuperNode whose key was never registered is refused.
 The fast tests at the end check the generated certificates, keys and connection config."""
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from fedagent_flwr.checkpoint.manifest import build_manifest
 from fedagent_flwr.deploy import connection_toml, make_node_key, make_tls_files
 from tests.deployment_harness import CONNECTION, Deployment, tls_deployment
 
@@ -56,6 +60,68 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert audit.stdout.count(" ok") == 2
+
+
+@pytest.mark.slow
+def test_two_supernodes_without_a_shared_filesystem_exchange_checkpoints_through_the_store(
+    deployment: Deployment, tiny_model_dir: Path
+) -> None:
+    """The http store over TLS: the server's run directory and each SuperNode's ``work-dir`` share
+    no path; the clients download the global model and upload their checkpoints, and each round's
+    aggregate is the num-episodes weighted mean of the checkpoints the clients wrote locally."""
+    tls = deployment.tls
+    server_out = deployment.root / "superlink" / "outputs"
+    proc = deployment.run(
+        f"model.path={tiny_model_dir} num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
+        f"output_dir={server_out} run_name=no-shared-fs storage.kind=http storage.host=127.0.0.1 "
+        f"storage.ssl_certfile={tls.server_cert} storage.ssl_keyfile={tls.server_key} "
+        f"storage.ssl_ca_certfile={tls.ca_cert}"
+    )
+    output = proc.stdout + proc.stderr
+    run_dir = server_out / "no-shared-fs"
+    summary_path = run_dir / "federated_summary.json"
+    assert summary_path.exists(), output[-4000:] + deployment.logs()
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "completed", output[-4000:] + deployment.logs()
+    assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
+    nodes = deployment.supernodes[:2]
+    for entry in summary["rounds"]:
+        server_round = entry["round"]
+        assert entry["client_actor_ids"] == [0, 1] and not entry["rejected"], entry
+        # What the server averaged are the uploads it received, inside its own run directory ...
+        assert entry["client_actors"] == [str(run_dir / f"round_{server_round}" / f"client_{c}" / "actor")
+                                          for c in (0, 1)]
+        expected: dict[str, torch.Tensor] = {}
+        total = 0.0
+        for node in nodes:
+            local = node.store_dir / f"run-{summary['run_id']}" / f"round_{server_round}" / f"client_{node.partition_id}"
+            # ... copies of what each client wrote in its own directory, from a model it downloaded
+            # into its own cache (never a server path).
+            job = json.loads((local / "train_job.json").read_text())
+            assert Path(job["model_path"]).parent == node.store_dir / "cache", job["model_path"]
+            result = json.loads((local / "train_result.json").read_text())
+            actor = Path(result["actor_dir"])
+            assert node.store_dir in actor.parents
+            uploaded = run_dir / f"round_{server_round}" / f"client_{node.partition_id}" / "actor"
+            assert build_manifest(uploaded) == build_manifest(actor)
+            # The weighted mean, computed here from the clients' own files, in float64.
+            weight = float(result["num_episodes"])
+            total += weight
+            state = torch.load(actor / "model_world_size_1_rank_0.pt", weights_only=True)
+            for key, tensor in state.items():
+                expected[key] = expected.get(key, 0) + weight * tensor.double()
+        aggregate = load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors"))
+        assert aggregate and set(aggregate) <= set(expected)
+        error = max((aggregate[k].double() - expected[k] / total).abs().max().item() for k in aggregate)
+        assert error < 1e-6, error
+    # Only the server's run directory holds run outputs; the nodes' directories hold their own.
+    for node in nodes:
+        assert not (node.workdir / "outputs").exists()
+        cached = [p.name for p in (node.store_dir / "cache").iterdir() if p.is_dir()]
+        assert len(cached) == 3, cached  # the base model and the two aggregates, each fetched once
+    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
+                           capture_output=True, text=True)
+    assert audit.returncode == 0 and audit.stdout.count(" ok") == 2, audit.stdout + audit.stderr
 
 
 @pytest.mark.slow

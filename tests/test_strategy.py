@@ -84,10 +84,9 @@ def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp
     wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", run_root))
     wrong_hash = CheckpointRef(**{**wrong_hash.__dict__, "sha256": "0" * 64})
     truncated_dir = suite.copy("qwen_plain", run_root)
-    truncated = CheckpointRef.for_directory(truncated_dir)
     shard = truncated_dir / "model_world_size_1_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    truncated = CheckpointRef(**{**truncated.__dict__, "sha256": ""})  # get past the hash to the reader
+    truncated = CheckpointRef.for_directory(truncated_dir)  # hashed as truncated: the reader must catch it
     other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", run_root))
     replies = [_reply(0, good, 4), _reply(1, outside, 4), _reply(2, wrong_hash, 4), _reply(3, truncated, 4),
                _reply(4, other_shapes, 4), _error_reply(5)]

@@ -3,7 +3,9 @@
 ``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``reader`` opens and
 checks a reference and reads full tensors key by key from FSDP rank files or HF safetensors;
 ``aggregate`` computes the fp32 weighted mean into a new HF model directory;
-``safetensors_writer`` streams that file to disk one tensor at a time.
+``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
+references between machines (a shared filesystem, or the ServerApp's HTTP store in
+``http_server``/``http_client``, with per-file ``manifest`` hashes).
 """
 
 from fedagent_flwr.checkpoint.aggregate import (

@@ -24,6 +24,8 @@ FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
 # and hashing them would triple the bytes the server reads. Tokenizer files and logs likewise.
 _HASHED_SUFFIXES = (".safetensors", ".json")
 _HASH_BLOCK = 8 * 1024 * 1024
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
+MAX_WORLD_SIZE = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -60,14 +62,17 @@ class CheckpointRef:
             key = f"{prefix}-{name.replace('_', '-')}"
             if key not in config:
                 raise CheckpointError(f"checkpoint reference is missing '{key}'")
-            values[name] = config[key]
-        ref = cls(
-            path=str(values["path"]),
-            kind=str(values["kind"]),  # type: ignore[arg-type]
-            format=str(values["format"]),  # type: ignore[arg-type]
-            world_size=int(values["world_size"]),
-            sha256=str(values["sha256"]),
-        )
+            value = config[key]
+            # A peer's message: a list or a float where a string or an int belongs is refused
+            # rather than coerced ('[1]' is not a path, 2.7 is not a world size).
+            expected = int if name == "world_size" else str
+            if isinstance(value, bool) or not isinstance(value, expected):
+                raise CheckpointError(
+                    f"checkpoint reference field '{key}' must be {expected.__name__}, got "
+                    f"{type(value).__name__} {str(value)[:80]!r}"
+                )
+            values[name] = value
+        ref = cls(**values)
         ref.check_fields()
         return ref
 
@@ -79,10 +84,17 @@ class CheckpointRef:
             raise CheckpointError(
                 f"unknown checkpoint format '{self.format}' (expected one of {FORMATS})"
             )
-        if self.world_size < 1:
-            raise CheckpointError(f"world size must be >= 1, got {self.world_size}")
+        if not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise CheckpointError(f"world size must be in [1, {MAX_WORLD_SIZE}], got {self.world_size}")
         if not self.path:
             raise CheckpointError("checkpoint reference has an empty path")
+        if len(self.path) > MAX_PATH_CHARS or any(ord(ch) < 32 or ord(ch) == 127 for ch in self.path):
+            raise CheckpointError(
+                f"checkpoint reference path {self.path[:80]!r}... is longer than {MAX_PATH_CHARS} "
+                "characters or holds control characters"
+            )
+        if self.sha256 and not is_sha256(self.sha256):
+            raise CheckpointError(f"checkpoint reference hash {self.sha256[:80]!r} is not a sha256 hex digest")
 
     @classmethod
     def for_directory(
@@ -114,6 +126,11 @@ class CheckpointRef:
         )
 
 
+def is_sha256(value: Any) -> bool:
+    """Whether ``value`` is a lowercase hex sha256 digest (what every hash here is written as)."""
+    return isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value)
+
+
 def hashed_files(directory: str | os.PathLike[str]) -> list[Path]:
     """The files covered by the content hash, in a stable order (top level only)."""
     root = Path(directory)
@@ -131,10 +148,16 @@ def hash_checkpoint_dir(directory: str | os.PathLike[str]) -> str:
     for file in hashed_files(directory):
         digest.update(file.name.encode())
         digest.update(str(file.stat().st_size).encode())
-        with open(file, "rb") as handle:
-            while block := handle.read(_HASH_BLOCK):
-                digest.update(block)
+        update_from_file(digest, file)
     return digest.hexdigest()
+
+
+def update_from_file(digest: Any, path: str | os.PathLike[str]) -> Any:
+    """Feed a file's bytes into ``digest`` (a hashlib object) in 8 MiB blocks; return it."""
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest
 
 
 def resolve_inside(ref: CheckpointRef, root: str | os.PathLike[str]) -> Path:

@@ -1,9 +1,14 @@
 """ClientApp: one federated client = one partition of the environment, trained by a subprocess.
 
-Train: read the global model's reference and the knobs from the instruction, write a TrainJob,
-run the trainer backend, reply with the checkpoint's reference and one MetricRecord.
+Train: read the global model's reference and the knobs from the instruction, fetch the model
+through the run's checkpoint store, write a TrainJob, run the trainer backend, put the checkpoint
+into the store and reply with its reference and one MetricRecord.
 Evaluate: play validation episodes of the global model on the unperturbed validation setting.
 Query ``partition``: report which partition this node serves (the server maps clients to nodes).
+
+With a shared filesystem the node works under the server's run root; with the http store it
+works in its own directory (node config ``work-dir``, default ``./fedagent-work``) and shares no
+path with the server.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any, TypeVar
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint.store import ClientStore, open_client_store
 from fedagent_flwr.clientapp import job as jobs
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
@@ -37,6 +43,22 @@ def node_partition(context: Context) -> tuple[int, int]:
     return int(config["partition-id"]), int(config["num-partitions"])
 
 
+def node_work_dir(context: Context) -> Path:
+    """This node's own directory (node config ``work-dir``, else ``fedagent-work`` in the cwd)."""
+    value = context.node_config.get("work-dir")
+    if value is None:
+        return Path.cwd() / "fedagent-work"
+    path = Path(str(value))
+    if not path.is_absolute() or any(ord(ch) < 32 for ch in str(value)):
+        raise ValueError(f"node config 'work-dir' = {value!r} must be an absolute path")
+    return path
+
+
+def client_store(config: ConfigRecord, context: Context) -> ClientStore:
+    """The checkpoint store this instruction describes, as seen from this node."""
+    return open_client_store(config, context.run_id, lambda: node_work_dir(context))
+
+
 @app.query("partition")
 def report_partition(msg: Message, context: Context) -> Message:
     """Tell the server which client partition this node trains."""
@@ -48,15 +70,8 @@ def report_partition(msg: Message, context: Context) -> Message:
 def shutdown(msg: Message, context: Context) -> Message:
     """End of the run: stop the env services this node started for it."""
     partition, _ = node_partition(context)
-    stopped = stop_client_services(str(msg.content["config"]["run-root"]), partition)
+    stopped = stop_client_services(client_store(msg.content["config"], context).run_root, partition)
     return Message(RecordDict({"metrics": MetricRecord({"services-stopped": len(stopped)})}), reply_to=msg)
-
-
-def _global_model(config: ConfigRecord, prefix: str = "global") -> CheckpointRef:
-    ref = CheckpointRef.from_config(config, prefix)
-    if not Path(ref.path).is_dir():
-        raise CheckpointError(f"global model {ref.path} is not a directory on this node")
-    return ref
 
 
 def _trainer_knobs(settings: dict[str, Any]) -> dict[str, Any]:
@@ -93,12 +108,15 @@ def train(msg: Message, context: Context) -> Message:
     partition, _ = node_partition(context)
     if partition != client:
         raise ValueError(f"instruction for client {client} reached the node of partition {partition}")
-    start_model = _global_model(config)
+    store = client_store(config, context)
+    start_model = store.fetch(CheckpointRef.from_config(config, "global"))
+    run_root = store.run_root
+    out_dir = run_root / f"round_{server_round}" / f"client_{client}"
     # PPO: the aggregated critic of the previous round (absent in round 1: the job starts its
     # critic from the model).
-    critic_path = _global_model(config, "global-critic").path if "global-critic-path" in config else ""
-    run_root = str(config["run-root"])
-    out_dir = Path(run_root) / f"round_{server_round}" / f"client_{client}"
+    critic_path = ""
+    if "global-critic-path" in config:
+        critic_path = str(store.fetch(CheckpointRef.from_config(config, "global-critic")))
     trainer = _json_field(config, "trainer-json")
     env_spec, partition = _json_field(config, "env-spec-json"), _json_field(config, "partition-json")
     service = _json_field(config, "service-json")
@@ -112,7 +130,7 @@ def train(msg: Message, context: Context) -> Message:
         write_json_atomic(out_dir / "service_health.json", [m.health() for m in managers])
         partition = {"strategy": "none"}
     job = jobs.TrainJob(
-        model_path=start_model.path,
+        model_path=str(start_model),
         output_dir=str(out_dir),
         env_spec=env_spec,
         round=server_round,
@@ -129,11 +147,13 @@ def train(msg: Message, context: Context) -> Message:
     )
     started = time.monotonic()
     result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult)
-    actor = CheckpointRef.for_directory(result.actor_dir, "actor", result.actor_format)  # type: ignore[arg-type]
+    actor = store.put(result.actor_dir, "actor", server_round, client)
+    if actor.format != result.actor_format:
+        raise TrainerFailed(f"client {client}: the trainer reports a {result.actor_format} checkpoint, "
+                            f"{result.actor_dir} holds {actor.format}")
     reply_config: dict[str, Any] = {"client-id": client, **actor.to_config("actor")}
     if result.critic_dir:
-        critic = CheckpointRef.for_directory(result.critic_dir, "critic", "fsdp-shards")
-        reply_config.update(critic.to_config("critic"))
+        reply_config.update(store.put(result.critic_dir, "critic", server_round, client).to_config("critic"))
     metrics = {
         "num-examples": int(result.num_episodes),
         "reward-mean": float(result.metrics.get("reward_mean", 0.0)),
@@ -157,9 +177,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     client = int(config["client-id"])
     server_round = int(config["server-round"])
-    model = _global_model(config)
-    run_root = str(config["run-root"])
-    out_dir = Path(run_root) / f"round_{server_round}" / "eval" / f"client_{client}"
+    store = client_store(config, context)
+    model = store.fetch(CheckpointRef.from_config(config, "global"))
+    run_root = store.run_root
+    out_dir = run_root / f"round_{server_round}" / "eval" / f"client_{client}"
     trainer = _json_field(config, "trainer-json")
     env_spec = _json_field(config, "env-spec-json")
     service = _json_field(config, "service-json")
@@ -167,7 +188,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         # A separate, unperturbed validation service: never the client's training world.
         env_spec, _ = serve_env_spec(env_spec, split="val", run_root=run_root, client_id=client, settings=service)
     job = jobs.EvalJob(
-        model_path=model.path,
+        model_path=str(model),
         output_dir=str(out_dir),
         env_spec=env_spec,
         round=server_round,

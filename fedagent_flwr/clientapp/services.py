@@ -102,8 +102,11 @@ def serve_env_spec(
             if partition is not None
             else ({"strategy": "none", "split": "validation"}, {})
         )
+        # Loopback unless the run configures env.service.host: the trainer on this node is the
+        # only intended caller, and an env service has no authentication.
         launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part,
-                               variant=variant, owner_pid=node_owner_pid())
+                               variant=variant, host=str(settings.get("host", ServiceLaunch.host)),
+                               owner_pid=node_owner_pid())
         manager = EnvServiceManager.attach_or_create(
             state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])
         )

@@ -16,7 +16,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.exit import ExitCode
 
-from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -68,9 +69,10 @@ def load_strategy_class(class_path: str) -> type[Strategy]:
 
 
 def build_strategy(
-    settings: RunSettings, run_dir: Path, initial_model: CheckpointRef, recorder: RunRecorder | None
+    settings: RunSettings, run_dir: Path, initial_model: CheckpointRef, recorder: RunRecorder | None,
+    store: ServerStore | None = None,
 ) -> FedAvgFSDP:
-    """Instantiate the configured strategy with the run's plan."""
+    """Instantiate the configured strategy with the run's plan (``store`` None: shared filesystem)."""
     cls = load_strategy_class(settings.strategy_class)
     planned: dict[str, Any] = dict(
         run_root=str(run_dir),
@@ -96,6 +98,7 @@ def build_strategy(
         },
         eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
         recorder=recorder,
+        store=store,
     )
     clash = sorted(set(planned) & set(settings.strategy_kwargs))
     if clash:
@@ -160,7 +163,22 @@ def main(grid: Grid, context: Context) -> None:
 
     recorder = RunRecorder(run_dir, summary_header(settings, context.run_id, base))
     try:
-        strategy = build_strategy(settings, run_dir, base, recorder)
+        store = open_server_store(settings.storage, run_dir, run_key=str(context.run_id))
+    except (CheckpointError, OSError) as exc:
+        log(ERROR, "[fedagent] cannot start the checkpoint store: %s", exc)
+        recorder.finish("failed", str(exc))
+        raise RunSetupError(str(exc)) from None
+    try:
+        _run(settings, run_dir, base, recorder, store, grid)
+    finally:
+        store.close()
+
+
+def _run(settings: RunSettings, run_dir: Path, base: CheckpointRef, recorder: RunRecorder, store: ServerStore,
+         grid: Grid) -> None:
+    """Build the strategy over ``store``, run the rounds, tell the nodes the run is over."""
+    try:
+        strategy = build_strategy(settings, run_dir, base, recorder, store)
     except ConfigError as exc:
         log(ERROR, "[fedagent] cannot start the run: %s", exc)
         recorder.finish("failed", str(exc))

@@ -9,8 +9,11 @@ model back. No ``ArrayRecord`` ever carries weights.
 Compared with Flower's ``FedAvg`` it also
 - selects clients with FedAgent's seeded rule over partition ids (``seeding.select_clients``),
   so runs are reproducible and comparable with FedAgent's;
-- refuses a bad client checkpoint (outside the run root, missing, corrupt, wrong hash, shapes
-  that differ from the global model) with a message naming the client, and aggregates the rest;
+- refuses a bad client checkpoint (outside the run root or the client's upload slot, missing,
+  corrupt, wrong hash, shapes that differ from the global model) or a malformed or oversized
+  reply with a message naming the client, and aggregates the rest;
+- moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a
+  shared filesystem, or URLs of the ServerApp's HTTP store when the machines share none;
 - keeps the previous global model when no client checkpoint is usable.
 
 Subclasses change the rule by overriding :meth:`aggregation_weights` (weights per reply) or
@@ -40,11 +43,16 @@ from fedagent_flwr.checkpoint import (
     open_checkpoint,
     weighted_mean,
 )
+from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.recorder import RunRecorder
 
 QUERY_PARTITION = "query.partition"
 QUERY_SHUTDOWN = "query.shutdown"
+# A train reply is a client id, a checkpoint reference and a few metrics: well under a KiB.
+# Anything far larger is not a reply this strategy asked for (weights smuggled in an array,
+# a megabyte "path") and is refused before any of it is used.
+MAX_REPLY_BYTES = 64 * 1024
 
 
 class NoClientsError(RuntimeError):
@@ -79,6 +87,8 @@ class FedAvgFSDP(FedAvg):
         Validation episode seeds, split across the evaluating clients.
     recorder : RunRecorder | None
         Receives provenance and curves and writes the run summary after every step.
+    store : ServerStore | None
+        How checkpoints travel; None means a shared filesystem under ``run_root``.
     **kwargs
         Passed to Flower's ``FedAvg`` (e.g. ``weighted_by_key``).
     """
@@ -99,6 +109,7 @@ class FedAvgFSDP(FedAvg):
         eval_seeds: Sequence[int] = (),
         recorder: RunRecorder | None = None,
         discovery_timeout: float = 600.0,
+        store: ServerStore | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("min_available_nodes", 1)
@@ -118,6 +129,7 @@ class FedAvgFSDP(FedAvg):
         self.eval_seeds = list(eval_seeds)
         self.recorder = recorder
         self.discovery_timeout = discovery_timeout
+        self.store = store if store is not None else SharedFsServerStore(self.run_root)
         self._node_of_client: dict[int, int] = {}
         self._asked_nodes: set[int] = set()
         self._selected: list[int] = []
@@ -193,10 +205,12 @@ class FedAvgFSDP(FedAvg):
             self._node_of_client[partition] = node
 
     def _instruction(self, message_type: str, node: int, values: dict[str, Any]) -> Message:
-        """One instruction: the global model's reference and ``values``; an empty ArrayRecord."""
-        values = {**values, **self.global_model.to_config("global"), "run-root": self.run_root}
+        """One instruction: the global model's reference (as the store shares it), what the client
+        needs to open the store, and ``values``; an empty ArrayRecord."""
+        values = {**values, **self.store.share(self.global_model).to_config("global"),
+                  **self.store.instruction_fields()}
         if self.global_critic is not None:
-            values.update(self.global_critic.to_config("global-critic"))
+            values.update(self.store.share(self.global_critic).to_config("global-critic"))
         record = RecordDict({self.arrayrecord_key: ArrayRecord(), self.configrecord_key: ConfigRecord(values)})
         return Message(record, dst_node_id=node, message_type=message_type)
 
@@ -223,6 +237,7 @@ class FedAvgFSDP(FedAvg):
                 "num-clients": self.num_clients,
                 "data-seed": data_seed(self.base_seed, server_round, client),
                 "base-seed": self.base_seed,
+                **self.store.upload_grant(server_round, client),
             }
             messages.append(self._instruction(MessageType.TRAIN, nodes[client], values))
         return messages
@@ -316,6 +331,11 @@ class FedAvgFSDP(FedAvg):
         """Why a (non-error) train reply cannot be used, or "" if it can."""
         if client < 0:
             return f"reply from unknown node {reply.metadata.src_node_id}"
+        size = _reply_bytes(reply.content)
+        if size > MAX_REPLY_BYTES:
+            return f"reply of {size} bytes exceeds the limit of {MAX_REPLY_BYTES} (checkpoints travel as references)"
+        if any(len(record) for record in reply.content.array_records.values()):
+            return "reply carries arrays; send a checkpoint reference instead"
         try:
             config = reply.content[self.configrecord_key]
             if int(config["client-id"]) != client:
@@ -344,7 +364,7 @@ class FedAvgFSDP(FedAvg):
                     ref = CheckpointRef.from_config(reply.content[self.configrecord_key], kind)
                     if ref.kind != kind:
                         raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
-                    reader = open_checkpoint(ref, root=self.run_root)
+                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root)
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)
@@ -453,7 +473,7 @@ class FedAvgFSDP(FedAvg):
     def shutdown_clients(self, grid: Grid, timeout: float = 120.0) -> None:
         """Tell every known node the run is over, so it stops what it started (env services)."""
         messages = [
-            Message(RecordDict({"config": ConfigRecord({"run-root": self.run_root})}), dst_node_id=node,
+            Message(RecordDict({"config": ConfigRecord(self.store.instruction_fields())}), dst_node_id=node,
                     message_type=QUERY_SHUTDOWN)
             for node in sorted(set(self._node_of_client.values()))
         ]
@@ -474,7 +494,18 @@ class FedAvgFSDP(FedAvg):
             f", local client {self.local_client_id}" if self.local_client_id >= 0 else "")
         log(INFO, "\t├── Weights: %s", list(self.fixed_weights) or f"'{self.weighted_by_key}'")
         log(INFO, "\t├── Run root: %s", self.run_root)
+        log(INFO, "\t├── Checkpoints: %s", self.store.describe())
         log(INFO, "\t└── Initial global model: %s", self.global_model.path)
+
+
+def _reply_bytes(content: RecordDict) -> int:
+    """Approximate payload size of a reply: array bytes plus the length of every config value."""
+    size = sum(len(array.data) for record in content.array_records.values() for array in record.values())
+    for record in [*content.config_records.values(), *content.metric_records.values()]:
+        for key, value in record.items():
+            items = value if isinstance(value, list) else [value]
+            size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)
+    return size
 
 
 def _single_metrics(reply: Message) -> MetricRecord:

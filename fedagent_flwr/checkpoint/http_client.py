@@ -1,0 +1,259 @@
+"""The ClientApp's side of the HTTP checkpoint store (the server side is :mod:`.http_server`).
+
+``fetch`` downloads a global model of the current run into a node-local, content-addressed
+cache (``<work dir>/cache/<sha256>/``): every file is checked against the server's manifest and
+the directory against the reference's content hash before it is renamed into place, so the cache
+only ever holds complete, verified models, and a later round or evaluation of the same model
+downloads nothing. ``put`` uploads a checkpoint file by file (the server checks each sha256) and
+commits it. Both resume an interrupted transfer where it stopped: a download from the partial
+file it left (HTTP ``Range``), an upload from the offset the server reports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import ssl
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from filelock import FileLock
+
+from fedagent_flwr.atomic import fsync_file
+from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
+from fedagent_flwr.checkpoint.store import ClientStore, store_ref_parts
+
+_CHUNK = 1024 * 1024
+
+
+@dataclass
+class TransferReport:
+    """Bytes moved by the last ``fetch`` or ``put`` (what a resumed transfer saved shows here)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    files_skipped: int = 0  # already complete on the other side (or in the cache)
+    cache_hit: bool = False
+
+
+class HttpClientStore(ClientStore):
+    """Fetch global models from and put checkpoints into the run's HTTP store."""
+
+    kind = "http"
+
+    def __init__(self, url: str, run_key: str, read_token: str, work_dir: str | os.PathLike[str], *,
+                 upload_token: str = "", ca_pem: str = "", retries: int = 5, timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise CheckpointError(f"store url {url!r} is not an http(s) URL")
+        self.run_key = run_key
+        self.work_dir = Path(work_dir)
+        self.retries = retries
+        self.report = TransferReport()
+        # A CA from the instruction pins the store's certificate; without one, the system's CAs.
+        self._verify: Any = ssl.create_default_context(cadata=ca_pem) if ca_pem else True
+        self._timeout = httpx.Timeout(timeout_s, connect=30.0)
+        self._read_headers = {"Authorization": f"Bearer {read_token}"}
+        self._upload_headers = {"Authorization": f"Bearer {upload_token}"}
+        self._http: httpx.Client | None = None
+
+    @property
+    def run_root(self) -> Path:
+        return self.work_dir / f"run-{self.run_key}"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.work_dir / "cache"
+
+    @contextmanager
+    def _session(self) -> Iterator[httpx.Client]:
+        """One connection pool per fetch or put (a ClientApp process handles one message)."""
+        with httpx.Client(verify=self._verify, timeout=self._timeout) as http:
+            self._http = http
+            try:
+                yield http
+            finally:
+                self._http = None
+
+    # -- download -----------------------------------------------------------------------------
+    def fetch(self, ref: CheckpointRef) -> Path:
+        segments = store_ref_parts(ref.path, self.url, self.run_key, "global model")
+        if len(segments) < 2 or segments[0] != "models":
+            raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
+        digest = check_sha256(ref.sha256, f"global model {ref.path}")
+        self.report = TransferReport()
+        target = self.cache_dir / digest
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        # One download per model per node, even with several ClientApp processes at once.
+        with FileLock(str(self.cache_dir / f".{digest}.lock")), self._session():
+            if target.is_dir():
+                self.report.cache_hit = True
+                return target
+            staging = self.cache_dir / f".partial-{digest}"
+            staging.mkdir(exist_ok=True)
+            manifest = Manifest.from_json(self._get_json(ref.path)["files"])
+            for entry in manifest.files:
+                self._download(ref.path, entry, staging)
+            actual = hash_checkpoint_dir(staging)
+            if actual != digest:
+                shutil.rmtree(staging)
+                raise CheckpointError(
+                    f"global model {ref.path}: downloaded files hash to {actual[:16]}..., the reference "
+                    f"says {digest[:16]}...; discarded"
+                )
+            staging.replace(target)
+            fsync_dir(self.cache_dir)
+        return target
+
+    def _get_json(self, url: str) -> Any:
+        response = self._request("GET", url, headers=self._read_headers)
+        _raise_for_store(response, f"GET {url}")
+        return response.json()
+
+    def _download(self, model_url: str, entry: FileEntry, staging: Path) -> None:
+        final = staging / entry.name
+        if final.is_file():  # verified and renamed by an earlier, interrupted fetch
+            self.report.files_skipped += 1
+            return
+        part = final.with_name(final.name + ".part")
+        part.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(self.retries + 1):
+            have = part.stat().st_size if part.exists() else 0
+            if have > entry.size:
+                part.unlink()
+                have = 0
+            if have < entry.size:
+                headers = {**self._read_headers, **({"Range": f"bytes={have}-"} if have else {})}
+                try:
+                    with self._client().stream("GET", model_url, params={"file": entry.name}, headers=headers) as response:
+                        if response.status_code not in (200, 206):
+                            response.read()
+                            _raise_for_store(response, f"download of {entry.name}")
+                        mode = "ab" if response.status_code == 206 else "wb"  # 200: the whole file again
+                        with open(part, mode) as handle:
+                            for chunk in response.iter_bytes(_CHUNK):
+                                handle.write(chunk)
+                                self.report.bytes_received += len(chunk)
+                except httpx.TransportError as exc:
+                    _pause(attempt, self.retries, f"download of {entry.name}", exc)
+                    continue
+            if part.stat().st_size != entry.size:
+                _pause(attempt, self.retries, f"download of {entry.name}",
+                       f"got {part.stat().st_size} of {entry.size} bytes")
+                continue
+            fsync_file(part)  # the cache trusts a renamed file without hashing it again
+            actual = file_sha256(part)
+            if actual != entry.sha256:
+                part.unlink()
+                raise CheckpointError(
+                    f"downloaded {entry.name} of {model_url}: sha256 {actual[:16]}... differs from the "
+                    f"manifest's {entry.sha256[:16]}...; discarded"
+                )
+            part.replace(final)
+            return
+
+    # -- upload -------------------------------------------------------------------------------
+    def put(self, directory: str | os.PathLike[str], kind: CheckpointKind, server_round: int,
+            client: int) -> CheckpointRef:
+        local = CheckpointRef.for_directory(directory, kind)
+        manifest = build_manifest(directory)
+        slot = f"{self.url}/runs/{self.run_key}/uploads/{server_round}/{client}/{kind}"
+        self.report = TransferReport()
+        with self._session():
+            return self._put(Path(directory), local, manifest, slot)
+
+    def _put(self, directory: Path, local: CheckpointRef, manifest: Manifest, slot: str) -> CheckpointRef:
+        status = self._upload_status(slot)
+        if status["committed"]:
+            raise CheckpointError(f"upload slot {slot} is already committed")
+        for entry in manifest.files:
+            if status["complete"].get(entry.name) == {"size": entry.size, "sha256": entry.sha256}:
+                self.report.files_skipped += 1
+                continue
+            self._upload(slot, directory / entry.name, entry, int(status["partial"].get(entry.name, 0)))
+        body = {"manifest": manifest.to_json(), "format": local.format, "world_size": local.world_size,
+                "sha256": local.sha256}
+        response = self._request("POST", slot, headers=self._upload_headers, json=body)
+        _raise_for_store(response, f"commit of {slot}")
+        return CheckpointRef(**response.json()["ref"])
+
+    def _upload_status(self, slot: str) -> dict[str, Any]:
+        response = self._request("GET", slot, headers=self._upload_headers)
+        _raise_for_store(response, f"upload status of {slot}")
+        return dict(response.json())
+
+    def _upload(self, slot: str, path: Path, entry: FileEntry, offset: int) -> None:
+        restarted = False
+        for attempt in range(self.retries + 1):
+            params = {"file": entry.name, "offset": offset, "size": entry.size, "sha256": entry.sha256}
+            try:
+                response = self._client().put(slot, params=params, headers=self._upload_headers,
+                                          content=_file_chunks(path, offset, self.report))
+            except httpx.TransportError as exc:
+                _pause(attempt, self.retries, f"upload of {entry.name}", exc)
+                offset = int(self._upload_status(slot)["partial"].get(entry.name, 0))
+                continue
+            if response.status_code == 409 and "received" in response.json():
+                offset = int(response.json()["received"])  # the server holds a different prefix
+                continue
+            if response.status_code == 422 and not restarted:
+                restarted, offset = True, 0  # the server dropped a corrupt partial file: once more
+                continue
+            _raise_for_store(response, f"upload of {entry.name}")
+            if response.json()["complete"]:
+                return
+            offset = int(response.json()["received"])
+            _pause(attempt, self.retries, f"upload of {entry.name}", f"stopped at byte {offset}")
+        raise CheckpointError(f"upload of {entry.name} to {slot} did not complete after {self.retries + 1} attempts")
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            try:
+                return self._client().request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                _pause(attempt, self.retries, f"{method} {url}", exc)
+        raise AssertionError("unreachable: _pause raises on the last attempt")
+
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            raise RuntimeError("HttpClientStore transfers run inside fetch() or put()")
+        return self._http
+
+
+def _file_chunks(path: Path, offset: int, report: TransferReport) -> Iterator[bytes]:
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        while chunk := handle.read(_CHUNK):
+            report.bytes_sent += len(chunk)
+            yield chunk
+
+
+def _pause(attempt: int, retries: int, what: str, problem: object) -> None:
+    """Back off before the next attempt, or give up with a CheckpointError after the last one.
+
+    A certificate the client does not trust is final: retrying cannot fix it.
+    """
+    if "CERTIFICATE_VERIFY_FAILED" in str(problem) or "certificate verify failed" in str(problem):
+        raise CheckpointError(f"{what}: the store's TLS certificate is not trusted ({problem}); "
+                              "the run's storage.ssl_ca_certfile must be the CA that signed it")
+    if attempt >= retries:
+        raise CheckpointError(f"{what} failed after {retries + 1} attempts: {problem}")
+    time.sleep(min(30.0, 0.5 * 2**attempt))
+
+
+def _raise_for_store(response: httpx.Response, what: str) -> None:
+    if response.is_success:
+        return
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    raise CheckpointError(f"checkpoint store refused the {what} (HTTP {response.status_code}): {detail}")

@@ -1,0 +1,381 @@
+"""The ServerApp's checkpoint store over HTTP(S), for federations that share no filesystem.
+
+One uvicorn server runs in a thread of the ServerApp process for the whole run, bound to
+``storage.host`` (loopback unless configured otherwise), with TLS when a certificate is set.
+Everything lives under ``/runs/<run id>/``:
+
+``GET  /runs/<run>/models/<model id>``              manifest of a model the server shared
+``GET  /runs/<run>/models/<model id>?file=<name>``  one file (HTTP ``Range`` resumes a download)
+``GET  /runs/<run>/uploads/<round>/<client>/<kind>``  what the server holds of an upload so far
+``PUT  ...uploads/<round>/<client>/<kind>?file=&offset=&size=&sha256=``  append bytes to one file
+``POST ...uploads/<round>/<client>/<kind>``          commit: manifest in, reference out
+
+Reads need the run's read token, uploads the token of their (round, client) slot; both are
+HMACs of a random per-run secret and travel only inside Flower instructions. An upload lands in
+``<run root>/round_<r>/client_<c>/.upload-<kind>/`` and becomes ``.../<kind>/`` by one rename at
+commit. A file is kept only once its bytes match the sha256 declared for it; a dropped connection
+keeps the bytes received so far, and the next ``PUT`` continues at that offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from fedagent_flwr.atomic import fsync_file, write_json_atomic
+from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256, file_sha256
+from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
+from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
+from fedagent_flwr.checkpoint.store import (
+    CA_FIELD,
+    KIND_FIELD,
+    READ_TOKEN_FIELD,
+    RUN_FIELD,
+    UPLOAD_TOKEN_FIELD,
+    URL_FIELD,
+    ServerStore,
+    StorageSettings,
+    require_hash,
+    store_ref_parts,
+)
+from fedagent_flwr.envs.service.server import bind_socket, socket_url
+
+MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
+_RECEIVED = "received.json"
+_FILES = "files"
+
+
+def upload_url(base_url: str, run_key: str, server_round: int, client: int, kind: str) -> str:
+    """The reference (and endpoint) of client ``client``'s ``kind`` upload in ``server_round``."""
+    return f"{base_url}/runs/{run_key}/uploads/{server_round}/{client}/{kind}"
+
+
+class HttpServerStore(ServerStore):
+    """Serves the run's shared models and receives the clients' checkpoints (see the module docstring)."""
+
+    kind = "http"
+
+    def __init__(self, settings: StorageSettings, run_root: str | Path, run_key: str) -> None:
+        super().__init__(run_root)
+        self.settings = settings
+        self.run_key = run_key
+        # Tokens authorise transfers of this run only, so they must be unguessable: a random
+        # secret, not one derived from the (public) config seed.
+        self._secret = secrets.token_bytes(32)
+        self._models: dict[str, tuple[Path, Manifest]] = {}
+        self._shared: dict[tuple[str, str], CheckpointRef] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ca_pem = Path(settings.ssl_ca_certfile).read_text() if settings.ssl_ca_certfile else ""
+        self._sock = bind_socket(settings.host, settings.port)
+        bound = socket_url(self._sock)
+        if settings.tls:
+            bound = "https" + bound[len("http"):]
+        self.url = (settings.url or bound).rstrip("/")
+        self._server, self._thread = _start_uvicorn(create_store_app(self), self._sock, settings)
+
+    # -- tokens -------------------------------------------------------------------------------
+    def _token(self, purpose: str) -> str:
+        return hmac.new(self._secret, f"{self.run_key}:{purpose}".encode(), hashlib.sha256).hexdigest()
+
+    def read_token(self) -> str:
+        return self._token("read")
+
+    def upload_token(self, server_round: int, client: int) -> str:
+        return self._token(f"upload:{server_round}:{client}")
+
+    # -- ServerStore --------------------------------------------------------------------------
+    def share(self, ref: CheckpointRef) -> CheckpointRef:
+        key = (ref.path, ref.sha256)
+        if key not in self._shared:
+            directory = Path(ref.path).resolve()
+            try:
+                model_id = directory.relative_to(self.run_root).as_posix()
+            except ValueError:  # the base model, outside the run root: named by its hash
+                model_id = f"external/{ref.sha256[:16] or 'unhashed'}"
+            self._models[model_id] = (directory, build_manifest(directory))
+            self._shared[key] = CheckpointRef(
+                path=f"{self.url}/runs/{self.run_key}/models/{model_id}", kind=ref.kind, format=ref.format,
+                world_size=ref.world_size, sha256=ref.sha256,
+            )
+        return self._shared[key]
+
+    def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
+        who = f"client {client}"
+        require_hash(ref, who)
+        segments = store_ref_parts(ref.path, self.url, self.run_key, who)
+        expected = ["uploads", str(server_round), str(client), ref.kind]
+        if segments != expected:
+            raise CheckpointError(
+                f"{who} reference {ref.path[:120]!r} does not name its own upload slot of round "
+                f"{server_round} ({upload_url(self.url, self.run_key, server_round, client, ref.kind)})"
+            )
+        directory = self.slot_dir(server_round, client, ref.kind)
+        if not directory.is_dir():
+            raise CheckpointError(f"{who} reference {ref.path!r}: the upload was never committed")
+        local = CheckpointRef(path=str(directory), kind=ref.kind, format=ref.format,
+                              world_size=ref.world_size, sha256=ref.sha256)
+        resolve_inside(local, self.run_root)
+        return local
+
+    def instruction_fields(self) -> dict[str, Any]:
+        return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,
+                READ_TOKEN_FIELD: self.read_token(), CA_FIELD: self._ca_pem}
+
+    def upload_grant(self, server_round: int, client: int) -> dict[str, Any]:
+        return {UPLOAD_TOKEN_FIELD: self.upload_token(server_round, client)}
+
+    def describe(self) -> str:
+        return f"http store {self.url} (run {self.run_key}) -> {self.run_root}"
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+    # -- layout -------------------------------------------------------------------------------
+    def slot_dir(self, server_round: int, client: int, kind: str) -> Path:
+        return self.run_root / f"round_{server_round}" / f"client_{client}" / kind
+
+    def staging_dir(self, server_round: int, client: int, kind: str) -> Path:
+        return self.run_root / f"round_{server_round}" / f"client_{client}" / f".upload-{kind}"
+
+    def lock(self, slot: str) -> asyncio.Lock:
+        return self._locks.setdefault(slot, asyncio.Lock())
+
+    def model(self, model_id: str) -> tuple[Path, Manifest]:
+        if model_id not in self._models:
+            raise HTTPException(404, f"run {self.run_key} shares no model {model_id[:120]!r}")
+        return self._models[model_id]
+
+
+# ------------------------------------------------------------------------------------------ app
+
+
+def _authorise(request: Request, token: str) -> None:
+    header = request.headers.get("authorization", "")
+    if not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+        raise HTTPException(403, "missing or wrong store token for this resource")
+
+
+def _check_run(store: HttpServerStore, run: str) -> None:
+    if run != store.run_key:
+        raise HTTPException(404, f"this store serves run {store.run_key}, not run {run[:40]!r}")
+
+
+def _slot(store: HttpServerStore, request: Request, run: str, server_round: int, client: int,
+          kind: str) -> tuple[Path, str]:
+    """Check run, kind and the slot's token; return (staging dir, lock name)."""
+    _check_run(store, run)
+    if kind not in KINDS:
+        raise HTTPException(404, f"unknown checkpoint kind {kind[:40]!r} (expected one of {KINDS})")
+    if server_round < 0 or client < 0:
+        raise HTTPException(404, "round and client must be >= 0")
+    _authorise(request, store.upload_token(server_round, client))
+    return store.staging_dir(server_round, client, kind), f"{server_round}/{client}/{kind}"
+
+
+def _received(staging: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return dict(json.loads((staging / _RECEIVED).read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+async def _read_json_body(request: Request) -> Any:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_COMMIT_BYTES:
+            raise HTTPException(413, f"request body exceeds {MAX_COMMIT_BYTES} bytes")
+    try:
+        return json.loads(bytes(body))
+    except ValueError as exc:
+        raise HTTPException(400, f"request body is not JSON: {exc}") from None
+
+
+def create_store_app(store: HttpServerStore) -> FastAPI:
+    """The FastAPI application of ``store`` (routes in the module docstring)."""
+    app = FastAPI(title="fedagent checkpoint store", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(CheckpointError)
+    async def _refused(request: Request, exc: CheckpointError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ready": True, "run": store.run_key}
+
+    @app.get("/runs/{run}/models/{model_id:path}", response_model=None)
+    async def model(run: str, model_id: str, request: Request, file: str | None = None) -> Any:
+        _check_run(store, run)
+        _authorise(request, store.read_token())
+        directory, manifest = store.model(model_id)
+        if file is None:
+            return {"files": manifest.to_json()}
+        check_file_name(file)
+        entry = manifest.entry(file)
+        return FileResponse(directory / entry.name, media_type="application/octet-stream")
+
+    @app.get("/runs/{run}/uploads/{server_round}/{client}/{kind}")
+    async def upload_status(run: str, server_round: int, client: int, kind: str, request: Request) -> dict[str, Any]:
+        staging, _ = _slot(store, request, run, server_round, client, kind)
+        committed = store.slot_dir(server_round, client, kind).is_dir()
+        partial = {}
+        if staging.is_dir():
+            partial = {p.relative_to(staging / _FILES).as_posix()[: -len(".part")]: p.stat().st_size
+                       for p in (staging / _FILES).rglob("*.part")}
+        return {"committed": committed, "complete": _received(staging), "partial": partial}
+
+    @app.put("/runs/{run}/uploads/{server_round}/{client}/{kind}")
+    async def upload_file(run: str, server_round: int, client: int, kind: str, request: Request,
+                          file: str, offset: int, size: int, sha256: str) -> dict[str, Any]:
+        staging, slot = _slot(store, request, run, server_round, client, kind)
+        check_file_name(file)
+        check_sha256(sha256, f"upload of {file!r}")
+        if not 0 <= size <= store.settings.max_file_bytes:
+            raise HTTPException(413, f"{file!r}: {size} bytes is not in [0, {store.settings.max_file_bytes}] "
+                                "(storage.max_file_bytes)")
+        if not 0 <= offset <= size:
+            raise HTTPException(400, f"{file!r}: offset {offset} is outside [0, {size}]")
+        async with store.lock(slot):
+            if store.slot_dir(server_round, client, kind).is_dir():
+                raise HTTPException(409, f"upload {slot} is already committed")
+            received = _received(staging)
+            if file in received:
+                if received[file] == {"size": size, "sha256": sha256}:
+                    return {"received": size, "complete": True}
+                raise HTTPException(409, f"{file!r} was already received with another size or sha256")
+            target = staging / _FILES / file
+            part = target.with_name(target.name + ".part")
+            part.parent.mkdir(parents=True, exist_ok=True)
+            have = part.stat().st_size if part.exists() else 0
+            if offset != have:
+                return JSONResponse({"detail": f"{file!r}: upload continues at byte {have}, not {offset}",
+                                     "received": have}, status_code=409)
+            have = await _append_body(request, part, have, size, file)
+            if have < size:
+                return {"received": have, "complete": False}
+            actual = await run_in_threadpool(_hash_and_sync, part)
+            if actual != sha256:
+                part.unlink()
+                raise HTTPException(422, f"{file!r}: received bytes hash to {actual[:16]}..., the upload "
+                                    f"declared {sha256[:16]}...; discarded, upload it again")
+            part.replace(target)
+            write_json_atomic(staging / _RECEIVED, {**received, file: {"size": size, "sha256": sha256}})
+            return {"received": size, "complete": True}
+
+    @app.post("/runs/{run}/uploads/{server_round}/{client}/{kind}")
+    async def commit(run: str, server_round: int, client: int, kind: str, request: Request) -> dict[str, Any]:
+        staging, slot = _slot(store, request, run, server_round, client, kind)
+        body = await _read_json_body(request)
+        if not isinstance(body, dict) or set(body) != {"manifest", "format", "world_size", "sha256"}:
+            raise HTTPException(400, "commit body must be a JSON object with manifest, format, world_size, sha256")
+        manifest = Manifest.from_json(body["manifest"], store.settings.max_file_bytes)
+        world_size = body["world_size"]
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise HTTPException(400, f"world_size {world_size!r} is not an integer")
+        ref = CheckpointRef(path=upload_url(store.url, store.run_key, server_round, client, kind), kind=kind,
+                            format=str(body["format"]), world_size=world_size,  # type: ignore[arg-type]
+                            sha256=check_sha256(body["sha256"], "commit"))
+        ref.check_fields()
+        final = store.slot_dir(server_round, client, kind)
+        async with store.lock(slot):
+            if final.is_dir():
+                raise HTTPException(409, f"upload {slot} is already committed")
+            received = _received(staging)
+            for entry in manifest.files:
+                if received.get(entry.name) != {"size": entry.size, "sha256": entry.sha256}:
+                    raise HTTPException(409, f"{entry.name!r} has not been received completely with sha256 "
+                                        f"{entry.sha256[:16]}...; upload it before committing")
+            files = staging / _FILES
+            # Anything received but not in the manifest (a leftover of an earlier attempt) stays out.
+            listed = {entry.name for entry in manifest.files}
+            for path in sorted(files.rglob("*"), reverse=True):
+                name = path.relative_to(files).as_posix()
+                if path.is_file() and name not in listed:
+                    path.unlink()
+            files.replace(final)
+            fsync_dir(final.parent)
+            shutil.rmtree(staging)
+        return {"ref": {"path": ref.path, "kind": ref.kind, "format": ref.format,
+                        "world_size": ref.world_size, "sha256": ref.sha256}}
+
+    return app
+
+
+async def _append_body(request: Request, part: Path, have: int, size: int, name: str) -> int:
+    """Append the request body to ``part`` (holding ``have`` bytes), never beyond ``size``.
+
+    A body longer than declared is refused and the partial file dropped; a dropped connection
+    keeps what arrived, for the next request to continue.
+    """
+    with open(part, "ab") as handle:
+        try:
+            async for chunk in request.stream():
+                if have + len(chunk) > size:
+                    handle.close()
+                    part.unlink()
+                    raise HTTPException(413, f"{name!r}: the body runs past the declared {size} bytes; "
+                                        "partial file discarded")
+                await run_in_threadpool(_write_through, handle, chunk)
+                have += len(chunk)
+        except ClientDisconnect:
+            pass
+    return have
+
+
+def _hash_and_sync(path: Path) -> str:
+    fsync_file(path)  # before it is renamed complete: a crash must not leave a short "complete" file
+    return file_sha256(path)
+
+
+def _write_through(handle: Any, chunk: bytes) -> None:
+    # Flushed per chunk: the size on disk is what the status endpoint reports as received, and
+    # what survives when the connection (or this process) goes away.
+    handle.write(chunk)
+    handle.flush()
+
+
+def _start_uvicorn(app: FastAPI, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
+    """Serve ``app`` on ``sock`` in a daemon thread; return once it accepts connections."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", ws="none",
+        ssl_certfile=settings.ssl_certfile or None, ssl_keyfile=settings.ssl_keyfile or None,
+    )
+    server = uvicorn.Server(config)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except BaseException as exc:  # reported to the starting thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="checkpoint-store", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60  # a hang guard: start-up takes milliseconds
+    while not server.started:
+        if failure or not thread.is_alive():
+            sock.close()
+            raise CheckpointError(f"the checkpoint store could not start: {failure[0] if failure else 'exited'}")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise CheckpointError("the checkpoint store did not start within 60 s")
+        time.sleep(0.02)
+    return server, thread

@@ -1,0 +1,45 @@
+"""Helpers for tests of the checkpoint stores: a client with an instruction's tokens, filesystem
+snapshots (to show nothing was written outside the run root), and a bounded wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.checkpoint.http_client import HttpClientStore
+from fedagent_flwr.checkpoint.http_server import HttpServerStore
+
+RUN = "11"  # the Flower run id the test stores serve
+SHARD = "model_world_size_1_rank_0.pt"
+
+
+def tree(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` (outside ``skip``) with its size and mtime: a before/after snapshot."""
+    found = {}
+    for path in root.rglob("*"):
+        if any(path == s or s in path.parents for s in skip):
+            continue
+        stat = path.lstat()
+        found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def node(store: HttpServerStore, work: Path, server_round: int = 1, client: int = 0, **kwargs: Any) -> HttpClientStore:
+    """A client of ``store`` working in ``work``, with the tokens an instruction for (round, client) carries."""
+    return HttpClientStore(store.url, RUN, store.read_token(), work,
+                           upload_token=store.upload_token(server_round, client), **kwargs)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition``; a hang guard, not a timing bound (the server answers in milliseconds)."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
