@@ -182,3 +182,22 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
     shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # a client file altered afterwards
     assert verify([str(run_root)]) == 1
+
+
+def test_client_failures_are_recorded_as_the_clientapp_worded_them() -> None:
+    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import readable_reason
+
+    # What Flower's simulation reported on an H200 when a client's verl job failed (shortened).
+    ray_wrapped = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+        "(pid=2142, ip=192.0.2.2)\n  File \"/x/fedagent_flwr/clientapp/app.py\", line 131, in train\n"
+        "fedagent_flwr.clientapp.backend.TrainerFailed: client 1 round 1: verl trainer exited with code 1: "
+        "verl_backend: error: verl ran out of GPU memory (CUDA out of memory) (log: /r/verl.log) (log: /r/train.log)\n"
+        "Exception ClientAppException occurred. Message: client 1 round 1: verl trainer exited with code 1: "
+        "verl_backend: error: verl ran out of GPU memory (CUDA out of memory) (log: /r/verl.log) (log: /r/train.log)'>"
+    )
+    assert readable_reason(ray_wrapped) == (
+        "client 1 round 1: verl trainer exited with code 1: verl_backend: error: verl ran out of GPU memory "
+        "(CUDA out of memory) (log: /r/verl.log) (log: /r/train.log)")
+    assert readable_reason("Traceback (most recent call last):\n  ...\nKeyError: 'x'\n") == "KeyError: 'x'"
+    assert readable_reason("plain words") == "plain words"

@@ -336,3 +336,20 @@ def test_entry_refuses_bad_jobs_before_starting_verl(tiny_model_dir: Path, tmp_p
                               str(tmp_path / "job.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert run.returncode == 2, run.stderr
         assert message in run.stderr and "verl.log" not in run.stderr
+
+
+def test_failure_reasons_name_the_root_cause() -> None:
+    from fedagent_flwr.clientapp.verl_backend.entry import _failure_reason
+
+    vllm_race = ["(EngineCore pid=1) ValueError: No available memory for the cache blocks. Try increasing ...",
+                 "Traceback (most recent call last):",
+                 "RuntimeError: Engine core initialization failed. See root cause above."]
+    assert "trainer.kv_cache_gib" in _failure_reason(1, vllm_race)
+    assert "out of GPU memory" in _failure_reason(1, ["torch.OutOfMemoryError: CUDA out of memory. Tried"])
+    chained = ["ImportError: FlashAttention2 has been toggled on, but it cannot be used",
+               "The above exception was the direct cause of the following exception:",
+               "RuntimeError: model(/m) is not a value head model"]
+    assert _failure_reason(1, chained) == ("exited with code 1: ImportError: FlashAttention2 has been "
+                                           "toggled on, but it cannot be used")
+    assert _failure_reason(-9, ["Training Progress: 0/2"]) == "was killed by signal 9"
+    assert _failure_reason(3, ["", "last words"]) == "exited with code 3: last words"

@@ -9,6 +9,7 @@ a log file beside the job.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,7 +87,10 @@ def run_trainer(
     if timed_out.is_set():
         raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
     if code != 0:
-        last = " | ".join(line for line in tail if line)[-800:]
+        # A backend that explains itself ("<prog>: error: ...") is quoted alone; otherwise the
+        # output's last lines (a traceback) are.
+        own = [line for line in tail if re.match(r"^[\w.-]+: error: ", line)]
+        last = own[-1] if own else " | ".join(line for line in tail if line)[-800:]
         raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +59,9 @@ TRAIN_RESULT = "train_result.json"
 # Actor/critic shard files verl writes per rank; the aggregator reads exactly these.
 _SHARD_GLOB = "model_world_size_*_rank_*.pt"
 _OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
+# vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
+_VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
+_ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
 
 
 class InputError(ValueError):
@@ -197,14 +201,20 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
 
 
 def _failure_reason(code: int, tail: Sequence[str]) -> str:
+    """One line for why verl failed: a known root cause, else the first error line of the tail
+    (chained tracebacks print the root cause first), else the last line."""
     text = "\n".join(tail)
     if any(marker in text for marker in _OOM_MARKERS):
         return "ran out of GPU memory (CUDA out of memory)"
+    if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
+        return ("could not start vLLM: its KV-cache sizing failed because another process on the GPU "
+                "changed its memory use meanwhile (set trainer.kv_cache_gib > 0 when clients share a GPU)")
     if code < 0:
         return f"was killed by signal {-code}"
-    errors = [line for line in tail if "Error" in line or "error:" in line]
-    last = (errors or [line for line in tail if line.strip()] or ["no output"])[-1]
-    return f"exited with code {code}: {last.strip()[-400:]}"
+    errors = [line for line in tail if _ERROR_LINE.search(line)]
+    line = (errors[:1] or [line for line in tail if line.strip()][-1:] or ["no output"])[0]
+    match = _ERROR_LINE.search(line)
+    return f"exited with code {code}: {(line[match.start():] if match else line).strip()[:400]}"
 
 
 def _checkpoint_dir(root: Path, step: int, role: str) -> Path:
@@ -293,7 +303,11 @@ def train(job: TrainJob) -> TrainResult:
             metrics[f"verl/{key}"] = last[key]
     metrics["verl/steps"] = float(len(steps))
     if first_step is not None:
-        metrics["verl/launch_to_first_step_s"] = round(first_step, 2)
+        # The first metric line is printed when step 1 ends: cold start = that moment minus step 1.
+        metrics["verl/launch_to_step1_end_s"] = round(first_step, 2)
+        step1 = steps.get(min(steps), {}).get("timing_s/step")
+        if step1 is not None:
+            metrics["verl/cold_start_s"] = round(first_step - step1, 2)
     metrics["train_seconds"] = round(time.monotonic() - started, 2)
     metrics["proximal_mu"] = float(job.proximal_mu)
     if job.proximal_mu > 0:

@@ -14,6 +14,9 @@ Choices that are not plain knobs:
   triple the bytes written.
 * **Isolation.** The job starts its *own* Ray cluster (``address=local``) in its own temp dir, so
   concurrent clients on one host (and Flower's simulation cluster) never meet.
+* **Shared GPUs.** ``kv_cache_gib`` > 0 fixes vLLM's KV cache size instead of letting it profile
+  free memory: profiling fails ("Error in memory profiling", "No available memory for the cache
+  blocks") when clients sharing a GPU start their engines at the same time (seen on an H200).
 * **PPO.** ``adv_estimator=gae`` with a critic that starts from the aggregated critic of the
   previous round (``job.critic_path``), or from the base model in the first round.
 """
@@ -144,6 +147,11 @@ def build_overrides(
             f"critic.ppo_epochs={s.ppo_epochs}",
             "critic.checkpoint.save_contents=[model,extra]",
         ]
+    if s.kv_cache_gib > 0:
+        # A fixed KV cache: vLLM then skips its memory profiling, which fails when another job on
+        # the same GPU allocates or frees memory meanwhile (clients sharing a GPU start together).
+        overrides.append("+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="
+                         f"{int(s.kv_cache_gib * 2**30)}")
     overrides += list(s.extra_overrides)
     return overrides
 

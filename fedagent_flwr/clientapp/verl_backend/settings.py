@@ -38,6 +38,7 @@ class VerlSettings:
     invalid_action_penalty: float = 0.1
     n_gpus_per_node: int = 1
     gpu_memory_utilization: float = 0.3
+    kv_cache_gib: float = 4.0
     enforce_eager: bool = True
     agent_workers: int = 2
     ray_num_cpus: int = 8
@@ -73,7 +74,7 @@ class VerlSettings:
         for name in ("lr", "critic_lr", "temperature", "val_temperature", "clip_ratio"):
             if not getattr(self, name) > 0:
                 raise VerlSettingsError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("kl_coef", "entropy_coeff", "invalid_action_penalty"):
+        for name in ("kl_coef", "entropy_coeff", "invalid_action_penalty", "kv_cache_gib"):
             if getattr(self, name) < 0:
                 raise VerlSettingsError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("top_p", "gpu_memory_utilization"):

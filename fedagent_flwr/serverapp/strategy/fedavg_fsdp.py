@@ -23,6 +23,7 @@ Subclasses change the rule by overriding :meth:`aggregation_weights` (weights pe
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterable, Sequence
 from logging import INFO, WARNING
@@ -275,7 +276,7 @@ class FedAvgFSDP(FedAvg):
         client_of_node = {node: client for client, node in self._node_of_client.items()}
         for reply in errors:
             client = client_of_node.get(reply.metadata.src_node_id, -1)
-            rejected[client] = str(reply.error.reason)
+            rejected[client] = readable_reason(str(reply.error.reason))
             log(WARNING, "round %d: client %d failed: %s", server_round, client, reply.error.reason)
         candidates: list[tuple[Message, int]] = []
         for reply in valid:
@@ -506,6 +507,29 @@ def _reply_bytes(content: RecordDict) -> int:
             items = value if isinstance(value, list) else [value]
             size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)
     return size
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CLIENT_LABEL = re.compile(r"client \d+ (?:eval )?round \d+: ")
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception): .*$", re.M)
+
+
+def readable_reason(reason: str, limit: int = 1500) -> str:
+    """A client failure as the ClientApp worded it, without the wrapping Flower and Ray add.
+
+    In simulation the reason is the repr of a Ray task error around the ClientApp's traceback;
+    our ClientApp's own failures start with ``client <c> round <r>:``, so the text from the last
+    such label on is the message; otherwise the last exception line; otherwise the text itself.
+    """
+    text = _ANSI.sub("", reason)
+    labels = list(_CLIENT_LABEL.finditer(text))
+    if labels:
+        text = text[labels[-1].start():]
+    else:
+        lines = _EXCEPTION_LINE.findall(text)
+        if lines:
+            text = lines[-1]
+    return text.strip().rstrip("'>").strip()[:limit]
 
 
 def _single_metrics(reply: Message) -> MetricRecord:
