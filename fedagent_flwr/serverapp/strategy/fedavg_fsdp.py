@@ -529,7 +529,10 @@ def readable_reason(reason: str, limit: int = 1500) -> str:
         lines = _EXCEPTION_LINE.findall(text)
         if lines:
             text = lines[-1]
-    return text.strip().rstrip("'>").strip()[:limit]
+    text = text.strip()
+    if text.endswith("'>"):  # the end of Ray's error repr
+        text = text[:-2].rstrip()
+    return text[:limit]
 
 
 def _single_metrics(reply: Message) -> MetricRecord:
