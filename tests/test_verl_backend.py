@@ -353,3 +353,24 @@ def test_failure_reasons_name_the_root_cause() -> None:
                                            "toggled on, but it cannot be used")
     assert _failure_reason(-9, ["Training Progress: 0/2"]) == "was killed by signal 9"
     assert _failure_reason(3, ["", "last words"]) == "exited with code 3: last words"
+
+
+def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path: Path) -> None:
+    from fedagent_flwr.clientapp.verl_backend.entry import VerlJobFailed, _checkpoint_dir, _episode_metrics
+
+    (tmp_path / "global_step_2" / "actor").mkdir(parents=True)
+    with pytest.raises(VerlJobFailed, match="wrote no actor checkpoint"):
+        _checkpoint_dir(tmp_path, 2, "actor")  # the folder exists but holds no shard
+    (tmp_path / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"x")
+    assert _checkpoint_dir(tmp_path, 2, "actor").name == "actor"
+    with pytest.raises(VerlJobFailed, match="wrote no critic checkpoint"):
+        _checkpoint_dir(tmp_path, 2, "critic")
+    with pytest.raises(VerlJobFailed, match="no episode was recorded"):
+        _episode_metrics(tmp_path / "episodes.jsonl")
+    (tmp_path / "episodes.jsonl").write_text(
+        json.dumps({"reward": 1.0, "score": 0.9, "success": True, "num_turns": 2, "truncated": False, "invalid": 1})
+        + "\n" + json.dumps({"reward": 0.0, "score": 0.0, "success": False, "num_turns": 3, "truncated": True,
+                             "invalid": 0}) + "\n")
+    count, metrics = _episode_metrics(tmp_path / "episodes.jsonl")
+    assert count == 2 and metrics["success_rate"] == 0.5 and metrics["score_mean"] == pytest.approx(0.45)
+    assert metrics["truncated_rate"] == 0.5 and metrics["invalid_actions_mean"] == 0.5

@@ -27,6 +27,7 @@ that, whereas a verl job would spend minutes starting Ray and vLLM.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -225,8 +226,6 @@ def _checkpoint_dir(root: Path, step: int, role: str) -> Path:
 
 
 def _episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
-    import json
-
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if not records:
         raise VerlJobFailed(f"verl finished but no episode was recorded in {path}")
