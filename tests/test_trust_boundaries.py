@@ -20,7 +20,6 @@ from flwr.supercore.task_identity import TaskIdentity
 from omegaconf import OmegaConf
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore, upload_url
 from fedagent_flwr.checkpoint.store import (
     ServerStore,

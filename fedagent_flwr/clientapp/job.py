@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic
@@ -102,3 +104,36 @@ def load(cls: type[T], path: str | os.PathLike[str]) -> T:
         return cls(**raw)
     except TypeError as exc:
         raise JobFileError(f"{cls.__name__} file {path}: {exc}") from exc
+
+
+def backend_main(
+    prog: str,
+    argv: Sequence[str] | None,
+    train: Callable[[TrainJob], Any],
+    evaluate: Callable[[EvalJob], Any],
+    bad_input: tuple[type[BaseException], ...],
+    failures: tuple[type[BaseException], ...] = (),
+) -> int:
+    """The command line every trainer backend shares: ``train|evaluate JOB.json``.
+
+    Returns the exit status: 0 done, 1 one of ``failures`` (the job ran but produced nothing
+    usable), 2 bad input (``bad_input`` or a bad job file). Errors are one line on stderr,
+    ``<prog>: error: ...``, which the ClientApp quotes to the server.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] not in ("train", "evaluate"):
+        print(f"{prog}: error: expected 'train JOB.json' or 'evaluate JOB.json'", file=sys.stderr)
+        return 2
+    mode, job_path = args
+    try:
+        if mode == "train":
+            train(load(TrainJob, job_path))
+        else:
+            evaluate(load(EvalJob, job_path))
+    except failures as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    except (JobFileError, *bad_input) as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0

@@ -57,7 +57,7 @@ from fedagent_flwr.clientapp.job import (
     JobFileError,
     TrainJob,
     TrainResult,
-    load,
+    backend_main,
     save,
 )
 from fedagent_flwr.envs.base import EnvConfigError
@@ -800,28 +800,13 @@ def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 # Command line
 # --------------------------------------------------------------------------------------------
 
-_USAGE = f"usage: python -m fedagent_flwr.clientapp.{PROG} {{train,evaluate}} JOB.json"
 _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, PartitionError, EnvConfigError,
               ModelResolutionError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] not in ("train", "evaluate"):
-        print(f"{PROG}: error: expected 'train JOB.json' or 'evaluate JOB.json' ({_USAGE})", file=sys.stderr)
-        return 2
-    mode, job_path = args
-    try:
-        if mode == "train":
-            train(load(TrainJob, job_path))
-        else:
-            evaluate(load(EvalJob, job_path))
-    except _BAD_INPUT as exc:
-        message = " ".join(str(exc).split())  # one line, whatever the exception text holds
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 2
-    return 0
+    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT)
 
 
 if __name__ == "__main__":

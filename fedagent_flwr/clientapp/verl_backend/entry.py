@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, load, save
+from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, backend_main, save
 from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, build_overrides, job_paths
@@ -347,23 +347,7 @@ _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, Partition
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0 ok, 2 bad input, 1 the verl job failed."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] not in ("train", "evaluate"):
-        print(f"{PROG}: error: expected 'train JOB.json' or 'evaluate JOB.json'", file=sys.stderr)
-        return 2
-    mode, job_path = args
-    try:
-        if mode == "train":
-            train(load(TrainJob, job_path))
-        else:
-            evaluate(load(EvalJob, job_path))
-    except VerlJobFailed as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
-    except _BAD_INPUT as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    return 0
+    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, failures=(VerlJobFailed,))
 
 
 if __name__ == "__main__":
