@@ -201,3 +201,34 @@ def test_client_failures_are_recorded_as_the_clientapp_worded_them() -> None:
         "(CUDA out of memory) (log: /r/verl.log) (log: /r/train.log)")
     assert readable_reason("Traceback (most recent call last):\n  ...\nKeyError: 'x'\n") == "KeyError: 'x'"
     assert readable_reason("plain words") == "plain words"
+
+
+def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(suite: Suite, tmp_path: Path) -> None:
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
+    episodes = {0: 3, 1: 9}
+
+    def ppo_reply(client: int, server_round: int) -> Message:
+        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], run_root / f"r{server_round}a"))
+        critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], run_root / f"r{server_round}c")
+        critic = CheckpointRef.for_directory(critic_dir, "critic")
+        reply = _reply(client, actor, episodes[client])
+        reply.content["config"] = ConfigRecord({**dict(reply.content["config"]), **critic.to_config("critic")})
+        return reply
+
+    strategy.aggregate_train(1, [ppo_reply(0, 1), ppo_reply(1, 1)])
+    assert strategy.global_critic is not None
+    assert strategy.global_critic.path == str(run_root / "round_1" / "global_critic")
+    assert strategy.global_critic.kind == "critic"
+    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(run_root / "r1c" / name, "critic"), root=run_root),
+                       float(episodes[c])) for c, name in enumerate(["qwen_b", "qwen_plain"])]
+    assert verify_mean(critic_sources, strategy.global_critic.path) < 1e-6
+    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
+    assert entry["aggregated_critic"] == strategy.global_critic.path and len(entry["client_critics"]) == 2
+
+    # The next instruction carries the global critic next to the global actor.
+    instruction = strategy._instruction("train", 100, {"server-round": 2})
+    config = instruction.content["config"]
+    assert config["global-critic-path"] == strategy.global_critic.path and config["global-critic-kind"] == "critic"
+    # Round 2: the critics are checked against the global critic and averaged again.
+    strategy.aggregate_train(2, [ppo_reply(0, 2), ppo_reply(1, 2)])
+    assert strategy.global_critic.path == str(run_root / "round_2" / "global_critic")
