@@ -19,6 +19,7 @@ E = TypeVar("E", bound=type[BaseTextEnv])
 _BUILTIN_MODULES: dict[str, str] = {
     "tinyguess": "fedagent_flwr.envs.tiny_guess",
     "webshop": "fedagent_flwr.envs.webshop.env",
+    "alfworld": "fedagent_flwr.envs.alfworld.env",
     "service": "fedagent_flwr.envs.service.client",
 }
 
