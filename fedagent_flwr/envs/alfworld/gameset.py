@@ -18,15 +18,22 @@ idea (host scene + another goal); every game still runs on ALFWorld's engine and
 Command line (under the service interpreter)::
 
     python -m fedagent_flwr.envs.alfworld.gameset --trial <trial dir> --out <ALFWORLD_DATA root>
+
+From the trainer's side, :func:`ensure_variant_set` runs that under the service venv once and
+keeps the result in the cache (keyed by the trial's files and this module), so tests, benchmarks
+and demos share one build (about 30 s).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,6 +194,39 @@ def build_variant_set(source_trial: str | Path, out_root: str | Path,
         build_game(trial_dir)
         games.append(trial_dir / "game.tw-pddl")
     return games
+
+
+def ensure_variant_set(source_trial: str | Path) -> Path:
+    """An ``ALFWORLD_DATA`` root holding :data:`FLOORPLAN14_VARIANTS` built from ``source_trial``.
+
+    Built under the service interpreter (building the service venv first if needed) into the cache,
+    in a temporary directory renamed into place, so concurrent callers build once.
+    """
+    from fedagent_flwr.cache import cache_lock, fresh_tmp_dir
+    from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python, venv_name
+    from fedagent_flwr.envs.service.manager import module_command
+
+    source = Path(source_trial).resolve()
+    digest = hashlib.sha256(venv_name().encode())
+    for name in ("traj_data.json", "initial_state.pddl"):
+        digest.update((source / name).read_bytes())
+    digest.update(Path(__file__).read_bytes())
+    name = f"alfworld-variants-{digest.hexdigest()[:12]}"
+    python = str(ensure_service_python())
+    with cache_lock(name) as root:
+        final = root / name
+        if (final / "json_2.1.1").is_dir():
+            return final
+        work = fresh_tmp_dir(root, name)
+        try:
+            cmd = module_command(__name__, python) + ["--trial", str(source), "--out", str(work)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise GameBuildError(f"building the ALFWorld variant set failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+            os.replace(work, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return final
 
 
 def main(argv: Sequence[str] | None = None) -> int:
