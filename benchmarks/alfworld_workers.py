@@ -13,7 +13,9 @@ cached on first use, about 30 s). Expect the ratio to be bounded by the machine'
 shared machine, ``--repeat`` interleaves the worker counts and keeps each count's best run, the
 one least disturbed by other load.
 
-Usage: ``python benchmarks/alfworld_workers.py [--sessions 8] [--episodes 3] [--workers 1 2 4] [--repeat 1]``
+Usage: ``python benchmarks/alfworld_workers.py [--sessions 8] [--episodes 3] [--workers 1 2 4] [--repeat 1]
+[--data ALFWORLD_DATA]`` (``--data``: a game set with ``walkthrough.json`` beside each game, e.g.
+one built by :func:`~fedagent_flwr.envs.alfworld.gameset.ensure_variant_set` on another machine).
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=3, help="episodes per session")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="engine worker counts")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the worker counts; best run kept")
+    parser.add_argument("--data", type=Path, default=None, help="an ALFWORLD_DATA root with walkthroughs")
     args = parser.parse_args()
 
     python = ensure_service_python()
-    data = ensure_variant_set(TRIAL)
+    data = args.data.resolve() if args.data else ensure_variant_set(TRIAL)
     games = load_games(data, "train")
     walkthroughs = {g.game_file: json.loads((g.trial_dir / "walkthrough.json").read_text()) for g in games}
     results: dict[int, float] = {}

@@ -4,7 +4,6 @@
 * ``data`` - the game set in the standard ``json_2.1.1`` layout, FedAgent's seed-42 order, goal metadata;
 * ``gameset`` - standard ``game.tw-pddl`` files rebuilt from trials, and goal variants of a scene;
 * ``engine`` - one TextWorld/ALFWorld game session (runs only in the service venv);
-* ``workers`` - engine worker processes, so a service never serialises all episodes on one lock;
 * ``env`` - ``AlfWorldEnv``, registered as "ALFWorld";
 * ``download`` - fetch the official game data (for machines with network).
 

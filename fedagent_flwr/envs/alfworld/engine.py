@@ -2,7 +2,7 @@
 
 Runs only where ``alfworld`` and ``textworld`` are installed: in the service venv
 (:mod:`fedagent_flwr.envs.alfworld.service_venv`), inside an engine worker process
-(:mod:`fedagent_flwr.envs.alfworld.workers`). A session loads the game file named at reset with
+(:mod:`fedagent_flwr.envs.service.engine_workers`). A session loads the game file named at reset with
 ``textworld.start`` and the wrappers ALFWorld's ``AlfredTWEnv`` uses (``AlfredDemangler`` for
 readable object names, ``AlfredInfos`` for the game file), and asks TextWorld for ``won`` and the
 admissible commands. ``help`` is removed from the admissible list, as FedAgent's service does.
@@ -29,6 +29,14 @@ class GameSession:
     def __init__(self) -> None:
         self._env: Any = None
         self.game_file: str | None = None
+
+    @staticmethod
+    def warm_up() -> str:
+        """Import the engine (seconds) before the first episode; the TextWorld version."""
+        import alfworld.agents.environment.alfred_tw_env  # noqa: F401
+        import textworld
+
+        return textworld.__version__
 
     def _start(self, game_file: str) -> Any:
         import textworld

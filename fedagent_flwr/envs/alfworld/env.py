@@ -2,7 +2,7 @@
 
 Episodes run inside the client's ALFWorld service, a process under the separate service venv
 (:mod:`~fedagent_flwr.envs.alfworld.service_venv`) whose engine workers
-(:mod:`~fedagent_flwr.envs.alfworld.workers`) hold the TextWorld games; the trainer talks to it
+(:mod:`~fedagent_flwr.envs.service.engine_workers`) hold the TextWorld games; the trainer talks to it
 through the generic ``Service`` client. The class itself imports neither ``alfworld`` nor
 ``textworld``, so the trainer's process can size and partition the game pool
 (:meth:`num_goals`, :meth:`goal_info`, :meth:`restrict_goals`) and name the interpreter that must
@@ -154,8 +154,8 @@ class AlfWorldEnv(BaseTextEnv):
         cls, config: Mapping[str, Any], partition: Mapping[str, Any], variant: Mapping[str, Any]
     ) -> Any:
         """The service pool: ``engine_workers`` processes shared round-robin by the pool slots."""
-        from fedagent_flwr.envs.alfworld.workers import EngineWorkers
         from fedagent_flwr.envs.service.app import ServiceEnvSetup
+        from fedagent_flwr.envs.service.engine_workers import EngineWorkers
 
         if variant:
             raise EnvConfigError(f"ALFWorld has no environment variants; got {dict(variant)}")
@@ -165,7 +165,7 @@ class AlfWorldEnv(BaseTextEnv):
             effective = cls.restrict_goals(effective, list(goal_indices))
         cls(effective)  # config errors surface before any worker starts
         num_workers = _int(effective, "engine_workers", DEFAULT_ENGINE_WORKERS, 1)
-        workers = EngineWorkers(num_workers)
+        workers = EngineWorkers(num_workers, "fedagent_flwr.envs.alfworld.engine:GameSession")
         versions = workers.start()
         games = cls.goal_records(effective)
         info = {
