@@ -10,9 +10,10 @@ crash never leaves a half-built entry under the final name.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,3 +55,32 @@ def fresh_tmp_dir(root: Path, name: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     path.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by other users
     return path
+
+
+class CacheEntryError(RuntimeError):
+    """A cache entry that exists under its final name but is not complete."""
+
+
+def build_once(name: str, build: Callable[[Path, Path], None], complete: str) -> Path:
+    """The cache entry ``name``, produced by ``build(work_dir, final_dir)`` if it is missing.
+
+    ``complete`` names the file or folder whose presence marks a finished entry. The build writes
+    into a fresh temporary directory beside the final one (``final_dir`` is where it will end up,
+    for builds that record their own location), which is renamed into place when ``build``
+    returns; on any error it is removed. Concurrent callers wait on the entry's lock and reuse it.
+    """
+    final = cache_dir() / name
+    if (final / complete).exists():
+        return final
+    with cache_lock(name) as root:
+        if (final / complete).exists():  # another process finished it while we waited
+            return final
+        if final.exists():  # not ours to trust: a foreign or damaged directory
+            raise CacheEntryError(f"{final} exists but is incomplete (no {complete}); remove it and retry")
+        work = fresh_tmp_dir(root, name)
+        try:
+            build(work, final)
+            os.replace(work, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final

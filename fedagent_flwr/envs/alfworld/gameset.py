@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -202,7 +201,7 @@ def ensure_variant_set(source_trial: str | Path) -> Path:
     Built under the service interpreter (building the service venv first if needed) into the cache,
     in a temporary directory renamed into place, so concurrent callers build once.
     """
-    from fedagent_flwr.cache import cache_lock, fresh_tmp_dir
+    from fedagent_flwr.cache import build_once
     from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python, venv_name
     from fedagent_flwr.envs.service.manager import module_command
 
@@ -211,22 +210,15 @@ def ensure_variant_set(source_trial: str | Path) -> Path:
     for name in ("traj_data.json", "initial_state.pddl"):
         digest.update((source / name).read_bytes())
     digest.update(Path(__file__).read_bytes())
-    name = f"alfworld-variants-{digest.hexdigest()[:12]}"
     python = str(ensure_service_python())
-    with cache_lock(name) as root:
-        final = root / name
-        if (final / "json_2.1.1").is_dir():
-            return final
-        work = fresh_tmp_dir(root, name)
-        try:
-            cmd = module_command(__name__, python) + ["--trial", str(source), "--out", str(work)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise GameBuildError(f"building the ALFWorld variant set failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-            os.replace(work, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return final
+
+    def build(work: Path, _final: Path) -> None:
+        cmd = module_command(__name__, python) + ["--trial", str(source), "--out", str(work)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise GameBuildError(f"building the ALFWorld variant set failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+
+    return build_once(f"alfworld-variants-{digest.hexdigest()[:12]}", build, "json_2.1.1")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

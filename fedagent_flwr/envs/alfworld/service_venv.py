@@ -34,14 +34,13 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedagent_flwr.cache import cache_dir, cache_lock, fresh_tmp_dir, progress
+from fedagent_flwr.cache import CacheEntryError, build_once, cache_dir, progress
 
 ALFWORLD_VERSION = "0.4.2"
 TEXTWORLD_VERSION = "1.7.0"
@@ -130,20 +129,10 @@ def ensure_service_python() -> Path:
     found = existing_service_python()
     if found is not None:
         return found
-    name = venv_name()
-    with cache_lock(name) as root:
-        final = root / name
-        if (final / _MARKER).is_file():  # another process finished it while we waited
-            return _python_in(final)
-        if final.exists():  # no marker: not ours to trust (a foreign or damaged directory)
-            raise ServiceVenvError(f"{final} exists but is not a complete service venv; remove it and retry")
-        work = fresh_tmp_dir(root, name)
-        try:
-            _build(work, final)
-            os.replace(work, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return _python_in(final)
+    try:
+        return _python_in(build_once(venv_name(), _build, _MARKER))
+    except CacheEntryError as exc:
+        raise ServiceVenvError(str(exc)) from None
 
 
 def _run(cmd: Sequence[str], what: str) -> None:

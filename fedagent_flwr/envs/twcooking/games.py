@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -98,7 +96,7 @@ def generate(out: Path, levels: Sequence[tuple[str, dict[str, Any]]], per_level:
 
 def ensure_game_set(levels: Sequence[str | Mapping[str, Any]], per_level: int, seed: int, split: str) -> Path:
     """Directory of the game set (``games.json`` + ``.z8`` files), generated once and cached."""
-    from fedagent_flwr.cache import cache_dir, cache_lock, fresh_tmp_dir
+    from fedagent_flwr.cache import build_once, cache_dir
     from fedagent_flwr.envs.alfworld.service_venv import venv_name
 
     resolved = resolve_levels(levels)
@@ -114,22 +112,16 @@ def ensure_game_set(levels: Sequence[str | Mapping[str, Any]], per_level: int, s
     from fedagent_flwr.envs.service.manager import module_command
 
     python = str(ensure_service_python())
-    with cache_lock(name) as root:
-        final = root / name
-        if (final / "games.json").is_file():
-            return final
-        work = fresh_tmp_dir(root, name)
-        try:
-            cmd = module_command(__name__, python) + [
-                "--out", str(work), "--levels", json.dumps(resolved), "--per-level", str(per_level),
-                "--seed", str(int(seed)), "--split", split]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise GameSetError(f"generating TextWorld cooking games failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-            os.replace(work, final)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return final
+
+    def build(work: Path, _final: Path) -> None:
+        cmd = module_command(__name__, python) + [
+            "--out", str(work), "--levels", json.dumps(resolved), "--per-level", str(per_level),
+            "--seed", str(int(seed)), "--split", split]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise GameSetError(f"generating TextWorld cooking games failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+
+    return build_once(name, build, "games.json")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
