@@ -19,7 +19,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION = 1
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT ?= 39191
 export FLWR_LOCAL_CONTROL_API_PORT ?= 39193
 
-.PHONY: install run test clean
+.PHONY: install alfworld-venv run test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,11 +30,16 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The ALFWorld env service's own interpreter (alfworld + textworld + a Fast Downward build), cached
+# outside the checkout (~/.cache/fedagent-flwr); compiling takes minutes the first time, then it is reused.
+alfworld-venv: install
+	$(VENV)/bin/python -m fedagent_flwr.envs.alfworld.service_venv
+
 run: install
 	$(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
-test: install
+test: install alfworld-venv
 	$(VENV)/bin/python -m pytest -q
 
 clean:

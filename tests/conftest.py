@@ -34,3 +34,45 @@ def smollm2_tokenizer(smollm2_tokenizer_dir: Path) -> Any:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
     """A tiny random-weight Qwen2 model (seed 0) saved with the SmolLM2 tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0, tokenizer_dir=smollm2_tokenizer_dir)
+
+
+# --- ALFWorld: the service venv and a small real game set ----------------------------------------
+
+ALFWORLD_TRIAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "alfworld" / "debug" / "multi-agent"
+
+
+@pytest.fixture(scope="session")
+def alfworld_python() -> Path:
+    """The ALFWorld service interpreter (the cached service venv).
+
+    Building it compiles Fast Downward (minutes), so tests never build it: `make test` and CI do,
+    before pytest. In CI a missing venv fails loudly; elsewhere the ALFWorld tests skip and say how
+    to build it.
+    """
+    from fedagent_flwr.envs.alfworld.service_venv import existing_service_python, venv_dir
+
+    python = existing_service_python()
+    if python is None:
+        _alfworld_missing(f"the ALFWorld service venv is not built (expected at {venv_dir()}); build it with "
+                          "`python -m fedagent_flwr.envs.alfworld.service_venv` (or `make alfworld-venv`)")
+    return python
+
+
+def _alfworld_missing(message: str) -> None:
+    """Under CI a missing ALFWorld prerequisite is a failure, never a silent skip."""
+    import os
+
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def alfworld_data(alfworld_python: Path) -> Path:
+    """An ``ALFWORLD_DATA`` root: the shared trial rebuilt in standard form plus goal variants of its
+    scene (6 train, 2 valid_seen games, each verified by ALFWorld's expert); cached per machine."""
+    from fedagent_flwr.envs.alfworld.gameset import ensure_variant_set
+
+    if not (ALFWORLD_TRIAL / "initial_state.pddl").is_file():
+        _alfworld_missing(f"the shared ALFWorld trial is missing at {ALFWORLD_TRIAL}")
+    return ensure_variant_set(ALFWORLD_TRIAL)

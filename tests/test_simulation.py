@@ -222,3 +222,28 @@ def test_verl_backend_without_a_gpu_fails_each_client_clearly_and_the_run_comple
         assert "verl_backend: error: verl exited with code 1" in reason and "Total available GPUs 0" in reason
         assert (run_dir / "round_1" / f"client_{client}" / "verl" / "verl.log").exists()
     assert [point["round"] for point in summary["val_curve"]] == [0, 1]
+
+
+def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path, alfworld_data: Path
+) -> None:
+    """2 clients x 2 rounds on the real ALFWorld engine: each client's service runs under the
+    ALFWorld service venv on its own uniform slice of the games built from the shared trial."""
+    summary, run_dir, output = _run(
+        superlink, tmp_path,
+        f"model.path={tiny_model_dir} env=alfworld env.data_dir={alfworld_data} "
+        "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
+        "env.service.pool_size=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=4096",
+        supernodes=2,
+    )
+    assert summary["status"] == "completed", output[-4000:]
+    assert [e["aggregated_actor"] is not None for e in summary["rounds"]] == [True, True]
+    goals = {}
+    for client in (0, 1):
+        for r in (1, 2):
+            (health,) = json.loads((run_dir / f"round_{r}" / f"client_{client}" / "service_health.json").read_text())
+            assert health["env"] == "ALFWorld" and health["partition"]["client_id"] == client
+            assert health["info"]["engine_workers"] == 2 and health["info"]["textworld"] == "1.7.0"
+            goals.setdefault(client, health["partition"]["goal_indices"])
+            assert health["partition"]["goal_indices"] == goals[client]  # same service, both rounds
+    assert goals == {0: [0, 1, 2], 1: [3, 4, 5]}  # uniform halves of the 6 train games

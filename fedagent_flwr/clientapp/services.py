@@ -46,6 +46,13 @@ def node_owner_pid() -> int:
     return pid
 
 
+def service_interpreter(env_name: str, env_config: dict[str, Any]) -> str | None:
+    """The Python an env's service runs under when it is not this one (an env with its own venv,
+    such as ALFWorld, builds it here on first use); None for the caller's interpreter."""
+    provider = getattr(get_env_class(env_name), "service_python", None)
+    return None if provider is None else str(provider(env_config))
+
+
 def services_dir(run_root: str | Path, client_id: int) -> Path:
     """Where a client's service state files and logs live."""
     return Path(run_root) / "services" / f"client_{client_id}"
@@ -106,7 +113,7 @@ def serve_env_spec(
         # only intended caller, and an env service has no authentication.
         launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part,
                                variant=variant, host=str(settings.get("host", ServiceLaunch.host)),
-                               owner_pid=node_owner_pid())
+                               owner_pid=node_owner_pid(), interpreter=service_interpreter(entry.name, config))
         manager = EnvServiceManager.attach_or_create(
             state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])
         )

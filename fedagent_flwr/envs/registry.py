@@ -19,6 +19,8 @@ E = TypeVar("E", bound=type[BaseTextEnv])
 _BUILTIN_MODULES: dict[str, str] = {
     "tinyguess": "fedagent_flwr.envs.tiny_guess",
     "webshop": "fedagent_flwr.envs.webshop.env",
+    "alfworld": "fedagent_flwr.envs.alfworld.env",
+    "twcooking": "fedagent_flwr.envs.twcooking.env",
     "service": "fedagent_flwr.envs.service.client",
 }
 

@@ -15,6 +15,7 @@ from typing import Any
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec, EnvSpecEntry, load_env_spec
 from fedagent_flwr.hetero.common import GoalInfo
+from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition, env_disjoint_strategy
 from fedagent_flwr.hetero.task import (
     coverage_partition,
     coverage_strategy,
@@ -34,6 +35,7 @@ __all__ = [
     "PartitionError",
     "STRATEGIES",
     "coverage_partition",
+    "env_disjoint_partition",
     "hardness_partition",
     "load_hardness_labels",
     "preference_partition",
@@ -65,9 +67,10 @@ STRATEGIES: dict[str, GoalPartitioner] = {
     "preference": preference_strategy,
     "coverage": coverage_strategy,
     "hardness": hardness_strategy,
+    "env_disjoint": env_disjoint_strategy,
 }
 #: Strategies that read goal metadata (``goal_info``: one :class:`GoalInfo` per pool goal).
-GOAL_INFO_STRATEGIES = frozenset({"preference", "hardness"})
+GOAL_INFO_STRATEGIES = frozenset({"preference", "hardness", "env_disjoint"})
 # FedAgent spells "no partition" as an empty string.
 _ALIASES = {"": "none", "iid": "none"}
 
@@ -95,7 +98,8 @@ def partition_goals(
 
     Strategies: "none" (all goals), "uniform" (slice), "task_disjoint" (FedAgent's n//N slice),
     "preference" (knob ``omega``), "coverage" (``size_std``), "hardness" (``success_std``, optional
-    ``trajectories_file``); all honour ``min_goals_per_client`` (absent: 0 for "uniform", FedAgent's
+    ``trajectories_file``), "env_disjoint" (scenes; ``env_div``, ``fallback``, ``holdout_file``, no
+    floor, as in FedAgent); the others honour ``min_goals_per_client`` (absent: 0 for "uniform", FedAgent's
     100 for the others). ``knobs`` keys a strategy does not use are ignored, so one partition config
     can serve several strategies. ``base_seed`` seeds the randomised strategies ("none", "uniform"
     and "task_disjoint" are pure arithmetic). ``goal_info[i]`` describes pool goal ``i``; it is

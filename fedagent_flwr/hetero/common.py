@@ -30,13 +30,16 @@ class GoalInfo:
     ``goal_info[i]`` describes pool index ``i`` (the same indices :func:`partition_goals` returns).
     ``category`` drives ``preference``; ``success`` (True = easy, False = hard, None = unlabelled,
     which counts as hard) drives ``hardness``; ``task_id`` lets ``hardness`` look labels up in a
-    trajectories file instead.
+    trajectories file instead. ``scene`` and ``group`` (the task without its scene, e.g. ALFWorld's
+    ``<task>-<object>-<mrecep>-<recep>``) drive ``env_disjoint``.
     """
 
     category: str | None = None
     task_id: str | None = None
     success: bool | None = None
     asin: str | None = None
+    scene: str | None = None
+    group: str | None = None
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

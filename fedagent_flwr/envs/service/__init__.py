@@ -3,7 +3,8 @@
 * ``app`` - ``create_service_app``: the FastAPI app (pool, sessions, idempotent ``/step``);
 * ``server`` - ``python -m fedagent_flwr.envs.service.server``: bind, serve, write the URL;
 * ``client`` - ``ServiceTextEnv`` (registered as ``Service``): the episode side, over httpx;
-* ``manager`` - ``EnvServiceManager``: start, attach to, restart and stop a service process.
+* ``manager`` - ``EnvServiceManager``: start, attach to, restart and stop a service process;
+* ``engine_workers`` - ``EngineWorkers``: engine processes inside a service (ALFWorld, TextWorld).
 
 Modules are imported on demand (not here) so that the client side never pulls in FastAPI and
 uvicorn, and the service side never pulls in the rest of the package.

@@ -35,6 +35,20 @@ import httpx
 from fedagent_flwr.atomic import write_json_atomic
 
 _POLL_S = 0.05  # start-up and shutdown polling interval; short, since start-up is usually ~1 s
+_SERVER_MODULE = "fedagent_flwr.envs.service.server"
+# Runs a module of this package under another interpreter: argv[1] is the directory holding the
+# package (appended, so that interpreter's own packages win), argv[2] the module.
+_FOREIGN_BOOTSTRAP = (
+    "import runpy, sys; sys.path.append(sys.argv.pop(1)); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
+
+
+def module_command(module: str, interpreter: str) -> list[str]:
+    """``python -m module`` for a module of this package under ``interpreter``, which need not
+    have the package installed (an env's own virtual environment)."""
+    package_root = str(Path(__file__).resolve().parents[3])
+    return [interpreter, "-c", _FOREIGN_BOOTSTRAP, package_root, module]
 
 
 class EnvServiceError(RuntimeError):
@@ -55,11 +69,15 @@ class ServiceLaunch:
     max_body_bytes: int | None = None
     log_level: str = "warning"
     owner_pid: int | None = None  # the service exits when this process is gone
+    # An interpreter other than the caller's (an env's own virtual environment, e.g. ALFWorld's);
+    # the directory holding this package is appended to its sys.path, after its own packages.
+    interpreter: str | None = None
 
     def command(self, ready_file: Path, python: str) -> list[str]:
         """The command line of the server module for this launch."""
+        head = module_command(_SERVER_MODULE, self.interpreter) if self.interpreter else [python, "-m", _SERVER_MODULE]
         cmd = [
-            python, "-m", "fedagent_flwr.envs.service.server",
+            *head,
             "--env", self.env,
             "--config", json.dumps(self.config, sort_keys=True),
             "--partition", json.dumps(self.partition, sort_keys=True),

@@ -13,25 +13,14 @@ folder with ``env.data_dir=DATA_DIR`` or ``FEDAGENT_WEBSHOP_DATA``.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+# The fetcher is shared with ALFWorld's download command; tests import these names from here too.
+from fedagent_flwr.fetch import DataFile, DownloadError, fetch_files
 
 _RAW = "https://raw.githubusercontent.com"
 _FEDAGENT = "sunblaze-ucb/FedAgent/a6fdf2c84fd83966388ebcd01866c3eca8cf2d31"
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One file: where it goes under the data dir, where it comes from, its sha256 if pinned."""
-
-    name: str
-    source: str  # "<owner>/<repo>/<commit>/<path>"
-    sha256: str = ""
 
 
 FILES: tuple[DataFile, ...] = (
@@ -51,48 +40,10 @@ FILES: tuple[DataFile, ...] = (
 )
 
 
-class DownloadError(RuntimeError):
-    """A file could not be fetched or did not match its pinned hash."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fetch(data_dir: str | os.PathLike[str], base_url: str = _RAW, files: tuple[DataFile, ...] = FILES,
+def fetch(data_dir: str | Path, base_url: str = _RAW, files: tuple[DataFile, ...] = FILES,
           timeout_s: float = 120.0) -> list[Path]:
-    """Download every missing (or wrong-hash) file into ``data_dir``; return the paths fetched."""
-    root = Path(data_dir)
-    fetched = []
-    with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
-        for item in files:
-            target = root / item.name
-            if target.exists() and (not item.sha256 or _sha256(target) == item.sha256):
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.part")
-            url = f"{base_url.rstrip('/')}/{item.source}"
-            print(f"fetching {item.name} from {url}", file=sys.stderr, flush=True)
-            try:
-                with client.stream("GET", url) as response:
-                    if response.status_code != 200:
-                        raise DownloadError(f"{url} answered HTTP {response.status_code}")
-                    with open(partial, "wb") as handle:
-                        for chunk in response.iter_bytes(1 << 20):
-                            handle.write(chunk)
-            except httpx.HTTPError as exc:
-                partial.unlink(missing_ok=True)
-                raise DownloadError(f"cannot fetch {url}: {exc} (no network? copy the files by hand)") from None
-            if item.sha256 and (actual := _sha256(partial)) != item.sha256:
-                partial.unlink(missing_ok=True)
-                raise DownloadError(f"{item.name} from {url} has sha256 {actual}, expected {item.sha256}")
-            os.replace(partial, target)
-            fetched.append(target)
-    return fetched
+    """Download every missing (or wrong-hash) WebShop file into ``data_dir``; return the paths fetched."""
+    return fetch_files(data_dir, files, base_url, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

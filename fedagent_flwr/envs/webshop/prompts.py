@@ -13,12 +13,13 @@ gives the 0.3.1 baseline's quoted form.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The projection is shared with ALFWorld; WebShop code and tests import it from here too.
+from fedagent_flwr.envs.projection import CJK_RE, project_action  # noqa: F401
+
 SEP = " [SEP] "
-CJK_RE = re.compile("[\u4e00-\u9fff]")
 
 CONCAT_SYSTEM_PROMPT = (
     "You are an expert autonomous agent operating in the WebShop e-commerce environment. Each turn, "
@@ -51,25 +52,6 @@ WEBSHOP_TEMPLATE = (
 #: Windowed prompts longer than this fall back to the no-history template.
 MAX_WINDOWED_CHARS = 13000
 HISTORY_LENGTH = 2
-
-
-def project_action(text: str) -> tuple[str, bool]:
-    """FedAgent's ``webshop_projection``: (action, is_valid) of a model reply.
-
-    Lowercases; without both ``<action>``/``</action>`` tags the action is the last 20 characters and
-    the reply is invalid. Otherwise the action is the text between the first tags (empty if the close
-    tag comes first); the reply is invalid without ``<think>``/``</think>`` in the original text or
-    with CJK characters.
-    """
-    lowered = text.lower()
-    start_tag, end_tag = "<action>", "</action>"
-    if start_tag not in lowered or end_tag not in lowered:
-        return lowered[-20:], False
-    start = lowered.find(start_tag) + len(start_tag)
-    end = lowered.find(end_tag)
-    action = lowered[start:end].strip() if end >= start else ""
-    valid = "<think>" in text and "</think>" in text and CJK_RE.search(text) is None
-    return action, valid
 
 
 def admissible_actions_text(available: Mapping[str, Any]) -> str:

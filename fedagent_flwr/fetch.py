@@ -1,0 +1,70 @@
+"""Fetch pinned data files over HTTP(S): resumable by file, hash-checked, never half-written.
+
+Shared by the environments' download commands (WebShop, ALFWorld). A file goes to a temporary name
+and is renamed when complete; a file already present (with the right hash, where one is pinned) is
+kept, so re-running after an interruption fetches only what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One file: where it goes under the data dir, where it comes from, its sha256 if pinned."""
+
+    name: str
+    source: str  # "<owner>/<repo>/<commit>/<path>"
+    sha256: str = ""
+
+class DownloadError(RuntimeError):
+    """A file could not be fetched or did not match its pinned hash."""
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], base_url: str,
+          timeout_s: float = 120.0) -> list[Path]:
+    """Download every missing (or wrong-hash) file into ``data_dir``; return the paths fetched."""
+    root = Path(data_dir)
+    fetched = []
+    with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
+        for item in files:
+            target = root / item.name
+            if target.exists() and (not item.sha256 or sha256_file(target) == item.sha256):
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.part")
+            url = f"{base_url.rstrip('/')}/{item.source}"
+            print(f"fetching {item.name} from {url}", file=sys.stderr, flush=True)
+            try:
+                with client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise DownloadError(f"{url} answered HTTP {response.status_code}")
+                    with open(partial, "wb") as handle:
+                        for chunk in response.iter_bytes(1 << 20):
+                            handle.write(chunk)
+            except httpx.HTTPError as exc:
+                partial.unlink(missing_ok=True)
+                raise DownloadError(f"cannot fetch {url}: {exc} (no network? copy the files by hand)") from None
+            if item.sha256 and (actual := sha256_file(partial)) != item.sha256:
+                partial.unlink(missing_ok=True)
+                raise DownloadError(f"{item.name} from {url} has sha256 {actual}, expected {item.sha256}")
+            os.replace(partial, target)
+            fetched.append(target)
+    return fetched
