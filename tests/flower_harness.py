@@ -107,13 +107,25 @@ class SuperLink:
         return [pid for pid in pids_with_cmdline("flwr-simulation") if parent_pid(pid) in superexecs]
 
 
-def parent_pid(pid: int) -> int:
-    """The parent of ``pid`` (0 if it is gone)."""
+def _stat_fields(pid: int) -> list[str]:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state, parent, ...); [] if the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and ')'
+        return []
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid`` (0 if it is gone)."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else 0
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` runs (an exited child its parent has not reaped yet is a zombie)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 @contextmanager

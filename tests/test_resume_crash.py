@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from fedagent_flwr.launch import pids_with_cmdline
 from fedagent_flwr.seeding import select_clients
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
-from tests.flower_harness import REPO, SuperLink, simulation_superlink
+from tests.flower_harness import REPO, SuperLink, is_running, simulation_superlink
 
 pytestmark = pytest.mark.slow
 
@@ -70,15 +70,6 @@ def _wait_for(check: Callable[[], T], what: str) -> T:
     return value
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (an exited child its parent has not reaped yet is a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _unchanged_part(run_dir: Path) -> dict[str, int]:
     """Modification times of everything the completed rounds 0 and 1 wrote."""
     return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns
@@ -96,7 +87,7 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
         if kill_when is not None:
             _wait_for(lambda: kill_when(run_dir), "the moment to kill the ServerApp")
             os.kill(serverapp, signal.SIGKILL)
-        _wait_for(lambda: not _alive(serverapp), "the ServerApp to die")
+        _wait_for(lambda: not is_running(serverapp), "the ServerApp to die")
         # The simulated clients' trainers go down with the simulation; be sure before re-running.
         _wait_for(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
     finally:

@@ -203,7 +203,7 @@ def exclusive_run_directory(run_dir: Path) -> Iterator[None]:
     which the kernel drops when its process dies, by SIGKILL too, so a crash never leaves a stale
     lock that would stop the resume.
     """
-    handle = open(run_dir / LOCK_FILE, "a")  # noqa: SIM115 (held until the run ends)
+    handle = open(run_dir / LOCK_FILE, "a")  # held until the run ends
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
