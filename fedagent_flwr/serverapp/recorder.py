@@ -1,8 +1,9 @@
 """The run's written record: ``federated_summary.json``, ``metrics.jsonl`` and a learning curve.
 
 The summary follows FedAgent's schema (reference/fedagent.md §1.7) so existing analysis scripts
-read it, plus a few fields of ours (strategy, status, rejected clients, timings). Everything is
-rewritten atomically after every round and evaluation, so a crash leaves the last complete state.
+read it, plus a few fields of ours (strategy, status, rejected clients, timings, resumes).
+Everything is rewritten atomically after every round and evaluation, so a crash leaves the last
+complete state; ``last_completed_round`` says how far a re-run may skip (``serverapp.resume``).
 """
 
 from __future__ import annotations
