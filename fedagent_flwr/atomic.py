@@ -41,6 +41,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         tmp.write_text(text)
 
 
+def json_text(payload: Any) -> str:
+    """``payload`` as the indented, key-sorted JSON that every JSON file of a run uses."""
+    return json.dumps(payload, indent=2, sort_keys=True)
+
+
 def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
     """Replace ``path`` with ``payload`` as indented, key-sorted JSON, atomically."""
-    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True))
+    write_text_atomic(path, json_text(payload))

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from fedagent_flwr.deploy import write_connection
-from fedagent_flwr.launch import stop_superlink_tree
+from fedagent_flwr.launch import pids_with_cmdline, stop_superlink_tree
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -76,29 +76,68 @@ class SuperLink:
     log_file: Path
     process: subprocess.Popen[bytes]
 
-    def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path = REPO,
-            extra_run_config: str = "") -> subprocess.CompletedProcess[str]:
+    def command(self, overrides: str = "", supernodes: int = 2, app: Path = REPO,
+                extra_run_config: str = "") -> list[str]:
         """``flwr run <app> <connection> --stream`` with the given Hydra overrides."""
         run_config = f'overrides="{overrides}"'
         if extra_run_config:
             run_config += f" {extra_run_config}"
-        command = [
+        return [
             str(BIN / "flwr"), "run", str(app), self.connection, "--stream",
             "--run-config", run_config,
             "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=2",
         ]
-        return subprocess.run(command, env=self.env, cwd=self.env["FEDAGENT_TEST_CWD"], text=True,
-                              capture_output=True, timeout=timeout)
+
+    def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path = REPO,
+            extra_run_config: str = "") -> subprocess.CompletedProcess[str]:
+        """Run a job to its end and capture its output."""
+        return subprocess.run(self.command(overrides, supernodes, app, extra_run_config), env=self.env,
+                              cwd=self.env["FEDAGENT_TEST_CWD"], text=True, capture_output=True, timeout=timeout)
+
+    def start(self, overrides: str, supernodes: int, log_file: Path) -> subprocess.Popen[bytes]:
+        """Start a job without waiting for it; its output goes to ``log_file``."""
+        with open(log_file, "wb") as log:
+            return subprocess.Popen(self.command(overrides, supernodes), env=self.env,
+                                    cwd=self.env["FEDAGENT_TEST_CWD"], stdout=log, stderr=subprocess.STDOUT)
+
+    def simulation_pids(self) -> list[int]:
+        """Live ``flwr-simulation`` processes (each runs one run's ServerApp and its simulated
+        clients) that this SuperLink's SuperExec started."""
+        superexecs = set(pids_with_cmdline(f"--parent-pid {self.process.pid}"))
+        return [pid for pid in pids_with_cmdline("flwr-simulation") if parent_pid(pid) in superexecs]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state, parent, ...); [] if the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid`` (0 if it is gone)."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else 0
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` runs (an exited child its parent has not reaped yet is a zombie)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 @contextmanager
-def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None) -> Iterator[SuperLink]:
-    """Yield a simulation SuperLink whose working directory (and so the apps' cwd) is ``workdir``."""
+def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None,
+                         env_extra: dict[str, str] | None = None) -> Iterator[SuperLink]:
+    """Yield a simulation SuperLink whose working directory (and so the apps' cwd) is ``workdir``;
+    ``env_extra`` reaches every process it starts (ServerApp and ClientApps included)."""
     home = workdir / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     write_connection(home, "test", f"127.0.0.1:{port}", insecure=True)
-    env = flower_env(home, FEDAGENT_TEST_CWD=str(workdir))
+    env = flower_env(home, FEDAGENT_TEST_CWD=str(workdir), **(env_extra or {}))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([str(p) for p in pythonpath] + [env.get("PYTHONPATH", "")])
     log_file = home / "superlink.log"

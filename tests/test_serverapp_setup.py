@@ -40,13 +40,12 @@ def test_build_strategy_checks_kwargs_and_mu(tmp_path: Path, tiny_model_dir: Pat
     assert custom.weighted_by_key == "episodes"
 
 
-def test_run_directory_is_never_reused(tmp_path: Path) -> None:
+def test_run_directory_is_named_by_run_name_or_run_id(tmp_path: Path) -> None:
     settings = load_settings(overrides=f"output_dir={tmp_path} run_name=a")
     run_dir = run_directory(settings, 7)
-    assert run_dir == (tmp_path / "a").resolve()
-    (run_dir / "federated_summary.json").write_text("{}")
-    with pytest.raises(ConfigError, match="already holds a run"):
-        run_directory(settings, 7)
+    assert run_dir == (tmp_path / "a").resolve() and run_dir.is_dir()
+    assert run_directory(settings, 8) == run_dir  # a re-run finds it (and resumes, see test_resume)
+    assert run_directory(load_settings(overrides=f"output_dir={tmp_path}"), 8) == (tmp_path / "run-8").resolve()
     with pytest.raises(ConfigError, match="plain directory name"):
         run_directory(load_settings(overrides=f"output_dir={tmp_path} run_name=../x"), 7)
 

@@ -89,12 +89,15 @@ def _json_field(config: ConfigRecord, key: str) -> Any:
 def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T]) -> T:
     """Write the job file, run the backend subprocess on it, read back its result file."""
     job_path = out_dir / f"{mode}_job.json"
+    result_path = out_dir / ("train_result.json" if mode == "train" else "eval_result.json")
+    # A result left by an interrupted earlier attempt at this round (a resumed run) must never
+    # pass for this attempt's.
+    result_path.unlink(missing_ok=True)
     jobs.save(job, job_path)
     run_trainer(str(trainer["backend"]), mode, job_path, out_dir / f"{mode}.log", label,
                 float(trainer["timeout_s"]))
-    result_name = "train_result.json" if mode == "train" else "eval_result.json"
     try:
-        return jobs.load(result_cls, out_dir / result_name)
+        return jobs.load(result_cls, result_path)
     except jobs.JobFileError as exc:
         raise TrainerFailed(f"{label}: the {mode} run finished without a usable result: {exc}") from None
 

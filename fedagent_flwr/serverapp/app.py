@@ -1,4 +1,8 @@
-"""ServerApp: compose the run config, build the strategy, run the rounds, write the summary."""
+"""ServerApp: compose the run config, build the strategy, run the rounds, write the summary.
+
+Re-running a run in the same run directory with the same config resumes it after its last
+completed round (``serverapp.resume``).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,15 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.seeding import validation_seeds
-from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.recorder import CURVE_FILE, RunRecorder
+from fedagent_flwr.serverapp.resume import (
+    ResumeError,
+    config_fingerprint,
+    discard_uncommitted,
+    exclusive_run_directory,
+    install_round_ledger,
+    load_previous_run,
+)
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP
 
 app = ServerApp()
@@ -38,15 +50,15 @@ def payload_json(value: Any) -> str:
 
 
 def run_directory(settings: RunSettings, run_id: int) -> Path:
-    """The run's absolute output directory; refuses to reuse one that already holds a run."""
+    """The run's absolute output directory, created if needed.
+
+    ``run_name`` "" gives every Flower run a directory of its own (``run-<run id>``); an explicit
+    name lets a re-run find, and resume, an earlier attempt at the same run.
+    """
     name = settings.run_name or f"run-{run_id}"
     if "/" in name or name in (".", ".."):
         raise ConfigError(f"config key 'run_name' = {name!r} must be a plain directory name")
     run_dir = (Path(settings.output_dir).expanduser() / name).resolve()
-    if (run_dir / "federated_summary.json").exists():
-        raise ConfigError(
-            f"output directory {run_dir} already holds a run; choose another run_name or output_dir"
-        )
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -139,7 +151,15 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "base_model": base_model.path,
         "base_model_sha256": base_model.sha256,
         "config": settings.raw,
+        # A re-run resumes this run only with the same resolved config and base model.
+        "config_sha256": config_fingerprint(settings.raw, base_model.sha256),
     }
+
+
+def setup_failed(exc: Exception) -> RunSetupError:
+    """Log why the run cannot start and turn it into Flower's exit for an unmet precondition."""
+    log(ERROR, "[fedagent] cannot start the run: %s", exc)
+    return RunSetupError(str(exc))
 
 
 @app.main()
@@ -154,41 +174,64 @@ def main(grid: Grid, context: Context) -> None:
         log(INFO, "[fedagent] run directory: %s", run_dir)
         base = CheckpointRef.for_directory(resolve_model_path(settings.model_path), "actor")
     except (ConfigError, ModelResolutionError, ValueError, OSError) as exc:
-        log(ERROR, "[fedagent] cannot start the run: %s", exc)
-        raise RunSetupError(str(exc)) from None
+        raise setup_failed(exc) from None
     if settings.total_clients > 100:
         log(WARNING, "[fedagent] with more than 100 clients FedAgent's data seed rule "
             "(seed + 100 * round + client) gives some clients the seed another client had a "
             "round later")
+    try:
+        with exclusive_run_directory(run_dir):
+            run_rounds(grid, settings, run_dir, summary_header(settings, context.run_id, base), base)
+    except ResumeError as exc:
+        raise setup_failed(exc) from None
 
-    recorder = RunRecorder(run_dir, summary_header(settings, context.run_id, base))
+
+def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[str, Any],
+               base: CheckpointRef) -> None:
+    """Run (or resume) the rounds of the run in ``run_dir`` and record them."""
+    previous = load_previous_run(run_dir, header)
+    last_completed = previous.last_completed_round if previous else None
+    if previous is not None:
+        if previous.finished:
+            log(INFO, "[fedagent] %s already holds this run, completed: nothing to do", run_dir)
+            return
+        start_model = previous.global_model(base)
+        log(INFO, "[fedagent] resuming the run in %s after %s", run_dir,
+            "nothing (no round completed)" if last_completed is None else f"round {last_completed}")
+        for path in discard_uncommitted(run_dir, last_completed):
+            log(INFO, "[fedagent] removed %s (written after the last completed round)", path)
+    else:
+        start_model = base
+
+    recorder = RunRecorder(run_dir, header, previous)
     try:
-        store = open_server_store(settings.storage, run_dir, run_key=str(context.run_id))
+        store = open_server_store(settings.storage, run_dir, run_key=str(header["run_id"]))
     except (CheckpointError, OSError) as exc:
-        log(ERROR, "[fedagent] cannot start the checkpoint store: %s", exc)
-        recorder.finish("failed", str(exc))
-        raise RunSetupError(str(exc)) from None
+        recorder.finish("failed", f"cannot start the checkpoint store: {exc}")
+        raise setup_failed(exc) from None
     try:
-        _run(settings, run_dir, base, recorder, store, grid)
+        _run_with_store(grid, settings, run_dir, start_model, recorder, store, last_completed)
     finally:
         store.close()
 
 
-def _run(settings: RunSettings, run_dir: Path, base: CheckpointRef, recorder: RunRecorder, store: ServerStore,
-         grid: Grid) -> None:
-    """Build the strategy over ``store``, run the rounds, tell the nodes the run is over."""
+def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_model: CheckpointRef,
+                    recorder: RunRecorder, store: ServerStore, last_completed: int | None) -> None:
+    """Build the strategy over ``store``, run the remaining rounds, tell the nodes the run is over."""
     try:
-        strategy = build_strategy(settings, run_dir, base, recorder, store)
+        strategy = build_strategy(settings, run_dir, start_model, recorder, store)
     except ConfigError as exc:
-        log(ERROR, "[fedagent] cannot start the run: %s", exc)
         recorder.finish("failed", str(exc))
-        raise RunSetupError(str(exc)) from None
+        raise setup_failed(exc) from None
+    install_round_ledger(strategy, recorder, last_completed)
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
         settings.env_name, settings.trainer_backend, type(strategy).__name__)
     try:
-        if settings.eval_enabled and settings.eval_before_train:
-            strategy.evaluate_initial(grid, timeout=settings.round_timeout)
+        if last_completed is None:  # round 0: the base model's evaluation
+            if settings.eval_enabled and settings.eval_before_train:
+                strategy.evaluate_initial(grid, timeout=settings.round_timeout)
+            recorder.complete_round(0)
         strategy.start(
             grid=grid,
             initial_arrays=ArrayRecord(),
@@ -208,4 +251,4 @@ def _run(settings: RunSettings, run_dir: Path, base: CheckpointRef, recorder: Ru
     recorder.finish("completed")
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
     log(INFO, "[fedagent] summary: %s", recorder.summary_path)
-    log(INFO, "[fedagent] learning curve: %s", run_dir / "learning_curve.png")
+    log(INFO, "[fedagent] learning curve: %s", run_dir / CURVE_FILE)

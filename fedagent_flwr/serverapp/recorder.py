@@ -1,8 +1,9 @@
 """The run's written record: ``federated_summary.json``, ``metrics.jsonl`` and a learning curve.
 
 The summary follows FedAgent's schema (reference/fedagent.md §1.7) so existing analysis scripts
-read it, plus a few fields of ours (strategy, status, rejected clients, timings). Everything is
-rewritten atomically after every round and evaluation, so a crash leaves the last complete state.
+read it, plus a few fields of ours (strategy, status, rejected clients, timings, resumes).
+Everything is rewritten atomically after every round and evaluation, so a crash leaves the last
+complete state; ``last_completed_round`` says how far a re-run may skip (``serverapp.resume``).
 """
 
 from __future__ import annotations
@@ -12,33 +13,62 @@ import os
 import time
 from logging import WARNING
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.common import log
 
-from fedagent_flwr.atomic import atomic_path, write_json_atomic, write_text_atomic
+from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
+from fedagent_flwr.serverapp.crashpoint import crash_point
+
+if TYPE_CHECKING:
+    from fedagent_flwr.serverapp.resume import PreviousRun
+
+SUMMARY_FILE = "federated_summary.json"
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "learning_curve.png"
 
 
 class RunRecorder:
-    """Collects provenance and curves of one run and writes them after every update."""
+    """Collects provenance and curves of one run and writes them after every update.
 
-    def __init__(self, run_dir: str | os.PathLike[str], header: dict[str, Any]) -> None:
+    With ``previous`` (a re-run of the same run) it continues that run's record: the completed
+    rounds' entries, curve points and metrics lines are kept, and the resume is noted.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], header: dict[str, Any],
+                 previous: PreviousRun | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.summary: dict[str, Any] = {
             **header,
             "status": "running",
             "final_model": header.get("base_model"),
+            "last_completed_round": None,
+            "resumed": [],
             "val_curve": [],
             "client_curve": [],
             "rounds": [],
         }
         self.events: list[dict[str, Any]] = []
+        self._earlier_seconds = 0.0
+        if previous is not None:
+            self.summary.update(
+                last_completed_round=previous.last_completed_round,
+                resumed=[*previous.resumed,
+                         {"run_id": header.get("run_id"), "after_round": previous.last_completed_round}],
+                val_curve=list(previous.val_curve),
+                client_curve=list(previous.client_curve),
+                rounds=list(previous.rounds),
+            )
+            if previous.last_aggregate is not None:
+                self.summary["final_model"] = previous.last_aggregate["aggregated_actor"]
+            self.events = list(previous.events)
+            self._earlier_seconds = previous.wall_seconds
         self._started = time.time()
         self.write()
 
     @property
     def summary_path(self) -> Path:
-        return self.run_dir / "federated_summary.json"
+        return self.run_dir / SUMMARY_FILE
 
     def record_round(
         self,
@@ -55,6 +85,8 @@ class RunRecorder:
     ) -> None:
         """Provenance of one round: started_from -> client checkpoints -> aggregated model
         (and, for PPO, the clients' critics -> the aggregated critic)."""
+        # FedAvgFSDP records a round right after renaming its new global model into place.
+        crash_point(f"aggregated@{server_round}")
         entry = {
             "round": server_round,
             "clients": clients,
@@ -85,6 +117,15 @@ class RunRecorder:
         self.events.append({"event": "evaluate", **point})
         self.write()
 
+    def complete_round(self, server_round: int) -> None:
+        """Commit ``server_round``: its global model is in place, its results are recorded.
+
+        The one atomic replace of the summary that writes ``last_completed_round`` is the round's
+        commit point; a re-run skips every round up to it (``serverapp.resume``).
+        """
+        self.summary["last_completed_round"] = server_round
+        self.write(commit_round=server_round)
+
     def finish(self, status: str = "completed", error: str = "") -> None:
         """Mark the run finished (or failed, with the reason) and write everything once more."""
         self.summary["status"] = status
@@ -92,15 +133,22 @@ class RunRecorder:
             self.summary["error"] = error
         self.write()
 
-    def write(self) -> None:
-        """Rewrite summary, metrics and plot atomically."""
-        self.summary["wall_seconds"] = round(time.time() - self._started, 3)
-        write_json_atomic(self.summary_path, self.summary)
+    def write(self, commit_round: int | None = None) -> None:
+        """Rewrite metrics, summary and plot atomically, in that order.
+
+        The metrics lines go first so that the summary, whose rename commits a round, is never
+        ahead of them: a re-run keeps the metrics lines of the rounds the summary committed.
+        """
+        self.summary["wall_seconds"] = round(self._earlier_seconds + time.time() - self._started, 3)
         lines = "".join(_json_line(event) for event in self.events)
-        write_text_atomic(self.run_dir / "metrics.jsonl", lines)
+        write_text_atomic(self.run_dir / METRICS_FILE, lines)
+        with atomic_path(self.summary_path) as tmp:
+            tmp.write_text(json_text(self.summary))
+            if commit_round is not None:
+                crash_point(f"commit@{commit_round}")
         if self.summary["val_curve"] or self.summary["client_curve"]:
             try:
-                plot_learning_curve(self.summary, self.run_dir / "learning_curve.png")
+                plot_learning_curve(self.summary, self.run_dir / CURVE_FILE)
             except Exception as exc:  # a plot is a convenience; it must never stop a run
                 log(WARNING, "[fedagent] learning curve not drawn: %s", exc)
 

@@ -1,0 +1,255 @@
+"""Resuming a run: what a completed round is, what a re-run keeps, and how it starts after it.
+
+Re-running a run (the same ``output_dir``/``run_name`` and the same resolved config) continues
+after its last *completed* round instead of starting over.
+
+**Completed.** Round r is completed when ``federated_summary.json`` says
+``last_completed_round >= r``. The recorder writes that field once per round, after the round's
+new global model was renamed into place and its training and evaluation results were recorded
+(round 0, the base model's evaluation, likewise). The summary is replaced by one atomic rename,
+and that rename is the round's single commit point: a crash anywhere leaves the summary of
+before or after it, never a half. Anything of a later round (a global model already in place, a
+summary entry, curve points, metrics lines, client outputs) is uncommitted and is recomputed.
+
+**A re-run** therefore
+1. checks the config fingerprint stored in the summary (a different config is refused);
+2. keeps the summary entries and metrics lines of completed rounds only;
+3. removes the server's uncommitted outputs (global models of later rounds, aggregation
+   staging directories, temporary files of interrupted writes);
+4. starts from the last completed round's global model and lets Flower's ``Strategy.start`` skip
+   the completed rounds. Client selection and seeds are functions of the round number alone
+   (``fedagent_flwr.seeding``), so round k+1 is sent exactly what an uninterrupted run sends.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from logging import INFO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flwr.common import log
+from flwr.serverapp.strategy import Strategy
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.serverapp.recorder import CURVE_FILE, METRICS_FILE, SUMMARY_FILE
+
+if TYPE_CHECKING:
+    from fedagent_flwr.serverapp.recorder import RunRecorder
+
+LOCK_FILE = ".serverapp.lock"
+_ROUND_DIR = re.compile(r"round_(\d+)")
+
+
+class ResumeError(ValueError):
+    """The run directory holds a run that this run cannot continue."""
+
+
+def config_fingerprint(config: dict[str, Any], base_model_sha256: str) -> str:
+    """sha256 of the resolved config and the base model's content, as canonical JSON."""
+    canonical = json.dumps({"config": config, "base_model_sha256": base_model_sha256},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PreviousRun:
+    """What a re-run keeps of an earlier attempt at the same run: its completed rounds only."""
+
+    run_dir: Path
+    last_completed_round: int | None  # None: not even round 0 (base-model evaluation) completed
+    status: str
+    total_rounds: int
+    val_curve: list[dict[str, Any]]
+    client_curve: list[dict[str, Any]]
+    rounds: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # metrics.jsonl lines
+    resumed: list[dict[str, Any]]
+    wall_seconds: float
+
+    @property
+    def finished(self) -> bool:
+        """Every round completed and the run marked completed: there is nothing left to do."""
+        return self.status == "completed" and self.last_completed_round == self.total_rounds
+
+    @property
+    def last_aggregate(self) -> dict[str, Any] | None:
+        """The entry of the last completed round that produced a new global model, if any."""
+        aggregated = [entry for entry in self.rounds if entry.get("aggregated_actor")]
+        return aggregated[-1] if aggregated else None
+
+    def global_model(self, base: CheckpointRef) -> CheckpointRef:
+        """The global model after the last completed round (``base`` if no round changed it)."""
+        entry = self.last_aggregate
+        if entry is None:
+            return base
+        path = Path(entry["aggregated_actor"])
+        if not path.is_dir():
+            raise ResumeError(
+                f"round {entry['round']}'s global model {path} is missing, so {self.run_dir} cannot "
+                "be resumed; choose another run_name or output_dir"
+            )
+        return CheckpointRef.for_directory(path, "actor", "hf-safetensors")
+
+
+def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | None:
+    """The earlier attempt at this run in ``run_dir``, cut back to its completed rounds.
+
+    ``None`` when ``run_dir`` holds no run yet. Raises :class:`ResumeError` when it holds a run of
+    another configuration (naming the first differing config key) or an unreadable summary.
+    """
+    summary_path = run_dir / SUMMARY_FILE
+    if not summary_path.exists():
+        return None
+    try:
+        stored = json.loads(summary_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResumeError(f"{summary_path} cannot be read ({exc}); choose another run_name or output_dir") from None
+    if stored.get("config_sha256") != header["config_sha256"]:
+        raise ResumeError(
+            f"output directory {run_dir} already holds a run of another configuration "
+            f"({_difference(stored, header)}); choose another run_name or output_dir, or re-run "
+            "with the same configuration to resume that run"
+        )
+    last = stored.get("last_completed_round")
+
+    def kept(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [item for item in items if last is not None and int(item["round"]) <= last]
+
+    metrics_path = run_dir / METRICS_FILE
+    lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    return PreviousRun(
+        run_dir=run_dir,
+        last_completed_round=last,
+        status=str(stored.get("status", "")),
+        total_rounds=int(header["total_rounds"]),
+        val_curve=kept(stored.get("val_curve", [])),
+        client_curve=kept(stored.get("client_curve", [])),
+        rounds=kept(stored.get("rounds", [])),
+        events=kept([json.loads(line) for line in lines if line.strip()]),
+        resumed=list(stored.get("resumed", [])),
+        wall_seconds=float(stored.get("wall_seconds", 0.0)),
+    )
+
+
+def _difference(stored: dict[str, Any], header: dict[str, Any]) -> str:
+    """The first config key whose value differs, for the error message."""
+    if "config_sha256" not in stored:
+        return "its summary has no config fingerprint: it was written by an older fedagent-flwr"
+    before, now = _flatten(stored.get("config", {})), _flatten(header["config"])
+    for key in sorted(set(before) | set(now)):
+        if before.get(key, "<unset>") != now.get(key, "<unset>"):
+            return f"config key '{key}' = {before.get(key, '<unset>')!r} there, {now.get(key, '<unset>')!r} now"
+    return (f"the base model's content differs: sha256 {stored.get('base_model_sha256')} there, "
+            f"{header.get('base_model_sha256')} now")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list[Path]:
+    """Remove what the server wrote for rounds after ``last_completed_round``; return the paths.
+
+    Those are the global models renamed into place by a round that never committed (the rerun
+    aggregates again, and aggregation refuses to overwrite), the staging directories of an
+    interrupted aggregation, and the temporary files of interrupted summary, metrics and plot
+    writes. Client outputs of such rounds are left alone: their trainer replaces its checkpoint
+    and result on the rerun, and a client of a deployment may be on another machine.
+    """
+    removed: list[Path] = []
+    for round_dir in sorted(run_dir.glob("round_*")):
+        match = _ROUND_DIR.fullmatch(round_dir.name)
+        if not match or not round_dir.is_dir():
+            continue
+        # weighted_mean writes the aggregate into ".global.staging-<id>" beside "global" and renames.
+        leftovers = list(round_dir.glob(".global.staging-*"))
+        if last_completed_round is None or int(match.group(1)) > last_completed_round:
+            leftovers.append(round_dir / "global")
+        for path in leftovers:
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
+            else:
+                continue
+            removed.append(path)
+    # atomic_path's temporary names: ".<target name>.<random><suffix>" beside the target.
+    for name in (SUMMARY_FILE, METRICS_FILE, CURVE_FILE):
+        for path in sorted(run_dir.glob(f".{name}.*")):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+@contextmanager
+def exclusive_run_directory(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` while the ServerApp runs in it.
+
+    Two ServerApps resuming the same run would both write its rounds. The lock is a ``flock``,
+    which the kernel drops when its process dies, by SIGKILL too, so a crash never leaves a stale
+    lock that would stop the resume.
+    """
+    handle = open(run_dir / LOCK_FILE, "a")  # held until the run ends
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ResumeError(
+                f"output directory {run_dir} is in use by another ServerApp that is still running; "
+                "wait for it to end (or stop it) before re-running"
+            ) from None
+        yield
+    finally:
+        handle.close()
+
+
+def install_round_ledger(strategy: Strategy, recorder: RunRecorder, last_completed_round: int | None) -> None:
+    """Make ``strategy.start`` skip completed rounds and commit every round it completes.
+
+    Flower's ``Strategy.start`` always counts rounds from 1 and calls ``self.configure_train``,
+    ``self.aggregate_train``, ``self.configure_evaluate`` and ``self.aggregate_evaluate``. The
+    guards set here are instance attributes, which shadow the class's methods: ``start`` calls
+    the guard, the guard calls the most-derived override (a user's subclass included). A completed
+    round therefore never reaches strategy code, so no strategy needs to know about resuming, and
+    a round counts as completed only after its (possibly overridden) evaluation step returned.
+    """
+    done = -1 if last_completed_round is None else last_completed_round
+
+    def skip(method: Callable[..., Any], skipped: Any, announce: bool = False) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def guarded(server_round: int, *args: Any, **kwargs: Any) -> Any:
+            if server_round <= done:
+                if announce:
+                    log(INFO, "round %d was completed by an earlier attempt at this run; skipped", server_round)
+                return skipped
+            return method(server_round, *args, **kwargs)
+
+        return guarded
+
+    def commit(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def committed(server_round: int, *args: Any, **kwargs: Any) -> Any:
+            result = method(server_round, *args, **kwargs)
+            recorder.complete_round(server_round)
+            return result
+
+        return committed
+
+    strategy.configure_train = skip(strategy.configure_train, (), announce=True)  # type: ignore[method-assign]
+    strategy.aggregate_train = skip(strategy.aggregate_train, (None, None))  # type: ignore[method-assign]
+    strategy.configure_evaluate = skip(strategy.configure_evaluate, ())  # type: ignore[method-assign]
+    strategy.aggregate_evaluate = skip(commit(strategy.aggregate_evaluate), None)  # type: ignore[method-assign]
