@@ -227,3 +227,25 @@ def test_a_crash_point_kills_its_process_once(tmp_path: Path) -> None:
     assert killed.returncode == -signal.SIGKILL and killed.stdout == "" and not trigger.exists()
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert again.stdout == "alive\n"  # one shot: the re-run gets past the point
+
+
+def test_a_ppo_run_resumes_with_its_last_aggregated_critic(tmp_path: Path, base: CheckpointRef) -> None:
+    run_dir = tmp_path / "job"
+    header = _header(tmp_path, base)
+    recorder = RunRecorder(run_dir, header)
+    recorder.complete_round(0)
+    actor = shutil.copytree(base.path, run_dir / "round_1" / "global")
+    critic = shutil.copytree(base.path, run_dir / "round_1" / "global_critic")
+    recorder.record_round(
+        server_round=1, clients=[0], started_from="base", client_actors={0: "c0"}, aggregated=str(actor),
+        rejected={}, client_metrics={0: _metrics(0.5)}, client_critics={0: "c0-critic"},
+        aggregated_critic=str(critic),
+    )
+    recorder.complete_round(1)
+    previous = load_previous_run(run_dir, _header(tmp_path, base, run_id=2))
+    assert previous is not None and previous.last_completed_round == 1
+    restored = previous.global_critic()
+    assert restored is not None and restored.path == str(critic) and restored.kind == "critic"
+    shutil.rmtree(critic)
+    with pytest.raises(ResumeError, match="global critic"):
+        previous.global_critic()

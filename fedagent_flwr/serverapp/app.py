@@ -210,19 +210,22 @@ def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[st
         recorder.finish("failed", f"cannot start the checkpoint store: {exc}")
         raise setup_failed(exc) from None
     try:
-        _run_with_store(grid, settings, run_dir, start_model, recorder, store, last_completed)
+        _run_with_store(grid, settings, run_dir, start_model, recorder, store, last_completed,
+                        previous.global_critic() if previous is not None else None)
     finally:
         store.close()
 
 
 def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_model: CheckpointRef,
-                    recorder: RunRecorder, store: ServerStore, last_completed: int | None) -> None:
+                    recorder: RunRecorder, store: ServerStore, last_completed: int | None,
+                    start_critic: CheckpointRef | None = None) -> None:
     """Build the strategy over ``store``, run the remaining rounds, tell the nodes the run is over."""
     try:
         strategy = build_strategy(settings, run_dir, start_model, recorder, store)
     except ConfigError as exc:
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
+    strategy.global_critic = start_critic  # PPO resumed after a round that aggregated critics
     install_round_ledger(strategy, recorder, last_completed)
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,

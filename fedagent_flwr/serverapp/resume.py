@@ -99,6 +99,19 @@ class PreviousRun:
             )
         return CheckpointRef.for_directory(path, "actor", "hf-safetensors")
 
+    def global_critic(self) -> CheckpointRef | None:
+        """PPO: the aggregated critic after the last completed round that produced one, if any."""
+        critics = [entry for entry in self.rounds if entry.get("aggregated_critic")]
+        if not critics:
+            return None
+        path = Path(critics[-1]["aggregated_critic"])
+        if not path.is_dir():
+            raise ResumeError(
+                f"round {critics[-1]['round']}'s global critic {path} is missing, so {self.run_dir} "
+                "cannot be resumed; choose another run_name or output_dir"
+            )
+        return CheckpointRef.for_directory(path, "critic", "hf-safetensors")
+
 
 def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | None:
     """The earlier attempt at this run in ``run_dir``, cut back to its completed rounds.
