@@ -177,11 +177,14 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list[Path]:
     """Remove what the server wrote for rounds after ``last_completed_round``; return the paths.
 
-    Those are the global models renamed into place by a round that never committed (the rerun
-    aggregates again, and aggregation refuses to overwrite), the staging directories of an
-    interrupted aggregation, and the temporary files of interrupted summary, metrics and plot
-    writes. Client outputs of such rounds are left alone: their trainer replaces its checkpoint
-    and result on the rerun, and a client of a deployment may be on another machine.
+    Those are the global models (and PPO critics) renamed into place by a round that never
+    committed (the rerun aggregates again, and aggregation refuses to overwrite), the staging
+    directories of an interrupted aggregation, the http store's upload slots of such rounds
+    (``round_<r>/client_<c>/{actor,critic,.upload-*}``: a committed slot is final, so a client
+    re-training the round could not upload again), and the temporary files of interrupted
+    summary, metrics and plot writes. Client outputs of such rounds are left alone: their trainer
+    replaces its checkpoint and result on the rerun, and a client of a deployment may be on
+    another machine.
     """
     removed: list[Path] = []
     for round_dir in sorted(run_dir.glob("round_*")):
@@ -189,9 +192,11 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
         if not match or not round_dir.is_dir():
             continue
         # weighted_mean writes the aggregate into ".global.staging-<id>" beside "global" and renames.
-        leftovers = list(round_dir.glob(".global.staging-*"))
+        leftovers = list(round_dir.glob(".global.staging-*")) + list(round_dir.glob(".global_critic.staging-*"))
         if last_completed_round is None or int(match.group(1)) > last_completed_round:
-            leftovers.append(round_dir / "global")
+            leftovers += [round_dir / "global", round_dir / "global_critic"]
+            for client_dir in sorted(round_dir.glob("client_*")):
+                leftovers += [client_dir / "actor", client_dir / "critic", *client_dir.glob(".upload-*")]
         for path in leftovers:
             if path.is_symlink() or path.is_file():
                 path.unlink()
