@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.config import ConfigError, conf_dir, load_settings
 from fedagent_flwr.seeding import data_seed, select_clients
 
 
@@ -92,3 +92,19 @@ def test_environment_level_arms_need_a_served_env() -> None:
         load_settings(overrides="env=tinyguess_service partition=rank_wrapper")
     with pytest.raises(ConfigError, match="config key 'partition.env_div'"):
         load_settings(overrides="env=webshop partition=catalog_split partition.env_div=3")
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (conf_dir() / "env").glob("*.yaml")))
+def test_every_env_group_composes_and_validates(group: str) -> None:
+    """Each shipped env group is a complete, valid config (a key one group lacks stops its runs)."""
+    import yaml
+
+    settings = load_settings(overrides=f"env={group}")
+    declared = yaml.safe_load((conf_dir() / "env" / f"{group}.yaml").read_text())
+    assert settings.env_name == declared.get("name", settings.env_name) and settings.env_name
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (conf_dir() / "trainer").glob("*.yaml")))
+def test_every_trainer_group_composes_and_validates(group: str) -> None:
+    settings = load_settings(overrides=f"trainer={group}")
+    assert settings.trainer_backend == group
