@@ -322,6 +322,8 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         except ValueError as exc:
             raise ConfigError(f"config key 'env.{split}': {exc}") from None
     _check_partition_fits_envs(strategy, specs["train"], bool(_get(raw, "env.service.enabled")))
+    if _get(raw, "env.service.enabled") is True and backend == "reference":
+        _check_pool_fits_lockstep(raw, specs, int(trainer.get("rollout_n", 1)), total)
     kwargs = _get(raw, "strategy.kwargs")
     if not isinstance(kwargs, dict):
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
@@ -365,6 +367,32 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         storage=_storage(raw),
         raw=raw,
     )
+
+
+def _check_pool_fits_lockstep(raw: dict[str, Any], specs: dict[str, Any], rollout_n: int, clients: int) -> None:
+    """Refuse an env-service pool smaller than what the reference trainer plays at once.
+
+    It samples all episodes of a step in lockstep (one batch waits for every running episode), so
+    an episode still waiting for a pool slot would stall the others until the service's create
+    timeout; one service serves each env-spec entry.
+    """
+    pool = _typed(raw, "env.service.pool_size", int, lambda v: v >= 1, ">= 1")
+    episodes = _typed(raw, "eval.num_episodes", int, lambda v: v >= 0, ">= 0")
+    for index, entry in enumerate(specs["train"]["envs"]):
+        need = entry["n_envs"] * rollout_n
+        if need > pool:
+            raise ConfigError(
+                f"config key 'env.service.pool_size' = {pool} is smaller than the {need} episodes the reference "
+                f"trainer plays at once on one service (env.train.envs.{index}.n_envs={entry['n_envs']} x "
+                f"trainer.rollout_n={rollout_n}); set env.service.pool_size={need}"
+            )
+    per_client = -(-episodes // clients)  # validation episodes are split across the clients
+    if per_client > pool:
+        raise ConfigError(
+            f"config key 'env.service.pool_size' = {pool} is smaller than the {per_client} validation episodes "
+            f"each client plays at once (eval.num_episodes={episodes} over {clients} clients); set "
+            f"env.service.pool_size={per_client} or lower eval.num_episodes"
+        )
 
 
 def _check_partition_fits_envs(strategy: str, train_spec: dict[str, Any], served: bool) -> None:

@@ -36,20 +36,10 @@ from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.rollout.episode import SamplingParams, run_episode
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.seeding import train_env_seed
+from tests.verl_probe import ENGINE, compose_verl_config
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 3, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
-
-
-def _compose(overrides: list[str]) -> Any:
-    import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -61,7 +51,7 @@ def test_overrides_compose_and_pass_verls_validation(algorithm: str, tiny_model_
     paths = job_paths(tmp_path / "verl", str(tiny_model_dir), "", "/tmp/fa-ray-test")
     overrides = build_overrides(algorithm=algorithm, settings=settings, paths=paths, batch_size=3,
                                 local_steps=2, seed=142, experiment_name="round1_client0")
-    cfg = _compose(overrides)
+    cfg = compose_verl_config(overrides)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.algorithm.adv_estimator == ("gae" if algorithm == "ppo" else "grpo")
     assert need_critic(cfg) is (algorithm == "ppo")
@@ -233,18 +223,8 @@ def test_proximal_term_adds_mu_times_the_drift() -> None:
         fedprox.ProximalTerm(0.0)
 
 
-_HOOK_PROBE = r"""
-import json, sys, types, torch
-import verl.workers.engine.fsdp.transformer_impl as impl
+_HOOK_PROBE = ENGINE + r"""
 assert impl.FSDPEngine._fedagent_fedprox_mu == 0.25, "not patched"
-def engine(cls):
-    e = object.__new__(cls)
-    torch.manual_seed(0)
-    e.module = torch.nn.Linear(3, 2)
-    e.optimizer = torch.optim.SGD(e.module.parameters(), lr=1.0)
-    e.optimizer_config = types.SimpleNamespace(clip_grad=1e9)
-    e._qat_enabled = False
-    return e
 out = {}
 for name in ("FSDPEngineWithLMHead", "FSDPEngineWithValueHead"):
     e = engine(getattr(impl, name))
