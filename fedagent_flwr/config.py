@@ -261,6 +261,12 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
         if name in trainer:
             trainer[name] = _typed(raw, f"trainer.{name}", kind, check, expect)
+    from fedagent_flwr.clientapp.client_rule import ClientRuleError, load_client_rule
+
+    try:
+        load_client_rule(trainer)  # built once here, so a bad rule stops the run before any client trains
+    except ClientRuleError as exc:
+        raise ConfigError(f"config key {exc}") from None
     if backend == "verl":
         # The verl job's own knobs, checked here so a bad value stops the run before any client
         # spends minutes starting Ray and vLLM. (Torch- and verl-free import.)
@@ -281,12 +287,19 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             f"config key 'strategy.weights' has {len(weights)} entries but clients.total is {total}"
         )
     partition = dict(_get(raw, "partition"))
-    from fedagent_flwr.hetero import STRATEGIES
+    from fedagent_flwr.hetero import STRATEGIES, PartitionError, check_strategy
 
     from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
+    from fedagent_flwr.plugins import is_dotted_path
 
     known = sorted({*STRATEGIES, *ENV_LEVEL_STRATEGIES})
-    strategy = _typed(raw, "partition.strategy", str, lambda v: v in known, f"one of {known}")
+    strategy = _typed(raw, "partition.strategy", str, lambda v: v in known or is_dotted_path(v),
+                      f"one of {known}, or the dotted path of a partition function")
+    if is_dotted_path(strategy):
+        try:
+            check_strategy(strategy)
+        except PartitionError as exc:
+            raise ConfigError(f"config key 'partition.strategy': {exc}") from None
     _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
     for knob, check, expect in (("omega", lambda v: 0 < v < 1, "in (0, 1)"),
                                 ("env_div", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -309,6 +322,8 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         except ValueError as exc:
             raise ConfigError(f"config key 'env.{split}': {exc}") from None
     _check_partition_fits_envs(strategy, specs["train"], bool(_get(raw, "env.service.enabled")))
+    if _get(raw, "env.service.enabled") is True and backend == "reference":
+        _check_pool_fits_lockstep(raw, specs, int(trainer.get("rollout_n", 1)), total)
     kwargs = _get(raw, "strategy.kwargs")
     if not isinstance(kwargs, dict):
         raise ConfigError(f"config key 'strategy.kwargs' must be a mapping, got {kwargs!r}")
@@ -354,10 +369,36 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     )
 
 
+def _check_pool_fits_lockstep(raw: dict[str, Any], specs: dict[str, Any], rollout_n: int, clients: int) -> None:
+    """Refuse an env-service pool smaller than what the reference trainer plays at once.
+
+    It samples all episodes of a step in lockstep (one batch waits for every running episode), so
+    an episode still waiting for a pool slot would stall the others until the service's create
+    timeout; one service serves each env-spec entry.
+    """
+    pool = _typed(raw, "env.service.pool_size", int, lambda v: v >= 1, ">= 1")
+    episodes = _typed(raw, "eval.num_episodes", int, lambda v: v >= 0, ">= 0")
+    for index, entry in enumerate(specs["train"]["envs"]):
+        need = entry["n_envs"] * rollout_n
+        if need > pool:
+            raise ConfigError(
+                f"config key 'env.service.pool_size' = {pool} is smaller than the {need} episodes the reference "
+                f"trainer plays at once on one service (env.train.envs.{index}.n_envs={entry['n_envs']} x "
+                f"trainer.rollout_n={rollout_n}); set env.service.pool_size={need}"
+            )
+    per_client = -(-episodes // clients)  # validation episodes are split across the clients
+    if per_client > pool:
+        raise ConfigError(
+            f"config key 'env.service.pool_size' = {pool} is smaller than the {per_client} validation episodes "
+            f"each client plays at once (eval.num_episodes={episodes} over {clients} clients); set "
+            f"env.service.pool_size={per_client} or lower eval.num_episodes"
+        )
+
+
 def _check_partition_fits_envs(strategy: str, train_spec: dict[str, Any], served: bool) -> None:
     """Refuse a partition strategy the configured environments cannot honour, at start."""
     from fedagent_flwr.envs.registry import get_env_class
-    from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES
+    from fedagent_flwr.hetero import needs_goal_info
     from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
 
     if strategy in ENV_LEVEL_STRATEGIES and not served:
@@ -367,7 +408,7 @@ def _check_partition_fits_envs(strategy: str, train_spec: dict[str, Any], served
         )
     for entry in train_spec["envs"]:
         env_cls = get_env_class(entry["name"])
-        if strategy in GOAL_INFO_STRATEGIES and not hasattr(env_cls, "goal_info"):
+        if strategy not in ENV_LEVEL_STRATEGIES and needs_goal_info(strategy) and not hasattr(env_cls, "goal_info"):
             raise ConfigError(
                 f"config key 'partition.strategy' = {strategy!r} needs goal metadata, which "
                 f"environment {entry['name']} does not provide (use it with env=webshop)"

@@ -36,20 +36,10 @@ from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.rollout.episode import SamplingParams, run_episode
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.seeding import train_env_seed
+from tests.verl_probe import ENGINE, compose_verl_config
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 3, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
-
-
-def _compose(overrides: list[str]) -> Any:
-    import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -61,7 +51,7 @@ def test_overrides_compose_and_pass_verls_validation(algorithm: str, tiny_model_
     paths = job_paths(tmp_path / "verl", str(tiny_model_dir), "", "/tmp/fa-ray-test")
     overrides = build_overrides(algorithm=algorithm, settings=settings, paths=paths, batch_size=3,
                                 local_steps=2, seed=142, experiment_name="round1_client0")
-    cfg = _compose(overrides)
+    cfg = compose_verl_config(overrides)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.algorithm.adv_estimator == ("gae" if algorithm == "ppo" else "grpo")
     assert need_critic(cfg) is (algorithm == "ppo")
@@ -233,18 +223,8 @@ def test_proximal_term_adds_mu_times_the_drift() -> None:
         fedprox.ProximalTerm(0.0)
 
 
-_HOOK_PROBE = r"""
-import json, sys, types, torch
-import verl.workers.engine.fsdp.transformer_impl as impl
+_HOOK_PROBE = ENGINE + r"""
 assert impl.FSDPEngine._fedagent_fedprox_mu == 0.25, "not patched"
-def engine(cls):
-    e = object.__new__(cls)
-    torch.manual_seed(0)
-    e.module = torch.nn.Linear(3, 2)
-    e.optimizer = torch.optim.SGD(e.module.parameters(), lr=1.0)
-    e.optimizer_config = types.SimpleNamespace(clip_grad=1e9)
-    e._qat_enabled = False
-    return e
 out = {}
 for name in ("FSDPEngineWithLMHead", "FSDPEngineWithValueHead"):
     e = engine(getattr(impl, name))
@@ -374,3 +354,17 @@ def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path
     count, metrics = _episode_metrics(tmp_path / "episodes.jsonl")
     assert count == 2 and metrics["success_rate"] == 0.5 and metrics["score_mean"] == pytest.approx(0.45)
     assert metrics["truncated_rate"] == 0.5 and metrics["invalid_actions_mean"] == 0.5
+
+
+def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() -> None:
+    from fedagent_flwr.clientapp.verl_backend.agent_loop import count_invalid_actions
+    from fedagent_flwr.rollout.episode import Episode, TurnRecord
+
+    def turn(info: dict[str, Any]) -> TurnRecord:
+        return TurnRecord("a", "o", 0.0, False, info, 1, True)
+
+    episode = Episode(seed=1, prompt_ids=[1], response_ids=[2], response_mask=[1], reward=0.0, success=False,
+                      num_turns=5, truncated=False, messages=[],
+                      turns=[turn({"is_action_valid": 0}), turn({"is_action_valid": 1}),
+                             turn({"is_action_valid": False}), turn({"is_action_valid": True}), turn({})])
+    assert count_invalid_actions(episode) == 2

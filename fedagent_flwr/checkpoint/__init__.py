@@ -2,14 +2,16 @@
 
 ``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``reader`` opens and
 checks a reference and reads full tensors key by key from FSDP rank files or HF safetensors;
-``aggregate`` computes the fp32 weighted mean into a new HF model directory;
-``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
+``aggregate`` computes the fp32 weighted mean (or any per-key rule, ``aggregate_by_key``) into a
+new HF model directory; ``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
 references between machines (a shared filesystem, or the ServerApp's HTTP store in
 ``http_server``/``http_client``, with per-file ``manifest`` hashes).
 """
 
 from fedagent_flwr.checkpoint.aggregate import (
     AggregateReport,
+    KeyRule,
+    aggregate_by_key,
     check_compatible,
     normalise_weights,
     tied_weight_keys,
@@ -35,6 +37,7 @@ from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
 
 __all__ = [
     "AggregateReport",
+    "KeyRule",
     "CheckpointError",
     "CheckpointFormat",
     "CheckpointKind",
@@ -43,6 +46,7 @@ __all__ = [
     "FsdpShardReader",
     "SafetensorsReader",
     "SafetensorsStreamWriter",
+    "aggregate_by_key",
     "check_compatible",
     "hash_checkpoint_dir",
     "hashed_files",

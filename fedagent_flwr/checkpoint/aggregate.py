@@ -5,7 +5,8 @@ which weight, this module computes. It reads one key at a time from every client
 (FSDP rank files of any world size or HF safetensors, see :mod:`.reader`), accumulates in fp32,
 and streams the result into ``model.safetensors``, so memory is about two tensors of the largest
 key whatever the number of clients. The output stays fp32 (no bf16 rounding between rounds) and
-loads with ``AutoModelForCausalLM.from_pretrained``.
+loads with ``AutoModelForCausalLM.from_pretrained``. :func:`aggregate_by_key` writes the same
+layout with another per-key rule (a strategy's median, trimmed mean, ...).
 
 Tied weights: FSDP state dicts hold both ``lm_head.weight`` and ``model.embed_tokens.weight``
 when a model ties them, while ``save_pretrained`` writes only the embedding. The output follows
@@ -23,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -37,6 +38,8 @@ from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter,
 
 __all__ = [
     "AggregateReport",
+    "KeyRule",
+    "aggregate_by_key",
     "check_compatible",
     "normalise_weights",
     "tied_weight_keys",
@@ -94,6 +97,15 @@ def normalise_weights(weights: Sequence[float], labels: Sequence[str] | None = N
     return [float(w) / total for w in weights]
 
 
+#: A tensor rule: ``rule(key, tensors, weights)`` -> the output tensor of ``key``, where ``tensors``
+#: holds every source's fp32 tensor for ``key`` (source order) and ``weights`` the normalised weights.
+KeyRule = Callable[[str, list[torch.Tensor], list[float]], torch.Tensor]
+# How a writer gets one floating-point key: (key, readers, weights, shape, scratch) -> tensor.
+_KeyCombiner = Callable[
+    [str, list[CheckpointReader], list[float], tuple[int, ...], tuple[torch.Tensor, torch.Tensor]], torch.Tensor
+]
+
+
 def weighted_mean(
     sources: Sequence[tuple[CheckpointReader, float]],
     out_dir: str | os.PathLike[str],
@@ -114,6 +126,47 @@ def weighted_mean(
     thread does at memory speed, while waking a thread pool once per tensor can cost more than
     the add itself (measured: ~12 ms per op with 2 threads vs 0.2 ms with 1 on a 2-vCPU host).
     """
+    return _write_aggregate(sources, out_dir, reference, num_threads, "weighted_mean", _mean_of_key)
+
+
+def aggregate_by_key(
+    sources: Sequence[tuple[CheckpointReader, float]],
+    out_dir: str | os.PathLike[str],
+    rule: KeyRule,
+    *,
+    name: str,
+    reference: CheckpointReader | None = None,
+    num_threads: int | None = 1,
+) -> AggregateReport:
+    """Like :func:`weighted_mean`, with the tensor arithmetic of ``rule`` (median, trimmed mean, ...).
+
+    Same checks, output layout (fp32 HF safetensors, tied copies left out) and atomic write;
+    integer tensors must agree across sources and are copied. ``rule`` is called once per
+    floating-point key with every source's full fp32 tensor of that key, so memory is the
+    number of sources times the largest tensor. ``name`` is recorded in the output's header
+    (``fedagent.aggregation``) so audits know which rule wrote it.
+    """
+
+    def combine(key: str, readers: list[CheckpointReader], weights: list[float], shape: tuple[int, ...],
+                scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        result = rule(key, [reader.read(key) for reader in readers], list(weights))
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise CheckpointError(f"aggregation rule {name!r} returned {got} for '{key}', expected shape {shape}")
+        return result.to(torch.float32)
+
+    return _write_aggregate(sources, out_dir, reference, num_threads, name, combine)
+
+
+def _write_aggregate(
+    sources: Sequence[tuple[CheckpointReader, float]],
+    out_dir: str | os.PathLike[str],
+    reference: CheckpointReader | None,
+    num_threads: int | None,
+    rule_name: str,
+    combine: _KeyCombiner,
+) -> AggregateReport:
+    """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`)."""
     started = time.perf_counter()
     if not sources:
         raise CheckpointError("no sources to aggregate")
@@ -140,7 +193,7 @@ def weighted_mean(
     entries = [(key, head.shape(key), _output_dtype(head.dtype(key))) for key in keys]
     metadata = {
         "format": "pt",
-        "fedagent.aggregation": "weighted_mean",
+        "fedagent.aggregation": rule_name,
         "fedagent.sources": json.dumps(
             [
                 {"path": str(r.directory), "sha256": r.ref.sha256, "weight": w}
@@ -164,9 +217,12 @@ def weighted_mean(
         scratch = (torch.empty(largest, dtype=torch.float32), torch.empty(largest, dtype=torch.float32))
         with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata) as writer:
             for key, shape, dtype in entries:
-                mean = _mean_of_key(key, readers, weights, dtype, shape, scratch)
-                writer.write(key, mean)
-                num_params += mean.numel()
+                if dtype.is_floating_point:
+                    value = combine(key, readers, weights, shape, scratch)
+                else:
+                    value = _agreed_integer_tensor(key, readers)
+                writer.write(key, value)
+                num_params += value.numel()
         del scratch
         fsync_dir(staging)
         # Checked again: another process may have created it while we were writing.
@@ -251,24 +307,25 @@ def verify_mean(
 # Helpers
 
 
+def _agreed_integer_tensor(key: str, readers: list[CheckpointReader]) -> torch.Tensor:
+    """Integer buffers (counters, index tables) cannot be averaged; they must agree."""
+    value = readers[0].read(key, dtype=None)
+    for index, reader in enumerate(readers[1:], start=1):
+        if not torch.equal(reader.read(key, dtype=None), value):
+            raise CheckpointError(
+                f"integer tensor '{key}' differs between source 0 and source {index} "
+                f"({reader.directory}); it cannot be averaged"
+            )
+    return value
+
+
 def _mean_of_key(
     key: str,
     readers: list[CheckpointReader],
     weights: list[float],
-    dtype: torch.dtype,
     shape: tuple[int, ...],
     scratch: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    if not dtype.is_floating_point:
-        # Integer buffers (counters, index tables) cannot be averaged; they must agree.
-        value = readers[0].read(key, dtype=None)
-        for index, reader in enumerate(readers[1:], start=1):
-            if not torch.equal(reader.read(key, dtype=None), value):
-                raise CheckpointError(
-                    f"integer tensor '{key}' differs between source 0 and source {index} "
-                    f"({reader.directory}); it cannot be averaged"
-                )
-        return value
     count = math.prod(shape)
     acc = scratch[0][:count].view(shape)
     incoming = scratch[1][:count].view(shape)

@@ -29,6 +29,11 @@ def recorded_sources(global_dir: Path) -> list[dict[str, Any]]:
         metadata = handle.metadata() or {}
     if "fedagent.sources" not in metadata:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources (not written by weighted_mean)")
+    rule = metadata.get("fedagent.aggregation", "weighted_mean")
+    if rule != "weighted_mean":
+        # A strategy's own rule (aggregate_by_key): a weighted mean would not be expected to match.
+        raise CheckpointError(f"{global_dir / MODEL_FILE} was written by the rule {rule!r}; this audit "
+                              "recomputes weighted means only")
     return list(json.loads(metadata["fedagent.sources"]))
 
 

@@ -20,7 +20,9 @@ Training, per local step: every env-spec entry ``j`` contributes ``n_envs`` envi
 group-relative, ``(r - mean) / (std + 1e-6)`` (0 for a single-episode group); the update is
 ``ppo_epochs`` passes of the clipped surrogate averaged over the response tokens the model
 generated, minus ``entropy_coeff`` x entropy, plus ``kl_coef`` x low-variance KL to the starting
-weights, plus FedProx's ``mu/2 * ||w - w_start||^2`` when ``proximal_mu > 0``; AdamW.
+weights, plus FedProx's ``mu/2 * ||w - w_start||^2`` when ``proximal_mu > 0``; AdamW. A client
+rule (``trainer.client_rule``, :mod:`fedagent_flwr.clientapp.client_rule`) sees the gradients of
+every step just before clipping and the optimiser step.
 
 Precision: with ``compute_dtype`` "bfloat16" (the "auto" choice on CPUs with native bf16)
 sampling uses a bf16 copy of the weights and the update runs under bf16 autocast, while master
@@ -51,6 +53,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.clientapp.client_rule import ClientRule, ClientRuleError, load_client_rule, without_rule_keys
 from fedagent_flwr.clientapp.job import (
     EvalJob,
     EvalResult,
@@ -489,6 +492,7 @@ class UpdateStats:
     entropy: float
     grad_norm: float
     tokens: int
+    rule_value: float = 0.0  # what the client rule returned, averaged over the steps
 
 
 def grpo_update(
@@ -500,6 +504,7 @@ def grpo_update(
     cfg: GRPOConfig,
     proximal_mu: float,
     pad_id: int,
+    client_rule: ClientRule | None = None,
 ) -> UpdateStats:
     """``ppo_epochs`` optimiser steps of the clipped GRPO objective over all episodes.
 
@@ -533,7 +538,7 @@ def grpo_update(
         anchor = [frozen[name] for name, _ in named]
 
     model.train()
-    losses, kls, entropies, norms = [], [], [], []
+    losses, kls, entropies, norms, rule_values = [], [], [], [], []
     for _ in range(cfg.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch_loss = epoch_kl = epoch_entropy = 0.0
@@ -559,6 +564,8 @@ def grpo_update(
             prox = 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
             prox.backward()
             epoch_loss += float(prox.detach())
+        if client_rule is not None:
+            rule_values.append(float(client_rule.apply(named)))
         if cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
@@ -570,7 +577,8 @@ def grpo_update(
         norms.append(float(norm))
     model.eval()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return UpdateStats(mean(losses), mean(kls), mean(entropies), mean(norms), total_tokens)
+    return UpdateStats(mean(losses), mean(kls), mean(entropies), mean(norms), total_tokens,
+                       mean(rule_values) if rule_values else 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,7 +651,7 @@ def _check_field_types(job: TrainJob | EvalJob) -> None:
             raise InputError(f"job field '{f.name}' must be of type {annotation}, got {value!r}")
 
 
-def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path]:
+def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, ClientRule | None]:
     """Validate everything about a TrainJob that can be checked before loading the model."""
     _check_field_types(job)
     if job.algorithm.lower() != "grpo":
@@ -654,9 +662,10 @@ def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path]:
         raise InputError(f"proximal_mu must be >= 0, got {job.proximal_mu}")
     if not 0 <= job.client_id < job.num_clients:
         raise InputError(f"client_id {job.client_id} is out of range for num_clients {job.num_clients}")
-    cfg, ignored = GRPOConfig.from_mapping(job.trainer)
+    cfg, ignored = GRPOConfig.from_mapping(without_rule_keys(job.trainer))
     if ignored:
         print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    rule = load_client_rule(job.trainer)
     spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
                               base_seed=job.base_seed)
     if len(spec.envs) > 1 and any(e.n_envs * job.local_steps > SEEDS_PER_ENTRY for e in spec.envs):
@@ -664,12 +673,12 @@ def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path]:
               "reuse some of the seeds of earlier ones", file=sys.stderr)
     for entry in spec.envs:
         make_env(entry.name, entry.env_config())  # config errors surface now, not mid-rollout
-    return spec, cfg, resolve_model_path(job.model_path)
+    return spec, cfg, resolve_model_path(job.model_path), rule
 
 
 def train(job: TrainJob) -> TrainResult:
     """Run ``job.local_steps`` GRPO steps and write the checkpoint and ``train_result.json``."""
-    spec, cfg, model_path = _check_train_job(job)  # before importing torch: bad input fails fast
+    spec, cfg, model_path, rule = _check_train_job(job)  # before importing torch: bad input fails fast
     import torch
 
     started = time.monotonic()
@@ -690,7 +699,7 @@ def train(job: TrainJob) -> TrainResult:
     sampling = cfg.sampling()
 
     all_episodes: list[Episode] = []
-    losses, kls = [], []
+    losses, kls, rule_values = [], [], []
     for step in range(job.local_steps):
         step_started = time.monotonic()
         tasks: list[EpisodeTask] = []
@@ -705,12 +714,13 @@ def train(job: TrainJob) -> TrainResult:
         rollout_seconds = time.monotonic() - step_started
         advantages = grpo_advantages([e.reward for e in episodes], [t.group for t in tasks])
         stats = grpo_update(model, ref_model, optimizer, episodes, advantages, cfg, job.proximal_mu,
-                            policy.pad_id)
+                            policy.pad_id, rule)
         if sampler is not model:
             sampler.load_state_dict(model.state_dict())  # copies and casts to the sampler's dtype
         all_episodes += episodes
         losses.append(stats.loss)
         kls.append(stats.kl)
+        rule_values.append(stats.rule_value)
         print(
             f"step {step + 1}/{job.local_steps} episodes {len(episodes)} "
             f"reward_mean {_mean([e.reward for e in episodes]):.4f} "
@@ -731,6 +741,8 @@ def train(job: TrainJob) -> TrainResult:
         train_seconds=time.monotonic() - started,
         proximal_mu=float(job.proximal_mu),
     )
+    if rule is not None:
+        metrics["client_rule_value"] = _mean(rule_values)
     result = TrainResult(
         actor_dir=str(actor_dir.resolve()),
         actor_format="fsdp-shards",
@@ -746,7 +758,7 @@ def evaluate(job: EvalJob) -> EvalResult:
     """One episode per seed (in every env of the full, unpartitioned spec) at val temperature."""
     _check_field_types(job)
     spec = load_env_spec(job.env_spec)
-    cfg, ignored = GRPOConfig.from_mapping(job.trainer)
+    cfg, ignored = GRPOConfig.from_mapping(without_rule_keys(job.trainer))
     if ignored:
         print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
     if not job.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in job.seeds):
@@ -801,7 +813,7 @@ def _episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, PartitionError, EnvConfigError,
-              ModelResolutionError)
+              ModelResolutionError, ClientRuleError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.envs.spec import load_env_spec
-from fedagent_flwr.hetero import GOAL_INFO_STRATEGIES, partition_goals
+from fedagent_flwr.hetero import needs_goal_info, partition_goals
 from fedagent_flwr.hetero.env_level import variant_request
 
 SERVICE_ENV = "Service"
@@ -77,7 +77,7 @@ def client_partition(
         return description, variant
     num_goals = env_cls.num_goals(env_config)
     if num_goals is not None and strategy != "none":
-        goal_info = env_cls.goal_info(env_config) if strategy in GOAL_INFO_STRATEGIES else None
+        goal_info = env_cls.goal_info(env_config) if needs_goal_info(strategy) else None
         description["goal_indices"] = partition_goals(
             strategy, client_id, num_clients, num_goals, partition, base_seed, goal_info
         )
@@ -119,8 +119,9 @@ def serve_env_spec(
         )
         url = manager.ensure_running()
         managers.append(manager)
+        # The service reports the registered name, also for an env named by its dotted path.
         served.append({"name": SERVICE_ENV, "n_envs": entry.n_envs, "max_turns": entry.max_turns,
-                       "config": {"url": url, "env": entry.name}})
+                       "config": {"url": url, "env": get_env_class(entry.name).env_name}})
     return {"envs": served}, managers
 
 

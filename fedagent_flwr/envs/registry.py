@@ -3,6 +3,11 @@
 Names are case-insensitive ("TinyGuess", "tinyguess"). Built-in environments are registered
 lazily: the registry knows which module defines each built-in name and imports it only when the
 name is asked for, so looking up TinyGuess never imports a heavy service client.
+
+Environments of other packages are named by the dotted path of their (registered) class, e.g.
+``mypkg.envs.Countdown``: every process that meets the name imports the module itself
+(:mod:`fedagent_flwr.plugins`), so the trainer subprocess, env services and verl's Ray workers
+find the class without any set-up of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fedagent_flwr.envs.base import BaseTextEnv
+from fedagent_flwr.plugins import PluginError, is_dotted_path, load_object
 
 E = TypeVar("E", bound=type[BaseTextEnv])
 
@@ -71,12 +77,28 @@ def _load_builtin(key: str) -> None:
 
 
 def get_env_class(name: str) -> type[BaseTextEnv]:
-    """The class registered under ``name``; raises :class:`UnknownEnvError` listing known names."""
+    """The class registered under ``name``, or named by the dotted path ``name``; raises
+    :class:`UnknownEnvError` listing known names."""
+    if is_dotted_path(name):
+        return _env_class_at(str(name).strip())
     key = str(name).strip().lower()
     _load_builtin(key)
     cls = _REGISTRY.get(key)
     if cls is None:
         raise UnknownEnvError(f"unknown environment {name!r} (known: {', '.join(known_envs())})")
+    return cls
+
+
+def _env_class_at(path: str) -> type[BaseTextEnv]:
+    try:
+        cls = load_object(path, "environment")
+    except PluginError as exc:
+        raise UnknownEnvError(str(exc)) from None
+    if not (isinstance(cls, type) and issubclass(cls, BaseTextEnv)):
+        raise UnknownEnvError(f"environment {path!r} is not a BaseTextEnv subclass")
+    if not cls.env_name:
+        # The registered name is what logs, metrics and /health show.
+        raise UnknownEnvError(f"environment {path!r} is not registered: decorate the class with @register_env(\"Name\")")
     return cls
 
 

@@ -3,7 +3,8 @@
 The format is FedAgent's env-spec YAML::
 
     envs:
-      - name: TinyGuess      # a registered environment name (case-insensitive)
+      - name: TinyGuess      # a registered environment name (case-insensitive), or the
+                             # dotted path of a registered class: mypkg.envs.Countdown
         n_envs: 64           # episodes (dataset rows) per training step for this entry
         max_turns: 6         # turn budget of one episode
         config: {lo: 1, hi: 50}
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
+from fedagent_flwr.plugins import is_dotted_path
 
 DEFAULT_MAX_TURNS = 6
 _ENTRY_KEYS = ("name", "n_envs", "max_turns", "config")
@@ -35,7 +37,7 @@ class EnvSpecError(ValueError):
 class EnvSpecEntry:
     """One environment of a spec: ``n_envs`` episodes of ``name`` with ``config``."""
 
-    name: str  # the registered name (case as registered)
+    name: str  # the registered name (case as registered), or a class's dotted path
     n_envs: int
     max_turns: int = DEFAULT_MAX_TURNS
     config: dict[str, Any] = field(default_factory=dict)
@@ -80,10 +82,12 @@ def _parse_entry(raw: Any, where: str) -> EnvSpecEntry:
     if not isinstance(name, str) or not name.strip():
         raise EnvSpecError(f"{where}.name must be a non-empty string, got {name!r}")
     try:
-        # The registered spelling, so metric names and logs do not depend on how a spec cased it.
-        name = get_env_class(name).env_name
+        registered = get_env_class(name).env_name
     except UnknownEnvError as exc:
         raise EnvSpecError(f"{where}.name: {exc}") from None
+    # The registered spelling, so metric names and logs do not depend on how a spec cased it; a
+    # dotted path stays as written, since other processes find the class by importing it.
+    name = name.strip() if is_dotted_path(name) else registered
     if "n_envs" not in raw:
         raise EnvSpecError(f"{where}.n_envs is missing")
     n_envs = _positive_int(raw["n_envs"], f"{where}.n_envs")

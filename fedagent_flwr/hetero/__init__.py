@@ -5,6 +5,11 @@ knobs, base seed) - never of process state or Python's salted ``hash()`` - so ev
 run, on any machine, computes the same partition. :func:`partition_goals` dispatches on the
 strategy name; :func:`partition_env_spec` applies a partition to every entry of an env spec whose
 environment exposes a goal pool. Validation always uses the full, unpartitioned spec.
+
+A strategy of another package is named by the dotted path of its function (same signature as the
+built-in ones, see :data:`GoalPartitioner`; ``fn.needs_goal_info = True`` asks for goal metadata).
+Its result is checked (sorted, distinct, in range, at least the ``min_goals_per_client`` floor),
+so a faulty strategy fails with its name instead of training clients on a broken partition.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ from fedagent_flwr.hetero.task import (
     task_disjoint_strategy,
 )
 from fedagent_flwr.hetero.uniform import PartitionError, uniform_partition
+from fedagent_flwr.plugins import PluginError, is_dotted_path, load_object
 
 __all__ = [
     "GOAL_INFO_STRATEGIES",
     "GoalInfo",
     "PartitionError",
     "STRATEGIES",
+    "check_strategy",
+    "needs_goal_info",
     "coverage_partition",
     "env_disjoint_partition",
     "hardness_partition",
@@ -76,13 +84,58 @@ _ALIASES = {"": "none", "iid": "none"}
 
 
 def _strategy_key(strategy: str | None) -> str:
+    if is_dotted_path(strategy):
+        return str(strategy).strip()
     key = (strategy or "").strip().lower()
     key = _ALIASES.get(key, key)
     if key not in STRATEGIES:
         raise PartitionError(
-            f"unknown partition strategy {strategy!r} (known: {', '.join(STRATEGIES)})"
+            f"unknown partition strategy {strategy!r} (known: {', '.join(STRATEGIES)}, or the dotted "
+            "path of a function such as mypkg.partitions.my_split)"
         )
     return key
+
+
+def _partitioner(key: str) -> GoalPartitioner:
+    """The function of a strategy key (a built-in name, or a dotted path that is imported)."""
+    if key in STRATEGIES:
+        return STRATEGIES[key]
+    try:
+        function = load_object(key, "partition strategy")
+    except PluginError as exc:
+        raise PartitionError(str(exc)) from None
+    if not callable(function):
+        raise PartitionError(f"partition strategy {key!r} is not a function")
+    return function  # type: ignore[no-any-return]
+
+
+def needs_goal_info(strategy: str | None) -> bool:
+    """Whether ``strategy`` reads goal metadata (``goal_info``) from the environment."""
+    key = _strategy_key(strategy)
+    return key in GOAL_INFO_STRATEGIES or bool(getattr(_partitioner(key), "needs_goal_info", False))
+
+
+def check_strategy(strategy: str | None) -> None:
+    """Raise :class:`PartitionError` unless ``strategy`` is a task-level strategy this process can
+    run (a dotted path is imported)."""
+    _partitioner(_strategy_key(strategy))
+
+
+def _checked_goals(key: str, goals: Any, num_goals: int, knobs: Mapping[str, Any]) -> list[int]:
+    """A user strategy's goal list, checked against the contract every built-in one keeps."""
+    floor = min(int(knobs.get("min_goals_per_client") or 1), num_goals)
+    if not isinstance(goals, (list, tuple)) or any(isinstance(g, bool) or not isinstance(g, int) for g in goals):
+        raise PartitionError(f"partition strategy {key!r} must return a list of int goal indices, got {goals!r:.200}")
+    if list(goals) != sorted(set(goals)):
+        raise PartitionError(f"partition strategy {key!r} must return sorted, distinct goal indices")
+    if goals and not 0 <= goals[0] <= goals[-1] < num_goals:
+        raise PartitionError(f"partition strategy {key!r} returned goal indices outside the pool of {num_goals}")
+    if len(goals) < floor:
+        raise PartitionError(
+            f"partition strategy {key!r} gave {len(goals)} goals, fewer than the floor of {floor} "
+            "(min_goals_per_client, capped at the pool size)"
+        )
+    return list(goals)
 
 
 def partition_goals(
@@ -105,8 +158,10 @@ def partition_goals(
     and "task_disjoint" are pure arithmetic). ``goal_info[i]`` describes pool goal ``i``; it is
     required by the strategies in :data:`GOAL_INFO_STRATEGIES` and ignored by the others.
     """
-    return STRATEGIES[_strategy_key(strategy)](client_id, num_clients, num_goals, dict(knobs or {}), base_seed,
-                                               goal_info)
+    key = _strategy_key(strategy)
+    knobs = dict(knobs or {})
+    goals = _partitioner(key)(client_id, num_clients, num_goals, knobs, base_seed, goal_info)
+    return goals if key in STRATEGIES else _checked_goals(key, goals, num_goals, knobs)
 
 
 def partition_env_spec(
@@ -137,7 +192,7 @@ def partition_env_spec(
             entries.append(entry)
             continue
         goal_info = None
-        if key in GOAL_INFO_STRATEGIES:
+        if needs_goal_info(key):
             provider = getattr(env_cls, "goal_info", None)
             if provider is None:
                 raise PartitionError(f"partition strategy {key!r} needs goal metadata, which {entry.name} does not provide")

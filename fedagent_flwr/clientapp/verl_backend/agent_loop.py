@@ -35,8 +35,9 @@ class PromptTooLongError(ValueError):
 
 
 def count_invalid_actions(episode: Episode) -> int:
-    """Turns whose action the environment flagged invalid (``is_action_valid`` False)."""
-    return sum(1 for turn in episode.turns if turn.info.get("is_action_valid") is False)
+    """Turns whose action the environment flagged invalid: ``is_action_valid`` present and falsy
+    (WebShop reports 0/1, ALFWorld booleans); environments without the key are never penalised."""
+    return sum(1 for turn in episode.turns if "is_action_valid" in turn.info and not turn.info["is_action_valid"])
 
 
 def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -> list[float]:

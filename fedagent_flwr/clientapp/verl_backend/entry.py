@@ -27,6 +27,7 @@ that, whereas a verl job would spend minutes starting Ray and vLLM.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -42,8 +43,9 @@ from typing import Any
 
 import yaml
 
+from fedagent_flwr.clientapp.client_rule import RULE_KEYS, ClientRuleError, load_client_rule, without_rule_keys
 from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, backend_main, save
-from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox
+from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, build_overrides, job_paths
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
@@ -74,7 +76,8 @@ class VerlJobFailed(RuntimeError):
 
 
 def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str,
-                    critic_attn: str = "") -> dict[str, str]:
+                    critic_attn: str = "", plugin_modules: Sequence[str] = (),
+                    client_rule: dict[str, Any] | None = None, rule_marker_dir: str = "") -> dict[str, str]:
     """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
 
     * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
@@ -83,10 +86,12 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
       Ray worker imports the same code;
     * vLLM without FlashInfer's sampler (the GPU wheel set leaves FlashInfer out), unbuffered
       output, Ray logs not de-duplicated (each worker's lines matter when something fails);
-    * the FedProx variables only when ``proximal_mu > 0``.
+    * the FedProx variables only when ``proximal_mu > 0``; the user hooks' variables
+      (:mod:`.user_hooks`) only when ``plugin_modules`` / ``client_rule`` are given.
     """
     env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
-    for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS):
+    for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS, user_hooks.ENV_PLUGINS, user_hooks.ENV_RULE,
+                user_hooks.ENV_RULE_MARKERS):
         env.pop(key, None)
     package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(
@@ -104,6 +109,11 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
     if proximal_mu > 0:
         env[fedprox.ENV_MU] = repr(float(proximal_mu))
         env[fedprox.ENV_MARKERS] = marker_dir
+    if plugin_modules:
+        env[user_hooks.ENV_PLUGINS] = ",".join(plugin_modules)
+    if client_rule:
+        env[user_hooks.ENV_RULE] = json.dumps(client_rule, sort_keys=True)
+        env[user_hooks.ENV_RULE_MARKERS] = rule_marker_dir
     return env
 
 
@@ -124,7 +134,7 @@ def agent_loop_registry(settings: VerlSettings, episode_log: str) -> list[dict[s
     }]
 
 
-def _check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path]:
+def _check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, Any] | None]:
     """Everything checkable before verl starts; raises InputError naming the culprit."""
     if job.algorithm not in ("grpo", "ppo"):
         raise InputError(f"algorithm {job.algorithm!r}: the verl backend does 'grpo' or 'ppo'")
@@ -137,16 +147,30 @@ def _check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path]:
     if job.critic_path and not Path(job.critic_path).is_dir():
         raise InputError(f"critic_path {job.critic_path} is not a directory")
     try:
-        settings, ignored = VerlSettings.from_mapping(job.trainer)
+        settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))
     except VerlSettingsError as exc:
         raise InputError(str(exc)) from None
     if ignored:
         print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    for name in settings.plugin_modules:
+        # Located, not run (it imports verl): a typo fails here instead of in a Ray worker.
+        if _module_spec(name) is None:
+            raise InputError(f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)")
+    rule = None
+    if load_client_rule(job.trainer) is not None:  # built once here, so a bad rule fails before verl starts
+        rule = {key: job.trainer.get(key) for key in RULE_KEYS}
     spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
                               base_seed=job.base_seed)
     for entry in spec.envs:
         make_env(entry.name, entry.env_config())  # config errors surface now, not in a Ray worker
-    return settings, spec, resolve_model_path(job.model_path)
+    return settings, spec, resolve_model_path(job.model_path), rule
+
+
+def _module_spec(name: str) -> Any:
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that is missing, or a malformed name
+        return None
 
 
 def _cleanup_ray(temp_dir: str) -> None:
@@ -249,7 +273,7 @@ _STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_nor
 
 def train(job: TrainJob) -> TrainResult:
     """Run one verl job for ``job`` and write ``train_result.json``."""
-    settings, spec, model_path = _check_train_job(job)
+    settings, spec, model_path, rule = _check_train_job(job)
     started = time.monotonic()
     output = Path(job.output_dir).resolve()
     work = output / "verl"
@@ -263,6 +287,8 @@ def train(job: TrainJob) -> TrainResult:
     episode_log.unlink(missing_ok=True)
     marker_dir = work / "fedprox_markers"
     shutil.rmtree(marker_dir, ignore_errors=True)
+    rule_marker_dir = work / "client_rule_markers"
+    shutil.rmtree(rule_marker_dir, ignore_errors=True)
 
     rows = plan_rows(spec, job.data_seed, job.local_steps)
     batch_size = sum(entry.n_envs for entry in spec.envs)
@@ -277,7 +303,9 @@ def train(job: TrainJob) -> TrainResult:
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
     env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir),
-                          critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "")
+                          critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "",
+                          plugin_modules=settings.plugin_modules, client_rule=rule,
+                          rule_marker_dir=str(rule_marker_dir))
     print(f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {len(rows)} env "
           f"instances ({batch_size} per step x {job.local_steps} steps, n={settings.rollout_n}), "
           f"model {model_path}", flush=True)
@@ -295,6 +323,11 @@ def train(job: TrainJob) -> TrainResult:
                 f"FedProx (mu={job.proximal_mu}) was active in {len(markers)} of {settings.n_gpus_per_node} "
                 f"actor workers; refusing to report a FedAvg update as FedProx (log: {work / 'verl.log'})"
             )
+    if rule is not None and len(fedprox.read_markers(str(rule_marker_dir))) < settings.n_gpus_per_node:
+        raise VerlJobFailed(
+            f"the client rule {rule['client_rule']} was not active in every actor worker; refusing to "
+            f"report an update made without it (log: {work / 'verl.log'})"
+        )
     num_episodes, metrics = _episode_metrics(episode_log)
     last = steps.get(max(steps)) if steps else {}
     for key in _STEP_KEYS:

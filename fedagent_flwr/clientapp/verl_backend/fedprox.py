@@ -100,50 +100,68 @@ def read_markers(marker_dir: str) -> list[dict[str, Any]]:
 
 def patch_engine_module(module: Any, mu: float, marker_dir: str) -> None:
     """Wrap ``module.FSDPEngine.optimizer_step`` with the proximal term (actor engines only)."""
+    if getattr(getattr(module, "FSDPEngine", None), "_fedagent_fedprox_mu", None) is not None:
+        return
+    wrap_actor_optimizer_step(module, "fedprox", lambda: ProximalTerm(mu), marker_dir, {"mu": mu})
+    module.FSDPEngine._fedagent_fedprox_mu = mu
+
+
+def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any], marker_dir: str,
+                              record: dict[str, Any]) -> None:
+    """Run ``term.apply(named_parameters)`` before every actor optimiser step of verl's FSDP engine.
+
+    ``make_term`` builds one term per engine instance, at its first step (so a term that anchors
+    captures the round's starting weights); critic engines are left alone. Each patched worker
+    writes a marker with ``record`` at its first step, so the entry module can tell a hook that
+    never ran from one that did. Wrappers of different ``tag`` s stack (the last applied runs first).
+    """
     engine_cls = getattr(module, "FSDPEngine", None)
     original = getattr(engine_cls, "optimizer_step", None)
     if engine_cls is None or original is None:
         raise FedProxHookError(
-            f"FedProx: {module.__name__} has no FSDPEngine.optimizer_step to patch (verl version "
-            "mismatch?); refusing to run FedProx as plain FedAvg"
+            f"{tag}: {module.__name__} has no FSDPEngine.optimizer_step to patch (verl version "
+            f"mismatch?); refusing to run without the {tag} hook"
         )
-    if getattr(engine_cls, "_fedagent_fedprox_mu", None) is not None:
+    wrapped = tuple(getattr(engine_cls, "_fedagent_wrapped", ()))
+    if tag in wrapped:
         return
     critic_cls = getattr(module, "FSDPEngineWithValueHead", None)
+    slot = f"_fedagent_{tag}"
 
     def optimizer_step(self: Any) -> Any:
         if critic_cls is not None and isinstance(self, critic_cls):
             return original(self)
-        term = self.__dict__.get("_fedagent_prox")
-        if term is None:
-            term = self.__dict__["_fedagent_prox"] = ProximalTerm(mu)
-        first = term.anchor is None
-        squared = term.apply(self.module.named_parameters())
+        first = slot not in self.__dict__
         if first:
+            self.__dict__[slot] = [make_term(), 0]  # the term and its step count
+        state = self.__dict__[slot]
+        value = state[0].apply(self.module.named_parameters())
+        state[1] += 1
+        if first:
+            tensors = len(getattr(state[0], "anchor", None) or {})
             write_marker(marker_dir, {
-                "pid": os.getpid(), "rank": os.environ.get("RANK", ""), "mu": mu,
-                "engine": type(self).__name__, "tensors": len(term.anchor or {}),
+                "pid": os.getpid(), "rank": os.environ.get("RANK", ""), **record,
+                "engine": type(self).__name__, "tensors": tensors,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             })
-            print(f"[fedprox] hook active in {type(self).__name__} pid {os.getpid()} rank "
-                  f"{os.environ.get('RANK', '?')}: mu={mu}, {len(term.anchor or {})} tensors anchored",
-                  flush=True)
+            settings = ", ".join(f"{k}={v}" for k, v in record.items())
+            print(f"[{tag}] hook active in {type(self).__name__} pid {os.getpid()} rank "
+                  f"{os.environ.get('RANK', '?')}: {settings}, {tensors} tensors anchored", flush=True)
         else:
-            print(f"[fedprox] step {term.steps} pid {os.getpid()}: local ||w - w_t||^2 = {squared:.6e}",
-                  flush=True)
+            print(f"[{tag}] step {state[1]} pid {os.getpid()}: {value:.6e}", flush=True)
         return original(self)
 
     engine_cls.optimizer_step = optimizer_step
-    engine_cls._fedagent_fedprox_mu = mu
+    engine_cls._fedagent_wrapped = (*wrapped, tag)
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``target`` with the normal machinery, then runs ``patch(module)`` right after the
+    """Finds ``target`` with the normal machinery, then runs each of its patches right after the
     module executes, in whichever process first imports it (verl's Ray workers included)."""
 
     def __init__(self, target: str, patch: Callable[[Any], None]) -> None:
         self.target = target
-        self.patch = patch
+        self.patches = [patch]
         self._inner: Any = None
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -162,15 +180,23 @@ class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
-        self.patch(module)
+        for patch in self.patches:
+            patch(module)
 
 
 def patch_when_imported(target: str, patch: Callable[[Any], None]) -> None:
-    """Apply ``patch`` to module ``target`` now if it is loaded, else as soon as it is imported."""
+    """Apply ``patch`` to module ``target`` now if it is loaded, else as soon as it is imported.
+
+    Several patches of one module run in the order they were asked for.
+    """
     if target in sys.modules:
         patch(sys.modules[target])
-    else:
-        sys.meta_path.insert(0, PatchOnImport(target, patch))
+        return
+    for finder in sys.meta_path:
+        if isinstance(finder, PatchOnImport) and finder.target == target:
+            finder.patches.append(patch)
+            return
+    sys.meta_path.insert(0, PatchOnImport(target, patch))
 
 
 def install_from_environment() -> bool:

@@ -7,6 +7,7 @@ instead of a client finding out minutes into its verl job.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -46,6 +47,9 @@ class VerlSettings:
     attn_implementation: str = "sdpa"
     use_remove_padding: bool = False
     extra_overrides: tuple[str, ...] = field(default_factory=tuple)
+    # Modules imported in every verl process right after verl.trainer.ppo.core_algos (user_hooks):
+    # where advantage estimators and policy losses get registered.
+    plugin_modules: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> tuple[VerlSettings, list[str]]:
@@ -60,7 +64,7 @@ class VerlSettings:
             if key not in known:
                 continue
             values[key] = _coerce(key, value, cls.__dataclass_fields__[key].default
-                                  if key != "extra_overrides" else ())
+                                  if key not in _LIST_FIELDS else ())
         settings = cls(**values)
         settings._check()
         return settings, sorted(k for k in (raw or {}) if k not in known)
@@ -89,6 +93,9 @@ class VerlSettings:
             raise VerlSettingsError(
                 f"trainer.attn_implementation must be sdpa, eager or flash_attention_2, got {self.attn_implementation!r}"
             )
+        for name in self.plugin_modules:
+            if not _MODULE_NAME.match(name):
+                raise VerlSettingsError(f"trainer.plugin_modules entry {name!r} is not a module name such as mypkg.estimators")
         for item in self.extra_overrides:
             if "=" not in item or item.startswith("=") or any(c in item for c in "\n\r\0"):
                 raise VerlSettingsError(
@@ -99,6 +106,10 @@ class VerlSettings:
     def max_model_len(self) -> int:
         """Token budget of one episode (prompt plus every turn), as the agent loop enforces it."""
         return self.max_prompt_length + self.max_response_length
+
+
+_LIST_FIELDS = ("extra_overrides", "plugin_modules")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -119,7 +130,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if not isinstance(value, str):
             raise VerlSettingsError(f"trainer.{key} must be a string, got {value!r}")
         return value
-    # extra_overrides: a list of strings
+    # extra_overrides, plugin_modules: lists of strings
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise VerlSettingsError(f"trainer.{key} must be a list of strings, got {value!r}")
     return tuple(value)
