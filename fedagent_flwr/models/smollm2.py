@@ -36,8 +36,14 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # Directory names inside the cache; the version is part of the name so an upgrade never reuses
 # a conversion made from another GGUF.
 _GGUF_DIR = f"smollm2-{SMOLLM2_VERSION}-gguf"
-_TOKENIZER_DIR = f"smollm2-{SMOLLM2_VERSION}-tokenizer"
-_MODEL_DIR = f"smollm2-{SMOLLM2_VERSION}-135m-instruct-hf"
+# "-v2": earlier conversions under transformers < 5.11 carried the GGUF's wrong EOS (see below).
+_TOKENIZER_DIR = f"smollm2-{SMOLLM2_VERSION}-tokenizer-v2"
+_MODEL_DIR = f"smollm2-{SMOLLM2_VERSION}-135m-instruct-hf-v2"
+# SmolLM2-Instruct's special tokens (its Hugging Face release): a ChatML turn ends with
+# <|im_end|>, which is therefore EOS and padding. The GGUF's metadata names <|im_start|> as EOS,
+# and transformers 5.9/5.10 copy that; 5.2x happened to fix it. Set them explicitly.
+_SPECIAL_TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+                   "unk_token": "<|endoftext|>"}
 
 
 class ModelResolutionError(RuntimeError):
@@ -112,6 +118,8 @@ def smollm2_tokenizer_dir() -> Path:
         work = fresh_tmp_dir(root, _TOKENIZER_DIR)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            for name, token in _SPECIAL_TOKENS.items():
+                setattr(tokenizer, name, token)
             tokenizer.save_pretrained(str(work))
             _replace_dir(work, final_dir)
         finally:
@@ -139,8 +147,14 @@ def default_model_dir() -> Path:
         work = fresh_tmp_dir(root, _MODEL_DIR)
         try:
             model = _dequantized_model_from_gguf(gguf)
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+            # Generation (HF and vLLM) stops at the same EOS the tokenizer names.
+            for config in (model.config, model.generation_config):
+                config.bos_token_id = tokenizer.bos_token_id
+                config.eos_token_id = tokenizer.eos_token_id
+                config.pad_token_id = tokenizer.pad_token_id
             model.save_pretrained(str(work))
-            AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(work))
+            tokenizer.save_pretrained(str(work))
             _replace_dir(work, final_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
