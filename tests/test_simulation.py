@@ -47,6 +47,17 @@ def _check_round_mean(run_dir: Path, entry: dict, weights: dict[int, float]) -> 
     return worst
 
 
+def _service_health(run_dir: Path, env: str, rounds: int = 2) -> dict[int, list[dict]]:
+    """Each client's service /health per round, checked to serve ``env`` and that client."""
+    found: dict[int, list[dict]] = {}
+    for client in (0, 1):
+        for r in range(1, rounds + 1):
+            (health,) = json.loads((run_dir / f"round_{r}" / f"client_{client}" / "service_health.json").read_text())
+            assert health["env"] == env and health["partition"]["client_id"] == client
+            found.setdefault(client, []).append(health)
+    return found
+
+
 def _run(superlink: SuperLink, tmp_path: Path, overrides: str, supernodes: int) -> tuple[dict, Path, str]:
     proc = superlink.run(f"output_dir={tmp_path} run_name=job {overrides}", supernodes=supernodes)
     output = proc.stdout + proc.stderr
@@ -170,13 +181,8 @@ def test_webshop_two_clients_on_their_own_partitioned_services(
     )
     assert summary["status"] == "completed", output[-4000:]
     assert [e["aggregated_actor"] is not None for e in summary["rounds"]] == [True, True]
-    goals = {}
-    for client in (0, 1):
-        for r in (1, 2):
-            (health,) = json.loads((run_dir / f"round_{r}" / f"client_{client}" / "service_health.json").read_text())
-            assert health["env"] == "WebShop" and health["partition"]["client_id"] == client
-            goals.setdefault(client, health["partition"]["goal_indices"])
-            assert health["partition"]["goal_indices"] == goals[client]  # same service, both rounds
+    goals = {c: [h["partition"]["goal_indices"] for h in hs] for c, hs in _service_health(run_dir, "WebShop").items()}
+    goals = {c: g[0] for c, g in goals.items() if g[0] == g[1]}  # same service, both rounds
     assert goals[0] and goals[1] and not set(goals[0]) & set(goals[1])  # disjoint uniform slices
 
 
@@ -238,12 +244,9 @@ def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(
     )
     assert summary["status"] == "completed", output[-4000:]
     assert [e["aggregated_actor"] is not None for e in summary["rounds"]] == [True, True]
-    goals = {}
-    for client in (0, 1):
-        for r in (1, 2):
-            (health,) = json.loads((run_dir / f"round_{r}" / f"client_{client}" / "service_health.json").read_text())
-            assert health["env"] == "ALFWorld" and health["partition"]["client_id"] == client
-            assert health["info"]["engine_workers"] == 2 and health["info"]["textworld"] == "1.7.0"
-            goals.setdefault(client, health["partition"]["goal_indices"])
-            assert health["partition"]["goal_indices"] == goals[client]  # same service, both rounds
+    healths = _service_health(run_dir, "ALFWorld")
+    assert all(h["info"]["engine_workers"] == 2 and h["info"]["textworld"] == "1.7.0"
+               for hs in healths.values() for h in hs)
+    goals = {c: [h["partition"]["goal_indices"] for h in hs] for c, hs in healths.items()}
+    goals = {c: g[0] for c, g in goals.items() if g[0] == g[1]}  # same service, both rounds
     assert goals == {0: [0, 1, 2], 1: [3, 4, 5]}  # uniform halves of the 6 train games

@@ -16,6 +16,8 @@ from typing import Any, Literal
 CheckpointKind = Literal["actor", "critic"]
 CheckpointFormat = Literal["fsdp-shards", "hf-safetensors"]
 KINDS: tuple[str, ...] = ("actor", "critic")
+# verl's per-rank model files (FSDP layout); the aggregator reads exactly these.
+SHARD_GLOB = "model_world_size_*_rank_*.pt"
 FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
 
 # Files that carry the model weights, plus the small JSON configs so that a swapped config
@@ -107,7 +109,7 @@ class CheckpointRef:
         directory = Path(path).resolve()
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
-        shards = sorted(directory.glob("model_world_size_*_rank_*.pt"))
+        shards = sorted(directory.glob(SHARD_GLOB))
         detected: CheckpointFormat = "fsdp-shards" if shards else "hf-safetensors"
         fmt = fmt or detected
         world_size = 1

@@ -43,7 +43,8 @@ from typing import Any
 
 import yaml
 
-from fedagent_flwr.clientapp.client_rule import RULE_KEYS, ClientRuleError, load_client_rule, without_rule_keys
+from fedagent_flwr.checkpoint.ref import SHARD_GLOB
+from fedagent_flwr.clientapp.client_rule import RULE_KEYS, load_client_rule, without_rule_keys
 from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, backend_main, save
 from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
@@ -59,8 +60,6 @@ from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_pat
 
 PROG = "verl_backend"
 TRAIN_RESULT = "train_result.json"
-# Actor/critic shard files verl writes per rank; the aggregator reads exactly these.
-_SHARD_GLOB = "model_world_size_*_rank_*.pt"
 _OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
 # vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
 _VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
@@ -244,8 +243,8 @@ def _failure_reason(code: int, tail: Sequence[str]) -> str:
 
 def _checkpoint_dir(root: Path, step: int, role: str) -> Path:
     directory = root / f"global_step_{step}" / role
-    if not directory.is_dir() or not list(directory.glob(_SHARD_GLOB)):
-        raise VerlJobFailed(f"verl finished but wrote no {role} checkpoint ({_SHARD_GLOB}) in {directory}")
+    if not directory.is_dir() or not list(directory.glob(SHARD_GLOB)):
+        raise VerlJobFailed(f"verl finished but wrote no {role} checkpoint ({SHARD_GLOB}) in {directory}")
     return directory
 
 
