@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fedagent_flwr.checkpoint.store import STORE_KINDS, StorageSettings, is_loopback
+from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TRAINER_MODES
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
@@ -215,6 +216,7 @@ def _storage(raw: dict[str, Any]) -> StorageSettings:
 
 _TRAINER_NUMBERS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "timeout_s": (float, lambda v: v > 0, "> 0"),
+    "persistent_idle_s": (float, lambda v: v > 0, "> 0"),
     "rollout_n": (int, lambda v: v >= 1, ">= 1"),
     "lr": (float, lambda v: v > 0, "> 0"),
     "weight_decay": (float, lambda v: v >= 0, ">= 0"),
@@ -256,6 +258,9 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         raise ConfigError(
             f"config key 'trainer.backend' = {backend!r}: available backends are {TRAINER_BACKENDS}"
         )
+    trainer.setdefault("mode", "subprocess")  # configs written before the persistent trainer
+    trainer["mode"] = _typed({"trainer": trainer}, "trainer.mode", str, lambda v: v in TRAINER_MODES,
+                             f"one of {TRAINER_MODES}")
     if algorithm == "ppo" and backend == "reference":
         raise ConfigError("config key 'algorithm' = 'ppo' needs the verl backend; the reference trainer is GRPO only")
     for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
@@ -273,7 +278,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
 
         try:
-            VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in ("backend", "timeout_s")})
+            VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in CLIENTAPP_TRAINER_KEYS})
         except VerlSettingsError as exc:
             raise ConfigError(f"config key {exc}") from None
     proximal_mu = _typed(raw, "strategy.proximal_mu", float, lambda v: v >= 0, ">= 0")

@@ -1,4 +1,5 @@
-"""ClientApp: one federated client = one partition of the environment, trained by a subprocess.
+"""ClientApp: one federated client = one partition of the environment, trained by a subprocess
+(``trainer.mode: subprocess``) or by the node's long-lived trainer (``persistent``, :mod:`.persistent`).
 
 Train: read the global model's reference and the knobs from the instruction, fetch the model
 through the run's checkpoint store, write a TrainJob, run the trainer backend, put the checkpoint
@@ -25,7 +26,8 @@ from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.store import ClientStore, open_client_store
 from fedagent_flwr.clientapp import job as jobs
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
+from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TrainerFailed, run_trainer
+from fedagent_flwr.clientapp.persistent import PersistentTrainer, TrainerDied, channel_dir
 from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services
 
 app = ClientApp()
@@ -70,13 +72,16 @@ def report_partition(msg: Message, context: Context) -> Message:
 def shutdown(msg: Message, context: Context) -> Message:
     """End of the run: stop the env services this node started for it."""
     partition, _ = node_partition(context)
-    stopped = stop_client_services(client_store(msg.content["config"], context).run_root, partition)
-    return Message(RecordDict({"metrics": MetricRecord({"services-stopped": len(stopped)})}), reply_to=msg)
+    run_root = client_store(msg.content["config"], context).run_root
+    stopped = stop_client_services(run_root, partition)
+    trainer_stopped = PersistentTrainer("", channel_dir(run_root, partition)).stop()
+    metrics = {"services-stopped": len(stopped), "trainers-stopped": int(trainer_stopped)}
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def _trainer_knobs(settings: dict[str, Any]) -> dict[str, Any]:
-    """The trainer group minus what the ClientApp itself consumes (backend, timeout)."""
-    return {k: v for k, v in settings.items() if k not in ("backend", "timeout_s")}
+    """The trainer group minus what the ClientApp itself consumes (backend, timeout, mode)."""
+    return {k: v for k, v in settings.items() if k not in CLIENTAPP_TRAINER_KEYS}
 
 
 def _json_field(config: ConfigRecord, key: str) -> Any:
@@ -86,16 +91,33 @@ def _json_field(config: ConfigRecord, key: str) -> Any:
         raise ValueError(f"instruction field '{key}' is missing or not JSON: {exc}") from None
 
 
-def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T]) -> T:
-    """Write the job file, run the backend subprocess on it, read back its result file."""
+def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T],
+             context: Context, run_root: Path) -> T:
+    """Write the job file, have the trainer run it, read back its result file.
+
+    ``trainer.mode: persistent`` sends the job to the node's long-lived trainer; if that process
+    dies during the job, the job runs again in a fresh subprocess and the next job restarts it.
+    """
     job_path = out_dir / f"{mode}_job.json"
     result_path = out_dir / ("train_result.json" if mode == "train" else "eval_result.json")
     # A result left by an interrupted earlier attempt at this round (a resumed run) must never
     # pass for this attempt's.
     result_path.unlink(missing_ok=True)
     jobs.save(job, job_path)
-    run_trainer(str(trainer["backend"]), mode, job_path, out_dir / f"{mode}.log", label,
-                float(trainer["timeout_s"]))
+    backend, timeout_s, log_path = str(trainer["backend"]), float(trainer["timeout_s"]), out_dir / f"{mode}.log"
+    if trainer.get("mode", "subprocess") == "persistent":
+        handle = PersistentTrainer(backend, channel_dir(run_root, node_partition(context)[0]),
+                                   float(trainer.get("persistent_idle_s", 3600.0)))
+        try:
+            handle.run(mode, job_path, log_path, label, timeout_s)
+        except TrainerDied as exc:
+            print(f"[{label}] {exc}; running this job in a fresh subprocess instead", flush=True)
+            result_path.unlink(missing_ok=True)
+            run_trainer(backend, mode, job_path, out_dir / f"{mode}.fallback.log", label, timeout_s)
+        finally:
+            context.state["persistent-trainer"] = ConfigRecord(handle.state())
+    else:
+        run_trainer(backend, mode, job_path, log_path, label, timeout_s)
     try:
         return jobs.load(result_cls, result_path)
     except jobs.JobFileError as exc:
@@ -149,7 +171,8 @@ def train(msg: Message, context: Context) -> Message:
         trainer=_trainer_knobs(trainer),
     )
     started = time.monotonic()
-    result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult)
+    result = _run_job("train", job, out_dir, f"client {client} round {server_round}", trainer, jobs.TrainResult,
+                      context, run_root)
     actor = store.put(result.actor_dir, "actor", server_round, client)
     if actor.format != result.actor_format:
         raise TrainerFailed(f"client {client}: the trainer reports a {result.actor_format} checkpoint, "
@@ -199,7 +222,7 @@ def evaluate(msg: Message, context: Context) -> Message:
         trainer=_trainer_knobs(trainer),
     )
     result = _run_job("evaluate", job, out_dir, f"client {client} eval round {server_round}", trainer,
-                      jobs.EvalResult)
+                      jobs.EvalResult, context, run_root)
     metrics = {
         "num-examples": int(result.num_episodes),
         "success-rate": float(result.success_rate),

@@ -17,6 +17,12 @@ import threading
 from collections import deque
 from pathlib import Path
 
+# Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
+CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s")
+# subprocess: a fresh trainer process per (round, client) job; persistent: one per node, kept
+# across rounds (:mod:`.persistent`).
+TRAINER_MODES = ("subprocess", "persistent")
+
 BACKEND_MODULES = {
     "reference": "fedagent_flwr.clientapp.reference_trainer",
     "verl": "fedagent_flwr.clientapp.verl_backend.entry",

@@ -113,18 +113,28 @@ def backend_main(
     evaluate: Callable[[EvalJob], Any],
     bad_input: tuple[type[BaseException], ...],
     failures: tuple[type[BaseException], ...] = (),
+    session_factory: Callable[[], Any] | None = None,
 ) -> int:
-    """The command line every trainer backend shares: ``train|evaluate JOB.json``.
+    """The command line every trainer backend shares: ``train|evaluate JOB.json``, and
+    ``serve CHANNEL_DIR`` for a backend with a ``session_factory`` (the persistent trainer,
+    :mod:`.trainer_server`).
 
     Returns the exit status: 0 done, 1 one of ``failures`` (the job ran but produced nothing
     usable), 2 bad input (``bad_input`` or a bad job file). Errors are one line on stderr,
     ``<prog>: error: ...``, which the ClientApp quotes to the server.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] not in ("train", "evaluate"):
-        print(f"{prog}: error: expected 'train JOB.json' or 'evaluate JOB.json'", file=sys.stderr)
+    modes = ("train", "evaluate", "serve") if session_factory is not None else ("train", "evaluate")
+    if len(args) != 2 or args[0] not in modes:
+        usage = " or ".join(f"'{m} {'CHANNEL_DIR' if m == 'serve' else 'JOB.json'}'" for m in modes)
+        print(f"{prog}: error: expected {usage}", file=sys.stderr)
         return 2
     mode, job_path = args
+    if mode == "serve":
+        from fedagent_flwr.clientapp.trainer_server import serve
+
+        assert session_factory is not None
+        return serve(job_path, session_factory, prog, bad_input, failures)
     try:
         if mode == "train":
             train(load(TrainJob, job_path))

@@ -4,6 +4,7 @@ Run as a subprocess by the ClientApp::
 
     python -m fedagent_flwr.clientapp.reference_trainer train    JOB.json   # TrainJob
     python -m fedagent_flwr.clientapp.reference_trainer evaluate JOB.json   # EvalJob
+    python -m fedagent_flwr.clientapp.reference_trainer serve CHANNEL_DIR    # persistent (reference_session)
 
 It plays multi-turn episodes with the shared episode runner (:mod:`fedagent_flwr.rollout`), so the
 token layout and masks are the ones the verl agent loop trains on, and writes its checkpoint in
@@ -617,7 +618,7 @@ def write_fsdp_checkpoint(model: Any, tokenizer: Any, step_dir: Path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _load_model(path: Path, num_threads: int) -> tuple[Any, Any]:
+def load_model(path: Path, num_threads: int) -> tuple[Any, Any]:
     """Tokenizer and fp32 model from a resolved local model directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -651,7 +652,7 @@ def _check_field_types(job: TrainJob | EvalJob) -> None:
             raise InputError(f"job field '{f.name}' must be of type {annotation}, got {value!r}")
 
 
-def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, ClientRule | None]:
+def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, ClientRule | None]:
     """Validate everything about a TrainJob that can be checked before loading the model."""
     _check_field_types(job)
     if job.algorithm.lower() != "grpo":
@@ -678,12 +679,22 @@ def _check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, ClientRu
 
 def train(job: TrainJob) -> TrainResult:
     """Run ``job.local_steps`` GRPO steps and write the checkpoint and ``train_result.json``."""
-    spec, cfg, model_path, rule = _check_train_job(job)  # before importing torch: bad input fails fast
+    spec, cfg, model_path, rule = check_train_job(job)  # before importing torch: bad input fails fast
+    started = time.monotonic()
+    model, tokenizer = load_model(model_path, cfg.num_threads)
+    return train_loaded(job, spec, cfg, rule, model, tokenizer, started)
+
+
+def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule | None, model: Any,
+                  tokenizer: Any, started: float) -> TrainResult:
+    """Train ``model`` (the job's starting weights, loaded) in place; the rest of :func:`train`.
+
+    Seeded here, after loading, so a fresh process and a persistent session that only reloaded
+    the weights train bit-identically.
+    """
     import torch
 
-    started = time.monotonic()
     seed_everything(job.data_seed)
-    model, tokenizer = _load_model(model_path, cfg.num_threads)
     compute_dtype = cfg.torch_compute_dtype()
     # Sampling uses a copy in the compute dtype, refreshed after every update (like verl syncing
     # the trained weights into vLLM); in fp32 the trained model samples itself.
@@ -756,6 +767,14 @@ def train(job: TrainJob) -> TrainResult:
 
 def evaluate(job: EvalJob) -> EvalResult:
     """One episode per seed (in every env of the full, unpartitioned spec) at val temperature."""
+    spec, cfg, model_path = check_eval_job(job)
+    started = time.monotonic()
+    model, tokenizer = load_model(model_path, cfg.num_threads)
+    return evaluate_loaded(job, spec, cfg, model, tokenizer, started)
+
+
+def check_eval_job(job: EvalJob) -> tuple[EnvSpec, GRPOConfig, Path]:
+    """Validate an EvalJob before any model is loaded."""
     _check_field_types(job)
     spec = load_env_spec(job.env_spec)
     cfg, ignored = GRPOConfig.from_mapping(without_rule_keys(job.trainer))
@@ -765,12 +784,15 @@ def evaluate(job: EvalJob) -> EvalResult:
         raise InputError(f"seeds must be a non-empty list of integers, got {job.seeds!r}")
     for entry in spec.envs:
         make_env(entry.name, entry.env_config())
-    model_path = resolve_model_path(job.model_path)
+    return spec, cfg, resolve_model_path(job.model_path)
+
+
+def evaluate_loaded(job: EvalJob, spec: EnvSpec, cfg: GRPOConfig, model: Any, tokenizer: Any,
+                     started: float) -> EvalResult:
+    """Play the validation episodes with ``model`` (fp32, loaded; moved to the device here)."""
     import torch
 
-    started = time.monotonic()
     seed_everything(derive_seed("eval", job.round))
-    model, tokenizer = _load_model(model_path, cfg.num_threads)
     device = cfg.torch_device()
     policy = HFPolicy(model.to(device=device, dtype=cfg.torch_compute_dtype(device)), tokenizer, cfg.gen_batch_size)
     tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
@@ -818,7 +840,9 @@ _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, Partition
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
-    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT)
+    from fedagent_flwr.clientapp.reference_session import ReferenceSession
+
+    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, session_factory=ReferenceSession)
 
 
 if __name__ == "__main__":

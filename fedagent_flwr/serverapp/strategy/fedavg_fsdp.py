@@ -480,13 +480,15 @@ class FedAvgFSDP(FedAvg):
         ]
         if not messages:
             return
-        stopped = 0
+        stopped = trainers = 0
         for reply in grid.send_and_receive(messages, timeout=timeout):
             if reply.has_error():
                 log(WARNING, "Node %d did not shut down cleanly: %s", reply.metadata.src_node_id, reply.error.reason)
             else:
                 stopped += int(reply.content["metrics"]["services-stopped"])
-        log(INFO, "[fedagent] run over: %d node(s) told, %d env service(s) stopped", len(messages), stopped)
+                trainers += int(reply.content["metrics"].get("trainers-stopped", 0))
+        log(INFO, "[fedagent] run over: %d node(s) told, %d env service(s) and %d persistent trainer(s) stopped",
+            len(messages), stopped, trainers)
 
     def summary(self) -> None:
         """Log the strategy's settings, as Flower's strategies do."""

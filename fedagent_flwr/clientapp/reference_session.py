@@ -1,0 +1,94 @@
+"""The reference trainer kept alive across rounds (``trainer.mode: persistent``).
+
+One process per node serves every (round, client) job of the run (:mod:`.trainer_server`): the
+interpreter, torch, transformers and the tokenizer are loaded once, and each job only loads its
+starting weights into the model already in memory. Training and evaluation then run the very
+same code as a fresh ``reference_trainer`` process, seeded after the weights are in place, so the
+two modes give bit-identical checkpoints: CI checks the persistent mechanism with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.clientapp import reference_trainer as rt
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult
+
+
+class ModelCache:
+    """One tokenizer and fp32 model, loaded from the first directory and afterwards refreshed by
+    loading only the weights of the next directory into it (a full load if they do not fit)."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.loads = 0  # full loads, for the tests and the log
+        self.reloads = 0  # weight-only loads
+
+    def get(self, path: Path, num_threads: int) -> tuple[Any, Any]:
+        """The model holding the weights of ``path`` (in eval mode, no gradients) and its tokenizer."""
+        import torch
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        if self.model is None or not self._load_weights(path):
+            self.model, self.tokenizer = rt.load_model(path, num_threads)
+            self.loads += 1
+        else:
+            self.reloads += 1
+        self.model.eval()
+        self.model.zero_grad(set_to_none=True)
+        return self.model, self.tokenizer
+
+    def _load_weights(self, path: Path) -> bool:
+        """Copy the safetensors weights of ``path`` into the cached model; False if they do not fit
+        it (other architecture or shapes), so the caller loads the directory afresh."""
+        from safetensors.torch import load_file
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            return False
+        state: dict[str, Any] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        own = self.model.state_dict()
+        if any(key not in own or own[key].shape != value.shape for key, value in state.items()):
+            return False
+        loaded = {own[key].data_ptr() for key in state}
+        # A key the files leave out is fine only if it is tied to one they hold (lm_head ->
+        # embed_tokens); anything else would silently keep the previous round's weights.
+        if any(own[key].data_ptr() not in loaded for key in own if key not in state):
+            return False
+        self.model.load_state_dict(state, strict=False)
+        return True
+
+
+class ReferenceSession:
+    """:class:`~fedagent_flwr.clientapp.trainer_server.TrainerSession` for the reference trainer."""
+
+    def __init__(self) -> None:
+        self.cache = ModelCache()
+
+    def train(self, job: TrainJob) -> TrainResult:
+        """Same checks, training and result file as ``reference_trainer.train``; only the load differs."""
+        spec, cfg, model_path, rule = rt.check_train_job(job)
+        started = time.monotonic()
+        model, tokenizer = self.cache.get(model_path, cfg.num_threads)
+        print(f"{rt.PROG}: persistent session: weights of {model_path} loaded into the live model "
+              f"({self.cache.loads} full loads, {self.cache.reloads} reloads)", flush=True)
+        return rt.train_loaded(job, spec, cfg, rule, model, tokenizer, started)
+
+    def evaluate(self, job: EvalJob) -> EvalResult:
+        """Same as ``reference_trainer.evaluate``, on a copy of the live model (evaluation moves
+        it to the device and compute dtype; the cached fp32 master stays as it is)."""
+        spec, cfg, model_path = rt.check_eval_job(job)
+        started = time.monotonic()
+        model, tokenizer = self.cache.get(model_path, cfg.num_threads)
+        return rt.evaluate_loaded(job, spec, cfg, copy.deepcopy(model), tokenizer, started)
+
+    def close(self) -> None:
+        """Drop the model (the process exits right after)."""
+        self.cache = ModelCache()

@@ -1,0 +1,178 @@
+"""The persistent trainer's side of the node-local channel: one process serves many jobs.
+
+``python -m <backend module> serve CHANNEL_DIR`` runs :func:`serve`: it keeps one
+:class:`TrainerSession` (a loaded model, for verl a whole Ray cluster with FSDP workers and a vLLM
+engine) alive across rounds, so the cold start is paid once per run instead of once per
+client-round. The ClientApp (:mod:`.persistent`) talks to it through files in ``CHANNEL_DIR``,
+which works the same from a SuperNode's ClientApp process and from whichever simulation actor
+hosts the node this round:
+
+* ``server.json``: written (atomically) when the server is up: its pid, the process start time
+  (so a reused pid is never taken for it), the backend.
+* ``inbox/<seq>.json``: one request, ``{"seq", "mode": "train"|"evaluate"|"stop", "job"}``, where
+  ``job`` is the path of the same job file the subprocess path uses. Requests are served one at a
+  time in ``seq`` order.
+* ``outbox/<seq>.json``: the answer, ``{"seq", "ok", "kind", "error"}``; the result itself is the
+  job's usual result file. ``kind`` is ``"bad_input"`` (the session is intact and keeps serving)
+  or ``"failed"`` (the session may be broken: the server answers, then exits, and the ClientApp
+  starts a fresh one for the next job).
+* ``server.log``: the server's output; every request's part is framed by ``== request <seq>``
+  lines so the ClientApp can copy it into the round's own log.
+
+The server exits on ``stop``, after a failure, and after ``idle_timeout_s`` without a request (a
+node whose run ended without the shutdown message must not keep a GPU forever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
+
+PROTOCOL = 1
+SERVER_FILE = "server.json"
+LOG_FILE = "server.log"
+INBOX = "inbox"
+OUTBOX = "outbox"
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
+IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
+_POLL_S = 0.1
+
+
+class TrainerSession(Protocol):
+    """A backend kept alive across jobs. ``train``/``evaluate`` have the subprocess path's contract
+    (they also write the job's result file)."""
+
+    def train(self, job: TrainJob) -> TrainResult: ...
+
+    def evaluate(self, job: EvalJob) -> EvalResult: ...
+
+    def close(self) -> None: ...
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None
+    if there is no such process or it is a zombie. Together with the pid it names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    rest = stat[stat.rindex(")") + 2:].split()
+    if rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
+def serve(
+    channel_dir: str | os.PathLike[str],
+    session_factory: Callable[[], TrainerSession],
+    backend: str,
+    bad_input: tuple[type[BaseException], ...],
+    failures: tuple[type[BaseException], ...] = (),
+    idle_timeout_s: float | None = None,
+) -> int:
+    """Serve jobs from ``channel_dir`` until stopped, idle or broken; return the exit status
+    (0 stopped or idle, 1 a job failed and the session was closed).
+
+    ``bad_input`` errors are answered and the session keeps serving; ``failures`` (the backend's
+    own "the job ran but produced nothing usable") and any other exception end the session.
+    """
+    if idle_timeout_s is None:
+        try:
+            idle_timeout_s = float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_TIMEOUT_S))
+        except ValueError:
+            idle_timeout_s = DEFAULT_IDLE_TIMEOUT_S
+    # SIGTERM (a timeout, the shutdown) must still close the session: verl's Ray cluster and vLLM
+    # engine would otherwise outlive this process.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    channel = Path(channel_dir)
+    inbox, outbox = channel / INBOX, channel / OUTBOX
+    inbox.mkdir(parents=True, exist_ok=True)
+    outbox.mkdir(parents=True, exist_ok=True)
+    session = session_factory()
+    pid = os.getpid()
+    write_json_atomic(channel / SERVER_FILE, {
+        "protocol": PROTOCOL, "pid": pid, "start_ticks": process_start_ticks(pid), "backend": backend,
+        "started_at": time.time(),
+    })
+    print(f"trainer server ({backend}) pid {pid} serving {channel}", flush=True)
+    served, last_request = 0, time.monotonic()
+    try:
+        while True:
+            request = _next_request(inbox)
+            if request is None:
+                if time.monotonic() - last_request > idle_timeout_s:
+                    print(f"trainer server: idle for {idle_timeout_s:.0f} s, exiting", flush=True)
+                    return 0
+                time.sleep(_POLL_S)
+                continue
+            path, body = request
+            seq = int(body.get("seq", path.stem)) if str(body.get("seq", path.stem)).isdigit() else -1
+            print(f"== request {seq} {body.get('mode')} begin", flush=True)
+            answer, keep_serving = _handle(body, session, bad_input, failures, served)
+            answer["seq"] = seq
+            if answer["ok"] and body.get("mode") in ("train", "evaluate"):
+                served += 1
+            print(f"== request {seq} {body.get('mode')} end ok={answer['ok']}", flush=True)
+            write_json_atomic(outbox / f"{path.stem}.json", answer)
+            path.unlink(missing_ok=True)
+            last_request = time.monotonic()
+            if not keep_serving:
+                return 0 if answer["ok"] else 1
+    finally:
+        try:
+            session.close()
+        finally:
+            (channel / SERVER_FILE).unlink(missing_ok=True)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _next_request(inbox: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The lowest-numbered complete request (temporary files of an ongoing write are skipped)."""
+    names = sorted((p for p in inbox.glob("*.json") if p.stem.isdigit()), key=lambda p: int(p.stem))
+    for path in names:
+        try:
+            body = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            body = {"mode": "invalid", "error": f"unreadable request {path.name}: {exc}"}
+        return path, body if isinstance(body, dict) else {"mode": "invalid", "error": "request is not an object"}
+    return None
+
+
+def _handle(body: dict[str, Any], session: TrainerSession, bad_input: tuple[type[BaseException], ...],
+            failures: tuple[type[BaseException], ...], served: int) -> tuple[dict[str, Any], bool]:
+    """Run one request; return (answer, whether to keep serving)."""
+    mode = body.get("mode")
+    if mode == "stop":
+        return {"ok": True, "kind": "stopped", "error": ""}, False
+    if mode not in ("train", "evaluate"):
+        return {"ok": False, "kind": "bad_input", "error": body.get("error") or f"unknown request mode {mode!r}"}, True
+    started = time.monotonic()
+    try:
+        if mode == "train":
+            session.train(load(TrainJob, str(body["job"])))
+        else:
+            session.evaluate(load(EvalJob, str(body["job"])))
+    except (JobFileError, *bad_input) as exc:
+        return {"ok": False, "kind": "bad_input", "error": " ".join(str(exc).split())}, True
+    except failures as exc:  # the backend explains itself
+        return {"ok": False, "kind": "failed", "error": " ".join(str(exc).split())[:800]}, False
+    except Exception as exc:  # noqa: BLE001 - anything else may have broken the session
+        traceback.print_exc()
+        sys.stdout.flush()
+        return {"ok": False, "kind": "failed", "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:800]}, False
+    print(f"trainer server: {mode} #{served + 1} done in {time.monotonic() - started:.2f} s", flush=True)
+    return {"ok": True, "kind": "done", "error": ""}, True

@@ -1,0 +1,162 @@
+"""The persistent trainer (``trainer.mode: persistent``) with the reference backend: one real
+``reference_trainer serve`` process driven through its channel, compared with fresh subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedagent_flwr.clientapp.backend import TrainerFailed
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, load, save
+from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE, PersistentTrainer, TrainerDied
+from fedagent_flwr.clientapp.trainer_server import process_start_ticks
+from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
+
+
+def _state(output: Path) -> dict[str, torch.Tensor]:
+    result = json.loads((output / "train_result.json").read_text())
+    return torch.load(Path(result["actor_dir"]) / "model_world_size_1_rank_0.pt", weights_only=True)
+
+
+def _assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst == 0.0, f"max abs difference {worst}"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, Path]:
+    """The tiny model and a second "global model" with the same architecture, other weights."""
+    other = tmp_path_factory.mktemp("models") / "global"
+    shutil.copytree(tiny_model_dir, other)
+    weights = load_file(str(other / "model.safetensors"))
+    generator = torch.Generator().manual_seed(7)
+    moved = {k: (v + 0.02 * torch.randn(v.shape, generator=generator)).contiguous() for k, v in weights.items()}
+    save_file(moved, str(other / "model.safetensors"))
+    return tiny_model_dir, other
+
+
+@pytest.fixture()
+def trainer(tmp_path: Path) -> PersistentTrainer:
+    handle = PersistentTrainer("reference", tmp_path / "channel", idle_timeout_s=600)
+    yield handle
+    handle.stop(grace_s=10)
+
+
+def _eval_job(tmp: Path, model: Path, name: str) -> Path:
+    job = EvalJob(model_path=str(model), output_dir=str(tmp / name), env_spec=SPEC, round=3, seeds=[11, 12, 13],
+                  trainer=dict(TRAINER))
+    path = tmp / f"{name}.json"
+    save(job, path)
+    return path
+
+
+def test_one_process_serves_rounds_bit_identically_to_fresh_subprocesses(
+    tmp_path: Path, models: tuple[Path, Path], trainer: PersistentTrainer
+) -> None:
+    base, other = models
+    # Two "rounds" with different starting models and seeds, then an evaluation of the second.
+    jobs = [train_job(tmp_path, base, "r1"), train_job(tmp_path, other, "r2", round=2, data_seed=42 + 200 + 1)]
+    for name, job in zip(("sub_r1", "sub_r2"), jobs):
+        copy = tmp_path / f"{name}.json"
+        raw = json.loads(job.read_text())
+        copy.write_text(json.dumps({**raw, "output_dir": str(tmp_path / name)}))
+        assert run_trainer("train", copy).returncode == 0
+    assert run_trainer("evaluate", _eval_job(tmp_path, other, "sub_eval")).returncode == 0
+
+    pids = set()
+    for job in jobs:
+        trainer.run("train", job, tmp_path / f"{job.stem}.log", f"client 1 {job.stem}", timeout_s=300)
+        pids.add(trainer.alive_pid())
+    trainer.run("evaluate", _eval_job(tmp_path, other, "eval"), tmp_path / "eval.log", "client 1 eval", 300)
+    pids.add(trainer.alive_pid())
+
+    assert len(pids) == 1 and None not in pids  # one process served all three jobs
+    assert trainer.record()["starts"] == 1
+    assert len((trainer.channel / STARTS_FILE).read_text().splitlines()) == 1
+    _assert_identical(_state(tmp_path / "r1"), _state(tmp_path / "sub_r1"))
+    _assert_identical(_state(tmp_path / "r2"), _state(tmp_path / "sub_r2"))
+    ours, fresh = load(EvalResult, tmp_path / "eval" / "eval_result.json"), load(EvalResult, tmp_path / "sub_eval" / "eval_result.json")
+    assert (ours.success_rate, ours.reward_mean, ours.num_episodes) == (fresh.success_rate, fresh.reward_mean, fresh.num_episodes)
+    # The second job only reloaded weights into the live model; each job's log is its own part.
+    assert "1 full loads, 1 reloads" in (tmp_path / "r2.log").read_text()
+    assert "step 1/1" in (tmp_path / "r1.log").read_text() and "evaluate:" not in (tmp_path / "r1.log").read_text()
+
+
+def test_bad_input_is_rejected_and_the_trainer_keeps_serving(
+    tmp_path: Path, models: tuple[Path, Path], trainer: PersistentTrainer
+) -> None:
+    base, _ = models
+    bad = train_job(tmp_path, base, "bad", env_spec={"envs": [{"name": "NoSuchEnv", "n_envs": 1, "max_turns": 1}]})
+    with pytest.raises(TrainerFailed, match=r"client 1 bad: reference trainer rejected the job: .*NoSuchEnv"):
+        trainer.run("train", bad, tmp_path / "bad.log", "client 1 bad", timeout_s=120)
+    pid = trainer.alive_pid()
+    assert pid is not None
+    trainer.run("train", train_job(tmp_path, base, "good"), tmp_path / "good.log", "client 1 good", timeout_s=300)
+    assert trainer.alive_pid() == pid and (tmp_path / "good" / "train_result.json").exists()
+
+
+def test_a_killed_trainer_is_reported_and_the_next_job_restarts_it(
+    tmp_path: Path, models: tuple[Path, Path], trainer: PersistentTrainer
+) -> None:
+    base, _ = models
+    trainer.ensure_started()
+    first = trainer.alive_pid()
+    assert first is not None
+
+    def kill_when_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if "== request" in (trainer.channel / "server.log").read_text(errors="replace"):
+                os.kill(first, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_training)
+    killer.start()
+    with pytest.raises(TrainerDied, match=rf"persistent reference trainer \(pid {first}\) died during the train job"):
+        trainer.run("train", train_job(tmp_path, base, "killed"), tmp_path / "killed.log", "client 1 killed", 300)
+    killer.join()
+    assert trainer.alive_pid() is None
+
+    trainer.run("train", train_job(tmp_path, base, "after"), tmp_path / "after.log", "client 1 after", timeout_s=300)
+    second = trainer.alive_pid()
+    assert second not in (None, first)
+    starts = [json.loads(line) for line in (trainer.channel / STARTS_FILE).read_text().splitlines()]
+    assert [s["pid"] for s in starts] == [first, second]
+    assert starts[1]["reason"] == f"restart: trainer pid {first} is gone"
+
+
+def test_timeout_stops_the_trainer_and_stop_is_idempotent(
+    tmp_path: Path, models: tuple[Path, Path], trainer: PersistentTrainer
+) -> None:
+    base, _ = models
+    with pytest.raises(TrainerFailed, match=r"killed after the 1 s timeout \(persistent trainer pid \d+"):
+        trainer.run("train", train_job(tmp_path, base, "slow"), tmp_path / "slow.log", "client 1 slow", timeout_s=1)
+    assert trainer.alive_pid() is None
+    trainer.ensure_started()
+    pid = trainer.alive_pid()
+    assert trainer.stop(grace_s=30) is True
+    assert process_start_ticks(pid) is None  # gone (and reaped)
+    assert trainer.stop() is False
+    assert not (trainer.channel / "server.json").exists()  # the server cleaned up after itself
+    assert json.loads((trainer.channel / PROCESS_FILE).read_text())["pid"] == pid
+
+
+def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
+    handle = PersistentTrainer("reference", tmp_path / "channel", idle_timeout_s=1.0)
+    pid = handle.ensure_started()
+    deadline = time.monotonic() + 60
+    while handle.alive_pid() == pid and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert handle.alive_pid() is None
+    assert "idle for 1 s, exiting" in (handle.channel / "server.log").read_text()
