@@ -64,6 +64,7 @@ class RunRecorder:
             self.events = list(previous.events)
             self._earlier_seconds = previous.wall_seconds
         self._started = time.time()
+        self._last_commit = self._started
         self.write()
 
     @property
@@ -123,6 +124,17 @@ class RunRecorder:
         The one atomic replace of the summary that writes ``last_completed_round`` is the round's
         commit point; a re-run skips every round up to it (``serverapp.resume``).
         """
+        # Wall clock of the round (selection, training, aggregation, evaluation): from the last
+        # commit, or from the start of this (re-)run, to this one. The first commit of a round
+        # counts (round 0 is committed again after the initial evaluation).
+        now = time.time()
+        seconds = round(now - self._last_commit, 3)
+        self._last_commit = now
+        if server_round == 0:
+            self.summary.setdefault("initial_eval_seconds", seconds)
+        for entry in self.summary["rounds"]:
+            if entry["round"] == server_round:
+                entry.setdefault("wall_seconds", seconds)
         self.summary["last_completed_round"] = server_round
         self.write(commit_round=server_round)
 
