@@ -10,11 +10,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 source tools/gpu/node_env.sh
 export FLWR_HOME=/tmp/flwr-$NAME
-# Each job gets its own local SuperLink ports, so two jobs can run side by side.
+# Each job gets its own local SuperLink ports, so jobs can run side by side (PORT picks them;
+# pin a job to a GPU with CUDA_VISIBLE_DEVICES).
 case $NAME in *ppo*) P=39291;; *) P=39191;; esac
+P=${PORT:-$P}
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$P FLWR_LOCAL_CONTROL_API_PORT=$((P + 2))
 T0=$(date +%s)
-echo "[$NAME] start $(date -u +%FT%TZ) overrides: $OVERRIDES | federation: $FEDERATION"
+echo "[$NAME] start $(date -u +%FT%TZ) overrides: $OVERRIDES | federation: $FEDERATION | GPUs: ${CUDA_VISIBLE_DEVICES:-all}"
 flwr run . --stream --federation-config "$FEDERATION" \
   --run-config "overrides=\"output_dir=$OUT/runs run_name=$NAME $OVERRIDES\"" > "$OUT/$NAME.log" 2>&1
 rc=$?
