@@ -337,3 +337,12 @@ def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_n
     assert not Path(result["work_dir"]).exists()
     assert (tmp_path / "out" / "verl" / "train_rows.json").exists()
     assert not (tmp_path / "out" / "train_result.json").exists()
+
+
+def test_the_entry_module_serves_a_persistent_session() -> None:
+    from fedagent_flwr.clientapp.verl_backend.persistent import VerlSession
+
+    run = subprocess.run([sys.executable, "-m", "fedagent_flwr.clientapp.verl_backend.entry", "bogus", "x"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "'serve CHANNEL_DIR'" in run.stderr
+    assert isinstance(entry._session(), VerlSession)

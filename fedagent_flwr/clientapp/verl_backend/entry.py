@@ -2,6 +2,7 @@
 
     python -m fedagent_flwr.clientapp.verl_backend.entry train    JOB.json   # TrainJob
     python -m fedagent_flwr.clientapp.verl_backend.entry evaluate JOB.json   # EvalJob
+    python -m fedagent_flwr.clientapp.verl_backend.entry serve    CHANNEL    # persistent (.persistent)
 
 ``train`` turns the TrainJob into one ``python -m verl.trainer.main_ppo`` job (GRPO, or PPO with a
 federated critic) on this client's partition and reports its checkpoint as a TrainResult:
@@ -448,8 +449,17 @@ _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, Partition
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; exit status 0 ok, 2 bad input, 1 the verl job failed."""
-    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, failures=(VerlJobFailed,))
+    """Entry point (``train`` / ``evaluate`` / ``serve``); exit status 0 ok, 2 bad input, 1 the verl job failed."""
+    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, failures=(VerlJobFailed,),
+                        session_factory=_session)
+
+
+def _session() -> Any:
+    """The persistent trainer's session (``serve CHANNEL_DIR``); imported here, not at the top: it
+    builds on this module."""
+    from fedagent_flwr.clientapp.verl_backend.persistent import VerlSession
+
+    return VerlSession()
 
 
 if __name__ == "__main__":
