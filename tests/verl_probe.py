@@ -9,20 +9,9 @@ so a test can call the real, patched ``optimizer_step`` on CPU without Ray or a 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from fedagent_flwr.clientapp.verl_backend.persistent import compose_verl_config
 
-
-def compose_verl_config(overrides: list[str]) -> Any:
-    """verl's ``ppo_trainer`` config with ``overrides`` applied (verl's own Hydra schema)."""
-    import verl
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose(config_name="ppo_trainer", overrides=overrides)
+__all__ = ["ENGINE", "compose_verl_config"]
 
 
 ENGINE = r"""

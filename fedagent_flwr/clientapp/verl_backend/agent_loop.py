@@ -13,7 +13,9 @@ turn's sampled tokens (mask 1) and the template glue + next observation (mask 0)
 The trajectory's ``reward_score`` is the episode return minus ``invalid_action_penalty`` per action
 the environment flagged invalid (``info["is_action_valid"] is False``; FedAgent's rule), so verl's
 reward workers never score it. Every finished episode is also appended, as one JSON line, to the
-job's episode log, from which the entry module reports the client's success rate and reward.
+episode log, from which the entry module reports the client's success rate and reward: the row's
+``episode_log`` (the round's own file; a persistent trainer's loops outlive the round), else the
+one in the agent-loop YAML.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -
     values = iter(sampled_logprobs)
     aligned = [next(values) if m else 0.0 for m in response_mask]
     return aligned
+
+
+def episode_log_path(row: dict[str, Any], default: str) -> str:
+    """Where an episode of ``row`` is logged: the row's ``episode_log`` if it names one, else ``default``."""
+    return str(row.get("episode_log") or default)
 
 
 def append_episode_record(path: str, record: dict[str, Any]) -> None:
@@ -112,8 +119,9 @@ class EnvAgentLoop(AgentLoopBase):
             )
         invalid = count_invalid_actions(episode)
         score = episode.reward - self.invalid_action_penalty * invalid
-        if self.episode_log:
-            append_episode_record(self.episode_log, {
+        episode_log = episode_log_path(kwargs, self.episode_log)
+        if episode_log:
+            append_episode_record(episode_log, {
                 "env": env_name, "seed": seed, "reward": episode.reward, "score": score,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": sum(episode.response_mask),

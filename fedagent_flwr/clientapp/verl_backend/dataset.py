@@ -25,14 +25,20 @@ from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.seeding import train_env_seed
 
 AGENT_NAME = "fedagent_env"
+
+
 class RowPlanError(ValueError):
     """A row plan file that is missing, not JSON, or has malformed rows."""
 
 
-def plan_rows(spec: EnvSpec, data_seed: int, local_steps: int) -> list[dict[str, Any]]:
+def plan_rows(spec: EnvSpec, data_seed: int, local_steps: int, episode_log: str = "") -> list[dict[str, Any]]:
     """Rows for ``local_steps`` training steps, step-major: step ``s`` is rows
     ``[s * B, (s + 1) * B)`` with ``B = sum(n_envs)``, so an unshuffled loader with batch size
-    ``B`` plays exactly the reference trainer's instances at each step."""
+    ``B`` plays exactly the reference trainer's instances at each step.
+
+    ``episode_log`` (when given) rides in every row: the agent loop appends each episode there,
+    so a persistent trainer whose agent loops outlive the round still logs round ``r``'s episodes
+    into round ``r``'s output."""
     rows = []
     for step in range(local_steps):
         for j, entry in enumerate(spec.envs):
@@ -42,6 +48,7 @@ def plan_rows(spec: EnvSpec, data_seed: int, local_steps: int) -> list[dict[str,
                     "env_config": entry.env_config(),
                     "seed": train_env_seed(data_seed, j, step, entry.n_envs, i),
                     "max_turns": entry.max_turns,
+                    **({"episode_log": episode_log} if episode_log else {}),
                 })
     return rows
 
@@ -116,5 +123,6 @@ class EnvEpisodeDataset(_torch_dataset_base()):  # type: ignore[misc]
             "env_config": dict(row["env_config"]),
             "seed": int(row["seed"]),
             "max_turns": int(row["max_turns"]),
+            "episode_log": str(row.get("episode_log", "")),
             "dummy_tensor": torch.tensor([0], dtype=torch.uint8),
         }

@@ -2,6 +2,7 @@
 
     python -m fedagent_flwr.clientapp.verl_backend.entry train    JOB.json   # TrainJob
     python -m fedagent_flwr.clientapp.verl_backend.entry evaluate JOB.json   # EvalJob
+    python -m fedagent_flwr.clientapp.verl_backend.entry serve    CHANNEL    # persistent (.persistent)
 
 ``train`` turns the TrainJob into one ``python -m verl.trainer.main_ppo`` job (GRPO, or PPO with a
 federated critic) on this client's partition and reports its checkpoint as a TrainResult:
@@ -38,6 +39,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,7 @@ from fedagent_flwr.clientapp.client_rule import RULE_KEYS, load_client_rule, wit
 from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, backend_main, save
 from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
-from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, build_overrides, job_paths
+from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
 from fedagent_flwr.clientapp.verl_backend.verl_log import parse_step_line
 from fedagent_flwr.envs.base import EnvConfigError
@@ -133,7 +135,11 @@ def agent_loop_registry(settings: VerlSettings, episode_log: str) -> list[dict[s
     }]
 
 
-def _check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, Any] | None]:
+def experiment_name(job: TrainJob) -> str:
+    return f"round{job.round}_client{job.client_id}"
+
+
+def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, Any] | None]:
     """Everything checkable before verl starts; raises InputError naming the culprit."""
     if job.algorithm not in ("grpo", "ppo"):
         raise InputError(f"algorithm {job.algorithm!r}: the verl backend does 'grpo' or 'ppo'")
@@ -224,15 +230,22 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
     return code, first_step, list(tail), steps
 
 
-def _failure_reason(code: int, tail: Sequence[str]) -> str:
-    """One line for why verl failed: a known root cause, else the first error line of the tail
-    (chained tracebacks print the root cause first), else the last line."""
-    text = "\n".join(tail)
+def known_cause(text: str) -> str | None:
+    """A root cause recognised in verl's output (GPU memory), phrased for the operator; else None."""
     if any(marker in text for marker in _OOM_MARKERS):
         return "ran out of GPU memory (CUDA out of memory)"
     if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
         return ("could not start vLLM: its KV-cache sizing failed because another process on the GPU "
                 "changed its memory use meanwhile (set trainer.kv_cache_gib > 0 when clients share a GPU)")
+    return None
+
+
+def _failure_reason(code: int, tail: Sequence[str]) -> str:
+    """One line for why verl failed: a known root cause, else the first error line of the tail
+    (chained tracebacks print the root cause first), else the last line."""
+    known = known_cause("\n".join(tail))
+    if known is not None:
+        return known
     if code < 0:
         return f"was killed by signal {-code}"
     errors = [line for line in tail if _ERROR_LINE.search(line)]
@@ -270,64 +283,107 @@ _STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_nor
               "timing_s/update_actor", "timing_s/update_critic", "timing_s/save_checkpoint")
 
 
-def train(job: TrainJob) -> TrainResult:
-    """Run one verl job for ``job`` and write ``train_result.json``."""
-    settings, spec, model_path, rule = _check_train_job(job)
-    started = time.monotonic()
+@dataclass(frozen=True)
+class PreparedTrain:
+    """One client-round made ready for verl: checked inputs, row plan and overrides written."""
+
+    settings: VerlSettings
+    model_path: Path
+    rule: dict[str, Any] | None
+    output: Path  # the job's output_dir
+    work: Path  # <output>/verl
+    paths: JobPaths
+    rows: int
+    batch_size: int
+    episode_log: Path
+    marker_dir: Path
+    rule_marker_dir: Path
+    overrides: list[str]
+    env: dict[str, str]  # the verl processes' environment (job_environment)
+
+
+def prepare_train(job: TrainJob, shared_dir: Path | None = None,
+                  checked: tuple[VerlSettings, Any, Path, dict[str, Any] | None] | None = None) -> PreparedTrain:
+    """Check ``job`` and write what verl reads for it (steps 1-2 of the module docstring).
+
+    ``shared_dir`` is a persistent session's own directory (:mod:`.persistent`): the agent-loop
+    YAML, the hook marker directories and the Ray temp dir are fixed when the session starts, so
+    they live there instead of under the job's output. Each row then names the round's episode
+    log, so episodes land in this job's output either way. ``checked`` is
+    :func:`check_train_job`'s answer when the caller already has it.
+    """
+    settings, spec, model_path, rule = checked if checked is not None else check_train_job(job)
     output = Path(job.output_dir).resolve()
     work = output / "verl"
     work.mkdir(parents=True, exist_ok=True)
-    temp_dir = ray_temp_dir(str(output))
+    own = shared_dir if shared_dir is not None else work
+    temp_dir = ray_temp_dir(str(shared_dir if shared_dir is not None else output))
     paths = job_paths(work, str(model_path), job.critic_path, temp_dir)
+    if shared_dir is not None:
+        paths = replace(paths, agent_loop_file=str(shared_dir / "agent_loops.yaml"))
+    else:
+        shutil.rmtree(temp_dir, ignore_errors=True)
     # A retried client-round must never report a checkpoint or episodes of an earlier attempt.
     shutil.rmtree(paths.checkpoint_dir, ignore_errors=True)
-    shutil.rmtree(temp_dir, ignore_errors=True)
     episode_log = work / "episodes.jsonl"
     episode_log.unlink(missing_ok=True)
-    marker_dir = work / "fedprox_markers"
+    marker_dir = own / "fedprox_markers"
     shutil.rmtree(marker_dir, ignore_errors=True)
-    rule_marker_dir = work / "client_rule_markers"
+    rule_marker_dir = own / "client_rule_markers"
     shutil.rmtree(rule_marker_dir, ignore_errors=True)
 
-    rows = plan_rows(spec, job.data_seed, job.local_steps)
+    rows = plan_rows(spec, job.data_seed, job.local_steps, episode_log=str(episode_log))
     batch_size = sum(entry.n_envs for entry in spec.envs)
     write_rows(rows, Path(paths.rows_file))
     write_rows(rows[:batch_size], Path(paths.val_rows_file))
-    Path(paths.agent_loop_file).write_text(yaml.safe_dump(agent_loop_registry(settings, str(episode_log))))
+    # A session's YAML is read once, when its agent loops start: it must not name a round's log.
+    registry = agent_loop_registry(settings, "" if shared_dir is not None else str(episode_log))
+    Path(paths.agent_loop_file).write_text(yaml.safe_dump(registry))
     overrides = build_overrides(
         algorithm=job.algorithm, settings=settings, paths=paths, batch_size=batch_size,
-        local_steps=job.local_steps, seed=job.data_seed,
-        experiment_name=f"round{job.round}_client{job.client_id}",
+        local_steps=job.local_steps, seed=job.data_seed, experiment_name=experiment_name(job),
     )
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
     env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir),
                           critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "",
                           plugin_modules=settings.plugin_modules, client_rule=rule,
                           rule_marker_dir=str(rule_marker_dir))
-    print(f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {len(rows)} env "
-          f"instances ({batch_size} per step x {job.local_steps} steps, n={settings.rollout_n}), "
-          f"model {model_path}", flush=True)
+    return PreparedTrain(settings=settings, model_path=model_path, rule=rule, output=output, work=work,
+                         paths=paths, rows=len(rows), batch_size=batch_size, episode_log=episode_log,
+                         marker_dir=marker_dir, rule_marker_dir=rule_marker_dir, overrides=overrides, env=env)
 
-    code, first_step, tail, steps = run_verl(command, env, work, work / "verl.log", temp_dir)
-    if code != 0:
-        raise VerlJobFailed(f"verl {_failure_reason(code, tail)} (log: {work / 'verl.log'})")
-    checkpoints = Path(paths.checkpoint_dir)
+
+def describe(job: TrainJob, prep: PreparedTrain) -> str:
+    """The one line announcing a client-round."""
+    return (f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {prep.rows} env "
+            f"instances ({prep.batch_size} per step x {job.local_steps} steps, n={prep.settings.rollout_n}), "
+            f"model {prep.model_path}")
+
+
+def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str, float]],
+                   first_step: float | None, started: float, log: str,
+                   extra_metrics: dict[str, float] | None = None) -> TrainResult:
+    """Check what verl left and write ``train_result.json`` (step 5 of the module docstring).
+
+    ``steps`` are verl's per-step metrics, ``first_step`` the seconds from ``started`` to the end of
+    step 1 (None if unknown), ``log`` where the failure messages send the reader.
+    """
+    settings = prep.settings
+    checkpoints = Path(prep.paths.checkpoint_dir)
     actor_dir = _checkpoint_dir(checkpoints, job.local_steps, "actor")
     critic_dir = _checkpoint_dir(checkpoints, job.local_steps, "critic") if job.algorithm == "ppo" else None
     if job.proximal_mu > 0:
-        markers = fedprox.read_markers(str(marker_dir))
+        markers = fedprox.read_markers(str(prep.marker_dir))
         if len(markers) < settings.n_gpus_per_node:
             raise VerlJobFailed(
                 f"FedProx (mu={job.proximal_mu}) was active in {len(markers)} of {settings.n_gpus_per_node} "
-                f"actor workers; refusing to report a FedAvg update as FedProx (log: {work / 'verl.log'})"
+                f"actor workers; refusing to report a FedAvg update as FedProx (log: {log})"
             )
-    if rule is not None and len(fedprox.read_markers(str(rule_marker_dir))) < settings.n_gpus_per_node:
+    if prep.rule is not None and len(fedprox.read_markers(str(prep.rule_marker_dir))) < settings.n_gpus_per_node:
         raise VerlJobFailed(
-            f"the client rule {rule['client_rule']} was not active in every actor worker; refusing to "
-            f"report an update made without it (log: {work / 'verl.log'})"
+            f"the client rule {prep.rule['client_rule']} was not active in every actor worker; refusing to "
+            f"report an update made without it (log: {log})"
         )
-    num_episodes, metrics = _episode_metrics(episode_log)
+    num_episodes, metrics = _episode_metrics(prep.episode_log)
     last = steps.get(max(steps)) if steps else {}
     for key in _STEP_KEYS:
         if last and key in last:
@@ -336,13 +392,14 @@ def train(job: TrainJob) -> TrainResult:
     if first_step is not None:
         # The first metric line is printed when step 1 ends: cold start = that moment minus step 1.
         metrics["verl/launch_to_step1_end_s"] = round(first_step, 2)
-        step1 = steps.get(min(steps), {}).get("timing_s/step")
+        step1 = steps.get(min(steps), {}).get("timing_s/step") if steps else None
         if step1 is not None:
             metrics["verl/cold_start_s"] = round(first_step - step1, 2)
     metrics["train_seconds"] = round(time.monotonic() - started, 2)
     metrics["proximal_mu"] = float(job.proximal_mu)
     if job.proximal_mu > 0:
-        metrics["fedprox/active_workers"] = float(len(fedprox.read_markers(str(marker_dir))))
+        metrics["fedprox/active_workers"] = float(len(fedprox.read_markers(str(prep.marker_dir))))
+    metrics.update(extra_metrics or {})
     result = TrainResult(
         actor_dir=str(actor_dir),
         actor_format="fsdp-shards",
@@ -351,8 +408,22 @@ def train(job: TrainJob) -> TrainResult:
         critic_dir=str(critic_dir) if critic_dir else "",
         world_size=settings.n_gpus_per_node,
     )
-    save(result, output / TRAIN_RESULT)
+    save(result, prep.output / TRAIN_RESULT)
     return result
+
+
+def train(job: TrainJob) -> TrainResult:
+    """Run one verl job for ``job`` and write ``train_result.json``."""
+    started = time.monotonic()
+    prep = prepare_train(job)
+    work = prep.work
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *prep.overrides]
+    (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
+    print(describe(job, prep), flush=True)
+    code, first_step, tail, steps = run_verl(command, prep.env, work, work / "verl.log", prep.paths.ray_temp_dir)
+    if code != 0:
+        raise VerlJobFailed(f"verl {_failure_reason(code, tail)} (log: {work / 'verl.log'})")
+    return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"))
 
 
 def evaluate(job: EvalJob) -> Any:
@@ -378,8 +449,17 @@ _BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, Partition
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; exit status 0 ok, 2 bad input, 1 the verl job failed."""
-    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, failures=(VerlJobFailed,))
+    """Entry point (``train`` / ``evaluate`` / ``serve``); exit status 0 ok, 2 bad input, 1 the verl job failed."""
+    return backend_main(PROG, argv, train, evaluate, _BAD_INPUT, failures=(VerlJobFailed,),
+                        session_factory=_session)
+
+
+def _session() -> Any:
+    """The persistent trainer's session (``serve CHANNEL_DIR``); imported here, not at the top: it
+    builds on this module."""
+    from fedagent_flwr.clientapp.verl_backend.persistent import VerlSession
+
+    return VerlSession()
 
 
 if __name__ == "__main__":

@@ -155,6 +155,19 @@ def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any
     engine_cls._fedagent_wrapped = (*wrapped, tag)
 
 
+def reset_hook_state(engine: Any) -> list[str]:
+    """Forget ``engine``'s per-instance hook state (the FedProx anchor, a client rule's term).
+
+    A persistent trainer reloads new global weights into the same engine object every round; the
+    next optimiser step then builds a fresh term (capturing the new ``w_t``) and writes its marker
+    again. Returns the tags of the hooks wrapped on the engine's class.
+    """
+    tags = list(getattr(type(engine), "_fedagent_wrapped", ()))
+    for tag in tags:
+        engine.__dict__.pop(f"_fedagent_{tag}", None)
+    return tags
+
+
 class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``target`` with the normal machinery, then runs each of its patches right after the
     module executes, in whichever process first imports it (verl's Ray workers included)."""

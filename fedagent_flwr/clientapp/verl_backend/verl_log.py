@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 _STEP = re.compile(r"\bstep:(\d+) - (.*)$")
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?inf|nan")
@@ -52,3 +53,17 @@ def step_metrics(lines: Iterable[str]) -> dict[int, dict[str, float]]:
         if parsed is not None:
             steps[parsed[0]] = parsed[1]
     return steps
+
+
+def numeric_metrics(data: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of one metrics dict as verl's trainer logs it (floats, NumPy or torch
+    scalars); everything else (lists, strings, NaN) is left out."""
+    metrics: dict[str, float] = {}
+    for key, value in data.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+            continue
+        if math.isfinite(number):
+            metrics[str(key)] = number
+    return metrics

@@ -1,0 +1,282 @@
+"""The persistent verl trainer: one verl session per node, kept across rounds (issue 8).
+
+``python -m fedagent_flwr.clientapp.verl_backend.entry serve CHANNEL_DIR`` keeps a
+:class:`VerlSession` alive (:mod:`fedagent_flwr.clientapp.trainer_server`), so Ray, the FSDP
+workers and the vLLM engine start once per run instead of once per client-round. The first train
+job starts the session:
+
+1. the same checks, row plan, agent-loop YAML, Hydra overrides and environment as the subprocess
+   path (:func:`.entry.prepare_train`); the variables the ``sitecustomize`` hooks read (FedProx,
+   the critic loader fix, plugins, the client rule) go into this process's ``os.environ`` before
+   ``ray.init``, so every Ray worker inherits them, and the private Ray cluster gets a temp dir of
+   its own;
+2. verl's ``ppo_trainer`` config composed in-process from those overrides (as
+   ``verl.trainer.main_ppo`` composes it), and one Ray actor, :class:`.persistent_runner.PersistentTaskRunner`,
+   that builds verl's trainer and workers and lives until :meth:`VerlSession.close`.
+
+Every train job then runs one client-round in that actor (``train_round``: new global weights
+into the actor, reference and critic engines, this round's rows and seed, the stock ``fit()``) and
+reports the same :class:`TrainResult` as the subprocess path, plus ``verl/persistent_round``,
+``verl/reload_s`` and, once, ``verl/session_start_s``. ``verl/cold_start_s`` keeps its meaning,
+the time before step 1: Ray and worker start-up in the first round, the reload afterwards.
+
+What verl fixed when the session started (the algorithm, every ``trainer`` setting, the step
+budget and batch size, FedProx's ``mu``, the client rule) cannot change under a live session: a
+job asking for other values is refused as bad input (:class:`.entry.InputError`, the session keeps
+serving) with the differences named, rather than trained with stale settings or silently
+restarted (a restart would pay the cold start this mode exists to avoid, unannounced).
+
+Evaluation runs here with Hugging Face generation, exactly as the subprocess path does
+(:func:`.entry.evaluate`); the vLLM replicas sleep between rounds, so the GPU has room for it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
+from fedagent_flwr.clientapp.verl_backend import entry
+from fedagent_flwr.clientapp.verl_backend.entry import InputError, PreparedTrain, VerlJobFailed
+from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+
+PROG = "verl_backend (persistent)"
+LOG_HINT = "the trainer server's log"
+
+
+def compose_verl_config(overrides: list[str]) -> Any:
+    """verl's ``ppo_trainer`` config with ``overrides`` applied (verl's own Hydra schema), as
+    ``python -m verl.trainer.main_ppo OVERRIDES`` composes it."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def session_fingerprint(job: TrainJob, settings: VerlSettings, rule: dict[str, Any] | None,
+                        batch_size: int) -> dict[str, Any]:
+    """Everything a live session cannot change, keyed by the name a user would look for."""
+    fixed: dict[str, Any] = {
+        "algorithm": job.algorithm,
+        "local_steps": job.local_steps,
+        "env instances per step (sum of n_envs)": batch_size,
+        "proximal_mu": float(job.proximal_mu),
+        "trainer.client_rule": rule,
+    }
+    fixed.update({f"trainer.{key}": value for key, value in asdict(settings).items()})
+    return fixed
+
+
+def fixed_differences(session: dict[str, Any], job: dict[str, Any]) -> list[str]:
+    """``key: session X, job Y`` for every fixed value the job would change (sorted by key)."""
+    return [f"{key}: session {session.get(key)!r}, job {job.get(key)!r}"
+            for key in sorted(set(session) | set(job)) if session.get(key) != job.get(key)]
+
+
+def round_plan(job: TrainJob, prep: PreparedTrain, *, reload: bool) -> dict[str, Any]:
+    """What :meth:`.persistent_runner.PersistentTaskRunner.train_round` needs for one client-round."""
+    model_path = str(prep.model_path)
+    return {
+        "round": job.round,
+        "client_id": job.client_id,
+        "model_path": model_path,
+        # as build_overrides starts the critic: the aggregated one, else the model (round 1)
+        "critic_path": (prep.paths.critic_path or model_path) if job.algorithm == "ppo" else "",
+        "rows_file": prep.paths.rows_file,
+        "checkpoint_dir": prep.paths.checkpoint_dir,
+        "experiment_name": entry.experiment_name(job),
+        "seed": job.data_seed,
+        "local_steps": job.local_steps,
+        "reload": reload,
+    }
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for an exception raised through Ray: the original error where Ray kept it, with
+    the operator's phrasing for a known cause (GPU memory)."""
+    cause = getattr(exc, "cause", None)
+    inner = cause if isinstance(cause, BaseException) else exc
+    text = f"{type(inner).__name__}: {inner}"
+    known = entry.known_cause(f"{text}\n{exc}")
+    line = " ".join(text.split())
+    return f"{known} ({line[:300]})" if known else line[:600]
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Make ``os.environ`` equal to ``env`` (what Ray's processes will inherit)."""
+    for key in list(os.environ):
+        if key not in env:
+            del os.environ[key]
+    os.environ.update(env)
+
+
+class VerlSession:
+    """A verl trainer kept alive across rounds (the ``TrainerSession`` of :mod:`..trainer_server`).
+
+    ``work_dir``: where the session keeps its own files (agent-loop YAML, hook markers); a fresh
+    temporary directory when not given, removed by :meth:`close`.
+    """
+
+    def __init__(self, work_dir: str | None = None) -> None:
+        self._work_dir_arg = work_dir
+        self.work_dir: Path | None = None
+        self.ray_temp_dir = ""
+        self.runner: Any = None
+        self.fixed: dict[str, Any] | None = None
+        self.rounds = 0
+        self._environ_before: dict[str, str] | None = None
+        self._previous_sigterm: Any = None
+
+    # -- TrainerSession ------------------------------------------------------------------------
+
+    def train(self, job: TrainJob) -> TrainResult:
+        """One client-round on the live session (started by the first call); writes
+        ``<output_dir>/train_result.json`` like :func:`.entry.train`."""
+        started = time.monotonic()
+        checked = entry.check_train_job(job)
+        settings, spec, _, rule = checked
+        fingerprint = session_fingerprint(job, settings, rule, sum(e.n_envs for e in spec.envs))
+        if self.fixed is not None:
+            differences = fixed_differences(self.fixed, fingerprint)
+            if differences:
+                raise InputError(
+                    "this job needs settings other than those the persistent verl session started with "
+                    f"({'; '.join(differences)}); they are fixed for the session's life: run the job in "
+                    "subprocess mode or restart the trainer server"
+                )
+        prep = entry.prepare_train(job, shared_dir=self._session_dir(), checked=checked)
+        print(entry.describe(job, prep), flush=True)
+        extra: dict[str, float] = {}
+        first = self.runner is None
+        if first:
+            extra["verl/session_start_s"] = self._start(prep)
+            self.fixed = fingerprint
+        plan = round_plan(job, prep, reload=not first)
+        called_at = time.monotonic() - started
+        out = self._get(self.runner.train_round.remote(plan), f"round {job.round} client {job.client_id}")
+        self.rounds += 1
+        records = out.get("records") or []
+        steps = {int(r["step"]): dict(r["metrics"]) for r in records}
+        first_step = called_at + float(records[0]["t"]) if records else None
+        extra["verl/persistent_round"] = float(self.rounds)
+        extra["verl/reload_s"] = float(out.get("reload_s", 0.0))
+        return entry.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
+
+    def evaluate(self, job: EvalJob) -> Any:
+        """Hugging Face evaluation in this process, as :func:`.entry.evaluate`."""
+        return entry.evaluate(job)
+
+    def close(self) -> None:
+        """Stop the TaskRunner, the workers, vLLM and the private Ray cluster; leave no process behind."""
+        runner, self.runner = self.runner, None
+        try:
+            import ray
+
+            if runner is not None:
+                try:
+                    ray.kill(runner)
+                except Exception as exc:  # noqa: BLE001 - the cluster may already be gone
+                    print(f"{PROG}: note: killing the TaskRunner: {exc}", flush=True)
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if self.ray_temp_dir:
+                entry._cleanup_ray(self.ray_temp_dir)
+            if self._environ_before is not None:
+                apply_environment(self._environ_before)
+                self._environ_before = None
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+                self._previous_sigterm = None
+            if self.work_dir is not None and self._work_dir_arg is None:
+                shutil.rmtree(self.work_dir, ignore_errors=True)
+                self.work_dir = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _session_dir(self) -> Path:
+        if self.work_dir is None:
+            if self._work_dir_arg:
+                self.work_dir = Path(self._work_dir_arg).resolve()
+                self.work_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self.work_dir = Path(tempfile.mkdtemp(prefix="fa-verl-session-"))
+        return self.work_dir
+
+    def _start(self, prep: PreparedTrain) -> float:
+        """Compose verl's config, start the private Ray cluster and the TaskRunner with its workers;
+        returns the seconds it took. On failure everything started is stopped again."""
+        started = time.monotonic()
+        stage = "composing verl's config"
+        try:
+            import ray
+            from omegaconf import OmegaConf
+            from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+            from verl.trainer.ppo.utils import need_critic, need_reference_policy
+            from verl.utils.config import validate_config
+            from verl.utils.device import auto_set_device
+
+            config = compose_verl_config(prep.overrides)
+            auto_set_device(config)
+            validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                            use_critic=need_critic(config))
+
+            stage = "starting the private Ray cluster"
+            self._environ_before = dict(os.environ)
+            apply_environment(prep.env)
+            self._handle_sigterm()
+            self.ray_temp_dir = prep.paths.ray_temp_dir
+            shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
+            if ray.is_initialized():
+                raise RuntimeError("Ray is already initialised in this process; a session needs its own cluster")
+            # as verl.trainer.main_ppo.run_ppo initialises Ray
+            ray_init = config.ray_kwargs.get("ray_init", {})
+            runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.get("runtime_env", {}))
+            ray.init(**OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
+
+            stage = "starting verl's TaskRunner and workers (init_workers)"
+            from fedagent_flwr.clientapp.verl_backend.persistent_runner import PersistentTaskRunner
+
+            self.runner = ray.remote(PersistentTaskRunner).remote()
+            info = ray.get(self.runner.start.remote(config))
+        except Exception as exc:
+            self.close()
+            raise VerlJobFailed(f"the persistent verl session could not start ({stage}): {root_cause(exc)} "
+                                f"(log: {LOG_HINT})") from exc
+        seconds = round(time.monotonic() - started, 2)
+        print(f"{PROG}: session started in {seconds} s (Ray temp dir {self.ray_temp_dir}, TaskRunner pid "
+              f"{info.get('pid')}, critic={info.get('use_critic')}, ref={info.get('use_reference_policy')})",
+              flush=True)
+        return seconds
+
+    def _get(self, ref: Any, what: str) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except Exception as exc:
+            raise VerlJobFailed(f"the persistent verl session failed in {what}: {root_cause(exc)} "
+                                f"(log: {LOG_HINT})") from exc
+
+    def _handle_sigterm(self) -> None:
+        """A SIGTERM to the server stops the session's Ray cluster too (as the subprocess path's
+        ``run_verl`` stops its job's process group)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum: int, frame: Any) -> None:
+            self.close()
+            raise SystemExit(128 + signum)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, stop)

@@ -1,0 +1,189 @@
+"""The Ray actor of a persistent verl trainer: verl's legacy TaskRunner, kept alive across rounds.
+
+``start`` does what ``verl.trainer.main_ppo_v0.TaskRunner.run`` does up to ``init_workers()``
+(same helpers: ``create_rl_dataset``, ``create_rl_sampler``, ``need_critic``,
+``need_reference_policy``, ``validate_config``, ``RayPPOTrainer``), with the reloadable worker
+classes of :mod:`.persistent_workers`. ``train_round`` then runs one client-round on the live
+workers (FedAgent's persistent task runner, reference/fedagent.md §1.9):
+
+1. point the config at the round: rows file, ``data.seed``, ``trainer.default_local_dir``,
+   ``trainer.experiment_name``;
+2. except right after ``start`` (the workers were just built from this round's paths), load the
+   round's global model into the actor and reference engines and the critic's start into the
+   critic (new optimiser and LR scheduler, FedProx / client-rule state forgotten);
+3. rebuild the train dataloader from the round's rows (``RayPPOTrainer._create_dataloader``);
+4. reseed ``random`` / NumPy / torch with the data seed and run the stock ``fit()``: it resets
+   ``global_steps`` to 0, loads no checkpoint (``resume_mode=disable``), pushes the actor's
+   weights into vLLM (``checkpoint_manager.update_weights``) before step 1, and saves the last step;
+5. put the vLLM replicas to sleep again (``fit()`` ends with them awake after the last weight
+   update; verl's own steps always update weights into sleeping replicas).
+
+Every metrics dict ``fit()`` logs is recorded, with the seconds since the call began, through a
+subclass of verl's ``Tracking`` installed for the duration of ``fit()``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.trainer.main_ppo_v0 import BaseTaskRunner
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, Role
+from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.utils.dataset.rl_dataset import collate_fn
+
+from fedagent_flwr.clientapp.verl_backend.persistent_workers import (
+    ReloadableActorRolloutRefWorker,
+    ReloadableTrainingWorker,
+    reseed,
+)
+from fedagent_flwr.clientapp.verl_backend.verl_log import numeric_metrics
+
+TAG = "[persistent]"
+
+
+@contextmanager
+def recording_tracking(records: list[dict[str, Any]], t0: float) -> Iterator[None]:
+    """While active, every ``Tracking`` that ``fit()`` creates also appends
+    ``{"step", "t", "metrics"}`` to ``records`` (``t``: seconds since ``t0``)."""
+    import verl.utils.tracking as tracking
+
+    stock = tracking.Tracking
+
+    class RecordingTracking(stock):  # type: ignore[misc, valid-type]
+        def log(self, data: dict[str, Any], step: int, backend: Any = None) -> None:
+            records.append({"step": int(step), "t": time.monotonic() - t0, "metrics": numeric_metrics(data)})
+            super().log(data=data, step=step, backend=backend)
+
+    tracking.Tracking = RecordingTracking
+    try:
+        yield
+    finally:
+        tracking.Tracking = stock
+
+
+class PersistentTaskRunner(BaseTaskRunner):
+    """One per session, as a Ray actor (``ray.remote(PersistentTaskRunner)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: DictConfig | None = None
+        self.trainer: RayPPOTrainer | None = None
+        self.tokenizer: Any = None
+        self.processor: Any = None
+
+    def add_actor_rollout_worker(self, config: DictConfig) -> tuple[type, type]:
+        _, worker_group_cls = super().add_actor_rollout_worker(config)
+        for role in (Role.ActorRollout, Role.ActorRolloutRef):
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(ReloadableActorRolloutRefWorker)
+        return ReloadableActorRolloutRefWorker, worker_group_cls
+
+    def add_critic_worker(self, config: DictConfig) -> None:
+        super().add_critic_worker(config)
+        self.role_worker_mapping[Role.Critic] = ray.remote(ReloadableTrainingWorker)
+
+    def start(self, config: DictConfig) -> dict[str, Any]:
+        """``TaskRunner.run`` up to and including ``init_workers()``; the workers are then idle and
+        the vLLM replicas asleep."""
+        started = time.monotonic()
+        print(f"{TAG} TaskRunner pid {os.getpid()}: starting verl's workers", flush=True)
+        OmegaConf.resolve(config)
+        actor_rollout_cls, worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_resource_pool(config)
+        self.add_teacher_model_resource_pool(config)
+        self.add_ref_policy_worker(config, actor_rollout_cls)
+        validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                        use_critic=need_critic(config))
+        model_config = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        self.tokenizer, self.processor = model_config.tokenizer, model_config.processor
+        resource_pool_manager = self.init_resource_pool_mgr(config)
+        train_dataset = self._dataset(config, config.data.train_files, is_train=True)
+        val_dataset = self._dataset(config, config.data.val_files, is_train=False)
+        self.trainer = RayPPOTrainer(
+            config=config, tokenizer=self.tokenizer, processor=self.processor,
+            role_worker_mapping=self.role_worker_mapping, resource_pool_manager=resource_pool_manager,
+            ray_worker_group_cls=worker_group_cls, train_dataset=train_dataset, val_dataset=val_dataset,
+            collate_fn=collate_fn, train_sampler=create_rl_sampler(config.data, train_dataset),
+        )
+        self.trainer.init_workers()
+        self.config = config
+        info = {"pid": os.getpid(), "use_critic": bool(self.trainer.use_critic),
+                "use_reference_policy": bool(self.trainer.use_reference_policy),
+                "seconds": round(time.monotonic() - started, 2)}
+        print(f"{TAG} workers ready in {info['seconds']} s: critic={info['use_critic']} "
+              f"ref={info['use_reference_policy']}", flush=True)
+        return info
+
+    def _dataset(self, config: DictConfig, files: Any, is_train: bool) -> Any:
+        key = "train_max_samples" if is_train else "val_max_samples"
+        return create_rl_dataset(files, config.data, self.tokenizer, self.processor, is_train=is_train,
+                                 max_samples=config.data.get(key, -1))
+
+    def train_round(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """One client-round (see the module docstring); ``plan`` is :func:`.persistent.round_plan`."""
+        t0 = time.monotonic()
+        trainer, config = self.trainer, self.config
+        if trainer is None or config is None:
+            raise RuntimeError("train_round before start: the session's workers were never built")
+        label = f"{TAG} round {plan['round']} client {plan['client_id']}"
+        with open_dict(config):
+            config.data.train_files = plan["rows_file"]
+            config.data.seed = int(plan["seed"])
+            config.trainer.default_local_dir = plan["checkpoint_dir"]
+            config.trainer.experiment_name = plan["experiment_name"]
+
+        reloaded: dict[str, Any] = {}
+        if plan["reload"]:
+            reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]))
+            _check_reload(reloaded["actor"], "actor", plan["model_path"])
+            if trainer.use_reference_policy:
+                _check_reload(reloaded["actor"], "ref", plan["model_path"])
+            if trainer.use_critic:
+                reloaded["critic"] = trainer.critic_wg.fedagent_reload(plan["critic_path"], int(plan["seed"]))
+                _check_reload(reloaded["critic"], "critic", plan["critic_path"])
+            hooks = sorted({tag for rank in reloaded["actor"] for tag in rank["actor"]["hooks_reset"]})
+            print(f"{label}: reloaded actor{'+ref' if trainer.use_reference_policy else ''} from "
+                  f"{plan['model_path']}{' and critic from ' + plan['critic_path'] if trainer.use_critic else ''} "
+                  f"on {len(reloaded['actor'])} rank(s) in {time.monotonic() - t0:.2f} s; hooks reset: {hooks}",
+                  flush=True)
+        reload_s = time.monotonic() - t0
+
+        train_dataset = self._dataset(config, config.data.train_files, is_train=True)
+        trainer._create_dataloader(train_dataset, trainer.val_dataset, collate_fn,
+                                   create_rl_sampler(config.data, train_dataset))
+        if len(trainer.train_dataloader) != int(plan["local_steps"]):
+            raise RuntimeError(f"the round's dataloader has {len(trainer.train_dataloader)} batches, "
+                               f"expected {plan['local_steps']} (rows {plan['rows_file']})")
+        print(f"{label}: dataloader rebuilt from {plan['rows_file']} ({len(train_dataset)} rows, "
+              f"{len(trainer.train_dataloader)} batches), seed {plan['seed']}, checkpoints to "
+              f"{plan['checkpoint_dir']}", flush=True)
+        reseed(int(plan["seed"]))
+        records: list[dict[str, Any]] = []
+        fit_started = time.monotonic()
+        with recording_tracking(records, t0):
+            trainer.fit()
+        fit_s = time.monotonic() - fit_started
+        trainer.checkpoint_manager.sleep_replicas()
+        print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
+              flush=True)
+        return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
+                "reloaded": reloaded}
+
+
+def _check_reload(answers: Any, role: str, path: str) -> None:
+    """Every rank reports ``role`` loaded from ``path``, or this raises naming what is missing."""
+    if not isinstance(answers, list) or not answers:
+        raise RuntimeError(f"fedagent_reload ({role}) returned {answers!r}, expected one answer per rank")
+    for answer in answers:
+        got = (answer or {}).get(role)
+        if not got or got.get("path") != path:
+            raise RuntimeError(f"fedagent_reload: rank {answer.get('rank', '?')} did not reload the {role} "
+                               f"from {path} (answer: {answer})")

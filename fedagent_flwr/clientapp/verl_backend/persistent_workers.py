@@ -1,0 +1,95 @@
+"""verl's FSDP workers with one extra method: load a new round's weights into the live engines.
+
+A persistent trainer (:mod:`.persistent`) keeps verl's worker processes alive across rounds, so
+each round's global model must go into the running engines. verl 0.9.1 already has the primitive:
+``TrainingWorker.reset()`` calls ``FSDPEngine.initialize()``, which builds the model from
+``engine.model_config.local_path`` and a new optimiser and LR scheduler (FedAgent's
+``reload_client_model`` does exactly this). The subclasses here add a ``fedagent_reload``
+method registered with verl's ``@register(dispatch_mode=Dispatch.ONE_TO_ALL)``, so the trainer's
+worker groups bind it like ``init_model``: one call, run on every rank, a list of per-rank answers.
+
+They are subclasses rather than patches: the TaskRunner names them in its role-to-class mapping
+(the extension point verl's own ``TaskRunner.add_actor_rollout_worker`` fills), and Ray imports
+this module in each worker exactly where it would import ``verl.workers.engine_workers`` (after
+it assigned the worker its GPU), so no ``sitecustomize`` hook is needed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils.memory_utils import aggressive_empty_cache
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from fedagent_flwr.clientapp.verl_backend import fedprox
+
+# What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
+_ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")
+
+
+def reseed(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (torch also seeds every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def reload_training_worker(worker: Any, model_path: str) -> dict[str, Any]:
+    """Rebuild ``worker``'s engine from the HF directory ``model_path``: new weights, new optimiser
+    and LR scheduler (none for a forward-only reference engine), and a fresh FedProx / client-rule
+    state, so the hooks anchor on these weights at the round's first optimiser step."""
+    started = time.monotonic()
+    engine = worker.engine
+    hooks = fedprox.reset_hook_state(engine)
+    engine.model_config.local_path = model_path
+    for name in _ENGINE_STATE:
+        if hasattr(engine, name):
+            setattr(engine, name, None)
+    gc.collect()
+    aggressive_empty_cache(force_sync=True)
+    worker.reset()  # TrainingWorker.reset -> FSDPEngine.initialize()
+    if getattr(engine, "module", None) is None:
+        raise RuntimeError(f"FSDPEngine.initialize() left no module after loading {model_path}")
+    return {"path": model_path, "hooks_reset": hooks, "seconds": round(time.monotonic() - started, 2)}
+
+
+def _rank(worker: Any) -> int:
+    return int(getattr(worker, "rank", os.environ.get("RANK", -1)))
+
+
+class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
+    """verl's hybrid actor/rollout/ref worker, plus ``fedagent_reload``."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
+        """Load ``model_path`` into the actor engine and, when there is one, the reference engine
+        (the reference policy of a round is its global model). The vLLM replicas get the weights at
+        the next ``checkpoint_manager.update_weights``, which ``fit()`` calls before step 1."""
+        reseed(seed)
+        answer: dict[str, Any] = {"rank": _rank(self), "pid": os.getpid(), "actor": None, "ref": None}
+        if self.actor is None:
+            raise RuntimeError(f"fedagent_reload: worker role {self.role!r} has no actor engine")
+        answer["actor"] = reload_training_worker(self.actor, model_path)
+        if self.ref is not None:
+            answer["ref"] = reload_training_worker(self.ref, model_path)
+        aggressive_empty_cache(force_sync=True)  # as init_model ends: let vLLM see the freed memory
+        return answer
+
+
+class ReloadableTrainingWorker(TrainingWorker):
+    """verl's TrainingWorker (the PPO critic), plus ``fedagent_reload``."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
+        """Load the critic's start for the round (the aggregated critic, or the model in round 1)."""
+        reseed(seed)
+        answer = {"rank": _rank(self), "pid": os.getpid(), "critic": reload_training_worker(self, model_path)}
+        aggressive_empty_cache(force_sync=True)
+        return answer
