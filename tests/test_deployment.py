@@ -33,9 +33,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
     deployment: Deployment, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
+    # The persistent trainer here (the http-store test below uses subprocess mode): every message
+    # runs in a fresh flwr-clientapp process, so each must find the node's trainer again.
     proc = deployment.run(
         f"model.path={tiny_model_dir} num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
-        f"output_dir={tmp_path} run_name=job"
+        f"output_dir={tmp_path} run_name=job trainer.mode=persistent"
     )
     output = proc.stdout + proc.stderr
     run_dir = tmp_path / "job"
@@ -52,6 +54,12 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
         assert entry["started_from"] == previous
         previous = entry["aggregated_actor"]
     assert summary["final_model"] == previous
+    # One trainer per node served both rounds and the evaluations; the run's end stopped them (and
+    # the fixture checks that no process is left in the deployment's directories).
+    for client in (0, 1):
+        starts = (run_dir / "trainers" / f"client_{client}" / "starts.jsonl").read_text().splitlines()
+        assert len(starts) == 1, starts
+    assert "2 persistent trainer(s) stopped" in output, output[-4000:]
     # Each message ran in a fresh flwr-clientapp process under its SuperNode.
     for node in deployment.supernodes:
         log = node.log()

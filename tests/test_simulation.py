@@ -159,7 +159,8 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
         assert logs == ["train_0.json.log", "val_0.json.log"]  # a separate validation service
         assert not list((run_dir / "services" / f"client_{client}").glob("*.json"))  # stopped, forgotten
     assert partitions == {0: [0, 1, 2, 3, 4], 1: [5, 6, 7, 8, 9]}  # uniform over secrets 1..10
-    assert "2 env service(s) stopped" in output or "4 env service(s) stopped" in output
+    assert "2 env service(s) and 0 persistent trainer(s) stopped" in output \
+        or "4 env service(s) and 0 persistent trainer(s) stopped" in output
     assert pids_with_cmdline(str(run_dir / "services")) == []  # no service outlives the run
 
 
