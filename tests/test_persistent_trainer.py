@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from fedagent_flwr.clientapp.backend import TrainerFailed
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, load, save
 from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE, PersistentTrainer, TrainerDied
-from fedagent_flwr.clientapp.trainer_server import process_start_ticks
+from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, process_start_ticks
 from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
@@ -121,12 +123,19 @@ def test_a_killed_trainer_is_reported_and_the_next_job_restarts_it(
                 return
             time.sleep(0.05)
 
+    # A helper the session declared (as a verl session declares its Ray cluster), outside the
+    # server's process group: it must not outlive the trainer.
+    marker = f"fa-test-leftover-{first}"
+    helper = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(600)", marker],
+                              start_new_session=True)
+    (trainer.channel / LEFTOVERS_FILE).write_text(json.dumps({"pid": first, "markers": [marker]}))
     killer = threading.Thread(target=kill_when_training)
     killer.start()
     with pytest.raises(TrainerDied, match=rf"persistent reference trainer \(pid {first}\) died during the train job"):
         trainer.run("train", train_job(tmp_path, base, "killed"), tmp_path / "killed.log", "client 1 killed", 300)
     killer.join()
     assert trainer.alive_pid() is None
+    assert helper.wait(timeout=10) == -signal.SIGKILL  # stopped with the dead trainer
 
     trainer.run("train", train_job(tmp_path, base, "after"), tmp_path / "after.log", "client 1 after", timeout_s=300)
     second = trainer.alive_pid()

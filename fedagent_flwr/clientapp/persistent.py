@@ -23,6 +23,8 @@ job's own log file, exactly like a subprocess's.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,8 +34,15 @@ from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import BACKEND_MODULES, TrainerFailed, trainer_environment
-from fedagent_flwr.clientapp.trainer_server import IDLE_ENV, INBOX, LOG_FILE, OUTBOX, process_start_ticks
-from fedagent_flwr.launch import stop_group
+from fedagent_flwr.clientapp.trainer_server import (
+    IDLE_ENV,
+    INBOX,
+    LEFTOVERS_FILE,
+    LOG_FILE,
+    OUTBOX,
+    process_start_ticks,
+)
+from fedagent_flwr.launch import pids_with_cmdline, stop_group
 
 PROCESS_FILE = "process.json"
 STARTS_FILE = "starts.jsonl"
@@ -84,6 +93,8 @@ class PersistentTrainer:
             raise TrainerFailed(f"unknown trainer backend {self.backend!r} (known: {sorted(BACKEND_MODULES)})")
         previous = self.record().get("pid")
         reason = f"restart: trainer pid {previous} is gone" if previous else "first job"
+        if previous:
+            self._stop_leftovers(int(previous))  # a dead trainer's helpers must not hold the GPU
         for box in (INBOX, OUTBOX):  # requests and answers of a dead trainer mean nothing now
             for stale in (self.channel / box).glob("*"):
                 stale.unlink(missing_ok=True)
@@ -139,6 +150,7 @@ class PersistentTrainer:
                     tail.pump()
                     if answer_path.exists():
                         continue
+                    self._stop_leftovers(pid)
                     raise TrainerDied(f"{label}: the persistent {self.backend} trainer (pid {pid}) died during "
                                       f"the {mode} job: {tail.last_lines()} (log: {log_file})")
                 if time.monotonic() > deadline:
@@ -161,7 +173,33 @@ class PersistentTrainer:
             time.sleep(_POLL_S)
         if self.alive_pid() == pid:
             stop_group(pid, grace_s=10.0)
+        self._stop_leftovers(pid)
         return True
+
+    def _stop_leftovers(self, pid: int) -> None:
+        """SIGKILL what a gone trainer left: its process group, and the processes its session
+        declared in ``leftovers.json`` (a verl session's Ray cluster, which lives outside it)."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            declared = json.loads((self.channel / LEFTOVERS_FILE).read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        if not isinstance(declared, dict) or declared.get("pid") != pid:
+            return  # another (earlier) trainer's declaration
+        killed = []
+        for marker in declared.get("markers", []):
+            for leftover in pids_with_cmdline(str(marker)) if str(marker).strip() else []:
+                if leftover != os.getpid():
+                    try:
+                        os.kill(leftover, signal.SIGKILL)
+                        killed.append(leftover)
+                    except ProcessLookupError:
+                        pass
+        if killed:
+            print(f"persistent trainer: stopped {len(killed)} process(es) left by trainer pid {pid}", flush=True)
 
     def state(self) -> dict[str, Any]:
         """A summary for the node's ``context.state`` (pid, number of starts, channel)."""

@@ -18,6 +18,10 @@ hosts the node this round:
   starts a fresh one for the next job).
 * ``server.log``: the server's output; every request's part is framed by ``== request <seq>``
   lines so the ClientApp can copy it into the round's own log.
+* ``leftovers.json``: command-line markers of processes the session starts outside the server's
+  process group (a verl session's Ray cluster: its temp dir), written by the session through
+  :func:`record_leftover_markers` before it starts them, so that the ClientApp can stop them if
+  the server dies without cleaning up (SIGKILL, OOM kill).
 
 The server exits on ``stop``, after a failure, and after ``idle_timeout_s`` without a request (a
 node whose run ended without the shutdown message must not keep a GPU forever).
@@ -45,6 +49,8 @@ INBOX = "inbox"
 OUTBOX = "outbox"
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
 IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
+CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, for the session
+LEFTOVERS_FILE = "leftovers.json"
 _POLL_S = 0.1
 
 
@@ -96,6 +102,7 @@ def serve(
     # engine would otherwise outlive this process.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     channel = Path(channel_dir)
+    os.environ[CHANNEL_ENV] = str(channel.resolve())
     inbox, outbox = channel / INBOX, channel / OUTBOX
     inbox.mkdir(parents=True, exist_ok=True)
     outbox.mkdir(parents=True, exist_ok=True)
@@ -134,6 +141,14 @@ def serve(
             session.close()
         finally:
             (channel / SERVER_FILE).unlink(missing_ok=True)
+
+
+def record_leftover_markers(markers: list[str]) -> None:
+    """Tell the ClientApp which processes to stop should this server die without cleaning up:
+    those whose command line contains one of ``markers``. A no-op outside :func:`serve`."""
+    channel = os.environ.get(CHANNEL_ENV)
+    if channel:
+        write_json_atomic(Path(channel) / LEFTOVERS_FILE, {"pid": os.getpid(), "markers": list(markers)})
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

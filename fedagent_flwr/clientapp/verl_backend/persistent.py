@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
+from fedagent_flwr.clientapp.trainer_server import record_leftover_markers
 from fedagent_flwr.clientapp.verl_backend import entry
 from fedagent_flwr.clientapp.verl_backend.entry import InputError, PreparedTrain, VerlJobFailed
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
@@ -238,6 +239,9 @@ class VerlSession:
             self._handle_sigterm()
             self.ray_temp_dir = prep.paths.ray_temp_dir
             shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
+            # Ray's processes carry the temp dir in their command lines; should this server be
+            # killed outright, the ClientApp stops them by it (the GPU must be free for the rerun).
+            record_leftover_markers([self.ray_temp_dir])
             if ray.is_initialized():
                 raise RuntimeError("Ray is already initialised in this process; a session needs its own cluster")
             # as verl.trainer.main_ppo.run_ppo initialises Ray
