@@ -17,10 +17,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fedagent_flwr.clientapp import backend
 from fedagent_flwr.clientapp.backend import TrainerFailed
-from fedagent_flwr.clientapp.job import EvalJob, EvalResult, load, save
-from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE, PersistentTrainer, TrainerDied
-from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, process_start_ticks
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, load, save
+from fedagent_flwr.clientapp.persistent import (
+    PROCESS_FILE,
+    STARTS_FILE,
+    PersistentTrainer,
+    TrainerDied,
+    _LogFollower,
+)
+from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, process_start_ticks, serve
 from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
@@ -169,3 +176,105 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert handle.alive_pid() is None
     assert "idle for 1 s, exiting" in (handle.channel / "server.log").read_text()
+
+
+# -- channel semantics, with a scripted session (tests/scripted_backend.py) ---------------------
+
+
+def _scripted_job(tmp: Path, name: str, script: str, close_s: float = 0.0) -> Path:
+    job = TrainJob(model_path="unused", output_dir=str(tmp / name), env_spec={}, round=1, client_id=0,
+                   num_clients=1, data_seed=1, trainer={"script": script, "close_s": close_s})
+    path = tmp / f"{name}.json"
+    save(job, path)
+    return path
+
+
+@pytest.fixture()
+def scripted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PersistentTrainer:
+    monkeypatch.setitem(backend.BACKEND_MODULES, "scripted", "tests.scripted_backend")
+    handle = PersistentTrainer("scripted", tmp_path / "channel", idle_timeout_s=600)
+    yield handle
+    handle.stop(grace_s=5)
+
+
+def test_requests_left_when_a_server_ends_are_answered_not_lost(tmp_path: Path) -> None:
+    """A failure ends the session: the job queued behind it is answered "not_served" (the
+    ClientApp then sends it to a fresh trainer) instead of waiting forever; after a stop, queued
+    jobs are answered "stopped"."""
+    from tests.scripted_backend import ScriptedSession
+
+    for first, expected in (("fail", "not_served"), ("stop", "stopped")):
+        channel = tmp_path / first
+        (channel / "inbox").mkdir(parents=True)
+        if first == "stop":
+            (channel / "inbox" / "1.json").write_text(json.dumps({"seq": 1, "mode": "stop"}))
+        else:
+            (channel / "inbox" / "1.json").write_text(json.dumps(
+                {"seq": 1, "mode": "train", "job": str(_scripted_job(tmp_path, "a", "fail"))}))
+        (channel / "inbox" / "2.json").write_text(json.dumps(
+            {"seq": 2, "mode": "train", "job": str(_scripted_job(tmp_path, "b", "ok"))}))
+        previous = signal.getsignal(signal.SIGTERM)
+        try:
+            code = serve(channel, ScriptedSession, "scripted", (ValueError,), (), idle_timeout_s=60)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        answers = {p.stem: json.loads(p.read_text()) for p in (channel / "outbox").glob("*.json")}
+        assert code == (1 if first == "fail" else 0)
+        assert answers["2"]["kind"] == expected and not answers["2"]["ok"]
+        if first == "fail":
+            assert answers["1"]["kind"] == "failed" and "scripted failure" in answers["1"]["error"]
+        assert not list((channel / "inbox").glob("*.json"))
+        assert json.loads((channel / "closing.json").read_text())["pid"] == os.getpid()
+
+
+def test_a_failed_job_ends_the_trainer_and_the_next_job_gets_a_fresh_one(
+    tmp_path: Path, scripted: PersistentTrainer
+) -> None:
+    with pytest.raises(TrainerFailed, match=r"scripted trainer failed: RuntimeError: scripted failure"):
+        scripted.run("train", _scripted_job(tmp_path, "a", "fail", close_s=3), tmp_path / "a.log", "c0 r1", 60)
+    first = scripted.record()["pid"]
+    # Sent while the failed trainer still closes (3 s): it waits for it, then a fresh one serves it.
+    scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    assert scripted.record()["pid"] != first and scripted.record()["starts"] == 2
+    assert (tmp_path / "b" / "train_result.json").exists()
+
+
+def test_a_trainer_stopped_on_purpose_mid_job_is_no_crash_to_rerun(
+    tmp_path: Path, scripted: PersistentTrainer
+) -> None:
+    """The run's end (another process's shutdown query) stops a trainer that still works on a job:
+    the waiting ClientApp reports a stop, it does not rerun the job in a subprocess."""
+    scripted.ensure_started()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            scripted.run("train", _scripted_job(tmp_path, "long", "sleep:60"), tmp_path / "long.log", "c0", 120)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while "scripted train round 1: sleep" not in (scripted.channel / "server.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert PersistentTrainer("", scripted.channel).stop(grace_s=1) is True
+    waiter.join(timeout=60)
+    assert len(errors) == 1 and type(errors[0]) is TrainerFailed, errors
+    assert "trainer was stopped" in str(errors[0])  # answered by the stopping server, or seen gone
+    assert not (tmp_path / "long" / "train_result.json").exists()
+
+
+def test_log_follower_keeps_characters_split_between_reads(tmp_path: Path) -> None:
+    import io
+
+    log, sink = tmp_path / "server.log", io.StringIO()
+    text = "progress █ done\nlast line without newline".encode()
+    cut = text.index("█".encode()) + 1  # inside the three bytes of the character
+    log.write_bytes(text[:cut])
+    follower = _LogFollower(log, 0, sink, "c0")
+    follower.pump()
+    log.write_bytes(text)
+    follower.close()
+    assert sink.getvalue() == "progress █ done\nlast line without newline\n"

@@ -67,7 +67,7 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
     output = proc.stdout + proc.stderr
     run_dir = tmp_path / "job"
     summary = _summary(run_dir, output)
-    assert _max_difference(summary, subprocess_run) < 1e-6
+    assert _max_difference(summary, subprocess_run) == 0.0  # bit-identical
     assert [(p["success_rate"], p["reward_mean"]) for p in summary["val_curve"]] == \
         [(p["success_rate"], p["reward_mean"]) for p in subprocess_run["val_curve"]]
     for client in (0, 1):
@@ -114,4 +114,4 @@ def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
     assert len(starts) == 2 and starts[0]["pid"] == victim
     assert starts[1]["reason"] == f"restart: trainer pid {victim} is gone"
     assert len((run_dir / "trainers" / "client_1" / STARTS_FILE).read_text().splitlines()) == 1
-    assert _max_difference(summary, subprocess_run) < 1e-6
+    assert _max_difference(summary, subprocess_run) == 0.0  # bit-identical

@@ -108,12 +108,18 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
     if trainer.get("mode", "subprocess") == "persistent":
         handle = PersistentTrainer(backend, channel_dir(run_root, node_partition(context)[0]),
                                    float(trainer.get("persistent_idle_s", 3600.0)))
+        started = time.monotonic()
         try:
             handle.run(mode, job_path, log_path, label, timeout_s)
         except TrainerDied as exc:
+            # The rerun gets what is left of the job's time, not a fresh timeout: the server
+            # gives up on the reply at the round's deadline anyway.
+            left = timeout_s - (time.monotonic() - started)
+            if left < 30:
+                raise TrainerFailed(f"{exc}; too little of the {timeout_s:.0f} s timeout is left to rerun it") from None
             print(f"[{label}] {exc}; running this job in a fresh subprocess instead", flush=True)
             result_path.unlink(missing_ok=True)
-            run_trainer(backend, mode, job_path, out_dir / f"{mode}.fallback.log", label, timeout_s)
+            run_trainer(backend, mode, job_path, out_dir / f"{mode}.fallback.log", label, left)
         finally:
             context.state["persistent-trainer"] = ConfigRecord(handle.state())
     else:

@@ -22,6 +22,7 @@ job's own log file, exactly like a subprocess's.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ from typing import Any
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import BACKEND_MODULES, TrainerFailed, trainer_environment
 from fedagent_flwr.clientapp.trainer_server import (
+    CLOSING_FILE,
     IDLE_ENV,
     INBOX,
     LEFTOVERS_FILE,
@@ -46,6 +48,7 @@ from fedagent_flwr.launch import pids_with_cmdline, stop_group
 
 PROCESS_FILE = "process.json"
 STARTS_FILE = "starts.jsonl"
+STOPPING_FILE = "stopping.json"  # written by stop(): a trainer that goes now was stopped, not crashed
 _POLL_S = 0.2
 
 
@@ -76,29 +79,40 @@ class PersistentTrainer:
         except (OSError, json.JSONDecodeError, TypeError, ValueError):
             return {}
 
+    def _ours(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` describes a process of this machine since its last boot (a channel
+        on a shared filesystem may hold another host's record; a pid means nothing there)."""
+        return record.get("boot_id") == _boot_id() and isinstance(record.get("pid"), int)
+
     def alive_pid(self) -> int | None:
         """The pid of this node's trainer if that very process still runs, else None."""
         record = self.record()
-        pid, ticks = record.get("pid"), record.get("start_ticks")
-        if isinstance(pid, int) and ticks is not None and process_start_ticks(pid) == ticks:
-            return pid
+        if not self._ours(record):
+            return None
+        pid, ticks = record["pid"], record.get("start_ticks")
+        if ticks is not None and process_start_ticks(pid) == ticks:
+            return int(pid)
         return None
 
     def ensure_started(self) -> int:
-        """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs."""
+        """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
+        or if the one running serves another backend."""
         pid = self.alive_pid()
-        if pid is not None:
+        if pid is not None and self.record().get("backend") == self.backend:
             return pid
         if self.backend not in BACKEND_MODULES:
             raise TrainerFailed(f"unknown trainer backend {self.backend!r} (known: {sorted(BACKEND_MODULES)})")
-        previous = self.record().get("pid")
-        reason = f"restart: trainer pid {previous} is gone" if previous else "first job"
-        if previous:
-            self._stop_leftovers(int(previous))  # a dead trainer's helpers must not hold the GPU
+        if pid is not None:
+            self.stop()  # a trainer of another backend (the run's config changed on resume)
+        previous = self.record()
+        reason = f"restart: trainer pid {previous['pid']} is gone" if previous.get("pid") else "first job"
+        self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
         for box in (INBOX, OUTBOX):  # requests and answers of a dead trainer mean nothing now
             for stale in (self.channel / box).glob("*"):
                 stale.unlink(missing_ok=True)
         self.channel.mkdir(parents=True, exist_ok=True)
+        for marker in (STOPPING_FILE, CLOSING_FILE):
+            (self.channel / marker).unlink(missing_ok=True)
         env = trainer_environment()
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
         command = [sys.executable, "-m", BACKEND_MODULES[self.backend], "serve", str(self.channel)]
@@ -110,9 +124,9 @@ class PersistentTrainer:
         # Reap it when it exits, so it never lingers as a zombie that looks alive.
         threading.Thread(target=process.wait, daemon=True).start()
         ticks = process_start_ticks(process.pid)
-        starts = int(self.record().get("starts", 0)) + 1
-        record = {"pid": process.pid, "start_ticks": ticks, "backend": self.backend, "starts": starts,
-                  "started_at": time.time(), "reason": reason}
+        starts = int(previous.get("starts", 0)) + 1
+        record = {"pid": process.pid, "start_ticks": ticks, "boot_id": _boot_id(), "backend": self.backend,
+                  "starts": starts, "started_at": time.time(), "reason": reason}
         write_json_atomic(self.channel / PROCESS_FILE, record)
         with open(self.channel / STARTS_FILE, "a") as history:
             history.write(json.dumps(record) + "\n")
@@ -125,32 +139,54 @@ class PersistentTrainer:
     def run(self, mode: str, job_path: Path, log_path: Path, label: str, timeout_s: float) -> None:
         """Have the trainer run one job (``mode`` train|evaluate); return when its result is written.
 
-        Raises TrainerDied if the trainer process disappears first (the caller falls back to a
-        subprocess), TrainerFailed if the job failed, was rejected or timed out.
+        A trainer that exits without serving the job (idle exit, a broken session) gets it again
+        once, from a fresh trainer. Raises TrainerDied if the trainer process disappears in the
+        middle of the job (the caller falls back to a subprocess), TrainerFailed if the job failed,
+        was rejected, timed out or the trainer was stopped on purpose (the run is over).
         """
+        deadline = time.monotonic() + timeout_s
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as own_log:
+            for attempt in (1, 2):
+                answer = self._exchange(mode, job_path, own_log, label, timeout_s, deadline)
+                if answer.get("kind") != "not_served" or attempt == 2:
+                    break
+                print(f"[{label}] the trainer exited before serving the {mode} job; starting a fresh one",
+                      flush=True)
+        if not answer.get("ok"):
+            kind = answer.get("kind")
+            what = {"bad_input": "rejected the job", "stopped": "was stopped before finishing the job",
+                    "not_served": "exited twice before serving the job"}.get(str(kind), "failed")
+            raise TrainerFailed(f"{label}: {self.backend} trainer {what}: {answer.get('error')} (log: {log_path})")
+
+    def _exchange(self, mode: str, job_path: Path, own_log: Any, label: str, timeout_s: float,
+                  deadline: float) -> dict[str, Any]:
+        """Send one request to the (started) trainer and wait for its answer."""
+        self._wait_for_exit_of_a_closing_trainer(deadline)
         pid = self.ensure_started()
         log_file = self.channel / LOG_FILE
         offset = log_file.stat().st_size if log_file.exists() else 0
         seq = time.time_ns()
         answer_path = self.channel / OUTBOX / f"{seq}.json"
         write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path)})
-        deadline = time.monotonic() + timeout_s
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as own_log:
-            tail = _LogFollower(log_file, offset, own_log, label)
+        tail = _LogFollower(log_file, offset, own_log, label)
+        try:
             while True:
                 tail.pump()
                 if answer_path.exists():
                     tail.pump()
-                    answer = json.loads(answer_path.read_text())
+                    answer = dict(json.loads(answer_path.read_text()))
                     answer_path.unlink(missing_ok=True)
-                    break
+                    return answer
                 if self.alive_pid() != pid:
                     time.sleep(_POLL_S)  # its last words may still be in flight
                     tail.pump()
                     if answer_path.exists():
                         continue
-                    self._stop_leftovers(pid)
+                    if self._stopping(pid):
+                        raise TrainerFailed(f"{label}: the persistent {self.backend} trainer (pid {pid}) was "
+                                            f"stopped during the {mode} job (log: {log_file})")
+                    self._stop_leftovers(self.record())
                     raise TrainerDied(f"{label}: the persistent {self.backend} trainer (pid {pid}) died during "
                                       f"the {mode} job: {tail.last_lines()} (log: {log_file})")
                 if time.monotonic() > deadline:
@@ -158,46 +194,64 @@ class PersistentTrainer:
                     raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout "
                                         f"(persistent trainer pid {pid}; log: {log_file})")
                 time.sleep(_POLL_S)
-        if not answer.get("ok"):
-            what = "rejected the job" if answer.get("kind") == "bad_input" else "failed"
-            raise TrainerFailed(f"{label}: {self.backend} trainer {what}: {answer.get('error')} (log: {log_path})")
+        finally:
+            tail.close()
+
+    def _wait_for_exit_of_a_closing_trainer(self, deadline: float) -> None:
+        """A trainer that announced it is closing (idle exit, a failure) will serve nothing more:
+        wait for it to go, so that the next request reaches its successor."""
+        pid = self.alive_pid()
+        while pid is not None and _names_pid(self.channel / CLOSING_FILE, pid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            pid = self.alive_pid()
+
+    def _stopping(self, pid: int) -> bool:
+        return _names_pid(self.channel / STOPPING_FILE, pid)
 
     def stop(self, grace_s: float = 30.0) -> bool:
         """Ask the trainer to stop, kill its session after ``grace_s``; True if one was running."""
         pid = self.alive_pid()
         if pid is None:
             return False
+        # Whoever waits on this trainer must see a stop, not a crash (no fallback rerun).
+        write_json_atomic(self.channel / STOPPING_FILE, {"pid": pid, "at": time.time()})
         write_json_atomic(self.channel / INBOX / f"{time.time_ns()}.json", {"mode": "stop"})
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self.alive_pid() == pid:
             time.sleep(_POLL_S)
         if self.alive_pid() == pid:
             stop_group(pid, grace_s=10.0)
-        self._stop_leftovers(pid)
+        self._stop_leftovers(self.record())
         return True
 
-    def _stop_leftovers(self, pid: int) -> None:
-        """SIGKILL what a gone trainer left: its process group, and the processes its session
-        declared in ``leftovers.json`` (a verl session's Ray cluster, which lives outside it)."""
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def _stop_leftovers(self, record: dict[str, Any]) -> None:
+        """SIGKILL what the gone trainer of ``record`` left behind: members of its process group
+        and the processes its session declared in ``leftovers.json`` (a verl session's Ray
+        cluster, which lives outside the group). Only processes of this boot that started after
+        the trainer are touched, so a reused pid or group id is never hit."""
+        if not self._ours(record) or record.get("start_ticks") is None:
+            return
+        pid, since = int(record["pid"]), int(record["start_ticks"])
+        markers: list[str] = []
         try:
             declared = json.loads((self.channel / LEFTOVERS_FILE).read_text())
+            if isinstance(declared, dict) and declared.get("pid") == pid:
+                markers = [str(m) for m in declared.get("markers", []) if str(m).strip()]
         except (OSError, json.JSONDecodeError):
-            return
-        if not isinstance(declared, dict) or declared.get("pid") != pid:
-            return  # another (earlier) trainer's declaration
+            pass
+        victims = set(_group_members(pid))
+        for marker in markers:
+            victims.update(pids_with_cmdline(marker))
         killed = []
-        for marker in declared.get("markers", []):
-            for leftover in pids_with_cmdline(str(marker)) if str(marker).strip() else []:
-                if leftover != os.getpid():
-                    try:
-                        os.kill(leftover, signal.SIGKILL)
-                        killed.append(leftover)
-                    except ProcessLookupError:
-                        pass
+        for victim in sorted(victims - {os.getpid()}):
+            ticks = process_start_ticks(victim)
+            if ticks is None or ticks < since:
+                continue
+            try:
+                os.kill(victim, signal.SIGKILL)
+                killed.append(victim)
+            except ProcessLookupError:
+                pass
         if killed:
             print(f"persistent trainer: stopped {len(killed)} process(es) left by trainer pid {pid}", flush=True)
 
@@ -208,12 +262,46 @@ class PersistentTrainer:
                 "channel": str(self.channel), "backend": self.backend}
 
 
+def _names_pid(path: Path, pid: int) -> bool:
+    """Whether the JSON marker file ``path`` exists and names ``pid``."""
+    try:
+        return json.loads(path.read_text()).get("pid") == pid
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def _boot_id() -> str:
+    """This machine's boot id (pids and start times are only meaningful within one boot)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _group_members(group: int) -> list[int]:
+    """PIDs whose process group is ``group`` (``/proc/<pid>/stat`` field 5)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if len(fields) > 2 and fields[2] == str(group):
+            members.append(int(entry.name))
+    return members
+
+
 class _LogFollower:
     """Copies what the server appends to its log (from ``offset`` on) into the job's log and the
     node's output, line by line with the client's label."""
 
     def __init__(self, path: Path, offset: int, sink: Any, label: str) -> None:
         self.path, self.offset, self.sink, self.label = path, offset, sink, label
+        # Incremental: a UTF-8 character split between two reads is decoded whole.
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.partial = ""
         self.recent: list[str] = []
 
@@ -225,15 +313,26 @@ class _LogFollower:
         except OSError:
             return
         self.offset += len(data)
-        lines = (self.partial + data.decode(errors="replace")).split("\n")
+        lines = (self.partial + self.decoder.decode(data)).split("\n")
         self.partial = lines.pop()
         for line in lines:
-            self.sink.write(line + "\n")
-            print(f"[{self.label}] {line}", flush=True)
-            self.recent = (self.recent + [line])[-15:]
+            self._emit(line)
         self.sink.flush()
+
+    def close(self) -> None:
+        """Emit an unfinished last line (output that ended without a newline)."""
+        self.pump()
+        rest = self.partial + self.decoder.decode(b"", final=True)
+        self.partial = ""
+        if rest:
+            self._emit(rest)
+            self.sink.flush()
+
+    def _emit(self, line: str) -> None:
+        self.sink.write(line + "\n")
+        print(f"[{self.label}] {line}", flush=True)
+        self.recent = (self.recent + [line])[-15:]
 
     def last_lines(self) -> str:
         text = " | ".join(line for line in self.recent if line.strip())
         return text[-800:] or "no output"
-

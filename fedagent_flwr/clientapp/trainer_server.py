@@ -18,6 +18,8 @@ hosts the node this round:
   starts a fresh one for the next job).
 * ``server.log``: the server's output; every request's part is framed by ``== request <seq>``
   lines so the ClientApp can copy it into the round's own log.
+* ``closing.json``: ``{"pid"}`` once the server will serve nothing more (stop, idle, failure);
+  requests that arrive meanwhile are answered ``"not_served"`` (or ``"stopped"``) before it exits.
 * ``leftovers.json``: command-line markers of processes the session starts outside the server's
   process group (a verl session's Ray cluster: its temp dir), written by the session through
   :func:`record_leftover_markers` before it starts them, so that the ClientApp can stop them if
@@ -51,6 +53,7 @@ DEFAULT_IDLE_TIMEOUT_S = 3600.0
 IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
 CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, for the session
 LEFTOVERS_FILE = "leftovers.json"
+CLOSING_FILE = "closing.json"  # {"pid"}: this server serves nothing more and is about to exit
 _POLL_S = 0.1
 
 
@@ -114,6 +117,10 @@ def serve(
     })
     print(f"trainer server ({backend}) pid {pid} serving {channel}", flush=True)
     served, last_request = 0, time.monotonic()
+    # Requests still waiting when the server ends get this answer: "stopped" after a stop (the
+    # run is over: nothing to redo), "not_served" otherwise (idle exit or a broken session: the
+    # ClientApp starts a fresh trainer and sends the job again).
+    leftover_kind = "not_served"
     try:
         while True:
             request = _next_request(inbox)
@@ -135,12 +142,33 @@ def serve(
             path.unlink(missing_ok=True)
             last_request = time.monotonic()
             if not keep_serving:
+                leftover_kind = "stopped" if body.get("mode") == "stop" else "not_served"
                 return 0 if answer["ok"] else 1
+    except _Terminated:
+        leftover_kind = "stopped"  # a timeout or the run's end: the job in hand is not to be redone
+        raise
     finally:
+        # Announce the end first: a request written from now on is answered "not served" (or is
+        # sent to the successor by a ClientApp that read this), never left without an answer.
+        write_json_atomic(channel / CLOSING_FILE, {"pid": pid})
+        (channel / SERVER_FILE).unlink(missing_ok=True)
         try:
             session.close()
         finally:
-            (channel / SERVER_FILE).unlink(missing_ok=True)
+            _answer_pending(inbox, outbox, leftover_kind)
+
+
+def _answer_pending(inbox: Path, outbox: Path, kind: str) -> None:
+    """Answer every request still in the inbox with ``kind`` (the server is going away)."""
+    while (request := _next_request(inbox)) is not None:
+        path, body = request
+        if body.get("mode") in ("train", "evaluate"):
+            write_json_atomic(outbox / f"{path.stem}.json", {
+                "seq": body.get("seq"), "ok": False, "kind": kind,
+                "error": "the trainer server was stopped before finishing this job" if kind == "stopped"
+                else "the trainer server exited before serving this job",
+            })
+        path.unlink(missing_ok=True)
 
 
 def record_leftover_markers(markers: list[str]) -> None:
@@ -151,8 +179,12 @@ def record_leftover_markers(markers: list[str]) -> None:
         write_json_atomic(Path(channel) / LEFTOVERS_FILE, {"pid": os.getpid(), "markers": list(markers)})
 
 
+class _Terminated(SystemExit):
+    """SIGTERM: the ClientApp (a timeout) or the run's end stops this server."""
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    raise _Terminated(128 + signum)
 
 
 def _next_request(inbox: Path) -> tuple[Path, dict[str, Any]] | None:

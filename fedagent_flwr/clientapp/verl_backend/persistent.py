@@ -114,6 +114,17 @@ def root_cause(exc: BaseException) -> str:
     return f"{known} ({line[:300]})" if known else line[:600]
 
 
+def _release_cached_gpu_memory() -> None:
+    """Free what torch's caching allocator keeps in this process (no-op without CUDA)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def apply_environment(env: dict[str, str]) -> None:
     """Make ``os.environ`` equal to ``env`` (what Ray's processes will inherit)."""
     for key in list(os.environ):
@@ -175,8 +186,12 @@ class VerlSession:
         return entry.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
 
     def evaluate(self, job: EvalJob) -> Any:
-        """Hugging Face evaluation in this process, as :func:`.entry.evaluate`."""
-        return entry.evaluate(job)
+        """Hugging Face evaluation in this process, as :func:`.entry.evaluate`; the evaluation
+        model's GPU memory is handed back afterwards (vLLM wakes up into it next round)."""
+        try:
+            return entry.evaluate(job)
+        finally:
+            _release_cached_gpu_memory()
 
     def close(self) -> None:
         """Stop the TaskRunner, the workers, vLLM and the private Ray cluster; leave no process behind."""
@@ -280,7 +295,10 @@ class VerlSession:
             return
 
         def stop(signum: int, frame: Any) -> None:
+            previous = self._previous_sigterm
             self.close()
+            if callable(previous):  # the trainer server's own handler: it answers what is queued
+                previous(signum, frame)
             raise SystemExit(128 + signum)
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, stop)

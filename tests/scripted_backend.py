@@ -1,0 +1,40 @@
+"""A trainer backend for the persistent-trainer tests: a session that does what the job's
+``trainer.script`` says ("ok", "fail" or "sleep:<s>") and takes ``trainer.close_s`` to close."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, backend_main, save
+
+
+class ScriptedSession:
+    def __init__(self) -> None:
+        self.close_s = 0.0
+
+    def train(self, job: TrainJob) -> TrainResult:
+        script = str(job.trainer.get("script", "ok"))
+        self.close_s = float(job.trainer.get("close_s", 0.0))
+        print(f"scripted train round {job.round}: {script}", flush=True)
+        if script == "fail":
+            raise RuntimeError(f"scripted failure in round {job.round}")
+        if script.startswith("sleep:"):
+            time.sleep(float(script.split(":", 1)[1]))
+        result = TrainResult(actor_dir=job.output_dir, actor_format="fsdp-shards", num_episodes=1, metrics={})
+        save(result, Path(job.output_dir) / "train_result.json")
+        return result
+
+    def evaluate(self, job: EvalJob) -> EvalResult:
+        result = EvalResult(num_episodes=1, success_rate=0.0, reward_mean=0.0)
+        save(result, Path(job.output_dir) / "eval_result.json")
+        return result
+
+    def close(self) -> None:
+        time.sleep(self.close_s)  # a verl session needs seconds to stop Ray
+
+
+if __name__ == "__main__":
+    sys.exit(backend_main("scripted", None, lambda job: None, lambda job: None, (ValueError,),
+                          session_factory=ScriptedSession))
