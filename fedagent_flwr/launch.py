@@ -18,6 +18,42 @@ import time
 from pathlib import Path
 
 
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, start time in clock ticks since boot) of ``pid``, or None if it does
+    not exist. The start time together with the pid names one process (pids are reused)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses; fields resume after the last ')'.
+    rest = raw[raw.rindex(")") + 2:].split()
+    return rest[0], int(rest[2]), int(rest[19])
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot), or None if it does not exist."""
+    stat = proc_stat(pid)
+    return None if stat is None else stat[2]
+
+
+def is_live_process(pid: int, start_ticks: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``start_ticks`` still runs (not a zombie, and
+    the pid not reused by another process since)."""
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X") and stat[2] == start_ticks
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = proc_stat(int(entry))
+            if stat is not None and stat[1] == pgid and stat[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
 def pids_with_cmdline(marker: str) -> list[int]:
     """PIDs whose command line contains ``marker``."""
     pids = []

@@ -27,7 +27,8 @@ from fedagent_flwr.clientapp.persistent import (
     TrainerDied,
     _LogFollower,
 )
-from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, process_start_ticks, serve
+from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, serve
+from fedagent_flwr.launch import process_start_ticks
 from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 

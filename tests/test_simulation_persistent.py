@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE
-from fedagent_flwr.clientapp.trainer_server import process_start_ticks
+from fedagent_flwr.launch import is_live_process
 from tests.flower_harness import REPO, SuperLink, simulation_superlink
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,8 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
         channel = run_dir / "trainers" / f"client_{client}"
         starts = (channel / STARTS_FILE).read_text().splitlines()
         assert len(starts) == 1, starts  # one trainer process served the node's 3 rounds + evaluations
-        pid = json.loads(starts[0])["pid"]
+        started = json.loads(starts[0])
+        pid = started["pid"]
         for r in (1, 2, 3):
             log = (run_dir / f"round_{r}" / f"client_{client}" / "train.log").read_text()
             # The job's own part of the trainer's output, one request framed.
@@ -83,7 +84,7 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
         assert server_log.count("trainer server: train #") == 3
         assert f"pid {pid} serving" in server_log
         # The shutdown at the end of the run stopped it.
-        assert process_start_ticks(pid) is None
+        assert not is_live_process(pid, started["start_ticks"])
     assert "2 persistent trainer(s) stopped" in output
 
 

@@ -42,9 +42,14 @@ from fedagent_flwr.clientapp.trainer_server import (
     LEFTOVERS_FILE,
     LOG_FILE,
     OUTBOX,
-    process_start_ticks,
 )
-from fedagent_flwr.launch import pids_with_cmdline, stop_group
+from fedagent_flwr.launch import (
+    is_live_process,
+    pids_with_cmdline,
+    process_group_members,
+    process_start_ticks,
+    stop_group,
+)
 
 PROCESS_FILE = "process.json"
 STARTS_FILE = "starts.jsonl"
@@ -89,10 +94,8 @@ class PersistentTrainer:
         record = self.record()
         if not self._ours(record):
             return None
-        pid, ticks = record["pid"], record.get("start_ticks")
-        if ticks is not None and process_start_ticks(pid) == ticks:
-            return int(pid)
-        return None
+        pid = int(record["pid"])
+        return pid if is_live_process(pid, record.get("start_ticks")) else None
 
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
@@ -239,7 +242,7 @@ class PersistentTrainer:
                 markers = [str(m) for m in declared.get("markers", []) if str(m).strip()]
         except (OSError, json.JSONDecodeError):
             pass
-        victims = set(_group_members(pid))
+        victims = set(process_group_members(pid))
         for marker in markers:
             victims.update(pids_with_cmdline(marker))
         killed = []
@@ -276,22 +279,6 @@ def _boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
-
-
-def _group_members(group: int) -> list[int]:
-    """PIDs whose process group is ``group`` (``/proc/<pid>/stat`` field 5)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(group):
-            members.append(int(entry.name))
-    return members
 
 
 class _LogFollower:

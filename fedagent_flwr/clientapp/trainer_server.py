@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
+from fedagent_flwr.launch import process_start_ticks
 
 PROTOCOL = 1
 SERVER_FILE = "server.json"
@@ -66,20 +67,6 @@ class TrainerSession(Protocol):
     def evaluate(self, job: EvalJob) -> EvalResult: ...
 
     def close(self) -> None: ...
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None
-    if there is no such process or it is a zombie. Together with the pid it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    rest = stat[stat.rindex(")") + 2:].split()
-    if rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19])
 
 
 def serve(
@@ -131,7 +118,7 @@ def serve(
                 time.sleep(_POLL_S)
                 continue
             path, body = request
-            seq = int(body.get("seq", path.stem)) if str(body.get("seq", path.stem)).isdigit() else -1
+            seq = int(path.stem)  # the file's name is the request's number
             print(f"== request {seq} {body.get('mode')} begin", flush=True)
             answer, keep_serving = _handle(body, session, bad_input, failures, served)
             answer["seq"] = seq
@@ -188,15 +175,16 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _next_request(inbox: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The lowest-numbered complete request (temporary files of an ongoing write are skipped)."""
-    names = sorted((p for p in inbox.glob("*.json") if p.stem.isdigit()), key=lambda p: int(p.stem))
-    for path in names:
-        try:
-            body = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            body = {"mode": "invalid", "error": f"unreadable request {path.name}: {exc}"}
-        return path, body if isinstance(body, dict) else {"mode": "invalid", "error": "request is not an object"}
-    return None
+    """The lowest-numbered request (temporary files of an ongoing write have no numeric stem)."""
+    numbered = [p for p in inbox.glob("*.json") if p.stem.isdigit()]
+    if not numbered:
+        return None
+    path = min(numbered, key=lambda p: int(p.stem))
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return path, {"mode": "invalid", "error": f"unreadable request {path.name}: {exc}"}
+    return path, body if isinstance(body, dict) else {"mode": "invalid", "error": "request is not an object"}
 
 
 def _handle(body: dict[str, Any], session: TrainerSession, bad_input: tuple[type[BaseException], ...],

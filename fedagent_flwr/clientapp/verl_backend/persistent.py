@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -148,7 +146,6 @@ class VerlSession:
         self.fixed: dict[str, Any] | None = None
         self.rounds = 0
         self._environ_before: dict[str, str] | None = None
-        self._previous_sigterm: Any = None
 
     # -- TrainerSession ------------------------------------------------------------------------
 
@@ -212,9 +209,6 @@ class VerlSession:
             if self._environ_before is not None:
                 apply_environment(self._environ_before)
                 self._environ_before = None
-            if self._previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-                self._previous_sigterm = None
             if self.work_dir is not None and self._work_dir_arg is None:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
                 self.work_dir = None
@@ -251,7 +245,6 @@ class VerlSession:
             stage = "starting the private Ray cluster"
             self._environ_before = dict(os.environ)
             apply_environment(prep.env)
-            self._handle_sigterm()
             self.ray_temp_dir = prep.paths.ray_temp_dir
             shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
             # Ray's processes carry the temp dir in their command lines; should this server be
@@ -287,18 +280,3 @@ class VerlSession:
         except Exception as exc:
             raise VerlJobFailed(f"the persistent verl session failed in {what}: {root_cause(exc)} "
                                 f"(log: {LOG_HINT})") from exc
-
-    def _handle_sigterm(self) -> None:
-        """A SIGTERM to the server stops the session's Ray cluster too (as the subprocess path's
-        ``run_verl`` stops its job's process group)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def stop(signum: int, frame: Any) -> None:
-            previous = self._previous_sigterm
-            self.close()
-            if callable(previous):  # the trainer server's own handler: it answers what is queued
-                previous(signum, frame)
-            raise SystemExit(128 + signum)
-
-        self._previous_sigterm = signal.signal(signal.SIGTERM, stop)

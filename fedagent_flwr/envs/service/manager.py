@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.launch import is_live_process, proc_stat, process_group_members, process_start_ticks
 
 _POLL_S = 0.05  # start-up and shutdown polling interval; short, since start-up is usually ~1 s
 _SERVER_MODULE = "fedagent_flwr.envs.service.server"
@@ -98,34 +99,6 @@ class ServiceLaunch:
 
 
 # --- /proc helpers ------------------------------------------------------------------------------
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, process group, start time in clock ticks) of ``pid``, or None if it does not exist."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may contain spaces and parentheses; fields resume after the last ')'.
-    rest = raw[raw.rindex(")") + 2:].split()
-    return rest[0], int(rest[2]), int(rest[19])
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Kernel start time of ``pid`` (clock ticks since boot), or None if it does not exist."""
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[2]
-
-
-def process_group_members(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _proc_stat(int(entry))
-            if stat is not None and stat[1] == pgid and stat[0] != "Z":
-                members.append(int(entry))
-    return members
-
 
 def _reap(pid: int, wait_s: float = 0.0) -> None:
     """Collect ``pid``'s exit status if this process is its parent, waiting up to ``wait_s``.
@@ -283,9 +256,8 @@ class EnvServiceManager:
     def _process_alive(self, state: Mapping[str, Any]) -> bool:
         pid = int(state["pid"])
         _reap(pid)
-        stat = _proc_stat(pid)
         # A different start time means the pid now belongs to some other process.
-        return stat is not None and stat[0] != "Z" and stat[2] == state.get("start_ticks")
+        return is_live_process(pid, state.get("start_ticks"))
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The service's ``/health`` reply; raises :class:`EnvServiceError` if unreachable."""
@@ -411,7 +383,7 @@ class EnvServiceManager:
 
     def _terminate_group(self, state: Mapping[str, Any]) -> None:
         pid, pgid = int(state["pid"]), int(state["pgid"])
-        leader = _proc_stat(pid)
+        leader = proc_stat(pid)
         if leader is not None and leader[2] != state.get("start_ticks"):
             return  # pid (and so the group id) was recycled by an unrelated process: hands off
         # With the leader gone, remaining members still prove the group is ours: Linux does not
