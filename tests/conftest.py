@@ -15,6 +15,31 @@ import pytest
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir as _smollm2_tokenizer_dir
 from fedagent_flwr.models.tiny import make_tiny_model
 
+# What the whole suite needs free under the temp dir at its peak (checkpoints of several
+# simulations alive at once), with margin. Override with FEDAGENT_TEST_MIN_FREE_MB.
+MIN_FREE_MB = 2048
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Stop at once, naming the disk, when it is too full for the suite.
+
+    Otherwise the run fails minutes later with dozens of unrelated-looking ENOSPC errors.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    needed = int(os.environ.get("FEDAGENT_TEST_MIN_FREE_MB", MIN_FREE_MB))
+    basetemp = session.config.option.basetemp or tempfile.gettempdir()
+    probe = Path(basetemp)
+    while not probe.exists():
+        probe = probe.parent
+    free_mb = shutil.disk_usage(probe).free // 2**20
+    if free_mb < needed:
+        pytest.exit(f"only {free_mb} MiB free on the disk of {probe}; the test suite needs about {needed} MiB "
+                    "for checkpoints. Free space there, or point --basetemp at a larger disk "
+                    "(FEDAGENT_TEST_MIN_FREE_MB lowers this check).", returncode=1)
+
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:

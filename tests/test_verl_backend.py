@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -300,7 +301,10 @@ def test_entry_runs_verl_up_to_its_gpu_check_and_reports_one_clear_line(tiny_mod
     from fedagent_flwr.clientapp.verl_backend.entry import ray_temp_dir
     from fedagent_flwr.launch import pids_with_cmdline
 
-    assert pids_with_cmdline(ray_temp_dir(str(tmp_path / "out"))) == []
+    temp_dir = ray_temp_dir(str(tmp_path / "out"))
+    assert pids_with_cmdline(temp_dir) == []
+    assert Path(temp_dir).is_dir()  # a failed job keeps Ray's own logs for debugging
+    shutil.rmtree(temp_dir)
 
 
 def test_entry_refuses_bad_jobs_before_starting_verl(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -337,6 +338,7 @@ def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_n
     assert not Path(result["work_dir"]).exists()
     assert (tmp_path / "out" / "verl" / "train_rows.json").exists()
     assert not (tmp_path / "out" / "train_result.json").exists()
+    shutil.rmtree(result["temp_dir"])  # Ray's dir lives in /tmp, outside tmp_path
 
 
 def test_the_entry_module_serves_a_persistent_session() -> None:

@@ -209,6 +209,7 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, forward_term)
+    succeeded = False
     try:
         with open(log_path, "w") as log_file:
             assert process.stdout is not None
@@ -223,10 +224,15 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
                     if first_step is None:
                         first_step = time.monotonic() - started
         code = process.wait()
+        succeeded = code == 0
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_group(process.pid, grace_s=5.0)  # verl if still running, and helpers left in its session
         _cleanup_ray(temp_dir)
+        if succeeded:
+            # Each job makes a new dir in /tmp, outside the run. After a success its worker output is
+            # already in verl.log (RAY_DEDUP_LOGS=0); after a failure Ray's own logs are kept to debug.
+            shutil.rmtree(temp_dir, ignore_errors=True)
     return code, first_step, list(tail), steps
 
 
