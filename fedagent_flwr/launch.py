@@ -36,6 +36,14 @@ def process_start_ticks(pid: int) -> int | None:
     return None if stat is None else stat[2]
 
 
+def process_name(pid: int) -> str:
+    """The command name of ``pid`` (``/proc/<pid>/comm``), or ``""`` if it does not exist."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+
+
 def is_live_process(pid: int, start_ticks: int | None) -> bool:
     """Whether the process ``pid`` that started at ``start_ticks`` still runs (not a zombie, and
     the pid not reused by another process since)."""

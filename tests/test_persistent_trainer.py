@@ -177,6 +177,13 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert handle.alive_pid() is None
     assert "idle for 1 s, exiting" in (handle.channel / "server.log").read_text()
+    # The next job's trainer says why its predecessor went, naming the setting to raise.
+    handle.idle_timeout_s = 600
+    try:
+        handle.ensure_started()
+        assert handle.record()["reason"] == f"restart: trainer pid {pid} is gone (idle for 1 s, trainer.persistent_idle_s)"
+    finally:
+        handle.stop(grace_s=10)
 
 
 # -- channel semantics, with a scripted session (tests/scripted_backend.py) ---------------------
@@ -237,6 +244,7 @@ def test_a_failed_job_ends_the_trainer_and_the_next_job_gets_a_fresh_one(
     # Sent while the failed trainer still closes (3 s): it waits for it, then a fresh one serves it.
     scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
     assert scripted.record()["pid"] != first and scripted.record()["starts"] == 2
+    assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone (its train job failed)"
     assert (tmp_path / "b" / "train_result.json").exists()
 
 
@@ -265,6 +273,54 @@ def test_a_trainer_stopped_on_purpose_mid_job_is_no_crash_to_rerun(
     assert len(errors) == 1 and type(errors[0]) is TrainerFailed, errors
     assert "trainer was stopped" in str(errors[0])  # answered by the stopping server, or seen gone
     assert not (tmp_path / "long" / "train_result.json").exists()
+
+
+_CLIENTAPP = """
+import sys
+from fedagent_flwr.clientapp import backend
+from fedagent_flwr.clientapp.persistent import PersistentTrainer
+backend.BACKEND_MODULES["scripted"] = "tests.scripted_backend"
+PersistentTrainer("scripted", sys.argv[1], idle_timeout_s=600).ensure_started()
+"""
+
+_NODE = """
+import subprocess, sys, time
+subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], check=True)
+print("clientapp exited", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_trainer_outlives_its_clientapp_but_not_its_node(tmp_path: Path, scripted: PersistentTrainer) -> None:
+    """As in deployment: a short-lived ClientApp process starts the trainer, under a long-lived node
+    process (the SuperNode's side; a simulation's raylet). The trainer serves later jobs after
+    that ClientApp has exited, and exits by itself once the node process is gone (a run that ended
+    without the shutdown message), long before its idle timeout."""
+    node = subprocess.Popen([sys.executable, "-c", _NODE, _CLIENTAPP, str(scripted.channel)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert node.stdout is not None
+        lines = [node.stdout.readline().strip() for _ in range(2)]
+        assert lines[0].startswith("persistent trainer: started scripted trainer pid") and \
+            lines[1] == "clientapp exited", lines
+        record = scripted.record()
+        assert record["watch"]["pid"] == node.pid and record["watch"]["name"].startswith("python")
+        first = scripted.alive_pid()
+        assert first == record["pid"]
+        scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)
+        assert scripted.alive_pid() == first and (tmp_path / "a" / "train_result.json").exists()
+        node.kill()
+        node.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while scripted.alive_pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scripted.alive_pid() is None
+        log = (scripted.channel / "server.log").read_text()
+        assert f"(pid {node.pid}), the node process that started this trainer, is gone" in log
+        assert json.loads((scripted.channel / "closing.json").read_text())["pid"] == first
+    finally:
+        node.kill()
+        node.wait(timeout=30)
 
 
 def test_log_follower_keeps_characters_split_between_reads(tmp_path: Path) -> None:

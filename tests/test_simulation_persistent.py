@@ -76,6 +76,9 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
         assert len(starts) == 1, starts  # one trainer process served the node's 3 rounds + evaluations
         started = json.loads(starts[0])
         pid = started["pid"]
+        # It watched the simulation's raylet, the parent of the actor that ran the ClientApp, so a
+        # run that dies without the shutdown message takes the trainer with it.
+        assert started["watch"]["name"] == "raylet", started
         for r in (1, 2, 3):
             log = (run_dir / f"round_{r}" / f"client_{client}" / "train.log").read_text()
             # The job's own part of the trainer's output, one request framed.

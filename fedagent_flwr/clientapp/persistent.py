@@ -42,11 +42,13 @@ from fedagent_flwr.clientapp.trainer_server import (
     LEFTOVERS_FILE,
     LOG_FILE,
     OUTBOX,
+    WATCH_ENV,
 )
 from fedagent_flwr.launch import (
     is_live_process,
     pids_with_cmdline,
     process_group_members,
+    process_name,
     process_start_ticks,
     stop_group,
 )
@@ -59,6 +61,22 @@ _POLL_S = 0.2
 
 class TrainerDied(TrainerFailed):
     """The persistent trainer process is gone (crashed, killed) before answering a job."""
+
+
+def node_process() -> dict[str, Any] | None:
+    """The process whose end means this node's run is over: the ClientApp process's parent.
+
+    In simulation the ClientApp runs in a Ray actor, whose parent is the simulation's raylet; in
+    deployment a ``flwr-clientapp`` lives for one message, but its parent (the SuperNode's side)
+    lives on. The trainer watches it, so a run that ends without the shutdown message does not
+    leave the trainer holding memory and GPU until its idle timeout. None under init (no parent
+    worth watching).
+    """
+    parent = os.getppid()
+    ticks = process_start_ticks(parent) if parent > 1 else None
+    if ticks is None:
+        return None
+    return {"pid": parent, "start_ticks": ticks, "name": process_name(parent) or "process"}
 
 
 def channel_dir(run_root: Path, client_id: int) -> Path:
@@ -108,7 +126,12 @@ class PersistentTrainer:
         if pid is not None:
             self.stop()  # a trainer of another backend (the run's config changed on resume)
         previous = self.record()
-        reason = f"restart: trainer pid {previous['pid']} is gone" if previous.get("pid") else "first job"
+        reason = "first job"
+        if previous.get("pid"):
+            reason = f"restart: trainer pid {previous['pid']} is gone"
+            ended = _closing_reason(self.channel / CLOSING_FILE, previous["pid"])
+            if ended:  # it exited on its own (idle, failure) rather than being killed
+                reason += f" ({ended})"
         self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
         for box in (INBOX, OUTBOX):  # requests and answers of a dead trainer mean nothing now
             for stale in (self.channel / box).glob("*"):
@@ -118,6 +141,9 @@ class PersistentTrainer:
             (self.channel / marker).unlink(missing_ok=True)
         env = trainer_environment()
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
+        watched = node_process()
+        if watched is not None:
+            env[WATCH_ENV] = json.dumps(watched)
         command = [sys.executable, "-m", BACKEND_MODULES[self.backend], "serve", str(self.channel)]
         with open(self.channel / LOG_FILE, "a") as log:
             # Its own session: a timeout or the shutdown stops the trainer's whole tree (a verl
@@ -129,7 +155,7 @@ class PersistentTrainer:
         ticks = process_start_ticks(process.pid)
         starts = int(previous.get("starts", 0)) + 1
         record = {"pid": process.pid, "start_ticks": ticks, "boot_id": _boot_id(), "backend": self.backend,
-                  "starts": starts, "started_at": time.time(), "reason": reason}
+                  "starts": starts, "started_at": time.time(), "reason": reason, "watch": watched}
         write_json_atomic(self.channel / PROCESS_FILE, record)
         with open(self.channel / STARTS_FILE, "a") as history:
             history.write(json.dumps(record) + "\n")
@@ -263,6 +289,15 @@ class PersistentTrainer:
         record = self.record()
         return {"pid": int(record.get("pid", -1)), "starts": int(record.get("starts", 0)),
                 "channel": str(self.channel), "backend": self.backend}
+
+
+def _closing_reason(path: Path, pid: int) -> str:
+    """The reason the trainer ``pid`` gave in ``closing.json`` for serving no more, or ``""``."""
+    try:
+        body = json.loads(path.read_text())
+        return str(body.get("reason") or "") if body.get("pid") == pid else ""
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return ""
 
 
 def _names_pid(path: Path, pid: int) -> bool:

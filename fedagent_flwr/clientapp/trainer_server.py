@@ -18,15 +18,19 @@ hosts the node this round:
   starts a fresh one for the next job).
 * ``server.log``: the server's output; every request's part is framed by ``== request <seq>``
   lines so the ClientApp can copy it into the round's own log.
-* ``closing.json``: ``{"pid"}`` once the server will serve nothing more (stop, idle, failure);
+* ``closing.json``: ``{"pid", "reason"}`` once the server will serve nothing more (stop, idle,
+  failure, its node process gone);
   requests that arrive meanwhile are answered ``"not_served"`` (or ``"stopped"``) before it exits.
 * ``leftovers.json``: command-line markers of processes the session starts outside the server's
   process group (a verl session's Ray cluster: its temp dir), written by the session through
   :func:`record_leftover_markers` before it starts them, so that the ClientApp can stop them if
   the server dies without cleaning up (SIGKILL, OOM kill).
 
-The server exits on ``stop``, after a failure, and after ``idle_timeout_s`` without a request (a
-node whose run ended without the shutdown message must not keep a GPU forever).
+The server exits on ``stop``, after a failure, after ``idle_timeout_s`` without a request, and,
+between requests, as soon as the node's process that started it is gone (``$FEDAGENT_TRAINER_WATCH``:
+a simulation's raylet, a SuperNode): a run that ended without the shutdown message (a crash, a
+Ctrl-C, a stopped SuperLink) must not keep a GPU for the idle timeout, where the next run's
+trainer would find it taken.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any, Protocol
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
-from fedagent_flwr.launch import process_start_ticks
+from fedagent_flwr.launch import is_live_process, process_start_ticks
 
 PROTOCOL = 1
 SERVER_FILE = "server.json"
@@ -53,6 +57,9 @@ OUTBOX = "outbox"
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
 IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
 CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, for the session
+# {"pid", "start_ticks", "name"} of the process whose end ends the server (set by the ClientApp).
+WATCH_ENV = "FEDAGENT_TRAINER_WATCH"
+_WATCH_EVERY_S = 1.0
 LEFTOVERS_FILE = "leftovers.json"
 CLOSING_FILE = "closing.json"  # {"pid"}: this server serves nothing more and is about to exit
 _POLL_S = 0.1
@@ -102,19 +109,32 @@ def serve(
         "protocol": PROTOCOL, "pid": pid, "start_ticks": process_start_ticks(pid), "backend": backend,
         "started_at": time.time(),
     })
-    print(f"trainer server ({backend}) pid {pid} serving {channel}", flush=True)
+    watched = _watched_process()
+    print(f"trainer server ({backend}) pid {pid} serving {channel}"
+          + (f", while {watched['name']} (pid {watched['pid']}) runs" if watched else ""), flush=True)
     served, last_request = 0, time.monotonic()
+    next_watch = last_request
     # Requests still waiting when the server ends get this answer: "stopped" after a stop (the
     # run is over: nothing to redo), "not_served" otherwise (idle exit or a broken session: the
     # ClientApp starts a fresh trainer and sends the job again).
     leftover_kind = "not_served"
+    end = "crashed"  # why it serves no more, for closing.json (the ClientApp names it on a restart)
     try:
         while True:
             request = _next_request(inbox)
             if request is None:
-                if time.monotonic() - last_request > idle_timeout_s:
+                now = time.monotonic()
+                if now - last_request > idle_timeout_s:
                     print(f"trainer server: idle for {idle_timeout_s:.0f} s, exiting", flush=True)
+                    end = f"idle for {idle_timeout_s:.0f} s, trainer.persistent_idle_s"
                     return 0
+                if watched and now >= next_watch:
+                    next_watch = now + _WATCH_EVERY_S
+                    if not is_live_process(watched["pid"], watched["start_ticks"]):
+                        print(f"trainer server: {watched['name']} (pid {watched['pid']}), the node process that "
+                              "started this trainer, is gone: the run ended without a shutdown; exiting", flush=True)
+                        end = f"{watched['name']} (pid {watched['pid']}) is gone"
+                        return 0
                 time.sleep(_POLL_S)
                 continue
             path, body = request
@@ -130,14 +150,16 @@ def serve(
             last_request = time.monotonic()
             if not keep_serving:
                 leftover_kind = "stopped" if body.get("mode") == "stop" else "not_served"
+                end = "stopped" if body.get("mode") == "stop" else f"its {body.get('mode')} job failed"
                 return 0 if answer["ok"] else 1
     except _Terminated:
         leftover_kind = "stopped"  # a timeout or the run's end: the job in hand is not to be redone
+        end = "terminated"
         raise
     finally:
         # Announce the end first: a request written from now on is answered "not served" (or is
         # sent to the successor by a ClientApp that read this), never left without an answer.
-        write_json_atomic(channel / CLOSING_FILE, {"pid": pid})
+        write_json_atomic(channel / CLOSING_FILE, {"pid": pid, "reason": end})
         (channel / SERVER_FILE).unlink(missing_ok=True)
         try:
             session.close()
@@ -156,6 +178,16 @@ def _answer_pending(inbox: Path, outbox: Path, kind: str) -> None:
                 else "the trainer server exited before serving this job",
             })
         path.unlink(missing_ok=True)
+
+
+def _watched_process() -> dict[str, Any] | None:
+    """The process named by ``$FEDAGENT_TRAINER_WATCH``, or None (unset or unreadable: no watch)."""
+    try:
+        watched = json.loads(os.environ.get(WATCH_ENV, ""))
+        return {"pid": int(watched["pid"]), "start_ticks": int(watched["start_ticks"]),
+                "name": str(watched.get("name") or "process")}
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def record_leftover_markers(markers: list[str]) -> None:

@@ -230,6 +230,11 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
         settings.env_name, settings.trainer_backend, type(strategy).__name__)
+    if settings.trainer.get("mode") == "persistent" and settings.total_clients > 1:
+        # Memory scales with the node count, not with how many clients train at once.
+        log(INFO, "[fedagent] trainer.mode=persistent: each node keeps one trainer (model, and with verl "
+            "its GPU memory) for the whole run; a simulation holds all %d on this machine at once "
+            "(trainer.mode=subprocess holds only the clients training at a time)", settings.total_clients)
     try:
         if last_completed is None:  # round 0: the base model's evaluation
             if settings.eval_enabled and settings.eval_before_train:
