@@ -5,8 +5,9 @@ models as an uninterrupted run with the same seeds, each round exactly once, and
 rounds untouched.
 
 Every case runs 2 rounds with 3 clients (2 a round, so the selection differs per round) and is
-killed in round 2, so the re-run recomputes round 2 only. One uninterrupted run, shared by the
-three cases, is the reference. Each case has a SuperLink of its own: the re-run goes to the
+killed in round 2, so the re-run recomputes round 2 only; the crash-point case kills the re-run
+too, at the next point, so a run resumed twice is checked as well. One uninterrupted run, shared
+by the cases, is the reference. Each case has a SuperLink of its own: the re-run goes to the
 SuperLink that outlived the killed ServerApp, and stopping it afterwards clears whatever the
 killed simulation left behind.
 """
@@ -101,15 +102,17 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
     return run_dir
 
 
-def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Path, baseline: Path) -> None:
-    """Re-run the same config and check it against the uninterrupted run."""
+def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Path, baseline: Path,
+                        resumes: int = 1) -> None:
+    """Re-run the same config and check it against the uninterrupted run (``resumes``: how many
+    attempts resumed it after round 1, this one included)."""
     untouched = _unchanged_part(run_dir)
     rerun = link.run(_overrides(workdir, model), supernodes=SUPERNODES)
     output = rerun.stdout + rerun.stderr
     summary, reference = _summary(run_dir), _summary(baseline)
     assert summary["status"] == "completed", output[-4000:]
     assert summary["last_completed_round"] == 2
-    assert [entry["after_round"] for entry in summary["resumed"]] == [1]
+    assert [entry["after_round"] for entry in summary["resumed"]] == [1] * resumes
     for key in ("rounds", "val_curve", "client_curve", "final_model"):
         assert _portable(summary[key], run_dir) == _portable(reference[key], baseline), key
     assert [e["round"] for e in summary["rounds"]] == [1, 2]
@@ -158,7 +161,7 @@ def test_killed_while_clients_train(baseline: Path, tmp_path: Path, tiny_model_d
         _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline)
 
 
-def test_killed_between_the_new_global_model_and_its_record(
+def test_killed_between_the_new_global_model_and_its_record_then_while_committing_the_re_run(
     baseline: Path, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     crash_file = tmp_path / "crash-point"
@@ -169,22 +172,19 @@ def test_killed_between_the_new_global_model_and_its_record(
         summary = _summary(run_dir)
         assert summary["last_completed_round"] == 1 and [e["round"] for e in summary["rounds"]] == [1]
         assert (run_dir / "round_2" / "global" / "model.safetensors").exists()  # in place, not recorded
-        _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline)
 
-
-def test_killed_while_writing_the_summary_that_commits_a_round(
-    baseline: Path, tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    crash_file = tmp_path / "crash-point"
-    crash_file.write_text("commit@2")
-    with simulation_superlink(tmp_path, pythonpath=[REPO], env_extra={CRASH_FILE_ENV: str(crash_file)}) as link:
-        run_dir = _crash(link, tmp_path, tiny_model_dir, kill_when=None)
+        # The re-run redoes round 2 and is killed inside the summary write that commits it.
+        untouched = _unchanged_part(run_dir)
+        crash_file.write_text("commit@2")
+        _crash(link, tmp_path, tiny_model_dir, kill_when=None)
         assert not crash_file.exists()
+        assert _unchanged_part(run_dir) == untouched
         summary = _summary(run_dir)
         # Round 2 was trained, aggregated and evaluated, and all of it recorded; only the commit
         # was lost, with the new summary half-way to its name.
         assert summary["last_completed_round"] == 1
+        assert [e["after_round"] for e in summary["resumed"]] == [1]
         assert [e["round"] for e in summary["rounds"]] == [1, 2]
         assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
         assert list(run_dir.glob(".federated_summary.json.*"))
-        _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline)
+        _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline, resumes=2)
