@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, Any
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -75,6 +78,46 @@ def pids_with_cmdline(marker: str) -> list[int]:
         if marker in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+# Runs in the intermediate process of spawn_detached: fork, report the child's pid, exit; the child
+# becomes a session (and process group) leader and execs the command.
+_DETACH = """
+import os, sys
+report = int(sys.argv[1])
+child = os.fork()
+if child:
+    os.write(report, str(child).encode())
+    os._exit(0)
+os.close(report)
+os.setsid()
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any]) -> int:
+    """Start ``command`` (``command[0]`` an absolute path) as an orphan in a session of its own,
+    with stdout and stderr to ``stdout``; return its pid, which is also its process group.
+
+    Not a child of this process: a simulation's ClientApp runs in a Ray actor, and Ray SIGKILLs an
+    actor's children when the actor exits (``kill_child_processes_on_worker_exit``), which would
+    kill a long-lived helper (the persistent trainer) before it can shut down what it started. An
+    intermediate process forks it and exits at once, so init (or the nearest subreaper) adopts
+    and reaps it.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        launcher = subprocess.Popen([sys.executable, "-c", _DETACH, str(write_end), *command], env=env,
+                                    stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as report:
+        reported = report.read().decode(errors="replace").strip()
+    code = launcher.wait()
+    if code != 0 or not reported.isdigit():
+        raise OSError(f"could not start {' '.join(command[:4])}: the launcher exited with code {code}")
+    return int(reported)
 
 
 def stop_group(group: int, grace_s: float = 15.0) -> None:

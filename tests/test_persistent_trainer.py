@@ -28,7 +28,7 @@ from fedagent_flwr.clientapp.persistent import (
     _LogFollower,
 )
 from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, serve
-from fedagent_flwr.launch import process_start_ticks
+from fedagent_flwr.launch import is_live_process, process_start_ticks
 from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
@@ -162,8 +162,13 @@ def test_timeout_stops_the_trainer_and_stop_is_idempotent(
     assert trainer.alive_pid() is None
     trainer.ensure_started()
     pid = trainer.alive_pid()
+    ticks = process_start_ticks(pid)
+    # Detached: not this process's child (a simulation actor would SIGKILL its children on exit).
+    ppid = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("PPid:")).split()[1])
+    assert ppid != os.getpid() and os.getpgid(pid) == pid
     assert trainer.stop(grace_s=30) is True
-    assert process_start_ticks(pid) is None  # gone (and reaped)
+    assert not is_live_process(pid, ticks)  # gone (init reaps it: it is nobody's child here)
     assert trainer.stop() is False
     assert not (trainer.channel / "server.json").exists()  # the server cleaned up after itself
     assert json.loads((trainer.channel / PROCESS_FILE).read_text())["pid"] == pid

@@ -38,12 +38,13 @@ pytestmark = pytest.mark.slow
 SETTINGS = ("clients.total=3 clients.per_round=2 num_rounds=2 eval.num_episodes=1 "
             "trainer.max_new_tokens=8 trainer.lr=1e-3")
 SUPERNODES = 3
+PERSISTENT = "trainer.mode=persistent"
 HANG_GUARD_S = 600.0  # only against a hang: a healthy run takes a minute or two
 T = TypeVar("T")
 
 
-def _overrides(workdir: Path, model: Path) -> str:
-    return f"output_dir={workdir / 'out'} run_name=job model.path={model} {SETTINGS}"
+def _overrides(workdir: Path, model: Path, extra: str = "") -> str:
+    return f"output_dir={workdir / 'out'} run_name=job model.path={model} {SETTINGS} {extra}".strip()
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
@@ -82,12 +83,13 @@ def _unchanged_part(run_dir: Path) -> dict[str, int]:
             for part in ("round_0", "round_1") for p in sorted((run_dir / part).rglob("*"))}
 
 
-def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Path], bool] | None) -> Path:
+def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Path], bool] | None,
+           extra: str = "") -> Path:
     """Start the run; SIGKILL its ServerApp from outside once ``kill_when(run_dir)`` holds (or, with
     ``None``, let it kill itself at its armed crash point); wait until nothing of it works in the
     run directory any more."""
     run_dir = workdir / "out" / "job"
-    job = link.start(_overrides(workdir, model), SUPERNODES, workdir / "crashed-run.log")
+    job = link.start(_overrides(workdir, model, extra), SUPERNODES, workdir / "crashed-run.log")
     try:
         serverapp = _wait_for(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
         if kill_when is not None:
@@ -103,11 +105,11 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
 
 
 def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Path, baseline: Path,
-                        resumes: int = 1) -> None:
+                        resumes: int = 1, extra: str = "") -> str:
     """Re-run the same config and check it against the uninterrupted run (``resumes``: how many
-    attempts resumed it after round 1, this one included)."""
+    attempts resumed it after round 1, this one included); return the re-run's output."""
     untouched = _unchanged_part(run_dir)
-    rerun = link.run(_overrides(workdir, model), supernodes=SUPERNODES)
+    rerun = link.run(_overrides(workdir, model, extra), supernodes=SUPERNODES)
     output = rerun.stdout + rerun.stderr
     summary, reference = _summary(run_dir), _summary(baseline)
     assert summary["status"] == "completed", output[-4000:]
@@ -136,6 +138,7 @@ def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Pa
     audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
                            capture_output=True, text=True)
     assert audit.returncode == 0 and audit.stdout.count(" ok") == 2, audit.stdout + audit.stderr
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +154,30 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> 
 
 
 def test_killed_while_clients_train(baseline: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With persistent trainers, which the killed simulation does not own: they notice their node
+    (the raylet) is gone and exit by themselves (``_crash`` waits for that), the re-run starts new
+    ones, and the result still equals the uninterrupted subprocess-mode run bit for bit."""
     with simulation_superlink(tmp_path, pythonpath=[REPO]) as link:
         run_dir = _crash(link, tmp_path, tiny_model_dir,
-                         kill_when=lambda run: any(run.glob("round_2/client_*/train_job.json")))
+                         kill_when=lambda run: any(run.glob("round_2/client_*/train_job.json")), extra=PERSISTENT)
         summary = _summary(run_dir)
         assert summary["status"] == "running" and summary["last_completed_round"] == 1
         assert [e["round"] for e in summary["rounds"]] == [1]
         assert not (run_dir / "round_2" / "global").exists()
-        _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline)
+        gone = {}
+        for channel in sorted(run_dir.glob("trainers/client_*")):
+            closing = json.loads((channel / "closing.json").read_text())
+            assert closing["reason"].startswith("raylet (pid "), closing  # not the idle timeout
+            gone[channel.name] = closing["pid"]
+        assert gone  # the nodes that trained had trainers
+        _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline, extra=PERSISTENT)
+        restarted = 0
+        for name, pid in gone.items():  # the nodes that work in the re-run start new trainers
+            starts = [json.loads(line) for line in (run_dir / "trainers" / name / "starts.jsonl").read_text().splitlines()]
+            if len(starts) > 1:
+                assert starts[-1]["reason"].startswith(f"restart: trainer pid {pid} is gone (raylet (pid "), starts
+                restarted += 1
+        assert restarted
 
 
 def test_killed_between_the_new_global_model_and_its_record_then_while_committing_the_re_run(

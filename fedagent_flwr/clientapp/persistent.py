@@ -14,7 +14,9 @@ the subprocess path uses.
   job, that job is run again in a fresh subprocess (:class:`TrainerDied`, handled by the caller)
   and the next job starts a new trainer.
 * **Stop** at the end of the run (the server's ``shutdown`` query), on a job timeout, or by itself
-  after ``persistent_idle_s`` without a job.
+  after ``persistent_idle_s`` without a job or once the node process that started it is gone.
+  The trainer is started detached (not a child of the ClientApp's process), so that a simulation
+  actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
 
 The server's output is streamed to the node's log with the client's label and copied into the
 job's own log file, exactly like a subprocess's.
@@ -26,9 +28,7 @@ import codecs
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from fedagent_flwr.launch import (
     process_group_members,
     process_name,
     process_start_ticks,
+    spawn_detached,
     stop_group,
 )
 
@@ -147,21 +148,23 @@ class PersistentTrainer:
         command = [sys.executable, "-m", BACKEND_MODULES[self.backend], "serve", str(self.channel)]
         with open(self.channel / LOG_FILE, "a") as log:
             # Its own session: a timeout or the shutdown stops the trainer's whole tree (a verl
-            # session's Ray and vLLM processes included) and nothing else.
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True, stdin=subprocess.DEVNULL)
-        # Reap it when it exits, so it never lingers as a zombie that looks alive.
-        threading.Thread(target=process.wait, daemon=True).start()
-        ticks = process_start_ticks(process.pid)
+            # session's Ray and vLLM processes included) and nothing else. Not our child: the
+            # simulation actor that runs this ClientApp would SIGKILL it when the actor exits,
+            # before it could close its session; it watches the node process instead.
+            try:
+                pid = spawn_detached(command, env, log)
+            except OSError as exc:
+                raise TrainerFailed(f"could not start the persistent {self.backend} trainer: {exc}") from None
+        ticks = process_start_ticks(pid)
         starts = int(previous.get("starts", 0)) + 1
-        record = {"pid": process.pid, "start_ticks": ticks, "boot_id": _boot_id(), "backend": self.backend,
+        record = {"pid": pid, "start_ticks": ticks, "boot_id": _boot_id(), "backend": self.backend,
                   "starts": starts, "started_at": time.time(), "reason": reason, "watch": watched}
         write_json_atomic(self.channel / PROCESS_FILE, record)
         with open(self.channel / STARTS_FILE, "a") as history:
             history.write(json.dumps(record) + "\n")
-        print(f"persistent trainer: started {self.backend} trainer pid {process.pid} ({reason}; start #{starts})",
+        print(f"persistent trainer: started {self.backend} trainer pid {pid} ({reason}; start #{starts})",
               flush=True)
-        return process.pid
+        return pid
 
     # -- jobs -------------------------------------------------------------------------------
 
