@@ -80,24 +80,30 @@ def pids_with_cmdline(marker: str) -> list[int]:
     return pids
 
 
-# Runs in the intermediate process of spawn_detached: fork, report the child's pid, exit; the child
-# becomes a session (and process group) leader and execs the command.
+# Runs in the intermediate process of spawn_detached: fork and exit. The child becomes a session
+# (and process group) leader, then reports its pid, then execs the command; the report pipe is
+# close-on-exec, so end-of-file means "exec'd" unless an error line ("E:...") came first.
 _DETACH = """
 import os, sys
 report = int(sys.argv[1])
-child = os.fork()
-if child:
-    os.write(report, str(child).encode())
+if os.fork():
     os._exit(0)
-os.close(report)
-os.setsid()
-os.execv(sys.argv[2], sys.argv[2:])
+try:
+    os.setsid()
+    os.write(report, b"%d\\n" % os.getpid())
+    os.set_inheritable(report, False)
+    os.execv(sys.argv[2], sys.argv[2:])
+except BaseException as exc:
+    os.write(report, ("E:%s: %s" % (type(exc).__name__, exc)).encode())
+    os._exit(127)
 """
+_DETACH_TIMEOUT_S = 60.0
 
 
 def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any]) -> int:
     """Start ``command`` (``command[0]`` an absolute path) as an orphan in a session of its own,
-    with stdout and stderr to ``stdout``; return its pid, which is also its process group.
+    with stdout and stderr to ``stdout``; return its pid, which is also its process group (set
+    before the pid is returned). Raises OSError, naming the command, if it could not be started.
 
     Not a child of this process: a simulation's ClientApp runs in a Ray actor, and Ray SIGKILLs an
     actor's children when the actor exits (``kill_child_processes_on_worker_exit``), which would
@@ -105,19 +111,34 @@ def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any])
     intermediate process forks it and exits at once, so init (or the nearest subreaper) adopts
     and reaps it.
     """
+    import select
+
     read_end, write_end = os.pipe()
     try:
-        launcher = subprocess.Popen([sys.executable, "-c", _DETACH, str(write_end), *command], env=env,
-                                    stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    pass_fds=(write_end,))
+        try:
+            # -I -S: the intermediate needs only os and sys; the command gets ``env`` through execv.
+            launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _DETACH, str(write_end), *command],
+                                        env=env, stdout=stdout, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, pass_fds=(write_end,))
+        finally:
+            os.close(write_end)
+        chunks, deadline = [], time.monotonic() + _DETACH_TIMEOUT_S
+        while True:  # until end-of-file: the command was exec'd, or failed and said why
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                raise OSError(f"could not start {' '.join(command[:4])}: no answer in {_DETACH_TIMEOUT_S:.0f} s")
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
     finally:
-        os.close(write_end)
-    with os.fdopen(read_end, "rb") as report:
-        reported = report.read().decode(errors="replace").strip()
-    code = launcher.wait()
-    if code != 0 or not reported.isdigit():
-        raise OSError(f"could not start {' '.join(command[:4])}: the launcher exited with code {code}")
-    return int(reported)
+        os.close(read_end)
+    launcher.wait()
+    lines = b"".join(chunks).decode(errors="replace").split("\n", 1)
+    error = lines[1] if len(lines) > 1 else ""
+    if not lines[0].isdigit() or error:
+        raise OSError(f"could not start {' '.join(command[:4])}: {error[2:] or 'the launcher failed'}")
+    return int(lines[0])
 
 
 def stop_group(group: int, grace_s: float = 15.0) -> None:
@@ -138,6 +159,8 @@ def stop_group(group: int, grace_s: float = 15.0) -> None:
         try:
             os.killpg(group, 0)
         except ProcessLookupError:
+            return
+        if not process_group_members(group):  # only zombies left that another process must reap
             return
         time.sleep(0.3)
     try:

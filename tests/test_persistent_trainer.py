@@ -328,6 +328,62 @@ def test_the_trainer_outlives_its_clientapp_but_not_its_node(tmp_path: Path, scr
         node.wait(timeout=30)
 
 
+def test_a_busy_trainer_left_by_a_dead_node_is_replaced_not_reused(
+    tmp_path: Path, scripted: PersistentTrainer
+) -> None:
+    """A trainer still finishing a job when its node died (a killed run) is stopped when the next
+    run's job arrives, not handed that job: it would exit after it, and it holds the old run's
+    state. (A trainer that watches nothing cannot be started: the ClientApp's parent is checked.)"""
+    node = subprocess.Popen([sys.executable, "-c", _NODE, _CLIENTAPP, str(scripted.channel)],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    errors: list[BaseException] = []
+    try:
+        assert node.stdout is not None
+        while node.stdout.readline().strip() != "clientapp exited":
+            pass
+        first = scripted.alive_pid()
+        ticks = process_start_ticks(first)
+
+        def busy() -> None:
+            try:
+                scripted.run("train", _scripted_job(tmp_path, "long", "sleep:60"), tmp_path / "long.log", "c0", 120)
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                errors.append(exc)
+
+        waiter = threading.Thread(target=busy)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while "scripted train round 1: sleep" not in (scripted.channel / "server.log").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        node.kill()
+        node.wait(timeout=30)
+        time.sleep(1.5)  # past the watchdog's period: only a busy trainer is still there
+        assert scripted.alive_pid() == first
+        second = scripted.ensure_started()
+        assert second != first and not is_live_process(first, ticks)
+        assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone (terminated)"
+        waiter.join(timeout=60)
+        assert len(errors) == 1 and type(errors[0]) is TrainerFailed, errors
+    finally:
+        node.kill()
+        node.wait(timeout=30)
+
+
+def test_no_trainer_is_started_once_the_node_process_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ClientApp whose node process died (a dying simulation) must not start a trainer that would
+    watch init instead and linger for the idle timeout."""
+    from fedagent_flwr.clientapp import persistent
+
+    dead = {"pid": os.getppid(), "start_ticks": -1, "name": "raylet"}  # same pid, another process
+    monkeypatch.setattr(persistent, "_PARENT_AT_IMPORT", dead)
+    handle = PersistentTrainer("reference", tmp_path / "channel")
+    with pytest.raises(TrainerFailed, match=r"not starting a persistent trainer: raylet \(pid \d+\), the node "
+                                            r"process of this ClientApp, is gone"):
+        handle.ensure_started()
+    assert handle.alive_pid() is None and not (handle.channel / PROCESS_FILE).exists()
+
+
 def test_log_follower_keeps_characters_split_between_reads(tmp_path: Path) -> None:
     import io
 

@@ -89,14 +89,16 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
     ``None``, let it kill itself at its armed crash point); wait until nothing of it works in the
     run directory any more."""
     run_dir = workdir / "out" / "job"
-    job = link.start(_overrides(workdir, model, extra), SUPERNODES, workdir / "crashed-run.log")
+    log = workdir / f"crashed-run-{len(list(workdir.glob('crashed-run-*.log'))) + 1}.log"  # one per crash
+    job = link.start(_overrides(workdir, model, extra), SUPERNODES, log)
     try:
         serverapp = _wait_for(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
         if kill_when is not None:
             _wait_for(lambda: kill_when(run_dir), "the moment to kill the ServerApp")
             os.kill(serverapp, signal.SIGKILL)
         _wait_for(lambda: not is_running(serverapp), "the ServerApp to die")
-        # The simulated clients' trainers go down with the simulation; be sure before re-running.
+        # Subprocess trainers go down with the simulation; persistent ones finish their job and
+        # exit when they see their node (the raylet) gone. Be sure before re-running.
         _wait_for(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
     finally:
         job.terminate()  # `flwr run --stream` would wait for the dead run for ever
@@ -158,8 +160,15 @@ def test_killed_while_clients_train(baseline: Path, tmp_path: Path, tiny_model_d
     (the raylet) is gone and exit by themselves (``_crash`` waits for that), the re-run starts new
     ones, and the result still equals the uninterrupted subprocess-mode run bit for bit."""
     with simulation_superlink(tmp_path, pythonpath=[REPO]) as link:
-        run_dir = _crash(link, tmp_path, tiny_model_dir,
-                         kill_when=lambda run: any(run.glob("round_2/client_*/train_job.json")), extra=PERSISTENT)
+        # Killed once both round-2 trainers are working on their jobs (one of them first started
+        # for this job), so every trainer of the run has been started and watches the raylet.
+        round_2 = select_clients(2, 3, 2, 42)
+
+        def both_training(run: Path) -> bool:
+            logs = [run / "round_2" / f"client_{c}" / "train.log" for c in round_2]
+            return all(log.exists() and "train begin" in log.read_text(errors="replace") for log in logs)
+
+        run_dir = _crash(link, tmp_path, tiny_model_dir, kill_when=both_training, extra=PERSISTENT)
         summary = _summary(run_dir)
         assert summary["status"] == "running" and summary["last_completed_round"] == 1
         assert [e["round"] for e in summary["rounds"]] == [1]

@@ -64,20 +64,36 @@ class TrainerDied(TrainerFailed):
     """The persistent trainer process is gone (crashed, killed) before answering a job."""
 
 
-def node_process() -> dict[str, Any] | None:
-    """The process whose end means this node's run is over: the ClientApp process's parent.
-
-    In simulation the ClientApp runs in a Ray actor, whose parent is the simulation's raylet; in
-    deployment a ``flwr-clientapp`` lives for one message, but its parent (the SuperNode's side)
-    lives on. The trainer watches it, so a run that ends without the shutdown message does not
-    leave the trainer holding memory and GPU until its idle timeout. None under init (no parent
-    worth watching).
-    """
+def _parent_record() -> dict[str, Any] | None:
     parent = os.getppid()
     ticks = process_start_ticks(parent) if parent > 1 else None
     if ticks is None:
         return None
     return {"pid": parent, "start_ticks": ticks, "name": process_name(parent) or "process"}
+
+
+# Taken when this process imports the module: by the time a trainer is started the parent may
+# already be gone (a dying simulation), and os.getppid() would then name init or a subreaper.
+_PARENT_AT_IMPORT = _parent_record()
+
+
+def node_process() -> dict[str, Any] | None:
+    """The process whose end means this node's run is over: the ClientApp process's parent.
+
+    In simulation the ClientApp runs in a Ray actor, whose parent is the simulation's raylet; in
+    deployment a ``flwr-clientapp`` lives for one message, but its parent (the SuperNode's
+    ``flower-superexec``) lives on. The trainer watches it, so a simulation that ends without the
+    shutdown message does not leave the trainer holding memory and GPU until its idle timeout.
+    None under init (no parent worth watching). Raises :class:`TrainerFailed` if that parent is
+    already gone: the run is over, and a trainer started now would watch the wrong process.
+    """
+    recorded = _PARENT_AT_IMPORT
+    if recorded is None:
+        return None
+    if os.getppid() != recorded["pid"] or not is_live_process(recorded["pid"], recorded["start_ticks"]):
+        raise TrainerFailed(f"not starting a persistent trainer: {recorded['name']} (pid {recorded['pid']}), "
+                            "the node process of this ClientApp, is gone (the run is ending)")
+    return dict(recorded)
 
 
 def channel_dir(run_root: Path, client_id: int) -> Path:
@@ -120,18 +136,23 @@ class PersistentTrainer:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
         or if the one running serves another backend."""
         pid = self.alive_pid()
-        if pid is not None and self.record().get("backend") == self.backend:
+        record = self.record()
+        orphaned = _watch_gone(record)
+        if pid is not None and record.get("backend") == self.backend and not orphaned:
             return pid
         if self.backend not in BACKEND_MODULES:
             raise TrainerFailed(f"unknown trainer backend {self.backend!r} (known: {sorted(BACKEND_MODULES)})")
         if pid is not None:
-            self.stop()  # a trainer of another backend (the run's config changed on resume)
+            # A trainer of another backend (the run's config changed on resume), or one left by a
+            # killed run (its node process is gone: it would exit after one more job); the latter
+            # may be busy with a job nobody waits for, so it gets SIGTERM (it closes its session).
+            self.stop(grace_s=0.0 if orphaned else 30.0)
         previous = self.record()
         reason = "first job"
         if previous.get("pid"):
             reason = f"restart: trainer pid {previous['pid']} is gone"
             ended = _closing_reason(self.channel / CLOSING_FILE, previous["pid"])
-            if ended:  # it exited on its own (idle, failure) rather than being killed
+            if ended:  # it said why it ended (idle, failure, node gone, stopped) rather than being killed
                 reason += f" ({ended})"
         self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
         for box in (INBOX, OUTBOX):  # requests and answers of a dead trainer mean nothing now
@@ -292,6 +313,12 @@ class PersistentTrainer:
         record = self.record()
         return {"pid": int(record.get("pid", -1)), "starts": int(record.get("starts", 0)),
                 "channel": str(self.channel), "backend": self.backend}
+
+
+def _watch_gone(record: dict[str, Any]) -> bool:
+    """Whether ``record``'s trainer watches a node process that no longer runs."""
+    watch = record.get("watch")
+    return isinstance(watch, dict) and not is_live_process(int(watch.get("pid", 0)), watch.get("start_ticks"))
 
 
 def _closing_reason(path: Path, pid: int) -> str:

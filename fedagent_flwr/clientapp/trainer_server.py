@@ -28,9 +28,9 @@ hosts the node this round:
 
 The server exits on ``stop``, after a failure, after ``idle_timeout_s`` without a request, and,
 between requests, as soon as the node's process that started it is gone (``$FEDAGENT_TRAINER_WATCH``:
-a simulation's raylet, a SuperNode): a run that ended without the shutdown message (a crash, a
-Ctrl-C, a stopped SuperLink) must not keep a GPU for the idle timeout, where the next run's
-trainer would find it taken.
+a simulation's raylet; in deployment the SuperNode's ``flower-superexec``): a simulation that
+ended without the shutdown message (a crash, a Ctrl-C, a stopped SuperLink) must not keep a GPU
+for the idle timeout, where the next run's trainer would find it taken.
 """
 
 from __future__ import annotations
