@@ -253,26 +253,33 @@ def test_a_failed_job_ends_the_trainer_and_the_next_job_gets_a_fresh_one(
     assert (tmp_path / "b" / "train_result.json").exists()
 
 
+def _busy_with_a_long_job(handle: PersistentTrainer, tmp: Path) -> tuple[threading.Thread, list[BaseException]]:
+    """Send a 60 s job from a thread and wait until the trainer works on it; the thread's
+    exceptions end up in the returned list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            handle.run("train", _scripted_job(tmp, "long", "sleep:60"), tmp / "long.log", "c0", 120)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the caller
+            errors.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while "scripted train round 1: sleep" not in (handle.channel / "server.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return waiter, errors
+
+
 def test_a_trainer_stopped_on_purpose_mid_job_is_no_crash_to_rerun(
     tmp_path: Path, scripted: PersistentTrainer
 ) -> None:
     """The run's end (another process's shutdown query) stops a trainer that still works on a job:
     the waiting ClientApp reports a stop, it does not rerun the job in a subprocess."""
     scripted.ensure_started()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            scripted.run("train", _scripted_job(tmp_path, "long", "sleep:60"), tmp_path / "long.log", "c0", 120)
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            errors.append(exc)
-
-    waiter = threading.Thread(target=run)
-    waiter.start()
-    deadline = time.monotonic() + 60
-    while "scripted train round 1: sleep" not in (scripted.channel / "server.log").read_text():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    waiter, errors = _busy_with_a_long_job(scripted, tmp_path)
     assert PersistentTrainer("", scripted.channel).stop(grace_s=1) is True
     waiter.join(timeout=60)
     assert len(errors) == 1 and type(errors[0]) is TrainerFailed, errors
@@ -336,26 +343,13 @@ def test_a_busy_trainer_left_by_a_dead_node_is_replaced_not_reused(
     state. (A trainer that watches nothing cannot be started: the ClientApp's parent is checked.)"""
     node = subprocess.Popen([sys.executable, "-c", _NODE, _CLIENTAPP, str(scripted.channel)],
                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
-    errors: list[BaseException] = []
     try:
         assert node.stdout is not None
         while node.stdout.readline().strip() != "clientapp exited":
             pass
         first = scripted.alive_pid()
         ticks = process_start_ticks(first)
-
-        def busy() -> None:
-            try:
-                scripted.run("train", _scripted_job(tmp_path, "long", "sleep:60"), tmp_path / "long.log", "c0", 120)
-            except BaseException as exc:  # noqa: BLE001 - inspected below
-                errors.append(exc)
-
-        waiter = threading.Thread(target=busy)
-        waiter.start()
-        deadline = time.monotonic() + 60
-        while "scripted train round 1: sleep" not in (scripted.channel / "server.log").read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        waiter, errors = _busy_with_a_long_job(scripted, tmp_path)
         node.kill()
         node.wait(timeout=30)
         time.sleep(1.5)  # past the watchdog's period: only a busy trainer is still there
