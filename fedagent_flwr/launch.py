@@ -126,7 +126,9 @@ def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any])
         while True:  # until end-of-file: the command was exec'd, or failed and said why
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                raise OSError(f"could not start {' '.join(command[:4])}: no answer in {_DETACH_TIMEOUT_S:.0f} s")
+                launcher.kill()
+                chunks = [b"E:no answer in %d s" % _DETACH_TIMEOUT_S]
+                break
             chunk = os.read(read_end, 4096)
             if not chunk:
                 break
@@ -134,11 +136,13 @@ def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any])
     finally:
         os.close(read_end)
     launcher.wait()
-    lines = b"".join(chunks).decode(errors="replace").split("\n", 1)
-    error = lines[1] if len(lines) > 1 else ""
-    if not lines[0].isdigit() or error:
+    reported = b"".join(chunks).decode(errors="replace")
+    pid_text, _, error = reported.partition("\n")
+    if pid_text.startswith("E:"):
+        pid_text, error = "", pid_text
+    if not pid_text.isdigit() or error:
         raise OSError(f"could not start {' '.join(command[:4])}: {error[2:] or 'the launcher failed'}")
-    return int(lines[0])
+    return int(pid_text)
 
 
 def stop_group(group: int, grace_s: float = 15.0) -> None:
@@ -156,11 +160,7 @@ def stop_group(group: int, grace_s: float = 15.0) -> None:
                 pass
         except ChildProcessError:
             pass
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
-        if not process_group_members(group):  # only zombies left that another process must reap
+        if not process_group_members(group):  # zombies left for another process to reap do not count
             return
         time.sleep(0.3)
     try:

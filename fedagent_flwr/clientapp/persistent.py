@@ -126,7 +126,9 @@ class PersistentTrainer:
 
     def alive_pid(self) -> int | None:
         """The pid of this node's trainer if that very process still runs, else None."""
-        record = self.record()
+        return self._live_pid(self.record())
+
+    def _live_pid(self, record: dict[str, Any]) -> int | None:
         if not self._ours(record):
             return None
         pid = int(record["pid"])
@@ -135,8 +137,8 @@ class PersistentTrainer:
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
         or if the one running serves another backend."""
-        pid = self.alive_pid()
         record = self.record()
+        pid = self._live_pid(record)
         orphaned = _watch_gone(record)
         if pid is not None and record.get("backend") == self.backend and not orphaned:
             return pid
@@ -321,21 +323,23 @@ def _watch_gone(record: dict[str, Any]) -> bool:
     return isinstance(watch, dict) and not is_live_process(int(watch.get("pid", 0)), watch.get("start_ticks"))
 
 
-def _closing_reason(path: Path, pid: int) -> str:
-    """The reason the trainer ``pid`` gave in ``closing.json`` for serving no more, or ``""``."""
+def _marker(path: Path, pid: int) -> dict[str, Any] | None:
+    """The JSON marker file ``path`` if it exists and names ``pid``, else None."""
     try:
         body = json.loads(path.read_text())
-        return str(body.get("reason") or "") if body.get("pid") == pid else ""
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return ""
+    except (OSError, json.JSONDecodeError):
+        return None
+    return body if isinstance(body, dict) and body.get("pid") == pid else None
+
+
+def _closing_reason(path: Path, pid: int) -> str:
+    """The reason the trainer ``pid`` gave in ``closing.json`` for serving no more, or ``""``."""
+    return str((_marker(path, pid) or {}).get("reason") or "")
 
 
 def _names_pid(path: Path, pid: int) -> bool:
     """Whether the JSON marker file ``path`` exists and names ``pid``."""
-    try:
-        return json.loads(path.read_text()).get("pid") == pid
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
+    return _marker(path, pid) is not None
 
 
 def _boot_id() -> str:

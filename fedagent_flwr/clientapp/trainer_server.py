@@ -61,7 +61,7 @@ CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, f
 WATCH_ENV = "FEDAGENT_TRAINER_WATCH"
 _WATCH_EVERY_S = 1.0
 LEFTOVERS_FILE = "leftovers.json"
-CLOSING_FILE = "closing.json"  # {"pid"}: this server serves nothing more and is about to exit
+CLOSING_FILE = "closing.json"  # {"pid", "reason"}: this server serves nothing more and is about to exit
 _POLL_S = 0.1
 
 
@@ -114,10 +114,6 @@ def serve(
           + (f", while {watched['name']} (pid {watched['pid']}) runs" if watched else ""), flush=True)
     served, last_request = 0, time.monotonic()
     next_watch = last_request
-    # Requests still waiting when the server ends get this answer: "stopped" after a stop (the
-    # run is over: nothing to redo), "not_served" otherwise (idle exit or a broken session: the
-    # ClientApp starts a fresh trainer and sends the job again).
-    leftover_kind = "not_served"
     end = "crashed"  # why it serves no more, for closing.json (the ClientApp names it on a restart)
     try:
         while True:
@@ -149,12 +145,10 @@ def serve(
             path.unlink(missing_ok=True)
             last_request = time.monotonic()
             if not keep_serving:
-                leftover_kind = "stopped" if body.get("mode") == "stop" else "not_served"
                 end = "stopped" if body.get("mode") == "stop" else f"its {body.get('mode')} job failed"
                 return 0 if answer["ok"] else 1
     except _Terminated:
-        leftover_kind = "stopped"  # a timeout or the run's end: the job in hand is not to be redone
-        end = "terminated"
+        end = "terminated"  # a timeout or the run's end: the job in hand is not to be redone
         raise
     finally:
         # Announce the end first: a request written from now on is answered "not served" (or is
@@ -164,7 +158,10 @@ def serve(
         try:
             session.close()
         finally:
-            _answer_pending(inbox, outbox, leftover_kind)
+            # Requests still waiting get "stopped" after a stop (the run is over: nothing to redo),
+            # "not_served" otherwise (idle exit, a broken session, the node gone: the ClientApp
+            # starts a fresh trainer and sends the job again).
+            _answer_pending(inbox, outbox, "stopped" if end in ("stopped", "terminated") else "not_served")
 
 
 def _answer_pending(inbox: Path, outbox: Path, kind: str) -> None:
