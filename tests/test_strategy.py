@@ -232,3 +232,38 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     # Round 2: the critics are checked against the global critic and averaged again.
     strategy.aggregate_train(2, [ppo_reply(0, 2), ppo_reply(1, 2)])
     assert strategy.global_critic.path == str(run_root / "round_2" / "global_critic")
+
+
+def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    initial = _initial(tmp_path)
+    strategy, run_root = _strategy(tmp_path, initial, clients=3)
+    start = load_file(str(Path(initial.path) / "model.safetensors"))
+    refs = {}
+    for client, scale in ((0, 1.0), (1, -1.0), (2, 0.5)):
+        directory = run_root / f"client_{client}"
+        directory.mkdir()
+        for item in Path(initial.path).iterdir():
+            if item.name != "model.safetensors":
+                (directory / item.name).write_bytes(item.read_bytes())
+        state = {k: v + scale * 1e-3 for k, v in start.items()}
+        if client == 2:
+            state[sorted(state)[0]].view(-1)[0] = float("nan")
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        refs[client] = CheckpointRef.for_directory(directory)
+    strategy.aggregate_train(1, [_reply(c, refs[c], 4) for c in refs])
+    summary = json.loads((run_root / "federated_summary.json").read_text())
+    entry = summary["rounds"][0]
+    assert entry["client_actor_ids"] == [0, 1]
+    assert "non-finite" in entry["rejected"]["2"] and "client_2" in entry["rejected"]["2"]
+    stats = entry["update_stats"]
+    assert stats["clients"] == [0, 1] and stats["mode"] == "full"
+    # +1e-3 and -1e-3 on every weight: equal norms, opposite directions, the mean did not move.
+    numel = sum(v.numel() for v in start.values())
+    assert stats["client_update_norm"] == pytest.approx([1e-3 * numel ** 0.5] * 2, rel=1e-3)
+    assert stats["cosine"][0][1] == pytest.approx(-1.0, abs=1e-4)
+    assert stats["mean_update_norm"] < 1e-3 * stats["client_update_norm"][0]
+    events = [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
+    (aggregate,) = [e for e in events if e["event"] == "aggregate"]
+    assert aggregate["update_stats"] == stats

@@ -3,7 +3,8 @@
 ``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``reader`` opens and
 checks a reference and reads full tensors key by key from FSDP rank files or HF safetensors;
 ``aggregate`` computes the fp32 weighted mean (or any per-key rule, ``aggregate_by_key``) into a
-new HF model directory; ``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
+new HF model directory, measuring the clients' updates on the way (``update_stats``: norms, cosines);
+``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
 references between machines (a shared filesystem, or the ServerApp's HTTP store in
 ``http_server``/``http_client``, with per-file ``manifest`` hashes).
 """
@@ -34,9 +35,11 @@ from fedagent_flwr.checkpoint.ref import (
     resolve_inside,
 )
 from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
+from fedagent_flwr.checkpoint.update_stats import UpdateStats
 
 __all__ = [
     "AggregateReport",
+    "UpdateStats",
     "KeyRule",
     "CheckpointError",
     "CheckpointFormat",

@@ -35,6 +35,12 @@ import torch
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter, fsync_dir
+from fedagent_flwr.checkpoint.update_stats import (
+    DEFAULT_MAX_BYTES,
+    UpdateStats,
+    UpdateStatsAccumulator,
+    sq_norm_float64,
+)
 
 __all__ = [
     "AggregateReport",
@@ -66,6 +72,8 @@ class AggregateReport:
     bytes_read: int  # tensor bytes read from all sources
     seconds: float
     tied_keys: tuple[str, ...] = ()  # keys left out because the model ties them to another key
+    # The clients' updates against the reference (norms, cosines); None without a reference.
+    update_stats: UpdateStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (for provenance records and logs)."""
@@ -73,6 +81,7 @@ class AggregateReport:
         data["out_dir"] = str(self.out_dir)
         data["weights"] = list(self.weights)
         data["tied_keys"] = list(self.tied_keys)
+        data["update_stats"] = self.update_stats.to_dict() if self.update_stats is not None else None
         return data
 
 
@@ -100,10 +109,27 @@ def normalise_weights(weights: Sequence[float], labels: Sequence[str] | None = N
 #: A tensor rule: ``rule(key, tensors, weights)`` -> the output tensor of ``key``, where ``tensors``
 #: holds every source's fp32 tensor for ``key`` (source order) and ``weights`` the normalised weights.
 KeyRule = Callable[[str, list[torch.Tensor], list[float]], torch.Tensor]
-# How a writer gets one floating-point key: (key, readers, weights, shape, scratch) -> tensor.
-_KeyCombiner = Callable[
-    [str, list[CheckpointReader], list[float], tuple[int, ...], tuple[torch.Tensor, torch.Tensor]], torch.Tensor
-]
+
+
+@dataclass
+class _KeyContext:
+    """What every key of one aggregation shares: reused buffers, names, optional statistics."""
+
+    acc: torch.Tensor  # the largest key's size: the running weighted sum
+    rows: torch.Tensor  # (n + 1, largest) with full statistics (every client's copy kept), else (1, largest)
+    names: list[str]  # "source i (directory)": errors name the culprit so the strategy can drop it
+    reference: CheckpointReader | None
+    stats: UpdateStatsAccumulator | None
+
+    def start(self, key: str) -> torch.Tensor | None:
+        """The reference's fp32 value of ``key`` when statistics are kept (one read per key)."""
+        if self.stats is None or self.reference is None:
+            return None
+        return self.reference.read(key)
+
+
+# How a writer gets one floating-point key: (key, readers, weights, shape, context) -> tensor.
+_KeyCombiner = Callable[[str, list[CheckpointReader], list[float], tuple[int, ...], _KeyContext], torch.Tensor]
 
 
 def weighted_mean(
@@ -111,6 +137,8 @@ def weighted_mean(
     out_dir: str | os.PathLike[str],
     reference: CheckpointReader | None = None,
     num_threads: int | None = 1,
+    update_stats: bool = True,
+    stats_max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> AggregateReport:
     """Write the weighted mean of ``sources`` as an fp32 HF model directory at ``out_dir``.
 
@@ -125,8 +153,14 @@ def weighted_mean(
     ``None`` leaves them alone). The per-key work is a memory-bound multiply-add, which one
     thread does at memory speed, while waking a thread pool once per tensor can cost more than
     the add itself (measured: ~12 ms per op with 2 threads vs 0.2 ms with 1 on a 2-vCPU host).
+
+    A source holding NaN or Inf is refused (CheckpointError naming it) before anything is
+    written. With a ``reference`` and ``update_stats`` the report carries the clients' update
+    statistics (:mod:`.update_stats`), which cost one more read of the reference and, for the
+    cosines, up to ``stats_max_bytes`` of memory; the mean itself is bitwise the same either way.
     """
-    return _write_aggregate(sources, out_dir, reference, num_threads, "weighted_mean", _mean_of_key)
+    return _write_aggregate(sources, out_dir, reference, num_threads, "weighted_mean", _mean_of_key,
+                            update_stats, stats_max_bytes)
 
 
 def aggregate_by_key(
@@ -137,6 +171,8 @@ def aggregate_by_key(
     name: str,
     reference: CheckpointReader | None = None,
     num_threads: int | None = 1,
+    update_stats: bool = True,
+    stats_max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> AggregateReport:
     """Like :func:`weighted_mean`, with the tensor arithmetic of ``rule`` (median, trimmed mean, ...).
 
@@ -148,14 +184,28 @@ def aggregate_by_key(
     """
 
     def combine(key: str, readers: list[CheckpointReader], weights: list[float], shape: tuple[int, ...],
-                scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        result = rule(key, [reader.read(key) for reader in readers], list(weights))
+                context: _KeyContext) -> torch.Tensor:
+        tensors = [reader.read(key) for reader in readers]
+        for tensor, source in zip(tensors, context.names):
+            _check_finite(key, tensor, source)
+        start = context.start(key)
+        result = rule(key, [t.clone() for t in tensors] if start is not None else tensors, list(weights))
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise CheckpointError(f"aggregation rule {name!r} returned {got} for '{key}', expected shape {shape}")
-        return result.to(torch.float32)
+        result = result.to(torch.float32)
+        _check_finite(key, result, f"the output of aggregation rule {name!r}")
+        if start is not None and context.stats is not None:
+            if context.stats.mode == "full":
+                context.stats.add_key(start.reshape(-1), torch.stack([t.reshape(-1) for t in tensors]))
+            else:
+                for index, tensor in enumerate(tensors):
+                    context.stats.add_client_sq(index, sq_norm_float64(tensor.sub_(start)))
+                context.stats.count_params(result.numel())
+            context.stats.add_mean_sq(sq_norm_float64(result - start))
+        return result
 
-    return _write_aggregate(sources, out_dir, reference, num_threads, name, combine)
+    return _write_aggregate(sources, out_dir, reference, num_threads, name, combine, update_stats, stats_max_bytes)
 
 
 def _write_aggregate(
@@ -165,6 +215,8 @@ def _write_aggregate(
     num_threads: int | None,
     rule_name: str,
     combine: _KeyCombiner,
+    update_stats: bool = True,
+    stats_max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> AggregateReport:
     """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`)."""
     started = time.perf_counter()
@@ -211,19 +263,26 @@ def _write_aggregate(
         torch.set_num_threads(num_threads)
     try:
         _copy_hf_files(hf_dir, staging)
-        # Two buffers sized for the largest tensor, reused for every key: memory stays at two
-        # tensors whatever the model or the number of clients, and pages are faulted in once.
-        largest = max((math.prod(shape) for _, shape, _ in entries), default=0)
-        scratch = (torch.empty(largest, dtype=torch.float32), torch.empty(largest, dtype=torch.float32))
+        # Buffers sized for the largest tensor, reused for every key: memory stays at two tensors
+        # whatever the model or the number of clients (plus one per client for the cosines of
+        # the update statistics, within stats_max_bytes), and pages are faulted in once.
+        largest = max((math.prod(shape) for _, shape, dtype in entries if dtype.is_floating_point), default=0)
+        stats = (UpdateStatsAccumulator(weights, largest, stats_max_bytes)
+                 if update_stats and reference is not None else None)
+        # Full statistics keep every client's copy plus one row for the aggregate's update.
+        rows = len(readers) + 1 if stats is not None and stats.mode == "full" else 1
+        context = _KeyContext(acc=torch.empty(largest, dtype=torch.float32),
+                              rows=torch.empty(rows, largest, dtype=torch.float32),
+                              names=names, reference=reference, stats=stats)
         with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata) as writer:
             for key, shape, dtype in entries:
                 if dtype.is_floating_point:
-                    value = combine(key, readers, weights, shape, scratch)
+                    value = combine(key, readers, weights, shape, context)
                 else:
                     value = _agreed_integer_tensor(key, readers)
                 writer.write(key, value)
                 num_params += value.numel()
-        del scratch
+        del context
         fsync_dir(staging)
         # Checked again: another process may have created it while we were writing.
         if out_dir.exists() or out_dir.is_symlink():
@@ -243,6 +302,7 @@ def _write_aggregate(
         bytes_read=sum(r.bytes_read for r in readers) - bytes_before,
         seconds=time.perf_counter() - started,
         tied_keys=tied_out,
+        update_stats=stats.result() if stats is not None else None,
     )
 
 
@@ -289,9 +349,14 @@ def verify_mean(
             continue
         if actual.dtype != torch.float32:
             raise CheckpointError(f"{out_dir}: '{key}' is {actual.dtype}, expected float32")
+        # NaN compares unequal to everything, so an error of NaN would not exceed a tolerance:
+        # non-finite values are reported as such, in the output and in every source.
+        _check_finite(key, actual, str(out_dir))
         expected = torch.zeros(readers[0].shape(key), dtype=torch.float64)
-        for reader, weight in zip(readers, weights):
-            expected += weight * reader.read(key).double()
+        for index, (reader, weight) in enumerate(zip(readers, weights)):
+            value = reader.read(key)
+            _check_finite(key, value, f"source {index} ({reader.directory})")
+            expected += weight * value.double()
         worst = max(worst, _max_abs(actual.double() - expected))
     # A tied copy left out of the file is rebuilt from its partner on load; that is only right
     # if every source really held the same values in both.
@@ -324,17 +389,48 @@ def _mean_of_key(
     readers: list[CheckpointReader],
     weights: list[float],
     shape: tuple[int, ...],
-    scratch: tuple[torch.Tensor, torch.Tensor],
+    context: _KeyContext,
 ) -> torch.Tensor:
+    """Stream the weighted sum of ``key``, one source at a time, checking each for NaN/Inf.
+
+    The arithmetic (first source times its weight, then add each next one scaled) is the same
+    with or without statistics, so the written mean does not depend on them.
+    """
     count = math.prod(shape)
-    acc = scratch[0][:count].view(shape)
-    incoming = scratch[1][:count].view(shape)
-    readers[0].read_into(key, acc)
-    acc.mul_(weights[0])
-    for reader, weight in zip(readers[1:], weights[1:]):
+    acc = context.acc[:count].view(shape)
+    stats = context.stats
+    start = context.start(key)
+    full = stats is not None and stats.mode == "full"
+    for index, (reader, weight) in enumerate(zip(readers, weights)):
+        incoming = context.rows[index if full else 0, :count].view(shape)
         reader.read_into(key, incoming)
-        acc.add_(incoming, alpha=weight)
+        _check_finite(key, incoming, context.names[index])
+        if index == 0:
+            acc.copy_(incoming).mul_(weight)
+        else:
+            acc.add_(incoming, alpha=weight)
+        if stats is not None and start is not None and not full:
+            stats.add_client_sq(index, sq_norm_float64(incoming.sub_(start)))
+    if stats is not None and start is not None:
+        # The aggregate's own update is measured directly: derived from the clients' products
+        # it would lose all precision exactly when updates cancel, the case worth seeing.
+        diff = context.rows[len(readers) if full else 0, :count].view(shape)
+        stats.add_mean_sq(sq_norm_float64(torch.sub(acc, start, out=diff)))
+        if full:
+            stats.add_key(start.reshape(-1), context.rows[: len(readers), :count])
     return acc
+
+
+def _check_finite(key: str, tensor: torch.Tensor, source: str) -> None:
+    """Refuse NaN and Inf: one such value would poison every weight it is averaged into."""
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(
+            f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
+            "the checkpoint is refused (lower the learning rate or check the client's training)"
+        )
+
+
 
 
 def _max_abs(delta: torch.Tensor) -> float:

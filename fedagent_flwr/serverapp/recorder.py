@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 
 from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
+from fedagent_flwr.intervals import wilson_interval
 from fedagent_flwr.serverapp.crashpoint import crash_point
 
 if TYPE_CHECKING:
@@ -83,9 +84,11 @@ class RunRecorder:
         client_metrics: dict[int, dict[str, Any]],
         client_critics: dict[int, str] | None = None,
         aggregated_critic: str | None = None,
+        update_stats: dict[str, Any] | None = None,
     ) -> None:
         """Provenance of one round: started_from -> client checkpoints -> aggregated model
-        (and, for PPO, the clients' critics -> the aggregated critic)."""
+        (and, for PPO, the clients' critics -> the aggregated critic), with the statistics of
+        the clients' updates when the aggregation measured them (``checkpoint.update_stats``)."""
         # FedAvgFSDP records a round right after renaming its new global model into place.
         crash_point(f"aggregated@{server_round}")
         entry = {
@@ -101,6 +104,8 @@ class RunRecorder:
         if client_critics:
             entry["client_critics"] = [client_critics[c] for c in sorted(client_critics)]
             entry["aggregated_critic"] = aggregated_critic
+        if update_stats is not None:
+            entry["update_stats"] = update_stats
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated
@@ -108,7 +113,8 @@ class RunRecorder:
             point = _curve_point(server_round, "client", client, metrics)
             self.summary["client_curve"].append(point)
             self.events.append({"event": "train", **point, "metrics": metrics})
-        self.events.append({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")}})
+        self.events.append({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
+                            "update_stats": update_stats})
         self.write()
 
     def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any]) -> None:
@@ -166,12 +172,17 @@ class RunRecorder:
 
 
 def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, Any]) -> dict[str, Any]:
-    """One point of FedAgent's val_curve / client_curve from a Flower MetricRecord's values."""
+    """One point of FedAgent's val_curve / client_curve from a Flower MetricRecord's values,
+    with the 95% Wilson interval of its success rate over its ``n`` episodes."""
+    n = int(metrics.get("num-examples", 0))
+    rate = float(metrics.get("success-rate", 0.0))
+    low, high = wilson_interval(rate * n, n)
     return {
         "round": server_round,
         label: value,
-        "n": int(metrics.get("num-examples", 0)),
-        "success_rate": float(metrics.get("success-rate", 0.0)),
+        "n": n,
+        "success_rate": rate,
+        "success_ci95": [round(low, 4), round(high, 4)],
         "reward_mean": float(metrics.get("reward-mean", 0.0)),
     }
 
@@ -190,7 +201,13 @@ def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     val = summary["val_curve"]
     if val:
-        left.plot([p["round"] for p in val], [p["success_rate"] for p in val], "o-", label="global model")
+        rounds = [p["round"] for p in val]
+        rates = [p["success_rate"] for p in val]
+        # 95% Wilson intervals (older summaries may lack them: recomputed from n).
+        bounds = [p.get("success_ci95") or wilson_interval(p["success_rate"] * p["n"], p["n"]) for p in val]
+        errors = [[max(r - b[0], 0.0) for r, b in zip(rates, bounds)], [max(b[1] - r, 0.0) for r, b in zip(rates, bounds)]]
+        left.errorbar(rounds, rates, yerr=errors, fmt="o-", capsize=3, label="global model (95% CI)")
+        left.legend(fontsize=8)
     left.set_title("Validation success rate")
     left.set_xlabel("round")
     left.set_ylim(-0.02, 1.02)

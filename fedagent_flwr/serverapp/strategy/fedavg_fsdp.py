@@ -45,6 +45,7 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
+from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.recorder import RunRecorder
 
@@ -293,7 +294,7 @@ class FedAvgFSDP(FedAvg):
                 log(WARNING, "round %d: client %d did not reply in time", server_round, client)
 
         started = self.global_model
-        new_ref, used = self._aggregate_role(server_round, candidates, rejected, "actor")
+        new_ref, used, report = self._aggregate_role(server_round, candidates, rejected, "actor")
         if new_ref is not None:
             self.global_model = new_ref
             log(INFO, "round %d: new global model %s", server_round, new_ref.path)
@@ -304,7 +305,7 @@ class FedAvgFSDP(FedAvg):
         with_critic = [(r, c) for r, c, _ in used if "critic-path" in r.content[self.configrecord_key]]
         if with_critic:
             # PPO: the critics of exactly the clients whose actors were averaged, with the same rule.
-            critic_ref, critic_used = self._aggregate_role(server_round, with_critic, rejected, "critic")
+            critic_ref, critic_used, _ = self._aggregate_role(server_round, with_critic, rejected, "critic")
             if critic_ref is not None:
                 self.global_critic = critic_ref
                 log(INFO, "round %d: new global critic %s", server_round, critic_ref.path)
@@ -325,6 +326,8 @@ class FedAvgFSDP(FedAvg):
                 client_metrics={c: dict(_single_metrics(r)) for r, c, _ in used},
                 client_critics={c: path for _, c, path in critic_used},
                 aggregated_critic=self.global_critic.path if critic_used and self.global_critic else None,
+                update_stats=(report.update_stats.to_dict([c for _, c, _ in used])
+                              if report is not None and report.update_stats is not None else None),
             )
         return None, metrics
 
@@ -351,11 +354,12 @@ class FedAvgFSDP(FedAvg):
     def _aggregate_role(
         self, server_round: int, candidates: list[tuple[Message, int]], rejected: dict[int, str],
         kind: str,
-    ) -> tuple[CheckpointRef | None, list[tuple[Message, int, str]]]:
+    ) -> tuple[CheckpointRef | None, list[tuple[Message, int, str]], AggregateReport | None]:
         """Open and check each candidate's ``kind`` (actor or critic) checkpoint, then average; a
-        client whose checkpoint fails while streaming is refused and the mean is recomputed
-        without it. Shapes are checked against the current global actor (critic: the global
-        critic, once there is one)."""
+        client whose checkpoint fails while streaming (a bad file, NaN or Inf values) is refused
+        and the mean is recomputed without it. Shapes are checked against the current global
+        actor (critic: the global critic, once there is one). Returns the new reference, the
+        clients used (reply, client, checkpoint path) and the aggregation's report."""
         start = self.global_model if kind == "actor" else self.global_critic
         reference = open_checkpoint(start, check_hash=False) if start is not None else None
         opened: list[tuple[Message, int, CheckpointReader]] = []
@@ -396,7 +400,7 @@ class FedAvgFSDP(FedAvg):
                         log(WARNING, "round %d: aggregation failed: %s", server_round, exc)
                         for _, client, _ in opened:
                             rejected.setdefault(client, f"aggregation failed: {exc}")
-                        return None, []
+                        return None, [], None
                     for i in reversed(culprits):
                         _, client, reader = opened.pop(i)
                         reader.close()
@@ -406,8 +410,11 @@ class FedAvgFSDP(FedAvg):
                     server_round, len(opened), kind, report.num_tensors,
                     [round(w, 4) for w in report.weights], report.seconds)
                 used = [(reply, client, str(reader.directory)) for reply, client, reader in opened]
-                return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), used  # type: ignore[arg-type]
-            return None, []
+                if report.update_stats is not None:
+                    log(INFO, "round %d: %s", server_round,
+                        describe_update_stats(report.update_stats, [c for _, c, _ in used], kind))
+                return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), used, report  # type: ignore[arg-type]
+            return None, [], None
         finally:
             for _, _, reader in opened:
                 reader.close()
