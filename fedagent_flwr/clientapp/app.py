@@ -192,6 +192,8 @@ def train(msg: Message, context: Context) -> Message:
         "success-rate": float(result.metrics.get("success_rate", 0.0)),
         "train-seconds": round(time.monotonic() - started, 3),
     }
+    if "zero_variance_group_share" in result.metrics:  # share of GRPO groups that gave no gradient
+        metrics["zero-variance-group-share"] = float(result.metrics["zero_variance_group_share"])
     # Backend timings and losses (verl: cold start, per-phase step times) travel as metrics too.
     metrics.update({_metric_key(k): float(v) for k, v in result.metrics.items()
                     if k.startswith(("verl/", "fedprox/"))})

@@ -70,6 +70,7 @@ from fedagent_flwr.envs.spec import EnvSpec, EnvSpecError, load_env_spec
 from fedagent_flwr.hetero import PartitionError, partition_env_spec
 from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
 from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
+from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.seeding import SEEDS_PER_ENTRY, train_env_seed
 
 PROG = "reference_trainer"
@@ -710,7 +711,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
     sampling = cfg.sampling()
 
     all_episodes: list[Episode] = []
-    losses, kls, rule_values = [], [], []
+    losses, kls, rule_values, flat_shares = [], [], [], []
     for step in range(job.local_steps):
         step_started = time.monotonic()
         tasks: list[EpisodeTask] = []
@@ -724,6 +725,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
         episodes = play_episodes(policy, tokenizer, tasks, sampling, cfg.max_model_len, generator)
         rollout_seconds = time.monotonic() - step_started
         advantages = grpo_advantages([e.reward for e in episodes], [t.group for t in tasks])
+        flat_shares.append(zero_variance_group_share([e.reward for e in episodes], [t.group for t in tasks]))
         stats = grpo_update(model, ref_model, optimizer, episodes, advantages, cfg, job.proximal_mu,
                             policy.pad_id, rule)
         if sampler is not model:
@@ -749,6 +751,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
     metrics.update(
         loss=_mean(losses),
         kl=_mean(kls),
+        zero_variance_group_share=_mean(flat_shares),
         train_seconds=time.monotonic() - started,
         proximal_mu=float(job.proximal_mu),
     )

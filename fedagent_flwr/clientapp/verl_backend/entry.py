@@ -59,6 +59,7 @@ from fedagent_flwr.envs.spec import EnvSpecError
 from fedagent_flwr.hetero import PartitionError, partition_env_spec
 from fedagent_flwr.launch import pids_with_cmdline, stop_group
 from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+from fedagent_flwr.rollout.groups import zero_variance_group_share
 
 PROG = "verl_backend"
 TRAIN_RESULT = "train_result.json"
@@ -279,6 +280,10 @@ def _episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
         "num_turns_mean": sum(float(r["num_turns"]) for r in records) / n,
         "truncated_rate": sum(float(bool(r["truncated"])) for r in records) / n,
         "invalid_actions_mean": sum(float(r["invalid"]) for r in records) / n,
+        # verl repeats each row rollout.n times: the episodes of one seed form a GRPO group,
+        # scored by "score" (the reward verl trains on).
+        "zero_variance_group_share": zero_variance_group_share(
+            [float(r["score"]) for r in records], [(r["env"], r["seed"]) for r in records]),
     }
 
 
