@@ -47,6 +47,28 @@ def _check_round_mean(run_dir: Path, entry: dict, weights: dict[int, float]) -> 
     return worst
 
 
+def _check_update_stats(run_dir: Path, entry: dict, aggregate_event: dict) -> None:
+    """The round's update statistics equal an independent float64 recomputation from the files:
+    client checkpoints minus the model the round started from."""
+    stats = entry["update_stats"]
+    assert aggregate_event["update_stats"] == stats  # metrics.jsonl carries the same record
+    start = load_file(str(Path(entry["started_from"]) / "model.safetensors"))
+    keys = sorted(load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors")))
+    deltas = {}
+    for c in stats["clients"]:
+        state = _client_state(run_dir / f"round_{entry['round']}" / f"client_{c}")
+        deltas[c] = torch.cat([(state[k].double() - start[k].double()).flatten() for k in keys])
+    weights = stats["weights"]
+    mean = sum(w * deltas[c] for w, c in zip(weights, stats["clients"]))
+    for i, c in enumerate(stats["clients"]):
+        assert stats["client_update_norm"][i] == pytest.approx(deltas[c].norm().item(), rel=1e-6)
+        for j, other in enumerate(stats["clients"]):
+            expected = float(deltas[c] @ deltas[other] / (deltas[c].norm() * deltas[other].norm()))
+            assert stats["cosine"][i][j] == pytest.approx(expected, abs=1e-6)
+    assert stats["mean_update_norm"] == pytest.approx(mean.norm().item(), rel=1e-5)
+    assert stats["num_params"] == sum(start[k].numel() for k in keys)
+
+
 def _service_health(run_dir: Path, env: str, rounds: int = 2) -> dict[int, list[dict]]:
     """Each client's service /health per round, checked to serve ``env`` and that client."""
     found: dict[int, list[dict]] = {}
@@ -98,6 +120,13 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {e["event"] for e in events} == {"train", "aggregate", "evaluate"}
+    for entry in summary["rounds"]:
+        (aggregate,) = [e for e in events if e["event"] == "aggregate" and e["round"] == entry["round"]]
+        _check_update_stats(run_dir, entry, aggregate)
+    trains = [e for e in events if e["event"] == "train"]
+    assert all(0.0 <= e["metrics"]["zero-variance-group-share"] <= 1.0 for e in trains)
+    assert all(len(p["success_ci95"]) == 2 and p["success_ci95"][0] <= p["success_rate"] <= p["success_ci95"][1]
+               for p in summary["val_curve"])
     # The user-facing audit command agrees: every round's aggregate matches its recorded sources.
     audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
                            capture_output=True, text=True)

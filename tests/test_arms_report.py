@@ -1,0 +1,49 @@
+"""tools/gpu/arms.py's report: the arms table from real run records (RunRecorder summaries)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.serverapp.recorder import RunRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _arms_module():  # noqa: ANN202 - the tools/gpu/arms.py module
+    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(out: Path, name: str, rates: list[float], n: int = 64) -> None:
+    recorder = RunRecorder(out / "runs" / name, {"base_model": "/m", "env_kind": "tinyguess", "mode": "federated"})
+    for r, rate in enumerate(rates):
+        recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
+    recorder.finish()
+
+
+def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
+    arms = _arms_module()
+    runs = [{"name": arms.run_name(arm, seed), "arm": arm, "seed": seed}
+            for arm in ("federated", "local") for seed in (1, 2)]
+    runs.append({"name": "centralized-s1", "arm": "centralized", "seed": 1})  # never started
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
+    _run(tmp_path, "federated-s1", [0.125, 0.25, 0.5])
+    _run(tmp_path, "federated-s2", [0.125, 0.375, 0.40625])
+    _run(tmp_path, "local-s1", [0.125, 0.25])
+    _run(tmp_path, "local-s2", [0.125, 0.1875])
+    text = arms.report(tmp_path)
+    data = json.loads((tmp_path / "arms.json").read_text())
+    fed = data["arms"]["federated"]
+    assert fed["final_per_seed"] == [0.5, 0.40625] and fed["final_mean"] == pytest.approx(0.4531, abs=1e-4)
+    # 32 + 26 successes of 128 pooled episodes: Wilson 95% [0.3700, 0.5389].
+    assert fed["pooled_n"] == 128 and fed["pooled_ci95"] == pytest.approx([0.3700, 0.5389], abs=1e-3)
+    assert data["arms"]["local"]["rounds"] == [1, 1]
+    assert "| federated | 2 | 2,2 |" in text and "runs without a result: centralized-s1" in text
+    assert (tmp_path / "arms.png").stat().st_size > 1000

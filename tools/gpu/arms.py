@@ -1,0 +1,265 @@
+"""FedAgent's arms side by side on one GPU node: launch them, watch them, and report the table.
+
+    python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
+        --arms federated local centralized fedprox [--extra "num_rounds=10"]
+    python3 tools/gpu/arms.py status --out /tmp/out
+    python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
+
+Every arm runs the same recipe with the same per-client step budget (``train.local_steps`` per
+round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eval.seed``):
+
+* ``federated``: N = 2 clients on the recipe's heterogeneous partition, FedAvg every round;
+* ``fedprox``: the same with FedProx (``strategy.proximal_mu``);
+* ``local``: client 0 alone on its own partition (FedAgent's "local agent training");
+* ``centralized``: one client holding the whole pool (FedAgent's upper baseline).
+
+``launch`` starts one ``tools/gpu/run_federated.sh`` per (arm, seed), detached and side by side,
+each with its own Flower home and ports, and returns at once. ``report`` reads every run's
+``federated_summary.json`` (finished or not: the summary is rewritten after every round) and
+writes the table: the final validation success of each run with its 95% Wilson interval, and per
+arm the mean over seeds with the Wilson interval of the pooled episodes. Pooling counts the
+evaluation noise only; the spread between seeds is shown beside it, so neither is hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from fedagent_flwr.intervals import wilson_interval  # noqa: E402
+
+#: Overrides and Flower federation of each arm (the recipe and seed are added in front).
+ARMS: dict[str, tuple[str, str]] = {
+    "federated": ("", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
+    "fedprox": ("strategy=fedprox strategy.proximal_mu=0.01",
+                "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
+    "local": ("experiment=local", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
+    "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4"),
+}
+MATRIX_FILE = "matrix.json"
+
+
+def run_name(arm: str, seed: int) -> str:
+    """The run's name (and log file stem) for ``arm`` with ``seed``."""
+    return f"{arm}-s{seed}"
+
+
+def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int) -> list[dict[str, Any]]:
+    """Start every (arm, seed) run detached; return and record what was started."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = []
+    for index, (arm, seed) in enumerate((a, s) for s in seeds for a in arms):
+        overrides, federation = ARMS[arm]
+        name = run_name(arm, seed)
+        hydra = " ".join(x for x in (f"recipe={recipe}", f"seed={seed}", overrides, extra) if x)
+        port = base_port + 10 * index
+        env = {**os.environ, "OUT": str(out), "PORT": str(port)}
+        with open(out / f"{name}.launch.log", "ab") as log:
+            process = subprocess.Popen(
+                ["bash", str(REPO / "tools/gpu/run_federated.sh"), name, hydra, federation],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,  # outlives the command that launched it
+            )
+        started.append({"name": name, "arm": arm, "seed": seed, "overrides": hydra, "federation": federation,
+                        "port": port, "pid": process.pid})
+        print(f"started {name} (pid {process.pid}, port {port}): {hydra}", flush=True)
+    (out / MATRIX_FILE).write_text(json.dumps({"recipe": recipe, "runs": started}, indent=2))
+    return started
+
+
+def _summary(out: Path, name: str) -> dict[str, Any] | None:
+    path = out / "runs" / name / "federated_summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def status(out: Path) -> None:
+    """One line per run: status, last validated round and its success rate."""
+    matrix = json.loads((out / MATRIX_FILE).read_text())
+    for run in matrix["runs"]:
+        summary = _summary(out, run["name"])
+        if summary is None:
+            log = out / f"{run['name']}.log"
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else ["(no log yet)"]
+            print(f"{run['name']:>16}: starting | {tail[0][:150] if tail else ''}")
+            continue
+        curve = summary.get("val_curve", [])
+        last = curve[-1] if curve else {}
+        print(f"{run['name']:>16}: {summary.get('status')} round {last.get('round')} "
+              f"success {last.get('success_rate')} (n={last.get('n')}) wall {summary.get('wall_seconds')} s")
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """Every run's curve and final point, grouped by arm, with intervals."""
+    matrix = json.loads((out / MATRIX_FILE).read_text())
+    runs, arms = [], {}
+    for run in matrix["runs"]:
+        summary = _summary(out, run["name"])
+        curve = (summary or {}).get("val_curve", [])
+        if not curve:
+            runs.append({**run, "status": "no result"})
+            continue
+        base, final = curve[0], curve[-1]
+        entry = {
+            **run,
+            "status": summary.get("status"),
+            "rounds": final["round"],
+            "base": _point(base),
+            "final": _point(final),
+            "curve": [_point(p) for p in curve],
+            "zero_variance_group_share": _client_means(out, run["name"], "zero-variance-group-share"),
+            "entropy": _client_means(out, run["name"], "actor.entropy"),
+            "grad_norm": _client_means(out, run["name"], "actor.grad_norm"),
+            "update_norm_ratio": [r.get("update_stats", {}).get("norm_ratio") for r in summary.get("rounds", [])
+                                  if r.get("update_stats")],
+            "mean_pairwise_cosine": [r.get("update_stats", {}).get("mean_pairwise_cosine")
+                                     for r in summary.get("rounds", []) if r.get("update_stats")],
+            "wall_seconds": summary.get("wall_seconds"),
+        }
+        runs.append(entry)
+        arms.setdefault(run["arm"], []).append(entry)
+    table = {arm: _pool(entries) for arm, entries in arms.items()}
+    return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
+
+
+def _point(point: dict[str, Any]) -> dict[str, Any]:
+    n = int(point.get("n", 0))
+    rate = float(point.get("success_rate", 0.0))
+    low, high = wilson_interval(rate * n, n)
+    return {"round": point["round"], "n": n, "success_rate": rate, "ci95": [round(low, 4), round(high, 4)]}
+
+
+def _client_means(out: Path, name: str, suffix: str) -> list[float | None]:
+    """Per round, the clients' mean of the train metric whose key ends with ``suffix``
+    (read from the run's metrics.jsonl train events)."""
+    path = out / "runs" / name / "metrics.jsonl"
+    by_round: dict[int, list[float]] = {}
+    try:
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+    for event in events:
+        if event.get("event") != "train":
+            continue
+        values = [float(v) for k, v in (event.get("metrics") or {}).items() if k.endswith(suffix)]
+        if values:
+            by_round.setdefault(int(event["round"]), []).append(values[0])
+    return [round(sum(v) / len(v), 4) for _, v in sorted(by_round.items())]
+
+
+def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over seeds of the final success, and the Wilson interval of the pooled episodes."""
+    finals = [e["final"] for e in entries]
+    successes = sum(f["success_rate"] * f["n"] for f in finals)
+    n = sum(f["n"] for f in finals)
+    low, high = wilson_interval(successes, n)
+    rates = [f["success_rate"] for f in finals]
+    mean = sum(rates) / len(rates)
+    spread = math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) if len(rates) > 1 else None
+    base = [e["base"] for e in entries]
+    base_low, base_high = wilson_interval(sum(b["success_rate"] * b["n"] for b in base), sum(b["n"] for b in base))
+    return {
+        "seeds": [e["seed"] for e in entries],
+        "rounds": [e["rounds"] for e in entries],
+        "final_mean": round(mean, 4),
+        "final_per_seed": rates,
+        "seed_std": None if spread is None else round(spread, 4),
+        "pooled_n": n,
+        "pooled_ci95": [round(low, 4), round(high, 4)],
+        "base_mean": round(sum(b["success_rate"] for b in base) / len(base), 4),
+        "base_pooled_ci95": [round(base_low, 4), round(base_high, 4)],
+    }
+
+
+def report(out: Path) -> str:
+    """Write arms.json, arms.md and arms.png under ``out``; return the markdown table."""
+    data = collect(out)
+    (out / "arms.json").write_text(json.dumps(data, indent=2))
+    lines = [
+        f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
+        "pooled episodes; per-seed values)",
+        "",
+        "| arm | seeds | rounds | base (round 0) | final mean | 95% CI (pooled) | per seed | seed std |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, row in data["arms"].items():
+        lines.append(
+            f"| {arm} | {len(row['seeds'])} | {','.join(map(str, row['rounds']))} | {row['base_mean']:.3f} | "
+            f"{row['final_mean']:.3f} | [{row['pooled_ci95'][0]:.3f}, {row['pooled_ci95'][1]:.3f}] (n={row['pooled_n']}) | "
+            f"{', '.join(f'{r:.3f}' for r in row['final_per_seed'])} | {row['seed_std'] if row['seed_std'] is not None else '-'} |"
+        )
+    missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
+    if missing:
+        lines += ["", f"runs without a result: {', '.join(missing)}"]
+    text = "\n".join(lines) + "\n"
+    (out / "arms.md").write_text(text)
+    _plot(data, out / "arms.png")
+    return text
+
+
+def _plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4.2))
+    for arm in data["arms"]:
+        entries = [r for r in data["runs"] if r["arm"] == arm and r.get("curve")]
+        rounds = sorted({p["round"] for e in entries for p in e["curve"]})
+        means, lows, highs = [], [], []
+        for r in rounds:
+            points = [p for e in entries for p in e["curve"] if p["round"] == r]
+            successes = sum(p["success_rate"] * p["n"] for p in points)
+            n = sum(p["n"] for p in points)
+            low, high = wilson_interval(successes, n)
+            mean = sum(p["success_rate"] for p in points) / len(points)
+            means.append(mean)
+            lows.append(max(mean - low, 0.0))
+            highs.append(max(high - mean, 0.0))
+        axis.errorbar(rounds, means, yerr=[lows, highs], fmt="o-", capsize=3, label=f"{arm} ({len(entries)} seeds)")
+    axis.set_xlabel("round")
+    axis.set_ylabel("validation success (95% CI)")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title(f"FedAgent's arms, recipe {data['recipe']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("launch", help="start every arm x seed detached")
+    start.add_argument("--recipe", default="tinyguess_verl")
+    start.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    start.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    start.add_argument("--extra", default="", help="more Hydra overrides for every run")
+    start.add_argument("--port", type=int, default=39400, help="first local SuperLink port (each run takes 10)")
+    for command in (start, sub.add_parser("status"), sub.add_parser("report")):
+        command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    args = parser.parse_args(argv)
+    if args.command == "launch":
+        launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port)
+    elif args.command == "status":
+        status(args.out)
+    else:
+        print(report(args.out), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
