@@ -197,6 +197,60 @@ def test_a_download_is_verified_cached_and_resumed_after_a_cut(
     assert again.fetch(shared) == local and again.report.cache_hit and again.report.bytes_received == 0
 
 
+# Names a hub snapshot or a git clone may hold besides the weights; all must travel byte for byte.
+ODD_NAMES = ("Model Card.md", "notes (v2) + extras & more=1 #5 %20 100%.txt", "résumé.txt")
+
+
+def test_a_hub_snapshot_with_git_files_and_spaces_in_names_is_shared_and_fetched(
+        store: HttpServerStore, tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "snapshot"
+    shutil.copytree(tiny_model_dir, model)
+    plain = build_manifest(model)
+    # What `git clone` and `huggingface-cli download --local-dir` leave next to the weights.
+    (model / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (model / ".cache" / "huggingface").mkdir(parents=True)
+    (model / ".cache" / "huggingface" / ".gitignore").write_text("*\n")
+    (model / ".hidden.json").write_text("{}")  # hidden: neither hashed nor sent, though .json
+    for index, name in enumerate(ODD_NAMES):
+        (model / name).write_bytes(f"file {index}\n".encode() * 1000)
+    ref = CheckpointRef.for_directory(model)
+    assert ref.sha256 == hash_checkpoint_dir(tiny_model_dir)  # hidden files are not model files
+    shared = store.share(ref)
+    local = node(store, tmp_path / "node0").fetch(shared)
+    assert sorted(p.name for p in local.iterdir()) == sorted([e.name for e in plain.files] + list(ODD_NAMES))
+    for name in ODD_NAMES:
+        assert (local / name).read_bytes() == (model / name).read_bytes()
+    assert hash_checkpoint_dir(local) == shared.sha256
+
+
+def test_a_checkpoint_with_spaces_in_file_names_is_uploaded_and_committed(
+        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    source = suite.copy("qwen_b", tmp_path / "node0")
+    (source / "training notes.txt").write_text("lr 1e-6\n")
+    (source / "huggingface" / "Model Card.md").write_text("# tiny\n")
+    (source / ".gitignore").write_text("*.log\n")
+    ref = node(store, tmp_path / "node0").put(source, "actor", 1, 0)
+    landed = Path(store.resolve(ref, 1, 0).path)
+    assert (landed / "training notes.txt").read_text() == "lr 1e-6\n"
+    assert (landed / "huggingface" / "Model Card.md").read_text() == "# tiny\n"
+    assert not (landed / ".gitignore").exists()
+    assert build_manifest(landed) == build_manifest(source)
+
+
+@pytest.mark.parametrize("name", ["a\\b.json", "x\n.json", "nul\x00.json", " lead.json", "trail.json ",
+                                  "huggingface/.hidden", "huggingface/", "..", "./config.json",
+                                  "huggingface/../config.json", "x" * 201])
+def test_file_names_that_could_leave_their_folder_are_still_refused(store: HttpServerStore, tmp_path: Path,
+                                                                     name: str) -> None:
+    before = tree(tmp_path)
+    response = httpx.put(upload_url(store.url, RUN, 1, 0, "actor"), params=put_params(name, b"{}"), content=b"{}",
+                         headers=auth(store.upload_token(1, 0)))
+    assert response.status_code == 400 and "is not allowed" in response.json()["detail"], response.text
+    assert all((tmp_path / k).is_dir() for k in set(tree(tmp_path)) - set(before))
+
+
 def test_a_model_altered_on_the_server_after_sharing_is_refused_by_the_client(
         store: HttpServerStore, tiny_model_dir: Path, tmp_path: Path) -> None:
     model = tmp_path / "base"
