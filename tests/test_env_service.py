@@ -39,6 +39,7 @@ from fedagent_flwr.envs.service.manager import (
 from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, TinyGuess
+from fedagent_flwr.launch import is_live_process, process_start_ticks
 
 TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
 HANG_GUARD_S = 30.0  # only bounds a broken test; no assertion depends on speed
@@ -546,6 +547,70 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
     finally:
         first.stop()
         EnvServiceManager.attach_or_create(state_file, launch_b).stop()
+
+
+@contextlib.contextmanager
+def bystander_groups() -> Iterator[dict[str, int]]:
+    """Process groups this manager did not start: a live group, and a group whose leader has
+    exited but whose member lives on. Each is stopped by its pid at the end."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    orphaned = subprocess.Popen(["/bin/sh", "-c", "sleep 600 & echo $!"], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
+    assert orphaned.stdout is not None
+    member = int(orphaned.stdout.readline())
+    orphaned.wait()  # the leader is gone (and reaped); its group lives on in `member`
+    orphaned.stdout.close()
+    try:
+        yield {"alive": alive.pid, "orphaned": orphaned.pid, "member": member}
+    finally:
+        for pid in (alive.pid, member):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        alive.wait()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(member, 0)
+
+
+def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    launch = ServiceLaunch(env="TinyGuess", config=TINY_CONFIG, pool_size=1)
+    other = EnvServiceManager(launch, tmp_path / "other.json")  # a real service, of another state file
+    other.ensure_running()
+    state_file = tmp_path / "svc.json"
+    try:
+        with bystander_groups() as victims:
+            def forge(pid: int, pgid: int) -> None:
+                state_file.write_text(json.dumps({
+                    "pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid), "url": "http://127.0.0.1:9",
+                    "log_file": str(tmp_path / "x.log"), "launch": dataclasses.asdict(launch)}))
+
+            forgeries = [
+                (victims["alive"], victims["alive"]),  # a live group, with its true start time
+                (2**22 + 7, victims["alive"]),  # a pid that does not exist, and someone's group
+                (os.getpid(), victims["alive"]),  # a live pid with another group
+                (victims["orphaned"], victims["orphaned"]),  # a group whose leader exited
+                (other.pid, other.pid),  # our own service, but started for another state file
+            ]
+            for pid, pgid in forgeries:
+                assert pid is not None and pgid is not None
+                forge(pid, pgid)
+                with caplog.at_level(logging.WARNING):
+                    EnvServiceManager.attach(state_file).stop()
+                assert not state_file.exists()
+                assert all(Path(f"/proc/{v}").exists() for v in (victims["alive"], victims["member"]))
+                assert other.is_alive()
+            assert "which this manager did not start" in caplog.text
+            # A forged record is not reused either: ensure_running starts a service of its own.
+            forge(victims["alive"], victims["alive"])
+            manager = EnvServiceManager.attach_or_create(state_file, launch)
+            url = manager.ensure_running()
+            assert manager.pid != victims["alive"] and httpx.get(f"{url}/health").json()["ready"]
+            manager.stop()
+            assert Path(f"/proc/{victims['alive']}").exists() and is_live_process(
+                victims["alive"], process_start_ticks(victims["alive"]))
+    finally:
+        other.stop()
+        EnvServiceManager.attach_or_create(state_file, launch).stop()
 
 
 def test_manager_reports_a_service_that_cannot_start(tmp_path: Path) -> None:
