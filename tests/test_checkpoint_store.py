@@ -138,6 +138,10 @@ def test_oversized_and_malformed_uploads_are_refused_and_leave_nothing(
         (b"not json", 400, "is not JSON"),
         (b"[]", 400, "must be a JSON object"),
         (b"x" * (1024 * 1024 + 10), 413, "exceeds"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nests JSON deeper than 32 levels"),  # RecursionError
+        (json.dumps({"manifest": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], "format": "x",
+                     "world_size": 1, "sha256": "0" * 64}).encode(), 400, "nests JSON deeper than 32 levels"),
+        (b'{"world_size": ' + b"9" * 5000 + b"}", 400, "holds a number of 5000 digits"),
         (json.dumps({"manifest": [{"name": "../x", "size": 1, "sha256": "0" * 64}], "format": "hf-safetensors",
                      "world_size": 1, "sha256": "0" * 64}).encode(), 400, "is not allowed"),
         (json.dumps({"manifest": [], "format": "hf-safetensors", "world_size": 1, "sha256": "0" * 64}).encode(),

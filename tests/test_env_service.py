@@ -221,6 +221,17 @@ def test_bad_requests_get_readable_4xx(shared_service: ThreadedService, path: st
     assert httpx.get(f"{shared_service.url}/health").json()["ready"] is True
 
 
+def test_deeply_nested_json_gets_a_readable_400() -> None:
+    with service(pool_size=1) as svc:
+        # Nested past Python's recursion limit (a RecursionError), or merely deeper than any request needs.
+        for body in (b"[" * 30_000 + b"]" * 30_000, b'{"session_id": ' + b"[" * 40 + b"]" * 40 + b"}"):
+            for path in ("/create", "/reset", "/step", "/close"):
+                nested = httpx.post(f"{svc.url}{path}", content=body)
+                assert nested.status_code == 400, nested.text
+                assert "nests JSON deeper than 32 levels" in nested.json()["error"]
+        assert httpx.get(f"{svc.url}/health").json()["ready"] is True
+
+
 def test_create_waits_for_a_free_slot_then_succeeds() -> None:
     with service(pool_size=2) as svc:
         url = svc.url

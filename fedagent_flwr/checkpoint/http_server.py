@@ -65,6 +65,7 @@ from fedagent_flwr.checkpoint.store import (
     store_ref_parts,
 )
 from fedagent_flwr.envs.service.server import bind_socket, socket_url
+from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 
 MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
 _RECEIVED = "received.json"
@@ -214,9 +215,9 @@ async def _read_json_body(request: Request) -> Any:
         if len(body) > MAX_COMMIT_BYTES:
             raise HTTPException(413, f"request body exceeds {MAX_COMMIT_BYTES} bytes")
     try:
-        return json.loads(bytes(body))
-    except ValueError as exc:
-        raise HTTPException(400, f"request body is not JSON: {exc}") from None
+        return loads_bounded(bytes(body))
+    except JsonBodyError as exc:
+        raise HTTPException(400, f"request body {exc}") from None
 
 
 def create_store_app(store: HttpServerStore) -> FastAPI:

@@ -16,15 +16,15 @@ sessions. The wire protocol follows FedAgent's env services:
 * ``POST /close {session_id}`` - return the instance to the pool (closing an unknown session is a
   no-op that says so, because a retried close whose first reply was lost must not fail).
 
-Bad input (malformed JSON, wrong types, unknown fields, bodies over ``max_body_bytes``) gets a
-4xx with a readable ``{"error": ...}`` body; the service keeps serving.
+Bad input (malformed JSON, JSON nested deeper than 32 levels, wrong types, unknown fields, bodies
+over ``max_body_bytes``) gets a 4xx with a readable ``{"error": ...}`` body; the service keeps
+serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fedagent_flwr.envs.base import BaseTextEnv
+from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +193,12 @@ _ModelT = TypeVar("_ModelT", bound=BaseModel)
 
 
 def _parse(model: type[_ModelT], raw: bytes) -> _ModelT:
-    """Validate a JSON request body: 400 if it is not JSON at all, 422 if fields are wrong."""
+    """Validate a JSON request body: 400 if it is not JSON at all (or nests deeper, or holds a
+    longer number, than any request here can: :mod:`fedagent_flwr.jsonbody`), 422 if fields are wrong."""
     try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPException(400, f"malformed JSON body: {exc}") from None
+        payload = loads_bounded(raw)
+    except JsonBodyError as exc:
+        raise HTTPException(400, f"malformed JSON body: the body {exc}") from None
     if not isinstance(payload, dict):
         raise HTTPException(422, f"request body must be a JSON object, got {type(payload).__name__}")
     try:
