@@ -38,7 +38,7 @@ from fedagent_flwr.envs.service.manager import (
 )
 from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
 from fedagent_flwr.envs.spec import load_env_spec
-from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, TinyGuess
+from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, INVALID_OBS, TinyGuess
 from fedagent_flwr.launch import is_live_process, process_start_ticks
 
 TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
@@ -219,6 +219,31 @@ def test_bad_requests_get_readable_4xx(shared_service: ThreadedService, path: st
     assert needle in reply.json()["error"]
     # The service is still serving.
     assert httpx.get(f"{shared_service.url}/health").json()["ready"] is True
+
+
+def test_absurd_actions_are_invalid_responses_and_absurd_seeds_are_4xx() -> None:
+    with service(pool_size=1) as svc:  # the default 64 KiB body limit: a 5000-digit action fits
+        url = svc.url
+        sid = new_session(url, seed=25)
+        # A number int() refuses is an unparseable reply: an "Invalid response" that uses the turn.
+        huge = post(url, "/step", {"session_id": sid, "step_id": 0, "action": "<answer>" + "9" * 5000 + "</answer>"})
+        assert huge.status_code == 200, huge.text
+        assert (huge.json()["obs"], huge.json()["done"], huge.json()["info"]) == (
+            INVALID_OBS, False, {"success": False, "turns": 1})
+        assert post(url, "/step", {"session_id": sid, "step_id": 1, "action": "3"}).json()["info"]["turns"] == 2
+
+        # Seeds beyond a signed 64-bit integer are refused by name, and the episode goes on.
+        for seed in (2**63, -(2**63) - 1, 10**40):
+            refused = post(url, "/reset", {"session_id": sid, "seed": seed})
+            assert refused.status_code == 422, refused.text
+            assert (f"seed {seed} is outside the allowed range [-9223372036854775808, 9223372036854775807]"
+                    in refused.json()["error"])
+        too_long = post(url, "/reset", content=b'{"session_id": "%s", "seed": 1%s}' % (sid.encode(), b"0" * 5000))
+        assert too_long.status_code == 400 and "holds a number of 5001 digits" in too_long.json()["error"]
+        assert post(url, "/step", {"session_id": sid, "step_id": 2, "action": "4"}).json()["info"]["turns"] == 3
+        for seed in (2**63 - 1, -(2**63)):
+            assert post(url, "/reset", {"session_id": sid, "seed": seed}).status_code == 200
+        assert httpx.get(f"{url}/health").json()["ready"] is True
 
 
 def test_deeply_nested_json_gets_a_readable_400() -> None:
