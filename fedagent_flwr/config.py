@@ -193,6 +193,8 @@ def _storage(raw: dict[str, Any]) -> StorageSettings:
         ssl_keyfile=_existing_file(raw, "storage.ssl_keyfile"),
         ssl_ca_certfile=_existing_file(raw, "storage.ssl_ca_certfile"),
         max_file_bytes=_typed(raw, "storage.max_file_bytes", int, lambda v: v >= 1, ">= 1"),
+        upload_idle_timeout_s=_typed(raw, "storage.upload_idle_timeout_s", float,
+                                     lambda v: 0 < v < float("inf"), "seconds > 0"),
     )
     if kind != "http":
         return settings

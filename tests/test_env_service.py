@@ -38,7 +38,8 @@ from fedagent_flwr.envs.service.manager import (
 )
 from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
 from fedagent_flwr.envs.spec import load_env_spec
-from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, TinyGuess
+from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, INVALID_OBS, TinyGuess
+from fedagent_flwr.launch import is_live_process, process_start_ticks
 
 TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
 HANG_GUARD_S = 30.0  # only bounds a broken test; no assertion depends on speed
@@ -218,6 +219,42 @@ def test_bad_requests_get_readable_4xx(shared_service: ThreadedService, path: st
     assert needle in reply.json()["error"]
     # The service is still serving.
     assert httpx.get(f"{shared_service.url}/health").json()["ready"] is True
+
+
+def test_absurd_actions_are_invalid_responses_and_absurd_seeds_are_4xx() -> None:
+    with service(pool_size=1) as svc:  # the default 64 KiB body limit: a 5000-digit action fits
+        url = svc.url
+        sid = new_session(url, seed=25)
+        # A number int() refuses is an unparseable reply: an "Invalid response" that uses the turn.
+        huge = post(url, "/step", {"session_id": sid, "step_id": 0, "action": "<answer>" + "9" * 5000 + "</answer>"})
+        assert huge.status_code == 200, huge.text
+        assert (huge.json()["obs"], huge.json()["done"], huge.json()["info"]) == (
+            INVALID_OBS, False, {"success": False, "turns": 1})
+        assert post(url, "/step", {"session_id": sid, "step_id": 1, "action": "3"}).json()["info"]["turns"] == 2
+
+        # Seeds beyond a signed 64-bit integer are refused by name, and the episode goes on.
+        for seed in (2**63, -(2**63) - 1, 10**40):
+            refused = post(url, "/reset", {"session_id": sid, "seed": seed})
+            assert refused.status_code == 422, refused.text
+            assert (f"seed {seed} is outside the allowed range [-9223372036854775808, 9223372036854775807]"
+                    in refused.json()["error"])
+        too_long = post(url, "/reset", content=b'{"session_id": "%s", "seed": 1%s}' % (sid.encode(), b"0" * 5000))
+        assert too_long.status_code == 400 and "holds a number of 5001 digits" in too_long.json()["error"]
+        assert post(url, "/step", {"session_id": sid, "step_id": 2, "action": "4"}).json()["info"]["turns"] == 3
+        for seed in (2**63 - 1, -(2**63)):
+            assert post(url, "/reset", {"session_id": sid, "seed": seed}).status_code == 200
+        assert httpx.get(f"{url}/health").json()["ready"] is True
+
+
+def test_deeply_nested_json_gets_a_readable_400() -> None:
+    with service(pool_size=1) as svc:
+        # Nested past Python's recursion limit (a RecursionError), or merely deeper than any request needs.
+        for body in (b"[" * 30_000 + b"]" * 30_000, b'{"session_id": ' + b"[" * 40 + b"]" * 40 + b"}"):
+            for path in ("/create", "/reset", "/step", "/close"):
+                nested = httpx.post(f"{svc.url}{path}", content=body)
+                assert nested.status_code == 400, nested.text
+                assert "nests JSON deeper than 32 levels" in nested.json()["error"]
+        assert httpx.get(f"{svc.url}/health").json()["ready"] is True
 
 
 def test_create_waits_for_a_free_slot_then_succeeds() -> None:
@@ -546,6 +583,70 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
     finally:
         first.stop()
         EnvServiceManager.attach_or_create(state_file, launch_b).stop()
+
+
+@contextlib.contextmanager
+def bystander_groups() -> Iterator[dict[str, int]]:
+    """Process groups this manager did not start: a live group, and a group whose leader has
+    exited but whose member lives on. Each is stopped by its pid at the end."""
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    orphaned = subprocess.Popen(["/bin/sh", "-c", "sleep 600 & echo $!"], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
+    assert orphaned.stdout is not None
+    member = int(orphaned.stdout.readline())
+    orphaned.wait()  # the leader is gone (and reaped); its group lives on in `member`
+    orphaned.stdout.close()
+    try:
+        yield {"alive": alive.pid, "orphaned": orphaned.pid, "member": member}
+    finally:
+        for pid in (alive.pid, member):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        alive.wait()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(member, 0)
+
+
+def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    launch = ServiceLaunch(env="TinyGuess", config=TINY_CONFIG, pool_size=1)
+    other = EnvServiceManager(launch, tmp_path / "other.json")  # a real service, of another state file
+    other.ensure_running()
+    state_file = tmp_path / "svc.json"
+    try:
+        with bystander_groups() as victims:
+            def forge(pid: int, pgid: int) -> None:
+                state_file.write_text(json.dumps({
+                    "pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid), "url": "http://127.0.0.1:9",
+                    "log_file": str(tmp_path / "x.log"), "launch": dataclasses.asdict(launch)}))
+
+            forgeries = [
+                (victims["alive"], victims["alive"]),  # a live group, with its true start time
+                (2**22 + 7, victims["alive"]),  # a pid that does not exist, and someone's group
+                (os.getpid(), victims["alive"]),  # a live pid with another group
+                (victims["orphaned"], victims["orphaned"]),  # a group whose leader exited
+                (other.pid, other.pid),  # our own service, but started for another state file
+            ]
+            for pid, pgid in forgeries:
+                assert pid is not None and pgid is not None
+                forge(pid, pgid)
+                with caplog.at_level(logging.WARNING):
+                    EnvServiceManager.attach(state_file).stop()
+                assert not state_file.exists()
+                assert all(Path(f"/proc/{v}").exists() for v in (victims["alive"], victims["member"]))
+                assert other.is_alive()
+            assert "which this manager did not start" in caplog.text
+            # A forged record is not reused either: ensure_running starts a service of its own.
+            forge(victims["alive"], victims["alive"])
+            manager = EnvServiceManager.attach_or_create(state_file, launch)
+            url = manager.ensure_running()
+            assert manager.pid != victims["alive"] and httpx.get(f"{url}/health").json()["ready"]
+            manager.stop()
+            assert Path(f"/proc/{victims['alive']}").exists() and is_live_process(
+                victims["alive"], process_start_ticks(victims["alive"]))
+    finally:
+        other.stop()
+        EnvServiceManager.attach_or_create(state_file, launch).stop()
 
 
 def test_manager_reports_a_service_that_cannot_start(tmp_path: Path) -> None:

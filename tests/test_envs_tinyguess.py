@@ -65,10 +65,26 @@ def test_secret_with_other_range_and_reset_is_deterministic() -> None:
         ("maybe 10 or maybe 12", 12),
         ("no digits here", None),
         ("", None),
+        # Longer than int() reads (4300 digits): no guess, as FedAgent's int() would have raised.
+        ("<answer>" + "9" * 5000 + "</answer>", None),
+        ("my guess: " + "9" * 5000, None),
+        ("<answer>-" + "9" * 4301 + "</answer>", None),
+        ("<answer>" + "9" * 4300 + "</answer>", int("9" * 4300)),  # still a (far too high) guess
+        ("<answer>" + "0" * 5000 + "7</answer>", 7),  # leading zeros are not digits of the number
     ],
 )
 def test_parse_guess(text: str, expected: int | None) -> None:
     assert parse_guess(text) == expected
+
+
+def test_an_absurdly_long_number_is_an_invalid_response_that_uses_the_turn() -> None:
+    async def play() -> list[tuple[str, float, bool, dict]]:
+        env = TinyGuess({"lo": 1, "hi": 50, "max_turns": 2})
+        await env.reset(25)  # secret 26
+        return [await env.step("<answer>" + "7" * 5000 + "</answer>"), await env.step("<answer>26</answer>")]
+
+    assert run(play()) == [(INVALID_OBS, 0.0, False, {"success": False, "turns": 1}),
+                           (CORRECT_OBS, 1.0, True, {"success": True, "turns": 2})]
 
 
 def test_feedback_rewards_and_done() -> None:

@@ -203,6 +203,10 @@ class HttpClientStore(ClientStore):
             if response.status_code == 409 and "received" in response.json():
                 offset = int(response.json()["received"])  # the server holds a different prefix
                 continue
+            if response.status_code == 408:  # the server gave up on a stalled body; it kept the bytes
+                _pause(attempt, self.retries, f"upload of {entry.name}", response.json().get("detail", "HTTP 408"))
+                offset = int(self._upload_status(slot)["partial"].get(entry.name, 0))
+                continue
             if response.status_code == 422 and not restarted:
                 restarted, offset = True, 0  # the server dropped a corrupt partial file: once more
                 continue

@@ -15,6 +15,11 @@ HMACs of a random per-run secret and travel only inside Flower instructions. An 
 ``<run root>/round_<r>/client_<c>/.upload-<kind>/`` and becomes ``.../<kind>/`` by one rename at
 commit. A file is kept only once its bytes match the sha256 declared for it; a dropped connection
 keeps the bytes received so far, and the next ``PUT`` continues at that offset.
+
+A ``PUT`` holds its slot's lock while it reads the body, so a client that stops sending mid-body
+gets HTTP 408 after ``storage.upload_idle_timeout_s`` without a byte and the lock is free again
+(its bytes are kept, as for a dropped connection). A slot holds at most
+``max_files_per_upload`` files (the most a manifest may list); one more is refused with 413.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import shutil
 import threading
@@ -36,7 +42,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from fedagent_flwr.atomic import fsync_file, write_json_atomic
-from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256, file_sha256
+from fedagent_flwr.checkpoint.manifest import (
+    HF_SUBDIR,
+    Manifest,
+    build_manifest,
+    check_file_name,
+    check_sha256,
+    file_sha256,
+)
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
 from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
@@ -52,6 +65,7 @@ from fedagent_flwr.checkpoint.store import (
     store_ref_parts,
 )
 from fedagent_flwr.envs.service.server import bind_socket, socket_url
+from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 
 MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
 _RECEIVED = "received.json"
@@ -201,9 +215,9 @@ async def _read_json_body(request: Request) -> Any:
         if len(body) > MAX_COMMIT_BYTES:
             raise HTTPException(413, f"request body exceeds {MAX_COMMIT_BYTES} bytes")
     try:
-        return json.loads(bytes(body))
-    except ValueError as exc:
-        raise HTTPException(400, f"request body is not JSON: {exc}") from None
+        return loads_bounded(bytes(body))
+    except JsonBodyError as exc:
+        raise HTTPException(400, f"request body {exc}") from None
 
 
 def create_store_app(store: HttpServerStore) -> FastAPI:
@@ -260,12 +274,16 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                 raise HTTPException(409, f"{file!r} was already received with another size or sha256")
             target = staging / _FILES / file
             part = target.with_name(target.name + ".part")
+            limit = store.settings.max_files_per_upload
+            if not part.exists() and _held_files(staging) >= limit:
+                raise HTTPException(413, f"{file!r}: upload {slot} already holds {limit} files, the most one "
+                                    "upload may hold; commit the checkpoint (a manifest lists at most that many)")
             part.parent.mkdir(parents=True, exist_ok=True)
             have = part.stat().st_size if part.exists() else 0
             if offset != have:
                 return JSONResponse({"detail": f"{file!r}: upload continues at byte {have}, not {offset}",
                                      "received": have}, status_code=409)
-            have = await _append_body(request, part, have, size, file)
+            have = await _append_body(request, part, have, size, file, store.settings.upload_idle_timeout_s)
             if have < size:
                 return {"received": have, "complete": False}
             actual = await run_in_threadpool(_hash_and_sync, part)
@@ -316,25 +334,45 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
     return app
 
 
-async def _append_body(request: Request, part: Path, have: int, size: int, name: str) -> int:
+async def _append_body(request: Request, part: Path, have: int, size: int, name: str, idle_timeout_s: float) -> int:
     """Append the request body to ``part`` (holding ``have`` bytes), never beyond ``size``.
 
     A body longer than declared is refused and the partial file dropped; a dropped connection
-    keeps what arrived, for the next request to continue.
+    keeps what arrived, for the next request to continue. So does a body that sends nothing for
+    ``idle_timeout_s``: 408, so that a stalled client cannot hold its slot's lock for ever.
     """
+    chunks = request.stream().__aiter__()
     with open(part, "ab") as handle:
-        try:
-            async for chunk in request.stream():
-                if have + len(chunk) > size:
-                    handle.close()
-                    part.unlink()
-                    raise HTTPException(413, f"{name!r}: the body runs past the declared {size} bytes; "
-                                        "partial file discarded")
-                await run_in_threadpool(_write_through, handle, chunk)
-                have += len(chunk)
-        except ClientDisconnect:
-            pass
+        while True:
+            try:
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await anext(chunks)
+            except (StopAsyncIteration, ClientDisconnect):
+                break  # the whole body, or a dropped connection: keep what arrived
+            except TimeoutError:
+                raise HTTPException(408, f"{name!r}: no bytes for {idle_timeout_s:g} s "
+                                    f"(storage.upload_idle_timeout_s); the {have} bytes received are kept, "
+                                    "resume the upload from there") from None
+            if have + len(chunk) > size:
+                handle.close()
+                part.unlink()
+                raise HTTPException(413, f"{name!r}: the body runs past the declared {size} bytes; "
+                                    "partial file discarded")
+            await run_in_threadpool(_write_through, handle, chunk)
+            have += len(chunk)
     return have
+
+
+def _held_files(staging: Path) -> int:
+    """Files an upload's staging folder holds, complete or partial (each counts once)."""
+    count = 0
+    for folder in (staging / _FILES, staging / _FILES / HF_SUBDIR):
+        try:
+            with os.scandir(folder) as entries:
+                count += sum(1 for entry in entries if entry.is_file(follow_symlinks=False))
+        except FileNotFoundError:
+            continue
+    return count
 
 
 def _hash_and_sync(path: Path) -> str:

@@ -7,24 +7,30 @@ the model. Both ends check every file against the manifest, and the directory as
 the reference's content hash (:func:`~fedagent_flwr.checkpoint.ref.hash_checkpoint_dir`).
 
 File names are the one piece of a transfer a peer chooses, so :func:`check_file_name` admits only
-plain names (one optional ``huggingface/`` level): no ``..``, no absolute paths, no hidden files,
-no characters outside ``[A-Za-z0-9._-]``.
+plain names (one optional ``huggingface/`` level): no ``..``, no absolute paths, no path
+separators, no control characters, no hidden names. Spaces and other printable characters are
+fine (a hub snapshot may hold ``"Model Card.md"``): a name is always one path component joined
+under its directory, and travels as an encoded query parameter, never inside a URL path.
+
+Hidden files and folders (``.gitattributes``, ``.gitignore``, ``.git/``, the hub's ``.cache/``)
+are not model files: every hub snapshot and git clone holds some, no loader reads them, so they
+stay behind (and out of the content hash, :func:`~fedagent_flwr.checkpoint.ref.hashed_files`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.checkpoint.ref import CheckpointError, is_sha256, update_from_file
+from fedagent_flwr.checkpoint.ref import CheckpointError, is_hidden, is_sha256, update_from_file
 
 HF_SUBDIR = "huggingface"
 MAX_FILES = 4096  # a verl checkpoint of 1024 ranks plus configs fits; more is not a checkpoint
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+MAX_NAME_CHARS = 200
+_FORBIDDEN_CHARS = frozenset("/\\")  # separators: a name is always one path component
 _SKIPPED_PREFIXES = ("optim_", "extra_state_")
 
 
@@ -94,40 +100,63 @@ def check_sha256(value: Any, what: str) -> str:
 
 
 def check_file_name(name: Any) -> str:
-    """A checkpoint file name a peer may use: ``file`` or ``huggingface/file``, plain characters.
+    """A checkpoint file name a peer may use: ``file`` or ``huggingface/file``.
 
-    Refuses ``..``, absolute paths, hidden files, empty segments, deeper folders and anything
-    outside ``[A-Za-z0-9._-]``, so a name can never address a path outside its directory.
+    Each part is one path component: printable characters (spaces included), no ``/`` or
+    ``\\``, not hidden (so never ``.`` or ``..``), no leading or trailing whitespace, at most
+    ``MAX_NAME_CHARS`` characters. So a name can never address a path outside its directory,
+    whatever the peer sends.
     """
     if not isinstance(name, str):
         raise CheckpointError(f"file name {name!r} is not a string")
     parts = name.split("/")
-    valid = (len(parts) == 1 or (len(parts) == 2 and parts[0] == HF_SUBDIR)) and all(
-        _NAME.match(part) and part not in (".", "..") for part in parts
-    )
-    if not valid:
-        raise CheckpointError(
-            f"file name {name[:120]!r} is not allowed: use letters, digits, '.', '_', '-' "
-            f"(at most one '{HF_SUBDIR}/' folder level)"
-        )
+    shape_ok = len(parts) == 1 or (len(parts) == 2 and parts[0] == HF_SUBDIR)
+    problem = "" if shape_ok else f"at most one '{HF_SUBDIR}/' folder level is allowed"
+    for part in parts if shape_ok else ():
+        problem = _name_part_problem(part)
+        if problem:
+            break
+    if problem:
+        raise CheckpointError(f"file name {name[:120]!r} is not allowed: {problem}")
     return name
+
+
+def _name_part_problem(part: str) -> str:
+    """Why ``part`` cannot be one component of a transferred file name ("" if it can)."""
+    if not part:
+        return "empty name or folder"
+    if len(part) > MAX_NAME_CHARS:
+        return f"longer than {MAX_NAME_CHARS} characters"
+    if part.startswith("."):
+        return "hidden names (and '.', '..') are not model files"
+    if part != part.strip():
+        return "leading or trailing whitespace"
+    if not part.isprintable() or any(ch in _FORBIDDEN_CHARS for ch in part):
+        return "control characters, '/' and '\\' are not allowed"
+    return ""
 
 
 def transfer_files(directory: str | os.PathLike[str]) -> list[str]:
     """Relative names of the files of ``directory`` that a store transfers, sorted.
 
-    Top-level regular files except optimiser and extra-state shards, plus the files of
-    ``huggingface/``. Anything with a name a peer would refuse is refused here already.
+    Top-level regular files except optimiser and extra-state shards and hidden files, plus the
+    non-hidden files of ``huggingface/``. Anything with a name a peer would refuse is refused
+    here already, naming the file.
     """
     root = Path(directory)
     names = []
     for path in sorted(root.iterdir()):
+        if is_hidden(path.name):
+            continue
         if path.is_file() and not path.name.startswith(_SKIPPED_PREFIXES):
             names.append(path.name)
         elif path.is_dir() and path.name == HF_SUBDIR:
-            names += [f"{HF_SUBDIR}/{p.name}" for p in sorted(path.iterdir()) if p.is_file()]
+            names += [f"{HF_SUBDIR}/{p.name}" for p in sorted(path.iterdir()) if p.is_file() and not is_hidden(p.name)]
     for name in names:
-        check_file_name(name)
+        try:
+            check_file_name(name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{root / name} cannot be transferred: {exc}; rename or remove it") from None
     if not names:
         raise CheckpointError(f"{root} holds no file to transfer")
     return names

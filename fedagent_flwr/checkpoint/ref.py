@@ -133,13 +133,22 @@ def is_sha256(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value)
 
 
+def is_hidden(name: str) -> bool:
+    """Whether a file name is hidden (``.gitattributes``, ``.cache``): not a model file.
+
+    Hub snapshots and git clones hold such files; they are neither hashed nor transferred.
+    """
+    return name.startswith(".")
+
+
 def hashed_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The files covered by the content hash, in a stable order (top level only)."""
+    """The files covered by the content hash, in a stable order (top level only, not hidden:
+    exactly what a store would transfer of them)."""
     root = Path(directory)
     return sorted(
         p
         for p in root.iterdir()
-        if p.is_file()
+        if p.is_file() and not is_hidden(p.name)
         and (p.name.endswith(_HASHED_SUFFIXES) or (p.name.startswith("model_") and p.name.endswith(".pt")))
     )
 

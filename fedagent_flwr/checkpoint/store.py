@@ -35,11 +35,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.checkpoint.manifest import MAX_FILES
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, is_sha256, resolve_inside
 
 STORE_KINDS = ("shared-fs", "http")
 PUBLISHED_FILE = "published_models.json"
 DEFAULT_MAX_FILE_BYTES = 64 * 1024**3
+# A healthy link never pauses a minute inside one request body; a stalled upload loses its slot's
+# lock after this long without a byte (HTTP 408), keeping what arrived for the next attempt.
+DEFAULT_UPLOAD_IDLE_TIMEOUT_S = 60.0
 
 # Instruction fields (ConfigRecord keys) of the store contract.
 KIND_FIELD = "store-kind"
@@ -63,6 +67,8 @@ class StorageSettings:
     ssl_keyfile: str = ""
     ssl_ca_certfile: str = ""  # the CA that signed ssl_certfile; sent to clients to verify the store
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    upload_idle_timeout_s: float = DEFAULT_UPLOAD_IDLE_TIMEOUT_S  # http: seconds an upload may send nothing
+    max_files_per_upload: int = MAX_FILES  # http: files one upload slot holds; a manifest lists no more
 
     @property
     def tls(self) -> bool:

@@ -4,7 +4,9 @@ An in-process smoke environment that follows FedAgent's rules exactly:
 
 * the secret lies in ``[lo, hi]`` (defaults 1 and 50) and is ``lo + seed % (hi - lo + 1)``;
 * a reply is read as the integer inside ``<answer>N</answer>`` (case-insensitive, first tag),
-  else the last integer anywhere in the reply, else it is invalid;
+  else the last integer anywhere in the reply, else it is invalid; an integer of more than
+  ``MAX_GUESS_DIGITS`` digits (leading zeros aside) is invalid too, since ``int()`` refuses it
+  (like any unparseable reply it uses up the turn: a normal env outcome, not an error);
 * observations: ``"Invalid response. Reply as <answer>N</answer>."``, ``"Correct!"`` (reward 1.0),
   ``"higher"`` (the secret is larger), ``"lower"`` (reward 0 for all but a correct guess);
 * the episode ends when solved or after ``max_turns`` guesses (default 6);
@@ -34,17 +36,38 @@ DEFAULT_LO = 1
 DEFAULT_HI = 50
 DEFAULT_MAX_TURNS = 6
 
+# CPython's default limit for int(str) (sys.get_int_max_str_digits): every guess FedAgent's int()
+# reads, this reads the same; a longer one, on which FedAgent's int() raises, is invalid here.
+MAX_GUESS_DIGITS = 4300
+
 _ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>", re.IGNORECASE)
 _INTEGER_RE = re.compile(r"-?\d+")
 
 
 def parse_guess(text: str) -> int | None:
-    """The guessed integer in a reply, or None if the reply holds no integer at all."""
+    """The guessed integer in a reply, or None if the reply holds none that can be read.
+
+    An absurdly long number (more than ``MAX_GUESS_DIGITS`` significant digits) counts as no
+    guess: the episode answers "Invalid response" instead of failing the step.
+    """
     tagged = _ANSWER_RE.search(text)
     if tagged is not None:
-        return int(tagged.group(1))
+        return _to_int(tagged.group(1))
     numbers = _INTEGER_RE.findall(text)
-    return int(numbers[-1]) if numbers else None
+    return _to_int(numbers[-1]) if numbers else None
+
+
+def _to_int(digits: str) -> int | None:
+    """``int(digits)``, or None past ``MAX_GUESS_DIGITS`` significant digits (or the interpreter's
+    own, possibly lower, limit)."""
+    sign = "-" if digits.startswith("-") else ""
+    significant = digits.lstrip("-").lstrip("0") or "0"
+    if len(significant) > MAX_GUESS_DIGITS:
+        return None
+    try:
+        return int(sign + significant)
+    except ValueError:  # sys.set_int_max_str_digits() set below MAX_GUESS_DIGITS
+        return None
 
 
 def _int_field(config: Mapping[str, Any], key: str, default: int) -> int:

@@ -9,22 +9,23 @@ sessions. The wire protocol follows FedAgent's env services:
 * ``POST /create {session_id?}`` - borrow a pooled instance; when the pool is exhausted the
   request waits (asynchronously) for a slot, up to ``create_timeout_s``, then answers 503;
   creating an existing session again is a no-op, so a retried create never leaks a slot;
-* ``POST /reset {session_id, seed}`` - start an episode; step ids restart at 0;
+* ``POST /reset {session_id, seed}`` - start an episode; step ids restart at 0; the seed must be a
+  signed 64-bit integer (422 otherwise, naming the seed and the range);
 * ``POST /step {session_id, step_id, action}`` - apply one reply, idempotently: a step id that
   was already applied returns the cached reply without touching the environment (a client that
   lost a response retries safely), a step id ahead of the next one is 409, an unknown session 404;
 * ``POST /close {session_id}`` - return the instance to the pool (closing an unknown session is a
   no-op that says so, because a retried close whose first reply was lost must not fail).
 
-Bad input (malformed JSON, wrong types, unknown fields, bodies over ``max_body_bytes``) gets a
-4xx with a readable ``{"error": ...}`` body; the service keeps serving.
+Bad input (malformed JSON, JSON nested deeper than 32 levels, wrong types, unknown fields, a seed
+outside the signed 64-bit range, bodies over ``max_body_bytes``) gets a 4xx with a readable
+``{"error": ...}`` body; the service keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -39,10 +40,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fedagent_flwr.envs.base import BaseTextEnv
+from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024
+# Episode seeds a service accepts: a signed 64-bit integer, what every consumer of a seed here
+# holds (verl's dataset columns, numpy and torch generators). Python would take any int, so a
+# larger one would be accepted here and fail, or wrap around, further down.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
 DEFAULT_CREATE_TIMEOUT_S = 300.0
 
 #: Builds the environment instance of pool slot ``i`` (called once per slot at start-up).
@@ -192,11 +199,12 @@ _ModelT = TypeVar("_ModelT", bound=BaseModel)
 
 
 def _parse(model: type[_ModelT], raw: bytes) -> _ModelT:
-    """Validate a JSON request body: 400 if it is not JSON at all, 422 if fields are wrong."""
+    """Validate a JSON request body: 400 if it is not JSON at all (or nests deeper, or holds a
+    longer number, than any request here can: :mod:`fedagent_flwr.jsonbody`), 422 if fields are wrong."""
     try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HTTPException(400, f"malformed JSON body: {exc}") from None
+        payload = loads_bounded(raw)
+    except JsonBodyError as exc:
+        raise HTTPException(400, f"malformed JSON body: the body {exc}") from None
     if not isinstance(payload, dict):
         raise HTTPException(422, f"request body must be a JSON object, got {type(payload).__name__}")
     try:
@@ -314,7 +322,15 @@ class EnvService:
         }
 
     async def reset(self, body: ResetRequest) -> dict[str, Any]:
-        """Start an episode with ``body.seed``; forgets the previous episode's step replies."""
+        """Start an episode with ``body.seed``; forgets the previous episode's step replies.
+
+        A seed outside [SEED_MIN, SEED_MAX] is refused (422) before the environment sees it.
+        """
+        if not SEED_MIN <= body.seed <= SEED_MAX:
+            raise HTTPException(
+                422, f"seed {body.seed} is outside the allowed range [{SEED_MIN}, {SEED_MAX}] (a signed "
+                "64-bit integer); derive episode seeds that fit",
+            )
         session = self._session(body.session_id)
         async with session.lock:
             self._still_open(body.session_id, session)

@@ -7,9 +7,16 @@ and how to launch it again) and :meth:`EnvServiceManager.attach` rebuilds a mana
 any later process: health-check and reuse the service, restart it if it died, or stop it.
 
 The service runs in its own session and process group, so :meth:`EnvServiceManager.stop` takes
-down everything it started (SIGTERM, then SIGKILL after a grace period) and nothing else. The
-recorded start time guards against a recycled pid: a state file left by a crashed run never
-makes the manager signal an unrelated process that happens to have the same pid now.
+down everything it started (SIGTERM, then SIGKILL after a grace period) and nothing else.
+
+The state file is only a hint, never a proof: it lies in a working directory others may write,
+and a stale one (a crashed run) or a forged one could name any pid and process group. So a
+group is signalled only when ``/proc`` shows that this manager's code started it for this very
+state file (:func:`service_group_owned`): its leader is the recorded pid, started at the
+recorded time, leads its own process group, runs as this user and carries in its environment
+the marker :data:`STATE_ENV` naming this state file's absolute path, which the manager sets at
+launch (the state file cannot choose its own path). Once the leader is gone, only the members
+that carry the marker are signalled, one by one. Anything else is left alone and reported.
 
 Linux only (``/proc``), like the rest of the training stack.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,7 +41,14 @@ from typing import Any
 import httpx
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.launch import is_live_process, proc_stat, process_group_members, process_start_ticks
+from fedagent_flwr.launch import proc_stat, process_group_members, process_start_ticks
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable set in every env service (and so in its children): the absolute path of
+#: the state file it was started for. Proves to a later :meth:`EnvServiceManager.stop` that a
+#: process group is the one this state file's manager started (see the module docstring).
+STATE_ENV = "FEDAGENT_ENV_SERVICE_STATE"
 
 _POLL_S = 0.05  # start-up and shutdown polling interval; short, since start-up is usually ~1 s
 _SERVER_MODULE = "fedagent_flwr.envs.service.server"
@@ -118,6 +133,55 @@ def _reap(pid: int, wait_s: float = 0.0) -> None:
         time.sleep(_POLL_S)
 
 
+def _process_environ(pid: int) -> list[bytes] | None:
+    """The environment ``pid`` was started with (``/proc/<pid>/environ``), or None if unreadable."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def _process_uid(pid: int) -> int | None:
+    """The owner (real uid) of ``pid``, or None if it does not exist."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def carries_marker(pid: int, state_file: Path) -> bool:
+    """Whether ``pid`` runs as this user with :data:`STATE_ENV` set to ``state_file``'s absolute path."""
+    environ = _process_environ(pid)
+    marker = f"{STATE_ENV}={state_file}".encode()
+    return _process_uid(pid) == os.getuid() and environ is not None and marker in environ
+
+
+def service_group_owned(state: Mapping[str, Any], state_file: Path) -> tuple[str, list[int]]:
+    """What of the service recorded in ``state`` may be signalled, proven from ``/proc``.
+
+    Returns ``("group", [pgid])`` when the recorded leader still runs and is ours (recorded pid
+    and start time, leader of its own group, this user, :data:`STATE_ENV` naming ``state_file``);
+    ``("members", pids)`` when the leader is gone and only these group members carry the marker;
+    ``("none", [])`` when nothing is ours (a recycled pid, or a forged or stale state file);
+    raises ValueError for a state without integer pid and pgid.
+    """
+    pid, pgid = state.get("pid"), state.get("pgid")
+    if isinstance(pid, bool) or isinstance(pgid, bool) or not isinstance(pid, int) or not isinstance(pgid, int):
+        raise ValueError(f"pid {pid!r} and pgid {pgid!r} must be integers")
+    if pid <= 1 or pgid != pid:
+        return "none", []  # the manager always starts the service as the leader of its own group
+    leader = proc_stat(pid)
+    if leader is not None and leader[0] not in ("Z", "X"):
+        owned = leader[2] == state.get("start_ticks") and leader[1] == pid and carries_marker(pid, state_file)
+        return ("group", [pgid]) if owned else ("none", [])
+    # Leader gone (or a zombie): its pid, and so the group id, cannot be reused while members
+    # live, but the state file could still name someone else's group. Only marked members count.
+    return "members", [member for member in process_group_members(pgid) if carries_marker(member, state_file)]
+
+
 def _log_tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -147,7 +211,8 @@ class EnvServiceManager:
         python: str = sys.executable,
     ) -> None:
         self.launch = launch
-        self.state_file = Path(state_file)
+        # Absolute and resolved: the marker every service of this state file carries (STATE_ENV).
+        self.state_file = Path(state_file).resolve()
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.python = python
@@ -186,6 +251,8 @@ class EnvServiceManager:
             return None
         except (OSError, json.JSONDecodeError) as exc:
             raise EnvServiceError(f"env service state file {self.state_file} is unreadable: {exc}") from None
+        if not isinstance(state, dict):
+            raise EnvServiceError(f"env service state file {self.state_file} does not hold a JSON object")
         return state
 
     @property
@@ -254,10 +321,14 @@ class EnvServiceManager:
     # --- liveness ---------------------------------------------------------------------------
 
     def _process_alive(self, state: Mapping[str, Any]) -> bool:
-        pid = int(state["pid"])
-        _reap(pid)
-        # A different start time means the pid now belongs to some other process.
-        return is_live_process(pid, state.get("start_ticks"))
+        """Whether the recorded leader runs and is provably the service this manager started."""
+        pid = state.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            _reap(pid)
+        try:
+            return service_group_owned(state, self.state_file)[0] == "group"
+        except ValueError:
+            return False
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The service's ``/health`` reply; raises :class:`EnvServiceError` if unreachable."""
@@ -300,7 +371,7 @@ class EnvServiceManager:
     def _start_unlocked(self) -> str:
         self._ready_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", STATE_ENV: str(self.state_file)}
         with open(self.log_file, "ab") as log:
             log.write(f"\n=== starting env service {self.launch.env} at {time.ctime()} ===\n".encode())
             log.flush()
@@ -374,7 +445,7 @@ class EnvServiceManager:
             self.state_file.unlink(missing_ok=True)
         self._ready_file.unlink(missing_ok=True)
         popen, self._popen = self._popen, None
-        if popen is not None and popen.poll() is None and (not state or int(state["pid"]) != popen.pid):
+        if popen is not None and popen.poll() is None and (not state or state.get("pid") != popen.pid):
             # Our own child, but no longer the recorded one (state file removed or replaced).
             self._terminate_group({"pid": popen.pid, "pgid": popen.pid,
                                    "start_ticks": process_start_ticks(popen.pid)})
@@ -382,23 +453,42 @@ class EnvServiceManager:
             popen.poll()  # lets subprocess record the exit status it may already have reaped
 
     def _terminate_group(self, state: Mapping[str, Any]) -> None:
-        pid, pgid = int(state["pid"]), int(state["pgid"])
-        leader = proc_stat(pid)
-        if leader is not None and leader[2] != state.get("start_ticks"):
-            return  # pid (and so the group id) was recycled by an unrelated process: hands off
-        # With the leader gone, remaining members still prove the group is ours: Linux does not
-        # reuse a pid while a process group of that id exists.
-        for sig, wait_s in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, self.stop_grace_s)):
-            if not self._group_alive(pid, pgid):
+        """SIGTERM, then SIGKILL, what of the recorded service is provably ours, and nothing else.
+
+        A group proven ours once stays ours while any member lives (Linux does not reuse a pid
+        that is still a process group id), so the whole group is signalled to the end. Without a
+        live leader, the marked members are found again before each signal.
+        """
+        try:
+            scope, _ = service_group_owned(state, self.state_file)
+        except ValueError as exc:
+            logger.warning("env service state file %s is malformed (%s); nothing signalled", self.state_file, exc)
+            return
+        pid = int(state["pid"])
+        if scope == "none":
+            logger.warning("env service state file %s names pid %s and group %s, which this manager did not "
+                           "start (the pid was reused, or the file is stale or forged); nothing signalled",
+                           self.state_file, pid, state.get("pgid"))
+            return
+
+        def running() -> list[int]:
+            if scope == "group":
+                return [pid] if self._group_alive(pid, pid) else []
+            return service_group_owned(state, self.state_file)[1]
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            targets = running()
+            if not targets:
                 break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and self._group_alive(pid, pgid):
+            for target in targets:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    (os.killpg if scope == "group" else os.kill)(target, sig)
+            deadline = time.monotonic() + self.stop_grace_s
+            while time.monotonic() < deadline and running():
                 time.sleep(_POLL_S)
         _reap(pid, wait_s=self.stop_grace_s)
-        if self._group_alive(pid, pgid):
-            raise EnvServiceError(f"env service process group {pgid} survived SIGKILL")
+        if running():
+            raise EnvServiceError(f"env service process group {pid} survived SIGKILL")
 
     @staticmethod
     def _group_alive(pid: int, pgid: int) -> bool:
