@@ -219,6 +219,7 @@ def _storage(raw: dict[str, Any]) -> StorageSettings:
 _TRAINER_NUMBERS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "timeout_s": (float, lambda v: v > 0, "> 0"),
     "persistent_idle_s": (float, lambda v: v > 0, "> 0"),
+    "stall_timeout_s": (float, lambda v: v >= 0, ">= 0 (0 disables the progress watchdog)"),
     "rollout_n": (int, lambda v: v >= 1, ">= 1"),
     "lr": (float, lambda v: v > 0, "> 0"),
     "weight_decay": (float, lambda v: v >= 0, ">= 0"),

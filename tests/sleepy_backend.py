@@ -1,7 +1,17 @@
-"""A trainer backend for the backend tests: prints a line, then sleeps or fails as told."""
+"""A trainer backend for the backend tests: prints a line, then sleeps or fails as told.
+
+The mode (the backend's first argument) is a number of seconds to sleep, ``fail``, or, for the
+progress watchdog: ``hang`` (one line, then silence), ``warn`` (one line, then only vLLM's stall
+warning, as a stuck verl job prints it) or ``tick`` (a progress line every 0.5 s for 4 s, then done).
+"""
 
 import sys
 import time
+
+# vLLM's message while its engine waits for a stuck worker (vllm/distributed/device_communicators/shm_broadcast.py).
+STALL_WARNING = ("INFO 12-01 10:00:00 [shm_broadcast.py:582] No available shared memory broadcast block found "
+                 "in 60 seconds. This typically happens when some processes are hanging or doing some "
+                 "time-consuming work (e.g. compilation, weight/kv cache quantization).")
 
 if __name__ == "__main__":
     mode, job = sys.argv[1], sys.argv[2]
@@ -9,5 +19,16 @@ if __name__ == "__main__":
     if mode == "fail":
         print("something went wrong in the trainer", flush=True)
         sys.exit(3)
+    if mode in ("hang", "warn"):
+        print("step 1 done", flush=True)
+        while True:
+            time.sleep(0.2)
+            if mode == "warn":
+                print(STALL_WARNING, flush=True)
+    if mode == "tick":
+        for i in range(8):
+            time.sleep(0.5)
+            print(f"tick {i}", flush=True)
+        sys.exit(0)
     time.sleep(float(mode))
     print("finished sleeping", flush=True)

@@ -96,7 +96,8 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
     """Write the job file, have the trainer run it, read back its result file.
 
     ``trainer.mode: persistent`` sends the job to the node's long-lived trainer; if that process
-    dies during the job, the job runs again in a fresh subprocess and the next job restarts it.
+    dies during the job, or the job makes no progress for ``trainer.stall_timeout_s`` (the trainer
+    is then stopped), the job runs again in a fresh subprocess and the next job restarts it.
     """
     job_path = out_dir / f"{mode}_job.json"
     result_path = out_dir / ("train_result.json" if mode == "train" else "eval_result.json")
@@ -105,13 +106,14 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
     result_path.unlink(missing_ok=True)
     jobs.save(job, job_path)
     backend, timeout_s, log_path = str(trainer["backend"]), float(trainer["timeout_s"]), out_dir / f"{mode}.log"
+    stall_timeout_s = float(trainer.get("stall_timeout_s", 0.0))  # absent in configs older than the watchdog
     if trainer.get("mode", "subprocess") == "persistent":
         handle = PersistentTrainer(backend, channel_dir(run_root, node_partition(context)[0]),
                                    float(trainer.get("persistent_idle_s", 3600.0)))
         started = time.monotonic()
         try:
-            handle.run(mode, job_path, log_path, label, timeout_s)
-        except TrainerDied as exc:
+            handle.run(mode, job_path, log_path, label, timeout_s, stall_timeout_s)
+        except TrainerDied as exc:  # a TrainerStalled too
             # The rerun gets what is left of the job's time, not a fresh timeout: the server
             # gives up on the reply at the round's deadline anyway.
             left = timeout_s - (time.monotonic() - started)
@@ -119,11 +121,11 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
                 raise TrainerFailed(f"{exc}; too little of the {timeout_s:.0f} s timeout is left to rerun it") from None
             print(f"[{label}] {exc}; running this job in a fresh subprocess instead", flush=True)
             result_path.unlink(missing_ok=True)
-            run_trainer(backend, mode, job_path, out_dir / f"{mode}.fallback.log", label, left)
+            run_trainer(backend, mode, job_path, out_dir / f"{mode}.fallback.log", label, left, stall_timeout_s)
         finally:
             context.state["persistent-trainer"] = ConfigRecord(handle.state())
     else:
-        run_trainer(backend, mode, job_path, log_path, label, timeout_s)
+        run_trainer(backend, mode, job_path, log_path, label, timeout_s, stall_timeout_s)
     try:
         return jobs.load(result_cls, result_path)
     except jobs.JobFileError as exc:

@@ -4,6 +4,20 @@ The trainer runs in its own process (never inside Flower's Ray actor or ``flwr-c
 process) so that a crash, an out-of-memory kill or a CUDA fault costs one client-round, not the
 node. Its output is streamed line by line to the node's log, prefixed with the client, and kept in
 a log file beside the job.
+
+**Progress watchdog** (``trainer.stall_timeout_s``, both modes, every backend): a job whose output
+shows no progress for that long is stopped, with the reason "no progress for N s
+(trainer.stall_timeout_s): last line: ...", instead of waiting for ``trainer.timeout_s`` (an hour).
+*Progress* is a new output line that is not a known stall warning (:data:`STALL_WARNINGS`). Why
+output lines and not a heartbeat the trainer writes: the stall this catches (a verl session whose
+vLLM worker waits forever, issue 18) leaves every process alive and their threads running, so a
+heartbeat thread would keep beating; only the work itself can say it moved on, and the job's
+output is where all of it speaks (verl's step lines, Ray's and vLLM's per-phase lines, the
+reference trainer's rollout and step lines), at a far finer grain than verl's step lines alone (a
+step can take minutes, the first one comes after the cold start). What such a stalled job does
+print is the waiting messages of the layers underneath, repeated: those are listed in
+:data:`STALL_WARNINGS` and do not count. A backend must therefore print a line at least once per
+``stall_timeout_s`` while it works (the reference trainer prints rollout progress for that).
 """
 
 from __future__ import annotations
@@ -14,11 +28,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 # Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
-CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s")
+CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s", "stall_timeout_s")
 # subprocess: a fresh trainer process per (round, client) job; persistent: one per node, kept
 # across rounds (:mod:`.persistent`).
 TRAINER_MODES = ("subprocess", "persistent")
@@ -31,6 +47,74 @@ BACKEND_MODULES = {
 
 class TrainerFailed(RuntimeError):
     """The trainer subprocess exited non-zero, timed out or wrote no result."""
+
+
+# Lines that layers under a trainer repeat while *waiting*: they show the job is stuck, not that
+# it moved on, so the watchdog does not count them as progress.
+STALL_WARNINGS = (
+    # vLLM: the engine waits for a worker's answer (or a free ring-buffer block); logged once a
+    # minute for as long as the worker is stuck (issue 18: a woken engine stuck in a weight update).
+    re.compile(r"No available shared memory broadcast block found"),
+    # vLLM's periodic stats line while requests are in flight but no token comes out.
+    re.compile(r"Avg prompt throughput: 0\.0 tokens/s, Avg generation throughput: 0\.0 tokens/s"),
+    # Ray: a task or actor waits for resources (GPUs, CPUs) that another job holds.
+    re.compile(r"resource request cannot be scheduled right now"),
+)
+_QUOTE_CHARS = 300
+
+
+def is_stall_warning(line: str) -> bool:
+    """Whether ``line`` is one of the :data:`STALL_WARNINGS` (a sign of waiting, not progress)."""
+    return any(pattern.search(line) for pattern in STALL_WARNINGS)
+
+
+class ProgressWatch:
+    """When a job last made progress, judged from its output lines (see the module docstring).
+
+    ``stall_timeout_s`` <= 0 disables it. Fed by the thread that reads the output (:meth:`line`),
+    asked by another (:meth:`stalled`); plain attribute updates, so no lock is needed.
+    """
+
+    def __init__(self, stall_timeout_s: float, clock: Any = time.monotonic) -> None:
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.clock = clock
+        self.last_progress = clock()
+        self.last_line = ""
+        self.warnings_since = 0
+        self.last_warning = ""
+
+    def line(self, text: str) -> None:
+        """One line of the job's output."""
+        text = text.rstrip()
+        if not text.strip():
+            return
+        if is_stall_warning(text):
+            self.warnings_since += 1
+            self.last_warning = text
+            return
+        self.last_progress = self.clock()
+        self.last_line = text
+        self.warnings_since = 0
+
+    def stalled(self) -> str:
+        """The reason to stop the job if it made no progress for ``stall_timeout_s``, else ``""``."""
+        if self.stall_timeout_s <= 0 or self.clock() - self.last_progress <= self.stall_timeout_s:
+            return ""
+        last = _quote(self.last_line) if self.last_line else "none (no output since the job started)"
+        reason = f"no progress for {self.stall_timeout_s:.0f} s (trainer.stall_timeout_s): last line: {last}"
+        if self.warnings_since:
+            reason += (f"; since then only {self.warnings_since} stall warning(s), the last: "
+                       f"{_quote(self.last_warning)}")
+        return reason
+
+    def poll_interval(self) -> float:
+        """How often to ask :meth:`stalled` (a tenth of the timeout, at most 1 s)."""
+        return max(0.05, min(1.0, self.stall_timeout_s / 10))
+
+
+def _quote(line: str) -> str:
+    line = " ".join(line.split())
+    return repr(line if len(line) <= _QUOTE_CHARS else line[:_QUOTE_CHARS] + "...")
 
 
 def trainer_environment() -> dict[str, str]:
@@ -52,10 +136,13 @@ def run_trainer(
     log_path: Path,
     label: str,
     timeout_s: float,
+    stall_timeout_s: float = 0.0,
 ) -> None:
     """Run ``python -m <backend module> <mode> <job_path>``; raise TrainerFailed on failure.
 
-    ``label`` names the client in progress lines and errors (e.g. ``client 1 round 2``).
+    ``label`` names the client in progress lines and errors (e.g. ``client 1 round 2``). The job is
+    stopped after ``timeout_s`` in all, or after ``stall_timeout_s`` without progress (0: never;
+    see :class:`ProgressWatch`).
     """
     if backend not in BACKEND_MODULES:
         raise TrainerFailed(f"{label}: unknown trainer backend {backend!r} (known: {sorted(BACKEND_MODULES)})")
@@ -70,28 +157,49 @@ def run_trainer(
             env=trainer_environment(), bufsize=1, start_new_session=True,
         )
         timed_out = threading.Event()
+        watch = ProgressWatch(stall_timeout_s)
+        stalled: list[str] = []
+        finished = threading.Event()
 
         def kill_on_timeout() -> None:
             timed_out.set()
             _terminate_tree(process)
 
+        def kill_on_stall() -> None:
+            while not finished.wait(watch.poll_interval()):
+                reason = watch.stalled()
+                if reason:
+                    stalled.append(reason)
+                    print(f"[{label}] stopping the trainer: {reason}", flush=True)
+                    _terminate_tree(process)
+                    return
+
         timer = threading.Timer(timeout_s, kill_on_timeout)
         timer.start()
+        watchdog = threading.Thread(target=kill_on_stall, daemon=True)
+        if stall_timeout_s > 0:
+            watchdog.start()
         try:
             assert process.stdout is not None
             for line in process.stdout:
                 log_file.write(line)
                 log_file.flush()
                 tail.append(line.rstrip())
+                watch.line(line)
                 print(f"[{label}] {line.rstrip()}", flush=True)
             code = process.wait()
         finally:
             timer.cancel()
+            finished.set()
+            if watchdog.is_alive():
+                watchdog.join()
             if process.poll() is None:
                 _terminate_tree(process)
                 process.wait()
     if timed_out.is_set():
         raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
+    if stalled:
+        raise TrainerFailed(f"{label}: {backend} trainer stopped: {stalled[0]} (log: {log_path})")
     if code != 0:
         # A backend that explains itself ("<prog>: error: ...") is quoted alone; otherwise the
         # output's last lines (a traceback) are.

@@ -13,6 +13,10 @@ the subprocess path uses.
 * **Restart**: if the trainer is gone when a job arrives, a new one starts; if it dies during a
   job, that job is run again in a fresh subprocess (:class:`TrainerDied`, handled by the caller)
   and the next job starts a new trainer.
+* **Stall**: a job whose output shows no progress for ``stall_timeout_s`` (the watchdog of
+  :class:`.backend.ProgressWatch`: new lines other than known stall warnings) stops the trainer and
+  is handled like a trainer that died during the job (:class:`TrainerStalled`): it runs again in a
+  fresh subprocess, with what is left of its time.
 * **Stop** at the end of the run (the server's ``shutdown`` query), on a job timeout, or by itself
   after ``persistent_idle_s`` without a job or once the node process that started it is gone.
   The trainer is started detached (not a child of the ClientApp's process), so that a simulation
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.clientapp.backend import BACKEND_MODULES, TrainerFailed, trainer_environment
+from fedagent_flwr.clientapp.backend import BACKEND_MODULES, ProgressWatch, TrainerFailed, trainer_environment
 from fedagent_flwr.clientapp.trainer_server import (
     CLOSING_FILE,
     IDLE_ENV,
@@ -62,6 +66,12 @@ _POLL_S = 0.2
 
 class TrainerDied(TrainerFailed):
     """The persistent trainer process is gone (crashed, killed) before answering a job."""
+
+
+class TrainerStalled(TrainerDied):
+    """The job made no progress for ``stall_timeout_s``; the trainer was stopped. Handled as a
+    trainer that died during the job: the session may be what is stuck (issue 18: a verl session's
+    vLLM worker waiting forever), so the job gets a fresh subprocess."""
 
 
 def _parent_record() -> dict[str, Any] | None:
@@ -153,7 +163,9 @@ class PersistentTrainer:
         reason = "first job"
         if previous.get("pid"):
             reason = f"restart: trainer pid {previous['pid']} is gone"
-            ended = _closing_reason(self.channel / CLOSING_FILE, previous["pid"])
+            # Why it was stopped, if we stopped it for a reason (a stall); else why it ended itself.
+            stopped = _marker(self.channel / STOPPING_FILE, previous["pid"]) or {}
+            ended = str(stopped.get("reason") or "") or _closing_reason(self.channel / CLOSING_FILE, previous["pid"])
             if ended:  # it said why it ended (idle, failure, node gone, stopped) rather than being killed
                 reason += f" ({ended})"
         self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
@@ -191,19 +203,22 @@ class PersistentTrainer:
 
     # -- jobs -------------------------------------------------------------------------------
 
-    def run(self, mode: str, job_path: Path, log_path: Path, label: str, timeout_s: float) -> None:
+    def run(self, mode: str, job_path: Path, log_path: Path, label: str, timeout_s: float,
+            stall_timeout_s: float = 0.0) -> None:
         """Have the trainer run one job (``mode`` train|evaluate); return when its result is written.
 
         A trainer that exits without serving the job (idle exit, a broken session) gets it again
         once, from a fresh trainer. Raises TrainerDied if the trainer process disappears in the
-        middle of the job (the caller falls back to a subprocess), TrainerFailed if the job failed,
-        was rejected, timed out or the trainer was stopped on purpose (the run is over).
+        middle of the job, or (TrainerStalled) if the job shows no progress for ``stall_timeout_s``
+        (0: never) and the trainer is stopped for it; the caller falls back to a subprocess.
+        Raises TrainerFailed if the job failed, was rejected, timed out or the trainer was stopped
+        on purpose (the run is over).
         """
         deadline = time.monotonic() + timeout_s
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as own_log:
             for attempt in (1, 2):
-                answer = self._exchange(mode, job_path, own_log, label, timeout_s, deadline)
+                answer = self._exchange(mode, job_path, own_log, label, timeout_s, deadline, stall_timeout_s)
                 if answer.get("kind") != "not_served" or attempt == 2:
                     break
                 print(f"[{label}] the trainer exited before serving the {mode} job; starting a fresh one",
@@ -215,8 +230,9 @@ class PersistentTrainer:
             raise TrainerFailed(f"{label}: {self.backend} trainer {what}: {answer.get('error')} (log: {log_path})")
 
     def _exchange(self, mode: str, job_path: Path, own_log: Any, label: str, timeout_s: float,
-                  deadline: float) -> dict[str, Any]:
-        """Send one request to the (started) trainer and wait for its answer."""
+                  deadline: float, stall_timeout_s: float = 0.0) -> dict[str, Any]:
+        """Send one request to the (started) trainer and wait for its answer, watching its progress
+        (everything the server logs from the request on, a fresh trainer's start-up included)."""
         self._wait_for_exit_of_a_closing_trainer(deadline)
         pid = self.ensure_started()
         log_file = self.channel / LOG_FILE
@@ -224,7 +240,8 @@ class PersistentTrainer:
         seq = time.time_ns()
         answer_path = self.channel / OUTBOX / f"{seq}.json"
         write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path)})
-        tail = _LogFollower(log_file, offset, own_log, label)
+        watch = ProgressWatch(stall_timeout_s)
+        tail = _LogFollower(log_file, offset, own_log, label, watch)
         try:
             while True:
                 tail.pump()
@@ -248,6 +265,13 @@ class PersistentTrainer:
                     self.stop(grace_s=20.0)
                     raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout "
                                         f"(persistent trainer pid {pid}; log: {log_file})")
+                stalled = watch.stalled()
+                if stalled:
+                    print(f"[{label}] stopping the persistent trainer (pid {pid}): {stalled}", flush=True)
+                    # No grace: a server busy with a stuck job reads no stop request.
+                    self.stop(grace_s=0.0, reason=f"no progress for {stall_timeout_s:.0f} s, trainer.stall_timeout_s")
+                    raise TrainerStalled(f"{label}: the persistent {self.backend} trainer (pid {pid}) was stopped: "
+                                         f"{stalled} (log: {log_file})")
                 time.sleep(_POLL_S)
         finally:
             tail.close()
@@ -263,13 +287,14 @@ class PersistentTrainer:
     def _stopping(self, pid: int) -> bool:
         return _names_pid(self.channel / STOPPING_FILE, pid)
 
-    def stop(self, grace_s: float = 30.0) -> bool:
-        """Ask the trainer to stop, kill its session after ``grace_s``; True if one was running."""
+    def stop(self, grace_s: float = 30.0, reason: str = "") -> bool:
+        """Ask the trainer to stop, kill its session after ``grace_s``; True if one was running.
+        ``reason`` (e.g. a stall) is what the next start's record gives as its predecessor's end."""
         pid = self.alive_pid()
         if pid is None:
             return False
         # Whoever waits on this trainer must see a stop, not a crash (no fallback rerun).
-        write_json_atomic(self.channel / STOPPING_FILE, {"pid": pid, "at": time.time()})
+        write_json_atomic(self.channel / STOPPING_FILE, {"pid": pid, "at": time.time(), "reason": reason})
         write_json_atomic(self.channel / INBOX / f"{time.time_ns()}.json", {"mode": "stop"})
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and self.alive_pid() == pid:
@@ -352,10 +377,11 @@ def _boot_id() -> str:
 
 class _LogFollower:
     """Copies what the server appends to its log (from ``offset`` on) into the job's log and the
-    node's output, line by line with the client's label."""
+    node's output, line by line with the client's label; each line also goes to ``watch``."""
 
-    def __init__(self, path: Path, offset: int, sink: Any, label: str) -> None:
+    def __init__(self, path: Path, offset: int, sink: Any, label: str, watch: ProgressWatch | None = None) -> None:
         self.path, self.offset, self.sink, self.label = path, offset, sink, label
+        self.watch = watch
         # Incremental: a UTF-8 character split between two reads is decoded whole.
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.partial = ""
@@ -385,6 +411,8 @@ class _LogFollower:
             self.sink.flush()
 
     def _emit(self, line: str) -> None:
+        if self.watch is not None:
+            self.watch.line(line)
         self.sink.write(line + "\n")
         print(f"[{self.label}] {line}", flush=True)
         self.recent = (self.recent + [line])[-15:]

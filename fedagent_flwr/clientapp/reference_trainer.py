@@ -77,6 +77,9 @@ PROG = "reference_trainer"
 ACTOR_SHARD = "model_world_size_1_rank_0.pt"
 TRAIN_RESULT = "train_result.json"
 EVAL_RESULT = "eval_result.json"
+# A rollout prints how far it got at most this often: long CPU rollouts print nothing else for
+# minutes, and the ClientApp's progress watchdog (trainer.stall_timeout_s) judges by output lines.
+PROGRESS_EVERY_S = 30.0
 # Spec entries are 1000 seeds apart (FedAgent's dataset rule); more seeds per entry would run
 # into the next entry's range.
 
@@ -321,6 +324,8 @@ class LockstepBatcher:
         self.generator = generator
         self.active = num_episodes
         self.pending: dict[int, tuple[list[int], SamplingParams, asyncio.Future[list[int]]]] = {}
+        self.total, self.batches = num_episodes, 0
+        self.started = self.last_report = time.monotonic()
 
     def generate_fn(self, index: int) -> GenerateFn:
         """The ``generate`` callable for episode ``index`` (the row it takes in every batch)."""
@@ -355,6 +360,12 @@ class LockstepBatcher:
                 continue
             for (_, future), tokens in zip(items, outputs):
                 future.set_result(tokens)
+        self.batches += 1
+        now = time.monotonic()
+        if now - self.last_report >= PROGRESS_EVERY_S:  # a heartbeat of real progress (see PROGRESS_EVERY_S)
+            self.last_report = now
+            print(f"rollout: {self.batches} batches sampled, {self.total - self.active}/{self.total} episodes "
+                  f"finished in {now - self.started:.0f} s", flush=True)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import yaml
 from fedagent_flwr.checkpoint.ref import SHARD_GLOB
 from fedagent_flwr.clientapp.client_rule import RULE_KEYS, load_client_rule, without_rule_keys
 from fedagent_flwr.clientapp.job import EvalJob, JobFileError, TrainJob, TrainResult, backend_main, save
-from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks
+from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks, weight_sync
 from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.clientapp.verl_backend.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
@@ -89,7 +89,8 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
     * vLLM without FlashInfer's sampler (the GPU wheel set leaves FlashInfer out), unbuffered
       output, Ray logs not de-duplicated (each worker's lines matter when something fails);
     * the FedProx variables only when ``proximal_mu > 0``; the user hooks' variables
-      (:mod:`.user_hooks`) only when ``plugin_modules`` / ``client_rule`` are given.
+      (:mod:`.user_hooks`) only when ``plugin_modules`` / ``client_rule`` are given;
+    * the host-wide weight-sync lock (:mod:`.weight_sync`), unless ``base`` turns it off.
     """
     env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
     for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS, user_hooks.ENV_PLUGINS, user_hooks.ENV_RULE,
@@ -105,6 +106,7 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
     env["PYTHONUNBUFFERED"] = "1"
     env["RAY_DEDUP_LOGS"] = "0"
     env["HYDRA_FULL_ERROR"] = "1"
+    env[weight_sync.ENV_LOCK] = base.get(weight_sync.ENV_LOCK, weight_sync.DEFAULT_LOCK)
     env.pop(critic_attention.ENV_ATTN, None)
     if critic_attn:
         env[critic_attention.ENV_ATTN] = critic_attn  # see critic_attention: verl hard-codes FA2
