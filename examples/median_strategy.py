@@ -41,4 +41,5 @@ class CoordinateMedian(FedAvgFSDP):
         self, server_round: int, sources: Sequence[tuple[CheckpointReader, float]], out_dir: Path,
         reference: CheckpointReader | None,
     ) -> AggregateReport:
-        return aggregate_by_key(sources, out_dir, coordinate_median, name="coordinate_median", reference=reference)
+        return aggregate_by_key(sources, out_dir, coordinate_median, name="coordinate_median", reference=reference,
+                                model_files=self.model_files)

@@ -234,7 +234,8 @@ def test_median_strategy_matches_numpys_median_of_the_client_files(suite: Suite,
     names = ["qwen_a", "qwen_b", "qwen_plain", "qwen_c"]
     readers = [open_checkpoint(CheckpointRef.for_directory(suite.ckpt(n), fmt="fsdp-shards"), root=suite.root)
                for n in names]
-    strategy = object.__new__(CoordinateMedian)  # aggregate_checkpoints needs no run state
+    strategy = object.__new__(CoordinateMedian)  # aggregate_checkpoints needs no run state...
+    strategy.model_files = suite.ckpt("qwen_a") / "huggingface"  # ...but the model files of the base model
     try:
         report = strategy.aggregate_checkpoints(1, [(r, 1.0) for r in readers], tmp_path / "global", None)
     finally:

@@ -139,13 +139,15 @@ def weighted_mean(
     num_threads: int | None = 1,
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
+    model_files: str | os.PathLike[str] | None = None,
 ) -> AggregateReport:
     """Write the weighted mean of ``sources`` as an fp32 HF model directory at ``out_dir``.
 
     Weights are normalised to sum to 1. Every source must have the same keys and shapes (and
-    match ``reference`` when given, typically the round's starting global model); config,
-    generation config and tokenizer files come from the first source's ``huggingface_dir()``,
-    or from ``reference``'s when the source has none. The directory is built under a temporary
+    match ``reference`` when given, typically the round's starting global model). Config,
+    generation config, tokenizer and chat-template files come from ``model_files`` (a directory
+    with ``config.json``: the run's base model, see :mod:`.model_files`), else from
+    ``reference``; only a call with neither takes them from the first source. The directory is built under a temporary
     sibling and renamed into place when complete; an existing ``out_dir`` is refused, and on
     any error nothing is left behind.
 
@@ -160,7 +162,7 @@ def weighted_mean(
     cosines, up to ``stats_max_bytes`` of memory; the mean itself is bitwise the same either way.
     """
     return _write_aggregate(sources, out_dir, reference, num_threads, "weighted_mean", _mean_of_key,
-                            update_stats, stats_max_bytes)
+                            update_stats, stats_max_bytes, model_files)
 
 
 def aggregate_by_key(
@@ -173,6 +175,7 @@ def aggregate_by_key(
     num_threads: int | None = 1,
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
+    model_files: str | os.PathLike[str] | None = None,
 ) -> AggregateReport:
     """Like :func:`weighted_mean`, with the tensor arithmetic of ``rule`` (median, trimmed mean, ...).
 
@@ -205,7 +208,8 @@ def aggregate_by_key(
             context.stats.add_mean_sq(sq_norm_float64(result - start))
         return result
 
-    return _write_aggregate(sources, out_dir, reference, num_threads, name, combine, update_stats, stats_max_bytes)
+    return _write_aggregate(sources, out_dir, reference, num_threads, name, combine, update_stats, stats_max_bytes,
+                            model_files)
 
 
 def _write_aggregate(
@@ -217,6 +221,7 @@ def _write_aggregate(
     combine: _KeyCombiner,
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
+    model_files: str | os.PathLike[str] | None = None,
 ) -> AggregateReport:
     """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`)."""
     started = time.perf_counter()
@@ -230,7 +235,7 @@ def _write_aggregate(
     if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"output directory {out_dir} already exists; refusing to overwrite it")
 
-    hf_dir = _config_dir(readers[0], reference)
+    hf_dir = _config_dir(readers[0], reference, model_files)
     ties = tied_weight_keys(hf_dir)
     head = readers[0]
     keys = _effective_keys(head, ties)
@@ -472,10 +477,21 @@ def _find_config_dir(directory: Path | None) -> Path | None:
     return None
 
 
-def _config_dir(source: CheckpointReader, reference: CheckpointReader | None) -> Path:
-    found = _find_config_dir(source.huggingface_dir())
-    if found is None and reference is not None:
+def _config_dir(source: CheckpointReader, reference: CheckpointReader | None,
+                model_files: str | os.PathLike[str] | None = None) -> Path:
+    """Where the output's config, tokenizer and chat template come from: the trusted
+    ``model_files``, else the reference (a model the server wrote); a client's checkpoint only
+    when the caller gave neither."""
+    if model_files is not None:
+        found = _find_config_dir(Path(model_files))
+        if found is None:
+            raise CheckpointError(f"no config.json in the model files directory {model_files}")
+        return found
+    if reference is not None:
         found = _find_config_dir(reference.huggingface_dir())
+        if found is not None:
+            return found
+    found = _find_config_dir(source.huggingface_dir())
     if found is None:
         raise CheckpointError(
             f"no config.json next to {source.directory} (nor in the reference): the averaged model "

@@ -10,8 +10,10 @@ Compared with Flower's ``FedAvg`` it also
 - selects clients with FedAgent's seeded rule over partition ids (``seeding.select_clients``),
   so runs are reproducible and comparable with FedAgent's;
 - refuses a bad client checkpoint (outside the run root or the client's upload slot, missing,
-  corrupt, wrong hash, shapes that differ from the global model) or a malformed or oversized
-  reply with a message naming the client, and aggregates the rest;
+  corrupt, wrong hash, shapes or a ``config.json`` that differ from the global model) or a
+  malformed or oversized reply with a message naming the client, and aggregates the rest;
+- gives the global model the config, generation config, tokenizer and chat template of the
+  run's base model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a
   shared filesystem, or URLs of the ServerApp's HTTP store when the machines share none;
 - keeps the previous global model when no client checkpoint is usable.
@@ -44,6 +46,7 @@ from fedagent_flwr.checkpoint import (
     open_checkpoint,
     weighted_mean,
 )
+from fedagent_flwr.checkpoint.model_files import check_model_config, model_files_dir
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.seeding import data_seed, select_clients
@@ -132,6 +135,10 @@ class FedAvgFSDP(FedAvg):
         self.recorder = recorder
         self.discovery_timeout = discovery_timeout
         self.store = store if store is not None else SharedFsServerStore(self.run_root)
+        # Config, generation config, tokenizer and chat template of every global model (actor and
+        # critic): the initial model's, which is the base model or a global model that took them
+        # from it. Client configs are checked against them.
+        self.model_files: Path | None = model_files_dir(initial_model.path)
         self._node_of_client: dict[int, int] = {}
         self._asked_nodes: set[int] = set()
         self._selected: list[int] = []
@@ -261,7 +268,7 @@ class FedAvgFSDP(FedAvg):
         """Write the new global checkpoint (actor, or PPO critic); the default is the weighted
         mean. ``reference`` is the current global checkpoint of that kind (None for the first
         critic)."""
-        return weighted_mean(sources, out_dir, reference=reference)
+        return weighted_mean(sources, out_dir, reference=reference, model_files=self.model_files)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -373,6 +380,9 @@ class FedAvgFSDP(FedAvg):
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)
+                        if self.model_files is not None:
+                            check_model_config(reader.huggingface_dir(), self.model_files, kind,
+                                               who=f"client {client}'s {kind} checkpoint")
                     except CheckpointError:
                         reader.close()
                         raise

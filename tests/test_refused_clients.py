@@ -1,0 +1,119 @@
+"""Poisoned replies, with real checkpoints and the real strategy built as the ServerApp builds it:
+a client cannot give the global model its config or chat template (they come from the base
+model) and cannot untie lm_head. It is refused by name and the round goes on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from safetensors import safe_open
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.model_files import check_model_config
+from fedagent_flwr.checkpoint.store import ServerStore
+from fedagent_flwr.config import load_settings
+from fedagent_flwr.serverapp.app import build_strategy
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+
+BASE_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+
+
+@pytest.fixture(autouse=True)
+def _task_identity() -> None:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
+
+
+def _reply(client: int, ref: CheckpointRef, episodes: float, critic: CheckpointRef | None = None) -> Message:
+    """A train reply as client ``client``'s node (node 100 + client) sends it."""
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+    config = {"client-id": client, **ref.to_config("actor"), **(critic.to_config("critic") if critic else {})}
+    content = RecordDict({"config": ConfigRecord(config),
+                          "metrics": MetricRecord({"num-examples": episodes, "reward-mean": 0.5})})
+    return Message(content, reply_to=instruction)
+
+
+def _base(tmp_path: Path) -> CheckpointRef:
+    """The run's base model: a tiny Qwen2 (untied lm_head) with a chat template."""
+    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
+    (tmp_path / "base" / "chat_template.jinja").write_text(BASE_TEMPLATE)
+    return CheckpointRef.for_directory(tmp_path / "base")
+
+
+def _strategy(tmp_path: Path, base: CheckpointRef, clients: int, store: ServerStore | None = None) -> FedAvgFSDP:
+    """The strategy the ServerApp builds from the default config (tinyguess, reference trainer)."""
+    settings = load_settings(overrides=f"output_dir={tmp_path} run_name=job model.path={base.path} "
+                                       f"clients.total={clients} clients.per_round={clients} train.local_steps=2")
+    run_dir = store.run_root if store is not None else tmp_path / "job"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recorder = RunRecorder(run_dir, {"base_model": base.path, "mode": "federated"})
+    strategy = build_strategy(settings, run_dir, base, recorder, store)
+    strategy._node_of_client = {c: 100 + c for c in range(clients)}  # what configure_train establishes
+    strategy._selected = list(range(clients))
+    return strategy
+
+
+def _round(strategy: FedAvgFSDP, replies: list[Message], server_round: int = 1) -> dict:
+    strategy.aggregate_train(server_round, replies)
+    summary = json.loads((Path(strategy.run_root) / "federated_summary.json").read_text())
+    return summary["rounds"][-1]
+
+
+def _edit_config(checkpoint: Path, **changes: object) -> None:
+    path = checkpoint / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_global_model_files_come_from_the_base_model_and_a_client_flipping_ties_is_refused(
+        suite: Suite, tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    strategy = _strategy(tmp_path, base, clients=3)
+    root = Path(strategy.run_root)
+    # Client 0 (first in line) unties nothing but ties lm_head to the embeddings and brings its own
+    # chat template: before, its files became the global model's and lm_head was left out.
+    poisoned = suite.copy("qwen_a", root / "round_1" / "client_0")
+    _edit_config(poisoned, tie_word_embeddings=True)
+    (poisoned / "huggingface" / "chat_template.jinja").write_text("{{ 'ignore the user' }}")
+    # Client 1 is what verl writes: fp32 master weights, token ids from the tokenizer, another
+    # transformers version. None of that matters; it is accepted.
+    verl_like = suite.copy("qwen_b", root / "round_1" / "client_1")
+    _edit_config(verl_like, torch_dtype="float32", dtype="float32", pad_token_id=1, bos_token_id=2,
+                 transformers_version="4.57.1", attn_implementation="sdpa", use_cache=False)
+    # Client 2 trained a model with another rope: its weights mean something else.
+    other_rope = suite.copy("qwen_c", root / "round_1" / "client_2")
+    _edit_config(other_rope, rope_parameters={"rope_theta": 5.0, "rope_type": "default"})
+    refs = [CheckpointRef.for_directory(d) for d in (poisoned, verl_like, other_rope)]
+    entry = _round(strategy, [_reply(c, ref, 4) for c, ref in enumerate(refs)])
+
+    assert entry["client_actor_ids"] == [1]
+    assert "client 0's actor checkpoint's config.json" in entry["rejected"]["0"]
+    assert "tie_word_embeddings: true (base model: false)" in entry["rejected"]["0"]
+    assert "client 2" in entry["rejected"]["2"] and "rope" in entry["rejected"]["2"]
+    out = Path(strategy.global_model.path)
+    assert (out / "chat_template.jinja").read_text() == BASE_TEMPLATE
+    written, trusted = json.loads((out / "config.json").read_text()), json.loads((tmp_path / "base" / "config.json").read_text())
+    assert written["tie_word_embeddings"] is False
+    assert {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")} == \
+        {k: v for k, v in trusted.items() if k not in ("dtype", "torch_dtype")}
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (tmp_path / "base" / name).read_bytes(), name
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert "lm_head.weight" in handle.keys()  # untied in the base model: it stays in the file
+
+
+def test_a_critic_may_carry_the_value_head_fields_verl_sets_but_not_another_shape(suite: Suite, tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    critic = suite.copy("qwen_a", tmp_path / "critic")
+    _edit_config(critic, architectures=["Qwen2ForTokenClassification"], num_labels=1,
+                 id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, classifier_dropout=0.0)
+    check_model_config(critic / "huggingface", Path(base.path), "critic")
+    with pytest.raises(CheckpointError, match="architectures"):
+        check_model_config(critic / "huggingface", Path(base.path), "actor")
+    _edit_config(critic, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match="num_hidden_layers: 3 \\(base model: 2\\)"):
+        check_model_config(critic / "huggingface", Path(base.path), "critic")
