@@ -1,10 +1,12 @@
 """Poisoned replies, with real checkpoints and the real strategy built as the ServerApp builds it:
 a client cannot give the global model its config or chat template (they come from the base
-model) and cannot untie lm_head. It is refused by name and the round goes on."""
+model), cannot untie lm_head, cannot weigh itself with an absurd num-examples and cannot answer
+with another client's checkpoint. Each is refused by name and the round goes on."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,13 +15,15 @@ from flwr.supercore.task_identity import TaskIdentity
 from safetensors import safe_open
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.model_files import check_model_config
-from fedagent_flwr.checkpoint.store import ServerStore
+from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore, StorageSettings
 from fedagent_flwr.config import load_settings
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from tests.store_harness import RUN, node
 
 BASE_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
 
@@ -117,3 +121,48 @@ def test_a_critic_may_carry_the_value_head_fields_verl_sets_but_not_another_shap
     _edit_config(critic, num_hidden_layers=3)
     with pytest.raises(CheckpointError, match="num_hidden_layers: 3 \\(base model: 2\\)"):
         check_model_config(critic / "huggingface", Path(base.path), "critic")
+
+
+def test_num_examples_beyond_the_assigned_episodes_is_refused(suite: Suite, tmp_path: Path) -> None:
+    strategy = _strategy(tmp_path, _base(tmp_path), clients=3)
+    root = Path(strategy.run_root)
+    # Default config: tinyguess trains 2 env instances per step, rollout_n 2, and the override
+    # asked for 2 local steps: 8 episodes per client and round.
+    assert strategy.assigned_examples(1, 0) == 8
+    refs = [CheckpointRef.for_directory(suite.copy(name, root / "round_1" / f"client_{c}"))
+            for c, name in enumerate(("qwen_a", "qwen_b", "qwen_c"))]
+    entry = _round(strategy, [_reply(0, refs[0], 8), _reply(1, refs[1], 1e300), _reply(2, refs[2], 9)])
+    assert entry["client_actor_ids"] == [0]
+    assert entry["rejected"]["1"] == "'num-examples' = 1e+300 is more than the 8 episodes client 1 was assigned this round"
+    assert "'num-examples' = 9 is more than the 8 episodes client 2" in entry["rejected"]["2"]
+
+
+@pytest.fixture(params=["shared-fs", "http"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerStore]:
+    (tmp_path / "job").mkdir()
+    if request.param == "shared-fs":
+        yield SharedFsServerStore(tmp_path / "job")
+    else:
+        with HttpServerStore(StorageSettings(kind="http"), tmp_path / "job", RUN) as running:
+            yield running
+
+
+def test_a_client_answering_with_another_clients_checkpoint_is_refused(
+        store: ServerStore, suite: Suite, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    strategy = _strategy(tmp_path, _base(tmp_path), clients=3, store=store)
+    if isinstance(store, HttpServerStore):
+        nodes = tmp_path_factory.mktemp("nodes")
+        ref0 = node(store, nodes / "n0", 1, 0).put(suite.copy("qwen_a", nodes / "src0"), "actor", 1, 0)
+        ref2 = node(store, nodes / "n2", 1, 2).put(suite.copy("qwen_c", nodes / "src2"), "actor", 1, 2)
+        own_slot = "does not name its own upload slot of round 1"
+    else:
+        ref0 = CheckpointRef.for_directory(suite.copy("qwen_a", store.run_root / "round_1" / "client_0"))
+        ref2 = CheckpointRef.for_directory(suite.copy("qwen_c", store.run_root / "round_1" / "client_2"))
+        own_slot = f"is not in its own slot of round 1 ({store.run_root / 'round_1' / 'client_1'}/)"
+    # Client 1 answers with client 0's checkpoint (to count it twice); client 2 answers in round 2
+    # with its checkpoint of round 1.
+    entry = _round(strategy, [_reply(0, ref0, 4), _reply(1, ref0, 4), _reply(2, ref2, 4)])
+    assert entry["client_actor_ids"] == [0, 2]
+    assert "client 1" in entry["rejected"]["1"] and own_slot in entry["rejected"]["1"]
+    entry = _round(strategy, [_reply(2, ref2, 4)], server_round=2)
+    assert entry["client_actor_ids"] == [] and "round 2" in entry["rejected"]["2"]

@@ -57,6 +57,11 @@ def _strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgFSDP] = Fe
     return strategy, run_root
 
 
+def _slot(run_root: Path, client: int, server_round: int = 1) -> Path:
+    """Where client ``client`` writes its checkpoints of ``server_round`` (the only place the server takes them from)."""
+    return run_root / f"round_{server_round}" / f"client_{client}"
+
+
 def _initial(tmp_path: Path) -> CheckpointRef:
     write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
     return CheckpointRef.for_directory(tmp_path / "base")
@@ -64,7 +69,7 @@ def _initial(tmp_path: Path) -> CheckpointRef:
 
 def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suite, tmp_path: Path) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=3)
-    refs = {c: CheckpointRef.for_directory(suite.copy(name, run_root)) for c, name in
+    refs = {c: CheckpointRef.for_directory(suite.copy(name, _slot(run_root, c))) for c, name in
             enumerate(["qwen_a", "qwen_b", "qwen_plain"])}
     episodes = {0: 4, 1: 8, 2: 12}
     _, metrics = strategy.aggregate_train(1, [_reply(c, refs[c], episodes[c]) for c in refs])
@@ -79,15 +84,15 @@ def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suit
 def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
-    good = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
     outside = CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path))
-    wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", run_root))
+    wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", _slot(run_root, 2)))
     wrong_hash = CheckpointRef(**{**wrong_hash.__dict__, "sha256": "0" * 64})
-    truncated_dir = suite.copy("qwen_plain", run_root)
+    truncated_dir = suite.copy("qwen_plain", _slot(run_root, 3))
     shard = truncated_dir / "model_world_size_1_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     truncated = CheckpointRef.for_directory(truncated_dir)  # hashed as truncated: the reader must catch it
-    other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", run_root))
+    other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", _slot(run_root, 4)))
     replies = [_reply(0, good, 4), _reply(1, outside, 4), _reply(2, wrong_hash, 4), _reply(3, truncated, 4),
                _reply(4, other_shapes, 4), _error_reply(5)]
     with caplog.at_level(logging.WARNING):
@@ -110,7 +115,7 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
     suite: Suite, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
-    first = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
+    first = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
     strategy.aggregate_train(1, [_reply(0, first, 4)])
     round_one = strategy.global_model
     digest = hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest()
@@ -131,7 +136,7 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
 
 def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: Suite, tmp_path: Path) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
-    ref = {c: CheckpointRef.for_directory(suite.copy(n, run_root)) for c, n in
+    ref = {c: CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in
            [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain")]}
     spoofed = _reply(3, ref[3], 4)
     spoofed.content["config"]["client-id"] = 0  # node of client 3 claims to be client 0
@@ -160,8 +165,8 @@ class _DamageWhileStreaming(FedAvgFSDP):
 
 def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suite: Suite, tmp_path: Path) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), cls=_DamageWhileStreaming, clients=2)
-    good = CheckpointRef.for_directory(suite.copy("qwen_a", run_root))
-    damaged = CheckpointRef.for_directory(suite.copy("qwen_b", run_root))  # world size 2
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
+    damaged = CheckpointRef.for_directory(suite.copy("qwen_b", _slot(run_root, 1)))  # world size 2
     strategy.aggregate_train(1, [_reply(0, good, 4), _reply(1, damaged, 4)])
     entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
     assert entry["client_actor_ids"] == [0]
@@ -176,7 +181,7 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
     from fedagent_flwr.checkpoint.verify import main as verify
 
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
-    refs = [CheckpointRef.for_directory(suite.copy(n, run_root)) for n in ("qwen_a", "qwen_b")]
+    refs = [CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in enumerate(("qwen_a", "qwen_b"))]
     strategy.aggregate_train(1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
     assert verify([str(run_root)]) == 0
     shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
@@ -208,8 +213,8 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     episodes = {0: 3, 1: 9}
 
     def ppo_reply(client: int, server_round: int) -> Message:
-        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], run_root / f"r{server_round}a"))
-        critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], run_root / f"r{server_round}c")
+        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], _slot(run_root, client, server_round) / "a"))
+        critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], _slot(run_root, client, server_round) / "c")
         critic = CheckpointRef.for_directory(critic_dir, "critic")
         reply = _reply(client, actor, episodes[client])
         reply.content["config"] = ConfigRecord({**dict(reply.content["config"]), **critic.to_config("critic")})
@@ -219,7 +224,7 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     assert strategy.global_critic is not None
     assert strategy.global_critic.path == str(run_root / "round_1" / "global_critic")
     assert strategy.global_critic.kind == "critic"
-    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(run_root / "r1c" / name, "critic"), root=run_root),
+    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(_slot(run_root, c) / "c" / name, "critic"), root=run_root),
                        float(episodes[c])) for c, name in enumerate(["qwen_b", "qwen_plain"])]
     assert verify_mean(critic_sources, strategy.global_critic.path) < 1e-6
     entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]

@@ -85,13 +85,14 @@ def test_forged_references_on_a_shared_filesystem_are_refused_by_name(suite: Sui
     (linked_shard / SHARD).unlink()
     (linked_shard / SHARD).symlink_to(Path(elsewhere.path) / SHARD)
     other_run = CheckpointRef.for_directory(suite.copy("qwen_a", tmp_path / "run-other" / "round_1" / "client_8"))
+    altered = CheckpointRef.for_directory(suite.copy("qwen_a", root / "round_1" / "client_5"))
     replies = [
         reply(0, good.to_config("actor")),
         reply(1, elsewhere.to_config("actor")),
         reply(2, with_path(elsewhere, f"{root}/round_1/../../elsewhere/qwen_a")),
         reply(3, with_path(elsewhere, str(root / "round_1" / "client_3" / "actor"))),
         reply(4, CheckpointRef.for_directory(linked_shard).to_config("actor")),
-        reply(5, {**good.to_config("actor"), "actor-sha256": "0" * 64}),
+        reply(5, {**altered.to_config("actor"), "actor-sha256": "0" * 64}),
         reply(6, {**good.to_config("actor"), "actor-sha256": ""}),
         reply(7, with_path(good, "s3://bucket/run/round_1/client_7/actor")),
         reply(8, other_run.to_config("actor")),

@@ -17,8 +17,10 @@ reference and turn it into a local directory under the run root) and a client ha
 every instruction must carry for a client to open its half (:meth:`ServerStore.instruction_fields`),
 so the ClientApp needs no store settings of its own beyond a working directory.
 
-Trust: the server accepts from a client only a reference inside the run's root (shared-fs) or
-naming the client's own upload slot of the current round (http), with a content hash; a client
+Trust: the server accepts from a client only a reference inside the client's own slot of the
+current round, ``<run root>/round_<r>/client_<c>/`` (shared-fs: where the ClientApp writes its
+job; http: the upload slot the server opened for it), with a content hash, so no client can
+answer with another client's checkpoint (and be counted twice) or with a global model; a client
 accepts only a global model of its current run.
 """
 
@@ -83,6 +85,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def client_slot(run_root: str | os.PathLike[str], server_round: int, client: int) -> Path:
+    """``<run root>/round_<r>/client_<c>``: everything client ``c`` writes (or uploads) for round ``r``."""
+    return Path(run_root) / f"round_{server_round}" / f"client_{client}"
 
 
 def require_hash(ref: CheckpointRef, who: str) -> None:
@@ -183,7 +190,14 @@ class SharedFsServerStore(ServerStore):
 
     def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
         require_hash(ref, f"client {client}")
-        resolve_inside(ref, self.run_root)  # scheme, '..' and symlink escapes: a clear message now
+        target = resolve_inside(ref, self.run_root)  # scheme, '..' and symlink escapes: a clear message now
+        # Not resolved: a slot that is a symlink (to another client's slot) holds nothing of its own.
+        slot = client_slot(self.run_root, server_round, client)
+        if slot not in target.parents:
+            raise CheckpointError(
+                f"client {client}'s reference {ref.path[:200]!r} is not in its own slot of round "
+                f"{server_round} ({slot}/): a client may answer only with a checkpoint it wrote there"
+            )
         return ref
 
     def instruction_fields(self) -> dict[str, Any]:

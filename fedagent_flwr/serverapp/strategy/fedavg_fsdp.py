@@ -9,9 +9,10 @@ model back. No ``ArrayRecord`` ever carries weights.
 Compared with Flower's ``FedAvg`` it also
 - selects clients with FedAgent's seeded rule over partition ids (``seeding.select_clients``),
   so runs are reproducible and comparable with FedAgent's;
-- refuses a bad client checkpoint (outside the run root or the client's upload slot, missing,
-  corrupt, wrong hash, shapes or a ``config.json`` that differ from the global model) or a
-  malformed or oversized reply with a message naming the client, and aggregates the rest;
+- refuses a bad client checkpoint (outside the client's own slot of the round, missing,
+  corrupt, wrong hash, shapes or a ``config.json`` that differ from the global model), a
+  malformed or oversized reply, or a ``num-examples`` beyond the episodes the client was
+  assigned, with a message naming the client, and aggregates the rest;
 - gives the global model the config, generation config, tokenizer and chat template of the
   run's base model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a
@@ -24,6 +25,7 @@ Subclasses change the rule by overriding :meth:`aggregation_weights` (weights pe
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -139,6 +141,7 @@ class FedAvgFSDP(FedAvg):
         # critic): the initial model's, which is the base model or a global model that took them
         # from it. Client configs are checked against them.
         self.model_files: Path | None = model_files_dir(initial_model.path)
+        self._assigned_episodes = planned_train_episodes(self.train_payload)
         self._node_of_client: dict[int, int] = {}
         self._asked_nodes: set[int] = set()
         self._selected: list[int] = []
@@ -251,6 +254,13 @@ class FedAvgFSDP(FedAvg):
             messages.append(self._instruction(MessageType.TRAIN, nodes[client], values))
         return messages
 
+    def assigned_examples(self, server_round: int, client: int) -> int | None:
+        """The most ``num-examples`` client ``client`` may report for ``server_round``: the episodes
+        its instruction asks for (``local-steps`` x ``rollout_n`` x the env instances of the train
+        env spec, what both trainers play); None when the train payload does not say, which leaves
+        only the check that it is a positive number."""
+        return self._assigned_episodes
+
     def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
         """One weight per accepted reply: fixed per client id if configured, else num-examples."""
         weights = []
@@ -289,7 +299,7 @@ class FedAvgFSDP(FedAvg):
         candidates: list[tuple[Message, int]] = []
         for reply in valid:
             client = client_of_node.get(reply.metadata.src_node_id, -1)
-            problem = self._reply_problem(reply, client)
+            problem = self._reply_problem(reply, client, server_round)
             if problem:
                 log(WARNING, "round %d: reply of client %d refused: %s", server_round, client, problem)
                 rejected[client] = problem
@@ -338,7 +348,7 @@ class FedAvgFSDP(FedAvg):
             )
         return None, metrics
 
-    def _reply_problem(self, reply: Message, client: int) -> str:
+    def _reply_problem(self, reply: Message, client: int, server_round: int) -> str:
         """Why a (non-error) train reply cannot be used, or "" if it can."""
         if client < 0:
             return f"reply from unknown node {reply.metadata.src_node_id}"
@@ -356,6 +366,10 @@ class FedAvgFSDP(FedAvg):
             return f"malformed reply: {exc}"
         if not math.isfinite(weight) or weight <= 0:
             return f"'{self.weighted_by_key}' = {weight} is not a positive number"
+        assigned = self.assigned_examples(server_round, client)
+        if assigned is not None and weight > assigned:
+            return (f"'{self.weighted_by_key}' = {weight:g} is more than the {assigned} episodes client {client} "
+                    "was assigned this round")
         return ""
 
     def _aggregate_role(
@@ -559,3 +573,27 @@ def _single_metrics(reply: Message) -> MetricRecord:
     if len(records) != 1:
         raise ValueError(f"expected exactly one MetricRecord, got {len(records)}")
     return records[0]
+
+
+def planned_train_episodes(payload: dict[str, Any]) -> int | None:
+    """Episodes one client plays in a round, from the train payload every instruction carries:
+    ``local-steps`` x ``rollout_n`` x the env instances (``n_envs``) of the train env spec. None
+    when the payload lacks any of them (a strategy built without the ServerApp's payload)."""
+    try:
+        steps = int(payload["local-steps"])
+        trainer = json.loads(str(payload["trainer-json"]))
+        spec = json.loads(str(payload["env-spec-json"]))
+        rollout_n = trainer.get("rollout_n")
+        if rollout_n is None:  # the backend's own default
+            if trainer.get("backend") == "verl":
+                from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+
+                rollout_n = VerlSettings.rollout_n
+            else:
+                from fedagent_flwr.clientapp.reference_trainer import GRPOConfig
+
+                rollout_n = GRPOConfig.rollout_n
+        instances = sum(int(entry["n_envs"]) for entry in spec["envs"])
+        return steps * int(rollout_n) * instances
+    except (KeyError, TypeError, ValueError):
+        return None
