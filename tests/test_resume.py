@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -17,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import load_settings
-from fedagent_flwr.serverapp.app import summary_header
+from fedagent_flwr.serverapp.app import RunSetupError, build_strategy, run_directory, summary_header
+from fedagent_flwr.serverapp.app import main as serverapp_main
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.resume import (
@@ -33,6 +36,7 @@ from fedagent_flwr.serverapp.resume import (
     load_previous_run,
 )
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 from tests.flower_harness import REPO
 
 
@@ -262,3 +266,40 @@ def test_upload_slots_of_an_uncommitted_round_go_and_trainer_outputs_stay(tmp_pa
         "round_2/client_0/actor", "round_2/client_0/critic", "round_2/client_0/.upload-actor",
         "round_2/.global_critic.staging-1234abcd"}
     assert (client_dir / "checkpoints" / "global_step_1" / "actor").is_dir()
+
+
+def test_a_resume_checks_the_global_model_against_the_hash_recorded_at_its_commit(
+        suite: Suite, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Round 1 really aggregated and committed, then its global model truncated on disk: the re-run
+    stops at start with one line naming the file and what to do (it used to resume from it and
+    crash later, when the round's reference model would not open)."""
+    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
+    base = CheckpointRef.for_directory(tmp_path / "base")
+    overrides = f"output_dir={tmp_path / 'out'} run_name=job model.path={base.path} num_rounds=2"
+    settings = load_settings(overrides=overrides)
+    run_dir = run_directory(settings, 1)
+    recorder = RunRecorder(run_dir, summary_header(settings, 1, base))
+    recorder.complete_round(0)
+    strategy = build_strategy(settings, run_dir, base, recorder)
+    strategy._node_of_client, strategy._selected = {0: 100, 1: 101}, [0, 1]  # what configure_train establishes
+    replies = []
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
+    for client, name in enumerate(("qwen_a", "qwen_b")):
+        ref = CheckpointRef.for_directory(suite.copy(name, run_dir / "round_1" / f"client_{client}"))
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+        replies.append(Message(RecordDict({"config": ConfigRecord({"client-id": client, **ref.to_config("actor")}),
+                                           "metrics": MetricRecord({"num-examples": 4})}), reply_to=instruction))
+    strategy.aggregate_train(1, replies)
+    recorder.complete_round(1)
+    weights = run_dir / "round_1" / "global" / "model.safetensors"
+    assert json.loads(recorder.summary_path.read_text())["rounds"][0]["aggregated_sha256"] == strategy.global_model.sha256
+    os.truncate(weights, weights.stat().st_size // 2)  # a disk that filled up, a careless copy
+
+    context = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(), run_config={"overrides": overrides})
+    with caplog.at_level(logging.ERROR), pytest.raises(RunSetupError) as failure:
+        serverapp_main(None, context)  # type: ignore[arg-type]  # refused before any message is sent
+    message = str(failure.value)
+    assert "\n" not in message
+    assert message.startswith(f"round 1's global model {weights.parent} is damaged: its content hash is ")
+    assert "recorded when round 1 was committed" in message and "restore that directory" in message
+    assert f"[fedagent] cannot start the run: {message}" in caplog.text

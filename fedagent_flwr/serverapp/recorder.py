@@ -85,10 +85,14 @@ class RunRecorder:
         client_critics: dict[int, str] | None = None,
         aggregated_critic: str | None = None,
         update_stats: dict[str, Any] | None = None,
+        aggregated_sha256: str | None = None,
+        aggregated_critic_sha256: str | None = None,
     ) -> None:
         """Provenance of one round: started_from -> client checkpoints -> aggregated model
         (and, for PPO, the clients' critics -> the aggregated critic), with the statistics of
-        the clients' updates when the aggregation measured them (``checkpoint.update_stats``)."""
+        the clients' updates when the aggregation measured them (``checkpoint.update_stats``).
+        The content hashes of the aggregates are what a re-run checks the files against before
+        it resumes from them."""
         # FedAvgFSDP records a round right after renaming its new global model into place.
         crash_point(f"aggregated@{server_round}")
         entry = {
@@ -101,9 +105,13 @@ class RunRecorder:
             "aggregated_hf": aggregated,
             "rejected": {str(c): reason for c, reason in sorted(rejected.items())},
         }
+        if aggregated_sha256:
+            entry["aggregated_sha256"] = aggregated_sha256
         if client_critics:
             entry["client_critics"] = [client_critics[c] for c in sorted(client_critics)]
             entry["aggregated_critic"] = aggregated_critic
+            if aggregated_critic_sha256:
+                entry["aggregated_critic_sha256"] = aggregated_critic_sha256
         if update_stats is not None:
             entry["update_stats"] = update_stats
         self.summary["rounds"].append(entry)

@@ -16,7 +16,9 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
 2. keeps the summary entries and metrics lines of completed rounds only;
 3. removes the server's uncommitted outputs (global models of later rounds, aggregation
    staging directories, temporary files of interrupted writes);
-4. starts from the last completed round's global model and lets Flower's ``Strategy.start`` skip
+4. checks that global model (and PPO critic) against the content hash recorded when its round
+   was committed (a file truncated or altered since stops the run with one line naming it);
+5. starts from the last completed round's global model and lets Flower's ``Strategy.start`` skip
    the completed rounds. Client selection and seeds are functions of the round number alone
    (``fedagent_flwr.seeding``), so round k+1 is sent exactly what an uninterrupted run sends.
 """
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 from flwr.serverapp.strategy import Strategy
 
-from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, METRICS_FILE, SUMMARY_FILE
 
 if TYPE_CHECKING:
@@ -87,30 +89,44 @@ class PreviousRun:
         return aggregated[-1] if aggregated else None
 
     def global_model(self, base: CheckpointRef) -> CheckpointRef:
-        """The global model after the last completed round (``base`` if no round changed it)."""
+        """The global model after the last completed round (``base`` if no round changed it),
+        checked against the hash recorded when that round was committed."""
         entry = self.last_aggregate
         if entry is None:
             return base
-        path = Path(entry["aggregated_actor"])
-        if not path.is_dir():
-            raise ResumeError(
-                f"round {entry['round']}'s global model {path} is missing, so {self.run_dir} cannot "
-                "be resumed; choose another run_name or output_dir"
-            )
-        return CheckpointRef.for_directory(path, "actor", "hf-safetensors")
+        return self._committed(entry, "aggregated_actor", "aggregated_sha256", "actor", "global model")
 
     def global_critic(self) -> CheckpointRef | None:
-        """PPO: the aggregated critic after the last completed round that produced one, if any."""
+        """PPO: the aggregated critic after the last completed round that produced one, if any
+        (checked like :meth:`global_model`)."""
         critics = [entry for entry in self.rounds if entry.get("aggregated_critic")]
         if not critics:
             return None
-        path = Path(critics[-1]["aggregated_critic"])
+        return self._committed(critics[-1], "aggregated_critic", "aggregated_critic_sha256", "critic", "global critic")
+
+    def _committed(self, entry: dict[str, Any], path_key: str, hash_key: str, kind: str, what: str) -> CheckpointRef:
+        """The model ``entry[path_key]`` as its round committed it, or ResumeError in one line that
+        names the file and what to do."""
+        path = Path(entry[path_key])
+        where = f"round {entry['round']}'s {what} {path}"
+        advice = (f"{self.run_dir} cannot be resumed from it: restore that directory from a copy, or "
+                  "start over with another run_name or output_dir")
         if not path.is_dir():
-            raise ResumeError(
-                f"round {critics[-1]['round']}'s global critic {path} is missing, so {self.run_dir} "
-                "cannot be resumed; choose another run_name or output_dir"
-            )
-        return CheckpointRef.for_directory(path, "critic", "hf-safetensors")
+            raise ResumeError(f"{where} is missing; {advice}")
+        try:
+            ref = CheckpointRef.for_directory(path, kind, "hf-safetensors")  # type: ignore[arg-type]
+            recorded = entry.get(hash_key)
+            if recorded:
+                if ref.sha256 != recorded:
+                    raise CheckpointError(
+                        f"its content hash is {ref.sha256[:16]}..., not the {str(recorded)[:16]}... recorded when "
+                        f"round {entry['round']} was committed (a file was truncated or changed since)"
+                    )
+            else:  # a summary written before hashes were recorded: it must at least open
+                open_checkpoint(ref, check_hash=False).close()
+        except (CheckpointError, OSError) as exc:
+            raise ResumeError(f"{where} is damaged: {exc}; {advice}") from None
+        return ref
 
 
 def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | None:

@@ -345,6 +345,8 @@ class FedAvgFSDP(FedAvg):
                 aggregated_critic=self.global_critic.path if critic_used and self.global_critic else None,
                 update_stats=(report.update_stats.to_dict([c for _, c, _ in used])
                               if report is not None and report.update_stats is not None else None),
+                aggregated_sha256=new_ref.sha256 if new_ref is not None else None,
+                aggregated_critic_sha256=self.global_critic.sha256 if critic_used and self.global_critic else None,
             )
         return None, metrics
 
