@@ -1,13 +1,16 @@
 """Atomic file writes: write to a temporary name in the same directory, fsync, rename.
 
 A reader (or a crash) then sees either the old file or the complete new one, never a half.
+Temporary files and directories get the permissions a plain ``open``/``mkdir`` gives (0666/0777
+less the umask: 0644/0755 under the usual 022), not ``tempfile``'s private 0600/0700, because
+they become a run's results, which the group reads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,14 +22,33 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed to ``path``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
+    tmp = _create_unique(target.parent, f".{target.name}.", target.suffix, directory=False)
     try:
-        yield Path(tmp)
+        yield tmp
         fsync_file(tmp)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def temporary_dir(parent: str | os.PathLike[str], prefix: str) -> Path:
+    """A new empty directory ``<parent>/<prefix><random>``, like ``tempfile.mkdtemp`` but with a
+    plain ``mkdir``'s permissions (it is renamed into place as a result)."""
+    return _create_unique(Path(parent), prefix, "", directory=True)
+
+
+def _create_unique(parent: Path, prefix: str, suffix: str, directory: bool) -> Path:
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            if directory:
+                os.mkdir(path, 0o777)  # the umask applies, as for any mkdir
+            else:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {parent}")
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

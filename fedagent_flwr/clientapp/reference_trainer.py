@@ -47,13 +47,13 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.atomic import temporary_dir
 from fedagent_flwr.clientapp.client_rule import ClientRule, ClientRuleError, load_client_rule, without_rule_keys
 from fedagent_flwr.clientapp.job import (
     EvalJob,
@@ -607,7 +607,7 @@ def write_fsdp_checkpoint(model: Any, tokenizer: Any, step_dir: Path) -> Path:
     import torch
 
     step_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{step_dir.name}.tmp-", dir=step_dir.parent))
+    staging = temporary_dir(step_dir.parent, f".{step_dir.name}.tmp-")  # 0755 as a result, not mkdtemp's 0700
     try:
         actor = staging / "actor"
         (actor / "huggingface").mkdir(parents=True)
