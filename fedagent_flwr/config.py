@@ -185,6 +185,9 @@ def _storage(raw: dict[str, Any]) -> StorageSettings:
     kind = _typed(raw, "storage.kind", str, lambda v: v in STORE_KINDS, f"one of {STORE_KINDS}")
     settings = StorageSettings(
         kind=kind,
+        keep_client_checkpoints=_typed(raw, "storage.keep_client_checkpoints", bool),
+        keep_last_k=_typed(raw, "storage.keep_last_k", int, lambda v: v >= 0,
+                           ">= 0 (the number of newest global models kept; 0 keeps all)"),
         host=_host(raw, "storage.host"),
         port=_typed(raw, "storage.port", int, lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
         url=_typed(raw, "storage.url", str, lambda v: v == "" or re.match(r"^https?://[A-Za-z0-9.:\[\]-]+/?$", v)

@@ -38,7 +38,7 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
     # runs in a fresh flwr-clientapp process, so each must find the node's trainer again.
     proc = deployment.run(
         f"model.path={tiny_model_dir} num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
-        f"output_dir={tmp_path} run_name=job trainer.mode=persistent"
+        f"output_dir={tmp_path} run_name=job trainer.mode=persistent storage.keep_client_checkpoints=true"
     )
     output = proc.stdout + proc.stderr
     run_dir = tmp_path / "job"
@@ -88,7 +88,7 @@ def test_two_supernodes_without_a_shared_filesystem_exchange_checkpoints_through
         f"model.path={tiny_model_dir} num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
         f"output_dir={server_out} run_name=no-shared-fs storage.kind=http storage.host=127.0.0.1 "
         f"storage.ssl_certfile={tls.server_cert} storage.ssl_keyfile={tls.server_key} "
-        f"storage.ssl_ca_certfile={tls.ca_cert}"
+        f"storage.ssl_ca_certfile={tls.ca_cert} storage.keep_client_checkpoints=true"
     )
     output = proc.stdout + proc.stderr
     run_dir = server_out / "no-shared-fs"

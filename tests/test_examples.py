@@ -86,7 +86,8 @@ def test_in_process_env_trains_a_round_with_the_median_strategy_and_the_client_r
 ) -> None:
     summary, run_dir = _run(
         superlink, tmp_path,
-        f"model.path={tiny_model_dir} {ENV_OVERRIDES} {STRATEGY_OVERRIDES} {RULE_OVERRIDES} {CI}",
+        f"model.path={tiny_model_dir} {ENV_OVERRIDES} {STRATEGY_OVERRIDES} {RULE_OVERRIDES} {CI} "
+        "storage.keep_client_checkpoints=true",  # the test reads the client checkpoints after the run
     )
     (entry,) = summary["rounds"]
     assert entry["client_actor_ids"] == [0, 1] and not entry["rejected"]

@@ -36,7 +36,7 @@ from tests.flower_harness import REPO, SuperLink, is_running, simulation_superli
 pytestmark = pytest.mark.slow
 
 SETTINGS = ("clients.total=3 clients.per_round=2 num_rounds=2 eval.num_episodes=1 "
-            "trainer.max_new_tokens=8 trainer.lr=1e-3")
+            "trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true")  # audited after
 SUPERNODES = 3
 PERSISTENT = "trainer.mode=persistent"
 HANG_GUARD_S = 600.0  # only against a hang: a healthy run takes a minute or two

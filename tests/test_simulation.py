@@ -17,7 +17,8 @@ from tests.flower_harness import REPO, SuperLink, simulation_superlink
 
 pytestmark = pytest.mark.slow
 
-COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3"
+# The client checkpoints stay: the tests recompute each round's mean from them.
+COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true"
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,9 @@ class StorageSettings:
     """The ``storage`` config group: which store the run uses and, for ``http``, how it is served."""
 
     kind: str = "shared-fs"
+    # Retention (serverapp.retention): what the run directory keeps once a round is committed.
+    keep_client_checkpoints: bool = False  # False: a committed round's client checkpoints are removed
+    keep_last_k: int = 0  # global models kept, the newest ones (the latest always stays); 0: all
     host: str = "127.0.0.1"  # bind address of the http store; loopback unless configured otherwise
     port: int = 0  # 0: a free port (one machine); a fixed, reachable port across machines
     url: str = ""  # what clients connect to; "" -> http(s)://host:port

@@ -5,7 +5,10 @@
 Each global model records its sources (path, sha256, weight) in its safetensors header; this
 command re-opens those client checkpoints (hashes checked), recomputes the weighted mean
 independently in float64 and prints the max abs error per round. Exit status 1 if any round is
-off by more than the tolerance or cannot be checked.
+off by more than the tolerance or cannot be checked. A round whose client checkpoints (or global
+model) the run removed after its commit (``storage.keep_client_checkpoints=false``, the default,
+or ``storage.keep_last_k``) is reported as removed and not checked; keep the client checkpoints to
+audit a run.
 """
 
 from __future__ import annotations
@@ -68,7 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         if not entry.get("aggregated_actor"):
             print(f"round {entry['round']}: no aggregate (previous global model kept)")
             continue
+        removed = entry.get("removed", {})
+        if "global_model" in removed:
+            print(f"round {entry['round']}: global model removed by the run (storage.keep_last_k); not checked")
+            continue
         try:
+            if "client_checkpoints" in removed:
+                recorded_sources(Path(entry["aggregated_actor"]))  # a rule this audit cannot check is still reported
+                print(f"round {entry['round']}: client checkpoints removed by the run after the round was committed "
+                      "(storage.keep_client_checkpoints=false); not checked")
+                continue
             error = verify_round(Path(entry["aggregated_actor"]), args.run_dir.resolve())
         except CheckpointError as exc:
             print(f"round {entry['round']}: cannot verify: {exc}")

@@ -33,6 +33,7 @@ from fedagent_flwr.serverapp.resume import (
     install_round_ledger,
     load_previous_run,
 )
+from fedagent_flwr.serverapp.retention import Retention
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP
 
 app = ServerApp()
@@ -226,7 +227,8 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
     strategy.global_critic = start_critic  # PPO resumed after a round that aggregated critics
-    install_round_ledger(strategy, recorder, last_completed)
+    retention = Retention.from_settings(settings.storage, run_dir)
+    install_round_ledger(strategy, recorder, last_completed, after_commit=lambda r: retention.after_commit(recorder, r))
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
         settings.env_name, settings.trainer_backend, type(strategy).__name__)

@@ -251,8 +251,10 @@ def exclusive_run_directory(run_dir: Path) -> Iterator[None]:
         handle.close()
 
 
-def install_round_ledger(strategy: Strategy, recorder: RunRecorder, last_completed_round: int | None) -> None:
-    """Make ``strategy.start`` skip completed rounds and commit every round it completes.
+def install_round_ledger(strategy: Strategy, recorder: RunRecorder, last_completed_round: int | None,
+                         after_commit: Callable[[int], Any] | None = None) -> None:
+    """Make ``strategy.start`` skip completed rounds and commit every round it completes
+    (``after_commit(round)`` runs after each commit: :mod:`.retention` frees disk there).
 
     Flower's ``Strategy.start`` always counts rounds from 1 and calls ``self.configure_train``,
     ``self.aggregate_train``, ``self.configure_evaluate`` and ``self.aggregate_evaluate``. The
@@ -279,6 +281,8 @@ def install_round_ledger(strategy: Strategy, recorder: RunRecorder, last_complet
         def committed(server_round: int, *args: Any, **kwargs: Any) -> Any:
             result = method(server_round, *args, **kwargs)
             recorder.complete_round(server_round)
+            if after_commit is not None:
+                after_commit(server_round)
             return result
 
         return committed
