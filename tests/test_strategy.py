@@ -247,8 +247,8 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
     start = load_file(str(Path(initial.path) / "model.safetensors"))
     refs = {}
     for client, scale in ((0, 1.0), (1, -1.0), (2, 0.5)):
-        directory = run_root / f"client_{client}"
-        directory.mkdir()
+        directory = _slot(run_root, client) / "actor"
+        directory.mkdir(parents=True)
         for item in Path(initial.path).iterdir():
             if item.name != "model.safetensors":
                 (directory / item.name).write_bytes(item.read_bytes())
