@@ -98,6 +98,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     output = rerun.stdout + rerun.stderr
     summary = json.loads((run_dir / "federated_summary.json").read_text())
     assert summary["status"] == "completed" and summary["last_completed_round"] == 3, output[-4000:]
+    assert all(e["client_actor_ids"] == [0, 1] and not e["rejected"] for e in summary["rounds"])  # real configs pass
     assert summary["resumed"] == [{"after_round": 2, "run_id": summary["run_id"]}]
     assert summary["rounds"][2]["started_from"] == str(run_dir / "round_2" / "global")
     assert summary["final_model"] == str(run_dir / "round_3" / "global")
