@@ -56,8 +56,27 @@ QUERY_SHUTDOWN = "query.shutdown"
 MAX_REPLY_BYTES = 64 * 1024
 
 
-class NoClientsError(RuntimeError):
+# In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
+# whole federation.
+SIMULATION_SETTLE_S = 1.0
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot go on; the message is the one line the log and the summary carry."""
+
+
+class NoClientsError(RunFailedError):
     """The federation does not serve the client partitions this run needs."""
+
+
+def is_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation runtime, where the ServerApp and every simulated
+    SuperNode share this machine and all SuperNodes exist from the start."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # a Flower without it: treat the run as a deployment (the safe side)
+        return False
+    return isinstance(grid, InMemoryGrid)
 
 
 class FedAvgFSDP(FedAvg):
@@ -158,12 +177,27 @@ class FedAvgFSDP(FedAvg):
 
         With ``wait`` (the first round) it waits, up to ``discovery_timeout``, until every
         partition this run will train is served; later rounds take whoever is connected, so a
-        SuperNode that died costs its client that round, not the run.
+        SuperNode that died costs its client that round, not the run. In a simulation, where all
+        SuperNodes exist from the start, a missing partition is refused at once
+        (:class:`NoClientsError`).
         """
         needed = set(self.required_clients())
         deadline = time.monotonic() + self.discovery_timeout
+        simulated = wait and is_simulation(grid)
+        seen: set[int] = set()
+        settled_at = time.monotonic()
         while True:
             online = set(grid.get_node_ids())
+            if simulated:
+                # Flower registers all simulated SuperNodes at once, partitions 0..n-1: once the set
+                # is stable, a partition it lacks will never come, so say so now, not after the timeout.
+                if online != seen:
+                    seen, settled_at = online, time.monotonic()
+                if not online or time.monotonic() - settled_at < SIMULATION_SETTLE_S:
+                    time.sleep(0.25)
+                    continue
+                self._check_simulation_size(len(online), needed)
+                simulated = False
             # Forget nodes that left (deployment), ask nodes we have not asked yet.
             self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
             new_nodes = sorted(online - self._asked_nodes)
@@ -182,6 +216,16 @@ class FedAvgFSDP(FedAvg):
                 )
             log(INFO, "Waiting for client partitions %s to connect", sorted(missing))
             time.sleep(1.0)
+
+    def _check_simulation_size(self, supernodes: int, needed: set[int]) -> None:
+        """Refuse a simulation with fewer SuperNodes than the partitions the run trains."""
+        missing = sorted(needed - set(range(supernodes)))
+        if missing:
+            raise NoClientsError(
+                f"config key 'clients.total' = {self.num_clients} needs client partition(s) {missing}, but this "
+                f"simulation has {supernodes} SuperNode(s) (partitions 0-{supernodes - 1}): run with "
+                f"--federation-config 'num-supernodes={self.num_clients}' or set clients.total={supernodes}"
+            )
 
     def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
         messages = [
