@@ -52,6 +52,10 @@ class RunFailed(AppExitException):
     exit_code = ExitCode.SERVERAPP_EXCEPTION
 
 
+# Statuses of a run whose every round ran: a re-run has nothing left to do.
+FINISHED_STATUSES = ("completed", "degraded")
+
+
 def payload_json(value: Any) -> str:
     """Structured settings (env specs, trainer knobs) travel as JSON strings in ConfigRecords."""
     return json.dumps(value, sort_keys=True)
@@ -260,8 +264,8 @@ def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[st
         previous = None
     last_completed = previous.last_completed_round if previous else None
     if previous is not None:
-        if previous.finished:
-            log(INFO, "[fedagent] %s already holds this run, completed: nothing to do", run_dir)
+        if previous.status in FINISHED_STATUSES and last_completed == settings.num_rounds:
+            log(INFO, "[fedagent] %s already holds this run, %s: nothing to do", run_dir, previous.status)
             return
         start_model = previous.global_model(base)
         log(INFO, "[fedagent] resuming the run in %s after %s", run_dir,
@@ -327,7 +331,10 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
             strategy.shutdown_clients(grid)
         except Exception as exc:  # never mask the run's own outcome
             log(WARNING, "[fedagent] could not tell the nodes to shut down: %s", exc)
-    recorder.finish("completed")
+    status, reason = recorder.outcome()
+    recorder.finish(status, reason)
+    if reason:
+        log(WARNING, "[fedagent] run %s: %s", status, reason)
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
     log(INFO, "[fedagent] summary: %s", recorder.summary_path)
     log(INFO, "[fedagent] learning curve: %s", run_dir / CURVE_FILE)
