@@ -35,8 +35,10 @@ install: $(VENV)/.installed
 alfworld-venv: install
 	$(VENV)/bin/python -m fedagent_flwr.envs.alfworld.service_venv
 
+# `flwr run --stream` exits 0 even when the run failed; fedagent_flwr.outcome passes its log through
+# and exits with the run's own status (0 completed, 3 degraded, 1 failed).
 run: install
-	$(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
+	$(VENV)/bin/python -m fedagent_flwr.outcome run -- $(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
 test: install alfworld-venv

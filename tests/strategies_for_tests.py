@@ -1,14 +1,16 @@
-"""A user-style Strategy subclass, loaded by dotted path in the simulation tests.
+"""User-style Strategy subclasses, loaded by dotted path in the simulation tests.
 
-It changes the aggregation rule (client c weighs c + 1, whatever its episode count) and, to test
-failure handling, gives client 1 an unknown environment in round 1 so that client's trainer
-subprocess exits non-zero.
+``ClientIdWeighted`` changes the aggregation rule (client c weighs c + 1, whatever its episode
+count) and, to test failure handling, gives client 1 an unknown environment in round 1 so that
+client's trainer subprocess exits non-zero. The ``Breaks*`` strategies break round 1 for every
+client, alike or differently, to test how the run ends.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
@@ -34,3 +36,38 @@ class ClientIdWeighted(FedAvgFSDP):
                 if int(instruction["client-id"]) == 1:
                     instruction["env-spec-json"] = json.dumps(BROKEN_SPEC)
         return messages
+
+
+# TinyGuess with an empty range: the trainer refuses it, with an error other than NoSuchEnv's.
+EMPTY_RANGE_SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": 1, "config": {"lo": 20, "hi": 10}}]}
+
+
+class _BreaksRoundOne(FedAvgFSDP):
+    """FedAvgFSDP that gives chosen clients of round 1 an env spec their trainer cannot play."""
+
+    broken: ClassVar[dict[int, dict]] = {}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if server_round == 1:
+            for message in messages:
+                instruction = message.content["config"]
+                spec = self.broken.get(int(instruction["client-id"]))
+                if spec is not None:
+                    instruction["env-spec-json"] = json.dumps(spec)
+        return messages
+
+
+class BreaksEveryClientAlike(_BreaksRoundOne):
+    """Round 1: both clients get the unknown environment, so both fail the same way."""
+
+    broken: ClassVar[dict[int, dict]] = {0: BROKEN_SPEC, 1: BROKEN_SPEC}
+
+
+class BreaksEveryClientDifferently(_BreaksRoundOne):
+    """Round 1: client 0 gets the unknown environment, client 1 an empty TinyGuess range: round 1
+    aggregates nothing, for two different reasons."""
+
+    broken: ClassVar[dict[int, dict]] = {0: BROKEN_SPEC, 1: EMPTY_RANGE_SPEC}

@@ -90,9 +90,10 @@ def test_game_record_names_what_partitions_need(layout: Path) -> None:
 
 def test_bad_data_is_named(tmp_path: Path, layout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
-    with pytest.raises(AlfWorldDataError, match="set the env config 'data_dir' or \\$ALFWORLD_DATA"):
+    with pytest.raises(AlfWorldDataError, match="set env.data_dir \\(or the environment variable ALFWORLD_DATA\\)"):
         load_games(None, "train")
-    with pytest.raises(AlfWorldDataError, match="has no json_2.1.1/ directory"):
+    download = "fetch the data with: python -m fedagent_flwr.envs.alfworld.download"
+    with pytest.raises(AlfWorldDataError, match=f"has no json_2.1.1/ directory; {download}"):
         load_games(tmp_path / "elsewhere", "train")
     with pytest.raises(AlfWorldDataError, match="split must be one of"):
         load_games(layout, "test")

@@ -64,3 +64,47 @@ def test_trainer_failure_and_timeout_give_one_clear_error(tmp_path: Path, monkey
     assert "sleepy backend 30" in log and "finished sleeping" not in log  # killed, not waited for
     with pytest.raises(TrainerFailed, match="unknown trainer backend 'nope'"):
         run_trainer("nope", "train", job, tmp_path / "x.log", "client 0 round 1", timeout_s=5)
+
+
+def test_an_unusable_model_path_fails_the_run_with_a_summary_naming_model_path(tmp_path: Path) -> None:
+    import json
+
+    from fedagent_flwr.serverapp.app import RunSetupError, start_run
+    from fedagent_flwr.serverapp.recorder import RunRecorder
+
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    settings = load_settings(overrides=f"output_dir={tmp_path} run_name=a model.path={not_a_model}")
+    run_dir = run_directory(settings, 7)
+    with pytest.raises(RunSetupError, match=r"^config key 'model.path' = .*empty': .* is not a Hugging Face model"):
+        start_run(None, settings, run_dir, 7)  # type: ignore[arg-type]  # no client is asked anything
+    summary = json.loads((run_dir / "federated_summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("config key 'model.path'")
+    assert summary["config_sha256"] is None and summary["last_completed_round"] is None
+    # Another failed attempt in the same directory, with another config, replaces that record ...
+    other = load_settings(overrides=f"output_dir={tmp_path} run_name=a model.path=/nowhere/model num_rounds=5")
+    with pytest.raises(RunSetupError, match="config key 'model.path' = '/nowhere/model'"):
+        start_run(None, other, run_dir, 8)  # type: ignore[arg-type]
+    assert json.loads((run_dir / "federated_summary.json").read_text())["run_id"] == 8
+    # ... but never the record of a run that completed a round: a re-run with its config resumes it.
+    recorder = RunRecorder(run_dir, {"run_id": 9, "base_model": "/m"})
+    recorder.complete_round(0)
+    with pytest.raises(RunSetupError):
+        start_run(None, other, run_dir, 10)  # type: ignore[arg-type]
+    kept = json.loads((run_dir / "federated_summary.json").read_text())
+    assert (kept["run_id"], kept["status"], kept["last_completed_round"]) == (9, "running", 0)
+
+
+def test_an_environment_it_cannot_build_fails_the_run_before_the_model_is_looked_at(tmp_path: Path) -> None:
+    import json
+
+    from fedagent_flwr.serverapp.app import RunSetupError, start_run
+
+    settings = load_settings(overrides=f"output_dir={tmp_path} run_name=b env.val.envs.0.config.lo=20 "
+                                       "model.path=/nowhere/model")
+    run_dir = run_directory(settings, 3)
+    with pytest.raises(RunSetupError, match=r"^config key 'env.val.envs.0.config': TinyGuess config 'hi' \(10\)"):
+        start_run(None, settings, run_dir, 3)  # type: ignore[arg-type]
+    summary = json.loads((run_dir / "federated_summary.json").read_text())
+    assert (summary["status"], summary["error"]) == (
+        "failed", "config key 'env.val.envs.0.config': TinyGuess config 'hi' (10) must be >= 'lo' (20)")

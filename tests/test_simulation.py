@@ -238,27 +238,31 @@ def test_webshop_catalog_split_gives_each_client_its_own_catalogue(
     assert described[0] != described[1]  # two different worlds, echoed by /health
 
 
-def test_verl_backend_without_a_gpu_fails_each_client_clearly_and_the_run_completes(
+def test_verl_backend_without_a_gpu_fails_every_client_alike_and_the_run_stops_with_verls_error(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """trainer=verl on a CPU machine: every verl job really starts (private Ray cluster, our
-    dataset) and stops at verl's GPU check; each client's failure reaches the server as one line
-    naming verl's error, the run keeps the base model, and evaluation (HF generation, which the
-    verl backend uses) still scores it every round."""
+    dataset) and stops at verl's GPU check; the base model was evaluated (HF generation, which the
+    verl backend uses) at round 0, each client's failure reaches the server as one line naming
+    verl's error, and since every client failed the same way the run stops after round 1 with that
+    line as its reason instead of running on without training."""
     summary, run_dir, output = _run(
         superlink, tmp_path,
-        f"model.path={tiny_model_dir} trainer=verl num_rounds=1 eval.num_episodes=2 trainer.max_new_tokens=8 "
+        f"model.path={tiny_model_dir} trainer=verl num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
         "trainer.ray_num_cpus=2 trainer.rollout_n=2",
         supernodes=2,
     )
-    assert summary["status"] == "completed", output[-4000:]
+    assert summary["status"] == "failed", output[-4000:]
+    assert summary["error"].startswith("round 1: every client (2) failed the same way, so the run stops: client 0 "
+                                       "round 1: verl trainer exited with code")
+    assert "Total available GPUs 0" in summary["error"]
     (only,) = summary["rounds"]
     assert only["aggregated_actor"] is None and only["client_actor_ids"] == []
     for client in ("0", "1"):
         reason = only["rejected"][client]
         assert "verl_backend: error: verl exited with code 1" in reason and "Total available GPUs 0" in reason
         assert (run_dir / "round_1" / f"client_{client}" / "verl" / "verl.log").exists()
-    assert [point["round"] for point in summary["val_curve"]] == [0, 1]
+    assert [point["round"] for point in summary["val_curve"]] == [0]
 
 
 def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(

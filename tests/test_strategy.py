@@ -208,6 +208,58 @@ def test_client_failures_are_recorded_as_the_clientapp_worded_them() -> None:
     assert readable_reason("plain words") == "plain words"
 
 
+def test_a_clientapp_error_without_our_label_is_its_own_line_not_flowers_wrapper() -> None:
+    """An exception the ClientApp raised itself (not a trainer failure), as a 2-client simulation
+    reported it (shortened): Flower's ClientAppException line ends empty, the message follows on the
+    next line, and the real exception line sits in the traceback."""
+    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import readable_reason
+
+    message = "WebShop data directory /nonexistent has no items_shuffle_1000.json; fetch the data with: " \
+              "python -m fedagent_flwr.envs.webshop.download /nonexistent"
+    simulation = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+        "(pid=10122, ip=192.0.2.2, actor_id=b220, repr=<flwr.simulation.ray_transport.ray_actor.ClientAppActor "
+        "object at 0x7f9e024d6290>)\n  File \"/x/fedagent_flwr/clientapp/app.py\", line 155, in train\n"
+        f"    env_spec, managers = serve_env_spec(\nfedagent_flwr.envs.base.EnvDataError: {message}\n\n"
+        "The above exception was the direct cause of the following exception:\n\n"
+        "ray::ClientAppActor.run() (pid=10122)\n  File \"/x/flwr/simulation/ray_transport/ray_actor.py\", "
+        "line 65, in run\n    raise ClientAppException(str(ex)) from ex\n"
+        "flwr.clientapp.client_app.ClientAppException: \n"
+        f"Exception ClientAppException occurred. Message: {message}'>"
+    )
+    assert readable_reason(simulation) == f"EnvDataError: {message}"
+    # Deployment: flwr-clientapp's "<class 'T'>:<'message'>".
+    assert readable_reason(f"<class 'fedagent_flwr.envs.base.EnvDataError'>:<'{message}'>") == f"EnvDataError: {message}"
+    assert readable_reason("<class 'fedagent_flwr.clientapp.backend.TrainerFailed'>:<'client 0 round 2: "
+                           "reference trainer exited with code 2\nsecond line'>") == (
+        "client 0 round 2: reference trainer exited with code 2 second line")
+
+
+def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_path: Path) -> None:
+    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RoundFailedError
+
+    def failed(client: int, reason: str) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+        return Message(Error(code=0, reason=reason), reply_to=instruction)
+
+    def trainer_error(client: int, server_round: int, problem: str) -> str:
+        return (f"client {client} round {server_round}: reference trainer exited with code 2: reference_trainer: "
+                f"error: {problem} (log: /r/round_{server_round}/client_{client}/train.log)")
+
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
+    # Different reasons: the round keeps the previous model and the run goes on.
+    strategy.aggregate_train(1, [failed(0, trainer_error(0, 1, "out of memory")), failed(1, trainer_error(1, 1, "killed"))])
+    # The same reason (up to the client's number): nothing later can go better, so the run stops.
+    with pytest.raises(RoundFailedError) as info:
+        strategy.aggregate_train(2, [failed(c, trainer_error(c, 2, "unknown environment 'NoSuchEnv'")) for c in (0, 1)])
+    assert str(info.value) == (
+        "round 2: every client (2) failed the same way, so the run stops: client 0 round 2: reference trainer exited "
+        "with code 2: reference_trainer: error: unknown environment 'NoSuchEnv' (log: /r/round_2/client_0/train.log)")
+    summary = json.loads((run_root / "federated_summary.json").read_text())
+    assert [entry["round"] for entry in summary["rounds"]] == [1, 2]  # the failed round is on record
+    assert "NoSuchEnv" in summary["rounds"][1]["rejected"]["1"]
+
+
 def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(suite: Suite, tmp_path: Path) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
     episodes = {0: 3, 1: 9}
@@ -272,3 +324,23 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
     events = [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
     (aggregate,) = [e for e in events if e["event"] == "aggregate"]
     assert aggregate["update_stats"] == stats
+
+
+def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> None:
+    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RoundFailedError
+
+    def failed(client: int, reason: str) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+        return Message(Error(code=0, reason=reason), reply_to=instruction)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    strategy._eval_clients = [0, 1]
+    eval_error = "client {c} eval round 0: reference trainer exited with code 2: error: TinyGuess config 'hi' (10) must be >= 'lo' (20)"
+    # One client failed, the other never answered: different reasons, the run goes on.
+    assert strategy.aggregate_evaluate(0, [failed(0, eval_error.format(c=0))]) is None
+    with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
+                                               r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
+        strategy.aggregate_evaluate(0, [failed(c, eval_error.format(c=c)) for c in (0, 1)])

@@ -23,7 +23,24 @@ from typing import Any, ClassVar
 
 
 class EnvConfigError(ValueError):
-    """An environment config value that the environment cannot use."""
+    """An environment config value that the environment cannot use.
+
+    ``key`` names the config field at fault (``"data_dir"``) when one does, so the ServerApp's
+    start-up check can name the run-config key (``env.data_dir``) rather than only the env's field.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class EnvDataError(EnvConfigError):
+    """The environment's data files are missing or unusable on this machine.
+
+    Separate from other config errors because it depends on the machine: in a simulation the
+    ServerApp's machine is the clients' machine, so it refuses the run at start; across machines the
+    data may live only on the clients, so it only warns.
+    """
 
 
 class BaseTextEnv(abc.ABC):
@@ -75,3 +92,15 @@ class BaseTextEnv(abc.ABC):
         Indices refer to the pool that :meth:`num_goals` counts for the same ``config``.
         """
         raise NotImplementedError(f"{cls.__name__} has no goal pool to restrict")
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> None:
+        """Refuse a config this environment cannot run, before any client starts.
+
+        The ServerApp calls it once per env-spec entry (train and val) before round 0, so a bad value
+        stops the run at start with one message instead of failing every client. The default builds
+        one instance with ``config``; an environment whose construction is expensive (a catalogue to
+        load, games to generate) overrides it with the checks that need no such work. Raise
+        :class:`EnvConfigError` (with ``key``), or :class:`EnvDataError` for missing data files.
+        """
+        cls(config)

@@ -77,6 +77,18 @@ class GamePoolEnv(BaseTextEnv):
         """Facts about the episode's game added to every info dict (task type, level, ...)."""
         return {}
 
+    @classmethod
+    def check_data(cls, config: Mapping[str, Any]) -> None:
+        """Check, without reading or generating games, that the config's games can be found."""
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> None:
+        """The turn budget, the engine workers and :meth:`check_data`: the pool itself is listed (or
+        generated) by each client's service."""
+        config_int(config, "max_turns", cls.DEFAULT_MAX_TURNS, 1, cls.env_name)
+        config_int(config, "engine_workers", DEFAULT_ENGINE_WORKERS, 1, cls.env_name)
+        cls.check_data(config)
+
     # --- goal pool -------------------------------------------------------------------------------
 
     @classmethod

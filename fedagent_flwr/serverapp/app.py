@@ -24,7 +24,8 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.seeding import validation_seeds
-from fedagent_flwr.serverapp.recorder import CURVE_FILE, RunRecorder
+from fedagent_flwr.serverapp import preflight
+from fedagent_flwr.serverapp.recorder import CURVE_FILE, SUMMARY_FILE, RunRecorder
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
     config_fingerprint,
@@ -35,14 +36,25 @@ from fedagent_flwr.serverapp.resume import (
 )
 from fedagent_flwr.serverapp.retention import Retention
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP
+from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RunFailedError, is_simulation
 
 app = ServerApp()
 
 
 class RunSetupError(AppExitException):
-    """The run cannot start (bad config, missing model, unusable output dir)."""
+    """The run cannot start (bad config, missing model or data, unusable output dir)."""
 
     exit_code = ExitCode.SERVERAPP_STRATEGY_PRECONDITION_UNMET
+
+
+class RunFailed(AppExitException):
+    """The run stopped before its last round (every client failed alike, too few SuperNodes)."""
+
+    exit_code = ExitCode.SERVERAPP_EXCEPTION
+
+
+# Statuses of a run whose every round ran: a re-run has nothing left to do.
+FINISHED_STATUSES = ("completed", "degraded")
 
 
 def payload_json(value: Any) -> str:
@@ -130,8 +142,12 @@ def build_strategy(
         raise ConfigError(f"strategy {settings.strategy_class!r} rejected its arguments: {exc}") from None
 
 
-def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef) -> dict[str, Any]:
-    """FedAgent's summary fields (reference/fedagent.md §1.7) plus ours."""
+def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef | None) -> dict[str, Any]:
+    """FedAgent's summary fields (reference/fedagent.md §1.7) plus ours.
+
+    ``base_model`` None: the configured model could not be used; the header of a run that failed
+    at start names the configured path and has no fingerprint (nothing can resume it).
+    """
     return {
         "run_id": run_id,
         "total_clients": settings.total_clients,
@@ -149,11 +165,11 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "proximal_mu": settings.proximal_mu,
         "trainer_backend": settings.trainer_backend,
         "base_seed": settings.seed,
-        "base_model": base_model.path,
-        "base_model_sha256": base_model.sha256,
+        "base_model": base_model.path if base_model is not None else settings.model_path,
+        "base_model_sha256": base_model.sha256 if base_model is not None else None,
         "config": settings.raw,
         # A re-run resumes this run only with the same resolved config and base model.
-        "config_sha256": config_fingerprint(settings.raw, base_model.sha256),
+        "config_sha256": config_fingerprint(settings.raw, base_model.sha256) if base_model is not None else None,
     }
 
 
@@ -163,38 +179,94 @@ def setup_failed(exc: Exception) -> RunSetupError:
     return RunSetupError(str(exc))
 
 
+def run_failed(exc: Exception) -> RunFailed:
+    """Log why the run stopped and turn it into Flower's exit for a failed ServerApp."""
+    log(ERROR, "[fedagent] run failed: %s", exc)
+    return RunFailed(str(exc))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federated job described by ``config-name`` + ``overrides`` of the run config."""
-    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
-
     run_config = context.run_config
     try:
         settings = load_settings(str(run_config.get("config-name", "config")), str(run_config.get("overrides", "")))
         run_dir = run_directory(settings, context.run_id)
-        log(INFO, "[fedagent] run directory: %s", run_dir)
-        base = CheckpointRef.for_directory(resolve_model_path(settings.model_path), "actor")
-    except (ConfigError, ModelResolutionError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         raise setup_failed(exc) from None
+    log(INFO, "[fedagent] run directory: %s", run_dir)
     if settings.total_clients > 100:
         log(WARNING, "[fedagent] with more than 100 clients FedAgent's data seed rule "
             "(seed + 100 * round + client) gives some clients the seed another client had a "
             "round later")
     try:
         with exclusive_run_directory(run_dir):
-            run_rounds(grid, settings, run_dir, summary_header(settings, context.run_id, base), base)
+            start_run(grid, settings, run_dir, context.run_id)
     except ResumeError as exc:
         raise setup_failed(exc) from None
+
+
+def start_run(grid: Grid, settings: RunSettings, run_dir: Path, run_id: int) -> None:
+    """Check what every client would otherwise fail on, then run (or resume) the rounds in ``run_dir``.
+
+    The environments are checked first (:func:`preflight.check_env_specs`): they take milliseconds,
+    while the default model is converted (about a minute) the first time it is used. A failed check
+    stops the run here, and the summary says so when ``run_dir`` holds no other run's record
+    (:func:`record_failed_start`); an earlier attempt's record is left as it is, to be resumed once
+    the cause is fixed.
+    """
+    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+
+    try:
+        warnings = preflight.check_env_specs(settings, data_is_local=is_simulation(grid))
+        try:
+            base = preflight.base_model(resolve_model_path(settings.model_path), settings.model_path)
+        except (ModelResolutionError, OSError) as exc:
+            raise ConfigError(f"config key 'model.path' = {settings.model_path!r}: {exc}") from None
+    except ConfigError as exc:
+        record_failed_start(run_dir, summary_header(settings, run_id, None), str(exc))
+        raise setup_failed(exc) from None
+    for warning in warnings:
+        log(WARNING, "[fedagent] %s", warning)
+    run_rounds(grid, settings, run_dir, summary_header(settings, run_id, base), base)
+
+
+def failed_before_any_round(run_dir: Path) -> bool:
+    """Whether ``run_dir``'s summary is of a run that failed before completing anything.
+
+    Such a record holds no result, so a re-run with a corrected config may replace it instead of
+    being refused as "another configuration" (the usual fix of a failed start changes the config).
+    """
+    try:
+        stored = json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(stored, dict) and stored.get("status") == "failed"
+            and stored.get("last_completed_round") is None and not stored.get("rounds"))
+
+
+def record_failed_start(run_dir: Path, header: dict[str, Any], reason: str) -> None:
+    """Write a ``failed`` summary for a run that could not start, unless ``run_dir`` holds the
+    record of another run (which a re-run may still resume) rather than a failed start."""
+    if (run_dir / SUMMARY_FILE).exists() and not failed_before_any_round(run_dir):
+        return
+    RunRecorder(run_dir, header).finish("failed", reason)
 
 
 def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[str, Any],
                base: CheckpointRef) -> None:
     """Run (or resume) the rounds of the run in ``run_dir`` and record them."""
-    previous = load_previous_run(run_dir, header)
+    try:
+        previous = load_previous_run(run_dir, header)
+    except ResumeError:
+        if not failed_before_any_round(run_dir):
+            raise
+        log(INFO, "[fedagent] %s holds a run that failed before any round; starting afresh", run_dir)
+        previous = None
     last_completed = previous.last_completed_round if previous else None
     if previous is not None:
-        if previous.finished:
-            log(INFO, "[fedagent] %s already holds this run, completed: nothing to do", run_dir)
+        if previous.status in FINISHED_STATUSES and last_completed == settings.num_rounds:
+            log(INFO, "[fedagent] %s already holds this run, %s: nothing to do", run_dir, previous.status)
             return
         start_model = previous.global_model(base)
         log(INFO, "[fedagent] resuming the run in %s after %s", run_dir,
@@ -250,6 +322,9 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
             train_config=ConfigRecord(),
             evaluate_config=ConfigRecord(),
         )
+    except RunFailedError as exc:  # its message is the reason, in one line
+        recorder.finish("failed", str(exc))
+        raise run_failed(exc) from None
     except BaseException as exc:
         recorder.finish("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -258,7 +333,10 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
             strategy.shutdown_clients(grid)
         except Exception as exc:  # never mask the run's own outcome
             log(WARNING, "[fedagent] could not tell the nodes to shut down: %s", exc)
-    recorder.finish("completed")
+    status, reason = recorder.outcome()
+    recorder.finish(status, reason)
+    if reason:
+        log(WARNING, "[fedagent] run %s: %s", status, reason)
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
     log(INFO, "[fedagent] summary: %s", recorder.summary_path)
     log(INFO, "[fedagent] learning curve: %s", run_dir / CURVE_FILE)

@@ -152,11 +152,30 @@ class RunRecorder:
         self.summary["last_completed_round"] = server_round
         self.write(commit_round=server_round)
 
+    def outcome(self) -> tuple[str, str]:
+        """The status of a run whose rounds all ran, and why when it is not ``completed``.
+
+        ``degraded``: some round aggregated no client checkpoint (the previous global model went on
+        to the next round), so the final model had fewer rounds of training than the run asked for.
+        """
+        empty = [entry for entry in self.summary["rounds"] if entry.get("aggregated_actor") is None]
+        if not empty:
+            return "completed", ""
+        first = empty[0]
+        refused = "; ".join(f"client {c}: {reason}" for c, reason in (first.get("rejected") or {}).items())
+        return "degraded", (
+            f"round(s) {[entry['round'] for entry in empty]} aggregated no client checkpoint and kept the previous "
+            f"global model" + (f" (round {first['round']}: {refused})" if refused else "")
+        )
+
     def finish(self, status: str = "completed", error: str = "") -> None:
-        """Mark the run finished (or failed, with the reason) and write everything once more."""
+        """Mark the run ``completed``, ``degraded`` or ``failed`` and write everything once more.
+
+        ``error`` is why: the summary's ``error`` for a failed run, its ``warning`` for a degraded one.
+        """
         self.summary["status"] = status
         if error:
-            self.summary["error"] = error
+            self.summary["warning" if status == "degraded" else "error"] = error
         self.write()
 
     def write(self, commit_round: int | None = None) -> None:

@@ -45,6 +45,8 @@ SPLITS: tuple[str, ...] = ("train", "valid_seen", "valid_unseen")
 OFFICIAL_SPLIT_SIZES: dict[str, int] = {"train": 3553, "valid_seen": 140, "valid_unseen": 134}
 DATA_VERSION_DIR = "json_2.1.1"
 DATA_ENV_VAR = "ALFWORLD_DATA"
+#: How missing game data is fixed; part of every "no data" message.
+DOWNLOAD_HINT = "fetch the data with: python -m fedagent_flwr.envs.alfworld.download {data_dir}"
 DEFAULT_SHUFFLE_SEED = 42
 EVAL_SEED = 42
 DEFAULT_NUM_EVAL_GAMES = 500
@@ -52,6 +54,10 @@ DEFAULT_NUM_EVAL_GAMES = 500
 
 class AlfWorldDataError(ValueError):
     """ALFWorld game data that is missing or not in the standard layout."""
+
+
+class AlfWorldDataMissing(AlfWorldDataError):
+    """No data root, or one without the split's directory: the data was never fetched here."""
 
 
 @dataclass(frozen=True)
@@ -87,14 +93,38 @@ def resolve_data_root(data_dir: str | os.PathLike[str] | None) -> Path:
     """The ``ALFWORLD_DATA`` root: ``data_dir`` if given, else ``$ALFWORLD_DATA``; must hold ``json_2.1.1``."""
     raw = str(data_dir or "").strip() or os.environ.get(DATA_ENV_VAR, "").strip()
     if not raw:
-        raise AlfWorldDataError(
-            f"no ALFWorld data: set the env config 'data_dir' or ${DATA_ENV_VAR} to a directory holding "
-            f"{DATA_VERSION_DIR}/ (python -m fedagent_flwr.envs.alfworld.download fetches the official set)"
+        raise AlfWorldDataMissing(
+            f"no ALFWorld data directory is set: set env.data_dir (or the environment variable {DATA_ENV_VAR}) to "
+            f"a directory holding {DATA_VERSION_DIR}/; {DOWNLOAD_HINT.format(data_dir='DATA_DIR')}"
         )
     root = Path(raw).expanduser().resolve()
     if not (root / DATA_VERSION_DIR).is_dir():
-        raise AlfWorldDataError(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/ directory")
+        raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/ directory; "
+                                f"{DOWNLOAD_HINT.format(data_dir=root)}")
     return root
+
+
+def check_config_data(config: Mapping[str, Any]) -> None:
+    """What :func:`games_for_config` needs, checked without reading a game: the split and task types
+    are known and the data root holds the split's directory."""
+    split = str(config.get("split", "train"))
+    if split not in SPLITS:
+        raise AlfWorldDataError(f"ALFWorld split must be one of {SPLITS}, got {split!r}")
+    unknown = sorted(set(_task_type_names(config.get("task_types"))) - set(TASK_TYPES.values()))
+    if unknown:
+        raise AlfWorldDataError(f"unknown ALFWorld task types {unknown} (known: {sorted(TASK_TYPES.values())})")
+    root = resolve_data_root(config.get("data_dir"))
+    if not (root / DATA_VERSION_DIR / split).is_dir():
+        raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory; "
+                                f"{DOWNLOAD_HINT.format(data_dir=root)}")
+
+
+def _task_type_names(task_types: Any) -> list[Any]:
+    """Task types as names (ALFWorld's integer ids mapped); [] when unset."""
+    if task_types is None:
+        return []
+    return [TASK_TYPES[t] if isinstance(t, int) and not isinstance(t, bool) and t in TASK_TYPES else t
+            for t in task_types]
 
 
 def _solvable(game_file: Path) -> bool:
@@ -162,7 +192,8 @@ def load_games(
             return cached
         split_dir = root / DATA_VERSION_DIR / split
         if not split_dir.is_dir():
-            raise AlfWorldDataError(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory")
+            raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory; "
+                                      f"{DOWNLOAD_HINT.format(data_dir=root)}")
         games = sorted(_walk_split(split_dir, split, wanted), key=lambda g: g.game_file)
         if not games:
             raise AlfWorldDataError(
@@ -186,8 +217,7 @@ def games_for_config(config: Mapping[str, Any]) -> tuple[GameRecord, ...]:
     """The game pool an ALFWorld env config names (``data_dir``, ``split``, ``shuffle_seed``, ``num_games``, ``task_types``)."""
     task_types = config.get("task_types")
     if task_types is not None:
-        task_types = [TASK_TYPES[t] if isinstance(t, int) and not isinstance(t, bool) and t in TASK_TYPES else t
-                      for t in task_types]
+        task_types = _task_type_names(task_types)
     num_games = config.get("num_games")
     return load_games(
         config.get("data_dir"),

@@ -30,8 +30,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedagent_flwr.envs.alfworld.data import AlfWorldDataError, GameRecord, games_for_config
-from fedagent_flwr.envs.base import EnvConfigError
+from fedagent_flwr.envs.alfworld.data import (
+    AlfWorldDataError,
+    AlfWorldDataMissing,
+    GameRecord,
+    check_config_data,
+    games_for_config,
+)
+from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
 from fedagent_flwr.envs.game_pool import FALLBACK_CHARS, WIN_REWARD, GamePoolEnv, format_observation
 from fedagent_flwr.envs.registry import register_env
 
@@ -62,6 +68,18 @@ class AlfWorldEnv(GamePoolEnv):
         """The split's playable games in FedAgent's order (:mod:`~fedagent_flwr.envs.alfworld.data`)."""
         try:
             return games_for_config(config)
+        except AlfWorldDataMissing as exc:
+            raise EnvDataError(str(exc), key="data_dir") from None
+        except (AlfWorldDataError, TypeError, ValueError) as exc:
+            raise EnvConfigError(f"ALFWorld: {exc}") from None
+
+    @classmethod
+    def check_data(cls, config: Mapping[str, Any]) -> None:
+        """The data root holds the config's split (no game is read: that is each service's work)."""
+        try:
+            check_config_data(config)
+        except AlfWorldDataMissing as exc:  # its message names ALFWorld and the download command
+            raise EnvDataError(str(exc), key="data_dir") from None
         except (AlfWorldDataError, TypeError, ValueError) as exc:
             raise EnvConfigError(f"ALFWorld: {exc}") from None
 

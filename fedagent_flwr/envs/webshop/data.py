@@ -34,6 +34,8 @@ from typing import Any
 DATA_ENV_VAR = "FEDAGENT_WEBSHOP_DATA"
 PRODUCTS_FILE = "items_shuffle_1000.json"
 ATTRIBUTES_FILE = "items_ins_v2_1000.json"
+#: How a missing data directory is fixed; part of every "no data" message.
+DOWNLOAD_HINT = "fetch the data with: python -m fedagent_flwr.envs.webshop.download {data_dir}"
 
 #: The seed FedAgent's SimServer uses for the price draws, the price-cap draws and the shuffle.
 GOAL_SEED = 42
@@ -67,12 +69,14 @@ def resolve_data_dir(config_value: str | os.PathLike[str] | None = None) -> Path
     raw = config_value if config_value not in (None, "") else os.environ.get(DATA_ENV_VAR)
     if not raw:
         raise WebShopDataError(
-            f"no WebShop data directory: set config 'data_dir' or the environment variable {DATA_ENV_VAR}"
+            f"no WebShop data directory is set: set env.data_dir (or the environment variable {DATA_ENV_VAR}); "
+            f"{DOWNLOAD_HINT.format(data_dir='DATA_DIR')}"
         )
     path = Path(raw).expanduser()
     for name in (PRODUCTS_FILE, ATTRIBUTES_FILE):
         if not (path / name).is_file():
-            raise WebShopDataError(f"WebShop data directory {path} has no {name}")
+            raise WebShopDataError(f"WebShop data directory {path} has no {name}; "
+                                   f"{DOWNLOAD_HINT.format(data_dir=path)}")
     return path
 
 

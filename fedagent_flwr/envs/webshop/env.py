@@ -37,7 +37,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError
+from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError, EnvDataError
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.envs.webshop.data import VAL_SIZE, WebShopDataError, WebShopWorld, load_world, resolve_data_dir
 from fedagent_flwr.envs.webshop.engine import WebShopEngine
@@ -79,7 +79,7 @@ def _world_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
     try:
         data_dir = str(resolve_data_dir(config.get("data_dir")).resolve())
     except WebShopDataError as exc:
-        raise EnvConfigError(str(exc)) from None
+        raise EnvDataError(str(exc), key="data_dir") from None
     extras = config.get("extra_product_files") or ()
     if isinstance(extras, str):
         extras = (extras,)
@@ -177,18 +177,13 @@ class WebShopEnv(BaseTextEnv):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
+        self._check_fields(self.config)
         self.split = _split(self.config)
         self.max_turns = _int(self.config, "max_turns", DEFAULT_MAX_TURNS, 1)
         self.top_k = _int(self.config, "search_return_n", DEFAULT_TOP_K, 1)
         self.search_seed = _int(self.config, "search_seed", 0, 0)
         self.observation_format = self.config.get("observation_format", "raw")
-        if self.observation_format not in _OBS_FORMATS:
-            raise EnvConfigError(
-                f"WebShop config 'observation_format' must be one of {_OBS_FORMATS}, got {self.observation_format!r}"
-            )
         catalog = self.config.get("catalog")
-        if catalog is not None and (isinstance(catalog, str) or not isinstance(catalog, Sequence)):
-            raise EnvConfigError(f"WebShop config 'catalog' must be a list of ASINs, got {catalog!r}")
         self.world, self.search_index = shared_world(self.config)
         if self.config.get("rank_wrapper") is not None:
             from fedagent_flwr.envs.webshop.variants import rank_wrapper_search
@@ -204,6 +199,31 @@ class WebShopEnv(BaseTextEnv):
         self.goal_index: int | None = None
         self._turn = 0
         self._done = True
+
+    @staticmethod
+    def _check_fields(config: Mapping[str, Any]) -> None:
+        """The config values that need no data loaded: split, integers, formats, search backend."""
+        _split(config)
+        _int(config, "max_turns", DEFAULT_MAX_TURNS, 1)
+        _int(config, "search_return_n", DEFAULT_TOP_K, 1)
+        _int(config, "search_seed", 0, 0)
+        observation_format = config.get("observation_format", "raw")
+        if observation_format not in _OBS_FORMATS:
+            raise EnvConfigError(
+                f"WebShop config 'observation_format' must be one of {_OBS_FORMATS}, got {observation_format!r}",
+                key="observation_format",
+            )
+        catalog = config.get("catalog")
+        if catalog is not None and (isinstance(catalog, str) or not isinstance(catalog, Sequence)):
+            raise EnvConfigError(f"WebShop config 'catalog' must be a list of ASINs, got {catalog!r}", key="catalog")
+        _search_key(config)
+
+    @classmethod
+    def check_config(cls, config: Mapping[str, Any]) -> None:
+        """Every value that needs no catalogue loaded, and that the data directory holds the
+        catalogue files: loading and indexing the catalogue itself is each service's work."""
+        cls._check_fields(config)
+        _world_key(config)
 
     # --- goal pool ---------------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ Compared with Flower's ``FedAvg`` it also
   run's base model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a
   shared filesystem, or URLs of the ServerApp's HTTP store when the machines share none;
-- keeps the previous global model when no client checkpoint is usable.
+- keeps the previous global model when no client checkpoint is usable, and stops the run
+  (:class:`RoundFailedError`) when every client of a round failed for the same reason;
+- logs each client failure as one line, the client's own error (:func:`readable_reason`).
 
 Subclasses change the rule by overriding :meth:`aggregation_weights` (weights per reply) or
 :meth:`aggregate_checkpoints` (the tensor computation).
@@ -38,6 +40,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from fedagent_flwr.checkpoint import (
     AggregateReport,
@@ -62,8 +65,31 @@ QUERY_SHUTDOWN = "query.shutdown"
 MAX_REPLY_BYTES = 64 * 1024
 
 
-class NoClientsError(RuntimeError):
+# In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
+# whole federation.
+SIMULATION_SETTLE_S = 1.0
+
+
+class RunFailedError(RuntimeError):
+    """The run cannot go on; the message is the one line the log and the summary carry."""
+
+
+class NoClientsError(RunFailedError):
     """The federation does not serve the client partitions this run needs."""
+
+
+class RoundFailedError(RunFailedError):
+    """Every client of a round failed for the same reason: the next rounds would fail the same way."""
+
+
+def is_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation runtime, where the ServerApp and every simulated
+    SuperNode share this machine and all SuperNodes exist from the start."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # a Flower without it: treat the run as a deployment (the safe side)
+        return False
+    return isinstance(grid, InMemoryGrid)
 
 
 class FedAvgFSDP(FedAvg):
@@ -146,6 +172,7 @@ class FedAvgFSDP(FedAvg):
         self._asked_nodes: set[int] = set()
         self._selected: list[int] = []
         self._absent: dict[int, str] = {}
+        self._eval_clients: list[int] = []
         # PPO: the aggregated critic, sent with the actor from the round after the first.
         self.global_critic: CheckpointRef | None = None
 
@@ -169,12 +196,27 @@ class FedAvgFSDP(FedAvg):
 
         With ``wait`` (the first round) it waits, up to ``discovery_timeout``, until every
         partition this run will train is served; later rounds take whoever is connected, so a
-        SuperNode that died costs its client that round, not the run.
+        SuperNode that died costs its client that round, not the run. In a simulation, where all
+        SuperNodes exist from the start, a missing partition is refused at once
+        (:class:`NoClientsError`).
         """
         needed = set(self.required_clients())
         deadline = time.monotonic() + self.discovery_timeout
+        simulated = wait and is_simulation(grid)
+        seen: set[int] = set()
+        settled_at = time.monotonic()
         while True:
             online = set(grid.get_node_ids())
+            if simulated:
+                # Flower registers all simulated SuperNodes at once, partitions 0..n-1: once the set
+                # is stable, a partition it lacks will never come, so say so now, not after the timeout.
+                if online != seen:
+                    seen, settled_at = online, time.monotonic()
+                if not online or time.monotonic() - settled_at < SIMULATION_SETTLE_S:
+                    time.sleep(0.25)
+                    continue
+                self._check_simulation_size(len(online), needed)
+                simulated = False
             # Forget nodes that left (deployment), ask nodes we have not asked yet.
             self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
             new_nodes = sorted(online - self._asked_nodes)
@@ -194,6 +236,16 @@ class FedAvgFSDP(FedAvg):
             log(INFO, "Waiting for client partitions %s to connect", sorted(missing))
             time.sleep(1.0)
 
+    def _check_simulation_size(self, supernodes: int, needed: set[int]) -> None:
+        """Refuse a simulation with fewer SuperNodes than the partitions the run trains."""
+        missing = sorted(needed - set(range(supernodes)))
+        if missing:
+            raise NoClientsError(
+                f"config key 'clients.total' = {self.num_clients} needs client partition(s) {missing}, but this "
+                f"simulation has {supernodes} SuperNode(s) (partitions 0-{supernodes - 1}): run with "
+                f"--federation-config 'num-supernodes={self.num_clients}' or set clients.total={supernodes}"
+            )
+
     def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
         messages = [
             Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type=QUERY_PARTITION)
@@ -202,7 +254,7 @@ class FedAvgFSDP(FedAvg):
         for reply in grid.send_and_receive(messages, timeout=self.discovery_timeout):
             node = reply.metadata.src_node_id
             if reply.has_error():
-                log(WARNING, "Node %d did not report its partition: %s", node, reply.error.reason)
+                log(WARNING, "Node %d did not report its partition: %s", node, readable_reason(reply.error.reason))
                 continue
             config = reply.content["config"]
             partition, count = int(config["partition-id"]), int(config["num-partitions"])
@@ -295,7 +347,7 @@ class FedAvgFSDP(FedAvg):
         for reply in errors:
             client = client_of_node.get(reply.metadata.src_node_id, -1)
             rejected[client] = readable_reason(str(reply.error.reason))
-            log(WARNING, "round %d: client %d failed: %s", server_round, client, reply.error.reason)
+            log(WARNING, "round %d: client %d failed: %s", server_round, client, rejected[client])
         candidates: list[tuple[Message, int]] = []
         for reply in valid:
             client = client_of_node.get(reply.metadata.src_node_id, -1)
@@ -348,7 +400,51 @@ class FedAvgFSDP(FedAvg):
                 aggregated_sha256=new_ref.sha256 if new_ref is not None else None,
                 aggregated_critic_sha256=self.global_critic.sha256 if critic_used and self.global_critic else None,
             )
+        if new_ref is None:  # an absent client was not asked, so it did not fail: absence never stops the run
+            self._stop_if_all_failed_alike(f"round {server_round}", self._selected,
+                                           {c: r for c, r in rejected.items() if c not in self._absent})
         return None, metrics
+
+    @staticmethod
+    def _stop_if_all_failed_alike(what: str, clients: Sequence[int], reasons: dict[int, str]) -> None:
+        """Raise :class:`RoundFailedError` when every client of ``clients`` failed for the same reason.
+
+        A cause every client shares (a bad setting, missing data, a broken install) fails every later
+        round the same way, so the run stops with that reason instead of running on without
+        training. Different reasons (one client out of memory, another timed out) let it go on.
+        """
+        if not clients or any(c not in reasons for c in clients):
+            return
+        if len({reason_key(reasons[c]) for c in clients}) != 1:
+            return
+        first = min(clients)
+        raise RoundFailedError(
+            f"{what}: every client ({len(clients)}) failed the same way, so the run stops: {reasons[first]}"
+        )
+
+    def _check_and_log_replies(
+        self, replies: Iterable[Message], is_train: bool, validate: bool = True
+    ) -> tuple[list[Message], list[Message]]:
+        """Flower's split into (valid, error) replies, logging each failure as one readable line.
+
+        Flower logs every error reply's whole text, which in simulation is a Ray traceback of tens of
+        lines per client; the client's own error line says the same.
+        """
+        replies = list(replies)
+        if not replies:
+            return [], []
+        valid = [msg for msg in replies if not msg.has_error()]
+        errors = [msg for msg in replies if msg.has_error()]
+        log(INFO, "%s: Received %s results and %s failures", "aggregate_train" if is_train else "aggregate_evaluate",
+            len(valid), len(errors))
+        for msg in errors:
+            log(INFO, "\t> Node %d failed: %s", msg.metadata.src_node_id, readable_reason(str(msg.error.reason)))
+        if validate and valid:
+            validate_message_reply_consistency(
+                replies=[msg.content for msg in valid], weighted_by_key=self.weighted_by_key,
+                check_arrayrecord=is_train,
+            )
+        return valid, errors
 
     def _reply_problem(self, reply: Message, client: int, server_round: int) -> str:
         """Why a (non-error) train reply cannot be used, or "" if it can."""
@@ -457,6 +553,7 @@ class FedAvgFSDP(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Split the validation seeds across the available clients' nodes."""
+        self._eval_clients = []
         if not self.eval_seeds or self.fraction_evaluate == 0.0:
             return []
         nodes = self.discover_clients(grid, wait=not self._asked_nodes)
@@ -464,6 +561,7 @@ class FedAvgFSDP(FedAvg):
             log(WARNING, "configure_evaluate: round %d: no client is connected; skipping evaluation", server_round)
             return []
         clients = sorted(nodes)[: max(1, min(len(nodes), len(self.eval_seeds)))]
+        self._eval_clients = clients
         messages = []
         for index, client in enumerate(clients):
             values = {
@@ -479,10 +577,18 @@ class FedAvgFSDP(FedAvg):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Episode-weighted success rate and reward of the global model."""
+        """Episode-weighted success rate and reward of the global model; stops the run when every
+        evaluating client failed for the same reason."""
         replies = list(replies)
         metrics = super().aggregate_evaluate(server_round, replies)
-        if metrics is not None:
+        if metrics is None:
+            client_of_node = {node: client for client, node in self._node_of_client.items()}
+            reasons = {client_of_node.get(r.metadata.src_node_id, -1): readable_reason(str(r.error.reason))
+                       for r in replies if r.has_error()}
+            for client in self._eval_clients:
+                reasons.setdefault(client, "no reply within the round timeout")
+            self._stop_if_all_failed_alike(f"evaluation of round {server_round}", self._eval_clients, reasons)
+        else:
             # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
             metrics[self.weighted_by_key] = sum(
                 int(_single_metrics(r)[self.weighted_by_key]) for r in replies if not r.has_error()
@@ -546,28 +652,70 @@ def _reply_bytes(content: RecordDict) -> int:
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CLIENT_LABEL = re.compile(r"client \d+ (?:eval )?round \d+: ")
-_EXCEPTION_LINE = re.compile(r"^\s*[\w.]+(?:Error|Exception): .*$", re.M)
+# Flower's reply error: "<class 'pkg.Type'>:<'message'>" (deployment: the ClientApp's exception;
+# simulation: Ray's task error around the ClientApp's traceback).
+_FLOWER_ERROR = re.compile(r"^<class '(?P<type>[^']+)'>:<'(?P<body>.*)'>$", re.S)
+# What Flower's ClientAppException (and the deployment runtime) adds around the ClientApp's message.
+_WRAPPED_MESSAGE = re.compile(r"Exception \w+ occurred\. Message: ", re.S)
+_EXCEPTION_LINE = re.compile(r"^\s*(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Failed|Exit|Interrupt|Warning)\w*): "
+                             r"(?P<message>\S.*)$", re.M)
+_WRAPPERS = ("ClientAppException", "RayTaskError", "RayActorError")
+
+
+def _is_wrapper(error_type: str) -> bool:
+    """Whether an exception type is Flower's or Ray's wrapping of the ClientApp's own exception."""
+    return any(name in error_type for name in _WRAPPERS)
 
 
 def readable_reason(reason: str, limit: int = 1500) -> str:
-    """A client failure as the ClientApp worded it, without the wrapping Flower and Ray add.
+    """A client failure as one readable line: the ClientApp's own error, without what Flower and Ray
+    wrap around it.
 
-    In simulation the reason is the repr of a Ray task error around the ClientApp's traceback;
-    our ClientApp's own failures start with ``client <c> round <r>:``, so the text from the last
-    such label on is the message; otherwise the last exception line; otherwise the text itself.
+    The reason is Flower's ``<class 'T'>:<'message'>``; in simulation the message is Ray's task error,
+    a traceback whose end repeats the ClientApp's message after ``Exception ClientAppException
+    occurred. Message:``. Our ClientApp's own failures start with ``client <c> round <r>:``, and are
+    returned from that label on; any other exception is returned as ``Type: message`` (the type found
+    in the traceback, without its module); a text that is none of these is returned as it is. Line
+    breaks become spaces.
     """
-    text = _ANSI.sub("", reason)
+    text = _ANSI.sub("", reason).strip()
+    error_type = ""
+    wrapper = _FLOWER_ERROR.match(text)
+    if wrapper:
+        text = wrapper.group("body")
+        if not _is_wrapper(wrapper.group("type")):
+            error_type = wrapper.group("type")
+    wrapped = list(_WRAPPED_MESSAGE.finditer(text))
+    if wrapped:
+        traceback, text = text[: wrapped[-1].start()], text[wrapped[-1].end():]
+        first_line = text.strip().splitlines()[0] if text.strip() else ""
+        for line in reversed(list(_EXCEPTION_LINE.finditer(traceback))):  # the exception behind the message
+            if line.group("message").strip() == first_line.strip() and not _is_wrapper(line.group("type")):
+                error_type = line.group("type")
+                break
+    elif not error_type:
+        lines = [m for m in _EXCEPTION_LINE.finditer(text) if not _is_wrapper(m.group("type"))]
+        if lines:
+            error_type, text = lines[-1].group("type"), lines[-1].group("message")
     labels = list(_CLIENT_LABEL.finditer(text))
     if labels:
-        text = text[labels[-1].start():]
-    else:
-        lines = _EXCEPTION_LINE.findall(text)
-        if lines:
-            text = lines[-1]
-    text = text.strip()
-    if text.endswith("'>"):  # the end of Ray's error repr
+        text, error_type = text[labels[-1].start():], ""
+    text = " ".join(text.split())
+    if text.endswith("'>"):  # the end of a Ray error repr that was cut short
         text = text[:-2].rstrip()
+    if error_type:
+        text = f"{error_type.rsplit('.', 1)[-1]}: {text}"
     return text[:limit]
+
+
+_VARYING = re.compile(r"\b(client|round|node|pid)([ _=])\d+")
+
+
+def reason_key(reason: str) -> str:
+    """``reason`` with what differs between clients failing the same way blanked out: the leading
+    ``client <c> round <r>:`` label, client/round/node numbers and process ids (in paths and text)."""
+    text = _CLIENT_LABEL.sub("", reason, count=1) if _CLIENT_LABEL.match(reason) else reason
+    return _VARYING.sub(lambda m: f"{m.group(1)}{m.group(2)}#", text)
 
 
 def _single_metrics(reply: Message) -> MetricRecord:

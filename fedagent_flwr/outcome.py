@@ -1,0 +1,177 @@
+"""A run's outcome as an exit status, for ``make run`` and scripts.
+
+``flwr run . --stream`` exits 0 whatever became of the run: it starts the run and streams its log,
+and a failed ServerApp only shows up in that log (and as ``finished:failed`` in ``flwr ls``). The
+run's own record, ``federated_summary.json``, says how it ended (``status``: ``completed``,
+``degraded``, ``failed``, or ``running`` if the ServerApp died before writing its end). This module
+turns that into an exit status::
+
+    python -m fedagent_flwr.outcome status outputs/run-<id>       # one line, exit status below
+    python -m fedagent_flwr.outcome run -- flwr run . --stream ...  # run it, pass the log through,
+                                                                     # exit with the run's status
+
+Exit status: 0 completed, 3 degraded (some round aggregated nothing), 1 failed, still running or no
+record found; ``run`` returns flwr's own status when flwr itself failed. ``run`` finds the run
+directory in the ServerApp's ``[fedagent] run directory:`` log line; a run refused before it had
+one (an unknown config key) is failed by its ``[fedagent] cannot start the run:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty, Queue
+
+SUMMARY_FILE = "federated_summary.json"  # fedagent_flwr.serverapp.recorder.SUMMARY_FILE, without importing Flower
+EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RUN_DIR = re.compile(r"\[fedagent\] run directory: (?P<value>.+?)\s*$")
+_CANNOT_START = re.compile(r"\[fedagent\] cannot start the run: (?P<value>.+?)\s*$")
+# The ServerApp's last words when it stops early: the outcome is known from here on.
+_ENDED = re.compile(r"\[fedagent\] (?:cannot start the run|run failed): ")
+#: Seconds the log is still followed after the ServerApp's last words (see :func:`run_and_report`).
+STOPPED_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: its status, why (empty when completed) and its summary file, if any."""
+
+    status: str
+    reason: str = ""
+    summary: Path | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0 completed, 3 degraded, 1 anything else (failed, still running, unknown)."""
+        return {"completed": EXIT_COMPLETED, "degraded": EXIT_DEGRADED}.get(self.status, EXIT_FAILED)
+
+    def line(self) -> str:
+        """One line for a person: the status, why, and where the record is."""
+        where = f" (summary: {self.summary})" if self.summary is not None else ""
+        return f"[fedagent] run {self.status}{': ' + self.reason if self.reason else ''}{where}"
+
+
+def read_outcome(run_dir: str | os.PathLike[str]) -> Outcome:
+    """The outcome recorded in ``run_dir``'s summary; ``failed`` when there is no readable one."""
+    path = Path(run_dir) / SUMMARY_FILE
+    try:
+        summary = json.loads(path.read_text())
+        status = str(summary["status"])
+    except FileNotFoundError:
+        return Outcome("failed", f"{path} does not exist: the run wrote no record")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return Outcome("failed", f"{path} cannot be read: {exc}")
+    if status == "running":
+        return Outcome("failed", "the run stopped without recording its end (status 'running'): the ServerApp "
+                       "was killed or crashed; see its log", path)
+    reason = str(summary.get("error") or summary.get("warning") or "")
+    return Outcome(status, reason, path)
+
+
+def outcome_of_log(lines: Sequence[str]) -> Outcome:
+    """The outcome of the run whose ServerApp log is ``lines`` (one run's ``flwr run --stream``)."""
+    run_dir = cannot_start = None
+    for raw in lines:
+        line = _ANSI.sub("", raw)
+        if match := _RUN_DIR.search(line):
+            run_dir = match.group("value")
+        elif match := _CANNOT_START.search(line):
+            cannot_start = match.group("value")
+    recorded = read_outcome(run_dir) if run_dir is not None else None
+    if cannot_start is not None:
+        # The refusal is the outcome; the summary is named only when it records this refusal (a run
+        # directory locked by another ServerApp, or holding another run, keeps that run's record).
+        ours = recorded is not None and recorded.status == "failed" and recorded.reason == cannot_start
+        return Outcome("failed", cannot_start, recorded.summary if ours and recorded else None)
+    if recorded is not None:
+        return recorded
+    return Outcome("failed", "the log has no '[fedagent] run directory' line: the ServerApp did not start "
+                   "(see the log above)")
+
+
+def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> int:
+    """Run ``command`` (``flwr run ... --stream``), pass its output through, then print the run's
+    outcome in one line and return its exit status (flwr's own when flwr failed).
+
+    Once the ServerApp has logged that the run cannot start or has failed, the outcome is known; in a
+    simulation Flower still waits for Ray to come up before it ends the run (half a minute on a small
+    machine), so after ``grace_s`` more seconds the log is no longer followed: ``flwr`` (the log
+    stream, not the run) is stopped, and the simulation ends by itself.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log as it comes, not in pipe-sized blocks
+    lines: list[str] = []
+    queue: Queue[str | None] = Queue()
+    with subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", env=env) as process:
+        stream = process.stdout
+        assert stream is not None
+
+        def forward() -> None:  # a thread, so that the wait for more log can time out
+            for text in stream:
+                queue.put(text)
+            queue.put(None)
+
+        threading.Thread(target=forward, daemon=True).start()
+        deadline: float | None = None
+        stopped = False
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    line = queue.get(timeout=timeout)
+                except Empty:
+                    process.terminate()
+                    stopped = True
+                    print("[fedagent] the run has ended; stopped following its log (Flower ends the "
+                          "simulation by itself)", flush=True)
+                    break
+                if line is None:
+                    break
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                lines.append(line)
+                if deadline is None and _ENDED.search(_ANSI.sub("", line)):
+                    deadline = time.monotonic() + grace_s
+        except KeyboardInterrupt:
+            process.wait()
+            return 130
+        returncode = process.wait()
+    if returncode != 0 and not stopped:
+        print(f"[fedagent] {command[0]} exited with status {returncode}", flush=True)
+        return returncode
+    outcome = outcome_of_log(lines)
+    print(outcome.line(), flush=True)
+    return outcome.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.outcome", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="print a run directory's outcome; exit 0/3/1")
+    status.add_argument("run_dir", type=Path)
+    run = commands.add_parser("run", help="run `flwr run ... --stream` and exit with the run's outcome")
+    run.add_argument("flwr_command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        outcome = read_outcome(args.run_dir)
+        print(outcome.line())
+        return outcome.exit_code
+    command = args.flwr_command[1:] if args.flwr_command[:1] == ["--"] else args.flwr_command
+    if not command:
+        parser.error("run needs the flwr command, e.g. run -- flwr run . --stream")
+    return run_and_report(command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Start-up checks of a run: what would otherwise fail on every client, checked once before round 0.
+
+Config validation (:mod:`fedagent_flwr.config`) checks each value's type and range. The checks here
+need more than the config: they build every environment of the train and val specs with its config
+(``BaseTextEnv.check_config``: TinyGuess with ``lo`` > ``hi``, a WebShop or ALFWorld data directory
+that does not exist) and look at the base model's directory. A failure is a :class:`ConfigError`
+whose one-line message names the run-config key (``env.data_dir``, not the env's own ``data_dir``)
+and what to do about it.
+
+Data files are a property of a machine. In a simulation the clients run on the ServerApp's machine,
+so missing data refuses the run; across machines (deployment) the data may exist only on the
+clients, so it is reported as a warning and each client checks its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.config import ConfigError, RunSettings
+from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
+from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
+
+SPLITS = ("train", "val")
+
+
+def env_config_key(raw_env: Mapping[str, Any], split: str, index: int, entry_config: Mapping[str, Any],
+                   field: str | None) -> tuple[str, Any]:
+    """The run-config key (and its value) behind an env-spec entry's config ``field``.
+
+    Env groups set shared values once (``env.data_dir``) and interpolate them into every entry, so
+    a field whose value equals the group-level key of the same name is named by that key; otherwise
+    the entry's own key (``env.train.envs.0.config.split``), or the whole entry's config when the
+    environment named no field.
+    """
+    where = f"env.{split}.envs.{index}.config"
+    if field is None:
+        return where, None
+    value = entry_config.get(field)
+    if field in raw_env and not isinstance(raw_env[field], (dict, list)) and raw_env[field] == value:
+        return f"env.{field}", value
+    return f"{where}.{field}", value
+
+
+def check_env_specs(settings: RunSettings, data_is_local: bool) -> list[str]:
+    """Check every env-spec entry (train and val) with its config, as the clients would build it.
+
+    Raises :class:`ConfigError` naming the run-config key at fault. ``data_is_local`` (a simulation:
+    the clients share this machine) makes missing data files an error; otherwise they are returned
+    as warnings, once each.
+    """
+    raw_env = settings.raw.get("env", {})
+    warnings: list[str] = []
+    for split in SPLITS:
+        spec = settings.train_env_spec if split == "train" else settings.val_env_spec
+        for index, entry in enumerate(spec["envs"]):
+            config = {"max_turns": entry["max_turns"], **entry["config"]}  # EnvSpecEntry.env_config()
+            try:
+                get_env_class(entry["name"]).check_config(config)
+            except EnvConfigError as exc:
+                key, value = env_config_key(raw_env, split, index, entry["config"], exc.key)
+                shown = f" = {value!r}" if exc.key is not None else ""
+                message = f"config key '{key}'{shown}: {exc}"
+                if isinstance(exc, EnvDataError) and not data_is_local:
+                    note = f"{message} (on the ServerApp's machine; every client needs it on its own machine)"
+                    if note not in warnings:
+                        warnings.append(note)
+                    continue
+                raise ConfigError(message) from None
+            except UnknownEnvError as exc:  # validated at composition; a plugin may have changed since
+                raise ConfigError(f"config key 'env.{split}.envs.{index}.name': {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - a third-party environment's own failure
+                where = f"env.{split}.envs.{index}.config"
+                message = f"config key '{where}': environment {entry['name']} cannot be built with it: " \
+                          f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, OSError) and not data_is_local:
+                    warnings.append(f"{message} (on the ServerApp's machine)")
+                    continue
+                raise ConfigError(message) from None
+    return warnings
+
+
+def base_model(model_dir: Path, configured: str) -> CheckpointRef:
+    """The base model's checkpoint reference, refusing a directory the trainers cannot load.
+
+    ``configured`` is the ``model.path`` value the message names.
+    """
+    shown = configured or "<bundled SmolLM2-135M-Instruct>"
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(
+            f"config key 'model.path' = {shown!r}: {model_dir} is not a Hugging Face model directory (no "
+            "config.json); give a local model directory, a hub id, or '' for the bundled SmolLM2-135M-Instruct"
+        )
+    try:
+        return CheckpointRef.for_directory(model_dir, "actor")
+    except CheckpointError as exc:
+        raise ConfigError(f"config key 'model.path' = {shown!r}: {exc}") from None
