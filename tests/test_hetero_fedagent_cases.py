@@ -148,6 +148,9 @@ def test_alfworld_preference(case: dict[str, Any], paths_file: Path, capsys: pyt
     for cid, goals in case["clients"].items():
         mix = Counter(info[g].category for g in goals)
         assert [mix[c] for c in order] == inter["per_client"][cid]["counts"]
+    # Without omega, FedAgent's partition_dataset uses tau (default 0.3).
+    assert partition_goals("preference", 0, case["N"], len(info), {}, 42, info) == \
+        partition_goals("preference", 0, case["N"], len(info), {"tau": 0.3}, 42, info) != case["clients"]["0"]
 
 
 @pytest.mark.parametrize("case", cases_of("alfworld-coverage"))
@@ -270,6 +273,17 @@ def test_the_real_command(case_id: str, paths_file: Path) -> None:
     proc = _run(*inspect_argv(case, paths_file))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"clients": case["clients"]}
+
+
+def test_command_takes_fedagent_knob_names(paths_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A case's knobs passed as they are (base_seed, min_goals_per_client included) give the case."""
+    (case,) = [c for c in golden()["cases"] if c["id"] == "alfworld-env_disjoint-env_div0.3-fallback_skip-N3"]
+    argv = ["--env", "alfworld", "--paths", str(paths_file), "--strategy", "env_disjoint", "--clients", "3",
+            "--knob", "min_goals_per_client=100"] + [a for k, v in case["knobs"].items() for a in ("--knob", f"{k}={v}")]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["clients"] == case["clients"]
+    assert main([*argv, "--seed", "43"]) == 2
+    assert capsys.readouterr().err == "inspect: error: --knob base_seed: 42 contradicts --seed 43; give one of them\n"
 
 
 def test_command_summary_and_errors(paths_file: Path) -> None:

@@ -75,9 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                         help="a strategy knob, e.g. omega=0.5 or size_std=16 (repeatable; values are JSON or text)")
     parser.add_argument("--clients", type=int, default=2, metavar="N", help="number of clients (default: 2)")
-    parser.add_argument("--min-goals", type=int, default=DEFAULT_MIN_GOALS, metavar="L",
+    parser.add_argument("--min-goals", type=int, metavar="L",
                         help=f"min_goals_per_client (default: FedAgent's {DEFAULT_MIN_GOALS})")
-    parser.add_argument("--seed", type=int, default=42, metavar="S", help="the run's base seed (default: 42)")
+    parser.add_argument("--seed", type=int, metavar="S", help="the run's base seed (default: FedAgent's 42)")
     data = parser.add_argument_group("data (one of)")
     data.add_argument("--data-dir", metavar="DIR", help="the environment's data directory")
     data.add_argument("--paths", metavar="FILE", help="ALFWorld: JSON list of split-relative game paths, in order")
@@ -187,9 +187,8 @@ def parse_knobs(pairs: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise UsageError("--knob", f"expected KEY=VALUE, got {pair!r}")
-        if key in ("strategy", "min_goals_per_client"):
-            option = "--strategy" if key == "strategy" else "--min-goals"
-            raise UsageError("--knob", f"{key} has its own option: use {option}")
+        if key == "strategy":
+            raise UsageError("--knob", "strategy has its own option: use --strategy")
         try:
             knobs[key] = json.loads(raw)
         except ValueError:
@@ -230,16 +229,27 @@ def _problem_option(message: str, knobs: dict[str, Any]) -> str:
 # --- computing and printing -----------------------------------------------------------------------
 
 
+def _option_or_knob(knobs: dict[str, Any], key: str, value: int | None, option: str, default: int) -> int:
+    """``--min-goals`` / ``--seed``, which a knob of FedAgent's name may give instead (not both, differently)."""
+    given = knobs.pop(key, None)
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int)):
+        raise UsageError(f"--knob {key}", f"must be an integer, got {given!r}; use {option}")
+    if given is not None and value is not None and given != value:
+        raise UsageError(f"--knob {key}", f"{given} contradicts {option} {value}; give one of them")
+    out = value if value is not None else given if given is not None else default
+    if out < 0:
+        raise UsageError(option, f"must be >= 0, got {out}")
+    return out
+
+
 def compute(args: argparse.Namespace) -> tuple[dict[int, list[int]], Pool, str, dict[str, Any]]:
     """``({client: printed indices}, pool, strategy, knobs)`` for parsed options."""
     if args.clients < 1:
         raise UsageError("--clients", f"must be >= 1, got {args.clients}")
-    if args.min_goals < 0:
-        raise UsageError("--min-goals", f"must be >= 0, got {args.min_goals}")
-    if args.seed < 0:
-        raise UsageError("--seed", f"must be >= 0, got {args.seed}")
     strategy = _strategy(args)
     knobs = parse_knobs(args.knob)
+    args.min_goals = _option_or_knob(knobs, "min_goals_per_client", args.min_goals, "--min-goals", DEFAULT_MIN_GOALS)
+    args.seed = _option_or_knob(knobs, "base_seed", args.seed, "--seed", 42)
     knobs["min_goals_per_client"] = args.min_goals
     if args.labels is not None:
         knobs["trajectories_file"] = args.labels
@@ -329,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"inspect: error: {exc}", file=sys.stderr)
         return 2
-    print(summary(args, clients, pool, strategy, knobs) if args.summary else render(clients))
+    try:
+        print(summary(args, clients, pool, strategy, knobs) if args.summary else render(clients))
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
     return 0
 
 

@@ -74,6 +74,9 @@ def task_disjoint_partition(client_id: int, num_clients: int, num_goals: int,
 FASHION_CATEGORY = "fashion"
 FASHION_SAMPLE_RATIO = 0.2
 PREFERENCE_EPS = 0.01
+#: FedAgent's ``partition_dataset`` uses ``tau`` (default 0.3) when ``omega`` is not given; its runs
+#: always pass ``OMEGA`` (default 0.5, ``conf/partition/preference.yaml``).
+DEFAULT_TAU = 0.3
 OMEGA_CLIP = (1e-3, 1 - 1e-3)
 UNKNOWN_CATEGORY = "unknown"
 
@@ -360,7 +363,7 @@ def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, kno
 
 def preference_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                         base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    omega = _first_knob(knobs, ("omega", "tau"), DEFAULT_OMEGA, 0.0, 1.0)
+    omega = _first_knob(knobs, ("omega", "tau"), DEFAULT_TAU, 0.0, 1.0)
     ratio = knob_float(knobs, "fashion_sample_ratio", FASHION_SAMPLE_RATIO, 0.0, 1.0)
     return preference_partition(client_id, num_clients, num_goals, check_goal_info("preference", goal_info, num_goals),
                                 _min_goals(knobs), omega, base_seed, ratio)
