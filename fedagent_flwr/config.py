@@ -311,7 +311,16 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             check_strategy(strategy)
         except PartitionError as exc:
             raise ConfigError(f"config key 'partition.strategy': {exc}") from None
-    _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
+    min_goals = _typed(raw, "partition.min_goals_per_client", int, lambda v: v >= 1, ">= 1")
+    if strategy == "coverage" and min_goals > 500:
+        raise ConfigError(f"config key 'partition.min_goals_per_client' = {min_goals} must be <= 500 for coverage "
+                          "(FedAgent's sizes centre on 500)")
+    if strategy == "env_disjoint":
+        from fedagent_flwr.hetero.env_disjoint import FALLBACKS, UNITS
+
+        for knob, allowed in (("fallback", FALLBACKS), ("unit", UNITS)):
+            if knob in partition and partition[knob] not in allowed:
+                raise ConfigError(f"config key 'partition.{knob}' = {partition[knob]!r} must be one of {list(allowed)}")
     for knob, check, expect in (("omega", lambda v: 0 < v < 1, "in (0, 1)"),
                                 ("env_div", lambda v: 0 <= v <= 1, "in [0, 1]"),
                                 ("keep_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),

@@ -85,6 +85,19 @@ def test_partition_strategies_and_knobs_are_checked() -> None:
             load_settings(overrides=override)
 
 
+def test_partition_defaults_are_fedagents_and_knobs_are_checked() -> None:
+    assert load_settings().partition == {"strategy": "uniform", "min_goals_per_client": 100}
+    env_disjoint = load_settings(overrides="env=alfworld partition=env_disjoint").partition
+    assert (env_disjoint["env_div"], env_disjoint["fallback"], env_disjoint["unit"]) == (0.7, "skip", "game")
+    for override, message in [
+        ("env=alfworld partition=env_disjoint partition.fallback=rooms", "config key 'partition.fallback'"),
+        ("env=alfworld partition=env_disjoint partition.unit=room", "config key 'partition.unit'"),
+        ("env=webshop partition=coverage partition.min_goals_per_client=600", "must be <= 500 for coverage"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_settings(overrides=override)
+
+
 def test_environment_level_arms_need_a_served_env() -> None:
     assert load_settings(overrides="env=webshop partition=catalog_split").partition["env_div"] == 0.7
     assert load_settings(overrides="env=webshop partition=lookalike").partition["strategy"] == "lookalike"

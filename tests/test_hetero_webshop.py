@@ -25,11 +25,12 @@ from fedagent_flwr.hetero import (
     preference_partition,
     task_disjoint_partition,
 )
-from fedagent_flwr.hetero.common import generate_client_sizes, round_to_total
+from fedagent_flwr.hetero.common import default_r, generate_client_sizes
 from fedagent_flwr.hetero.task import (
     assign_with_overlap,
     coverage_assignment,
     coverage_sizes,
+    hardness_assignment,
     hardness_partition,
     hardness_sizes,
 )
@@ -54,7 +55,8 @@ def synthetic_info(counts: dict[str, int], easy_every: int = 3) -> list[GoalInfo
 
 
 def _valid(part: list[int], n: int) -> None:
-    assert part == sorted(set(part)) and all(0 <= g < n for g in part)
+    """Distinct goals of the pool (in FedAgent's order, which need not be ascending)."""
+    assert len(part) == len(set(part)) and all(0 <= g < n for g in part)
 
 
 # --- task_disjoint --------------------------------------------------------------------------------
@@ -80,7 +82,8 @@ def test_task_disjoint_floor_and_small_pools() -> None:
     assert task_disjoint_partition(2, 3, 10, 0) == [6, 7, 8]  # goal 9 is FedAgent's unused tail
     assert task_disjoint_partition(1, 3, 10, 6) == [2, 3, 4, 5, 6, 7]  # [3, 6) + 1 left, 2 right
     assert task_disjoint_partition(1, 2, 10, 50) == list(range(10))  # floor above the pool: everything
-    assert task_disjoint_partition(4, 5, 3, 0) == [0]  # N > n: base 0, still one goal
+    assert task_disjoint_partition(4, 5, 3, 0) == []  # N > n and no floor: FedAgent's empty slice
+    assert task_disjoint_partition(4, 5, 3, 1) == [0]  # the floor widens [0, 0) to the right
     with pytest.raises(PartitionError, match="client_id"):
         task_disjoint_partition(3, 3, 10, 0)
 
@@ -115,7 +118,7 @@ def test_preference_sizes_and_omega_direction() -> None:
     assert np.mean([_max_share(p, info) for p in high]) > 0.95
     # omega 0.01: q ~ pi, the category mix after keeping 20 % of fashion; no client is single-category.
     cats = Counter(g.category for g in info)
-    kept = {c: (round(0.2 * k) if c == "fashion" else k) for c, k in cats.items()}
+    kept = {c: (max(1, int(0.2 * k)) if c == "fashion" else k) for c, k in cats.items()}
     top = max(kept.values()) / sum(kept.values())
     assert all(len({info[g].category for g in p}) >= 3 for p in low)
     assert abs(np.mean([_max_share(p, info) for p in low]) - top) < 0.08
@@ -135,10 +138,13 @@ def test_preference_exhausted_categories_and_floor() -> None:
             part = preference_partition(c, 10, n, info, min_goals_per_client=150, omega=omega)
             _valid(part, n)
             assert len(part) == 150
-    # floor above the pool gives every goal; min_goals 0 is rejected (the size *is* the floor)
-    assert preference_partition(0, 2, n, info, min_goals_per_client=999) == list(range(n))
+    # floor above the pool gives every goal; min_goals 0 gives none (FedAgent draws multinomial(0, q))
+    assert sorted(preference_partition(0, 2, n, info, min_goals_per_client=999)) == list(range(n))
+    assert preference_partition(0, 2, n, info, min_goals_per_client=0) == []
     with pytest.raises(PartitionError, match="min_goals_per_client"):
-        preference_partition(0, 2, n, info, min_goals_per_client=0)
+        preference_partition(0, 2, n, info, min_goals_per_client=-1)
+    # N is never used: a client's goals do not depend on the number of clients
+    assert preference_partition(1, 2, n, info, 50) == preference_partition(1, 9, n, info, 50)
     # a fashion-only pool: 20 % of fashion is kept, the top-up fills from the rest
     fashion = synthetic_info({"fashion": 100})
     assert len(preference_partition(1, 2, 100, fashion, min_goals_per_client=60)) == 60
@@ -156,13 +162,18 @@ def test_preference_needs_goal_info() -> None:
 # --- coverage -------------------------------------------------------------------------------------
 
 
-def _check_assignment(parts: list[list[int]], sizes: list[int], n: int) -> None:
-    assert [len(p) for p in parts] == sizes
+def _check_assignment(parts: list[list[int]], sizes: list[int], n: int, tight: bool = True) -> None:
+    """FedAgent's assignment: each client at most its size (a sample goes to min(k_m, clients with
+    room) clients, a shortfall is topped up at random, possibly with goals it already has)."""
+    lens = [len(p) for p in parts]
+    assert all(length <= size for length, size in zip(lens, sizes))
     for p in parts:
         _valid(p, n)
-    r = sum(sizes) / n
-    copies = Counter(g for p in parts for g in p)
-    assert set(copies[g] for g in range(n)) <= {int(np.floor(r)), int(np.ceil(r))}
+    if tight:  # on real pools: (nearly) the sizes, (nearly) every goal held floor(r) or ceil(r) times
+        assert sum(sizes) - sum(lens) <= max(1, sum(sizes) // 100)
+        r = sum(sizes) / n
+        copies = Counter(g for p in parts for g in p)
+        assert sum(copies[g] in (np.floor(r), np.ceil(r)) for g in range(n)) >= 0.99 * n
 
 
 @needs_data
@@ -188,7 +199,7 @@ def test_coverage_documented_two_client_total_and_concentration() -> None:
         sizes = coverage_sizes(2, n, 100, 1.0, base_seed=seed)
         assert sum(sizes) == 1000 and min(sizes) >= 100
         parts = coverage_assignment(2, n, 100, 1.0, base_seed=seed)
-        assert not set(parts[0]) & set(parts[1])
+        assert [len(p) for p in parts] == sizes and not set(parts[0]) & set(parts[1])
     even = coverage_sizes(100, n, 100, 256.0)
     skew = coverage_sizes(100, n, 100, 1.0)
     assert max(abs(s - 500) for s in even) < 100  # large size_std: near-uniform
@@ -198,33 +209,44 @@ def test_coverage_documented_two_client_total_and_concentration() -> None:
 def test_coverage_floor_and_small_pools() -> None:
     sizes = coverage_sizes(8, 4000, 300, 1.0)
     assert min(sizes) >= 300 and sum(sizes) == 8 * 500
-    sizes = coverage_sizes(3, 50, 10, 1.0)  # pool below 1000: high = n, center = n
-    assert sizes == [50, 50, 50]
-    assert coverage_assignment(3, 50, 10, 1.0) == [list(range(50))] * 3
-    sizes = coverage_sizes(4, 700, 100, 1.0)  # high capped at n = 700
+    # FedAgent's bounds do not shrink with the pool: a pool below the sizes goes to every client whole.
+    assert sum(coverage_sizes(3, 50, 10, 1.0)) == 1500
+    assert [sorted(p) for p in coverage_assignment(3, 50, 10, 1.0)] == [list(range(50))] * 3
+    sizes = coverage_sizes(4, 700, 100, 1.0)
     parts = coverage_assignment(4, 700, 100, 1.0)
-    _check_assignment(parts, sizes, 700)
-    assert all(100 <= s <= 700 for s in sizes)
+    _check_assignment(parts, sizes, 700, tight=False)
+    assert all(len(p) > 100 for p in parts)
+    with pytest.raises(PartitionError, match="<= 500"):  # FedAgent asserts low <= center
+        coverage_sizes(2, 5000, 501, 1.0)
 
 
-def test_assign_with_overlap_is_exact_for_extreme_sizes() -> None:
+def test_assign_with_overlap_follows_k() -> None:
     rng = np.random.default_rng(0)
     for _ in range(30):
         num_clients, n = int(rng.integers(1, 12)), int(rng.integers(1, 40))
         sizes = [int(s) for s in rng.integers(0, n + 1, size=num_clients)]
         if sum(sizes) == 0:
             continue
-        parts = assign_with_overlap(sizes, n, np.random.default_rng(int(rng.integers(1 << 30))))
-        _check_assignment(parts, sizes, n)
+        r = sum(sizes) / n
+        sets, k = assign_with_overlap(n, sizes, r, np.random.default_rng(int(rng.integers(1 << 30))))
+        assert set(k) <= {int(np.floor(r)), int(np.ceil(r))} and sum(k) == sum(sizes)
+        _check_assignment([list(s) for s in sets], sizes, n, tight=False)
+        if r <= 1:  # each goal to at most one client: the sizes come out exactly
+            assert [len(s) for s in sets] == sizes
 
 
 def test_sizing_helpers() -> None:
-    assert round_to_total(np.array([1.5, 1.5, 1.0]), 5, 0, 3) == [2, 2, 1]
-    assert round_to_total(np.array([3.0, 3.0]), 4, 1, 3) == [2, 2]
+    assert default_r(3553, 3, 100, 500, 1000) == 1500 / 3553
+    assert default_r(100, 3, 100, 500, 1000) == 15.0  # r > 1: goals shared by several clients
     sizes = generate_client_sizes(50, 0, 50, 100, 1.0, 2500, np.random.default_rng(1))
     assert sum(sizes) == 2500 and 0 <= min(sizes) and max(sizes) <= 100
-    with pytest.raises(PartitionError, match="total"):
-        generate_client_sizes(2, 10, 20, 30, 1.0, 100, np.random.default_rng(1))
+    # a total outside [C*low, C*high] is clamped (FedAgent), equal bounds draw nothing
+    assert generate_client_sizes(2, 10, 20, 30, 1.0, 100, np.random.default_rng(1)) == [30, 30]
+    assert generate_client_sizes(3, 7, 7, 7, 1.0, 0, np.random.default_rng(1)) == [7, 7, 7]
+    # specs/partitions.md §7: N = 3, L = 100, s = 16 -> [456, 495, 549] from default_rng(42)
+    assert generate_client_sizes(3, 100, 500, 1000, 16, 1500, np.random.default_rng(42)) == [456, 495, 549]
+    with pytest.raises(PartitionError, match="low <= center <= high"):
+        generate_client_sizes(2, 10, 5, 30, 1.0, 40, np.random.default_rng(1))
 
 
 # --- hardness -------------------------------------------------------------------------------------
@@ -247,11 +269,14 @@ def test_hardness_sizes_easy_counts_and_label_sources() -> None:
         counts = hardness_sizes(20, n, 100, success_std)
         assert sum(counts) == 20 * 50 and all(0 <= e <= 100 for e in counts)
         assert (max(counts) - min(counts) > 50) is spread
+        parts = hardness_assignment(20, n, info, 100, success_std)
+        assert partition_goals("hardness", 19, 20, n, {"success_std": success_std}, goal_info=info) == parts[19]
         for c in range(20):
-            part = partition_goals("hardness", c, 20, n, {"success_std": success_std}, goal_info=info)
+            part = parts[c]
             _valid(part, n)
             assert len(part) == 100
             assert len(easy & set(part)) == counts[c]
+            assert set(part[:counts[c]]) <= easy  # the quota first (set order), then unsuccessful goals
     # labels from the trajectories file (keyed by task id) give the same partition as GoalInfo.success
     bare = [GoalInfo(category=g.category, task_id=g.task_id, asin=g.asin) for g in info]
     knobs = {"success_std": 1.0, "trajectories_file": str(HARDNESS_FILE)}
@@ -264,7 +289,7 @@ def test_hardness_caps_floor_and_errors() -> None:
     for c in range(4):
         part = hardness_partition(c, 4, 30, info, min_goals_per_client=20, success_std=1.0)
         assert len(part) == 20 and len({0, 10, 20} & set(part)) <= 3
-    assert hardness_partition(0, 2, 30, info, min_goals_per_client=99) == list(range(30))
+    assert sorted(hardness_partition(0, 2, 30, info, min_goals_per_client=99)) == list(range(30))
     # unlabelled goals count as hard; with no label at all there is nothing to partition by
     with pytest.raises(PartitionError, match="success labels"):
         hardness_partition(0, 2, 3, [GoalInfo("a")] * 3)
@@ -339,12 +364,13 @@ def test_partition_env_spec_with_webshop(monkeypatch: pytest.MonkeyPatch) -> Non
     spec = {"envs": [{"name": "WebShop", "n_envs": 2, "max_turns": 15, "config": {"data_dir": str(DATA_DIR)}}]}
     n = len(world_info())
     part = partition_env_spec(spec, {"strategy": "coverage", "size_std": 1.0}, 1, 4)
-    assert part.envs[0].config["goal_indices"] == coverage_assignment(4, n, 100, 1.0)[1]
+    # FedAgent's WebShop wrappers sort the client's goals (ALFWorld keeps FedAgent's order)
+    assert part.envs[0].config["goal_indices"] == sorted(coverage_assignment(4, n, 100, 1.0)[1])
     # WebShop supplies goal metadata through its goal_info(config) classmethod...
     part = partition_env_spec(spec, {"strategy": "preference", "omega": 0.99, "min_goals_per_client": 30}, 2, 4)
     goals = part.envs[0].config["goal_indices"]
     assert goals == partition_goals("preference", 2, 4, n, {"omega": 0.99, "min_goals_per_client": 30},
-                                    goal_info=world_info())
+                                    goal_info=world_info(), order="sorted")
     assert len(goals) == 30
     # ...an environment without one is refused for the strategies that need it.
     monkeypatch.delattr(WebShopEnv, "goal_info")

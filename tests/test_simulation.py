@@ -173,7 +173,7 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
     summary, run_dir, output = _run(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=tinyguess_service num_rounds=1 eval.num_episodes=2 "
-        "trainer.max_new_tokens=8",
+        "trainer.max_new_tokens=8 partition.min_goals_per_client=5",  # FedAgent's 100 > 10 secrets: all to both
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]
@@ -274,7 +274,8 @@ def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=alfworld env.data_dir={alfworld_data} "
         "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
-        "env.service.pool_size=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=4096",
+        "env.service.pool_size=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=4096 "
+        "partition.min_goals_per_client=3",
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]

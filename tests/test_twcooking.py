@@ -92,7 +92,7 @@ def test_uniform_partition_gives_each_client_its_own_level(games: list[Any]) -> 
     spec = {"envs": [{"name": "TWCooking", "n_envs": 1, "max_turns": 50, "config": CONFIG}]}
     levels = []
     for client in range(2):
-        config = partition_env_spec(spec, {"strategy": "uniform"}, client, 2).envs[0].config
+        config = partition_env_spec(spec, {"strategy": "uniform", "min_goals_per_client": 1}, client, 2).envs[0].config
         levels.append({games[i].level for i in config["goal_indices"]})
     assert levels == [{"easy"}, {"medium"}]
     skewed = partition_env_spec(spec, {"strategy": "preference", "omega": 0.99, "min_goals_per_client": 2}, 0, 2)

@@ -6,6 +6,13 @@ run, on any machine, computes the same partition. :func:`partition_goals` dispat
 strategy name; :func:`partition_env_spec` applies a partition to every entry of an env spec whose
 environment exposes a goal pool. Validation always uses the full, unpartitioned spec.
 
+The built-in strategies are FedAgent's (``sunblaze-ucb/FedAgent`` a6fdf2c, hardness as revised in
+0a41188; specs/partitions.md): the same numpy draws, with the run's base seed where FedAgent
+hard-codes 42, FedAgent's floor of 100 when ``min_goals_per_client`` is absent, and the client's
+goals **in FedAgent's order** (an environment takes its goals by position). FedAgent's WebShop
+wrappers return them sorted: :func:`goal_order` says which order an environment gets.
+``python -m fedagent_flwr.hetero.inspect`` prints a partition.
+
 A strategy of another package is named by the dotted path of its function (same signature as the
 built-in ones, see :data:`GoalPartitioner`; ``fn.needs_goal_info = True`` asks for goal metadata).
 Its result is checked (sorted, distinct, in range, at least the ``min_goals_per_client`` floor),
@@ -19,7 +26,7 @@ from typing import Any
 
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec, EnvSpecEntry, load_env_spec
-from fedagent_flwr.hetero.common import GoalInfo
+from fedagent_flwr.hetero.common import GoalInfo, knob_int
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition, env_disjoint_strategy
 from fedagent_flwr.hetero.task import (
     coverage_partition,
@@ -32,7 +39,7 @@ from fedagent_flwr.hetero.task import (
     task_disjoint_partition,
     task_disjoint_strategy,
 )
-from fedagent_flwr.hetero.uniform import PartitionError, uniform_partition
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError, uniform_partition
 from fedagent_flwr.plugins import PluginError, is_dotted_path, load_object
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "PartitionError",
     "STRATEGIES",
     "check_strategy",
+    "goal_order",
     "needs_goal_info",
     "coverage_partition",
     "env_disjoint_partition",
@@ -65,7 +73,8 @@ def _none(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, 
 
 def _uniform(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int,
              goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    return uniform_partition(client_id, num_clients, num_goals, int(knobs.get("min_goals_per_client", 0)))
+    return uniform_partition(client_id, num_clients, num_goals,
+                             knob_int(knobs, "min_goals_per_client", DEFAULT_MIN_GOALS))
 
 
 STRATEGIES: dict[str, GoalPartitioner] = {
@@ -81,6 +90,24 @@ STRATEGIES: dict[str, GoalPartitioner] = {
 GOAL_INFO_STRATEGIES = frozenset({"preference", "hardness", "env_disjoint"})
 # FedAgent spells "no partition" as an empty string.
 _ALIASES = {"": "none", "iid": "none"}
+#: Goal orders: FedAgent's (the order its partition function produces) or ascending.
+GOAL_ORDERS = ("fedagent", "sorted")
+#: Environments whose FedAgent partition wrappers return the goals sorted (``webshop_*_for_client``).
+SORTED_GOAL_ENVS = frozenset({"WebShop"})
+
+
+def goal_order(env: str | type | None) -> str:
+    """The goal order FedAgent gives an environment: ``"sorted"`` for WebShop, else ``"fedagent"``.
+
+    ``env`` is an environment name or class; a class may declare ``partition_goal_order``.
+    """
+    declared = getattr(env, "partition_goal_order", None) if isinstance(env, type) else None
+    if declared is not None:
+        if declared not in GOAL_ORDERS:
+            raise PartitionError(f"partition_goal_order must be one of {GOAL_ORDERS}, got {declared!r}")
+        return str(declared)
+    name = getattr(env, "env_name", None) if isinstance(env, type) else env
+    return "sorted" if name in SORTED_GOAL_ENVS else "fedagent"
 
 
 def _strategy_key(strategy: str | None) -> str:
@@ -146,22 +173,29 @@ def partition_goals(
     knobs: Mapping[str, Any] | None = None,
     base_seed: int = 42,
     goal_info: Sequence[GoalInfo] | None = None,
+    order: str = "fedagent",
 ) -> list[int]:
-    """Goal indices (sorted, distinct, in ``range(num_goals)``) of ``client_id`` under ``strategy``.
+    """Goal indices (distinct, in ``range(num_goals)``) of ``client_id`` under ``strategy``.
 
-    Strategies: "none" (all goals), "uniform" (slice), "task_disjoint" (FedAgent's n//N slice),
-    "preference" (knob ``omega``), "coverage" (``size_std``), "hardness" (``success_std``, optional
-    ``trajectories_file``), "env_disjoint" (scenes; ``env_div``, ``fallback``, ``holdout_file``, no
-    floor, as in FedAgent); the others honour ``min_goals_per_client`` (absent: 0 for "uniform", FedAgent's
-    100 for the others). ``knobs`` keys a strategy does not use are ignored, so one partition config
-    can serve several strategies. ``base_seed`` seeds the randomised strategies ("none", "uniform"
-    and "task_disjoint" are pure arithmetic). ``goal_info[i]`` describes pool goal ``i``; it is
-    required by the strategies in :data:`GOAL_INFO_STRATEGIES` and ignored by the others.
+    Strategies (FedAgent's, specs/partitions.md): "none" (all goals), "uniform" and "task_disjoint"
+    (the ``n // N`` slice widened to the floor), "preference" (knob ``omega``), "coverage"
+    (``size_std``), "hardness" (``success_std``, ``trajectories_file``), "env_disjoint" (ALFWorld
+    specs; ``env_div``, ``fallback``, ``unit``, ``holdout_file``; no floor, as in FedAgent); the
+    others honour ``min_goals_per_client`` (absent: FedAgent's 100; a pool smaller than the floor
+    gives what FedAgent gives, for "uniform" the whole pool). ``knobs`` keys a strategy does not use
+    are ignored, so one partition config can serve several strategies. ``base_seed`` takes the
+    place of FedAgent's hard-coded 42 (42 reproduces FedAgent). ``goal_info[i]`` describes pool goal
+    ``i``; it is required by the strategies in :data:`GOAL_INFO_STRATEGIES` and ignored by the
+    others. ``order``: "fedagent" (the order FedAgent's partition function returns, which ALFWorld's
+    environment follows) or "sorted" (FedAgent's WebShop wrappers); see :func:`goal_order`.
     """
     key = _strategy_key(strategy)
+    if order not in GOAL_ORDERS:
+        raise PartitionError(f"goal order must be one of {GOAL_ORDERS}, got {order!r}")
     knobs = dict(knobs or {})
     goals = _partitioner(key)(client_id, num_clients, num_goals, knobs, base_seed, goal_info)
-    return goals if key in STRATEGIES else _checked_goals(key, goals, num_goals, knobs)
+    goals = goals if key in STRATEGIES else _checked_goals(key, goals, num_goals, knobs)
+    return sorted(goals) if order == "sorted" else goals
 
 
 def partition_env_spec(
@@ -175,7 +209,8 @@ def partition_env_spec(
 
     ``partition`` is the job's partition config: ``{"strategy": ..., <knobs>}`` (empty or
     missing strategy = "none"). Entries whose environment has no goal pool (``num_goals`` is
-    None) are left as they are; with strategy "none" the spec is returned unchanged. Strategies
+    None) are left as they are; with strategy "none" the spec is returned unchanged. Each
+    environment gets its goals in :func:`goal_order`. Strategies
     that need goal metadata call the environment class's ``goal_info(config)`` classmethod (one
     :class:`GoalInfo` per pool goal) and fail with :class:`PartitionError` when it has none.
     """
@@ -197,7 +232,7 @@ def partition_env_spec(
             if provider is None:
                 raise PartitionError(f"partition strategy {key!r} needs goal metadata, which {entry.name} does not provide")
             goal_info = provider(entry.config)
-        goals = partition_goals(key, client_id, num_clients, pool, knobs, base_seed, goal_info)
+        goals = partition_goals(key, client_id, num_clients, pool, knobs, base_seed, goal_info, goal_order(env_cls))
         restricted = env_cls.restrict_goals(entry.config, goals)
         entries.append(EnvSpecEntry(entry.name, entry.n_envs, entry.max_turns, restricted))
     return EnvSpec(envs=tuple(entries))

@@ -1,8 +1,11 @@
-"""Shared pieces of the task-level partitions: goal metadata, seeding, slices and Beta sizing.
+"""Shared pieces of the task-level partitions: goal metadata, knob checks and FedAgent's sizing helpers.
 
-Everything here is deterministic: random draws come from numpy generators seeded with a
-:class:`numpy.random.SeedSequence` built from integers only (base seed, a fixed per-strategy tag and,
-for per-client draws, the client id) - never from Python's salted ``hash()`` or process state.
+The built-in strategies draw exactly what FedAgent draws (specs/partitions.md): numpy generators
+seeded with plain integers (``default_rng(S)``, ``RandomState(S + c)``, with the run's base seed
+``S`` where FedAgent hard-codes 42), the same calls in the same order. :func:`default_r`,
+:func:`generate_client_sizes` and :func:`assign_with_overlap` are FedAgent's ``_beta_sizing``
+helpers (§6). :func:`shared_rng` / :func:`client_rng` are seeding helpers for your own strategies
+(``examples/partition_round_robin.py``); the built-in ones do not use them.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.uniform import PartitionError
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError, uniform_bounds
 
-#: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, used when a knob is absent.
-DEFAULT_MIN_GOALS = 100
+#: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, used when a knob is absent
+#: (``DEFAULT_MIN_GOALS`` = 100 lives in :mod:`~fedagent_flwr.hetero.uniform`).
 DEFAULT_OMEGA = 0.5
 DEFAULT_SIZE_STD = 1.0
 DEFAULT_SUCCESS_STD = 1.0
@@ -28,10 +31,12 @@ class GoalInfo:
     """What a content-aware partition needs to know about one goal of the pool.
 
     ``goal_info[i]`` describes pool index ``i`` (the same indices :func:`partition_goals` returns).
-    ``category`` drives ``preference``; ``success`` (True = easy, False = hard, None = unlabelled,
-    which counts as hard) drives ``hardness``; ``task_id`` lets ``hardness`` look labels up in a
-    trajectories file instead. ``scene`` and ``group`` (the task without its scene, e.g. ALFWorld's
-    ``<task>-<object>-<mrecep>-<recep>``) drive ``env_disjoint``.
+    ``category`` drives ``preference`` (None counts as ``"unknown"``, as in FedAgent); ``success``
+    (True = easy, False = hard, None = unlabelled, which counts as hard) drives ``hardness``;
+    ``task_id`` lets ``hardness`` look labels up in a trajectories file instead. ``scene`` and
+    ``group`` (the spec: the task without its scene, e.g. ALFWorld's
+    ``<task>-<object>-<mrecep>-<recep>``) drive ``env_disjoint``, which orders a spec's games by ``(scene, trial)``; ``trial`` (ALFWorld's
+    ``trial_T...`` directory) is read from ALFWorld's ``task_id`` when not given.
     """
 
     category: str | None = None
@@ -40,6 +45,7 @@ class GoalInfo:
     asin: str | None = None
     scene: str | None = None
     group: str | None = None
+    trial: str | None = None
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -102,61 +108,18 @@ def client_rng(base_seed: int, strategy: str, client_id: int) -> np.random.Gener
 
 
 def fedagent_slice(client_id: int, num_clients: int, num_goals: int, min_goals: int) -> list[int]:
-    """FedAgent's catalog_split / task_disjoint goal slice (webshop spec §8, V1 step 2).
-
-    ``base = n // N``; client ``c`` gets ``[c*base, c*base + base)`` (the ``n mod N`` tail goals are
-    used by no client unless a widened slice reaches them). A slice shorter than ``min_goals`` is
-    widened by ``need = min - base``: ``need // 2`` on the left as far as the pool allows, the rest
-    on the right, a right deficit moved back to the left; when the pool is too small, all goals.
-    At least one goal is always returned (``base`` is 0 when ``N > n``).
-    """
+    """FedAgent's ``uniform`` / catalog_split / task_disjoint goal slice (specs/partitions.md §4, §10.2)."""
     check_args(client_id, num_clients, num_goals)
-    check_int("min_goals_per_client", min_goals, 0)
-    base = num_goals // num_clients
-    start, end = client_id * base, client_id * base + base
-    size = min(max(base, min_goals, 1), num_goals)
-    need = size - base
-    if need > 0:
-        left = min(need // 2, start)
-        right = min(need - left, num_goals - end)
-        left += min(need - left - right, start - left)
-        start, end = start - left, end + right
+    start, end = uniform_bounds(client_id, num_clients, num_goals, check_int("min_goals_per_client", min_goals, 0))
     return list(range(start, end))
 
 
-def round_to_total(values: np.ndarray, total: int, low: int, high: int) -> list[int]:
-    """Integers in ``[low, high]`` close to ``values`` that sum to exactly ``total``.
+# --- FedAgent's sizing helpers (specs/partitions.md §6) ------------------------------------------
 
-    Floors first, then hands the remaining units to the largest fractional parts (ties to the lower
-    index), skipping entries at ``high``; an excess is taken back from the smallest fractional parts.
-    """
-    base = np.clip(np.floor(values), low, high).astype(np.int64)
-    frac = values - np.floor(values)
-    diff = int(total - base.sum())
-    order = np.lexsort((np.arange(len(values)), -frac))  # largest fraction first
-    while diff > 0:
-        moved = False
-        for i in order:
-            if diff == 0:
-                break
-            if base[i] < high:
-                base[i] += 1
-                diff -= 1
-                moved = True
-        if not moved:
-            raise PartitionError(f"cannot reach a total of {total} with {len(values)} sizes <= {high}")
-    while diff < 0:
-        moved = False
-        for i in order[::-1]:
-            if diff == 0:
-                break
-            if base[i] > low:
-                base[i] -= 1
-                diff += 1
-                moved = True
-        if not moved:
-            raise PartitionError(f"cannot reach a total of {total} with {len(values)} sizes >= {low}")
-    return [int(v) for v in base]
+
+def default_r(n: int, num_clients: int, low: int, center: int, high: int) -> float:
+    """``r = clip(C*center/n, C*low/n, C*high/n)`` (§6.1)."""
+    return float(np.clip(num_clients * center / n, num_clients * low / n, num_clients * high / n))
 
 
 def generate_client_sizes(
@@ -164,37 +127,108 @@ def generate_client_sizes(
     low: int,
     center: int,
     high: int,
-    concentration: float,
+    s: float,
     total: int,
     rng: np.random.Generator,
 ) -> list[int]:
-    """Per-client sizes: Beta draws around ``center`` in ``[low, high]``, summing to ``total``.
+    """FedAgent's Beta client sizes in ``[low, high]`` summing to ``total`` (§6.2), drawn from ``rng``.
 
-    ``x_c ~ Beta(mu*s, (1 - mu)*s)`` with ``mu = (center - low)/(high - low)`` (kept inside
-    ``[1e-6, 1 - 1e-6]``) and ``s = max(concentration, 2e-3)``; raw sizes ``low + x_c (high - low)``
-    are scaled by the factor ``lam`` that makes ``sum(clip(lam * raw, low, high)) = total`` (found by
-    bisection), then rounded to integers with exactly that total (:func:`round_to_total`). A large
-    ``s`` gives near-equal sizes, ``s = 1`` very unequal ones.
+    ``x ~ Beta(mu s', (1 - mu) s')`` with ``mu = (center - low)/(high - low)`` (kept in
+    ``[1e-6, 1 - 1e-6]``) and ``s' = max(s, 0.002)``; ``y = low + x (high - low)`` rescaled to sum
+    to ``total`` and clipped; floors plus the largest remainders; then the corrections of §6.2.
+    A large ``s`` gives near-equal sizes, ``s = 1`` very unequal ones.
     """
-    if not num_clients * low <= total <= num_clients * high:
-        raise PartitionError(f"total {total} is outside [{num_clients * low}, {num_clients * high}]")
-    if high <= low:
-        return [low] * num_clients
-    mu = min(max((center - low) / (high - low), 1e-6), 1 - 1e-6)
-    s = max(float(concentration), 2e-3)
-    x = rng.beta(mu * s, (1 - mu) * s, size=num_clients)
-    raw = np.maximum(low + x * (high - low), 1e-9)
+    if not (num_clients > 0 and low <= center <= high):
+        raise PartitionError(f"client sizes need low <= center <= high and clients > 0, got "
+                             f"low={low}, center={center}, high={high}, clients={num_clients}")
+    C = num_clients
+    if total < C * low:
+        total = C * low
+    elif total > C * high:
+        total = C * high
+    mu = (center - low) / (high - low) if high > low else 0.5
+    mu = min(max(mu, 1e-6), 1 - 1e-6)
+    s_eff = max(s, 0.002)
+    alpha, beta = mu * s_eff, (1 - mu) * s_eff
+    x = rng.beta(alpha, beta, size=C) if high > low else np.full(C, 0.5)
+    y = low + x * (high - low)
+    y_sum = y.sum()
+    if y_sum > 0:  # FedAgent divides by the sum unguarded; all-zero draws would give NaN there
+        y = y * (total / y_sum)
+    y = np.clip(y, low, high)
+    sizes = np.floor(y).astype(np.int64)
+    remainder = y - sizes
+    target = round(total)
+    need = target - int(sizes.sum())
+    order = np.argsort(-remainder)
+    if need > 0:
+        sizes[order[:need]] += 1
+    elif need < 0:
+        sizes[order[need:]] -= 1
+    sizes = np.clip(sizes, low, high)
+    diff = target - int(sizes.sum())
+    if diff > 0:
+        for i in range(C):
+            if diff == 0:
+                break
+            if sizes[i] < high:
+                sizes[i] += 1
+                diff -= 1
+    elif diff < 0:
+        for i in range(C):
+            if diff == 0:
+                break
+            if sizes[i] > low:
+                sizes[i] -= 1
+                diff += 1
+    diff = target - int(sizes.sum())
+    for i in range(abs(diff)):
+        eligible = np.flatnonzero(sizes < high) if diff > 0 else np.flatnonzero(sizes > low)
+        if len(eligible) == 0:
+            break
+        sizes[eligible[i % len(eligible)]] += 1 if diff > 0 else -1
+    return [int(v) for v in np.clip(sizes, low, high)]
 
-    def fitted(lam: float) -> np.ndarray:
-        return np.clip(lam * raw, low, high)
 
-    lo_lam, hi_lam = 0.0, 1.0
-    while fitted(hi_lam).sum() < total and hi_lam < 1e30:
-        hi_lam *= 2.0
-    for _ in range(200):
-        mid = (lo_lam + hi_lam) / 2
-        if fitted(mid).sum() < total:
-            lo_lam = mid
-        else:
-            hi_lam = mid
-    return round_to_total(fitted(hi_lam), total, low, high)
+def assign_with_overlap(num_samples: int, sizes: Sequence[int], r: float,
+                        rng: np.random.Generator) -> tuple[list[set[int]], list[int]]:
+    """FedAgent's assignment of ``num_samples`` samples to clients of the given ``sizes`` (§6.3).
+
+    Each sample ``m`` (in order) goes to ``k_m`` in ``{floor(r), ceil(r)}`` distinct clients drawn
+    without replacement with probability proportional to their remaining capacity; a random top-up
+    follows if the clients' sets fall short of ``sum(sizes)``. Returns the per-client Python sets
+    (iterate them for FedAgent's order, specs/partitions.md §12) and ``k``.
+    """
+    M = num_samples
+    A = int(sum(int(v) for v in sizes))
+    r_lo, r_hi = int(np.floor(r)), int(np.ceil(r))
+    h = A - r_lo * M
+    if not 0 <= h <= M:
+        r_lo, r_hi = int(np.floor(A / M)), int(np.ceil(A / M))
+        h = A - r_lo * M
+    k = np.full(M, r_lo, dtype=np.int64)
+    if h > 0:
+        k[rng.choice(M, size=h, replace=False)] = r_hi
+    rem = np.array([int(v) for v in sizes], dtype=np.int64)
+    sets: list[set[int]] = [set() for _ in sizes]
+    for m in range(M):
+        avail = np.flatnonzero(rem > 0)
+        need = min(int(k[m]), len(avail))
+        if need == 0:
+            continue
+        weights = rem[avail] / rem[avail].sum()
+        for client in rng.choice(avail, size=need, replace=False, p=weights):
+            sets[int(client)].add(m)
+            rem[client] -= 1
+    short = A - sum(len(s) for s in sets)
+    if short > 0:
+        avail = np.flatnonzero(rem > 0)
+        for _ in range(short):
+            if len(avail) == 0:
+                break
+            m = int(rng.integers(0, M))
+            client = int(rng.choice(avail))
+            sets[client].add(m)
+            rem[client] -= 1
+            avail = np.flatnonzero(rem > 0)
+    return sets, [int(v) for v in k]

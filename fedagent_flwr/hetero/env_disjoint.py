@@ -1,29 +1,35 @@
-"""``env_disjoint``: scene-level partition of ALFWorld games (FedAgent reference §4.3).
+"""``env_disjoint``: FedAgent's ALFWorld environment-disjoint partition (specs/partitions.md §9).
 
-A client's world is the set of rooms (scenes) it trains in. Games are grouped by *spec* (the task
-without its room, ``<task>-<object>-<mrecep>-<recep>``) and scene:
+Games are grouped by *spec* (the task without its room, ``<task>-<object>-<mrecep>-<recep>``).
+Specs are visited in ascending string order; a spec's games are sorted by ``(scene, trial)`` as
+strings (scene ``"2" < "30" < "5"``). For a spec of ``m`` games in at least two scenes, every
+client takes the same number ``k = min(m, max(1, ceil(m / N * (1 + env_div))))`` of **games** (not
+rooms): the ``k`` with the lowest ``e = (1 - env_div) * u + env_div * v``, in ascending ``e``, where
+``u = RandomState(spec_seed).random(m)`` is shared by all clients and ``v =
+RandomState(client_seed).random(m)`` is the client's own:
 
-1. scenes listed as held out (``holdout_scenes``, or FedAgent's ``holdout_alfworld_v1.json`` via
-   ``holdout_file``) are dropped first, so no client ever trains in a room reserved for
-   out-of-distribution evaluation;
-2. a spec left with one scene follows ``fallback``: ``"skip"`` (FedAgent's default: nobody gets it)
-   or ``"shared"`` (every client gets it);
-3. a spec with ``n`` scenes gives every client ``k = min(n, ceil(n / N * (1 + env_div)))`` of them:
-   the ``k`` with the lowest ``e = (1 - env_div) * u + env_div * v``, where ``u`` (one uniform draw
-   per scene) is shared by all clients and ``v`` is the client's own. ``env_div = 0``: every
-   client trains in the same rooms; ``env_div = 1``: rooms drawn independently per client;
-4. the client gets every game of its (spec, scene) pairs: a room is all in or all out.
+* ``H`` = the first 4 bytes of SHA-256 of the spec (big-endian) ``& 0x7fffffff``;
+* ``spec_seed = (S + H) & 0x7fffffff``; ``client_seed = (S + 1000 c + (H & 0xffff)) & 0x7fffffff``.
 
-FedAgent gives this arm no floor (``min_goals_per_client`` is unused); a client left with no game
-at all is an error that says why. Draws come from numpy generators seeded with integers only
-(base seed, a SHA-256 digest of the spec, the client id), never Python's salted ``hash()``.
+``env_div = 0``: every client takes the same games; ``env_div = 1``: independent selections. A
+spec seen in one scene follows ``fallback``: ``"skip"`` (FedAgent's default: nobody gets it),
+``"shared"`` (every client gets all its games) or ``"trial-only"`` (a single game is shared, two or
+more go through the top-k). Scenes listed as held out (``holdout_scenes``, or FedAgent's
+``holdout_alfworld_v1.json`` via ``holdout_file``) are dropped first; FedAgent's service passes none.
+``min_goals_per_client`` is ignored, as in FedAgent.
+
+``unit="scene"`` is this project's earlier design, kept as an explicitly named alternative: the
+same formulas over a spec's *scenes* (``m`` = number of scenes, the top-k picks rooms), and a
+client gets every game of its rooms, so a (spec, room) is all in or all out.
+
+Everything is a pure function of integers (never Python's salted ``hash()``); ``S = 42`` gives
+FedAgent's partition.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,24 +40,54 @@ from fedagent_flwr.hetero.common import GoalInfo, check_args, check_goal_info, k
 from fedagent_flwr.hetero.uniform import PartitionError
 
 DEFAULT_ENV_DIV = 0.7
-FALLBACKS = ("skip", "shared")
+FALLBACKS = ("skip", "shared", "trial-only")
+UNITS = ("game", "scene")
 
 
 def spec_digest(spec: str) -> int:
-    """A 31-bit integer fixed by the spec's text (the same in every process and run)."""
-    return int.from_bytes(hashlib.sha256(spec.encode()).digest()[:4], "big") & 0x7FFFFFFF
+    """``H``: the first 4 bytes of SHA-256 of the spec (UTF-8), big-endian, ``& 0x7fffffff``."""
+    return int.from_bytes(hashlib.sha256(spec.encode("utf-8")).digest()[:4], "big") & 0x7FFFFFFF
 
 
-def scene_scores(spec: str, num_scenes: int, client_id: int, env_div: float, base_seed: int = 42) -> np.ndarray:
-    """``e = (1 - env_div) * u + env_div * v`` for each of a spec's scenes, for one client."""
+def spec_seeds(spec: str, client_id: int, base_seed: int = 42) -> tuple[int, int]:
+    """``(spec_seed, client_seed)`` of a spec for one client."""
     digest = spec_digest(spec)
-    u = np.random.default_rng(np.random.SeedSequence([int(base_seed), digest])).random(num_scenes)
-    v = np.random.default_rng(np.random.SeedSequence([int(base_seed), digest, 1, int(client_id)])).random(num_scenes)
+    spec_seed = (int(base_seed) + (digest & 0x7FFFFFFF)) & 0x7FFFFFFF
+    client_seed = (int(base_seed) + 1000 * int(client_id) + (digest & 0xFFFF)) & 0x7FFFFFFF
+    return spec_seed, client_seed
+
+
+def selection_scores(spec: str, count: int, client_id: int, env_div: float, base_seed: int = 42,
+                     rng: np.random.RandomState | None = None) -> np.ndarray:
+    """``e = (1 - env_div) * u + env_div * v`` over a spec's ``count`` sorted items, for one client.
+
+    ``u = RandomState(spec_seed).random(count)``, ``v = RandomState(client_seed).random(count)``;
+    ``rng``, if given, is re-seeded instead (the same MT19937 stream, without building a new one).
+    """
+    spec_seed, client_seed = spec_seeds(spec, client_id, base_seed)
+    rng = np.random.RandomState(0) if rng is None else rng
+    rng.seed(spec_seed)
+    u = rng.random(count)
+    rng.seed(client_seed)
+    v = rng.random(count)
     return (1.0 - env_div) * u + env_div * v
 
 
-def _scene_key(scene: str) -> tuple[int, str]:
-    return (int(scene), scene) if scene.isdigit() else (1 << 30, scene)
+def per_client_count(count: int, num_clients: int, env_div: float) -> int:
+    """``k = min(m, max(1, ceil(m / N * (1 + env_div))))`` in double precision."""
+    return min(count, max(1, int(np.ceil((count / num_clients) * (1 + env_div)))))
+
+
+def _trial(info: GoalInfo) -> str:
+    """The trial directory: ``info.trial``, else read from ALFWorld's task id
+    ``alfworld_<spec>-<scene>_<trial>_game``, else the task id itself."""
+    if info.trial is not None:
+        return str(info.trial)
+    task_id = str(info.task_id or "")
+    prefix = f"alfworld_{info.group}-{info.scene}_"
+    if task_id.startswith(prefix) and task_id.endswith("_game"):
+        return task_id[len(prefix):-len("_game")]
+    return task_id
 
 
 def env_disjoint_partition(
@@ -62,40 +98,58 @@ def env_disjoint_partition(
     base_seed: int = 42,
     holdout_scenes: Collection[str] = (),
     fallback: str = "skip",
+    unit: str = "game",
 ) -> list[int]:
-    """The pool indices of ``client_id``'s games (see the module docstring)."""
+    """The pool indices of ``client_id``'s games, spec by spec, in FedAgent's order (module doc).
+
+    Goals without a scene or spec are dropped (FedAgent drops paths it cannot parse). A client left
+    with no game at all is an error that says why.
+    """
     num_goals = len(goal_info)
     check_args(client_id, num_clients, max(num_goals, 1))
     goal_info = check_goal_info("env_disjoint", goal_info, num_goals)
     if fallback not in FALLBACKS:
         raise PartitionError(f"env_disjoint fallback must be one of {FALLBACKS}, got {fallback!r}")
+    if unit not in UNITS:
+        raise PartitionError(f"env_disjoint unit must be one of {UNITS}, got {unit!r}")
     if not 0.0 <= env_div <= 1.0:
         raise PartitionError(f"env_div must be in [0, 1], got {env_div!r}")
     held_out = {str(s) for s in holdout_scenes}
-    cells: dict[str, dict[str, list[int]]] = {}
+    by_spec: dict[str, list[tuple[str, str, int]]] = {}
     for index, info in enumerate(goal_info):
-        if info.scene is None or info.group is None:
-            raise PartitionError(f"env_disjoint needs each goal's scene and spec; goal {index} has {info!r}")
-        if str(info.scene) in held_out:
+        if info.scene is None or info.group is None or str(info.scene) in held_out:
             continue
-        cells.setdefault(info.group, {}).setdefault(str(info.scene), []).append(index)
+        by_spec.setdefault(str(info.group), []).append((str(info.scene), _trial(info), index))
     chosen: list[int] = []
-    for spec in sorted(cells):
-        scenes = sorted(cells[spec], key=_scene_key)
-        if len(scenes) == 1:
-            if fallback == "shared":
-                chosen.extend(cells[spec][scenes[0]])
+    rng = np.random.RandomState(0)  # re-seeded per spec
+    for spec in sorted(by_spec):
+        games = sorted(by_spec[spec])
+        scenes = sorted({scene for scene, _, _ in games})
+        if unit == "scene":
+            if len(scenes) <= 1 and fallback != "trial-only":
+                if fallback == "shared":
+                    chosen += [index for _, _, index in games]
+                continue
+            k = per_client_count(len(scenes), num_clients, env_div)
+            order = np.argsort(selection_scores(spec, len(scenes), client_id, env_div, base_seed, rng))[:k]
+            for position in order:
+                chosen += [index for scene, _, index in games if scene == scenes[int(position)]]
             continue
-        k = min(len(scenes), math.ceil(len(scenes) / num_clients * (1.0 + env_div)))
-        scores = scene_scores(spec, len(scenes), client_id, env_div, base_seed)
-        for position in np.argsort(scores, kind="stable")[:k]:
-            chosen.extend(cells[spec][scenes[int(position)]])
+        if len(scenes) <= 1:
+            if fallback == "skip":
+                continue
+            if fallback == "shared" or len(games) == 1:
+                chosen += [index for _, _, index in games]
+                continue
+        k = per_client_count(len(games), num_clients, env_div)
+        order = np.argsort(selection_scores(spec, len(games), client_id, env_div, base_seed, rng))[:k]
+        chosen += [games[int(position)][2] for position in order]
     if not chosen:
         raise PartitionError(
             f"env_disjoint leaves client {client_id} of {num_clients} without games: every task has at most one "
             f"scene outside the held-out ones (fallback {fallback!r}); use fallback 'shared' or another strategy"
         )
-    return sorted(chosen)
+    return chosen
 
 
 def read_holdout_scenes(path: str | Path) -> list[str]:
@@ -111,10 +165,11 @@ def read_holdout_scenes(path: str | Path) -> list[str]:
 
 def env_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                           base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    """Dispatcher adapter: knobs ``env_div``, ``fallback``, ``holdout_scenes`` / ``holdout_file``."""
+    """Dispatcher adapter: knobs ``env_div``, ``fallback``, ``unit``, ``holdout_scenes`` / ``holdout_file``."""
     env_div = knob_float(knobs, "env_div", DEFAULT_ENV_DIV, 0.0, 1.0)
     holdout: list[str] = [str(s) for s in knobs.get("holdout_scenes") or ()]
     if knobs.get("holdout_file"):
         holdout += read_holdout_scenes(knobs["holdout_file"])
     return env_disjoint_partition(client_id, num_clients, check_goal_info("env_disjoint", goal_info, num_goals),
-                                  env_div, base_seed, holdout, str(knobs.get("fallback") or "skip"))
+                                  env_div, base_seed, holdout, str(knobs.get("fallback") or "skip"),
+                                  str(knobs.get("unit") or "game"))

@@ -246,7 +246,7 @@ def keep_distractors(all_asins: Collection[str], distractors: Sequence[str], cli
 
     ``u`` = ``RandomState(base_seed).random()`` and ``v`` = ``RandomState(base_seed + 1000*client_id)
     .random()``, one draw per ASIN of ``sorted(all_asins)`` in order (so a value belongs to its ASIN
-    whatever the distractor set); ties keep sorted-ASIN order. Returned sorted.
+    whatever the distractor set); ``np.argsort`` with its default kind, as FedAgent. Returned sorted.
     """
     ordered = sorted(set(all_asins))
     pos = {a: i for i, a in enumerate(ordered)}
@@ -255,7 +255,7 @@ def keep_distractors(all_asins: Collection[str], distractors: Sequence[str], cli
     idx = np.array([pos[a] for a in distractors], dtype=np.int64)
     e = (1.0 - env_div) * u[idx] + env_div * v[idx]
     n_keep = int(round(keep_ratio * len(distractors)))
-    order = np.argsort(e, kind="stable")[:n_keep]
+    order = np.argsort(e)[:n_keep]
     return sorted(distractors[i] for i in order)
 
 

@@ -1,24 +1,29 @@
-"""Task-level partitions of a goal pool (FedAgent reference §4.2): which goals each client trains on.
+"""Task-level partitions of a goal pool (specs/partitions.md §5-§8): which goals each client trains on.
 
-All four return sorted, distinct indices into the pool ``range(num_goals)`` (for WebShop the train
-split, ``goals[val_size:]``) and never fewer than ``min(min_goals_per_client, num_goals)`` of them.
+Each function reproduces FedAgent's, draw for draw, with the run's base seed ``S`` where FedAgent
+hard-codes 42 (``S = 42`` gives FedAgent's partition), and returns pool indices **in FedAgent's
+order** (ALFWorld's environment takes games from its list by position; FedAgent's WebShop wrappers
+sort, which :func:`fedagent_flwr.hetero.partition_goals` does for ``order="sorted"``).
 
-* :func:`task_disjoint_partition` - FedAgent's catalog_split slice (full catalogue): ``n // N``
-  contiguous goals per client, widened symmetrically to the floor.
-* :func:`preference_partition` - category skew: ``q ~ Dir(pi (1 - omega)/omega)`` over goal categories,
-  ``min_goals`` goals drawn ``~ Multinomial(min_goals, q)``.
-* :func:`coverage_partition` - client pool sizes ``~ Beta`` around 500 in ``[min_goals, 1000]``,
-  every goal handed to ``floor(r)`` or ``ceil(r)`` distinct clients (overlap when ``r > 1``).
-* :func:`hardness_partition` - ``min_goals`` goals per client of which a Beta-distributed number are
-  "easy" (success label True).
+* :func:`task_disjoint_partition` - FedAgent's catalog_split goal slice (full catalogue): the
+  ``uniform`` arithmetic (§4, §10.2).
+* :func:`preference_partition` - category skew (§5): ``q ~ Dir(pi (1 - omega)/omega)`` from
+  ``RandomState(S + c)``, exactly ``L`` goals ``~ Multinomial(L, q)`` over categories in order of
+  first appearance, one capacity redistribution, a uniform top-up.
+* :func:`coverage_partition` - Beta client sizes in ``[L, 1000]`` around 500 and FedAgent's
+  ``assign_with_overlap``, all from one ``default_rng(S)`` (§7); each client's goals in set order.
+* :func:`hardness_partition` - as revised in FedAgent 0a41188 (§8): a Beta easy quota per client
+  placed among the successful goals with ``assign_with_overlap``, then unsuccessful goals up to
+  ``L``, all from one ``default_rng(S)`` whose post-assignment state every client shares.
 
-Randomness: :func:`~fedagent_flwr.hetero.common.client_rng` / ``shared_rng`` (numpy ``default_rng``
-seeded from the base seed, a per-strategy tag and the client id), so results are identical in every
-process and on every run with the same numpy.
+``L`` is ``min_goals_per_client`` (FedAgent's default 100). A pool smaller than ``L`` is not an
+error: preference then gives every goal, coverage and hardness what FedAgent gives.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -33,37 +38,51 @@ from fedagent_flwr.hetero.common import (
     DEFAULT_SIZE_STD,
     DEFAULT_SUCCESS_STD,
     GoalInfo,
+    assign_with_overlap,
     check_args,
     check_goal_info,
     check_int,
-    client_rng,
+    default_r,
     fedagent_slice,
     generate_client_sizes,
     knob_float,
     knob_int,
-    shared_rng,
 )
 from fedagent_flwr.hetero.uniform import PartitionError
+
+__all__ = [
+    "assign_with_overlap", "coverage_assignment", "coverage_partition", "coverage_sizes", "hardness_assignment",
+    "hardness_partition", "hardness_sizes", "load_hardness_labels", "preference_partition", "task_disjoint_partition",
+]
 
 # --- task_disjoint --------------------------------------------------------------------------------
 
 
-def task_disjoint_partition(client_id: int, num_clients: int, num_goals: int, min_goals_per_client: int = 0) -> list[int]:
+def task_disjoint_partition(client_id: int, num_clients: int, num_goals: int,
+                            min_goals_per_client: int = DEFAULT_MIN_GOALS) -> list[int]:
     """FedAgent's ``task_disjoint``: the catalog_split goal slice with the full catalogue.
 
-    See :func:`~fedagent_flwr.hetero.common.fedagent_slice`: slices are disjoint when
-    ``n // N >= min_goals``; otherwise neighbours overlap. Pure arithmetic (no RNG).
+    The ``uniform`` arithmetic (:func:`~fedagent_flwr.hetero.uniform.uniform_bounds`): disjoint
+    ``n // N`` slices when ``n // N >= min_goals``, otherwise widened so that neighbours overlap.
     """
     return fedagent_slice(client_id, num_clients, num_goals, min_goals_per_client)
 
 
 # --- preference -----------------------------------------------------------------------------------
 
-#: FedAgent keeps a random 20 % of the (dominant) fashion goals before the category draw.
+#: FedAgent keeps a random ``max(1, int(0.2 f))`` of the ``f`` fashion goals (WebShop) before the draw.
 FASHION_CATEGORY = "fashion"
-FASHION_KEEP = 0.2
+FASHION_SAMPLE_RATIO = 0.2
 PREFERENCE_EPS = 0.01
+#: FedAgent's ``partition_dataset`` uses ``tau`` (default 0.3) when ``omega`` is not given; its runs
+#: always pass ``OMEGA`` (default 0.5, ``conf/partition/preference.yaml``).
+DEFAULT_TAU = 0.3
 OMEGA_CLIP = (1e-3, 1 - 1e-3)
+UNKNOWN_CATEGORY = "unknown"
+
+
+def _category(info: GoalInfo) -> str:
+    return UNKNOWN_CATEGORY if info.category is None else str(info.category)
 
 
 def preference_partition(
@@ -74,68 +93,67 @@ def preference_partition(
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
     omega: float = DEFAULT_OMEGA,
     base_seed: int = 42,
-    fashion_keep: float = FASHION_KEEP,
+    fashion_sample_ratio: float = FASHION_SAMPLE_RATIO,
 ) -> list[int]:
-    """Dirichlet category preference (ω): exactly ``m = min(min_goals_per_client, n)`` goals.
+    """Dirichlet category preference (ω, specs/partitions.md §5): ``L`` goals, in FedAgent's order.
 
-    With the client's generator:
-
-    1. candidates: every goal, except that category ``fashion`` keeps a random
-       ``max(1, round(fashion_keep * #fashion))`` of its goals (goals with no category form ``"None"``);
-    2. ``pi_k = (f_k + eps) / sum_j (f_j + eps)`` with ``f_k`` the candidates' category frequencies
-       and ``eps = 0.01`` (categories in sorted order);
-    3. ``omega`` clipped to ``[1e-3, 1 - 1e-3]``; ``q ~ Dir(pi (1 - omega) / omega)`` (small ``omega``:
-       ``q`` close to ``pi``; large ``omega``: ``q`` close to one category);
-    4. ``counts ~ Multinomial(m, q)``; counts above a category's candidates are cut and the excess
-       redrawn ``~ Multinomial(excess, q)`` over the categories with room left (repeated);
-    5. each category's count drawn without replacement from its candidates; any shortfall (too few
-       candidates overall) is topped up uniformly from the goals not yet chosen.
+    ``num_clients`` is only checked: a client's goals do not depend on it. Categories are grouped
+    in order of first appearance (``None`` = ``"unknown"``); a ``"fashion"`` category keeps
+    ``RandomState(S + c).choice(fashion, max(1, int(ratio f)), replace=False)`` (WebShop). Then, on a
+    fresh ``RandomState(S + c)``: ``q = dirichlet(pi (1 - omega)/omega)`` with ``pi_k = (p_k + 0.01) /
+    (1 + 0.01 C)``; ``counts = multinomial(L, q)``; counts above a category's size are cut and the
+    overflow redrawn once over the other categories; each category's count drawn without
+    replacement; a shortfall topped up uniformly from the unused goals.
     """
     check_args(client_id, num_clients, num_goals)
     goal_info = check_goal_info("preference", goal_info, num_goals)
-    m = min(check_int("min_goals_per_client", min_goals_per_client, 1), num_goals)
+    L = check_int("min_goals_per_client", min_goals_per_client, 0)
     omega = min(max(float(omega), OMEGA_CLIP[0]), OMEGA_CLIP[1])
-    rng = client_rng(base_seed, "preference", client_id)
+    seed = int(base_seed) + int(client_id)
 
-    by_cat: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}
     for i, info in enumerate(goal_info):
-        by_cat.setdefault(str(info.category), []).append(i)
-    cats = sorted(by_cat)
-    if FASHION_CATEGORY in by_cat and fashion_keep < 1.0:
-        pool = by_cat[FASHION_CATEGORY]
-        keep = max(1, int(round(fashion_keep * len(pool))))
-        by_cat[FASHION_CATEGORY] = sorted(int(i) for i in rng.choice(pool, size=keep, replace=False))
+        groups.setdefault(_category(info), []).append(i)
+    fashion = groups.get(FASHION_CATEGORY)
+    if fashion:
+        keep = max(1, int(len(fashion) * fashion_sample_ratio))
+        drawn = np.random.RandomState(seed).choice(np.asarray(fashion), size=keep, replace=False)
+        groups[FASHION_CATEGORY] = [int(i) for i in drawn]
+    cats = list(groups)
+    sizes = np.array([len(groups[k]) for k in cats], dtype=np.int64)
+    p = sizes / sizes.sum()
+    pi = (p + PREFERENCE_EPS) / (1 + PREFERENCE_EPS * len(cats))
 
-    avail = np.array([len(by_cat[c]) for c in cats], dtype=np.int64)
-    freq = avail / avail.sum()
-    pi = (freq + PREFERENCE_EPS) / (freq + PREFERENCE_EPS).sum()
+    rng = np.random.RandomState(seed)
     q = rng.dirichlet(pi * (1 - omega) / omega)
-    if not np.all(np.isfinite(q)) or q.sum() <= 0:
-        q = pi
     q = q / q.sum()
+    if not np.all(np.isfinite(q)):
+        raise PartitionError(f"preference: the Dirichlet draw of client {client_id} underflowed "
+                             f"(omega {omega} is too close to 1); use a smaller omega")
+    counts = rng.multinomial(L, q)
+    overflow, donors = 0, []
+    for k, size in enumerate(sizes):
+        if counts[k] > size:
+            overflow += int(counts[k] - size)
+            counts[k] = size
+        elif counts[k] < size:
+            donors.append(k)
+    if overflow > 0 and donors:
+        q_donors = q[donors]
+        extra = rng.multinomial(overflow, q_donors / q_donors.sum())
+        for j, k in enumerate(donors):
+            counts[k] += min(int(extra[j]), int(sizes[k] - counts[k]))
 
-    counts = rng.multinomial(m, q)
-    for _ in range(1000):
-        excess = int(np.maximum(counts - avail, 0).sum())
-        counts = np.minimum(counts, avail)
-        spare = avail - counts
-        if excess == 0 or spare.sum() == 0:
-            break
-        weights = np.where(spare > 0, q, 0.0)
-        if weights.sum() <= 0:
-            weights = (spare > 0).astype(float)
-        counts = counts + rng.multinomial(excess, weights / weights.sum())
-    counts = np.minimum(counts, avail)
-
-    chosen: set[int] = set()
-    for cat, count in zip(cats, counts):
-        if count:
-            chosen.update(int(i) for i in rng.choice(by_cat[cat], size=int(count), replace=False))
-    short = m - len(chosen)
-    if short > 0:
-        rest = [i for i in range(num_goals) if i not in chosen]
-        chosen.update(int(i) for i in rng.choice(rest, size=short, replace=False))
-    return sorted(chosen)
+    chosen: list[int] = []
+    for k, cat in enumerate(cats):
+        if counts[k] > 0:
+            chosen += [int(i) for i in rng.choice(np.asarray(groups[cat]), size=int(counts[k]), replace=False)]
+    if len(chosen) < L:
+        used = set(chosen)
+        free = [i for i in range(num_goals) if i not in used]
+        take = min(L - len(chosen), len(free))
+        chosen += [int(i) for i in rng.choice(np.asarray(free, dtype=np.int64), size=take, replace=False)]
+    return chosen
 
 
 # --- coverage -------------------------------------------------------------------------------------
@@ -144,62 +162,45 @@ COVERAGE_CENTER = 500
 COVERAGE_HIGH = 1000
 
 
-def coverage_sizes(num_clients: int, num_goals: int, min_goals_per_client: int, size_std: float, base_seed: int = 42) -> list[int]:
-    """Every client's pool size under ``coverage`` (identical on all clients).
-
-    ``low = min(min_goals, n)``, ``high = min(max(1000, low), n)``, ``center = clip(500, low, high)``;
-    total ``T = N * center`` (FedAgent's ``round(r n)`` with ``r = clip(N 500/n, N low/n, N 1000/n)``),
-    sizes from :func:`~fedagent_flwr.hetero.common.generate_client_sizes` with ``s = size_std``.
-    """
+def _coverage_setup(num_clients: int, num_goals: int, min_goals_per_client: int, size_std: float,
+                    base_seed: int) -> tuple[np.random.Generator, float, list[int]]:
     check_int("num_clients", num_clients, 1)
     check_int("num_goals", num_goals, 1)
-    low = min(check_int("min_goals_per_client", min_goals_per_client, 0), num_goals)
-    high = min(max(COVERAGE_HIGH, low), num_goals)
-    center = min(max(COVERAGE_CENTER, low), high)
-    rng = shared_rng(base_seed, "coverage")
-    return generate_client_sizes(num_clients, low, center, high, size_std, num_clients * center, rng)
+    low = check_int("min_goals_per_client", min_goals_per_client, 0)
+    if low > COVERAGE_CENTER:
+        raise PartitionError(f"coverage needs min_goals_per_client <= {COVERAGE_CENTER} (FedAgent's centre size), "
+                             f"got {low}")
+    rng = np.random.default_rng(int(base_seed))
+    r = default_r(num_goals, num_clients, low, COVERAGE_CENTER, COVERAGE_HIGH)
+    total = int(round(r * num_goals))
+    sizes = generate_client_sizes(num_clients, low, COVERAGE_CENTER, COVERAGE_HIGH, size_std, total, rng)
+    return rng, r, sizes
 
 
-def assign_with_overlap(sizes: Sequence[int], num_goals: int, rng: np.random.Generator) -> list[list[int]]:
-    """Hand each goal to ``floor(r)`` or ``ceil(r)`` distinct clients (``r = sum(sizes) / n``).
+def coverage_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
+                   size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[int]:
+    """Every client's target size under ``coverage`` (§7): ``generate_client_sizes(N, L, 500, 1000,
+    s, 500 N)`` on ``default_rng(S)``; they depend on ``(N, L, s, S)``, not on the pool."""
+    return _coverage_setup(num_clients, num_goals, min_goals_per_client, size_std, base_seed)[2]
 
-    Client ``c`` ends with exactly ``sizes[c]`` distinct goals. A random ``T - n*floor(r)`` goals get
-    the extra copy; goals are visited in a random order and each one's clients are drawn without
-    replacement with probability proportional to their remaining capacity (Efraimidis-Spirakis
-    keys), except that a client whose remaining capacity equals the number of goals still to visit
-    must take the goal. That rule keeps the rest feasible (Gale-Ryser: with positive goal degrees
-    in ``{a, a+1}`` an assignment exists iff no capacity exceeds the goals left), so it never fails.
-    Goals with no copy (``r < 1``) are skipped.
-    """
-    n = num_goals
-    cap = np.array(sizes, dtype=np.int64)
-    total = int(cap.sum())
-    if cap.max(initial=0) > n or total > n * len(cap):
-        raise PartitionError(f"cannot give {list(sizes)} distinct goals from a pool of {n}")
-    a = total // n
-    degree = np.full(n, a, dtype=np.int64)
-    degree[rng.permutation(n)[: total - a * n]] += 1
-    parts: list[list[int]] = [[] for _ in sizes]
-    order = [int(g) for g in rng.permutation(n) if degree[g] > 0]
-    for step, goal in enumerate(order):
-        left = len(order) - step  # goals still to visit, each needing >= 1 client
-        need = int(degree[goal])
-        keys = rng.random(len(cap))
-        forced = np.flatnonzero(cap == left)
-        free = np.flatnonzero((cap > 0) & (cap < left))
-        take = need - len(forced)
-        if take < 0 or take > len(free):  # unreachable while the invariant holds
-            raise PartitionError("coverage assignment became infeasible")
-        if take:
-            score = np.log(keys[free]) / cap[free]  # larger is better; weight = remaining capacity
-            picked = free[np.argsort(-score, kind="stable")[:take]]
-            clients = np.concatenate([forced, picked])
-        else:
-            clients = forced
-        for c in clients:
-            parts[int(c)].append(int(goal))
-        cap[clients] -= 1
-    return [sorted(p) for p in parts]
+
+def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
+                        size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[list[int]]:
+    """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
+    check_int("num_clients", num_clients, 1)
+    check_int("num_goals", num_goals, 1)
+    check_int("min_goals_per_client", min_goals_per_client, 0)
+    parts = _coverage_cached(num_clients, num_goals, min_goals_per_client, float(size_std), int(base_seed))
+    return [list(part) for part in parts]
+
+
+@functools.lru_cache(maxsize=8)
+def _coverage_cached(num_clients: int, num_goals: int, min_goals_per_client: int, size_std: float,
+                     base_seed: int) -> tuple[tuple[int, ...], ...]:
+    # One global assignment serves every client of the process (the inspect command, tests).
+    rng, r, sizes = _coverage_setup(num_clients, num_goals, min_goals_per_client, size_std, base_seed)
+    sets, _ = assign_with_overlap(num_goals, sizes, r, rng)
+    return tuple(tuple(s) for s in sets)
 
 
 def coverage_partition(
@@ -210,47 +211,114 @@ def coverage_partition(
     size_std: float = DEFAULT_SIZE_STD,
     base_seed: int = 42,
 ) -> list[int]:
-    """Coverage (ξ): Beta-sized, overlapping client pools (see :func:`coverage_sizes`, :func:`assign_with_overlap`).
+    """Coverage (ξ, §7): Beta-sized client pools in ``[L, 1000]`` averaging 500, each goal held by
+    ``floor(r)`` or ``ceil(r)`` clients (``r = 500 N / n``); the client's goals in set order.
 
-    Client sizes lie in ``[min(min_goals, n), min(1000, n)]`` and average 500 (when the bounds
-    allow); a larger ``size_std`` gives more equal sizes. The whole assignment uses the shared
-    generator, so all clients agree on it and each returns its own part.
+    Every client computes the same global assignment from ``default_rng(S)`` and reads its own
+    part. ``L`` above 500 is refused (FedAgent fails an assertion).
     """
     check_args(client_id, num_clients, num_goals)
     return coverage_assignment(num_clients, num_goals, min_goals_per_client, size_std, base_seed)[client_id]
-
-
-def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                        size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[list[int]]:
-    """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
-    sizes = coverage_sizes(num_clients, num_goals, min_goals_per_client, size_std, base_seed)
-    return assign_with_overlap(sizes, num_goals, shared_rng(base_seed, "coverage-assign"))
 
 
 # --- hardness -------------------------------------------------------------------------------------
 
 
 def load_hardness_labels(path: str | os.PathLike[str]) -> dict[str, bool]:
-    """``task_id -> success`` from a FedAgent trajectories file (a later entry overrides an earlier one)."""
+    """``task_id -> success`` from a FedAgent trajectories file (§8.1).
+
+    Only ``trajectories`` is read; an entry's id is ``task_info.task_id`` (entries without one are
+    skipped), its label the truthiness of ``traj_info.success`` (default False); a later entry
+    overrides an earlier one. A file without a single labelled entry is refused.
+    """
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        trajectories = data["trajectories"]
-        return {str(t["task_info"]["task_id"]): bool(t["traj_info"]["success"]) for t in trajectories}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        labels: dict[str, bool] = {}
+        for entry in data.get("trajectories") or []:
+            task_id = (entry.get("task_info") or {}).get("task_id")
+            if task_id is None:
+                continue
+            labels[str(task_id)] = bool((entry.get("traj_info") or {}).get("success", False))
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise PartitionError(f"cannot read hardness labels from {path}: {exc}") from None
+    if not labels:
+        raise PartitionError(f"hardness labels file {path} has no trajectory with a task_info.task_id")
+    return labels
 
 
-def hardness_sizes(num_clients: int, num_goals: int, min_goals_per_client: int, success_std: float, base_seed: int = 42) -> list[int]:
-    """Every client's number of easy goals (identical on all clients).
-
-    ``m = min(min_goals, n)``; ``generate_client_sizes(low=0, center=m // 2, high=m,
-    s=success_std, total=N * (m // 2))`` - so the mean easy count is ``m // 2``.
-    """
+def _hardness_setup(num_clients: int, num_goals: int, min_goals_per_client: int, success_std: float,
+                    base_seed: int) -> tuple[np.random.Generator, int, list[int]]:
     check_int("num_clients", num_clients, 1)
-    m = min(check_int("min_goals_per_client", min_goals_per_client, 1), check_int("num_goals", num_goals, 1))
-    center = m // 2
-    rng = shared_rng(base_seed, "hardness")
-    return generate_client_sizes(num_clients, 0, center, m, success_std, num_clients * center, rng)
+    check_int("num_goals", num_goals, 1)
+    L = check_int("min_goals_per_client", min_goals_per_client, 0)
+    rng = np.random.default_rng(int(base_seed))
+    center = L // 2
+    r = default_r(num_goals, num_clients, 0, center, L)
+    total = int(round(r * num_goals))
+    quotas = generate_client_sizes(num_clients, 0, center, L, success_std, total, rng)
+    return rng, total, quotas
+
+
+def hardness_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
+                   success_std: float = DEFAULT_SUCCESS_STD, base_seed: int = 42) -> list[int]:
+    """Every client's easy quota (§8.3 step 4): ``generate_client_sizes(N, 0, L // 2, L, s, N (L // 2))``."""
+    return _hardness_setup(num_clients, num_goals, min_goals_per_client, success_std, base_seed)[2]
+
+
+def _easy_flags(goal_info: Sequence[GoalInfo], labels: Mapping[str, bool] | None) -> list[bool]:
+    if labels is not None:
+        return [bool(labels.get(str(info.task_id), False)) if info.task_id is not None else False
+                for info in goal_info]
+    if all(info.success is None for info in goal_info):
+        raise PartitionError("hardness needs success labels: pass trajectories_file or GoalInfo.success")
+    return [info.success is True for info in goal_info]
+
+
+def hardness_assignment(
+    num_clients: int,
+    num_goals: int,
+    goal_info: Sequence[GoalInfo],
+    min_goals_per_client: int = DEFAULT_MIN_GOALS,
+    success_std: float = DEFAULT_SUCCESS_STD,
+    base_seed: int = 42,
+    labels: Mapping[str, bool] | None = None,
+    clients: Sequence[int] | None = None,
+) -> dict[int, list[int]]:
+    """``{client: goals}`` under ``hardness`` (§8.3, FedAgent 0a41188) for ``clients`` (default all).
+
+    A goal is easy iff its label is True: ``labels[goal_info[i].task_id]`` when ``labels`` is given
+    (goals without an entry are unlabelled), else ``goal_info[i].success``; unlabelled goals are hard.
+    """
+    goal_info = check_goal_info("hardness", goal_info, num_goals)
+    flags = _easy_flags(goal_info, labels)
+    L = check_int("min_goals_per_client", min_goals_per_client, 0)
+    rng, total, quotas = _hardness_setup(num_clients, num_goals, L, success_std, base_seed)
+    easy = [i for i, e in enumerate(flags) if e]
+    hard = [i for i, e in enumerate(flags) if not e]
+    sets: list[set[int]] = [set() for _ in range(num_clients)]
+    if easy:
+        sets, _ = assign_with_overlap(len(easy), quotas, total / len(easy), rng)
+    limit = max(L, num_goals // num_clients)
+    out: dict[int, list[int]] = {}
+    for client in range(num_clients) if clients is None else clients:
+        check_args(client, num_clients, num_goals)
+        own = copy.deepcopy(rng)  # every client continues from the state the global assignment left
+        mine = sets[client]
+        goals = [easy[j] for j in mine]
+        rest_easy = [easy[j] for j in range(len(easy)) if j not in mine]
+        rest_hard = hard
+        need = L - len(goals)
+        if need > 0 and hard:
+            drawn = [int(i) for i in own.choice(np.asarray(hard), size=min(need, len(hard)), replace=False)]
+            goals += drawn
+            taken = set(drawn)
+            rest_hard = [i for i in hard if i not in taken]
+        need = L - len(goals)
+        rest = rest_easy + rest_hard
+        if need > 0 and rest:
+            goals += [int(i) for i in own.choice(np.asarray(rest), size=min(need, len(rest)), replace=False)]
+        out[client] = goals[:limit]
+    return out
 
 
 def hardness_partition(
@@ -263,34 +331,14 @@ def hardness_partition(
     base_seed: int = 42,
     labels: Mapping[str, bool] | None = None,
 ) -> list[int]:
-    """Hardness (ξ′): ``m = min(min_goals, n)`` goals, ``e_c`` of them easy (:func:`hardness_sizes`).
+    """Hardness (ξ′, §8, FedAgent 0a41188): ``L`` goals, the client's easy quota first (set order),
+    then unsuccessful goals drawn from the shared post-assignment state of ``default_rng(S)``.
 
-    A goal is easy iff its label is True: ``labels[goal_info[i].task_id]`` when ``labels`` is given
-    (goals without an entry are unlabelled), else ``goal_info[i].success``; unlabelled goals count
-    as hard. The client draws ``min(e_c, #easy)`` easy goals and ``m - that`` hard goals uniformly
-    without replacement; if the hard goals run out, the rest are easy ones.
+    See :func:`hardness_assignment` for the labels.
     """
     check_args(client_id, num_clients, num_goals)
-    goal_info = check_goal_info("hardness", goal_info, num_goals)
-    if labels is not None:
-        easy_flags = [bool(labels.get(str(info.task_id), False)) if info.task_id is not None else False
-                      for info in goal_info]
-    else:
-        if all(info.success is None for info in goal_info):
-            raise PartitionError("hardness needs success labels: pass trajectories_file or GoalInfo.success")
-        easy_flags = [info.success is True for info in goal_info]
-    easy = [i for i, e in enumerate(easy_flags) if e]
-    hard = [i for i, e in enumerate(easy_flags) if not e]
-    m = min(check_int("min_goals_per_client", min_goals_per_client, 1), num_goals)
-    n_easy = min(hardness_sizes(num_clients, num_goals, m, success_std, base_seed)[client_id], len(easy))
-    n_hard = m - n_easy
-    if n_hard > len(hard):
-        n_hard = len(hard)
-        n_easy = m - n_hard
-    rng = client_rng(base_seed, "hardness", client_id)
-    chosen = [int(i) for i in rng.choice(easy, size=n_easy, replace=False)] if n_easy else []
-    chosen += [int(i) for i in rng.choice(hard, size=n_hard, replace=False)] if n_hard else []
-    return sorted(chosen)
+    return hardness_assignment(num_clients, num_goals, goal_info, min_goals_per_client, success_std,
+                               base_seed, labels, clients=[client_id])[client_id]
 
 
 # --- dispatcher adapters --------------------------------------------------------------------------
@@ -300,6 +348,14 @@ def _min_goals(knobs: Mapping[str, Any]) -> int:
     return knob_int(knobs, "min_goals_per_client", DEFAULT_MIN_GOALS)
 
 
+def _first_knob(knobs: Mapping[str, Any], names: Sequence[str], default: float, lo: float, hi: float) -> float:
+    """The first of ``names`` that is set (FedAgent's fallbacks: omega/tau, size_std/dispersion_s)."""
+    for name in names:
+        if knobs.get(name) is not None:
+            return knob_float(knobs, name, default, lo, hi)
+    return default
+
+
 def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                            base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     return task_disjoint_partition(client_id, num_clients, num_goals, _min_goals(knobs))
@@ -307,21 +363,39 @@ def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, kno
 
 def preference_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                         base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    omega = knob_float(knobs, "omega", DEFAULT_OMEGA, 0.0, 1.0)
+    omega = _first_knob(knobs, ("omega", "tau"), DEFAULT_TAU, 0.0, 1.0)
+    ratio = knob_float(knobs, "fashion_sample_ratio", FASHION_SAMPLE_RATIO, 0.0, 1.0)
     return preference_partition(client_id, num_clients, num_goals, check_goal_info("preference", goal_info, num_goals),
-                                _min_goals(knobs), omega, base_seed)
+                                _min_goals(knobs), omega, base_seed, ratio)
 
 
 def coverage_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    size_std = knob_float(knobs, "size_std", DEFAULT_SIZE_STD, 0.0, float("inf"))
+    size_std = _first_knob(knobs, ("dispersion_s", "size_std"), DEFAULT_SIZE_STD, 0.0, float("inf"))
     return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
 
 
 def hardness_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    success_std = knob_float(knobs, "success_std", DEFAULT_SUCCESS_STD, 0.0, float("inf"))
+    success_std = _first_knob(knobs, ("success_std", "dispersion_s"), DEFAULT_SUCCESS_STD, 0.0, float("inf"))
     path = knobs.get("trajectories_file")
     labels = load_hardness_labels(path) if path else None
     return hardness_partition(client_id, num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),
                               _min_goals(knobs), success_std, base_seed, labels)
+
+
+def all_clients(strategy: str, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int,
+                goal_info: Sequence[GoalInfo] | None = None) -> list[list[int]] | None:
+    """Every client's goals for the strategies whose global assignment is worth computing once
+    (``coverage``, ``hardness``), as their dispatcher adapters would give them; None for the others."""
+    if strategy == "coverage":
+        size_std = _first_knob(knobs, ("dispersion_s", "size_std"), DEFAULT_SIZE_STD, 0.0, float("inf"))
+        return coverage_assignment(num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
+    if strategy == "hardness":
+        success_std = _first_knob(knobs, ("success_std", "dispersion_s"), DEFAULT_SUCCESS_STD, 0.0, float("inf"))
+        path = knobs.get("trajectories_file")
+        labels = load_hardness_labels(path) if path else None
+        parts = hardness_assignment(num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),
+                                    _min_goals(knobs), success_std, base_seed, labels)
+        return [parts[c] for c in range(num_clients)]
+    return None

@@ -1,14 +1,21 @@
-"""Uniform (IID-style) goal partition: a contiguous slice per client, widened to a floor.
+"""Uniform goal partition: FedAgent's contiguous ``n // N`` slice per client, widened to a floor.
 
-FedAgent's ``uniform`` arm (ALFWorld, and the goal slice of WebShop's ``catalog_split``) gives
-client ``c`` of ``N`` a contiguous slice of about ``n / N`` goals and, when that slice is smaller
-than ``min_goals_per_client``, widens it symmetrically (neighbouring clients then overlap). With
-``N = 100`` clients and 3,553 ALFWorld games every client gets 100 goals.
+FedAgent's ``uniform_partition`` (specs/partitions.md §4; also the goal slice of WebShop's
+``catalog_split`` and ``task_disjoint``): with ``b = n // N`` client ``c`` gets ``[c*b, (c+1)*b)``.
+The last ``n - N*b`` goals (fewer than ``N``) belong to no client. A slice shorter than the floor
+``L`` (``min_goals_per_client``, FedAgent's default 100) is widened by ``need = L - b``: ``need // 2``
+on the left and the rest on the right, whatever one side cannot hold spilling to the other, so that
+every client gets exactly ``L`` goals and neighbours overlap. A pool smaller than the floor
+(``n < L``, e.g. TinyGuess's 10 secrets against FedAgent's 100) gives every client the whole pool.
+With ``N = 100`` clients and 3,553 ALFWorld games every client gets 100 goals.
 
 The function is pure arithmetic: no RNG, so it is identical across processes, machines and runs.
 """
 
 from __future__ import annotations
+
+#: FedAgent's ``min_samples_per_client`` default (``MIN_GOALS_PER_CLIENT``).
+DEFAULT_MIN_GOALS = 100
 
 
 class PartitionError(ValueError):
@@ -20,38 +27,44 @@ def _check_int(name: str, value: int, minimum: int) -> None:
         raise PartitionError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def uniform_partition(
-    client_id: int,
-    num_clients: int,
-    num_goals: int,
-    min_goals_per_client: int = 0,
-) -> list[int]:
-    """Goal indices (sorted, contiguous) of ``client_id`` among ``num_clients``.
-
-    Slice boundaries are ``floor(c * n / N)`` .. ``floor((c + 1) * n / N)``: sizes differ by at most
-    one and every goal belongs to some client. (FedAgent uses ``floor(n / N)`` for every client
-    and leaves the ``n mod N`` tail goals unused; the two agree whenever ``N`` divides ``n``.)
-    A slice shorter than ``min_goals_per_client`` grows by the same amount on both sides (the
-    extra odd goal on the right) and is shifted back inside ``[0, n)`` at the pool's edges; a floor
-    at or above ``n`` gives every goal.
-    """
+def uniform_bounds(client_id: int, num_clients: int, num_goals: int,
+                   min_goals_per_client: int = DEFAULT_MIN_GOALS) -> tuple[int, int]:
+    """``(start, end)`` of ``client_id``'s slice of a pool of ``num_goals`` (specs/partitions.md §4)."""
     _check_int("num_clients", num_clients, 1)
-    _check_int("num_goals", num_goals, 1)
+    _check_int("num_goals", num_goals, 0)
     _check_int("min_goals_per_client", min_goals_per_client, 0)
     _check_int("client_id", client_id, 0)
     if client_id >= num_clients:
         raise PartitionError(f"client_id {client_id} is out of range for {num_clients} clients")
+    n = num_goals
+    if n == 0:
+        return 0, 0
+    base = n // num_clients
+    start, end = client_id * base, client_id * base + base
+    if base < min_goals_per_client:
+        need = min_goals_per_client - base
+        left, right = start, n - end
+        if left + right >= need:
+            grow_left = min(need // 2, left)
+            grow_right = min(need - grow_left, right)
+            if grow_right < need - grow_left:
+                grow_left += min(need - grow_left - grow_right, left - grow_left)
+            start, end = start - grow_left, end + grow_right
+        elif left > 0:
+            start, end = 0, end + min(need - left, right)
+        elif right > 0:
+            end += min(need, right)
+        else:
+            start, end = 0, n
+    return max(start, 0), min(end, n)
 
-    start = client_id * num_goals // num_clients
-    end = (client_id + 1) * num_goals // num_clients
-    size = max(end - start, min(min_goals_per_client, num_goals))
-    if size > end - start:
-        extra = size - (end - start)
-        start -= extra // 2
-        end = start + size
-        # Keep the widened window inside the pool; its size is preserved by shifting.
-        if start < 0:
-            start, end = 0, size
-        if end > num_goals:
-            start, end = num_goals - size, num_goals
+
+def uniform_partition(
+    client_id: int,
+    num_clients: int,
+    num_goals: int,
+    min_goals_per_client: int = DEFAULT_MIN_GOALS,
+) -> list[int]:
+    """Goal indices (ascending, contiguous) of ``client_id`` among ``num_clients``: see the module doc."""
+    start, end = uniform_bounds(client_id, num_clients, num_goals, min_goals_per_client)
     return list(range(start, end))
