@@ -228,7 +228,8 @@ def _plot(data: dict[str, Any], path: Path) -> None:
             means.append(mean)
             lows.append(max(mean - low, 0.0))
             highs.append(max(high - mean, 0.0))
-        axis.errorbar(rounds, means, yerr=[lows, highs], fmt="o-", capsize=3, label=f"{arm} ({len(entries)} seeds)")
+        seeds = f"{len(entries)} seed{'s' if len(entries) != 1 else ''}"
+        axis.errorbar(rounds, means, yerr=[lows, highs], fmt="o-", capsize=3, label=f"{arm} ({seeds})")
     axis.set_xlabel("round")
     axis.set_ylabel("validation success (95% CI)")
     axis.set_ylim(-0.02, 1.02)
