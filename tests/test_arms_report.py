@@ -47,3 +47,15 @@ def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
     assert data["arms"]["local"]["rounds"] == [1, 1]
     assert "| federated | 2 | 2,2 |" in text and "runs without a result: centralized-s1" in text
     assert (tmp_path / "arms.png").stat().st_size > 1000
+
+
+def test_waves_keep_the_sessions_within_the_budget() -> None:
+    arms = _arms_module()
+    runs = arms.plan("tinyguess_verl", [1, 2], ["federated", "local", "centralized", "fedprox"], "num_rounds=3", 39400)
+    assert [r["sessions"] for r in runs] == [2, 1, 1, 2] * 2
+    assert len({r["port"] for r in runs}) == len(runs)
+    assert runs[0]["overrides"] == "recipe=tinyguess_verl seed=1 num_rounds=3"
+    groups = arms.waves(runs, 5)
+    assert all(sum(r["sessions"] for r in g) <= 5 for g in groups)
+    assert [r["name"] for g in groups for r in g] == [r["name"] for r in runs]  # order kept, nothing lost
+    assert [[r["name"] for r in g] for g in groups][0] == ["federated-s1", "local-s1", "centralized-s1"]

@@ -1,7 +1,7 @@
 """FedAgent's arms side by side on one GPU node: launch them, watch them, and report the table.
 
     python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
-        --arms federated local centralized fedprox [--extra "num_rounds=10"]
+        --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
     python3 tools/gpu/arms.py status --out /tmp/out
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
 
@@ -14,7 +14,8 @@ round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eva
 * ``centralized``: one client holding the whole pool (FedAgent's upper baseline).
 
 ``launch`` starts one ``tools/gpu/run_federated.sh`` per (arm, seed), detached and side by side,
-each with its own Flower home and ports, and returns at once. ``report`` reads every run's
+each with its own Flower home and ports, and returns at once; runs beyond ``--max-sessions``
+verl sessions wait in later waves, started by a detached scheduler as earlier ones end. ``report`` reads every run's
 ``federated_summary.json`` (finished or not: the summary is rewritten after every round) and
 writes the table: the final validation success of each run with its 95% Wilson interval, and per
 arm the mean over seeds with the Wilson interval of the pooled episodes. Pooling counts the
@@ -37,15 +38,20 @@ sys.path.insert(0, str(REPO))
 
 from fedagent_flwr.intervals import wilson_interval  # noqa: E402
 
-#: Overrides and Flower federation of each arm (the recipe and seed are added in front).
-ARMS: dict[str, tuple[str, str]] = {
-    "federated": ("", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
+#: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
+#: front). A session is one persistent trainer that trains; "local" has a second node that only
+#: evaluates (Hugging Face generation, a few GB).
+ARMS: dict[str, tuple[str, str, int]] = {
+    "federated": ("", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4", 2),
     "fedprox": ("strategy=fedprox strategy.proximal_mu=0.01",
-                "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
-    "local": ("experiment=local", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4"),
-    "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4"),
+                "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4", 2),
+    "local": ("experiment=local", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4", 1),
+    "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
 }
 MATRIX_FILE = "matrix.json"
+#: verl sessions one node runs at once by default: each persistent session holds about 15 GB of
+#: host memory, and eight of them with their simulations exhausted a 126 GB H200 node (docs/gpu.md §6).
+DEFAULT_MAX_SESSIONS = 5
 
 
 def run_name(arm: str, seed: int) -> str:
@@ -53,27 +59,77 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
-def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int) -> list[dict[str, Any]]:
-    """Start every (arm, seed) run detached; return and record what was started."""
-    out.mkdir(parents=True, exist_ok=True)
-    started = []
+def plan(recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int) -> list[dict[str, Any]]:
+    """Every (arm, seed) run with its overrides, federation, sessions and ports, seed-major order."""
+    runs = []
     for index, (arm, seed) in enumerate((a, s) for s in seeds for a in arms):
-        overrides, federation = ARMS[arm]
-        name = run_name(arm, seed)
-        hydra = " ".join(x for x in (f"recipe={recipe}", f"seed={seed}", overrides, extra) if x)
-        port = base_port + 10 * index
-        env = {**os.environ, "OUT": str(out), "PORT": str(port)}
-        with open(out / f"{name}.launch.log", "ab") as log:
-            process = subprocess.Popen(
-                ["bash", str(REPO / "tools/gpu/run_federated.sh"), name, hydra, federation],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # outlives the command that launched it
-            )
-        started.append({"name": name, "arm": arm, "seed": seed, "overrides": hydra, "federation": federation,
-                        "port": port, "pid": process.pid})
-        print(f"started {name} (pid {process.pid}, port {port}): {hydra}", flush=True)
-    (out / MATRIX_FILE).write_text(json.dumps({"recipe": recipe, "runs": started}, indent=2))
-    return started
+        overrides, federation, sessions = ARMS[arm]
+        runs.append({
+            "name": run_name(arm, seed), "arm": arm, "seed": seed, "sessions": sessions, "federation": federation,
+            "overrides": " ".join(x for x in (f"recipe={recipe}", f"seed={seed}", overrides, extra) if x),
+            "port": base_port + 10 * index,
+        })
+    return runs
+
+
+def waves(runs: list[dict[str, Any]], max_sessions: int) -> list[list[dict[str, Any]]]:
+    """Runs grouped in the order given so that no group needs more than ``max_sessions`` sessions."""
+    groups: list[list[dict[str, Any]]] = [[]]
+    for run in runs:
+        if groups[-1] and sum(r["sessions"] for r in groups[-1]) + run["sessions"] > max_sessions:
+            groups.append([])
+        groups[-1].append(run)
+    return groups
+
+
+def _start(out: Path, run: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OUT": str(out), "PORT": str(run["port"])}
+    with open(out / f"{run['name']}.launch.log", "ab") as log:
+        process = subprocess.Popen(
+            ["bash", str(REPO / "tools/gpu/run_federated.sh"), run["name"], run["overrides"], run["federation"]],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # outlives the command that launched it
+        )
+    print(f"started {run['name']} (pid {process.pid}, port {run['port']}): {run['overrides']}", flush=True)
+    return process
+
+
+def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int,
+           max_sessions: int = DEFAULT_MAX_SESSIONS) -> list[dict[str, Any]]:
+    """Start the runs detached, wave after wave of at most ``max_sessions`` verl sessions.
+
+    The first wave starts now; when there are more, a detached scheduler (this script's
+    ``schedule`` command) starts each next wave once the previous one has ended, so the call
+    returns at once either way.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    runs = plan(recipe, seeds, arms, extra, base_port)
+    groups = waves(runs, max_sessions)
+    (out / MATRIX_FILE).write_text(json.dumps({"recipe": recipe, "max_sessions": max_sessions, "runs": runs,
+                                               "waves": [[r["name"] for r in g] for g in groups]}, indent=2))
+    if len(groups) == 1:
+        for run in groups[0]:
+            _start(out, run)
+    else:
+        with open(out / "schedule.log", "ab") as log:
+            subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "schedule", "--out", str(out)],
+                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+        print(f"{len(runs)} runs in {len(groups)} waves of at most {max_sessions} sessions: "
+              + " | ".join(", ".join(r["name"] for r in g) for g in groups) + f" (progress in {out / 'schedule.log'})")
+    return runs
+
+
+def schedule(out: Path) -> None:
+    """Run the waves of ``out``'s matrix one after the other (started by :func:`launch`)."""
+    matrix = json.loads((out / MATRIX_FILE).read_text())
+    by_name = {r["name"]: r for r in matrix["runs"]}
+    for number, names in enumerate(matrix["waves"], start=1):
+        print(f"wave {number}/{len(matrix['waves'])}: {', '.join(names)}", flush=True)
+        processes = [_start(out, by_name[name]) for name in names]
+        for process in processes:
+            process.wait()
+    print("all waves done", flush=True)
 
 
 def _summary(out: Path, name: str) -> dict[str, Any] | None:
@@ -250,11 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     start.add_argument("--extra", default="", help="more Hydra overrides for every run")
     start.add_argument("--port", type=int, default=39400, help="first local SuperLink port (each run takes 10)")
-    for command in (start, sub.add_parser("status"), sub.add_parser("report")):
+    start.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                       help="verl sessions at once; more runs go in later waves (about 15 GB of host memory each)")
+    for command in (start, sub.add_parser("status"), sub.add_parser("report"),
+                    sub.add_parser("schedule", help="(internal) run the waves of a launched matrix")):
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     args = parser.parse_args(argv)
     if args.command == "launch":
-        launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port)
+        launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)
+    elif args.command == "schedule":
+        schedule(args.out)
     elif args.command == "status":
         status(args.out)
     else:
