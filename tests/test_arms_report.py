@@ -47,6 +47,9 @@ def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
     assert data["arms"]["local"]["rounds"] == [1, 1]
     assert "| federated | 2 | 2,2 |" in text and "runs without a result: centralized-s1" in text
     assert (tmp_path / "arms.png").stat().st_size > 1000
+    # metrics.jsonl carries verl's name for the validation rate as well.
+    events = [json.loads(line) for line in (tmp_path / "runs" / "local-s2" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["val/success_rate"] for e in events if e["event"] == "evaluate"] == [0.125, 0.1875]
 
 
 def test_waves_keep_the_sessions_within_the_budget() -> None:

@@ -108,3 +108,15 @@ def test_an_environment_it_cannot_build_fails_the_run_before_the_model_is_looked
     summary = json.loads((run_dir / "federated_summary.json").read_text())
     assert (summary["status"], summary["error"]) == (
         "failed", "config key 'env.val.envs.0.config': TinyGuess config 'hi' (10) must be >= 'lo' (20)")
+
+
+def test_the_summary_names_the_estimator_verl_runs() -> None:
+    from fedagent_flwr.config import load_settings
+    from fedagent_flwr.serverapp.app import adv_estimator
+
+    assert adv_estimator(load_settings("config", "trainer=verl")) == "grpo"
+    assert adv_estimator(load_settings("config", "trainer=verl algorithm=ppo")) == "gae"
+    custom = load_settings("config", ["trainer=verl", "trainer.extra_overrides=['algorithm.adv_estimator=rloo']"])
+    assert adv_estimator(custom) == "rloo"
+    # The reference trainer has no such override: it always runs GRPO.
+    assert adv_estimator(load_settings("config", "")) == "grpo"

@@ -142,6 +142,19 @@ def build_strategy(
         raise ConfigError(f"strategy {settings.strategy_class!r} rejected its arguments: {exc}") from None
 
 
+def adv_estimator(settings: RunSettings) -> str:
+    """The advantage estimator the trainers run: the algorithm's (``gae`` for PPO, else ``grpo``),
+    unless the verl backend's ``extra_overrides`` set ``algorithm.adv_estimator`` (appended last,
+    so the last such override is the one verl uses)."""
+    estimator = "gae" if settings.algorithm == "ppo" else "grpo"
+    if settings.trainer_backend == "verl":
+        for item in settings.trainer.get("extra_overrides") or []:
+            key, _, value = str(item).lstrip("+").partition("=")
+            if key.strip() == "algorithm.adv_estimator" and value.strip():
+                estimator = value.strip()
+    return estimator
+
+
 def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef | None) -> dict[str, Any]:
     """FedAgent's summary fields (reference/fedagent.md §1.7) plus ours.
 
@@ -157,7 +170,7 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "local_steps": settings.local_steps,
         "env_kind": settings.env_name,
         "mode": settings.mode,
-        "adv_estimator": "gae" if settings.algorithm == "ppo" else "grpo",
+        "adv_estimator": adv_estimator(settings),
         "local_client_id": settings.local_client_id if settings.mode == "local" else None,
         "partition_strategy": settings.partition.get("strategy") or "none",
         "strategy": settings.strategy_name,

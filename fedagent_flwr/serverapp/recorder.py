@@ -129,7 +129,8 @@ class RunRecorder:
         """One point of the validation curve (round 0 is the base model)."""
         point = _curve_point(server_round, "model", model, metrics)
         self.summary["val_curve"].append(point)
-        self.events.append({"event": "evaluate", **point})
+        # verl's own name for the validation rate, so tools reading verl's logs find it here too.
+        self.events.append({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
         self.write()
 
     def complete_round(self, server_round: int) -> None:
