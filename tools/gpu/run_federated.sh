@@ -17,7 +17,8 @@ P=${PORT:-$P}
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$P FLWR_LOCAL_CONTROL_API_PORT=$((P + 2))
 T0=$(date +%s)
 echo "[$NAME] start $(date -u +%FT%TZ) overrides: $OVERRIDES | federation: $FEDERATION | GPUs: ${CUDA_VISIBLE_DEVICES:-all}"
-flwr run . --stream --federation-config "$FEDERATION" \
+# outcome: the exit status is the run's own (0 completed, 3 degraded, 1 failed), not flwr's 0.
+python3 -m fedagent_flwr.outcome run -- flwr run . --stream --federation-config "$FEDERATION" \
   --run-config "overrides=\"output_dir=$OUT/runs run_name=$NAME $OVERRIDES\"" > "$OUT/$NAME.log" 2>&1
 rc=$?
 python3 -m fedagent_flwr.launch stop-local "$FLWR_HOME" >> "$OUT/$NAME.log" 2>&1
