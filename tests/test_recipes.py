@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS
+from fedagent_flwr.clientapp.client_rule import RULE_KEYS
 from fedagent_flwr.clientapp.verl_backend.overrides import build_overrides, job_paths
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
 from fedagent_flwr.config import conf_dir, load_settings
@@ -37,7 +38,7 @@ def test_verl_recipe_overrides_pass_verls_validation(recipe: str, tmp_path: Path
 
     settings = load_settings("config", f"recipe={recipe}")
     verl_settings, unknown = VerlSettings.from_mapping(
-        {k: v for k, v in settings.trainer.items() if k not in CLIENTAPP_TRAINER_KEYS})
+        {k: v for k, v in settings.trainer.items() if k not in CLIENTAPP_TRAINER_KEYS and k not in RULE_KEYS})
     assert not unknown
     batch = sum(int(e["n_envs"]) for e in settings.train_env_spec["envs"])
     paths = job_paths(tmp_path / "verl", str(tmp_path / "model"), "", "/tmp/fa-ray-test")

@@ -58,12 +58,18 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return events
 
 
+# Per-run by nature: timings, and the global models' content hashes (their safetensors header
+# names the source checkpoints by absolute path, so equal weights in two run directories hash apart;
+# the weights themselves are compared bit for bit below).
+_PER_RUN_KEYS = ("wall_seconds", "aggregated_sha256", "aggregated_critic_sha256")
+
+
 def _portable(value: Any, run_dir: Path) -> Any:
-    """``value`` with the run directory's absolute path replaced and the rounds' wall clock left
-    out (timings differ between any two runs), to compare two runs."""
+    """``value`` with the run directory's absolute path replaced and what differs between any two
+    runs left out (:data:`_PER_RUN_KEYS`), to compare two runs."""
     portable = json.loads(json.dumps(value).replace(str(run_dir), "<run>"))
     if isinstance(portable, list):
-        portable = [{k: v for k, v in e.items() if k != "wall_seconds"} if isinstance(e, dict) else e
+        portable = [{k: v for k, v in e.items() if k not in _PER_RUN_KEYS} if isinstance(e, dict) else e
                     for e in portable]
     return portable
 

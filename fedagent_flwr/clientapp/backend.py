@@ -33,6 +33,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
+
 # Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
 CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s", "stall_timeout_s")
 # subprocess: a fresh trainer process per (round, client) job; persistent: one per node, kept
@@ -121,6 +123,9 @@ def trainer_environment() -> dict[str, str]:
     """The subprocess environment: Flower's Ray variables removed so a trainer that starts its
     own Ray (verl) never joins Flower's simulation cluster by accident."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # A subprocess trainer is never a persistent trainer's session, even when this process is one
+    # (or once served one): the channel variable would make a session think it is being served.
+    env.pop(CHANNEL_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
     # Run the same copy of the package as this ClientApp (Flower imports it from the installed
     # app bundle, which may differ from what site-packages holds).

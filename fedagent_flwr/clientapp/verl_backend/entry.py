@@ -285,7 +285,7 @@ def _episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
         # verl repeats each row rollout.n times: the episodes of one seed form a GRPO group,
         # scored by "score" (the reward verl trains on).
         "zero_variance_group_share": zero_variance_group_share(
-            [float(r["score"]) for r in records], [(r["env"], r["seed"]) for r in records]),
+            [float(r["score"]) for r in records], [(r.get("env"), r["seed"]) for r in records]),
     }
 
 

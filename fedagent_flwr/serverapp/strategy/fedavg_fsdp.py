@@ -362,6 +362,9 @@ class FedAvgFSDP(FedAvg):
                 rejected[client] = "no reply within the round timeout"
                 log(WARNING, "round %d: client %d did not reply in time", server_round, client)
 
+        # Client-id order, not arrival order: with three or more clients the float sums (and the
+        # update statistics' layout) would otherwise depend on which reply came first.
+        candidates.sort(key=lambda item: item[1])
         started = self.global_model
         new_ref, used, report = self._aggregate_role(server_round, candidates, rejected, "actor")
         if new_ref is not None:
