@@ -20,24 +20,6 @@ from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 BROKEN_SPEC = {"envs": [{"name": "NoSuchEnv", "n_envs": 1, "max_turns": 1, "config": {}}]}
 
 
-class ClientIdWeighted(FedAvgFSDP):
-    """FedAvgFSDP with weights client_id + 1 and a broken round-1 instruction for client 1."""
-
-    def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
-        return [float(int(r.content["config"]["client-id"]) + 1) for r in replies]
-
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        if server_round == 1:
-            for message in messages:
-                instruction = message.content["config"]
-                if int(instruction["client-id"]) == 1:
-                    instruction["env-spec-json"] = json.dumps(BROKEN_SPEC)
-        return messages
-
-
 # TinyGuess with an empty range: the trainer refuses it, with an error other than NoSuchEnv's.
 EMPTY_RANGE_SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": 1, "config": {"lo": 20, "hi": 10}}]}
 
@@ -58,6 +40,15 @@ class _BreaksRoundOne(FedAvgFSDP):
                 if spec is not None:
                     instruction["env-spec-json"] = json.dumps(spec)
         return messages
+
+
+class ClientIdWeighted(_BreaksRoundOne):
+    """FedAvgFSDP with weights client_id + 1 and a broken round-1 instruction for client 1."""
+
+    broken: ClassVar[dict[int, dict]] = {1: BROKEN_SPEC}
+
+    def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
+        return [float(int(r.content["config"]["client-id"]) + 1) for r in replies]
 
 
 class BreaksEveryClientAlike(_BreaksRoundOne):
