@@ -62,3 +62,38 @@ def test_waves_keep_the_sessions_within_the_budget() -> None:
     assert all(sum(r["sessions"] for r in g) <= 5 for g in groups)
     assert [r["name"] for g in groups for r in g] == [r["name"] for r in runs]  # order kept, nothing lost
     assert [[r["name"] for r in g] for g in groups][0] == ["federated-s1", "local-s1", "centralized-s1"]
+
+
+def test_stop_ends_every_running_launcher_group_and_forgets_ended_ones(tmp_path: Path) -> None:
+    """``arms.py stop`` signals each run's whole process group (a launcher and what it started in
+    its group), the scheduler first, and drops the pid files of runs that had already ended."""
+    import subprocess
+    import time
+
+    import psutil
+
+    arms = _arms_module()
+    # a "run": a launcher shell whose child sleeps, both in the launcher's own session/group
+    running = subprocess.Popen(["bash", "-c", "sleep 300 & wait"], start_new_session=True)
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()
+    (tmp_path / "federated-s1.pid").write_text(f"{running.pid}\n")
+    (tmp_path / "local-s1.pid").write_text(f"{ended.pid}\n")
+    time.sleep(0.2)  # let the launcher start its child
+    child = subprocess.run(["pgrep", "-g", str(running.pid), "sleep"], capture_output=True, text=True).stdout.split()
+    assert child, "the launcher's child did not start"
+
+    assert arms.stop(tmp_path) == ["federated-s1"]
+    assert running.wait(timeout=10) != 0
+    def alive(pid: str) -> bool:  # a zombie (killed, not yet reaped by init) counts as gone
+        try:
+            return psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(pid) for pid in child):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in child), "the group's child survived"
+    assert not list(tmp_path.glob("*.pid"))
+    assert arms.stop(tmp_path) == []

@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,8 +91,28 @@ def _start(out: Path, run: dict[str, Any]) -> subprocess.Popen[bytes]:
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # outlives the command that launched it
         )
+    (out / f"{run['name']}.pid").write_text(f"{process.pid}\n")  # its process group, for `stop`
     print(f"started {run['name']} (pid {process.pid}, port {run['port']}): {run['overrides']}", flush=True)
     return process
+
+
+def stop(out: Path) -> list[str]:
+    """Stop ``out``'s scheduler (no further waves) and every run still going; return their names.
+
+    Each run's launcher leads its own process group, and its TERM trap stops the run's SuperLink and
+    simulation, which Flower starts outside that group.
+    """
+    stopped = []
+    # the scheduler first, so that it cannot start another wave while the runs are stopped
+    for pid_file in sorted(out.glob("*.pid"), key=lambda path: (path.name != "schedule.pid", path.name)):
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pid_file.unlink(missing_ok=True)  # already ended
+            continue
+        stopped.append(pid_file.stem)
+        pid_file.unlink()
+    return stopped
 
 
 def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int,
@@ -112,9 +133,10 @@ def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str
             _start(out, run)
     else:
         with open(out / "schedule.log", "ab") as log:
-            subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "schedule", "--out", str(out)],
-                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+            scheduler = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "schedule", "--out", str(out)],
+                                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        (out / "schedule.pid").write_text(f"{scheduler.pid}\n")
         print(f"{len(runs)} runs in {len(groups)} waves of at most {max_sessions} sessions: "
               + " | ".join(", ".join(r["name"] for r in g) for g in groups) + f" (progress in {out / 'schedule.log'})")
     return runs
@@ -309,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                        help="verl sessions at once; more runs go in later waves (about 15 GB of host memory each)")
     for command in (start, sub.add_parser("status"), sub.add_parser("report"),
+                    sub.add_parser("stop", help="stop the scheduler and every run still going (SuperLinks included)"),
                     sub.add_parser("schedule", help="(internal) run the waves of a launched matrix")):
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     args = parser.parse_args(argv)
@@ -316,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)
     elif args.command == "schedule":
         schedule(args.out)
+    elif args.command == "stop":
+        print("stopped: " + (", ".join(stop(args.out)) or "nothing was running"))
     elif args.command == "status":
         status(args.out)
     else:

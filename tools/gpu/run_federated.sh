@@ -16,10 +16,15 @@ case $NAME in *ppo*) P=39291;; *) P=39191;; esac
 P=${PORT:-$P}
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=$P FLWR_LOCAL_CONTROL_API_PORT=$((P + 2))
 T0=$(date +%s)
+stop_superlink() { python3 -m fedagent_flwr.launch stop-local "$FLWR_HOME" >> "$OUT/$NAME.log" 2>&1; }
+# Stopping a job (kill -TERM -- -PGID, as arms.py stop does) must take its SuperLink and simulation
+# along: Flower starts them in their own sessions, outside this script's process group, so killing
+# flwr alone leaves the run training on.
+trap 'stop_superlink; echo "[$NAME] stopped by a signal after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/$NAME.log"; exit 143' TERM INT
 echo "[$NAME] start $(date -u +%FT%TZ) overrides: $OVERRIDES | federation: $FEDERATION | GPUs: ${CUDA_VISIBLE_DEVICES:-all}"
 # outcome: the exit status is the run's own (0 completed, 3 degraded, 1 failed), not flwr's 0.
 python3 -m fedagent_flwr.outcome run -- flwr run . --stream --federation-config "$FEDERATION" \
   --run-config "overrides=\"output_dir=$OUT/runs run_name=$NAME $OVERRIDES\"" > "$OUT/$NAME.log" 2>&1
 rc=$?
-python3 -m fedagent_flwr.launch stop-local "$FLWR_HOME" >> "$OUT/$NAME.log" 2>&1
+stop_superlink
 echo "[$NAME] exit rc=$rc after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/$NAME.log"
