@@ -17,13 +17,16 @@ import datetime
 import ipaddress
 import os
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML  # what Flower writes when it finds no config.toml
 
 
 @dataclass(frozen=True)
@@ -157,14 +160,39 @@ def connection_toml(name: str, address: str, root_certificates: str | os.PathLik
 
 
 def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
-                     root_certificates: str | os.PathLike[str] | None = None, insecure: bool = False) -> Path:
-    """Write ``flwr_home/config.toml`` holding just this connection (made the default); return its path.
+                     root_certificates: str | os.PathLike[str] | None = None, insecure: bool = False,
+                     make_default: bool = True, force: bool = False) -> Path:
+    """Add this connection to ``flwr_home/config.toml`` (made the default); return its path.
 
-    An existing file is replaced; to keep other connections, append :func:`connection_toml`
-    with ``default=False`` to it instead.
+    The file is merged, never replaced: Flower's own connections (``local``, ``supergrid``) and the
+    user's stay, so ``flwr run .`` keeps working. A missing file starts from Flower's default
+    configuration, as Flower itself would create it. A connection of the same name is an error
+    unless ``force`` (then it is replaced). The file is written to a temporary name and renamed.
     """
-    return _write(Path(flwr_home) / "config.toml",
-                  connection_toml(name, address, root_certificates, insecure).encode())
+    path = Path(flwr_home) / "config.toml"
+    if path.exists():
+        try:
+            config = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path} is not valid TOML ({exc}); fix or move it away, then run this again") from exc
+    else:
+        config = tomllib.loads(DEFAULT_FLOWER_CONFIG_TOML)
+    connections = config.setdefault("superlink", {})
+    if not isinstance(connections, dict):
+        raise ValueError(f"{path}: 'superlink' is not a table; fix the file, then run this again")
+    if name == "default":
+        raise ValueError("a connection cannot be named 'default' (Flower's [superlink] default key)")
+    if name in connections and not force:
+        raise ValueError(f"{path} already has a connection named {name!r}; choose another name, "
+                         "or pass --force to replace it")
+    connections[name] = tomllib.loads(connection_toml(name, address, root_certificates, insecure,
+                                                      default=False))["superlink"][name]
+    if make_default:
+        connections["default"] = name
+    tmp = path.with_name(path.name + ".tmp")
+    _write(tmp, tomli_w.dumps(config).encode())
+    os.replace(tmp, path)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_argument("--days", type=int, default=365)
     key = sub.add_parser("node-key", help="ECDSA key pair in OpenSSH format for one SuperNode")
     key.add_argument("path")
-    conn = sub.add_parser("connection", help="write FLWR_HOME/config.toml with one connection")
+    conn = sub.add_parser("connection", help="add a connection to FLWR_HOME/config.toml (others are kept)")
     conn.add_argument("flwr_home")
     conn.add_argument("name")
     conn.add_argument("address")
     group = conn.add_mutually_exclusive_group(required=True)
     group.add_argument("--root-certificates")
     group.add_argument("--insecure", action="store_true", help="no TLS: local testing only")
+    conn.add_argument("--force", action="store_true", help="replace an existing connection of this name")
+    conn.add_argument("--no-default", action="store_true", help="keep the current default connection")
     args = parser.parse_args(argv)
     if args.command == "tls":
         files = make_tls_files(args.directory, args.host, args.days)
@@ -195,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"private key: {pair.private_key}  (this SuperNode only)")
         print(f"public key:  {pair.public_key}  (flwr supernode register)")
     else:
-        print(write_connection(args.flwr_home, args.name, args.address, args.root_certificates, args.insecure))
+        try:
+            path = write_connection(args.flwr_home, args.name, args.address, args.root_certificates, args.insecure,
+                                    make_default=not args.no_default, force=args.force)
+        except ValueError as exc:
+            print(f"deploy connection: {exc}", file=sys.stderr)
+            return 2
+        print(path)
     return 0
 
 

@@ -196,3 +196,40 @@ def test_connection_config_is_tls_unless_insecure_is_explicit(tmp_path: Path) ->
         connection_toml("site", "10.0.0.5:8000", root_certificates="ca.crt", insecure=True)
     with pytest.raises(ValueError, match="connection name"):
         connection_toml("a.b", "10.0.0.5:8000", insecure=True)
+
+
+def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path: Path) -> None:
+    """`deploy connection` keeps Flower's own `local` connection (the README's `flwr run .` needs it)
+    and the user's others; a name clash is an error unless --force; Flower parses the result."""
+    import tomllib
+
+    from flwr.cli.flower_config import parse_superlink_connection
+
+    from fedagent_flwr.deploy import main, write_connection
+
+    home = tmp_path / "flwr-home"
+    # a fresh home starts from Flower's own default configuration
+    path = write_connection(home, "site-a", "10.0.0.5:8000", insecure=True)
+    config = tomllib.loads(path.read_text())["superlink"]
+    assert config["default"] == "site-a"
+    assert config["local"] == {"address": ":local:"} and "supergrid" in config
+    # an existing file (here: Flower's default plus a user's connection) is merged
+    path.write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
+                    '[superlink.mine]\naddress = "192.168.1.2:9093"\ninsecure = true\n')
+    assert main(["connection", str(home), "site-b", "10.0.0.6:8000", "--root-certificates",
+                 str(tmp_path / "ca.crt"), "--no-default"]) == 0
+    config = tomllib.loads(path.read_text())["superlink"]
+    assert config["default"] == "local"
+    assert config["mine"] == {"address": "192.168.1.2:9093", "insecure": True}
+    assert config["site-b"]["root-certificates"] == str((tmp_path / "ca.crt").resolve())
+    assert parse_superlink_connection(config["site-b"], "site-b").address == "10.0.0.6:8000"
+    before = path.read_text()
+    with pytest.raises(ValueError, match="already has a connection named 'mine'.*--force"):
+        write_connection(home, "mine", "10.0.0.7:8000", insecure=True)
+    assert main(["connection", str(home), "mine", "10.0.0.7:8000", "--insecure"]) == 2
+    assert path.read_text() == before  # refused: nothing written
+    write_connection(home, "mine", "10.0.0.7:8000", insecure=True, force=True)
+    config = tomllib.loads(path.read_text())["superlink"]
+    assert config["mine"]["address"] == "10.0.0.7:8000" and config["default"] == "mine"
+    assert config["local"] == {"address": ":local:"}
+    assert not list(home.glob("*.tmp"))
