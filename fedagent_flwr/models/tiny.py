@@ -54,3 +54,22 @@ def make_tiny_model(
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedagent_flwr.models.tiny DIR [--seed S]``: write the smoke model to ``DIR``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedagent_flwr.models.tiny",
+        description="Write a tiny random-weight model with the SmolLM2 tokenizer, for smoke runs "
+                    "(e.g. model.path=DIR): every code path runs in seconds, nothing is learned.")
+    parser.add_argument("directory", help="where to write it (created; an existing model there is replaced)")
+    parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this seed")
+    args = parser.parse_args(argv)
+    print(make_tiny_model(args.directory, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""``fedagent COMMAND [ARGS]``: one console script for the commands users run.
+
+Each command is a module's own ``main(argv)`` (so ``python -m fedagent_flwr.<module>`` keeps
+working); modules are imported only when their command runs, so ``fedagent --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# command -> (module, one line for --help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "verify": ("fedagent_flwr.checkpoint.verify", "audit a run: recompute every round's aggregate"),
+    "inspect": ("fedagent_flwr.hetero.inspect", "print a partition (clients' goal indices, --summary)"),
+    "env-check": ("fedagent_flwr.envs.check", "check an environment against the text-environment contract"),
+    "deploy": ("fedagent_flwr.deploy", "TLS files, node keys and connections for a deployment"),
+    "outcome": ("fedagent_flwr.outcome", "a run's outcome as an exit status (wraps flwr run)"),
+    "tiny-model": ("fedagent_flwr.models.tiny", "write the tiny random-weight smoke model"),
+    "download-webshop": ("fedagent_flwr.envs.webshop.download", "fetch the WebShop data files"),
+    "download-alfworld": ("fedagent_flwr.envs.alfworld.download", "fetch the ALFWorld game data"),
+    "alfworld-venv": ("fedagent_flwr.envs.alfworld.service_venv", "build the ALFWorld service venv"),
+}
+
+
+def usage() -> str:
+    """The list of commands, as ``fedagent --help`` prints it."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: fedagent COMMAND [ARGS]   (fedagent COMMAND --help for a command's options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``COMMAND`` with the remaining arguments; return its exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"fedagent: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
