@@ -156,7 +156,8 @@ class Entry:
         inner = " ".join(shlex.quote(item) if _needs_quoting(item) else item for item in overrides)
         run_config = 'overrides="' + inner + '"'  # Flower reads it as TOML: one basic string
         federation = f"num-supernodes={self.total} client-resources-num-gpus={GPUS_PER_CLIENT}"
-        return f"flwr run . --stream --run-config {shlex.quote(run_config)} --federation-config {shlex.quote(federation)}"
+        return (f"flwr run . --stream --run-config {shlex.quote(run_config)} "
+                f"--federation-config {shlex.quote(federation)}")
 
 
 def _needs_quoting(item: str) -> bool:
@@ -270,7 +271,7 @@ def render_text(rows: Sequence[dict[str, Any]], notes: Sequence[str]) -> str:
                   f"partition={s['partition']}{knobs}{search} model={s['model']}",
                   f"  {row['flwr_run']}"]
     counts = Counter(row["family"] for row in rows)
-    lines.append(f"{len(rows)} runs: " + ", ".join(f"{family} {counts[family]}" for family in FAMILIES if counts[family]))
+    lines.append(f"{len(rows)} runs: " + ", ".join(f"{f} {counts[f]}" for f in FAMILIES if counts[f]))
     lines += ["not reproduced yet:"] + [f"  - {note}" for note in notes]
     return "\n".join(lines)
 
