@@ -13,6 +13,7 @@ from collections.abc import Sequence
 # command -> (module, one line for --help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("fedagent_flwr.checkpoint.verify", "audit a run: recompute every round's aggregate"),
+    "experiments": ("fedagent_flwr.experiments", "list FedAgent's paper runs with their flwr run lines"),
     "inspect": ("fedagent_flwr.hetero.inspect", "print a partition (clients' goal indices, --summary)"),
     "env-check": ("fedagent_flwr.envs.check", "check an environment against the text-environment contract"),
     "deploy": ("fedagent_flwr.deploy", "TLS files, node keys and connections for a deployment"),
