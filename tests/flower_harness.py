@@ -83,11 +83,14 @@ class SuperLink:
     process: subprocess.Popen[bytes]
 
     def command(self, overrides: str = "", supernodes: int = 2, app: Path = REPO,
-                extra_run_config: str = "") -> list[str]:
-        """``flwr run <app> <connection> --stream`` with the given Hydra overrides."""
+                extra_run_config: str = "", run_config_file: Path | None = None) -> list[str]:
+        """``flwr run <app> <connection> --stream`` with the given Hydra overrides (or, when
+        ``run_config_file`` is given, that TOML file alone: Flower does not mix the two)."""
         run_config = f'overrides="{overrides}"'
         if extra_run_config:
             run_config += f" {extra_run_config}"
+        if run_config_file is not None:
+            run_config = str(run_config_file)
         return [
             str(BIN / "flwr"), "run", str(app), self.connection, "--stream",
             "--run-config", run_config,
@@ -95,9 +98,10 @@ class SuperLink:
         ]
 
     def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path = REPO,
-            extra_run_config: str = "") -> subprocess.CompletedProcess[str]:
+            extra_run_config: str = "", run_config_file: Path | None = None) -> subprocess.CompletedProcess[str]:
         """Run a job to its end and capture its output."""
-        return subprocess.run(self.command(overrides, supernodes, app, extra_run_config), env=self.env,
+        return subprocess.run(self.command(overrides, supernodes, app, extra_run_config, run_config_file),
+                              env=self.env,
                               cwd=self.env["FEDAGENT_TEST_CWD"], text=True, capture_output=True, timeout=timeout)
 
     def start(self, overrides: str, supernodes: int, log_file: Path) -> subprocess.Popen[bytes]:

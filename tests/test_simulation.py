@@ -162,6 +162,13 @@ def test_bad_config_stops_the_run_at_start(superlink: SuperLink, tmp_path: Path)
     proc = superlink.run(f"output_dir={tmp_path} num_roundz=3", supernodes=2, timeout=300)
     output = proc.stdout + proc.stderr
     assert "unknown config key 'num_roundz'" in output, output[-4000:]
+    # a run-config file (Flower's --run-config FILE.toml) reaches the app: its typed key and its
+    # overrides setting the same thing is refused before anything runs
+    run_config = tmp_path / "run.toml"
+    run_config.write_text(f'num-server-rounds = 3\noverrides = "output_dir={tmp_path} num_rounds=2"\n')
+    proc = superlink.run(supernodes=2, timeout=300, run_config_file=run_config)
+    output = proc.stdout + proc.stderr
+    assert "'num-server-rounds' and overrides item 'num_rounds=2' both set 'num_rounds'" in output, output[-4000:]
     assert not list(tmp_path.glob("*/federated_summary.json"))
 
 
@@ -170,12 +177,17 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
 ) -> None:
     from fedagent_flwr.launch import pids_with_cmdline
 
-    summary, run_dir, output = _run(
-        superlink, tmp_path,
-        f"model.path={tiny_model_dir} env=tinyguess_service num_rounds=1 eval.num_episodes=2 "
-        "trainer.max_new_tokens=8 partition.min_goals_per_client=5",  # FedAgent's 100 > 10 secrets: all to both
-        supernodes=2,
+    # Flower's typed run-config keys for the common settings, overrides for the rest
+    proc = superlink.run(
+        f"output_dir={tmp_path} run_name=job eval.num_episodes=2 trainer.max_new_tokens=8 "
+        "partition.min_goals_per_client=5",  # FedAgent's 100 > 10 secrets: all to both
+        supernodes=2, extra_run_config=f"num-server-rounds=1 env='tinyguess_service' model-path='{tiny_model_dir}'",
     )
+    output = proc.stdout + proc.stderr
+    run_dir = tmp_path / "job"
+    assert (run_dir / "federated_summary.json").exists(), output[-4000:]
+    summary = json.loads((run_dir / "federated_summary.json").read_text())
+    assert summary["total_rounds"] == 1 and summary["base_model"] == str(tiny_model_dir)
     assert summary["status"] == "completed", output[-4000:]
     partitions = {}
     for client in (0, 1):

@@ -23,6 +23,7 @@ from flwr.supercore.exit import ExitCode
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
+from fedagent_flwr.run_config import hydra_arguments
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp import preflight
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, SUMMARY_FILE, RunRecorder
@@ -200,10 +201,10 @@ def run_failed(exc: Exception) -> RunFailed:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Run the federated job described by ``config-name`` + ``overrides`` of the run config."""
+    """Run the federated job the run config describes (typed keys, ``config-name`` and ``overrides``)."""
     run_config = context.run_config
     try:
-        settings = load_settings(str(run_config.get("config-name", "config")), str(run_config.get("overrides", "")))
+        settings = load_settings(*hydra_arguments(run_config))
         run_dir = run_directory(settings, context.run_id)
     except (ConfigError, ValueError, OSError) as exc:
         raise setup_failed(exc) from None
