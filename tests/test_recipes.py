@@ -14,12 +14,13 @@ from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
 from fedagent_flwr.config import conf_dir, load_settings
 from tests.verl_probe import compose_verl_config
 
+WEBSHOP_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "webshop"
 RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
 ARMS = ["", "experiment=local", "experiment=centralized", "strategy=fedprox"]
 
 
 def test_there_are_recipes() -> None:
-    assert "tinyguess_verl" in RECIPES
+    assert "tinyguess_verl" in RECIPES and "webshop_verl" in RECIPES
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -48,3 +49,28 @@ def test_verl_recipe_overrides_pass_verls_validation(recipe: str, tmp_path: Path
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.data.train_batch_size == batch
     assert cfg.actor_rollout_ref.rollout.n == settings.trainer["rollout_n"]
+
+
+@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),
+                    reason=f"WebShop data not found at {WEBSHOP_DATA}")
+def test_webshop_recipe_splits_the_training_goals_between_two_clients_and_bounds_episodes() -> None:
+    """The WebShop recipe (issue 18): two clients on disjoint halves of the 6,410 training goals,
+    computed as each client's service computes them; >= 4 rounds; a turn and a whole episode fit
+    the token budgets, so episodes stay bounded on the GPU."""
+    from fedagent_flwr.clientapp.services import client_partition
+    from fedagent_flwr.envs.webshop.env import WebShopEnv
+
+    settings = load_settings("config", f"recipe=webshop_verl env.data_dir={WEBSHOP_DATA}")
+    assert settings.total_clients == 2 and settings.num_rounds >= 4 and settings.eval_num_episodes >= 64
+    assert settings.partition["strategy"] == "task_disjoint"  # FedAgent's task-level arm for WebShop
+    (train,) = settings.train_env_spec["envs"]
+    (val,) = settings.val_env_spec["envs"]
+    assert train["name"] == val["name"] == "WebShop" and val["config"]["split"] == "val"
+    goals = {c: client_partition("WebShop", dict(train["config"]), dict(settings.partition), c, 2,
+                                 settings.seed)[0]["goal_indices"] for c in (0, 1)}
+    pool = WebShopEnv.num_goals(train["config"])
+    assert pool == 6410 and not set(goals[0]) & set(goals[1])
+    assert sorted(goals[0] + goals[1]) == list(range(pool))  # N = 2 halves the pool exactly
+    trainer = settings.trainer
+    assert trainer["max_new_tokens"] * train["max_turns"] < trainer["max_response_length"]
+    assert settings.raw["env"]["service"]["pool_size"] >= train["n_envs"] * trainer["rollout_n"]

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Copies the WebShop files a run reads into .gpu-data/webshop of this checkout, a git-ignored
+# folder, so that the device call's `carry` takes them to the air-gapped GPU node (docs/gpu.md,
+# "WebShop on the GPU"). Only the catalogue and its instructions are read by the env (products,
+# attributes; the goals are generated from them); human goals and lookalike decoys are left
+# behind unless LOOKALIKE=1 (partition=lookalike needs them).
+# usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
+set -eu
+cd "$(dirname "$0")/../.."
+SRC=${1:-../shared/data/webshop}
+DEST=.gpu-data/webshop
+if ! git check-ignore -q "$DEST/"; then
+  echo "stage_webshop_data.sh: $DEST is not git-ignored; add /.gpu-data/ to .gitignore" >&2
+  exit 1
+fi
+mkdir -p "$DEST"
+for f in items_shuffle_1000.json items_ins_v2_1000.json; do
+  [ -f "$SRC/$f" ] || { echo "stage_webshop_data.sh: $SRC has no $f; fetch it with: python -m fedagent_flwr.envs.webshop.download $SRC" >&2; exit 1; }
+  install -m 0644 "$SRC/$f" "$DEST/$f"   # the shared copy is read-only; re-runs overwrite
+done
+if [ "${LOOKALIKE:-0}" = 1 ]; then cp -r "$SRC/lookalike" "$DEST/"; fi
+(cd "$DEST" && sha256sum items_*.json > SHA256SUMS)
+echo "$DEST: $(du -sb "$DEST" | cut -f1) bytes; on the node: env.data_dir=\$PWD/$DEST"
