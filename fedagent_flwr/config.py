@@ -23,10 +23,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedagent_flwr.checkpoint.store import STORE_KINDS, StorageSettings, is_loopback
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TRAINER_MODES
+from fedagent_flwr.trainers import BACKEND_MODULES
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
-TRAINER_BACKENDS = ("reference", "verl")
 
 
 class ConfigError(ValueError):
@@ -260,9 +260,9 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     algorithm = _typed(raw, "algorithm", str, lambda v: v in ALGORITHMS, f"one of {ALGORITHMS}")
     trainer = dict(_get(raw, "trainer"))
     backend = _typed(raw, "trainer.backend", str)
-    if backend not in TRAINER_BACKENDS:
+    if backend not in BACKEND_MODULES:
         raise ConfigError(
-            f"config key 'trainer.backend' = {backend!r}: available backends are {TRAINER_BACKENDS}"
+            f"config key 'trainer.backend' = {backend!r}: available backends are {tuple(BACKEND_MODULES)}"
         )
     trainer.setdefault("mode", "subprocess")  # configs written before the persistent trainer
     trainer["mode"] = _typed({"trainer": trainer}, "trainer.mode", str, lambda v: v in TRAINER_MODES,
@@ -272,7 +272,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
         if name in trainer:
             trainer[name] = _typed(raw, f"trainer.{name}", kind, check, expect)
-    from fedagent_flwr.clientapp.client_rule import ClientRuleError, load_client_rule
+    from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule
 
     try:
         load_client_rule(trainer)  # built once here, so a bad rule stops the run before any client trains
@@ -281,7 +281,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     if backend == "verl":
         # The verl job's own knobs, checked here so a bad value stops the run before any client
         # spends minutes starting Ray and vLLM. (Torch- and verl-free import.)
-        from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
+        from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
 
         try:
             VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in CLIENTAPP_TRAINER_KEYS})

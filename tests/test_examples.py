@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
-from fedagent_flwr.clientapp.client_rule import ClientRuleError, load_client_rule
+from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.registry import register_env
@@ -300,8 +300,8 @@ print(json.dumps({"wrapped": list(impl.FSDPEngine._fedagent_wrapped),
 
 
 def test_client_rule_runs_in_verls_fsdp_engine_next_to_fedprox(tmp_path: Path) -> None:
-    from fedagent_flwr.clientapp.verl_backend import fedprox
-    from fedagent_flwr.clientapp.verl_backend.entry import job_environment
+    from fedagent_flwr.trainers.verl import fedprox
+    from fedagent_flwr.trainers.verl.job import job_environment
 
     rule = {"client_rule": "examples.client_rule.ProximalFreeze", "client_rule_args": {"mu": 0.5, "freeze": "bias"}}
     env = job_environment(dict(os.environ), proximal_mu=0.25, marker_dir=str(tmp_path / "fedprox"),
@@ -328,8 +328,8 @@ def test_verl_estimator_option_generates_overrides_that_pass_verls_validation(ti
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from fedagent_flwr.clientapp.verl_backend.overrides import build_overrides, job_paths
-    from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+    from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
+    from fedagent_flwr.trainers.verl.settings import VerlSettings
 
     run = load_settings("config", VERL_OVERRIDES)
     settings, _ = VerlSettings.from_mapping({k: v for k, v in run.trainer.items() if k not in ("backend", "timeout_s")})
@@ -361,7 +361,7 @@ print(json.dumps({"advantages": out.batch["advantages"].tolist(),
 
 
 def test_verl_estimator_is_registered_in_a_fresh_job_process_and_verl_computes_with_it(tmp_path: Path) -> None:
-    from fedagent_flwr.clientapp.verl_backend.entry import job_environment
+    from fedagent_flwr.trainers.verl.job import job_environment
 
     env = job_environment(dict(os.environ), proximal_mu=0.0, marker_dir="", plugin_modules=["examples.verl_advantage"])
     probe = subprocess.run([sys.executable, "-c", _ESTIMATOR_PROBE, "group_median_baseline"], env=env,

@@ -15,10 +15,10 @@ import torch
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, load, save
-from fedagent_flwr.clientapp.reference_trainer import grpo_advantages
+from fedagent_flwr.trainers.reference.grpo import grpo_advantages
 from fedagent_flwr.seeding import train_env_seed
 
-MODULE = "fedagent_flwr.clientapp.reference_trainer"
+MODULE = "fedagent_flwr.trainers.reference"
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {"lo": 1, "hi": 50}}]}
 # A learning rate this high moves the tiny model's weights measurably in two optimiser steps. The
 # large entropy bonus gives every weight a gradient well above Adam's epsilon in the first step:

@@ -47,7 +47,8 @@ def _not_group_readable(root: Path) -> list[str]:
 def test_results_are_readable_by_the_group(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The summary, metrics and curve (atomic writes) and a trainer's checkpoint (renamed from a
     temporary directory) used to be 0600 / 0700."""
-    from fedagent_flwr.clientapp.reference_trainer import load_model, write_fsdp_checkpoint
+    from fedagent_flwr.trainers.common.evaluator import load_model
+    from fedagent_flwr.trainers.reference.checkpoint import write_fsdp_checkpoint
 
     run_dir = tmp_path / "job"  # pytest's tmp_path itself is private
     model, tokenizer = load_model(tiny_model_dir, 1)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fedagent_flwr.clientapp.reference_trainer import HFPolicy
+from fedagent_flwr.trainers.common.sampler import HFPolicy
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ChatTemplateError, Episode, SamplingParams, run_episode
 

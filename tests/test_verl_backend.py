@@ -27,12 +27,12 @@ import pytest
 import torch
 
 from fedagent_flwr.clientapp.job import TrainJob, save
-from fedagent_flwr.clientapp.verl_backend import fedprox
-from fedagent_flwr.clientapp.verl_backend.dataset import AGENT_NAME, EnvEpisodeDataset, plan_rows, write_rows
-from fedagent_flwr.clientapp.verl_backend.entry import job_environment
-from fedagent_flwr.clientapp.verl_backend.overrides import build_overrides, job_paths
-from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings, VerlSettingsError
-from fedagent_flwr.clientapp.verl_backend.verl_log import parse_step_line, parse_value
+from fedagent_flwr.trainers.verl import fedprox
+from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, EnvEpisodeDataset, plan_rows, write_rows
+from fedagent_flwr.trainers.verl.job import job_environment
+from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
+from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+from fedagent_flwr.trainers.verl.verl_log import parse_step_line, parse_value
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.rollout.episode import SamplingParams, run_episode
 from fedagent_flwr.envs.registry import make_env
@@ -139,7 +139,7 @@ def test_agent_loop_returns_the_episode_and_verl_pads_it(tiny_model_dir: Path, s
     from transformers import AutoModelForCausalLM
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, DictConfigWrap
 
-    from fedagent_flwr.clientapp.verl_backend.agent_loop import EnvAgentLoop
+    from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     server = _HFServer(model)
@@ -192,7 +192,7 @@ def test_agent_loop_refuses_a_prompt_longer_than_the_budget(tiny_model_dir: Path
     from transformers import AutoModelForCausalLM
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from fedagent_flwr.clientapp.verl_backend.agent_loop import EnvAgentLoop, PromptTooLongError
+    from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop, PromptTooLongError
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     cfg = _loop_config(prompt_length=16, response_length=64)
@@ -289,7 +289,7 @@ def test_entry_runs_verl_up_to_its_gpu_check_and_reports_one_clear_line(tiny_mod
                    trainer={"rollout_n": 2, "max_prompt_length": 256, "max_response_length": 128,
                             "ray_num_cpus": 4})
     save(job, tmp_path / "job.json")
-    run = subprocess.run([sys.executable, "-m", "fedagent_flwr.clientapp.verl_backend.entry", "train",
+    run = subprocess.run([sys.executable, "-m", "fedagent_flwr.trainers.verl.entry", "train",
                           str(tmp_path / "job.json")], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert run.returncode == 1
     error = [line for line in run.stderr.splitlines() if line.startswith("verl_backend: error:")]
@@ -298,7 +298,7 @@ def test_entry_runs_verl_up_to_its_gpu_check_and_reports_one_clear_line(tiny_mod
     assert "Size of train dataloader: 2" in log  # 6 rows in batches of 3, built by our dataset in Ray
     assert (tmp_path / "out" / "verl" / "agent_loops.yaml").exists()
     assert not (tmp_path / "out" / "train_result.json").exists()
-    from fedagent_flwr.clientapp.verl_backend.entry import ray_temp_dir
+    from fedagent_flwr.trainers.verl.runner import ray_temp_dir
     from fedagent_flwr.launch import pids_with_cmdline
 
     temp_dir = ray_temp_dir(str(tmp_path / "out"))
@@ -316,54 +316,54 @@ def test_entry_refuses_bad_jobs_before_starting_verl(tiny_model_dir: Path, tmp_p
              ({"env_spec": {"envs": [{"name": "NoSuchEnv", "n_envs": 1, "max_turns": 1}]}}, "NoSuchEnv")]
     for change, message in cases:
         save(TrainJob(**{**base, **change}), tmp_path / "job.json")
-        run = subprocess.run([sys.executable, "-m", "fedagent_flwr.clientapp.verl_backend.entry", "train",
+        run = subprocess.run([sys.executable, "-m", "fedagent_flwr.trainers.verl.entry", "train",
                               str(tmp_path / "job.json")], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert run.returncode == 2, run.stderr
         assert message in run.stderr and "verl.log" not in run.stderr
 
 
 def test_failure_reasons_name_the_root_cause() -> None:
-    from fedagent_flwr.clientapp.verl_backend.entry import _failure_reason
+    from fedagent_flwr.trainers.verl.runner import failure_reason
 
     vllm_race = ["(EngineCore pid=1) ValueError: No available memory for the cache blocks. Try increasing ...",
                  "Traceback (most recent call last):",
                  "RuntimeError: Engine core initialization failed. See root cause above."]
-    assert "trainer.kv_cache_gib" in _failure_reason(1, vllm_race)
-    assert "out of GPU memory" in _failure_reason(1, ["torch.OutOfMemoryError: CUDA out of memory. Tried"])
+    assert "trainer.kv_cache_gib" in failure_reason(1, vllm_race)
+    assert "out of GPU memory" in failure_reason(1, ["torch.OutOfMemoryError: CUDA out of memory. Tried"])
     chained = ["ImportError: FlashAttention2 has been toggled on, but it cannot be used",
                "The above exception was the direct cause of the following exception:",
                "RuntimeError: model(/m) is not a value head model"]
-    assert _failure_reason(1, chained) == ("exited with code 1: ImportError: FlashAttention2 has been "
+    assert failure_reason(1, chained) == ("exited with code 1: ImportError: FlashAttention2 has been "
                                            "toggled on, but it cannot be used")
-    assert _failure_reason(-9, ["Training Progress: 0/2"]) == "was killed by signal 9"
-    assert _failure_reason(3, ["", "last words"]) == "exited with code 3: last words"
+    assert failure_reason(-9, ["Training Progress: 0/2"]) == "was killed by signal 9"
+    assert failure_reason(3, ["", "last words"]) == "exited with code 3: last words"
 
 
 def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path: Path) -> None:
-    from fedagent_flwr.clientapp.verl_backend.entry import VerlJobFailed, _checkpoint_dir, _episode_metrics
+    from fedagent_flwr.trainers.verl.job import VerlJobFailed, checkpoint_dir, episode_metrics
 
     (tmp_path / "global_step_2" / "actor").mkdir(parents=True)
     with pytest.raises(VerlJobFailed, match="wrote no actor checkpoint"):
-        _checkpoint_dir(tmp_path, 2, "actor")  # the folder exists but holds no shard
+        checkpoint_dir(tmp_path, 2, "actor")  # the folder exists but holds no shard
     (tmp_path / "global_step_2" / "actor" / "model_world_size_1_rank_0.pt").write_bytes(b"x")
-    assert _checkpoint_dir(tmp_path, 2, "actor").name == "actor"
+    assert checkpoint_dir(tmp_path, 2, "actor").name == "actor"
     with pytest.raises(VerlJobFailed, match="wrote no critic checkpoint"):
-        _checkpoint_dir(tmp_path, 2, "critic")
+        checkpoint_dir(tmp_path, 2, "critic")
     with pytest.raises(VerlJobFailed, match="no episode was recorded"):
-        _episode_metrics(tmp_path / "episodes.jsonl")
+        episode_metrics(tmp_path / "episodes.jsonl")
     (tmp_path / "episodes.jsonl").write_text(
         json.dumps({"env": "TinyGuess", "seed": 5, "reward": 1.0, "score": 0.9, "success": True, "num_turns": 2,
                     "truncated": False, "invalid": 1})
         + "\n" + json.dumps({"env": "TinyGuess", "seed": 5, "reward": 0.0, "score": 0.0, "success": False,
                              "num_turns": 3, "truncated": True, "invalid": 0}) + "\n")
-    count, metrics = _episode_metrics(tmp_path / "episodes.jsonl")
+    count, metrics = episode_metrics(tmp_path / "episodes.jsonl")
     assert metrics["zero_variance_group_share"] == 0.0  # one GRPO group (seed 5) whose scores differ
     assert count == 2 and metrics["success_rate"] == 0.5 and metrics["score_mean"] == pytest.approx(0.45)
     assert metrics["truncated_rate"] == 0.5 and metrics["invalid_actions_mean"] == 0.5
 
 
 def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() -> None:
-    from fedagent_flwr.clientapp.verl_backend.agent_loop import count_invalid_actions
+    from fedagent_flwr.trainers.verl.agent_loop import count_invalid_actions
     from fedagent_flwr.rollout.episode import Episode, TurnRecord
 
     def turn(info: dict[str, Any]) -> TurnRecord:

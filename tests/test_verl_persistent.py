@@ -28,18 +28,20 @@ import torch
 import yaml
 
 from fedagent_flwr.clientapp.job import TrainJob
-from fedagent_flwr.clientapp.verl_backend import entry, fedprox
-from fedagent_flwr.clientapp.verl_backend.agent_loop import episode_log_path
-from fedagent_flwr.clientapp.verl_backend.dataset import EnvEpisodeDataset, read_rows
-from fedagent_flwr.clientapp.verl_backend.entry import InputError
-from fedagent_flwr.clientapp.verl_backend.persistent import (
+from fedagent_flwr.trainers.verl import entry, fedprox
+from fedagent_flwr.trainers.verl import job as verl_job
+from fedagent_flwr.trainers.verl.agent_loop import episode_log_path
+from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset, read_rows
+from fedagent_flwr.trainers.verl.job import InputError
+from fedagent_flwr.trainers.verl.runner import ray_temp_dir
+from fedagent_flwr.trainers.verl.persistent import (
     VerlSession,
     fixed_differences,
     root_cause,
     round_plan,
     session_fingerprint,
 )
-from fedagent_flwr.clientapp.verl_backend.verl_log import numeric_metrics
+from fedagent_flwr.trainers.verl.verl_log import numeric_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 3, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
@@ -66,7 +68,7 @@ def test_verl_internals_the_session_relies_on_exist() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-    from fedagent_flwr.clientapp.verl_backend import persistent_runner, persistent_workers
+    from fedagent_flwr.trainers.verl import persistent_runner, persistent_workers
 
     def source(obj: Any) -> str:
         return inspect.getsource(obj)
@@ -138,12 +140,12 @@ def test_two_jobs_of_one_session_differ_in_paths_seed_rows_and_episode_log(tiny_
     first = _job(tiny_model_dir, tmp_path / "r1", 1)
     second = _job(tiny_model_dir, tmp_path / "r2", 2, algorithm="ppo", critic_path=str(tiny_model_dir))
     second_grpo = _job(tiny_model_dir, tmp_path / "r2", 2)
-    p1 = entry.prepare_train(first, shared_dir=shared)
-    p2 = entry.prepare_train(second_grpo, shared_dir=shared)
+    p1 = verl_job.prepare_train(first, shared_dir=shared)
+    p2 = verl_job.prepare_train(second_grpo, shared_dir=shared)
     # Fixed for the session: agent-loop YAML, markers, Ray temp dir (and they are not the job's).
     assert p1.paths.agent_loop_file == p2.paths.agent_loop_file == str(shared / "agent_loops.yaml")
     assert p1.marker_dir == p2.marker_dir == shared / "fedprox_markers"
-    assert p1.paths.ray_temp_dir == p2.paths.ray_temp_dir == entry.ray_temp_dir(str(shared))
+    assert p1.paths.ray_temp_dir == p2.paths.ray_temp_dir == ray_temp_dir(str(shared))
     assert yaml.safe_load(Path(p1.paths.agent_loop_file).read_text())[0]["episode_log"] == ""
     # Per round: rows, checkpoints, episode log, seed.
     assert p1.paths.rows_file != p2.paths.rows_file and p1.paths.checkpoint_dir != p2.paths.checkpoint_dir
@@ -158,20 +160,20 @@ def test_two_jobs_of_one_session_differ_in_paths_seed_rows_and_episode_log(tiny_
     assert plan2["experiment_name"] == "round2_client0" and plan2["local_steps"] == 2
     assert plan1["critic_path"] == ""  # GRPO: no critic
     # PPO: the critic starts from the aggregated critic, or from the model in round 1.
-    ppo1 = entry.prepare_train(_job(tiny_model_dir, tmp_path / "p1", 1, algorithm="ppo"), shared_dir=shared)
+    ppo1 = verl_job.prepare_train(_job(tiny_model_dir, tmp_path / "p1", 1, algorithm="ppo"), shared_dir=shared)
     assert round_plan(_job(tiny_model_dir, tmp_path / "p1", 1, algorithm="ppo"), ppo1,
                       reload=False)["critic_path"] == str(ppo1.model_path)
-    ppo2 = entry.prepare_train(second, shared_dir=shared)
+    ppo2 = verl_job.prepare_train(second, shared_dir=shared)
     assert round_plan(second, ppo2, reload=True)["critic_path"] == str(tiny_model_dir)
     # The subprocess path keeps its own layout, and the YAML still names its log.
-    alone = entry.prepare_train(_job(tiny_model_dir, tmp_path / "solo", 1))
+    alone = verl_job.prepare_train(_job(tiny_model_dir, tmp_path / "solo", 1))
     assert alone.paths.agent_loop_file == str((tmp_path / "solo" / "verl" / "agent_loops.yaml").resolve())
     assert yaml.safe_load(Path(alone.paths.agent_loop_file).read_text())[0]["episode_log"] == str(alone.episode_log)
 
 
 def test_a_live_session_refuses_jobs_that_change_what_it_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:
     def fingerprint(job: TrainJob) -> dict[str, Any]:
-        settings, spec, _, rule = entry.check_train_job(job)
+        settings, spec, _, rule = verl_job.check_train_job(job)
         return session_fingerprint(job, settings, rule, sum(e.n_envs for e in spec.envs))
 
     base = _job(tiny_model_dir, tmp_path / "a", 1)
@@ -207,7 +209,7 @@ def test_episodes_land_in_the_log_their_row_names(tiny_model_dir: Path, smollm2_
     from transformers import AutoModelForCausalLM
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
-    from fedagent_flwr.clientapp.verl_backend.agent_loop import EnvAgentLoop
+    from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
     from tests.test_verl_backend import _HFServer, _loop_config
 
     assert episode_log_path({"episode_log": "/r2.jsonl"}, "/yaml.jsonl") == "/r2.jsonl"
@@ -228,7 +230,7 @@ def test_episodes_land_in_the_log_their_row_names(tiny_model_dir: Path, smollm2_
 
 
 def test_reload_rebuilds_the_engine_and_the_fedprox_anchor_is_taken_again(tmp_path: Path) -> None:
-    from fedagent_flwr.clientapp.verl_backend.persistent_workers import reload_training_worker
+    from fedagent_flwr.trainers.verl.persistent_workers import reload_training_worker
 
     class FSDPEngine:
         def optimizer_step(self) -> None:
@@ -297,8 +299,8 @@ def test_metrics_and_errors_from_ray_read_as_one_line() -> None:
 _SESSION_SCRIPT = r"""
 import json, sys
 from fedagent_flwr.clientapp.job import load, TrainJob
-from fedagent_flwr.clientapp.verl_backend.entry import VerlJobFailed
-from fedagent_flwr.clientapp.verl_backend.persistent import VerlSession
+from fedagent_flwr.trainers.verl.job import VerlJobFailed
+from fedagent_flwr.trainers.verl.persistent import VerlSession
 import os, tempfile
 made, mkdtemp = [], tempfile.mkdtemp
 tempfile.mkdtemp = lambda **kw: made.append(mkdtemp(**kw)) or made[-1]
@@ -342,9 +344,9 @@ def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_n
 
 
 def test_the_entry_module_serves_a_persistent_session() -> None:
-    from fedagent_flwr.clientapp.verl_backend.persistent import VerlSession
+    from fedagent_flwr.trainers.verl.persistent import VerlSession
 
-    run = subprocess.run([sys.executable, "-m", "fedagent_flwr.clientapp.verl_backend.entry", "bogus", "x"],
+    run = subprocess.run([sys.executable, "-m", "fedagent_flwr.trainers.verl.entry", "bogus", "x"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "'serve CHANNEL_DIR'" in run.stderr
-    assert isinstance(entry._session(), VerlSession)
+    assert isinstance(entry.session(), VerlSession)

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from fedagent_flwr.clientapp.verl_backend import weight_sync
-from fedagent_flwr.clientapp.verl_backend.entry import job_environment
-from fedagent_flwr.clientapp.verl_backend.weight_sync import HostLock, serialize_update_weights
+from fedagent_flwr.trainers.verl import weight_sync
+from fedagent_flwr.trainers.verl.job import job_environment
+from fedagent_flwr.trainers.verl.weight_sync import HostLock, serialize_update_weights
 
 _PROBE = ("import verl.checkpoint_engine.base as m, inspect; c = m.CheckpointEngineManager; "
           "print(getattr(c, '_fedagent_weight_sync_lock', None), "

@@ -9,7 +9,7 @@ so a test can call the real, patched ``optimizer_step`` on CPU without Ray or a 
 
 from __future__ import annotations
 
-from fedagent_flwr.clientapp.verl_backend.persistent import compose_verl_config
+from fedagent_flwr.trainers.verl.persistent import compose_verl_config
 
 __all__ = ["ENGINE", "compose_verl_config"]
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
+from fedagent_flwr.trainers import BACKEND_MODULES  # the registry (trainer.backend -> module)
 
 # Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
 CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s", "stall_timeout_s")
@@ -41,10 +42,6 @@ CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s", "
 # across rounds (:mod:`.persistent`).
 TRAINER_MODES = ("subprocess", "persistent")
 
-BACKEND_MODULES = {
-    "reference": "fedagent_flwr.clientapp.reference_trainer",
-    "verl": "fedagent_flwr.clientapp.verl_backend.entry",
-}
 
 
 class TrainerFailed(RuntimeError):

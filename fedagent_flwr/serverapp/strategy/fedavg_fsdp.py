@@ -739,11 +739,11 @@ def planned_train_episodes(payload: dict[str, Any]) -> int | None:
         rollout_n = trainer.get("rollout_n")
         if rollout_n is None:  # the backend's own default
             if trainer.get("backend") == "verl":
-                from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+                from fedagent_flwr.trainers.verl.settings import VerlSettings
 
                 rollout_n = VerlSettings.rollout_n
             else:
-                from fedagent_flwr.clientapp.reference_trainer import GRPOConfig
+                from fedagent_flwr.trainers.reference.config import GRPOConfig
 
                 rollout_n = GRPOConfig.rollout_n
         instances = sum(int(entry["n_envs"]) for entry in spec["envs"])

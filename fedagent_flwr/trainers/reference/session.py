@@ -3,7 +3,7 @@
 One process per node serves every (round, client) job of the run (:mod:`.trainer_server`): the
 interpreter, torch, transformers and the tokenizer are loaded once, and each job only loads its
 starting weights into the model already in memory. Training and evaluation then run the very
-same code as a fresh ``reference_trainer`` process, seeded after the weights are in place, so the
+same code as a fresh reference-trainer process (:mod:`.train`), seeded after the weights are in place, so the
 two modes give bit-identical checkpoints: CI checks the persistent mechanism with it.
 """
 
@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.clientapp import reference_trainer as rt
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult
+from fedagent_flwr.trainers.common.evaluator import load_model
+from fedagent_flwr.trainers.reference import train as rt
 
 
 class ModelCache:
@@ -35,7 +36,7 @@ class ModelCache:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         if self.model is None or not self._load_weights(path):
-            self.model, self.tokenizer = rt.load_model(path, num_threads)
+            self.model, self.tokenizer = load_model(path, num_threads)
             self.loads += 1
         else:
             self.reloads += 1
@@ -73,7 +74,7 @@ class ReferenceSession:
         self.cache = ModelCache()
 
     def train(self, job: TrainJob) -> TrainResult:
-        """Same checks, training and result file as ``reference_trainer.train``; only the load differs."""
+        """Same checks, training and result file as :func:`.train.train`; only the load differs."""
         spec, cfg, model_path, rule = rt.check_train_job(job)
         started = time.monotonic()
         model, tokenizer = self.cache.get(model_path, cfg.num_threads)
@@ -82,7 +83,7 @@ class ReferenceSession:
         return rt.train_loaded(job, spec, cfg, rule, model, tokenizer, started)
 
     def evaluate(self, job: EvalJob) -> EvalResult:
-        """Same as ``reference_trainer.evaluate``, on a copy of the live model (evaluation moves
+        """Same as :func:`.train.evaluate`, on a copy of the live model (evaluation moves
         it to the device and compute dtype; the cached fp32 master stays as it is)."""
         spec, cfg, model_path = rt.check_eval_job(job)
         started = time.monotonic()

@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+from fedagent_flwr.trainers.verl.settings import VerlSettings
 
-AGENT_LOOP_MODULE = "fedagent_flwr.clientapp.verl_backend.agent_loop"
-DATASET_MODULE = "fedagent_flwr.clientapp.verl_backend.dataset"
+AGENT_LOOP_MODULE = "fedagent_flwr.trainers.verl.agent_loop"
+DATASET_MODULE = "fedagent_flwr.trainers.verl.dataset"
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The persistent verl trainer: one verl session per node, kept across rounds (issue 8).
 
-``python -m fedagent_flwr.clientapp.verl_backend.entry serve CHANNEL_DIR`` keeps a
+``python -m fedagent_flwr.trainers.verl.entry serve CHANNEL_DIR`` keeps a
 :class:`VerlSession` alive (:mod:`fedagent_flwr.clientapp.trainer_server`), so Ray, the FSDP
 workers and the vLLM engine start once per run instead of once per client-round. The first train
 job starts the session:
 
 1. the same checks, row plan, agent-loop YAML, Hydra overrides and environment as the subprocess
-   path (:func:`.entry.prepare_train`); the variables the ``sitecustomize`` hooks read (FedProx,
+   path (:func:`.job.prepare_train`); the variables the ``sitecustomize`` hooks read (FedProx,
    the critic loader fix, plugins, the client rule) go into this process's ``os.environ`` before
    ``ray.init``, so every Ray worker inherits them, and the private Ray cluster gets a temp dir of
    its own;
@@ -22,12 +22,12 @@ the time before step 1: Ray and worker start-up in the first round, the reload a
 
 What verl fixed when the session started (the algorithm, every ``trainer`` setting, the step
 budget and batch size, FedProx's ``mu``, the client rule) cannot change under a live session: a
-job asking for other values is refused as bad input (:class:`.entry.InputError`, the session keeps
+job asking for other values is refused as bad input (:class:`.job.InputError`, the session keeps
 serving) with the differences named, rather than trained with stale settings or silently
 restarted (a restart would pay the cold start this mode exists to avoid, unannounced).
 
 Evaluation runs here with Hugging Face generation, exactly as the subprocess path does
-(:func:`.entry.evaluate`); the vLLM replicas sleep between rounds, so the GPU has room for it.
+(:func:`.job.evaluate`); the vLLM replicas sleep between rounds, so the GPU has room for it.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
 from fedagent_flwr.clientapp.trainer_server import record_leftover_markers
-from fedagent_flwr.clientapp.verl_backend import entry
-from fedagent_flwr.clientapp.verl_backend.entry import InputError, PreparedTrain, VerlJobFailed
-from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+from fedagent_flwr.trainers.verl import job as verl_job
+from fedagent_flwr.trainers.verl.job import InputError, PreparedTrain, VerlJobFailed
+from fedagent_flwr.trainers.verl.runner import cleanup_ray, known_cause
+from fedagent_flwr.trainers.verl.settings import VerlSettings
 
 PROG = "verl_backend (persistent)"
 LOG_HINT = "the trainer server's log"
@@ -94,7 +95,7 @@ def round_plan(job: TrainJob, prep: PreparedTrain, *, reload: bool) -> dict[str,
         "critic_path": (prep.paths.critic_path or model_path) if job.algorithm == "ppo" else "",
         "rows_file": prep.paths.rows_file,
         "checkpoint_dir": prep.paths.checkpoint_dir,
-        "experiment_name": entry.experiment_name(job),
+        "experiment_name": verl_job.experiment_name(job),
         "seed": job.data_seed,
         "local_steps": job.local_steps,
         "reload": reload,
@@ -107,7 +108,7 @@ def root_cause(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)
     inner = cause if isinstance(cause, BaseException) else exc
     text = f"{type(inner).__name__}: {inner}"
-    known = entry.known_cause(f"{text}\n{exc}")
+    known = known_cause(f"{text}\n{exc}")
     line = " ".join(text.split())
     return f"{known} ({line[:300]})" if known else line[:600]
 
@@ -153,7 +154,7 @@ class VerlSession:
         """One client-round on the live session (started by the first call); writes
         ``<output_dir>/train_result.json`` like :func:`.entry.train`."""
         started = time.monotonic()
-        checked = entry.check_train_job(job)
+        checked = verl_job.check_train_job(job)
         settings, spec, _, rule = checked
         fingerprint = session_fingerprint(job, settings, rule, sum(e.n_envs for e in spec.envs))
         if self.fixed is not None:
@@ -164,8 +165,8 @@ class VerlSession:
                     f"({'; '.join(differences)}); they are fixed for the session's life: run the job in "
                     "subprocess mode or restart the trainer server"
                 )
-        prep = entry.prepare_train(job, shared_dir=self._session_dir(), checked=checked)
-        print(entry.describe(job, prep), flush=True)
+        prep = verl_job.prepare_train(job, shared_dir=self._session_dir(), checked=checked)
+        print(verl_job.describe(job, prep), flush=True)
         extra: dict[str, float] = {}
         first = self.runner is None
         if first:
@@ -180,13 +181,13 @@ class VerlSession:
         first_step = called_at + float(records[0]["t"]) if records else None
         extra["verl/persistent_round"] = float(self.rounds)
         extra["verl/reload_s"] = float(out.get("reload_s", 0.0))
-        return entry.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
+        return verl_job.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
 
     def evaluate(self, job: EvalJob) -> Any:
-        """Hugging Face evaluation in this process, as :func:`.entry.evaluate`; the evaluation
+        """Hugging Face evaluation in this process, as :func:`.job.evaluate`; the evaluation
         model's GPU memory is handed back afterwards (vLLM wakes up into it next round)."""
         try:
-            return entry.evaluate(job)
+            return verl_job.evaluate(job)
         finally:
             _release_cached_gpu_memory()
 
@@ -205,7 +206,7 @@ class VerlSession:
                 ray.shutdown()
         finally:
             if self.ray_temp_dir:
-                entry._cleanup_ray(self.ray_temp_dir)
+                cleanup_ray(self.ray_temp_dir)
             if self._environ_before is not None:
                 apply_environment(self._environ_before)
                 self._environ_before = None
@@ -258,7 +259,7 @@ class VerlSession:
             ray.init(**OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
 
             stage = "starting verl's TaskRunner and workers (init_workers)"
-            from fedagent_flwr.clientapp.verl_backend.persistent_runner import PersistentTaskRunner
+            from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner
 
             self.runner = ray.remote(PersistentTaskRunner).remote()
             info = ray.get(self.runner.start.remote(config))

@@ -28,7 +28,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from fedagent_flwr.clientapp.verl_backend import fedprox
+from fedagent_flwr.trainers.verl import fedprox
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
 _ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")

@@ -22,8 +22,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from fedagent_flwr.clientapp.client_rule import load_client_rule
-from fedagent_flwr.clientapp.verl_backend.fedprox import (
+from fedagent_flwr.trainers.common.client_rule import load_client_rule
+from fedagent_flwr.trainers.verl.fedprox import (
     TARGET_MODULE,
     FedProxHookError,
     patch_when_imported,

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fedagent_flwr.clientapp.verl_backend.fedprox import patch_when_imported
+from fedagent_flwr.trainers.verl.fedprox import patch_when_imported
 
 ENV_LOCK = "FEDAGENT_WEIGHT_SYNC_LOCK"
 DEFAULT_LOCK = "/tmp/fa-verl-weight-sync.lock"  # the /tmp the sockets share

@@ -3,7 +3,7 @@ job (driver and Ray workers), the user hooks (plugin modules, client rule) when 
 set, the FedProx hook when FEDAGENT_FEDPROX_MU is set, the critic loader fix when
 FEDAGENT_CRITIC_ATTN is set, and the host-wide weight-sync lock when FEDAGENT_WEIGHT_SYNC_LOCK is set."""
 
-from fedagent_flwr.clientapp.verl_backend import critic_attention, fedprox, user_hooks, weight_sync
+from fedagent_flwr.trainers.verl import critic_attention, fedprox, user_hooks, weight_sync
 
 # User hooks first: a client rule's step wrapper then runs after FedProx's, as in the reference trainer.
 user_hooks.install_from_environment()

@@ -1,0 +1,22 @@
+"""Trainer backends: the processes that train and evaluate one client's model for the ClientApp.
+
+A backend is a module run as ``python -m <module> train|evaluate JOB.json`` (and ``serve
+CHANNEL_DIR`` for a persistent trainer); it reads a :class:`~fedagent_flwr.clientapp.job.TrainJob`
+or ``EvalJob`` and writes the matching result file. :data:`BACKEND_MODULES` is the one registry of
+them: the config check (``trainer.backend``) and the ClientApp's dispatch both read it.
+
+* :mod:`.common`: what both backends share (job checks, client rules and the built-in FedProx
+  rule, the Hugging Face sampler and evaluator);
+* :mod:`.reference`: the CPU reference trainer (a compact GRPO loop, for laptops and CI);
+* :mod:`.verl`: the verl backend (one verl GRPO/PPO job per client-round, on GPUs).
+
+Importing this package is cheap (no torch, no verl): the ServerApp's config check reads it.
+"""
+
+from __future__ import annotations
+
+#: trainer.backend -> the module the ClientApp runs (``python -m``). Declared once, here.
+BACKEND_MODULES: dict[str, str] = {
+    "reference": "fedagent_flwr.trainers.reference",
+    "verl": "fedagent_flwr.trainers.verl.entry",
+}

@@ -1,0 +1,93 @@
+"""The checks every trainer backend runs on a job before it loads a model or starts a framework.
+
+Both backends refuse the same bad input with the same words, and they refuse it before the
+expensive part (torch, Ray, vLLM): a typo in a multi-hour run should fail in a second. A backend
+calls :func:`check_train_header` (the job's own fields), checks its own settings, then
+:func:`check_train_world` (client rule, partition, environments, model), which is the costlier half.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from fedagent_flwr.clientapp.job import EvalJob, TrainJob
+from fedagent_flwr.envs.registry import make_env
+from fedagent_flwr.envs.spec import EnvSpec, load_env_spec
+from fedagent_flwr.hetero import partition_env_spec
+from fedagent_flwr.models.smollm2 import resolve_model_path
+from fedagent_flwr.seeding import SEEDS_PER_ENTRY
+from fedagent_flwr.trainers.common.client_rule import ClientRule, load_client_rule
+
+
+class InputError(ValueError):
+    """A job a backend cannot run (bad field, setting, env, model): reported as one line on
+    stderr with exit status 2."""
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,), "int": (int,), "float": (int, float), "dict": (dict,), "list": (list,),
+}
+
+
+def check_field_types(job: TrainJob | EvalJob) -> None:
+    """Refuse job fields of the wrong JSON type (``job.load`` checks names, not types)."""
+    for f in fields(job):
+        annotation = str(f.type)
+        allowed = _FIELD_TYPES.get(annotation.split("[", 1)[0])
+        value = getattr(job, f.name)
+        if allowed and (isinstance(value, bool) or not isinstance(value, allowed)):
+            raise InputError(f"job field '{f.name}' must be of type {annotation}, got {value!r}")
+
+
+def check_train_header(job: TrainJob, backend: str, algorithms: Sequence[str]) -> None:
+    """The job's own fields: types, algorithm (one of ``algorithms``), steps, client id, mu."""
+    check_field_types(job)
+    if job.algorithm.lower() not in algorithms:
+        wanted = " or ".join(repr(a) for a in algorithms)
+        raise InputError(f"algorithm {job.algorithm!r}: the {backend} only does {wanted}")
+    if job.local_steps < 1:
+        raise InputError(f"local_steps must be >= 1, got {job.local_steps}")
+    if not 0 <= job.client_id < job.num_clients:
+        raise InputError(f"client_id {job.client_id} is out of range for num_clients {job.num_clients}")
+    if job.proximal_mu < 0:
+        raise InputError(f"proximal_mu must be >= 0, got {job.proximal_mu}")
+
+
+@dataclass(frozen=True)
+class TrainWorld:
+    """What a train job resolves to outside the backend's settings."""
+
+    spec: EnvSpec  # this client's partition of the env spec
+    model_path: Path  # the starting model, as a local directory
+    rule: ClientRule | None  # the user's client rule (trainer.client_rule), built once to check it
+
+
+def check_train_world(job: TrainJob, prog: str) -> TrainWorld:
+    """Client rule, partition, environment configs and model path of a train job.
+
+    Every environment is built once so that its config errors surface now, not mid-rollout (or
+    in a Ray worker); ``prog`` prefixes the notes printed on stderr.
+    """
+    rule = load_client_rule(job.trainer)
+    spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
+                              base_seed=job.base_seed)
+    if len(spec.envs) > 1 and any(e.n_envs * job.local_steps > SEEDS_PER_ENTRY for e in spec.envs):
+        print(f"{prog}: note: more than {SEEDS_PER_ENTRY} env seeds per spec entry; later entries "
+              "reuse some of the seeds of earlier ones", file=sys.stderr)
+    for entry in spec.envs:
+        make_env(entry.name, entry.env_config())
+    return TrainWorld(spec, resolve_model_path(job.model_path), rule)
+
+
+def check_eval_job(job: EvalJob) -> tuple[EnvSpec, Path]:
+    """Field types, env spec (the full, unpartitioned one), seeds and model path of an EvalJob."""
+    check_field_types(job)
+    spec = load_env_spec(job.env_spec)
+    if not job.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in job.seeds):
+        raise InputError(f"seeds must be a non-empty list of integers, got {job.seeds!r}")
+    for entry in spec.envs:
+        make_env(entry.name, entry.env_config())
+    return spec, resolve_model_path(job.model_path)

@@ -1,0 +1,116 @@
+"""The Hugging Face evaluator both backends use: validation episodes of one model, one per seed
+in every env of the full (unpartitioned) spec, at the validation temperature.
+
+The verl backend evaluates this way too, on the node's GPU: a 135M-parameter model needs seconds
+for it, whereas a verl job would spend minutes starting Ray and vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
+from fedagent_flwr.envs.spec import EnvSpec
+from fedagent_flwr.rollout.episode import Episode, SamplingParams
+from fedagent_flwr.trainers.common.checks import InputError, check_eval_job
+from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
+from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
+from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
+
+EVAL_RESULT = "eval_result.json"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How to evaluate; each backend builds it from its own (already checked) settings. The
+    defaults are the reference trainer's."""
+
+    max_new_tokens: int = 32
+    val_temperature: float = 0.4  # FedAgent's validation temperature
+    val_top_p: float = 1.0
+    max_model_len: int = 1024
+    gen_batch_size: int = 32  # episodes sampled together
+    num_threads: int = 0  # torch threads; 0 keeps torch's default
+    compute_dtype: str = "auto"  # precision.COMPUTE_DTYPES
+    device: str = "auto"  # precision.DEVICES
+
+    def val_sampling(self) -> SamplingParams:
+        """The validation sampling parameters."""
+        return SamplingParams(self.max_new_tokens, self.val_temperature, self.val_top_p)
+
+
+def load_model(path: Path, num_threads: int) -> tuple[Any, Any]:
+    """Tokenizer and fp32 model (in eval mode) from a resolved local model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    except (OSError, ValueError) as exc:  # no config/weights/tokenizer, unknown architecture
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"cannot load the model from {path}: {first}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def evaluate(job: EvalJob, settings: EvalSettings) -> EvalResult:
+    """Check ``job``, load its model and play the validation episodes; writes ``eval_result.json``."""
+    spec, model_path = check_eval_job(job)
+    started = time.monotonic()
+    model, tokenizer = load_model(model_path, settings.num_threads)
+    return evaluate_loaded(job, spec, settings, model, tokenizer, started)
+
+
+def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: Any, tokenizer: Any,
+                    started: float) -> EvalResult:
+    """Play the validation episodes with ``model`` (fp32, loaded; moved to the device here)."""
+    import torch
+
+    seed_everything(derive_seed("eval", job.round))
+    device = torch_device(settings.device)
+    policy = HFPolicy(model.to(device=device, dtype=torch_compute_dtype(settings.compute_dtype, device)),
+                      tokenizer, settings.gen_batch_size)
+    tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
+             for e in spec.envs for k, s in enumerate(job.seeds)]
+    generator = torch.Generator(device=device).manual_seed(derive_seed("eval", job.round))
+    episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generator)
+    metrics = episode_metrics(episodes)
+    for j, entry in enumerate(spec.envs):
+        mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]
+        metrics[f"success_rate/{entry.name}"] = mean([float(e.success) for e in mine])
+    metrics["eval_seconds"] = time.monotonic() - started
+    print(f"evaluate: {len(episodes)} episodes on {device}: success_rate {metrics['success_rate']:.4f} "
+          f"reward_mean {metrics['reward_mean']:.4f} in {metrics['eval_seconds']:.1f} s", flush=True)
+    result = EvalResult(
+        num_episodes=len(episodes),
+        success_rate=metrics["success_rate"],
+        reward_mean=metrics["reward_mean"],
+        metrics=metrics,
+    )
+    save(result, Path(job.output_dir) / EVAL_RESULT)
+    return result
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean of ``values``, 0 for none."""
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Means over ``episodes`` of what every episode records (training and evaluation alike)."""
+    return {
+        "reward_mean": mean([e.reward for e in episodes]),
+        "success_rate": mean([float(e.success) for e in episodes]),
+        "num_turns_mean": mean([float(e.num_turns) for e in episodes]),
+        "truncated_rate": mean([float(e.truncated) for e in episodes]),
+        "response_tokens_mean": mean([float(sum(e.response_mask)) for e in episodes]),
+    }

@@ -1,0 +1,209 @@
+"""The Hugging Face sampler both backends evaluate with (and the reference trainer trains with).
+
+:class:`HFPolicy` samples many prompts per batch with a KV cache; :class:`LockstepBatcher` turns
+concurrent episodes' ``generate`` calls into such batches in a fixed order; :func:`play_episodes`
+plays a list of :class:`EpisodeTask` through the shared episode runner
+(:mod:`fedagent_flwr.rollout.episode`), so the token layout and masks are the ones verl's agent
+loop trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fedagent_flwr.envs.registry import make_env
+from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
+
+# A rollout prints how far it got at most this often: long CPU rollouts print nothing else for
+# minutes, and the ClientApp's progress watchdog (trainer.stall_timeout_s) judges by output lines.
+PROGRESS_EVERY_S = 30.0
+
+
+class HFPolicy:
+    """Samples continuations from a causal LM with a KV cache, many prompts per batch.
+
+    Prompts are left-padded (with matching position ids) so one prefill plus one forward per new
+    token serves the whole batch. A seeded ``torch.Generator`` drives all sampling, so a run is
+    reproducible independently of the global torch RNG.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        stop: set[int] = set()
+        for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(source, int):
+                stop.add(source)
+            elif isinstance(source, (list, tuple)):
+                stop.update(int(s) for s in source)
+        self.stop_ids: tuple[int, ...] = tuple(sorted(stop))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        # transformers 5.2x renamed ``past_key_values`` to ``cache``; accept either.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any
+    ) -> list[list[int]]:
+        """New token ids for every prompt (stopping at an EOS, which is kept)."""
+        results: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            results += self._sample_chunk(prompts[start:start + self.batch_size], sampling, generator)
+        return results
+
+    def _sample_chunk(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any
+    ) -> list[list[int]]:
+        import torch
+
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        device = self.model.device
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            attention[row, width - len(prompt):] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        outputs: list[list[int]] = [[] for _ in range(batch)]
+        alive = torch.ones(batch, dtype=torch.bool, device=device)
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
+            next_position = positions[:, -1:] + 1
+            for t in range(sampling.max_new_tokens):
+                tokens = _pick_tokens(out.logits[:, -1, :].float(), sampling, generator)
+                chosen = tokens.tolist()
+                for row in torch.nonzero(alive).flatten().tolist():
+                    outputs[row].append(int(chosen[row]))
+                alive &= ~torch.isin(tokens, stop)
+                if not bool(alive.any()) or t + 1 == sampling.max_new_tokens:
+                    break
+                attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
+                cache = getattr(out, "cache", None)
+                if cache is None:
+                    cache = getattr(out, "past_key_values", None)
+                out = self.model(input_ids=tokens[:, None], attention_mask=attention,
+                                 position_ids=next_position, use_cache=True, **{self._cache_kw: cache})
+                next_position = next_position + 1
+        return outputs
+
+
+def _pick_tokens(logits: Any, sampling: SamplingParams, generator: Any) -> Any:
+    """One token per row: greedy at temperature <= 0, else temperature + nucleus sampling."""
+    import torch
+
+    if sampling.temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token once the mass before it already reaches top_p; the top token always stays.
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return order.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class LockstepBatcher:
+    """Turns many concurrent episodes' ``generate`` calls into batched sampling.
+
+    A batch is sampled once *every* unfinished episode is waiting for tokens, and its rows are
+    ordered by episode index. The batches therefore do not depend on when environment steps
+    return (in-process or over HTTP), which keeps sampling reproducible.
+    """
+
+    def __init__(self, policy: HFPolicy, generator: Any, num_episodes: int) -> None:
+        self.policy = policy
+        self.generator = generator
+        self.active = num_episodes
+        self.pending: dict[int, tuple[list[int], SamplingParams, asyncio.Future[list[int]]]] = {}
+        self.total, self.batches = num_episodes, 0
+        self.started = self.last_report = time.monotonic()
+
+    def generate_fn(self, index: int) -> GenerateFn:
+        """The ``generate`` callable for episode ``index`` (the row it takes in every batch)."""
+
+        async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+            future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+            self.pending[index] = (prompt_ids, sampling, future)
+            self._maybe_flush()
+            return await future
+
+        return generate
+
+    def finished(self) -> None:
+        """An episode ended: later batches no longer wait for it."""
+        self.active -= 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if not self.pending or len(self.pending) < self.active:
+            return
+        waiting = sorted(self.pending.items())
+        self.pending = {}
+        by_params: dict[SamplingParams, list[tuple[list[int], asyncio.Future[list[int]]]]] = {}
+        for _, (prompt, sampling, future) in waiting:
+            by_params.setdefault(sampling, []).append((prompt, future))
+        for sampling, items in by_params.items():
+            try:
+                outputs = self.policy.sample([p for p, _ in items], sampling, self.generator)
+            except Exception as exc:  # hand the failure to every waiting episode
+                for _, future in items:
+                    future.set_exception(exc)
+                continue
+            for (_, future), tokens in zip(items, outputs):
+                future.set_result(tokens)
+        self.batches += 1
+        now = time.monotonic()
+        if now - self.last_report >= PROGRESS_EVERY_S:  # a heartbeat of real progress (see PROGRESS_EVERY_S)
+            self.last_report = now
+            print(f"rollout: {self.batches} batches sampled, {self.total - self.active}/{self.total} episodes "
+                  f"finished in {now - self.started:.0f} s", flush=True)
+
+
+@dataclass(frozen=True)
+class EpisodeTask:
+    """One episode to play: environment, config, seed, turn budget and GRPO group."""
+
+    env_name: str
+    config: dict[str, Any]
+    seed: int
+    max_turns: int
+    group: int
+
+
+def play_episodes(
+    policy: HFPolicy,
+    tokenizer: Any,
+    tasks: Sequence[EpisodeTask],
+    sampling: SamplingParams,
+    max_model_len: int,
+    generator: Any,
+) -> list[Episode]:
+    """Play all ``tasks`` concurrently (batched generation); results in task order."""
+
+    async def play_all() -> list[Episode]:
+        batcher = LockstepBatcher(policy, generator, len(tasks))
+
+        async def play(index: int, task: EpisodeTask) -> Episode:
+            try:
+                env = make_env(task.env_name, task.config)
+                return await run_episode(
+                    env, task.seed, tokenizer, batcher.generate_fn(index), sampling,
+                    task.max_turns, max_model_len, eos_token_ids=policy.stop_ids,
+                )
+            finally:
+                batcher.finished()
+
+        return list(await asyncio.gather(*(play(i, t) for i, t in enumerate(tasks))))
+
+    return asyncio.run(play_all())
+

@@ -1,0 +1,305 @@
+"""One verl client-round as a library: check the TrainJob, write what verl reads for it (rows,
+agent-loop registry, Hydra overrides, the job's environment), and turn what verl left into a
+TrainResult. The command (:mod:`.entry`) and the persistent session (:mod:`.persistent`) both
+build on it; evaluation is the shared Hugging Face evaluator (:func:`evaluate`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedagent_flwr.checkpoint.ref import SHARD_GLOB
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, save
+from fedagent_flwr.rollout.groups import zero_variance_group_share
+from fedagent_flwr.trainers.common import evaluator
+from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world
+from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, without_rule_keys
+from fedagent_flwr.trainers.common.evaluator import EvalSettings
+from fedagent_flwr.trainers.verl import critic_attention, fedprox, user_hooks, weight_sync
+from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
+from fedagent_flwr.trainers.verl.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
+from fedagent_flwr.trainers.verl.runner import ray_temp_dir
+from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+
+PROG = "verl_backend"
+TRAIN_RESULT = "train_result.json"
+
+
+class VerlJobFailed(RuntimeError):
+    """The verl job ran but did not produce a usable result."""
+
+
+def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str,
+                    critic_attn: str = "", plugin_modules: Sequence[str] = (),
+                    client_rule: dict[str, Any] | None = None, rule_marker_dir: str = "") -> dict[str, str]:
+    """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
+
+    * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
+      would join Flower's cluster instead of starting its own;
+    * ``PYTHONPATH``: the FedProx ``sitecustomize`` directory and this package first, so every
+      Ray worker imports the same code;
+    * vLLM without FlashInfer's sampler (the GPU wheel set leaves FlashInfer out), unbuffered
+      output, Ray logs not de-duplicated (each worker's lines matter when something fails);
+    * the FedProx variables only when ``proximal_mu > 0``; the user hooks' variables
+      (:mod:`.user_hooks`) only when ``plugin_modules`` / ``client_rule`` are given;
+    * the host-wide weight-sync lock (:mod:`.weight_sync`), unless ``base`` turns it off.
+    """
+    env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
+    for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS, user_hooks.ENV_PLUGINS, user_hooks.ENV_RULE,
+                user_hooks.ENV_RULE_MARKERS):
+        env.pop(key, None)
+    package_root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (fedprox.SITE_DIR, package_root, base.get("PYTHONPATH", "")) if p
+    )
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.setdefault("TOKENIZERS_PARALLELISM", "true")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["RAY_DEDUP_LOGS"] = "0"
+    env["HYDRA_FULL_ERROR"] = "1"
+    env[weight_sync.ENV_LOCK] = base.get(weight_sync.ENV_LOCK, weight_sync.DEFAULT_LOCK)
+    env.pop(critic_attention.ENV_ATTN, None)
+    if critic_attn:
+        env[critic_attention.ENV_ATTN] = critic_attn  # see critic_attention: verl hard-codes FA2
+    if proximal_mu > 0:
+        env[fedprox.ENV_MU] = repr(float(proximal_mu))
+        env[fedprox.ENV_MARKERS] = marker_dir
+    if plugin_modules:
+        env[user_hooks.ENV_PLUGINS] = ",".join(plugin_modules)
+    if client_rule:
+        env[user_hooks.ENV_RULE] = json.dumps(client_rule, sort_keys=True)
+        env[user_hooks.ENV_RULE_MARKERS] = rule_marker_dir
+    return env
+
+
+def agent_loop_registry(settings: VerlSettings, episode_log: str) -> list[dict[str, Any]]:
+    """The ``agent_loop_config_path`` YAML content: our loop under ``AGENT_NAME``."""
+    return [{
+        "name": AGENT_NAME,
+        "_target_": f"{AGENT_LOOP_MODULE}.EnvAgentLoop",
+        "max_new_tokens": settings.max_new_tokens,
+        "invalid_action_penalty": settings.invalid_action_penalty,
+        "episode_log": episode_log,
+    }]
+
+
+def experiment_name(job: TrainJob) -> str:
+    """verl's ``trainer.experiment_name`` for a client-round (it names the job's log lines)."""
+    return f"round{job.round}_client{job.client_id}"
+
+
+def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, Any] | None]:
+    """Everything checkable before verl starts; raises InputError naming the culprit."""
+    check_train_header(job, "verl backend", ("grpo", "ppo"))
+    if job.critic_path and not Path(job.critic_path).is_dir():
+        raise InputError(f"critic_path {job.critic_path} is not a directory")
+    try:
+        settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))
+    except VerlSettingsError as exc:
+        raise InputError(str(exc)) from None
+    if ignored:
+        print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    for name in settings.plugin_modules:
+        # Located, not run (it imports verl): a typo fails here instead of in a Ray worker.
+        if _module_spec(name) is None:
+            raise InputError(f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)")
+    world = check_train_world(job, PROG)  # the rule is built once there: a bad one fails before verl starts
+    rule = {key: job.trainer.get(key) for key in RULE_KEYS} if world.rule is not None else None
+    return settings, world.spec, world.model_path, rule
+
+
+def _module_spec(name: str) -> Any:
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that is missing, or a malformed name
+        return None
+
+
+
+def checkpoint_dir(root: Path, step: int, role: str) -> Path:
+    directory = root / f"global_step_{step}" / role
+    if not directory.is_dir() or not list(directory.glob(SHARD_GLOB)):
+        raise VerlJobFailed(f"verl finished but wrote no {role} checkpoint ({SHARD_GLOB}) in {directory}")
+    return directory
+
+
+def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not records:
+        raise VerlJobFailed(f"verl finished but no episode was recorded in {path}")
+    n = len(records)
+    return n, {
+        "reward_mean": sum(float(r["reward"]) for r in records) / n,
+        "score_mean": sum(float(r["score"]) for r in records) / n,
+        "success_rate": sum(float(bool(r["success"])) for r in records) / n,
+        "num_turns_mean": sum(float(r["num_turns"]) for r in records) / n,
+        "truncated_rate": sum(float(bool(r["truncated"])) for r in records) / n,
+        "invalid_actions_mean": sum(float(r["invalid"]) for r in records) / n,
+        # verl repeats each row rollout.n times: the episodes of one seed form a GRPO group,
+        # scored by "score" (the reward verl trains on).
+        "zero_variance_group_share": zero_variance_group_share(
+            [float(r["score"]) for r in records], [(r.get("env"), r["seed"]) for r in records]),
+    }
+
+
+# verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
+_STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
+              "critic/score/mean", "response_length/mean", "timing_s/step", "timing_s/gen",
+              "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
+              "timing_s/update_actor", "timing_s/update_critic", "timing_s/save_checkpoint")
+
+
+@dataclass(frozen=True)
+class PreparedTrain:
+    """One client-round made ready for verl: checked inputs, row plan and overrides written."""
+
+    settings: VerlSettings
+    model_path: Path
+    rule: dict[str, Any] | None
+    output: Path  # the job's output_dir
+    work: Path  # <output>/verl
+    paths: JobPaths
+    rows: int
+    batch_size: int
+    episode_log: Path
+    marker_dir: Path
+    rule_marker_dir: Path
+    overrides: list[str]
+    env: dict[str, str]  # the verl processes' environment (job_environment)
+
+
+def prepare_train(job: TrainJob, shared_dir: Path | None = None,
+                  checked: tuple[VerlSettings, Any, Path, dict[str, Any] | None] | None = None) -> PreparedTrain:
+    """Check ``job`` and write what verl reads for it (steps 1-2 of the module docstring).
+
+    ``shared_dir`` is a persistent session's own directory (:mod:`.persistent`): the agent-loop
+    YAML, the hook marker directories and the Ray temp dir are fixed when the session starts, so
+    they live there instead of under the job's output. Each row then names the round's episode
+    log, so episodes land in this job's output either way. ``checked`` is
+    :func:`check_train_job`'s answer when the caller already has it.
+    """
+    settings, spec, model_path, rule = checked if checked is not None else check_train_job(job)
+    output = Path(job.output_dir).resolve()
+    work = output / "verl"
+    work.mkdir(parents=True, exist_ok=True)
+    own = shared_dir if shared_dir is not None else work
+    temp_dir = ray_temp_dir(str(shared_dir if shared_dir is not None else output))
+    paths = job_paths(work, str(model_path), job.critic_path, temp_dir)
+    if shared_dir is not None:
+        paths = replace(paths, agent_loop_file=str(shared_dir / "agent_loops.yaml"))
+    else:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    # A retried client-round must never report a checkpoint or episodes of an earlier attempt.
+    shutil.rmtree(paths.checkpoint_dir, ignore_errors=True)
+    episode_log = work / "episodes.jsonl"
+    episode_log.unlink(missing_ok=True)
+    marker_dir = own / "fedprox_markers"
+    shutil.rmtree(marker_dir, ignore_errors=True)
+    rule_marker_dir = own / "client_rule_markers"
+    shutil.rmtree(rule_marker_dir, ignore_errors=True)
+
+    rows = plan_rows(spec, job.data_seed, job.local_steps, episode_log=str(episode_log))
+    batch_size = sum(entry.n_envs for entry in spec.envs)
+    write_rows(rows, Path(paths.rows_file))
+    write_rows(rows[:batch_size], Path(paths.val_rows_file))
+    # A session's YAML is read once, when its agent loops start: it must not name a round's log.
+    registry = agent_loop_registry(settings, "" if shared_dir is not None else str(episode_log))
+    Path(paths.agent_loop_file).write_text(yaml.safe_dump(registry))
+    overrides = build_overrides(
+        algorithm=job.algorithm, settings=settings, paths=paths, batch_size=batch_size,
+        local_steps=job.local_steps, seed=job.data_seed, experiment_name=experiment_name(job),
+    )
+    env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir),
+                          critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "",
+                          plugin_modules=settings.plugin_modules, client_rule=rule,
+                          rule_marker_dir=str(rule_marker_dir))
+    return PreparedTrain(settings=settings, model_path=model_path, rule=rule, output=output, work=work,
+                         paths=paths, rows=len(rows), batch_size=batch_size, episode_log=episode_log,
+                         marker_dir=marker_dir, rule_marker_dir=rule_marker_dir, overrides=overrides, env=env)
+
+
+def describe(job: TrainJob, prep: PreparedTrain) -> str:
+    """The one line announcing a client-round."""
+    return (f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {prep.rows} env "
+            f"instances ({prep.batch_size} per step x {job.local_steps} steps, n={prep.settings.rollout_n}), "
+            f"model {prep.model_path}")
+
+
+def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str, float]],
+                   first_step: float | None, started: float, log: str,
+                   extra_metrics: dict[str, float] | None = None) -> TrainResult:
+    """Check what verl left and write ``train_result.json`` (step 5 of the module docstring).
+
+    ``steps`` are verl's per-step metrics, ``first_step`` the seconds from ``started`` to the end of
+    step 1 (None if unknown), ``log`` where the failure messages send the reader.
+    """
+    settings = prep.settings
+    checkpoints = Path(prep.paths.checkpoint_dir)
+    actor_dir = checkpoint_dir(checkpoints, job.local_steps, "actor")
+    critic_dir = checkpoint_dir(checkpoints, job.local_steps, "critic") if job.algorithm == "ppo" else None
+    if job.proximal_mu > 0:
+        markers = fedprox.read_markers(str(prep.marker_dir))
+        if len(markers) < settings.n_gpus_per_node:
+            raise VerlJobFailed(
+                f"FedProx (mu={job.proximal_mu}) was active in {len(markers)} of {settings.n_gpus_per_node} "
+                f"actor workers; refusing to report a FedAvg update as FedProx (log: {log})"
+            )
+    if prep.rule is not None and len(fedprox.read_markers(str(prep.rule_marker_dir))) < settings.n_gpus_per_node:
+        raise VerlJobFailed(
+            f"the client rule {prep.rule['client_rule']} was not active in every actor worker; refusing to "
+            f"report an update made without it (log: {log})"
+        )
+    num_episodes, metrics = episode_metrics(prep.episode_log)
+    last = steps.get(max(steps)) if steps else {}
+    for key in _STEP_KEYS:
+        if last and key in last:
+            metrics[f"verl/{key}"] = last[key]
+    metrics["verl/steps"] = float(len(steps))
+    if first_step is not None:
+        # The first metric line is printed when step 1 ends: cold start = that moment minus step 1.
+        metrics["verl/launch_to_step1_end_s"] = round(first_step, 2)
+        step1 = steps.get(min(steps), {}).get("timing_s/step") if steps else None
+        if step1 is not None:
+            metrics["verl/cold_start_s"] = round(first_step - step1, 2)
+    metrics["train_seconds"] = round(time.monotonic() - started, 2)
+    metrics["proximal_mu"] = float(job.proximal_mu)
+    if job.proximal_mu > 0:
+        metrics["fedprox/active_workers"] = float(len(fedprox.read_markers(str(prep.marker_dir))))
+    metrics.update(extra_metrics or {})
+    result = TrainResult(
+        actor_dir=str(actor_dir),
+        actor_format="fsdp-shards",
+        num_episodes=num_episodes,
+        metrics=metrics,
+        critic_dir=str(critic_dir) if critic_dir else "",
+        world_size=settings.n_gpus_per_node,
+    )
+    save(result, prep.output / TRAIN_RESULT)
+    return result
+
+
+def evaluate(job: EvalJob) -> EvalResult:
+    """Validation episodes with Hugging Face generation on the node's accelerator, with the
+    sampling knobs of the verl settings (the rest at the evaluator's defaults)."""
+    try:
+        settings, _ = VerlSettings.from_mapping(job.trainer)
+    except VerlSettingsError as exc:
+        raise InputError(str(exc)) from None
+    return evaluator.evaluate(job, EvalSettings(
+        max_new_tokens=settings.max_new_tokens,
+        val_temperature=settings.val_temperature,
+        max_model_len=settings.max_model_len,
+        device="auto",
+    ))

@@ -1,0 +1,113 @@
+"""Running one verl job as a process: start it in a session of its own, tee and parse its output,
+stop what is left of its private Ray cluster afterwards, and say in one line why it failed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.launch import pids_with_cmdline, stop_group
+from fedagent_flwr.trainers.verl.verl_log import parse_step_line
+
+_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
+# vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
+_VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
+_ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
+
+def ray_temp_dir(output_dir: str) -> str:
+    """A short per-job Ray temp dir: Ray puts Unix sockets under it (paths must stay < 108 bytes)."""
+    digest = hashlib.sha256(str(Path(output_dir).resolve()).encode()).hexdigest()[:10]
+    return f"/tmp/fa-ray-{digest}"
+
+
+def cleanup_ray(temp_dir: str) -> None:
+    """Stop what is left of the job's private Ray cluster (found by its temp dir)."""
+    for pid in pids_with_cmdline(temp_dir):
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+             temp_dir: str) -> tuple[int, float | None, list[str], dict[int, dict[str, float]]]:
+    """Run verl in its own session; tee its output to ``log_path`` and our stdout.
+
+    Returns (exit code, seconds from launch to the first training step or None, the last lines,
+    per-step metrics). A SIGTERM to this process stops the job's whole process group.
+    """
+    started = time.monotonic()
+    first_step: float | None = None
+    tail: deque[str] = deque(maxlen=40)
+    steps: dict[int, dict[str, float]] = {}
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1, start_new_session=True)
+
+    def forward_term(signum: int, frame: Any) -> None:
+        stop_group(process.pid, grace_s=5.0)
+        cleanup_ray(temp_dir)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, forward_term)
+    succeeded = False
+    try:
+        with open(log_path, "w") as log_file:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                log_file.flush()
+                sys.stdout.write(line)
+                tail.append(line.rstrip())
+                parsed = parse_step_line(line)
+                if parsed is not None:
+                    steps[parsed[0]] = parsed[1]
+                    if first_step is None:
+                        first_step = time.monotonic() - started
+        code = process.wait()
+        succeeded = code == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_group(process.pid, grace_s=5.0)  # verl if still running, and helpers left in its session
+        cleanup_ray(temp_dir)
+        if succeeded:
+            # Each job makes a new dir in /tmp, outside the run. After a success its worker output is
+            # already in verl.log (RAY_DEDUP_LOGS=0); after a failure Ray's own logs are kept to debug.
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    return code, first_step, list(tail), steps
+
+
+def known_cause(text: str) -> str | None:
+    """A root cause recognised in verl's output (GPU memory), phrased for the operator; else None."""
+    if any(marker in text for marker in _OOM_MARKERS):
+        return "ran out of GPU memory (CUDA out of memory)"
+    if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
+        return ("could not start vLLM: its KV-cache sizing failed because another process on the GPU "
+                "changed its memory use meanwhile (set trainer.kv_cache_gib > 0 when clients share a GPU)")
+    return None
+
+
+def failure_reason(code: int, tail: Sequence[str]) -> str:
+    """One line for why verl failed: a known root cause, else the first error line of the tail
+    (chained tracebacks print the root cause first), else the last line."""
+    known = known_cause("\n".join(tail))
+    if known is not None:
+        return known
+    if code < 0:
+        return f"was killed by signal {-code}"
+    errors = [line for line in tail if _ERROR_LINE.search(line)]
+    line = (errors[:1] or [line for line in tail if line.strip()][-1:] or ["no output"])[0]
+    match = _ERROR_LINE.search(line)
+    return f"exited with code {code}: {(line[match.start():] if match else line).strip()[:400]}"
+
