@@ -300,21 +300,23 @@ print(json.dumps({"wrapped": list(impl.FSDPEngine._fedagent_wrapped),
 
 
 def test_client_rule_runs_in_verls_fsdp_engine_next_to_fedprox(tmp_path: Path) -> None:
-    from fedagent_flwr.trainers.verl import fedprox
+    from fedagent_flwr.trainers.common.client_rule import job_rule_specs
+    from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
+    from fedagent_flwr.trainers.verl import engine_hooks
     from fedagent_flwr.trainers.verl.job import job_environment
 
     rule = {"client_rule": "examples.client_rule.ProximalFreeze", "client_rule_args": {"mu": 0.5, "freeze": "bias"}}
-    env = job_environment(dict(os.environ), proximal_mu=0.25, marker_dir=str(tmp_path / "fedprox"),
-                          client_rule=rule, rule_marker_dir=str(tmp_path / "rule"))
+    env = job_environment(dict(os.environ), rules=job_rule_specs(0.25, rule), marker_dir=str(tmp_path / "rule"))
     probe = subprocess.run([sys.executable, "-c", _RULE_PROBE], env=env, capture_output=True, text=True,
                            timeout=600, cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr[-2000:]
     result = json.loads(probe.stdout.strip().splitlines()[-1])
-    assert result["wrapped"] == ["client_rule", "fedprox"]  # FedProx's wrapper runs first, then the rule
+    assert result["wrapped"] == ["client_rule"]  # one wrapper runs the job's rules
     assert result["weight_error"] < 1e-6 and result["bias_unchanged"] and result["rule_imported_by"]
-    (marker,) = fedprox.read_markers(str(tmp_path / "rule"))
-    assert marker["rule"] == "examples.client_rule.ProximalFreeze" and marker["engine"] == "FSDPEngineWithLMHead"
-    assert len(fedprox.read_markers(str(tmp_path / "fedprox"))) == 1
+    (marker,) = engine_hooks.read_markers(str(tmp_path / "rule"))
+    # FedProx's rule runs first, then the user's (which freezes the bias, proximal term included).
+    assert marker["rules"] == [FEDPROX_RULE, "examples.client_rule.ProximalFreeze"]
+    assert marker["rule_args"][0] == {"mu": 0.25} and marker["engine"] == "FSDPEngineWithLMHead"
     assert "[client_rule] hook active" in probe.stdout
 
 
@@ -363,7 +365,7 @@ print(json.dumps({"advantages": out.batch["advantages"].tolist(),
 def test_verl_estimator_is_registered_in_a_fresh_job_process_and_verl_computes_with_it(tmp_path: Path) -> None:
     from fedagent_flwr.trainers.verl.job import job_environment
 
-    env = job_environment(dict(os.environ), proximal_mu=0.0, marker_dir="", plugin_modules=["examples.verl_advantage"])
+    env = job_environment(dict(os.environ), plugin_modules=["examples.verl_advantage"])
     probe = subprocess.run([sys.executable, "-c", _ESTIMATOR_PROBE, "group_median_baseline"], env=env,
                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr[-2000:]
@@ -376,7 +378,7 @@ def test_verl_estimator_is_registered_in_a_fresh_job_process_and_verl_computes_w
     mask[1, 3:] = 0
     assert np.allclose(np.array(result["advantages"]), (scores - baseline)[:, None] * mask)
     # Without the plugin module the job's processes do not know the name.
-    plain = job_environment(dict(os.environ), proximal_mu=0.0, marker_dir="")
+    plain = job_environment(dict(os.environ))
     unknown = subprocess.run([sys.executable, "-c", _ESTIMATOR_PROBE, "group_median_baseline"], env=plain,
                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert unknown.returncode != 0 and "Unknown advantage estimator" in unknown.stderr

@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from fedagent_flwr.clientapp.job import TrainJob, save
-from fedagent_flwr.trainers.verl import fedprox
+from fedagent_flwr.trainers.common.client_rule import job_rule_specs
+from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE, FedProx
+from fedagent_flwr.trainers.verl import engine_hooks, user_hooks
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, EnvEpisodeDataset, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.job import job_environment
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
@@ -206,7 +208,7 @@ def test_agent_loop_refuses_a_prompt_longer_than_the_budget(tiny_model_dir: Path
 def test_proximal_term_adds_mu_times_the_drift() -> None:
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3)
-    term = fedprox.ProximalTerm(mu=0.5)
+    term = FedProx(mu=0.5)
     anchor = {n: p.detach().clone() for n, p in layer.named_parameters()}
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     for _ in range(3):
@@ -218,14 +220,15 @@ def test_proximal_term_adds_mu_times_the_drift() -> None:
         for name, param in layer.named_parameters():
             torch.testing.assert_close(param.grad, plain[name] + 0.5 * drift[name])
         assert squared == pytest.approx(sum(float(d.pow(2).sum()) for d in drift.values()), rel=1e-5)
+        assert term.penalty == pytest.approx(0.25 * squared)  # mu/2 * ||w - w_t||^2
         optimizer.step()
     assert term.steps == 3
     with pytest.raises(ValueError):
-        fedprox.ProximalTerm(0.0)
+        FedProx(0.0)
 
 
 _HOOK_PROBE = ENGINE + r"""
-assert impl.FSDPEngine._fedagent_fedprox_mu == 0.25, "not patched"
+assert impl.FSDPEngine._fedagent_wrapped == ("client_rule",), "not patched"
 out = {}
 for name in ("FSDPEngineWithLMHead", "FSDPEngineWithValueHead"):
     e = engine(getattr(impl, name))
@@ -244,9 +247,9 @@ print(json.dumps(out))
 
 def test_fedprox_hook_is_armed_by_the_jobs_environment_and_patches_verls_actor_engine(tmp_path: Path) -> None:
     markers = tmp_path / "markers"
-    env = job_environment(dict(os.environ), proximal_mu=0.25, marker_dir=str(markers))
+    env = job_environment(dict(os.environ), rules=job_rule_specs(0.25, {}), marker_dir=str(markers))
     assert not any(k.startswith("RAY_") for k in env) or env.get("RAY_DEDUP_LOGS") == "0"
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == fedprox.SITE_DIR
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == engine_hooks.SITE_DIR
     probe = subprocess.run([sys.executable, "-c", _HOOK_PROBE], env=env, capture_output=True, text=True,
                            timeout=600)
     assert probe.returncode == 0, probe.stderr[-2000:]
@@ -255,15 +258,16 @@ def test_fedprox_hook_is_armed_by_the_jobs_environment_and_patches_verls_actor_e
     _, critic_error = result["FSDPEngineWithValueHead"]
     assert actor_error < 1e-6  # the actor got the proximal gradient
     assert critic_error < 1e-6  # the critic did not
-    recorded = fedprox.read_markers(str(markers))
-    assert len(recorded) == 1 and recorded[0]["mu"] == 0.25 and recorded[0]["engine"] == "FSDPEngineWithLMHead"
-    assert "[fedprox] hook active" in probe.stdout
+    recorded = engine_hooks.read_markers(str(markers))
+    assert len(recorded) == 1 and recorded[0]["engine"] == "FSDPEngineWithLMHead"
+    assert recorded[0]["rules"] == [FEDPROX_RULE] and recorded[0]["rule_args"] == [{"mu": 0.25}]
+    assert "[client_rule] hook active" in probe.stdout
 
     # Without mu the same environment leaves verl untouched.
-    plain = job_environment({**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}, proximal_mu=0.0, marker_dir="")
-    assert "RAY_ADDRESS" not in plain and fedprox.ENV_MU not in plain
+    plain = job_environment({**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}, rules=job_rule_specs(0.0, {}))
+    assert "RAY_ADDRESS" not in plain and user_hooks.ENV_RULES not in plain
     check = subprocess.run([sys.executable, "-c", "import verl.workers.engine.fsdp.transformer_impl as m; "
-                            "print(getattr(m.FSDPEngine, '_fedagent_fedprox_mu', None))"],
+                            "print(getattr(m.FSDPEngine, '_fedagent_wrapped', None))"],
                            env=plain, capture_output=True, text=True, timeout=600)
     assert check.stdout.strip().splitlines()[-1] == "None"
 
@@ -374,3 +378,37 @@ def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() 
                       turns=[turn({"is_action_valid": 0}), turn({"is_action_valid": 1}),
                              turn({"is_action_valid": False}), turn({"is_action_valid": True}), turn({})])
     assert count_invalid_actions(episode) == 2
+
+
+def test_a_fedprox_job_whose_workers_did_not_all_run_the_rule_fails_instead_of_being_fedavg(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The fail-closed check on the markers each actor worker writes when it runs the job's rules."""
+    from fedagent_flwr.trainers.verl.job import VerlJobFailed, collect_result, prepare_train
+
+    job = TrainJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "out"), env_spec=SPEC, round=1,
+                   client_id=0, num_clients=1, data_seed=7, partition={"strategy": "none"}, proximal_mu=0.1,
+                   trainer={"n_gpus_per_node": 2})
+    prep = prepare_train(job)
+    assert prep.rules == [{"client_rule": FEDPROX_RULE, "client_rule_args": {"mu": 0.1}}]
+    assert json.loads(prep.env[user_hooks.ENV_RULES]) == prep.rules
+    assert prep.env[user_hooks.ENV_RULE_MARKERS] == str(prep.marker_dir)
+    actor = Path(prep.paths.checkpoint_dir) / "global_step_1" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model_world_size_2_rank_0.pt").write_bytes(b"x")
+    prep.episode_log.write_text(json.dumps({"env": "TinyGuess", "seed": 1, "reward": 1.0, "score": 1.0,
+                                            "success": True, "num_turns": 1, "truncated": False,
+                                            "invalid": 0}) + "\n")
+
+    def collect() -> Any:
+        return collect_result(job, prep, {}, None, 0.0, "verl.log")
+
+    with pytest.raises(VerlJobFailed, match=r"FedProx \(mu=0.1\) was active in 0 of 2 actor workers"):
+        collect()
+    engine_hooks.write_marker(str(prep.marker_dir), {"rules": [FEDPROX_RULE]})
+    # A worker that ran other rules than the job's does not count.
+    (prep.marker_dir / "actor-other.json").write_text(json.dumps({"rules": ["x.Y"]}))
+    with pytest.raises(VerlJobFailed, match="was active in 1 of 2"):
+        collect()
+    (prep.marker_dir / "actor-second.json").write_text(json.dumps({"rules": [FEDPROX_RULE]}))
+    result = collect()
+    assert result.metrics["fedprox/active_workers"] == 2.0 and result.metrics["proximal_mu"] == 0.1

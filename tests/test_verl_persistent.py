@@ -28,7 +28,8 @@ import torch
 import yaml
 
 from fedagent_flwr.clientapp.job import TrainJob
-from fedagent_flwr.trainers.verl import entry, fedprox
+from fedagent_flwr.trainers.common.client_rule import job_rule_specs
+from fedagent_flwr.trainers.verl import engine_hooks, entry, user_hooks
 from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.agent_loop import episode_log_path
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset, read_rows
@@ -144,7 +145,7 @@ def test_two_jobs_of_one_session_differ_in_paths_seed_rows_and_episode_log(tiny_
     p2 = verl_job.prepare_train(second_grpo, shared_dir=shared)
     # Fixed for the session: agent-loop YAML, markers, Ray temp dir (and they are not the job's).
     assert p1.paths.agent_loop_file == p2.paths.agent_loop_file == str(shared / "agent_loops.yaml")
-    assert p1.marker_dir == p2.marker_dir == shared / "fedprox_markers"
+    assert p1.marker_dir == p2.marker_dir == shared / "client_rule_markers"
     assert p1.paths.ray_temp_dir == p2.paths.ray_temp_dir == ray_temp_dir(str(shared))
     assert yaml.safe_load(Path(p1.paths.agent_loop_file).read_text())[0]["episode_log"] == ""
     # Per round: rows, checkpoints, episode log, seed.
@@ -239,7 +240,7 @@ def test_reload_rebuilds_the_engine_and_the_fedprox_anchor_is_taken_again(tmp_pa
                     p -= p.grad
 
     module = SimpleNamespace(__name__="fake_impl", FSDPEngine=FSDPEngine)
-    fedprox.patch_engine_module(module, 0.5, str(tmp_path / "markers"))
+    user_hooks.patch_engine_with_rules(module, job_rule_specs(0.5, {}), str(tmp_path / "markers"))
 
     class Worker:  # verl's TrainingWorker, as far as a reload touches it
         def __init__(self) -> None:
@@ -263,21 +264,21 @@ def test_reload_rebuilds_the_engine_and_the_fedprox_anchor_is_taken_again(tmp_pa
         worker.engine.optimizer_step()
 
     step()
-    anchor = worker.engine.__dict__["_fedagent_fedprox"][0].anchor
+    anchor = worker.engine.__dict__["_fedagent_client_rule"][0].rules[0].anchor  # FedProx's
     assert torch.equal(anchor["weight"], torch.ones(1, 2))
     shutil_markers = tmp_path / "markers"
-    assert len(fedprox.read_markers(str(shutil_markers))) == 1
+    assert len(engine_hooks.read_markers(str(shutil_markers))) == 1
     for path in shutil_markers.iterdir():
         path.unlink()  # the session clears the marker dir before each round
 
     answer = reload_training_worker(worker, "/round2")
-    assert answer["path"] == "/round2" and answer["hooks_reset"] == ["fedprox"]
+    assert answer["path"] == "/round2" and answer["hooks_reset"] == ["client_rule"]
     assert worker.resets == ["/round1", "/round2"] and worker.engine.model_config.local_path == "/round2"
-    assert "_fedagent_fedprox" not in worker.engine.__dict__
+    assert "_fedagent_client_rule" not in worker.engine.__dict__
     step()
-    anchor = worker.engine.__dict__["_fedagent_fedprox"][0].anchor
+    anchor = worker.engine.__dict__["_fedagent_client_rule"][0].rules[0].anchor
     assert torch.equal(anchor["weight"], torch.full((1, 2), 2.0))  # the new round's weights
-    assert len(fedprox.read_markers(str(shutil_markers))) == 1  # and the hook reported itself again
+    assert len(engine_hooks.read_markers(str(shutil_markers))) == 1  # and the hook reported itself again
 
 
 def test_metrics_and_errors_from_ray_read_as_one_line() -> None:

@@ -24,12 +24,12 @@ _PROBE = ("import verl.checkpoint_engine.base as m, inspect; c = m.CheckpointEng
 
 
 def test_a_verl_job_process_gets_verls_manager_wrapped_unless_turned_off() -> None:
-    env = job_environment(dict(os.environ), proximal_mu=0.0, marker_dir="")
+    env = job_environment(dict(os.environ))
     assert env[weight_sync.ENV_LOCK] == weight_sync.DEFAULT_LOCK
     probe = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.strip().splitlines()[-1] == f"{weight_sync.DEFAULT_LOCK} True"
-    off = job_environment({**os.environ, weight_sync.ENV_LOCK: "off"}, proximal_mu=0.0, marker_dir="")
+    off = job_environment({**os.environ, weight_sync.ENV_LOCK: "off"})
     probe = subprocess.run([sys.executable, "-c", _PROBE], env=off, capture_output=True, text=True, timeout=600)
     assert probe.stdout.strip().splitlines()[-1] == "None True"  # verl's own method, untouched
 

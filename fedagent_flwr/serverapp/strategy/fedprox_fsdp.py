@@ -3,7 +3,9 @@
 Federated Optimization in Heterogeneous Networks [Li et al., 2020, arxiv.org/abs/1812.06127]:
 identical to :class:`FedAvgFSDP` on the server; each client adds the proximal term
 ``mu / 2 * ||w - w_global||^2`` to its local objective, with ``mu`` sent as ``proximal-mu``
-in every train instruction (the key Flower's own ``FedProx`` uses).
+in every train instruction (the key Flower's own ``FedProx`` uses). On the client, ``proximal-mu``
+> 0 puts the built-in client rule :class:`fedagent_flwr.trainers.common.fedprox.FedProx` first in
+the job's rules, which both trainer backends run (verl: in every actor worker, fail-closed).
 """
 
 from __future__ import annotations

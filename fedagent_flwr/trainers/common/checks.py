@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob
 from fedagent_flwr.envs.registry import make_env
@@ -19,7 +20,7 @@ from fedagent_flwr.envs.spec import EnvSpec, load_env_spec
 from fedagent_flwr.hetero import partition_env_spec
 from fedagent_flwr.models.smollm2 import resolve_model_path
 from fedagent_flwr.seeding import SEEDS_PER_ENTRY
-from fedagent_flwr.trainers.common.client_rule import ClientRule, load_client_rule
+from fedagent_flwr.trainers.common.client_rule import RuleChain, job_rule_specs
 
 
 class InputError(ValueError):
@@ -62,16 +63,19 @@ class TrainWorld:
 
     spec: EnvSpec  # this client's partition of the env spec
     model_path: Path  # the starting model, as a local directory
-    rule: ClientRule | None  # the user's client rule (trainer.client_rule), built once to check it
+    rule_specs: list[dict[str, Any]]  # the job's client rules, FedProx's first (job_rule_specs)
+    rules: RuleChain  # the same rules, built (once, so a bad rule fails here)
+    user_rule: bool  # whether the last rule is the user's trainer.client_rule
 
 
 def check_train_world(job: TrainJob, prog: str) -> TrainWorld:
-    """Client rule, partition, environment configs and model path of a train job.
+    """Client rules, partition, environment configs and model path of a train job.
 
     Every environment is built once so that its config errors surface now, not mid-rollout (or
     in a Ray worker); ``prog`` prefixes the notes printed on stderr.
     """
-    rule = load_client_rule(job.trainer)
+    rule_specs = job_rule_specs(job.proximal_mu, job.trainer)
+    rules = RuleChain.from_specs(rule_specs)
     spec = partition_env_spec(job.env_spec, job.partition, job.client_id, job.num_clients,
                               base_seed=job.base_seed)
     if len(spec.envs) > 1 and any(e.n_envs * job.local_steps > SEEDS_PER_ENTRY for e in spec.envs):
@@ -79,7 +83,8 @@ def check_train_world(job: TrainJob, prog: str) -> TrainWorld:
               "reuse some of the seeds of earlier ones", file=sys.stderr)
     for entry in spec.envs:
         make_env(entry.name, entry.env_config())
-    return TrainWorld(spec, resolve_model_path(job.model_path), rule)
+    return TrainWorld(spec, resolve_model_path(job.model_path), rule_specs, rules,
+                      user_rule=bool(job.trainer.get("client_rule")))
 
 
 def check_eval_job(job: EvalJob) -> tuple[EnvSpec, Path]:

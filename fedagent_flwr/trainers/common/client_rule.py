@@ -13,14 +13,20 @@ the round's global weights, which is where FedProx anchors its term.
 
 The settings travel in the trainer group, so every client gets them with its instruction; a
 strategy that wants per-round values rewrites ``trainer-json`` in its ``configure_train``.
+
+FedProx is the built-in rule (:mod:`.fedprox`): FedProxFSDP's ``proximal-mu`` instruction puts it
+first in the job's rule list (:func:`job_rule_specs`). Both backends run that list through
+:class:`RuleChain`, the reference trainer in its update and the verl backend in every actor
+worker (:mod:`fedagent_flwr.trainers.verl.user_hooks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from fedagent_flwr.plugins import PluginError, load_object
+from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 
 #: The trainer-group keys of a client rule (no backend's own hyper-parameters).
 RULE_KEYS = ("client_rule", "client_rule_args")
@@ -34,7 +40,11 @@ class ClientRule(Protocol):
     """What a trainer needs from a client rule."""
 
     def apply(self, named_parameters: Iterable[tuple[str, Any]]) -> float:
-        """Change the gradients in place before an optimiser step; return a value to log."""
+        """Change the gradients in place before an optimiser step; return a value to log.
+
+        A rule that adds a term to the local objective may also keep that term's value of the
+        last call in a ``penalty`` attribute; the reference trainer adds it to its reported loss.
+        """
 
 
 def without_rule_keys(trainer: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,3 +73,49 @@ def load_client_rule(trainer: Mapping[str, Any]) -> ClientRule | None:
     if not callable(getattr(rule, "apply", None)):
         raise ClientRuleError(f"trainer.client_rule {path!r} built an object without an apply(named_parameters) method")
     return rule  # type: ignore[no-any-return]
+
+
+def job_rule_specs(proximal_mu: float, trainer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The client rules of a train job, in the order they run, as ``{client_rule, client_rule_args}``.
+
+    FedProx's rule first when the strategy sent ``proximal-mu`` > 0 (the job's ``proximal_mu``),
+    then the user's ``trainer.client_rule``, so the user's rule sees the gradients with the
+    proximal term in them (it may mask or rescale it).
+    """
+    specs: list[dict[str, Any]] = []
+    if proximal_mu > 0:
+        specs.append({"client_rule": FEDPROX_RULE, "client_rule_args": {"mu": float(proximal_mu)}})
+    if trainer.get("client_rule"):
+        specs.append({key: trainer.get(key) for key in RULE_KEYS})
+    return specs
+
+
+class RuleChain:
+    """Several client rules run as one, in order; what both backends call before each step.
+
+    After :meth:`apply`, ``values`` holds what each rule returned and ``penalty`` the sum of the
+    rules' optional ``penalty`` attributes (a rule's part of the local objective, such as
+    FedProx's ``mu/2 * ||w - w_t||^2``; the reference trainer counts it in its loss).
+    """
+
+    def __init__(self, rules: Sequence[ClientRule]) -> None:
+        self.rules = list(rules)
+        self.values = [0.0] * len(self.rules)
+        self.penalty = 0.0
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[Mapping[str, Any]]) -> RuleChain:
+        """Build every rule of ``specs`` (see :func:`job_rule_specs`)."""
+        rules = [load_client_rule(spec) for spec in specs]
+        return cls([rule for rule in rules if rule is not None])
+
+    def apply(self, named_parameters: Iterable[tuple[str, Any]]) -> float:
+        """Run every rule on the same parameters; returns the sum of their values."""
+        named = list(named_parameters)
+        self.values = [float(rule.apply(named)) for rule in self.rules]
+        self.penalty = float(sum(getattr(rule, "penalty", 0.0) for rule in self.rules))
+        return sum(self.values)
+
+    def anchored(self) -> int:
+        """How many tensors the rules anchored (the most any one rule holds), for the log."""
+        return max((len(getattr(rule, "anchor", None) or {}) for rule in self.rules), default=0)

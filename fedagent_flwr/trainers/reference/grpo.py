@@ -1,9 +1,9 @@
 """The reference trainer's GRPO update: group-relative advantages and the clipped surrogate.
 
 Per optimiser step (``ppo_epochs`` of them): the token-mean over the generated response tokens of
-``max(-A r, -A clip(r, 1-e, 1+e)) - entropy_coeff * H + kl_coef * KL_k3(ref || pi)``, plus
-FedProx's ``mu/2 * ||w - w_start||^2``; a client rule sees the gradients just before clipping
-and the optimiser step.
+``max(-A r, -A clip(r, 1-e, 1+e)) - entropy_coeff * H + kl_coef * KL_k3(ref || pi)``; then the
+job's client rules (FedProx's ``mu * (w - w_start)`` first, then the user's rule) edit the
+gradients, just before clipping and the optimiser step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedagent_flwr.rollout.episode import Episode
-from fedagent_flwr.trainers.common.client_rule import ClientRule
+from fedagent_flwr.trainers.common.client_rule import RuleChain
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 
 
@@ -111,7 +111,7 @@ class UpdateStats:
     entropy: float
     grad_norm: float
     tokens: int
-    rule_value: float = 0.0  # what the client rule returned, averaged over the steps
+    rule_values: tuple[float, ...] = ()  # what each client rule returned, averaged over the steps
 
 
 def grpo_update(
@@ -121,14 +121,14 @@ def grpo_update(
     episodes: Sequence[Episode],
     advantages: Sequence[float],
     cfg: GRPOConfig,
-    proximal_mu: float,
     pad_id: int,
-    client_rule: ClientRule | None = None,
+    rules: RuleChain | None = None,
 ) -> UpdateStats:
     """``ppo_epochs`` optimiser steps of the clipped GRPO objective over all episodes.
 
     Loss = token-mean over generated tokens of ``max(-A r, -A clip(r, 1-e, 1+e))
-    - entropy_coeff * H + kl_coef * KL_k3(ref || pi)``, plus ``mu/2 * ||w - w_start||^2``.
+    - entropy_coeff * H + kl_coef * KL_k3(ref || pi)``, plus the rules' penalties (FedProx's
+    ``mu/2 * ||w - w_start||^2``); ``rules`` edit the gradients before each optimiser step.
     """
     import torch
 
@@ -151,10 +151,6 @@ def grpo_update(
                     if ref_model is not None and cfg.kl_coef > 0 else None)
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    anchor = None
-    if ref_model is not None and proximal_mu > 0:
-        frozen = dict(ref_model.named_parameters())
-        anchor = [frozen[name] for name, _ in named]
 
     model.train()
     losses, kls, entropies, norms, rule_values = [], [], [], [], []
@@ -178,13 +174,12 @@ def grpo_update(
             loss.backward()
             epoch_loss += float(loss.detach())
             epoch_entropy += float(entropy.detach().sum()) / total_tokens
-        if anchor is not None:
-            # FedProx (Li et al., 2020): pull the local weights towards the round's global model.
-            prox = 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-            prox.backward()
-            epoch_loss += float(prox.detach())
-        if client_rule is not None:
-            rule_values.append(float(client_rule.apply(named)))
+        if rules is not None and rules.rules:
+            # The job's client rules, FedProx's first; a rule's penalty (FedProx's
+            # mu/2 * ||w - w_start||^2) is part of the objective, so of the reported loss too.
+            rules.apply(named)
+            rule_values.append(rules.values)
+            epoch_loss += rules.penalty
         if cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         else:
@@ -196,6 +191,6 @@ def grpo_update(
         norms.append(float(norm))
     model.eval()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return UpdateStats(mean(losses), mean(kls), mean(entropies), mean(norms), total_tokens,
-                       mean(rule_values) if rule_values else 0.0)
+    per_rule = tuple(mean(list(column)) for column in zip(*rule_values))
+    return UpdateStats(mean(losses), mean(kls), mean(entropies), mean(norms), total_tokens, per_rule)
 

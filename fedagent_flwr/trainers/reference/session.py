@@ -75,12 +75,12 @@ class ReferenceSession:
 
     def train(self, job: TrainJob) -> TrainResult:
         """Same checks, training and result file as :func:`.train.train`; only the load differs."""
-        spec, cfg, model_path, rule = rt.check_train_job(job)
+        spec, cfg, model_path, rules = rt.check_train_job(job)
         started = time.monotonic()
         model, tokenizer = self.cache.get(model_path, cfg.num_threads)
         print(f"{rt.PROG}: persistent session: weights of {model_path} loaded into the live model "
               f"({self.cache.loads} full loads, {self.cache.reloads} reloads)", flush=True)
-        return rt.train_loaded(job, spec, cfg, rule, model, tokenizer, started)
+        return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started)
 
     def evaluate(self, job: EvalJob) -> EvalResult:
         """Same as :func:`.train.evaluate`, on a copy of the live model (evaluation moves

@@ -18,7 +18,7 @@ from fedagent_flwr.seeding import train_env_seed
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
 from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world
-from fedagent_flwr.trainers.common.client_rule import ClientRule, without_rule_keys
+from fedagent_flwr.trainers.common.client_rule import RuleChain, without_rule_keys
 from fedagent_flwr.trainers.common.evaluator import episode_metrics, load_model, mean
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
 from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
@@ -37,24 +37,25 @@ def _config(job: TrainJob | EvalJob) -> GRPOConfig:
     return cfg
 
 
-def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, ClientRule | None]:
-    """Validate everything about a TrainJob that can be checked before loading the model."""
+def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, RuleChain]:
+    """Validate everything about a TrainJob that can be checked before loading the model; the
+    client rules come built (FedProx's first when ``proximal_mu`` > 0), ready for the update."""
     check_train_header(job, "reference trainer", ("grpo",))
     cfg = _config(job)
     world = check_train_world(job, PROG)
-    return world.spec, cfg, world.model_path, world.rule
+    return world.spec, cfg, world.model_path, world.rules
 
 
 def train(job: TrainJob) -> TrainResult:
     """Run ``job.local_steps`` GRPO steps and write the checkpoint and ``train_result.json``."""
-    spec, cfg, model_path, rule = check_train_job(job)  # before importing torch: bad input fails fast
+    spec, cfg, model_path, rules = check_train_job(job)  # before importing torch: bad input fails fast
     started = time.monotonic()
     model, tokenizer = load_model(model_path, cfg.num_threads)
-    return train_loaded(job, spec, cfg, rule, model, tokenizer, started)
+    return train_loaded(job, spec, cfg, rules, model, tokenizer, started)
 
 
-def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule | None, model: Any,
-                  tokenizer: Any, started: float) -> TrainResult:
+def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any,
+                 tokenizer: Any, started: float) -> TrainResult:
     """Train ``model`` (the job's starting weights, loaded) in place; the rest of :func:`train`.
 
     Seeded here, after loading, so a fresh process and a persistent session that only reloaded
@@ -68,9 +69,10 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
     # the trained weights into vLLM); in fp32 the trained model samples itself.
     sampler = model if compute_dtype == torch.float32 else copy.deepcopy(model).to(compute_dtype)
     policy = HFPolicy(sampler, tokenizer, cfg.gen_batch_size)
-    # One frozen copy of the starting (global) weights serves as KL reference and FedProx anchor.
+    # A frozen copy of the starting (global) weights is the KL reference (FedProx's rule keeps
+    # its own anchor).
     ref_model = None
-    if cfg.kl_coef > 0 or job.proximal_mu > 0:
+    if cfg.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -93,14 +95,13 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
         rollout_seconds = time.monotonic() - step_started
         advantages = grpo_advantages([e.reward for e in episodes], [t.group for t in tasks])
         flat_shares.append(zero_variance_group_share([e.reward for e in episodes], [t.group for t in tasks]))
-        stats = grpo_update(model, ref_model, optimizer, episodes, advantages, cfg, job.proximal_mu,
-                            policy.pad_id, rule)
+        stats = grpo_update(model, ref_model, optimizer, episodes, advantages, cfg, policy.pad_id, rules)
         if sampler is not model:
             sampler.load_state_dict(model.state_dict())  # copies and casts to the sampler's dtype
         all_episodes += episodes
         losses.append(stats.loss)
         kls.append(stats.kl)
-        rule_values.append(stats.rule_value)
+        rule_values.append(stats.rule_values[-1] if stats.rule_values else 0.0)  # the user's rule runs last
         print(
             f"step {step + 1}/{job.local_steps} episodes {len(episodes)} "
             f"reward_mean {mean([e.reward for e in episodes]):.4f} "
@@ -122,7 +123,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rule: ClientRule
         train_seconds=time.monotonic() - started,
         proximal_mu=float(job.proximal_mu),
     )
-    if rule is not None:
+    if job.trainer.get("client_rule"):  # the user's rule (trainer.client_rule), not FedProx's
         metrics["client_rule_value"] = mean(rule_values)
     result = TrainResult(
         actor_dir=str(actor_dir.resolve()),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fedagent_flwr.trainers.verl.fedprox import patch_when_imported
+from fedagent_flwr.trainers.verl.engine_hooks import patch_when_imported
 
 ENV_ATTN = "FEDAGENT_CRITIC_ATTN"
 TARGET_MODULE = "verl.utils.model"

@@ -13,12 +13,13 @@ federated critic) on this client's partition and reports its checkpoint as a Tra
    decorator alone never reaches Ray's workers) and the Hydra overrides (:mod:`.overrides`);
 3. starts verl in a session of its own with a scrubbed environment: no inherited ``RAY_*`` (a
    trainer must never join Flower's simulation cluster), a private Ray cluster and temp dir per
-   job, the FedProx hook armed through ``sitecustomize`` when ``proximal_mu > 0`` (:mod:`.fedprox`);
+   job, the job's client rules (FedProx's when ``proximal_mu > 0``) armed in every actor worker
+   through ``sitecustomize`` (:mod:`.user_hooks`);
 4. tees verl's log to ``<output>/verl/verl.log``, parses its per-step metrics and timings, and
    stops whatever is left of the job's Ray cluster when verl exits, also on failure or timeout;
 5. refuses to report a result that is not there: a non-zero exit (crash, CUDA out of memory), a
-   missing actor (or critic) checkpoint, no episode played, or FedProx not active in every actor
-   worker each exit non-zero with one line naming the cause and the log.
+   missing actor (or critic) checkpoint, no episode played, or FedProx (or another client rule)
+   not active in every actor worker each exit non-zero with one line naming the cause and the log.
 
 ``evaluate`` plays the validation episodes with the global model through Hugging Face generation
 on the node's GPU (the shared evaluator, :mod:`fedagent_flwr.trainers.common.evaluator`): a

@@ -24,9 +24,10 @@ from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResu
 from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world
-from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, without_rule_keys
+from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, job_rule_specs, without_rule_keys
+from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
-from fedagent_flwr.trainers.verl import critic_attention, fedprox, user_hooks, weight_sync
+from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hooks, weight_sync
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
 from fedagent_flwr.trainers.verl.runner import ray_temp_dir
@@ -40,28 +41,27 @@ class VerlJobFailed(RuntimeError):
     """The verl job ran but did not produce a usable result."""
 
 
-def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str,
-                    critic_attn: str = "", plugin_modules: Sequence[str] = (),
-                    client_rule: dict[str, Any] | None = None, rule_marker_dir: str = "") -> dict[str, str]:
+def job_environment(base: dict[str, str], *, rules: Sequence[dict[str, Any]] = (), marker_dir: str = "",
+                    critic_attn: str = "", plugin_modules: Sequence[str] = ()) -> dict[str, str]:
     """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
 
     * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
       would join Flower's cluster instead of starting its own;
-    * ``PYTHONPATH``: the FedProx ``sitecustomize`` directory and this package first, so every
-      Ray worker imports the same code;
+    * ``PYTHONPATH``: the hooks' ``sitecustomize`` directory (``site/``) and this package first,
+      so every Ray worker imports the same code;
     * vLLM without FlashInfer's sampler (the GPU wheel set leaves FlashInfer out), unbuffered
       output, Ray logs not de-duplicated (each worker's lines matter when something fails);
-    * the FedProx variables only when ``proximal_mu > 0``; the user hooks' variables
-      (:mod:`.user_hooks`) only when ``plugin_modules`` / ``client_rule`` are given;
+    * the user hooks' variables (:mod:`.user_hooks`) only when ``plugin_modules`` / ``rules`` (the
+      job's client rules, FedProx's among them, :func:`job_rule_specs`) are given; ``marker_dir``
+      is where each actor worker that runs the rules reports it;
     * the host-wide weight-sync lock (:mod:`.weight_sync`), unless ``base`` turns it off.
     """
     env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
-    for key in (fedprox.ENV_MU, fedprox.ENV_MARKERS, user_hooks.ENV_PLUGINS, user_hooks.ENV_RULE,
-                user_hooks.ENV_RULE_MARKERS):
+    for key in (user_hooks.ENV_PLUGINS, user_hooks.ENV_RULES, user_hooks.ENV_RULE_MARKERS):
         env.pop(key, None)
     package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (fedprox.SITE_DIR, package_root, base.get("PYTHONPATH", "")) if p
+        p for p in (engine_hooks.SITE_DIR, package_root, base.get("PYTHONPATH", "")) if p
     )
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -73,14 +73,11 @@ def job_environment(base: dict[str, str], *, proximal_mu: float, marker_dir: str
     env.pop(critic_attention.ENV_ATTN, None)
     if critic_attn:
         env[critic_attention.ENV_ATTN] = critic_attn  # see critic_attention: verl hard-codes FA2
-    if proximal_mu > 0:
-        env[fedprox.ENV_MU] = repr(float(proximal_mu))
-        env[fedprox.ENV_MARKERS] = marker_dir
     if plugin_modules:
         env[user_hooks.ENV_PLUGINS] = ",".join(plugin_modules)
-    if client_rule:
-        env[user_hooks.ENV_RULE] = json.dumps(client_rule, sort_keys=True)
-        env[user_hooks.ENV_RULE_MARKERS] = rule_marker_dir
+    if rules:
+        env[user_hooks.ENV_RULES] = json.dumps(list(rules), sort_keys=True)
+        env[user_hooks.ENV_RULE_MARKERS] = marker_dir
     return env
 
 
@@ -116,7 +113,7 @@ def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, A
         if _module_spec(name) is None:
             raise InputError(f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)")
     world = check_train_world(job, PROG)  # the rule is built once there: a bad one fails before verl starts
-    rule = {key: job.trainer.get(key) for key in RULE_KEYS} if world.rule is not None else None
+    rule = {key: job.trainer.get(key) for key in RULE_KEYS} if world.user_rule else None
     return settings, world.spec, world.model_path, rule
 
 
@@ -167,15 +164,14 @@ class PreparedTrain:
 
     settings: VerlSettings
     model_path: Path
-    rule: dict[str, Any] | None
+    rules: list[dict[str, Any]]  # the job's client rules, FedProx's first (job_rule_specs)
     output: Path  # the job's output_dir
     work: Path  # <output>/verl
     paths: JobPaths
     rows: int
     batch_size: int
     episode_log: Path
-    marker_dir: Path
-    rule_marker_dir: Path
+    marker_dir: Path  # where the actor workers running the rules report
     overrides: list[str]
     env: dict[str, str]  # the verl processes' environment (job_environment)
 
@@ -190,7 +186,8 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
     log, so episodes land in this job's output either way. ``checked`` is
     :func:`check_train_job`'s answer when the caller already has it.
     """
-    settings, spec, model_path, rule = checked if checked is not None else check_train_job(job)
+    settings, spec, model_path, _ = checked if checked is not None else check_train_job(job)
+    rules = job_rule_specs(job.proximal_mu, job.trainer)
     output = Path(job.output_dir).resolve()
     work = output / "verl"
     work.mkdir(parents=True, exist_ok=True)
@@ -205,10 +202,8 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
     shutil.rmtree(paths.checkpoint_dir, ignore_errors=True)
     episode_log = work / "episodes.jsonl"
     episode_log.unlink(missing_ok=True)
-    marker_dir = own / "fedprox_markers"
+    marker_dir = own / "client_rule_markers"
     shutil.rmtree(marker_dir, ignore_errors=True)
-    rule_marker_dir = own / "client_rule_markers"
-    shutil.rmtree(rule_marker_dir, ignore_errors=True)
 
     rows = plan_rows(spec, job.data_seed, job.local_steps, episode_log=str(episode_log))
     batch_size = sum(entry.n_envs for entry in spec.envs)
@@ -221,13 +216,12 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
         algorithm=job.algorithm, settings=settings, paths=paths, batch_size=batch_size,
         local_steps=job.local_steps, seed=job.data_seed, experiment_name=experiment_name(job),
     )
-    env = job_environment(dict(os.environ), proximal_mu=job.proximal_mu, marker_dir=str(marker_dir),
+    env = job_environment(dict(os.environ), rules=rules, marker_dir=str(marker_dir),
                           critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "",
-                          plugin_modules=settings.plugin_modules, client_rule=rule,
-                          rule_marker_dir=str(rule_marker_dir))
-    return PreparedTrain(settings=settings, model_path=model_path, rule=rule, output=output, work=work,
+                          plugin_modules=settings.plugin_modules)
+    return PreparedTrain(settings=settings, model_path=model_path, rules=rules, output=output, work=work,
                          paths=paths, rows=len(rows), batch_size=batch_size, episode_log=episode_log,
-                         marker_dir=marker_dir, rule_marker_dir=rule_marker_dir, overrides=overrides, env=env)
+                         marker_dir=marker_dir, overrides=overrides, env=env)
 
 
 def describe(job: TrainJob, prep: PreparedTrain) -> str:
@@ -235,6 +229,14 @@ def describe(job: TrainJob, prep: PreparedTrain) -> str:
     return (f"{PROG}: round {job.round} client {job.client_id}: {job.algorithm} on {prep.rows} env "
             f"instances ({prep.batch_size} per step x {job.local_steps} steps, n={prep.settings.rollout_n}), "
             f"model {prep.model_path}")
+
+
+def active_rule_workers(prep: PreparedTrain) -> int:
+    """How many actor workers reported running all of the job's client rules (0 without rules)."""
+    if not prep.rules:
+        return 0
+    wanted = [spec["client_rule"] for spec in prep.rules]
+    return sum(1 for marker in engine_hooks.read_markers(str(prep.marker_dir)) if marker.get("rules") == wanted)
 
 
 def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str, float]],
@@ -249,16 +251,16 @@ def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str
     checkpoints = Path(prep.paths.checkpoint_dir)
     actor_dir = checkpoint_dir(checkpoints, job.local_steps, "actor")
     critic_dir = checkpoint_dir(checkpoints, job.local_steps, "critic") if job.algorithm == "ppo" else None
-    if job.proximal_mu > 0:
-        markers = fedprox.read_markers(str(prep.marker_dir))
-        if len(markers) < settings.n_gpus_per_node:
-            raise VerlJobFailed(
-                f"FedProx (mu={job.proximal_mu}) was active in {len(markers)} of {settings.n_gpus_per_node} "
-                f"actor workers; refusing to report a FedAvg update as FedProx (log: {log})"
-            )
-    if prep.rule is not None and len(fedprox.read_markers(str(prep.rule_marker_dir))) < settings.n_gpus_per_node:
+    active = active_rule_workers(prep)
+    if job.proximal_mu > 0 and active < settings.n_gpus_per_node:
         raise VerlJobFailed(
-            f"the client rule {prep.rule['client_rule']} was not active in every actor worker; refusing to "
+            f"FedProx (mu={job.proximal_mu}) was active in {active} of {settings.n_gpus_per_node} "
+            f"actor workers; refusing to report a FedAvg update as FedProx (log: {log})"
+        )
+    user_rules = [spec["client_rule"] for spec in prep.rules if spec["client_rule"] != FEDPROX_RULE]
+    if prep.rules and active < settings.n_gpus_per_node:
+        raise VerlJobFailed(
+            f"the client rule {', '.join(user_rules)} was not active in every actor worker; refusing to "
             f"report an update made without it (log: {log})"
         )
     num_episodes, metrics = episode_metrics(prep.episode_log)
@@ -276,7 +278,7 @@ def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str
     metrics["train_seconds"] = round(time.monotonic() - started, 2)
     metrics["proximal_mu"] = float(job.proximal_mu)
     if job.proximal_mu > 0:
-        metrics["fedprox/active_workers"] = float(len(fedprox.read_markers(str(prep.marker_dir))))
+        metrics["fedprox/active_workers"] = float(active)
     metrics.update(extra_metrics or {})
     result = TrainResult(
         actor_dir=str(actor_dir),

@@ -28,7 +28,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from fedagent_flwr.trainers.verl import fedprox
+from fedagent_flwr.trainers.verl import engine_hooks
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
 _ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")
@@ -47,7 +47,7 @@ def reload_training_worker(worker: Any, model_path: str) -> dict[str, Any]:
     state, so the hooks anchor on these weights at the round's first optimiser step."""
     started = time.monotonic()
     engine = worker.engine
-    hooks = fedprox.reset_hook_state(engine)
+    hooks = engine_hooks.reset_hook_state(engine)
     engine.model_config.local_path = model_path
     for name in _ENGINE_STATE:
         if hasattr(engine, name):

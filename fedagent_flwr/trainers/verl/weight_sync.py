@@ -14,7 +14,7 @@ persistent sessions, whose rounds start in lockstep) can therefore connect a vLL
 another job's sender: that worker then waits for buckets that never come, its engine logs
 "No available shared memory broadcast block found in 60 seconds" once a minute, and the GPU idles.
 
-The sitecustomize of a verl job (:mod:`.fedprox`'s import hook) wraps that method in every process
+The sitecustomize of a verl job (:mod:`.engine_hooks`' import hook) wraps that method in every process
 that imports ``verl.checkpoint_engine.base`` (the TaskRunner calls it) so that it holds a host-wide
 ``flock`` for the duration of the sync: syncs of the jobs of this host never overlap, so each
 receiver finds its own sender. The lock is released when the process dies (a stopped job never
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fedagent_flwr.trainers.verl.fedprox import patch_when_imported
+from fedagent_flwr.trainers.verl.engine_hooks import patch_when_imported
 
 ENV_LOCK = "FEDAGENT_WEIGHT_SYNC_LOCK"
 DEFAULT_LOCK = "/tmp/fa-verl-weight-sync.lock"  # the /tmp the sockets share

@@ -1,22 +1,22 @@
-"""FedProx inside verl: the proximal gradient ``mu * (w - w_t)`` added before every actor optimiser step.
+"""Code run inside verl's processes: the import hook that patches verl where it must, and the
+wrapper of the actor engine's optimiser step that runs a job's client rules (FedProx's included).
 
-FedProx [Li et al., 2020, arxiv.org/abs/1812.06127] adds ``mu/2 * ||w - w_t||^2`` to the local
-objective, ``w_t`` being the round's starting (global) weights; its gradient ``mu * (w - w_t)`` is
-added to each parameter's gradient. verl has no hook for that, so the actor engine's
-``FSDPEngine.optimizer_step`` is wrapped:
+verl has no hook before its optimiser step, so the actor engine's ``FSDPEngine.optimizer_step`` is
+wrapped (:func:`wrap_actor_optimizer_step`):
 
-* in **every Ray worker process**, through a ``sitecustomize`` module that the entry module puts
-  on the job's ``PYTHONPATH`` (Ray workers inherit it). It only arms a one-shot import hook; the
-  patch is applied when verl itself imports ``verl.workers.engine.fsdp.transformer_impl``, i.e.
-  after Ray assigned the worker its GPU (patching earlier made FedAgent's workers see duplicate
-  GPUs);
-* **per local shard**: the anchor is a clone of each parameter's local (FSDP/DTensor) shard taken
-  at the first optimiser step, before any update, so the arithmetic is element-wise on what the
-  rank owns and needs no communication;
+* in **every Ray worker process**, through a ``sitecustomize`` module (``site/``) that the job's
+  environment puts on its ``PYTHONPATH`` (Ray workers inherit it). It only arms a one-shot import
+  hook (:func:`patch_when_imported`); the patch is applied when verl itself imports
+  ``verl.workers.engine.fsdp.transformer_impl``, i.e. after Ray assigned the worker its GPU
+  (patching earlier made FedAgent's workers see duplicate GPUs);
+* **per local shard**: a rule that anchors (FedProx) clones each parameter's local (FSDP/DTensor)
+  shard at the first optimiser step, before any update, so the arithmetic is element-wise on
+  what the rank owns and needs no communication;
 * **actor only**: the critic (``FSDPEngineWithValueHead``) is left alone;
 * **fail closed**: if the engine class or its ``optimizer_step`` is missing the worker raises, and
-  every patched actor worker writes a marker file at its first step, which the entry module counts:
-  a FedProx job whose workers did not all report the hook fails instead of silently being FedAvg.
+  every patched actor worker writes a marker file at its first step, which the backend counts
+  (:func:`read_markers`): a FedProx job whose workers did not all report the hook fails instead of
+  silently being FedAvg.
 """
 
 from __future__ import annotations
@@ -26,57 +26,16 @@ import importlib.machinery
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ENV_MU = "FEDAGENT_FEDPROX_MU"
-ENV_MARKERS = "FEDAGENT_FEDPROX_MARKERS"
 TARGET_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 SITE_DIR = str(Path(__file__).resolve().parent / "site")
 
 
-class FedProxHookError(RuntimeError):
-    """The FedProx hook cannot be installed where it must be (fail closed)."""
-
-
-class ProximalTerm:
-    """Adds ``mu * (w - w_t)`` to the gradients; ``w_t`` is captured at the first call."""
-
-    def __init__(self, mu: float) -> None:
-        if not mu > 0:
-            raise ValueError(f"proximal mu must be > 0, got {mu}")
-        self.mu = float(mu)
-        self.anchor: dict[str, Any] | None = None
-        self.steps = 0
-
-    def apply(self, named_parameters: Iterable[tuple[str, Any]]) -> float:
-        """Add the proximal gradient in place; returns the local ``||w - w_t||^2`` (before the step)."""
-        import torch
-
-        params = [(n, p) for n, p in named_parameters if p.requires_grad]
-        with torch.no_grad():
-            if self.anchor is None:
-                self.anchor = {n: p.detach().clone() for n, p in params}
-            squared = 0.0
-            for name, param in params:
-                if param.grad is None:
-                    continue
-                delta = param.detach() - self.anchor[name]
-                param.grad.add_(delta, alpha=self.mu)
-                squared += float(_local(delta).float().pow(2).sum())
-        self.steps += 1
-        return squared
-
-    def reset(self) -> None:
-        """Forget the anchor (a new round starts from new global weights)."""
-        self.anchor = None
-        self.steps = 0
-
-
-def _local(tensor: Any) -> Any:
-    """The rank's own shard of a DTensor, the tensor itself otherwise."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+class HookError(RuntimeError):
+    """A hook cannot be installed where it must be (fail closed)."""
 
 
 def write_marker(marker_dir: str, record: dict[str, Any]) -> Path:
@@ -98,14 +57,6 @@ def read_markers(marker_dir: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("actor-*.json"))]
 
 
-def patch_engine_module(module: Any, mu: float, marker_dir: str) -> None:
-    """Wrap ``module.FSDPEngine.optimizer_step`` with the proximal term (actor engines only)."""
-    if getattr(getattr(module, "FSDPEngine", None), "_fedagent_fedprox_mu", None) is not None:
-        return
-    wrap_actor_optimizer_step(module, "fedprox", lambda: ProximalTerm(mu), marker_dir, {"mu": mu})
-    module.FSDPEngine._fedagent_fedprox_mu = mu
-
-
 def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any], marker_dir: str,
                               record: dict[str, Any]) -> None:
     """Run ``term.apply(named_parameters)`` before every actor optimiser step of verl's FSDP engine.
@@ -118,7 +69,7 @@ def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any
     engine_cls = getattr(module, "FSDPEngine", None)
     original = getattr(engine_cls, "optimizer_step", None)
     if engine_cls is None or original is None:
-        raise FedProxHookError(
+        raise HookError(
             f"{tag}: {module.__name__} has no FSDPEngine.optimizer_step to patch (verl version "
             f"mismatch?); refusing to run without the {tag} hook"
         )
@@ -138,7 +89,8 @@ def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any
         value = state[0].apply(self.module.named_parameters())
         state[1] += 1
         if first:
-            tensors = len(getattr(state[0], "anchor", None) or {})
+            term = state[0]
+            tensors = term.anchored() if hasattr(term, "anchored") else len(getattr(term, "anchor", None) or {})
             write_marker(marker_dir, {
                 "pid": os.getpid(), "rank": os.environ.get("RANK", ""), **record,
                 "engine": type(self).__name__, "tensors": tensors,
@@ -148,7 +100,8 @@ def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any
             print(f"[{tag}] hook active in {type(self).__name__} pid {os.getpid()} rank "
                   f"{os.environ.get('RANK', '?')}: {settings}, {tensors} tensors anchored", flush=True)
         else:
-            print(f"[{tag}] step {state[1]} pid {os.getpid()}: {value:.6e}", flush=True)
+            values = getattr(state[0], "values", None) or [value]
+            print(f"[{tag}] step {state[1]} pid {os.getpid()}: {', '.join(f'{v:.6e}' for v in values)}", flush=True)
         return original(self)
 
     engine_cls.optimizer_step = optimizer_step
@@ -156,7 +109,7 @@ def wrap_actor_optimizer_step(module: Any, tag: str, make_term: Callable[[], Any
 
 
 def reset_hook_state(engine: Any) -> list[str]:
-    """Forget ``engine``'s per-instance hook state (the FedProx anchor, a client rule's term).
+    """Forget ``engine``'s per-instance hook state (the client rules, FedProx's anchor with them).
 
     A persistent trainer reloads new global weights into the same engine object every round; the
     next optimiser step then builds a fresh term (capturing the new ``w_t``) and writes its marker
@@ -183,7 +136,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
-            raise FedProxHookError(f"cannot locate {self.target} to patch")
+            raise HookError(f"cannot locate {self.target} to patch")
         self._inner = spec.loader
         spec.loader = self
         return spec
@@ -210,22 +163,3 @@ def patch_when_imported(target: str, patch: Callable[[Any], None]) -> None:
             finder.patches.append(patch)
             return
     sys.meta_path.insert(0, PatchOnImport(target, patch))
-
-
-def install_from_environment() -> bool:
-    """Arm the deferred patch when ``FEDAGENT_FEDPROX_MU`` > 0 (called by the job's sitecustomize).
-
-    Returns whether it was armed. Processes without verl never import the target, so arming costs
-    them nothing.
-    """
-    raw = os.environ.get(ENV_MU, "").strip()
-    if not raw:
-        return False
-    mu = float(raw)
-    if mu <= 0:
-        return False
-    marker_dir = os.environ.get(ENV_MARKERS, "")
-    if not marker_dir:
-        raise FedProxHookError(f"FedProx: {ENV_MU} is set but {ENV_MARKERS} is not")
-    patch_when_imported(TARGET_MODULE, lambda module: patch_engine_module(module, mu, marker_dir))
-    return True
