@@ -46,7 +46,7 @@ def check_field_types(job: TrainJob | EvalJob) -> None:
 def check_train_header(job: TrainJob, backend: str, algorithms: Sequence[str]) -> None:
     """The job's own fields: types, algorithm (one of ``algorithms``), steps, client id, mu."""
     check_field_types(job)
-    if job.algorithm.lower() not in algorithms:
+    if job.algorithm not in algorithms:  # exact: verl branches on job.algorithm == "ppo"
         wanted = " or ".join(repr(a) for a in algorithms)
         raise InputError(f"algorithm {job.algorithm!r}: the {backend} only does {wanted}")
     if job.local_steps < 1:
