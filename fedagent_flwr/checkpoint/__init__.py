@@ -1,9 +1,12 @@
 """Checkpoint references and the streamed aggregation of client checkpoints.
 
-``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``reader`` opens and
-checks a reference and reads full tensors key by key from FSDP rank files or HF safetensors;
+``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``open_ref`` checks a
+reference and opens it with a ``reader`` (``fsdp_reader`` for FSDP rank files, parsed by
+``shard_file``; ``safetensors_reader`` for HF safetensors) that reads full tensors key by key;
+``content_hash`` defines the content hash and checks it while the tensors are read;
 ``aggregate`` computes the fp32 weighted mean (or any per-key rule, ``aggregate_by_key``) into a
-new HF model directory, measuring the clients' updates on the way (``update_stats``: norms, cosines);
+new HF model directory (``hf_files``: config, tokenizer, tied keys; ``key_checks``: the
+shared checks and the float64 audit), measuring the clients' updates on the way (``update_stats``: norms, cosines);
 ``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
 references between machines (a shared filesystem, or the ServerApp's HTTP store in
 ``http_server``/``http_client``, with per-file ``manifest`` hashes).
@@ -19,12 +22,9 @@ from fedagent_flwr.checkpoint.aggregate import (
     verify_mean,
     weighted_mean,
 )
-from fedagent_flwr.checkpoint.reader import (
-    CheckpointReader,
-    FsdpShardReader,
-    SafetensorsReader,
-    open_checkpoint,
-)
+from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
+from fedagent_flwr.checkpoint.open_ref import open_checkpoint
+from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointFormat,
@@ -34,6 +34,7 @@ from fedagent_flwr.checkpoint.ref import (
     hashed_files,
     resolve_inside,
 )
+from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
 from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
 from fedagent_flwr.checkpoint.update_stats import UpdateStats
 

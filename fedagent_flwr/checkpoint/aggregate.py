@@ -17,21 +17,27 @@ ignore a tied copy that is present on one side only.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import numbers
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, config_dir, copy_hf_files, tied_weight_keys
+from fedagent_flwr.checkpoint.key_checks import (
+    check_compatible,
+    check_finite,
+    compare_keys,
+    effective_keys,
+    normalise_weights,
+    verify_mean,
+)
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter, fsync_dir
@@ -43,6 +49,7 @@ from fedagent_flwr.checkpoint.update_stats import (
 )
 
 __all__ = [
+    "MODEL_FILE",
     "AggregateReport",
     "KeyRule",
     "aggregate_by_key",
@@ -52,13 +59,6 @@ __all__ = [
     "verify_mean",
     "weighted_mean",
 ]
-
-MODEL_FILE = "model.safetensors"
-# Weight files of the source directory are never copied next to the averaged model: they would
-# shadow or contradict it when transformers looks for weights.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-
-_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,28 +85,6 @@ class AggregateReport:
         return data
 
 
-def normalise_weights(weights: Sequence[float], labels: Sequence[str] | None = None) -> list[float]:
-    """Scale weights to sum to 1; each must be a finite number > 0 (else CheckpointError)."""
-    if not weights:
-        raise CheckpointError("no sources to aggregate")
-    for index, weight in enumerate(weights):
-        label = labels[index] if labels else f"source {index}"
-        # numbers.Real admits numpy scalars (weights often come from metric arithmetic).
-        valid = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
-        if not valid or not math.isfinite(weight) or weight <= 0:
-            raise CheckpointError(
-                f"weight {weight!r} of {label} is invalid: weights must be finite numbers > 0"
-            )
-    try:
-        total = math.fsum(float(w) for w in weights)
-    except OverflowError:
-        total = math.inf
-    if not math.isfinite(total):  # each weight finite, but their sum overflows
-        raise CheckpointError("the weights add up to more than a float can hold")
-    return [float(w) / total for w in weights]
-
-
-#: A tensor rule: ``rule(key, tensors, weights)`` -> the output tensor of ``key``, where ``tensors``
 #: holds every source's fp32 tensor for ``key`` (source order) and ``weights`` the normalised weights.
 KeyRule = Callable[[str, list[torch.Tensor], list[float]], torch.Tensor]
 
@@ -190,14 +168,14 @@ def aggregate_by_key(
                 context: _KeyContext) -> torch.Tensor:
         tensors = [reader.read(key) for reader in readers]
         for tensor, source in zip(tensors, context.names):
-            _check_finite(key, tensor, source)
+            check_finite(key, tensor, source)
         start = context.start(key)
         result = rule(key, [t.clone() for t in tensors] if start is not None else tensors, list(weights))
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != shape:
             got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise CheckpointError(f"aggregation rule {name!r} returned {got} for '{key}', expected shape {shape}")
         result = result.to(torch.float32)
-        _check_finite(key, result, f"the output of aggregation rule {name!r}")
+        check_finite(key, result, f"the output of aggregation rule {name!r}")
         if start is not None and context.stats is not None:
             if context.stats.mode == "full":
                 context.stats.add_key(start.reshape(-1), torch.stack([t.reshape(-1) for t in tensors]))
@@ -235,16 +213,16 @@ def _write_aggregate(
     if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"output directory {out_dir} already exists; refusing to overwrite it")
 
-    hf_dir = _config_dir(readers[0], reference, model_files)
+    hf_dir = config_dir(readers[0], reference, model_files)
     ties = tied_weight_keys(hf_dir)
     head = readers[0]
-    keys = _effective_keys(head, ties)
+    keys = effective_keys(head, ties)
     names = [f"source {index} ({reader.directory})" for index, reader in enumerate(readers)]
     for reader, name in zip(readers[1:], names[1:]):
-        _compare(reader, head, ties, name, names[0])
+        compare_keys(reader, head, ties, name, names[0])
     if reference is not None:
         for reader, name in zip(readers, names):
-            _compare(reader, reference, ties, name, f"reference ({reference.directory})")
+            compare_keys(reader, reference, ties, name, f"reference ({reference.directory})")
     tied_out = tuple(k for k in head.keys() if k not in keys)
 
     entries = [(key, head.shape(key), _output_dtype(head.dtype(key))) for key in keys]
@@ -267,7 +245,7 @@ def _write_aggregate(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
-        _copy_hf_files(hf_dir, staging)
+        copy_hf_files(hf_dir, staging)
         # Buffers sized for the largest tensor, reused for every key: memory stays at two tensors
         # whatever the model or the number of clients (plus one per client for the cosines of
         # the update statistics, within stats_max_bytes), and pages are faulted in once.
@@ -288,6 +266,10 @@ def _write_aggregate(
                 writer.write(key, value)
                 num_params += value.numel()
         del context
+        # A source whose hash was deferred to reading is checked now, before anything built from
+        # it is committed: a mismatch raises (naming the source) and the staging dir goes away.
+        for reader in readers:
+            reader.verify_content()
         fsync_dir(staging)
         # Checked again: another process may have created it while we were writing.
         if out_dir.exists() or out_dir.is_symlink():
@@ -311,68 +293,6 @@ def _write_aggregate(
     )
 
 
-def check_compatible(reader: CheckpointReader, reference: CheckpointReader) -> None:
-    """Raise CheckpointError if ``reader``'s keys or shapes differ from ``reference``'s.
-
-    The server calls this with the round's starting global model as reference and drops a
-    client whose checkpoint does not fit. A tied copy present on one side only (FSDP state
-    dicts keep ``lm_head.weight``, HF files do not) is not a difference.
-    """
-    hf_dir = _find_config_dir(reference.huggingface_dir()) or _find_config_dir(reader.huggingface_dir())
-    ties = tied_weight_keys(hf_dir)
-    _compare(reader, reference, ties, str(reader.directory), f"reference {reference.directory}")
-
-
-def verify_mean(
-    sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]
-) -> float:
-    """Recompute the weighted mean in float64 and return the max abs error of ``out_dir``.
-
-    Independent of :func:`weighted_mean`'s accumulation and writer: it loads the written file
-    with ``safetensors.torch.load_file`` (whole tensors; meant for tests and audits, not for
-    production-size models) and sums in float64. Raises CheckpointError when the written keys
-    are not the sources' keys, or an integer tensor differs.
-    """
-    from safetensors.torch import load_file
-
-    out_dir = Path(out_dir)
-    readers = [reader for reader, _ in sources]
-    weights = normalise_weights([weight for _, weight in sources])
-    written = load_file(str(out_dir / MODEL_FILE))
-    ties = tied_weight_keys(out_dir)
-    expected_keys = set(_effective_keys(readers[0], ties))
-    if set(written) != expected_keys:
-        raise CheckpointError(
-            f"{out_dir} holds keys {sorted(set(written) ^ expected_keys)[:5]} that differ from the sources"
-        )
-    worst = 0.0
-    for key in sorted(expected_keys):
-        actual = written[key]
-        if not readers[0].dtype(key).is_floating_point:
-            if not torch.equal(actual, readers[0].read(key, dtype=None)):
-                raise CheckpointError(f"{out_dir}: integer tensor '{key}' differs from the sources")
-            continue
-        if actual.dtype != torch.float32:
-            raise CheckpointError(f"{out_dir}: '{key}' is {actual.dtype}, expected float32")
-        # NaN compares unequal to everything, so an error of NaN would not exceed a tolerance:
-        # non-finite values are reported as such, in the output and in every source.
-        _check_finite(key, actual, str(out_dir))
-        expected = torch.zeros(readers[0].shape(key), dtype=torch.float64)
-        for index, (reader, weight) in enumerate(zip(readers, weights)):
-            value = reader.read(key)
-            _check_finite(key, value, f"source {index} ({reader.directory})")
-            expected += weight * value.double()
-        worst = max(worst, _max_abs(actual.double() - expected))
-    # A tied copy left out of the file is rebuilt from its partner on load; that is only right
-    # if every source really held the same values in both.
-    for reader in readers:
-        present = set(reader.keys())
-        for target, source in ties.items():
-            if target in present and source in present:
-                worst = max(worst, _max_abs(reader.read(target) - reader.read(source)))
-    return worst
-
-
 # ---------------------------------------------------------------------------------------------
 # Helpers
 
@@ -387,6 +307,11 @@ def _agreed_integer_tensor(key: str, readers: list[CheckpointReader]) -> torch.T
                 f"({reader.directory}); it cannot be averaged"
             )
     return value
+
+
+def _output_dtype(stored: torch.dtype) -> torch.dtype:
+    """fp32 for every floating-point dtype (no rounding between rounds); integers as stored."""
+    return torch.float32 if stored.is_floating_point else stored
 
 
 def _mean_of_key(
@@ -409,7 +334,7 @@ def _mean_of_key(
     for index, (reader, weight) in enumerate(zip(readers, weights)):
         incoming = context.rows[index if full else 0, :count].view(shape)
         reader.read_into(key, incoming)
-        _check_finite(key, incoming, context.names[index])
+        check_finite(key, incoming, context.names[index])
         if index == 0:
             acc.copy_(incoming).mul_(weight)
         else:
@@ -424,149 +349,3 @@ def _mean_of_key(
         if full:
             stats.add_key(start.reshape(-1), context.rows[: len(readers), :count])
     return acc
-
-
-def _check_finite(key: str, tensor: torch.Tensor, source: str) -> None:
-    """Refuse NaN and Inf: one such value would poison every weight it is averaged into."""
-    if not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise CheckpointError(
-            f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
-            "the checkpoint is refused (lower the learning rate or check the client's training)"
-        )
-
-
-
-
-def _max_abs(delta: torch.Tensor) -> float:
-    return float(delta.abs().max()) if delta.numel() else 0.0
-
-
-def _output_dtype(stored: torch.dtype) -> torch.dtype:
-    return torch.float32 if stored.is_floating_point else stored
-
-
-def _effective_keys(reader: CheckpointReader, ties: dict[str, str]) -> list[str]:
-    present = set(reader.keys())
-    return [k for k in reader.keys() if not (k in ties and ties[k] in present)]
-
-
-def _compare(
-    reader: CheckpointReader, other: CheckpointReader, ties: dict[str, str], name: str, other_name: str
-) -> None:
-    mine, theirs = _effective_keys(reader, ties), _effective_keys(other, ties)
-    missing = [k for k in theirs if k not in set(mine)]
-    extra = [k for k in mine if k not in set(theirs)]
-    if missing or extra:
-        detail = []
-        if missing:
-            detail.append(f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-        if extra:
-            detail.append(f"unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}")
-        raise CheckpointError(f"{name} has different keys from {other_name}: {'; '.join(detail)}")
-    for key in mine:
-        if reader.shape(key) != other.shape(key):
-            raise CheckpointError(
-                f"{name}: '{key}' has shape {reader.shape(key)}, {other_name} has {other.shape(key)}"
-            )
-
-
-def _find_config_dir(directory: Path | None) -> Path | None:
-    if directory is not None and (directory / "config.json").is_file():
-        return directory
-    return None
-
-
-def _config_dir(source: CheckpointReader, reference: CheckpointReader | None,
-                model_files: str | os.PathLike[str] | None = None) -> Path:
-    """Where the output's config, tokenizer and chat template come from: the trusted
-    ``model_files``, else the reference (a model the server wrote); a client's checkpoint only
-    when the caller gave neither."""
-    if model_files is not None:
-        found = _find_config_dir(Path(model_files))
-        if found is None:
-            raise CheckpointError(f"no config.json in the model files directory {model_files}")
-        return found
-    if reference is not None:
-        found = _find_config_dir(reference.huggingface_dir())
-        if found is not None:
-            return found
-    found = _find_config_dir(source.huggingface_dir())
-    if found is None:
-        raise CheckpointError(
-            f"no config.json next to {source.directory} (nor in the reference): the averaged model "
-            "would not be loadable"
-        )
-    return found
-
-
-def _copy_hf_files(source: Path, target: Path) -> None:
-    for path in sorted(source.iterdir()):
-        if not path.is_file() or path.name.startswith("."):
-            continue
-        if path.name.endswith(_WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
-            continue
-        if path.name == "config.json":
-            config = json.loads(path.read_text())
-            _set_fp32(config)
-            (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        else:
-            shutil.copy2(path, target / path.name)
-
-
-def _set_fp32(config: dict[str, Any]) -> None:
-    # transformers 5 reads "dtype", 4.x "torch_dtype"; nested sub-configs (text_config of
-    # multimodal models) carry their own.
-    config["dtype"] = "float32"
-    if "torch_dtype" in config:
-        config["torch_dtype"] = "float32"
-    for value in config.values():
-        if isinstance(value, dict) and ("dtype" in value or "torch_dtype" in value):
-            _set_fp32(value)
-
-
-def tied_weight_keys(hf_dir: Path | None) -> dict[str, str]:
-    """Map tied key -> key it is tied to (e.g. ``lm_head.weight -> model.embed_tokens.weight``).
-
-    Asks transformers itself (the model class built on the meta device, so no memory is used),
-    which honours ``tie_word_embeddings`` and per-architecture rules. Falls back to the usual
-    lm_head/embedding pair when the class cannot be built (custom code).
-    """
-    directory = _find_config_dir(hf_dir)
-    if directory is None:
-        return {}
-    config_path = directory / "config.json"
-    stat = config_path.stat()
-    return dict(_tied_weight_keys_cached(str(config_path.resolve()), stat.st_mtime_ns, stat.st_size))
-
-
-@lru_cache(maxsize=64)
-def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tuple[tuple[str, str], ...]:
-    try:
-        raw = json.loads(Path(config_path).read_text())
-    except (OSError, ValueError):
-        return ()
-    # An explicit "no tie" settles it without importing transformers (seconds on a cold start).
-    text_config = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    if raw.get("tie_word_embeddings") is False and text_config.get("tie_word_embeddings") in (None, False):
-        return ()
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            config = AutoConfig.from_pretrained(str(Path(config_path).parent))
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        ties = getattr(model, "all_tied_weights_keys", None)
-        if isinstance(ties, dict):
-            return tuple(sorted((str(k), str(v)) for k, v in ties.items()))
-    except Exception as exc:  # unknown architecture, remote code, older transformers
-        _log.debug("tied keys from transformers failed for %s: %s", config_path, exc)
-    if raw.get("tie_word_embeddings", False):
-        return (("lm_head.weight", "model.embed_tokens.weight"),)
-    return ()

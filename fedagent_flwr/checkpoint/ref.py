@@ -7,11 +7,18 @@ against the run's checkpoint root and refuses anything outside it, missing or al
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+# Re-exported: the content hash is part of what a reference is (see content_hash).
+from fedagent_flwr.checkpoint.content_hash import (  # noqa: F401
+    hash_checkpoint_dir,
+    hashed_files,
+    is_hidden,
+    update_from_file,
+)
 
 CheckpointKind = Literal["actor", "critic"]
 CheckpointFormat = Literal["fsdp-shards", "hf-safetensors"]
@@ -20,12 +27,6 @@ KINDS: tuple[str, ...] = ("actor", "critic")
 SHARD_GLOB = "model_world_size_*_rank_*.pt"
 FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
 
-# Files that carry the model weights, plus the small JSON configs so that a swapped config
-# (another architecture) is caught as well. verl's optimizer and extra-state shards
-# (optim_*.pt, extra_state_*.pt; about twice the model) are left out: they are never averaged,
-# and hashing them would triple the bytes the server reads. Tokenizer files and logs likewise.
-_HASHED_SUFFIXES = (".safetensors", ".json")
-_HASH_BLOCK = 8 * 1024 * 1024
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
 MAX_WORLD_SIZE = 1 << 20
 
@@ -133,42 +134,12 @@ def is_sha256(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(ch in "0123456789abcdef" for ch in value)
 
 
-def is_hidden(name: str) -> bool:
-    """Whether a file name is hidden (``.gitattributes``, ``.cache``): not a model file.
-
-    Hub snapshots and git clones hold such files; they are neither hashed nor transferred.
-    """
-    return name.startswith(".")
-
-
-def hashed_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The files covered by the content hash, in a stable order (top level only, not hidden:
-    exactly what a store would transfer of them)."""
-    root = Path(directory)
-    return sorted(
-        p
-        for p in root.iterdir()
-        if p.is_file() and not is_hidden(p.name)
-        and (p.name.endswith(_HASHED_SUFFIXES) or (p.name.startswith("model_") and p.name.endswith(".pt")))
+def content_mismatch(directory: str | os.PathLike[str], actual: str, expected: str) -> CheckpointError:
+    """The error for a checkpoint whose files do not hash to its reference's content hash."""
+    return CheckpointError(
+        f"content hash of {directory} is {actual[:16]}..., the reference says "
+        f"{expected[:16]}... (files changed or incomplete)"
     )
-
-
-def hash_checkpoint_dir(directory: str | os.PathLike[str]) -> str:
-    """sha256 over (name, size, bytes) of every hashed file, streamed in 8 MiB blocks."""
-    digest = hashlib.sha256()
-    for file in hashed_files(directory):
-        digest.update(file.name.encode())
-        digest.update(str(file.stat().st_size).encode())
-        update_from_file(digest, file)
-    return digest.hexdigest()
-
-
-def update_from_file(digest: Any, path: str | os.PathLike[str]) -> Any:
-    """Feed a file's bytes into ``digest`` (a hashlib object) in 8 MiB blocks; return it."""
-    with open(path, "rb") as handle:
-        while block := handle.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest
 
 
 def resolve_inside(ref: CheckpointRef, root: str | os.PathLike[str]) -> Path:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed.tensor  # noqa: F401
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fedagent_flwr.checkpoint.content_hash import FileHashStream, file_digest
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 IoMode = Literal["auto", "pread", "mmap"]
@@ -77,7 +78,9 @@ class Entry:
 class ShardFile:
     """Structure and lazy block reads of one ``model_world_size_W_rank_R.pt`` file."""
 
-    def __init__(self, path: str | os.PathLike[str], io: IoMode = "auto") -> None:
+    def __init__(self, path: str | os.PathLike[str], io: IoMode = "auto", hash_while_reading: bool = False) -> None:
+        """Parse the file's structure; with ``hash_while_reading`` its sha256 is computed from the
+        blocks read (:meth:`content_digest`) rather than by a separate read of the file."""
         self.path = Path(path)
         self.bytes_read = 0
         self._size = self.path.stat().st_size
@@ -103,6 +106,9 @@ class ShardFile:
         self.io: Literal["pread", "mmap"] = "pread" if io in ("auto", "pread") and has_offsets else "mmap"
         self._handle: Any = open(self.path, "rb") if self.io == "pread" else None
         self._mmapped: dict[str, Entry] | None = None
+        self.hash_stream: FileHashStream | None = None
+        if hash_while_reading and self._handle is not None:
+            self.hash_stream = FileHashStream(self._handle.fileno(), self._size)
 
     # -- reading --------------------------------------------------------------------------------
     def read_piece(self, key: str, index: int) -> torch.Tensor:
@@ -182,6 +188,15 @@ class ShardFile:
                 raise CheckpointError(f"{self.path} is truncated (short read at byte {start + done})")
             done += got
         self.bytes_read += nbytes
+        if self.hash_stream is not None:
+            self.hash_stream.feed(start, target[:nbytes])
+
+    def content_digest(self) -> bytes:
+        """sha256 of the file (raw digest): from the blocks read so far plus the bytes they left
+        out when hashed while reading, else by reading the file (mmap mode, or after close)."""
+        if self.hash_stream is not None and self._handle is not None:
+            return self.hash_stream.finish()
+        return file_digest(self.path)
 
     def _mmap_piece(self, key: str, index: int) -> torch.Tensor:
         if self._mmapped is None:

@@ -21,8 +21,9 @@ from typing import Any
 
 from safetensors import safe_open
 
-from fedagent_flwr.checkpoint.aggregate import MODEL_FILE, verify_mean
-from fedagent_flwr.checkpoint.reader import open_checkpoint
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
+from fedagent_flwr.checkpoint.key_checks import verify_mean
+from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
 

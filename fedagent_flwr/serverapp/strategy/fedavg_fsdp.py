@@ -491,7 +491,8 @@ class FedAvgFSDP(FedAvg):
                     ref = CheckpointRef.from_config(reply.content[self.configrecord_key], kind)
                     if ref.kind != kind:
                         raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
-                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root)
+                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
+                                             check_hash="while-reading")  # verified before the mean is committed
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)

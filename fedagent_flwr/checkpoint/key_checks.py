@@ -1,0 +1,148 @@
+"""Checks shared by the aggregation and its audit: weights, keys and shapes, finite values.
+
+:func:`verify_mean` is the independent float64 recomputation of a written mean (tests and the
+``verify`` audit); :func:`check_compatible` is what the server asks of each client checkpoint
+before it is averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, find_config_dir, tied_weight_keys
+from fedagent_flwr.checkpoint.reader import CheckpointReader
+from fedagent_flwr.checkpoint.ref import CheckpointError
+
+__all__ = ["check_compatible", "check_finite", "compare_keys", "effective_keys", "normalise_weights", "verify_mean"]
+
+
+def normalise_weights(weights: Sequence[float], labels: Sequence[str] | None = None) -> list[float]:
+    """Scale weights to sum to 1; each must be a finite number > 0 (else CheckpointError)."""
+    if not weights:
+        raise CheckpointError("no sources to aggregate")
+    for index, weight in enumerate(weights):
+        label = labels[index] if labels else f"source {index}"
+        # numbers.Real admits numpy scalars (weights often come from metric arithmetic).
+        valid = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
+        if not valid or not math.isfinite(weight) or weight <= 0:
+            raise CheckpointError(
+                f"weight {weight!r} of {label} is invalid: weights must be finite numbers > 0"
+            )
+    try:
+        total = math.fsum(float(w) for w in weights)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):  # each weight finite, but their sum overflows
+        raise CheckpointError("the weights add up to more than a float can hold")
+    return [float(w) / total for w in weights]
+
+
+#: A tensor rule: ``rule(key, tensors, weights)`` -> the output tensor of ``key``, where ``tensors``
+
+def check_compatible(reader: CheckpointReader, reference: CheckpointReader) -> None:
+    """Raise CheckpointError if ``reader``'s keys or shapes differ from ``reference``'s.
+
+    The server calls this with the round's starting global model as reference and drops a
+    client whose checkpoint does not fit. A tied copy present on one side only (FSDP state
+    dicts keep ``lm_head.weight``, HF files do not) is not a difference.
+    """
+    hf_dir = find_config_dir(reference.huggingface_dir()) or find_config_dir(reader.huggingface_dir())
+    ties = tied_weight_keys(hf_dir)
+    compare_keys(reader, reference, ties, str(reader.directory), f"reference {reference.directory}")
+
+
+def verify_mean(
+    sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]
+) -> float:
+    """Recompute the weighted mean in float64 and return the max abs error of ``out_dir``.
+
+    Independent of :func:`weighted_mean`'s accumulation and writer: it loads the written file
+    with ``safetensors.torch.load_file`` (whole tensors; meant for tests and audits, not for
+    production-size models) and sums in float64. Raises CheckpointError when the written keys
+    are not the sources' keys, or an integer tensor differs.
+    """
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir)
+    readers = [reader for reader, _ in sources]
+    weights = normalise_weights([weight for _, weight in sources])
+    written = load_file(str(out_dir / MODEL_FILE))
+    ties = tied_weight_keys(out_dir)
+    expected_keys = set(effective_keys(readers[0], ties))
+    if set(written) != expected_keys:
+        raise CheckpointError(
+            f"{out_dir} holds keys {sorted(set(written) ^ expected_keys)[:5]} that differ from the sources"
+        )
+    worst = 0.0
+    for key in sorted(expected_keys):
+        actual = written[key]
+        if not readers[0].dtype(key).is_floating_point:
+            if not torch.equal(actual, readers[0].read(key, dtype=None)):
+                raise CheckpointError(f"{out_dir}: integer tensor '{key}' differs from the sources")
+            continue
+        if actual.dtype != torch.float32:
+            raise CheckpointError(f"{out_dir}: '{key}' is {actual.dtype}, expected float32")
+        # NaN compares unequal to everything, so an error of NaN would not exceed a tolerance:
+        # non-finite values are reported as such, in the output and in every source.
+        check_finite(key, actual, str(out_dir))
+        expected = torch.zeros(readers[0].shape(key), dtype=torch.float64)
+        for index, (reader, weight) in enumerate(zip(readers, weights)):
+            value = reader.read(key)
+            check_finite(key, value, f"source {index} ({reader.directory})")
+            expected += weight * value.double()
+        worst = max(worst, _max_abs(actual.double() - expected))
+    # A tied copy left out of the file is rebuilt from its partner on load; that is only right
+    # if every source really held the same values in both.
+    for reader in readers:
+        present = set(reader.keys())
+        for target, source in ties.items():
+            if target in present and source in present:
+                worst = max(worst, _max_abs(reader.read(target) - reader.read(source)))
+    return worst
+
+
+def check_finite(key: str, tensor: torch.Tensor, source: str) -> None:
+    """Refuse NaN and Inf: one such value would poison every weight it is averaged into."""
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(
+            f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
+            "the checkpoint is refused (lower the learning rate or check the client's training)"
+        )
+
+
+
+
+def _max_abs(delta: torch.Tensor) -> float:
+    return float(delta.abs().max()) if delta.numel() else 0.0
+
+
+def effective_keys(reader: CheckpointReader, ties: dict[str, str]) -> list[str]:
+    present = set(reader.keys())
+    return [k for k in reader.keys() if not (k in ties and ties[k] in present)]
+
+
+def compare_keys(
+    reader: CheckpointReader, other: CheckpointReader, ties: dict[str, str], name: str, other_name: str
+) -> None:
+    mine, theirs = effective_keys(reader, ties), effective_keys(other, ties)
+    missing = [k for k in theirs if k not in set(mine)]
+    extra = [k for k in mine if k not in set(theirs)]
+    if missing or extra:
+        detail = []
+        if missing:
+            detail.append(f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        if extra:
+            detail.append(f"unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}")
+        raise CheckpointError(f"{name} has different keys from {other_name}: {'; '.join(detail)}")
+    for key in mine:
+        if reader.shape(key) != other.shape(key):
+            raise CheckpointError(
+                f"{name}: '{key}' has shape {reader.shape(key)}, {other_name} has {other.shape(key)}"
+            )

@@ -1,0 +1,81 @@
+"""Check a checkpoint reference and open it for reading (the one entry point to the readers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
+from fedagent_flwr.checkpoint.reader import CheckpointReader
+from fedagent_flwr.checkpoint.ref import (
+    CheckpointError,
+    CheckpointRef,
+    content_mismatch,
+    hash_checkpoint_dir,
+    resolve_inside,
+)
+from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader, safetensors_files
+from fedagent_flwr.checkpoint.shard_file import IoMode
+
+__all__ = ["HashCheck", "open_checkpoint"]
+
+#: When the content hash is checked: at opening (``True``), while the tensors are read (the
+#: caller then calls :meth:`CheckpointReader.verify_content` before trusting them), or never.
+HashCheck = bool | Literal["while-reading"]
+
+
+def open_checkpoint(
+    ref: CheckpointRef,
+    root: str | os.PathLike[str] | None = None,
+    check_hash: HashCheck = True,
+    io: IoMode = "auto",
+) -> CheckpointReader:
+    """Check a reference and open it for reading.
+
+    Refuses (with :class:`CheckpointError` naming the culprit) a reference outside ``root``
+    (``..`` and symlinks resolved, weight files included), a missing directory, a missing or extra rank file, a world
+    size that disagrees with the files, a content hash that does not match ``ref.sha256`` (when
+    ``check_hash`` and the reference carries one) and files that cannot be parsed.
+    ``io`` is for tests and unusual torch versions: how FSDP rank files are read.
+
+    ``check_hash="while-reading"`` checks the hash of FSDP rank files from the bytes the reads
+    fetch anyway (one pass over the files instead of two); the check completes in
+    :meth:`~CheckpointReader.verify_content`, which the aggregation calls before it commits.
+    Safetensors directories are hashed at opening either way (their files are memory-mapped).
+    """
+    if check_hash not in (True, False, "while-reading"):
+        raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")
+    ref.check_fields()
+    if root is not None:
+        directory = resolve_inside(ref, root)
+    else:
+        if "://" in ref.path:
+            raise CheckpointError(f"reference {ref.path!r} uses a scheme this run cannot read")
+        directory = Path(ref.path)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+
+    # Layout checks come before the hash so that a missing shard is reported as such rather
+    # than as an opaque hash mismatch.
+    if ref.format == "fsdp-shards":
+        data_files = fsdp_shard_paths(directory, ref.world_size)
+    else:
+        data_files = safetensors_files(directory)
+    if root is not None:
+        # The directory is inside the root; its weight files must be too (a symlinked shard
+        # could otherwise make the server read any file it can open).
+        root_path = Path(root).resolve()
+        for path in data_files:
+            if root_path not in path.resolve().parents:
+                raise CheckpointError(f"{path} links to {path.resolve()}, outside the run root {root_path}")
+
+    deferred = check_hash == "while-reading" and ref.format == "fsdp-shards" and bool(ref.sha256)
+    if check_hash and ref.sha256 and not deferred:
+        actual = hash_checkpoint_dir(directory)
+        if actual != ref.sha256:
+            raise content_mismatch(directory, actual, ref.sha256)
+
+    if ref.format == "fsdp-shards":
+        return FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None)
+    return SafetensorsReader(ref, directory, data_files)
