@@ -105,6 +105,7 @@ def test_one_pass_mean_equals_the_checked_at_opening_mean(suite: Suite, tmp_path
                 reader.close()
     from safetensors.torch import load_file
 
-    first, second = load_file(str(outs[True] / "model.safetensors")), load_file(str(outs["while-reading"] / "model.safetensors"))
+    first = load_file(str(outs[True] / "model.safetensors"))
+    second = load_file(str(outs["while-reading"] / "model.safetensors"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)  # bitwise: the hash mode changes no number
