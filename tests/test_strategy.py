@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 

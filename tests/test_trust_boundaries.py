@@ -7,7 +7,6 @@ bind addresses are checked. Nothing is ever written outside the run root."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
