@@ -1,5 +1,8 @@
 """ServerApp: compose the run config, build the strategy, run the rounds, write the summary.
 
+The strategy selects, configures and aggregates; the rounds, their record and commits are the
+ServerApp's (:mod:`.rounds`), and so is which SuperNode serves which partition (:mod:`.nodes`).
+
 Re-running a run in the same run directory with the same config resumes it after its last
 completed round (``serverapp.resume``).
 """
@@ -23,9 +26,9 @@ from flwr.supercore.exit import ExitCode
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
+from fedagent_flwr.protocol import ShutdownInstruction
 from fedagent_flwr.run_config import hydra_arguments
 from fedagent_flwr.seeding import validation_seeds
-from fedagent_flwr.protocol import ShutdownInstruction
 from fedagent_flwr.serverapp import preflight
 from fedagent_flwr.serverapp.failures import RunFailedError
 from fedagent_flwr.serverapp.nodes import NodeRegistry, is_simulation

@@ -162,7 +162,9 @@ class FedAvgFSDP(FedAvg):
                 "clients.per_round of clients.total clients, chosen with FedAgent's seeded rule; set "
                 "clients.per_round instead"
             )
-        per_round = len(self.select_clients(1))
+        # The built-in rule's count, not an override's: a subclass may not be fully built yet.
+        per_round = len(select_clients(1, self.num_clients, self.clients_per_round, self.base_seed,
+                                       self.local_client_id))
         if not 1 <= self.min_train_nodes <= per_round:
             raise ValueError(f"min_train_nodes = {self.min_train_nodes} must be between 1 and the {per_round} "
                              "client(s) trained per round (clients.per_round)")
