@@ -8,13 +8,13 @@ client, alike or differently, to test how the run ends.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from typing import ClassVar
 
-from flwr.app import ArrayRecord, ConfigRecord, Message
-from flwr.serverapp import Grid
+from flwr.app import ConfigRecord
 
+from fedagent_flwr.protocol import TrainInstruction, TrainReply
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 
 BROKEN_SPEC = {"envs": [{"name": "NoSuchEnv", "n_envs": 1, "max_turns": 1, "config": {}}]}
@@ -29,17 +29,10 @@ class _BreaksRoundOne(FedAvgFSDP):
 
     broken: ClassVar[dict[int, dict]] = {}
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        if server_round == 1:
-            for message in messages:
-                instruction = message.content["config"]
-                spec = self.broken.get(int(instruction["client-id"]))
-                if spec is not None:
-                    instruction["env-spec-json"] = json.dumps(spec)
-        return messages
+    def train_instruction(self, server_round: int, client: int, config: ConfigRecord) -> TrainInstruction:
+        instruction = super().train_instruction(server_round, client, config)
+        spec = self.broken.get(client) if server_round == 1 else None
+        return instruction if spec is None else dataclasses.replace(instruction, env_spec=spec)
 
 
 class ClientIdWeighted(_BreaksRoundOne):
@@ -47,8 +40,8 @@ class ClientIdWeighted(_BreaksRoundOne):
 
     broken: ClassVar[dict[int, dict]] = {1: BROKEN_SPEC}
 
-    def aggregation_weights(self, server_round: int, replies: Sequence[Message]) -> list[float]:
-        return [float(int(r.content["config"]["client-id"]) + 1) for r in replies]
+    def aggregation_weights(self, server_round: int, replies: Sequence[TrainReply]) -> list[float]:
+        return [float(reply.client_id + 1) for reply in replies]
 
 
 class BreaksEveryClientAlike(_BreaksRoundOne):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors import safe_open
 
@@ -19,10 +19,12 @@ from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.model_files import check_model_config
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore, StorageSettings
 from fedagent_flwr.config import load_settings
+from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from tests.round_harness import connect, train_round
 from tests.store_harness import RUN, node
 
 BASE_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -36,10 +38,9 @@ def _task_identity() -> None:
 def _reply(client: int, ref: CheckpointRef, episodes: float, critic: CheckpointRef | None = None) -> Message:
     """A train reply as client ``client``'s node (node 100 + client) sends it."""
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
-    config = {"client-id": client, **ref.to_config("actor"), **(critic.to_config("critic") if critic else {})}
-    content = RecordDict({"config": ConfigRecord(config),
-                          "metrics": MetricRecord({"num-examples": episodes, "reward-mean": 0.5})})
-    return Message(content, reply_to=instruction)
+    content = TrainReply(client_id=client, actor=ref, critic=critic,
+                         metrics={"num-examples": episodes, "reward-mean": 0.5})
+    return Message(content.to_record(), reply_to=instruction)
 
 
 def _base(tmp_path: Path) -> CheckpointRef:
@@ -56,16 +57,14 @@ def _strategy(tmp_path: Path, base: CheckpointRef, clients: int, store: ServerSt
     run_dir = store.run_root if store is not None else tmp_path / "job"
     run_dir.mkdir(parents=True, exist_ok=True)
     recorder = RunRecorder(run_dir, {"base_model": base.path, "mode": "federated"})
-    strategy = build_strategy(settings, run_dir, base, recorder, store)
-    strategy._node_of_client = {c: 100 + c for c in range(clients)}  # what configure_train establishes
-    strategy._selected = list(range(clients))
-    return strategy
+    strategy = build_strategy(settings, run_dir, base, store)
+    return connect(strategy, recorder, range(clients))  # what the round loop establishes
 
 
 def _round(strategy: FedAvgFSDP, replies: list[Message], server_round: int = 1) -> dict:
-    strategy.aggregate_train(server_round, replies)
-    summary = json.loads((Path(strategy.run_root) / "federated_summary.json").read_text())
-    return summary["rounds"][-1]
+    entry = train_round(strategy, server_round, replies)
+    assert entry is not None
+    return entry
 
 
 def _edit_config(checkpoint: Path, **changes: object) -> None:

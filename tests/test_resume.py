@@ -28,16 +28,18 @@ from fedagent_flwr.serverapp.app import RunSetupError, build_strategy, run_direc
 from fedagent_flwr.serverapp.app import main as serverapp_main
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
     discard_uncommitted,
     exclusive_run_directory,
-    install_round_ledger,
     load_previous_run,
 )
+from fedagent_flwr.serverapp.rounds import RoundLoop
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 from tests.flower_harness import REPO
+from tests.round_harness import connect, train_round
 
 
 def _header(tmp_path: Path, base: CheckpointRef, overrides: str = "", run_id: int = 1) -> dict[str, Any]:
@@ -166,6 +168,7 @@ class _Recording(FedAvgFSDP):
     """A user-style subclass that overrides every round method and notes each call."""
 
     calls: list[tuple[str, int]]
+    recorder: RunRecorder
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -183,27 +186,35 @@ class _Recording(FedAvgFSDP):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         self.calls.append(("aggregate_evaluate", server_round))
-        committed = json.loads(self.recorder.summary_path.read_text())["last_completed_round"]  # type: ignore[union-attr]
+        committed = json.loads(self.recorder.summary_path.read_text())["last_completed_round"]
         assert committed == server_round - 1  # the commit comes after this method returns
         return None
 
 
-class _NoMessages:
-    """The one Grid call Flower's start makes when a strategy sends nothing: answer nothing."""
+class _TwoNodes:
+    """A federation of two nodes (100 and 101, serving partitions 0 and 1) that answers the partition
+    query and is sent nothing else (the strategy under test sends nothing)."""
+
+    def get_node_ids(self) -> list[int]:
+        return [100, 101]
 
     def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
-        assert list(messages) == []
-        return []
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
+        replies = []
+        for message in messages:
+            assert message.metadata.message_type == "query.partition"
+            answer = PartitionReply(message.metadata.dst_node_id - 100, 2)
+            replies.append(Message(answer.to_record(), reply_to=message))
+        return replies
 
 
-def test_flowers_start_skips_completed_rounds_before_any_override(tmp_path: Path, base: CheckpointRef) -> None:
+def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Path, base: CheckpointRef) -> None:
     recorder = RunRecorder(tmp_path, {"base_model": base.path})
     recorder.complete_round(2)  # an earlier attempt got this far
-    strategy = _Recording(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2,
-                          recorder=recorder)
-    strategy.calls = []
-    install_round_ledger(strategy, recorder, last_completed_round=2)
-    strategy.start(grid=_NoMessages(), initial_arrays=ArrayRecord(), num_rounds=4)  # type: ignore[arg-type]
+    strategy = _Recording(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2)
+    strategy.calls, strategy.recorder = [], recorder
+    RoundLoop(strategy, _TwoNodes(), recorder, timeout=10, last_completed=2).run(4)  # type: ignore[arg-type]
+    assert strategy.nodes.client_of(101) == 1  # the loop found the partitions before round 3
     assert strategy.calls == [
         (name, r) for r in (3, 4)
         for name in ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
@@ -280,16 +291,15 @@ def test_a_resume_checks_the_global_model_against_the_hash_recorded_at_its_commi
     run_dir = run_directory(settings, 1)
     recorder = RunRecorder(run_dir, summary_header(settings, 1, base))
     recorder.complete_round(0)
-    strategy = build_strategy(settings, run_dir, base, recorder)
-    strategy._node_of_client, strategy._selected = {0: 100, 1: 101}, [0, 1]  # what configure_train establishes
+    strategy = connect(build_strategy(settings, run_dir, base), recorder, [0, 1])
     replies = []
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     for client, name in enumerate(("qwen_a", "qwen_b")):
         ref = CheckpointRef.for_directory(suite.copy(name, run_dir / "round_1" / f"client_{client}"))
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
-        replies.append(Message(RecordDict({"config": ConfigRecord({"client-id": client, **ref.to_config("actor")}),
-                                           "metrics": MetricRecord({"num-examples": 4})}), reply_to=instruction))
-    strategy.aggregate_train(1, replies)
+        reply = TrainReply(client_id=client, actor=ref, metrics={"num-examples": 4})
+        replies.append(Message(reply.to_record(), reply_to=instruction))
+    train_round(strategy, 1, replies)
     recorder.complete_round(1)
     weights = run_dir / "round_1" / "global" / "model.safetensors"
     assert json.loads(recorder.summary_path.read_text())["rounds"][0]["aggregated_sha256"] == strategy.global_model.sha256

@@ -30,13 +30,13 @@ def test_strategy_class_errors_name_the_path(path: str, message: str) -> None:
 
 def test_build_strategy_checks_kwargs_and_mu(tmp_path: Path, tiny_model_dir: Path) -> None:
     base = CheckpointRef.for_directory(tiny_model_dir)
-    prox = build_strategy(load_settings(overrides="strategy=fedprox strategy.proximal_mu=0.3"), tmp_path, base, None)
+    prox = build_strategy(load_settings(overrides="strategy=fedprox strategy.proximal_mu=0.3"), tmp_path, base)
     assert isinstance(prox, FedProxFSDP) and prox.proximal_mu == 0.3
     with pytest.raises(ConfigError, match="strategy.kwargs.num_clients"):
-        build_strategy(load_settings(overrides="+strategy.kwargs.num_clients=3"), tmp_path, base, None)
+        build_strategy(load_settings(overrides="+strategy.kwargs.num_clients=3"), tmp_path, base)
     with pytest.raises(ConfigError, match="has no effect with FedAvgFSDP"):
-        build_strategy(load_settings(overrides="strategy.proximal_mu=0.1"), tmp_path, base, None)
-    custom = build_strategy(load_settings(overrides="+strategy.kwargs.weighted_by_key=episodes"), tmp_path, base, None)
+        build_strategy(load_settings(overrides="strategy.proximal_mu=0.1"), tmp_path, base)
+    custom = build_strategy(load_settings(overrides="+strategy.kwargs.weighted_by_key=episodes"), tmp_path, base)
     assert custom.weighted_by_key == "episodes"
 
 

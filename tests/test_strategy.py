@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_mean
 from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from tests.round_harness import connect, eval_round, train_round
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +34,7 @@ def _reply(client: int, ref: CheckpointRef, episodes: float, metrics: dict | Non
     """A train reply as client ``client``'s node (node 100 + client) would send it."""
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
     values = {"num-examples": episodes, "reward-mean": 0.5, "success-rate": 0.25} if metrics is None else metrics
-    content = RecordDict({
-        "config": ConfigRecord({"client-id": client, **ref.to_config("actor")}),
-        "metrics": MetricRecord(values),
-    })
-    return Message(content, reply_to=instruction)
+    return Message(TrainReply(client_id=client, actor=ref, metrics=values).to_record(), reply_to=instruction)
 
 
 def _error_reply(client: int) -> Message:
@@ -45,15 +43,13 @@ def _error_reply(client: int) -> Message:
 
 
 def _strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgFSDP] = FedAvgFSDP,
-              clients: int = 6) -> tuple[FedAvgFSDP, Path]:
+              clients: int = 6, served: int | None = None) -> tuple[FedAvgFSDP, Path]:
+    """All ``clients`` selected every round; node 100 + c serves client c for the first ``served``."""
     run_root = tmp_path / "run"
     run_root.mkdir()
     recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated", "strategy": "fedavg"})
-    strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients,
-                   recorder=recorder)
-    # What configure_train would have established: node 100 + c serves client c, all selected.
-    strategy._node_of_client = {c: 100 + c for c in range(clients)}
-    strategy._selected = list(range(clients))
+    strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients)
+    connect(strategy, recorder, range(clients if served is None else served))
     return strategy, run_root
 
 
@@ -72,13 +68,14 @@ def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suit
     refs = {c: CheckpointRef.for_directory(suite.copy(name, _slot(run_root, c))) for c, name in
             enumerate(["qwen_a", "qwen_b", "qwen_plain"])}
     episodes = {0: 4, 1: 8, 2: 12}
-    _, metrics = strategy.aggregate_train(1, [_reply(c, refs[c], episodes[c]) for c in refs])
+    arrays, metrics = strategy.aggregate_train(1, [_reply(c, refs[c], episodes[c]) for c in refs])
+    assert arrays is None  # no weights travel: the new global model is a reference
     assert metrics is not None and metrics["reward-mean"] == pytest.approx(0.5)
     assert strategy.global_model.path == str(run_root / "round_1" / "global")
     sources = [(open_checkpoint(refs[c], root=run_root), float(episodes[c])) for c in refs]
     assert verify_mean(sources, strategy.global_model.path) < 1e-6
-    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
-    assert entry["client_actor_ids"] == [0, 1, 2] and entry["aggregated_actor"] == strategy.global_model.path
+    result = strategy.last_aggregation
+    assert result is not None and sorted(result.client_actors) == [0, 1, 2] and result.actor == strategy.global_model
 
 
 def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp_path: Path,
@@ -96,9 +93,8 @@ def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp
     replies = [_reply(0, good, 4), _reply(1, outside, 4), _reply(2, wrong_hash, 4), _reply(3, truncated, 4),
                _reply(4, other_shapes, 4), _error_reply(5)]
     with caplog.at_level(logging.WARNING):
-        strategy.aggregate_train(1, replies)
-    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
-    assert entry["client_actor_ids"] == [0]
+        entry = train_round(strategy, 1, replies)
+    assert entry is not None and entry["client_actor_ids"] == [0]
     rejected = entry["rejected"]
     assert "outside the run root" in rejected["1"]
     assert "hash" in rejected["2"]
@@ -116,14 +112,13 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
 ) -> None:
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
     first = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
-    strategy.aggregate_train(1, [_reply(0, first, 4)])
+    train_round(strategy, 1, [_reply(0, first, 4)], sent=[0])
     round_one = strategy.global_model
     digest = hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest()
 
     broken = CheckpointRef(**{**CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path / "x")).__dict__})
     with caplog.at_level(logging.WARNING):
-        arrays, metrics = strategy.aggregate_train(2, [_reply(0, broken, 4), _error_reply(1)])
-    assert arrays is None
+        train_round(strategy, 2, [_reply(0, broken, 4), _error_reply(1)], sent=[0, 1])
     assert strategy.global_model == round_one
     assert "no valid client checkpoint; keeping the previous global model" in caplog.text
     assert not (run_root / "round_2" / "global").exists()
@@ -135,16 +130,15 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
 
 
 def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), served=5)  # no node serves client 5
     ref = {c: CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in
            [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain")]}
-    spoofed = _reply(3, ref[3], 4)
-    spoofed.content["config"]["client-id"] = 0  # node of client 3 claims to be client 0
+    instruction = Message(RecordDict(), dst_node_id=103, message_type="train")
+    spoofed = Message(TrainReply(client_id=0, actor=ref[3], metrics={"num-examples": 4}).to_record(),
+                      reply_to=instruction)  # node of client 3 claims to be client 0
     replies = [_reply(0, ref[0], 4), _reply(1, ref[1], 0), _reply(2, ref[2], 4, {"reward-mean": 1.0}), spoofed]
-    strategy._absent = {5: "no SuperNode serves this partition now"}
-    strategy.aggregate_train(1, replies)  # client 4 never answers, client 5 was absent
-    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
-    assert entry["client_actor_ids"] == [0]
+    entry = train_round(strategy, 1, replies)  # client 4 never answers, client 5 was absent
+    assert entry is not None and entry["client_actor_ids"] == [0]
     rejected = entry["rejected"]
     assert "'num-examples' = 0.0 is not a positive number" in rejected["1"]
     assert "malformed reply" in rejected["2"] and "num-examples" in rejected["2"]
@@ -167,9 +161,8 @@ def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suit
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), cls=_DamageWhileStreaming, clients=2)
     good = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
     damaged = CheckpointRef.for_directory(suite.copy("qwen_b", _slot(run_root, 1)))  # world size 2
-    strategy.aggregate_train(1, [_reply(0, good, 4), _reply(1, damaged, 4)])
-    entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
-    assert entry["client_actor_ids"] == [0]
+    entry = train_round(strategy, 1, [_reply(0, good, 4), _reply(1, damaged, 4)])
+    assert entry is not None and entry["client_actor_ids"] == [0]
     assert "model_world_size_2_rank_1.pt" in entry["rejected"]["1"]
     aggregate = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
     expected = suite.expected("qwen_a")
@@ -182,7 +175,7 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
 
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
     refs = [CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in enumerate(("qwen_a", "qwen_b"))]
-    strategy.aggregate_train(1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
+    train_round(strategy, 1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
     assert verify([str(run_root)]) == 0
     shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # a client file altered afterwards
@@ -190,7 +183,7 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
 
 
 def test_client_failures_are_recorded_as_the_clientapp_worded_them() -> None:
-    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import readable_reason
+    from fedagent_flwr.serverapp.failures import readable_reason
 
     # What Flower's simulation reported on an H200 when a client's verl job failed (shortened).
     ray_wrapped = (
@@ -212,7 +205,7 @@ def test_a_clientapp_error_without_our_label_is_its_own_line_not_flowers_wrapper
     """An exception the ClientApp raised itself (not a trainer failure), as a 2-client simulation
     reported it (shortened): Flower's ClientAppException line ends empty, the message follows on the
     next line, and the real exception line sits in the traceback."""
-    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import readable_reason
+    from fedagent_flwr.serverapp.failures import readable_reason
 
     message = "WebShop data directory /nonexistent has no items_shuffle_1000.json; fetch the data with: " \
               "python -m fedagent_flwr.envs.webshop.download /nonexistent"
@@ -236,7 +229,7 @@ def test_a_clientapp_error_without_our_label_is_its_own_line_not_flowers_wrapper
 
 
 def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_path: Path) -> None:
-    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RoundFailedError
+    from fedagent_flwr.serverapp.failures import RoundFailedError
 
     def failed(client: int, reason: str) -> Message:
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
@@ -248,10 +241,10 @@ def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_
 
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
     # Different reasons: the round keeps the previous model and the run goes on.
-    strategy.aggregate_train(1, [failed(0, trainer_error(0, 1, "out of memory")), failed(1, trainer_error(1, 1, "killed"))])
+    train_round(strategy, 1, [failed(0, trainer_error(0, 1, "out of memory")), failed(1, trainer_error(1, 1, "killed"))])
     # The same reason (up to the client's number): nothing later can go better, so the run stops.
     with pytest.raises(RoundFailedError) as info:
-        strategy.aggregate_train(2, [failed(c, trainer_error(c, 2, "unknown environment 'NoSuchEnv'")) for c in (0, 1)])
+        train_round(strategy, 2, [failed(c, trainer_error(c, 2, "unknown environment 'NoSuchEnv'")) for c in (0, 1)])
     assert str(info.value) == (
         "round 2: every client (2) failed the same way, so the run stops: client 0 round 2: reference trainer exited "
         "with code 2: reference_trainer: error: unknown environment 'NoSuchEnv' (log: /r/round_2/client_0/train.log)")
@@ -268,11 +261,11 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
         actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], _slot(run_root, client, server_round) / "a"))
         critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], _slot(run_root, client, server_round) / "c")
         critic = CheckpointRef.for_directory(critic_dir, "critic")
-        reply = _reply(client, actor, episodes[client])
-        reply.content["config"] = ConfigRecord({**dict(reply.content["config"]), **critic.to_config("critic")})
-        return reply
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+        content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": episodes[client]})
+        return Message(content.to_record(), reply_to=instruction)
 
-    strategy.aggregate_train(1, [ppo_reply(0, 1), ppo_reply(1, 1)])
+    train_round(strategy, 1, [ppo_reply(0, 1), ppo_reply(1, 1)])
     assert strategy.global_critic is not None
     assert strategy.global_critic.path == str(run_root / "round_1" / "global_critic")
     assert strategy.global_critic.kind == "critic"
@@ -283,11 +276,10 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     assert entry["aggregated_critic"] == strategy.global_critic.path and len(entry["client_critics"]) == 2
 
     # The next instruction carries the global critic next to the global actor.
-    instruction = strategy._instruction("train", 100, {"server-round": 2})
-    config = instruction.content["config"]
-    assert config["global-critic-path"] == strategy.global_critic.path and config["global-critic-kind"] == "critic"
+    instruction = strategy.train_instruction(2, 0, ConfigRecord())
+    assert instruction.global_critic == strategy.global_critic and instruction.global_critic.kind == "critic"
     # Round 2: the critics are checked against the global critic and averaged again.
-    strategy.aggregate_train(2, [ppo_reply(0, 2), ppo_reply(1, 2)])
+    train_round(strategy, 2, [ppo_reply(0, 2), ppo_reply(1, 2)])
     assert strategy.global_critic.path == str(run_root / "round_2" / "global_critic")
 
 
@@ -309,10 +301,8 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
             state[sorted(state)[0]].view(-1)[0] = float("nan")
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         refs[client] = CheckpointRef.for_directory(directory)
-    strategy.aggregate_train(1, [_reply(c, refs[c], 4) for c in refs])
-    summary = json.loads((run_root / "federated_summary.json").read_text())
-    entry = summary["rounds"][0]
-    assert entry["client_actor_ids"] == [0, 1]
+    entry = train_round(strategy, 1, [_reply(c, refs[c], 4) for c in refs])
+    assert entry is not None and entry["client_actor_ids"] == [0, 1]
     assert "non-finite" in entry["rejected"]["2"] and "client_2" in entry["rejected"]["2"]
     stats = entry["update_stats"]
     assert stats["clients"] == [0, 1] and stats["mode"] == "full"
@@ -327,7 +317,7 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
 
 
 def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> None:
-    from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RoundFailedError
+    from fedagent_flwr.serverapp.failures import RoundFailedError
 
     def failed(client: int, reason: str) -> Message:
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
@@ -337,10 +327,10 @@ def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> 
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"x")
     strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
-    strategy._eval_clients = [0, 1]
     eval_error = "client {c} eval round 0: reference trainer exited with code 2: error: TinyGuess config 'hi' (10) must be >= 'lo' (20)"
     # One client failed, the other never answered: different reasons, the run goes on.
     assert strategy.aggregate_evaluate(0, [failed(0, eval_error.format(c=0))]) is None
+    eval_round(strategy, 0, [failed(0, eval_error.format(c=0))], sent=[0, 1])
     with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
                                                r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
-        strategy.aggregate_evaluate(0, [failed(c, eval_error.format(c=c)) for c in (0, 1)])
+        eval_round(strategy, 0, [failed(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])

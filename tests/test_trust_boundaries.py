@@ -7,7 +7,6 @@ bind addresses are checked. Nothing is ever written outside the run root."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +30,11 @@ from fedagent_flwr.checkpoint.store import (
 from fedagent_flwr.clientapp.app import node_work_dir
 from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services
 from fedagent_flwr.config import ConfigError, compose_config, load_settings, validate
+from fedagent_flwr.protocol import CLIENT_ID, CONFIG, METRICS, NUM_EXAMPLES
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from tests.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from tests.round_harness import connect, train_round
 from tests.store_harness import RUN, SHARD, node, tree
 
 
@@ -42,8 +43,9 @@ def reply(client: int, config: dict[str, Any], metrics: dict[str, Any] | None = 
     """A train reply from client ``client``'s node (node 100 + client) with exactly this content."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
-    records: dict[str, Any] = {"config": ConfigRecord({"client-id": client, **config}),
-                               "metrics": MetricRecord(metrics or {"num-examples": 4.0})}
+    # Raw records, not TrainReply.to_record(): these replies are malformed on purpose.
+    records: dict[str, Any] = {CONFIG: ConfigRecord({CLIENT_ID: client, **config}),
+                               METRICS: MetricRecord(metrics or {NUM_EXAMPLES: 4.0})}
     if arrays is not None:
         records["arrays"] = arrays
     return Message(RecordDict(records), reply_to=instruction)
@@ -55,15 +57,14 @@ def strategy_over(store: ServerStore, tmp_path: Path, clients: int) -> FedAvgFSD
     initial = CheckpointRef.for_directory(tmp_path / "base")
     recorder = RunRecorder(store.run_root, {"base_model": initial.path, "mode": "federated"})
     strategy = FedAvgFSDP(run_root=str(store.run_root), initial_model=initial, num_clients=clients,
-                          clients_per_round=clients, recorder=recorder, store=store)
-    strategy._node_of_client = {c: 100 + c for c in range(clients)}
-    strategy._selected = list(range(clients))
-    return strategy
+                          clients_per_round=clients, store=store)
+    return connect(strategy, recorder, range(clients))
 
 
 def run_round(strategy: FedAvgFSDP, replies: list[Message]) -> dict[str, Any]:
-    strategy.aggregate_train(1, replies)
-    return json.loads((strategy.store.run_root / "federated_summary.json").read_text())["rounds"][0]
+    entry = train_round(strategy, 1, replies)
+    assert entry is not None
+    return entry
 
 
 def with_path(ref: CheckpointRef, path: str) -> dict[str, Any]:

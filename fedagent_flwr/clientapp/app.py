@@ -14,21 +14,34 @@ path with the server.
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.store import ClientStore, open_client_store
 from fedagent_flwr.clientapp import job as jobs
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TrainerFailed, run_trainer
 from fedagent_flwr.clientapp.persistent import PersistentTrainer, TrainerDied, channel_dir
 from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services
+from fedagent_flwr.protocol import (
+    NUM_EXAMPLES,
+    REWARD_MEAN,
+    SUCCESS_RATE,
+    TRAIN_SECONDS,
+    ZERO_VARIANCE_GROUP_SHARE,
+    EvalInstruction,
+    EvalReply,
+    PartitionReply,
+    ShutdownInstruction,
+    ShutdownReply,
+    TrainInstruction,
+    TrainReply,
+)
 
 app = ClientApp()
 T = TypeVar("T")
@@ -56,39 +69,31 @@ def node_work_dir(context: Context) -> Path:
     return path
 
 
-def client_store(config: ConfigRecord, context: Context) -> ClientStore:
-    """The checkpoint store this instruction describes, as seen from this node."""
-    return open_client_store(config, context.run_id, lambda: node_work_dir(context))
+def client_store(fields: Mapping[str, Any], context: Context) -> ClientStore:
+    """The checkpoint store an instruction's store ``fields`` describe, as seen from this node."""
+    return open_client_store(fields, context.run_id, lambda: node_work_dir(context))
 
 
 @app.query("partition")
 def report_partition(msg: Message, context: Context) -> Message:
     """Tell the server which client partition this node trains."""
     partition, count = node_partition(context)
-    return Message(RecordDict({"config": ConfigRecord({"partition-id": partition, "num-partitions": count})}), reply_to=msg)
+    return Message(PartitionReply(partition, count).to_record(), reply_to=msg)
 
 
 @app.query("shutdown")
 def shutdown(msg: Message, context: Context) -> Message:
     """End of the run: stop the env services this node started for it."""
     partition, _ = node_partition(context)
-    run_root = client_store(msg.content["config"], context).run_root
+    run_root = client_store(ShutdownInstruction.from_record(msg.content).store, context).run_root
     stopped = stop_client_services(run_root, partition)
     trainer_stopped = PersistentTrainer("", channel_dir(run_root, partition)).stop()
-    metrics = {"services-stopped": len(stopped), "trainers-stopped": int(trainer_stopped)}
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    return Message(ShutdownReply(len(stopped), int(trainer_stopped)).to_record(), reply_to=msg)
 
 
 def _trainer_knobs(settings: dict[str, Any]) -> dict[str, Any]:
     """The trainer group minus what the ClientApp itself consumes (backend, timeout, mode)."""
     return {k: v for k, v in settings.items() if k not in CLIENTAPP_TRAINER_KEYS}
-
-
-def _json_field(config: ConfigRecord, key: str) -> Any:
-    try:
-        return json.loads(str(config[key]))
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"instruction field '{key}' is missing or not JSON: {exc}") from None
 
 
 def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T],
@@ -135,47 +140,42 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train this client's partition for one round and reply with checkpoint references."""
-    config = msg.content["config"]
-    client = int(config["client-id"])
-    server_round = int(config["server-round"])
+    instruction = TrainInstruction.from_record(msg.content)
+    client, server_round = instruction.client_id, instruction.server_round
     partition, _ = node_partition(context)
     if partition != client:
         raise ValueError(f"instruction for client {client} reached the node of partition {partition}")
-    store = client_store(config, context)
-    start_model = store.fetch(CheckpointRef.from_config(config, "global"))
+    store = client_store(instruction.store, context)
+    start_model = store.fetch(instruction.global_model)
     run_root = store.run_root
     out_dir = run_root / f"round_{server_round}" / f"client_{client}"
     # PPO: the aggregated critic of the previous round (absent in round 1: the job starts its
     # critic from the model).
-    critic_path = ""
-    if "global-critic-path" in config:
-        critic_path = str(store.fetch(CheckpointRef.from_config(config, "global-critic")))
-    trainer = _json_field(config, "trainer-json")
-    env_spec, partition = _json_field(config, "env-spec-json"), _json_field(config, "partition-json")
-    service = _json_field(config, "service-json")
-    if service["enabled"]:
+    critic_path = str(store.fetch(instruction.global_critic)) if instruction.global_critic is not None else ""
+    trainer, env_spec, partition_knobs = instruction.trainer, instruction.env_spec, instruction.partition
+    if instruction.service["enabled"]:
         # This client's own partitioned services: the service applies the partition, the
         # trainer talks to it over HTTP.
         env_spec, managers = serve_env_spec(
-            env_spec, split="train", run_root=run_root, client_id=client, settings=service,
-            partition=partition, num_clients=int(config["num-clients"]), base_seed=int(config["base-seed"]),
+            env_spec, split="train", run_root=run_root, client_id=client, settings=instruction.service,
+            partition=partition_knobs, num_clients=instruction.num_clients, base_seed=instruction.base_seed,
         )
         write_json_atomic(out_dir / "service_health.json", [m.health() for m in managers])
-        partition = {"strategy": "none"}
+        partition_knobs = {"strategy": "none"}
     job = jobs.TrainJob(
         model_path=str(start_model),
         output_dir=str(out_dir),
         env_spec=env_spec,
         round=server_round,
         client_id=client,
-        num_clients=int(config["num-clients"]),
-        data_seed=int(config["data-seed"]),
-        base_seed=int(config["base-seed"]),
-        algorithm=str(config["algorithm"]),
-        local_steps=int(config["local-steps"]),
-        proximal_mu=float(config.get("proximal-mu", 0.0)),  # only FedProx-style strategies send it
+        num_clients=instruction.num_clients,
+        data_seed=instruction.data_seed,
+        base_seed=instruction.base_seed,
+        algorithm=instruction.algorithm,
+        local_steps=instruction.local_steps,
+        proximal_mu=instruction.proximal_mu,  # only FedProx-style strategies send it
         critic_path=critic_path,
-        partition=partition,
+        partition=partition_knobs,
         trainer=_trainer_knobs(trainer),
     )
     started = time.monotonic()
@@ -185,21 +185,27 @@ def train(msg: Message, context: Context) -> Message:
     if actor.format != result.actor_format:
         raise TrainerFailed(f"client {client}: the trainer reports a {result.actor_format} checkpoint, "
                             f"{result.actor_dir} holds {actor.format}")
-    reply_config: dict[str, Any] = {"client-id": client, **actor.to_config("actor")}
-    if result.critic_dir:
-        reply_config.update(store.put(result.critic_dir, "critic", server_round, client).to_config("critic"))
-    metrics = {
-        "num-examples": int(result.num_episodes),
-        "reward-mean": float(result.metrics.get("reward_mean", 0.0)),
-        "success-rate": float(result.metrics.get("success_rate", 0.0)),
-        "train-seconds": round(time.monotonic() - started, 3),
+    critic = store.put(result.critic_dir, "critic", server_round, client) if result.critic_dir else None
+    reply = TrainReply(client_id=client, actor=actor, critic=critic,
+                       metrics=train_metrics(result, round(time.monotonic() - started, 3)))
+    return Message(reply.to_record(), reply_to=msg)
+
+
+def train_metrics(result: jobs.TrainResult, seconds: float) -> dict[str, float | int]:
+    """The reply's metrics: episodes played (the FedAvg weight), reward, success, time, and the
+    backend's own timings and losses."""
+    metrics: dict[str, float | int] = {
+        NUM_EXAMPLES: int(result.num_episodes),
+        REWARD_MEAN: float(result.metrics.get("reward_mean", 0.0)),
+        SUCCESS_RATE: float(result.metrics.get("success_rate", 0.0)),
+        TRAIN_SECONDS: seconds,
     }
     if "zero_variance_group_share" in result.metrics:  # share of GRPO groups that gave no gradient
-        metrics["zero-variance-group-share"] = float(result.metrics["zero_variance_group_share"])
+        metrics[ZERO_VARIANCE_GROUP_SHARE] = float(result.metrics["zero_variance_group_share"])
     # Backend timings and losses (verl: cold start, per-phase step times) travel as metrics too.
     metrics.update({_metric_key(k): float(v) for k, v in result.metrics.items()
                     if k.startswith(("verl/", "fedprox/"))})
-    return Message(RecordDict({"config": ConfigRecord(reply_config), "metrics": MetricRecord(metrics)}), reply_to=msg)
+    return metrics
 
 
 def _metric_key(name: str) -> str:
@@ -210,32 +216,27 @@ def _metric_key(name: str) -> str:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Play this node's share of the validation episodes with the global model."""
-    config = msg.content["config"]
-    client = int(config["client-id"])
-    server_round = int(config["server-round"])
-    store = client_store(config, context)
-    model = store.fetch(CheckpointRef.from_config(config, "global"))
+    instruction = EvalInstruction.from_record(msg.content)
+    client, server_round = instruction.client_id, instruction.server_round
+    store = client_store(instruction.store, context)
+    model = store.fetch(instruction.global_model)
     run_root = store.run_root
     out_dir = run_root / f"round_{server_round}" / "eval" / f"client_{client}"
-    trainer = _json_field(config, "trainer-json")
-    env_spec = _json_field(config, "env-spec-json")
-    service = _json_field(config, "service-json")
-    if service["enabled"]:
+    trainer, env_spec = instruction.trainer, instruction.env_spec
+    if instruction.service["enabled"]:
         # A separate, unperturbed validation service: never the client's training world.
-        env_spec, _ = serve_env_spec(env_spec, split="val", run_root=run_root, client_id=client, settings=service)
+        env_spec, _ = serve_env_spec(env_spec, split="val", run_root=run_root, client_id=client,
+                                     settings=instruction.service)
     job = jobs.EvalJob(
         model_path=str(model),
         output_dir=str(out_dir),
         env_spec=env_spec,
         round=server_round,
-        seeds=[int(s) for s in config["eval-seeds"]],  # type: ignore[union-attr]
+        seeds=instruction.eval_seeds,
         trainer=_trainer_knobs(trainer),
     )
     result = _run_job("evaluate", job, out_dir, f"client {client} eval round {server_round}", trainer,
                       jobs.EvalResult, context, run_root)
-    metrics = {
-        "num-examples": int(result.num_episodes),
-        "success-rate": float(result.success_rate),
-        "reward-mean": float(result.reward_mean),
-    }
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    reply = EvalReply(num_examples=int(result.num_episodes), success_rate=float(result.success_rate),
+                      reward_mean=float(result.reward_mean))
+    return Message(reply.to_record(), reply_to=msg)

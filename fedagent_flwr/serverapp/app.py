@@ -1,5 +1,8 @@
 """ServerApp: compose the run config, build the strategy, run the rounds, write the summary.
 
+The strategy selects, configures and aggregates; the rounds, their record and commits are the
+ServerApp's (:mod:`.rounds`), and so is which SuperNode serves which partition (:mod:`.nodes`).
+
 Re-running a run in the same run directory with the same config resumes it after its last
 completed round (``serverapp.resume``).
 """
@@ -13,7 +16,7 @@ from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import Context
 from flwr.app.exception import AppExitException
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
@@ -23,21 +26,23 @@ from flwr.supercore.exit import ExitCode
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
+from fedagent_flwr.protocol import ShutdownInstruction
 from fedagent_flwr.run_config import hydra_arguments
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp import preflight
+from fedagent_flwr.serverapp.failures import RunFailedError
+from fedagent_flwr.serverapp.nodes import NodeRegistry, is_simulation
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, SUMMARY_FILE, RunRecorder
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
     config_fingerprint,
     discard_uncommitted,
     exclusive_run_directory,
-    install_round_ledger,
     load_previous_run,
 )
 from fedagent_flwr.serverapp.retention import Retention
-from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP
-from fedagent_flwr.serverapp.strategy.fedavg_fsdp import RunFailedError, is_simulation
+from fedagent_flwr.serverapp.rounds import RoundLoop
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP, FedProxFSDP, RunPlan
 
 app = ServerApp()
 
@@ -56,11 +61,6 @@ class RunFailed(AppExitException):
 
 # Statuses of a run whose every round ran: a re-run has nothing left to do.
 FINISHED_STATUSES = ("completed", "degraded")
-
-
-def payload_json(value: Any) -> str:
-    """Structured settings (env specs, trainer knobs) travel as JSON strings in ConfigRecords."""
-    return json.dumps(value, sort_keys=True)
 
 
 def run_directory(settings: RunSettings, run_id: int) -> Path:
@@ -94,11 +94,25 @@ def load_strategy_class(class_path: str) -> type[Strategy]:
     return cls
 
 
+def run_plan(settings: RunSettings) -> RunPlan:
+    """The run-wide part of every instruction, from the resolved config."""
+    return RunPlan(
+        algorithm=settings.algorithm,
+        local_steps=settings.local_steps,
+        trainer=dict(settings.trainer),
+        train_env_spec=dict(settings.train_env_spec),
+        val_env_spec=dict(settings.val_env_spec),
+        partition=dict(settings.partition),
+        service=dict(settings.env_service),
+    )
+
+
 def build_strategy(
-    settings: RunSettings, run_dir: Path, initial_model: CheckpointRef, recorder: RunRecorder | None,
-    store: ServerStore | None = None,
+    settings: RunSettings, run_dir: Path, initial_model: CheckpointRef, store: ServerStore | None = None,
+    initial_critic: CheckpointRef | None = None,
 ) -> FedAvgFSDP:
-    """Instantiate the configured strategy with the run's plan (``store`` None: shared filesystem)."""
+    """Instantiate the configured strategy with the run's plan (``store`` None: shared filesystem;
+    ``initial_critic``: PPO's global critic of a resumed run)."""
     cls = load_strategy_class(settings.strategy_class)
     planned: dict[str, Any] = dict(
         run_root=str(run_dir),
@@ -107,24 +121,12 @@ def build_strategy(
         clients_per_round=settings.clients_per_round,
         base_seed=settings.seed,
         local_client_id=settings.local_client_id,
-        num_rounds=settings.num_rounds,
         fixed_weights=settings.fixed_weights,
-        train_payload={
-            "algorithm": settings.algorithm,
-            "local-steps": settings.local_steps,
-            "trainer-json": payload_json(settings.trainer),
-            "env-spec-json": payload_json(settings.train_env_spec),
-            "partition-json": payload_json(settings.partition),
-            "service-json": payload_json(settings.env_service),
-        },
-        eval_payload={
-            "trainer-json": payload_json(settings.trainer),
-            "env-spec-json": payload_json(settings.val_env_spec),
-            "service-json": payload_json(settings.env_service),
-        },
+        plan=run_plan(settings),
         eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
-        recorder=recorder,
         store=store,
+        nodes=NodeRegistry(settings.total_clients),
+        initial_critic=initial_critic,
     )
     clash = sorted(set(planned) & set(settings.strategy_kwargs))
     if clash:
@@ -139,7 +141,7 @@ def build_strategy(
         )
     try:
         return cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # ValueError: a Flower setting (strategy.kwargs) it refuses
         raise ConfigError(f"strategy {settings.strategy_class!r} rejected its arguments: {exc}") from None
 
 
@@ -308,13 +310,14 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
                     start_critic: CheckpointRef | None = None) -> None:
     """Build the strategy over ``store``, run the remaining rounds, tell the nodes the run is over."""
     try:
-        strategy = build_strategy(settings, run_dir, start_model, recorder, store)
+        # start_critic: PPO resumed after a round that aggregated critics.
+        strategy = build_strategy(settings, run_dir, start_model, store, start_critic)
     except ConfigError as exc:
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
-    strategy.global_critic = start_critic  # PPO resumed after a round that aggregated critics
     retention = Retention.from_settings(settings.storage, run_dir)
-    install_round_ledger(strategy, recorder, last_completed, after_commit=lambda r: retention.after_commit(recorder, r))
+    loop = RoundLoop(strategy, grid, recorder, timeout=settings.round_timeout, last_completed=last_completed,
+                     after_commit=lambda r: retention.after_commit(recorder, r))
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
         settings.env_name, settings.trainer_backend, type(strategy).__name__)
@@ -324,18 +327,7 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
             "its GPU memory) for the whole run; a simulation holds all %d on this machine at once "
             "(trainer.mode=subprocess holds only the clients training at a time)", settings.total_clients)
     try:
-        if last_completed is None:  # round 0: the base model's evaluation
-            if settings.eval_enabled and settings.eval_before_train:
-                strategy.evaluate_initial(grid, timeout=settings.round_timeout)
-            recorder.complete_round(0)
-        strategy.start(
-            grid=grid,
-            initial_arrays=ArrayRecord(),
-            num_rounds=settings.num_rounds,
-            timeout=settings.round_timeout,
-            train_config=ConfigRecord(),
-            evaluate_config=ConfigRecord(),
-        )
+        loop.run(settings.num_rounds, evaluate_base=settings.eval_enabled and settings.eval_before_train)
     except RunFailedError as exc:  # its message is the reason, in one line
         recorder.finish("failed", str(exc))
         raise run_failed(exc) from None
@@ -344,7 +336,7 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         raise
     finally:
         try:
-            strategy.shutdown_clients(grid)
+            strategy.nodes.shutdown(grid, ShutdownInstruction(store.instruction_fields()))
         except Exception as exc:  # never mask the run's own outcome
             log(WARNING, "[fedagent] could not tell the nodes to shut down: %s", exc)
     status, reason = recorder.outcome()

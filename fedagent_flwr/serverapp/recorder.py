@@ -19,6 +19,7 @@ from flwr.common import log
 
 from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
 from fedagent_flwr.intervals import wilson_interval
+from fedagent_flwr.protocol import NUM_EXAMPLES, REWARD_MEAN, SUCCESS_RATE
 from fedagent_flwr.serverapp.crashpoint import crash_point
 
 if TYPE_CHECKING:
@@ -202,8 +203,8 @@ class RunRecorder:
 def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, Any]) -> dict[str, Any]:
     """One point of FedAgent's val_curve / client_curve from a Flower MetricRecord's values,
     with the 95% Wilson interval of its success rate over its ``n`` episodes."""
-    n = int(metrics.get("num-examples", 0))
-    rate = float(metrics.get("success-rate", 0.0))
+    n = int(metrics.get(NUM_EXAMPLES, 0))
+    rate = float(metrics.get(SUCCESS_RATE, 0.0))
     low, high = wilson_interval(rate * n, n)
     return {
         "round": server_round,
@@ -211,7 +212,7 @@ def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, A
         "n": n,
         "success_rate": rate,
         "success_ci95": [round(low, 4), round(high, 4)],
-        "reward_mean": float(metrics.get("reward-mean", 0.0)),
+        "reward_mean": float(metrics.get(REWARD_MEAN, 0.0)),
     }
 
 

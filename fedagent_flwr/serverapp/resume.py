@@ -18,34 +18,26 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
    staging directories, temporary files of interrupted writes);
 4. checks that global model (and PPO critic) against the content hash recorded when its round
    was committed (a file truncated or altered since stops the run with one line naming it);
-5. starts from the last completed round's global model and lets Flower's ``Strategy.start`` skip
-   the completed rounds. Client selection and seeds are functions of the round number alone
+5. starts from the last completed round's global model, and the ServerApp's round loop
+   (:mod:`.rounds`) skips the completed rounds. Client selection and seeds are functions of the round number alone
    (``fedagent_flwr.seeding``), so round k+1 is sent exactly what an uninterrupted run sends.
 """
 
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from logging import INFO
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from flwr.common import log
-from flwr.serverapp.strategy import Strategy
+from typing import Any
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, METRICS_FILE, SUMMARY_FILE
-
-if TYPE_CHECKING:
-    from fedagent_flwr.serverapp.recorder import RunRecorder
 
 LOCK_FILE = ".serverapp.lock"
 _ROUND_DIR = re.compile(r"round_(\d+)")
@@ -249,45 +241,3 @@ def exclusive_run_directory(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         handle.close()
-
-
-def install_round_ledger(strategy: Strategy, recorder: RunRecorder, last_completed_round: int | None,
-                         after_commit: Callable[[int], Any] | None = None) -> None:
-    """Make ``strategy.start`` skip completed rounds and commit every round it completes
-    (``after_commit(round)`` runs after each commit: :mod:`.retention` frees disk there).
-
-    Flower's ``Strategy.start`` always counts rounds from 1 and calls ``self.configure_train``,
-    ``self.aggregate_train``, ``self.configure_evaluate`` and ``self.aggregate_evaluate``. The
-    guards set here are instance attributes, which shadow the class's methods: ``start`` calls
-    the guard, the guard calls the most-derived override (a user's subclass included). A completed
-    round therefore never reaches strategy code, so no strategy needs to know about resuming, and
-    a round counts as completed only after its (possibly overridden) evaluation step returned.
-    """
-    done = -1 if last_completed_round is None else last_completed_round
-
-    def skip(method: Callable[..., Any], skipped: Any, announce: bool = False) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def guarded(server_round: int, *args: Any, **kwargs: Any) -> Any:
-            if server_round <= done:
-                if announce:
-                    log(INFO, "round %d was completed by an earlier attempt at this run; skipped", server_round)
-                return skipped
-            return method(server_round, *args, **kwargs)
-
-        return guarded
-
-    def commit(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def committed(server_round: int, *args: Any, **kwargs: Any) -> Any:
-            result = method(server_round, *args, **kwargs)
-            recorder.complete_round(server_round)
-            if after_commit is not None:
-                after_commit(server_round)
-            return result
-
-        return committed
-
-    strategy.configure_train = skip(strategy.configure_train, (), announce=True)  # type: ignore[method-assign]
-    strategy.aggregate_train = skip(strategy.aggregate_train, (None, None))  # type: ignore[method-assign]
-    strategy.configure_evaluate = skip(strategy.configure_evaluate, ())  # type: ignore[method-assign]
-    strategy.aggregate_evaluate = skip(commit(strategy.aggregate_evaluate), None)  # type: ignore[method-assign]

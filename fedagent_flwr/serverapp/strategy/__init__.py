@@ -1,6 +1,7 @@
 """Server strategies that exchange checkpoint references instead of arrays."""
 
-from .fedavg_fsdp import FedAvgFSDP, NoClientsError
+from .fedavg_fsdp import FedAvgFSDP, TrainAggregation
 from .fedprox_fsdp import FedProxFSDP
+from .plan import RunPlan
 
-__all__ = ["FedAvgFSDP", "FedProxFSDP", "NoClientsError"]
+__all__ = ["FedAvgFSDP", "FedProxFSDP", "RunPlan", "TrainAggregation"]

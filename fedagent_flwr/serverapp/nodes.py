@@ -1,0 +1,177 @@
+"""Which SuperNode serves which client partition, and telling them the run is over.
+
+A client of this app is a *partition* (``partition-id`` in a SuperNode's node config), not a
+node: the strategies select partitions with FedAgent's seeded rule and address each instruction to
+the node that serves it. :class:`NodeRegistry` asks every newly connected node once which partition
+it serves (a ``query.partition`` message), forgets nodes that left, and at the end of the run sends
+every known node a ``query.shutdown`` so that it stops what it started (env services, persistent
+trainers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from logging import INFO, WARNING
+
+from flwr.app import Message
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedagent_flwr.protocol import PartitionQuery, PartitionReply, ProtocolError, ShutdownInstruction, ShutdownReply
+from fedagent_flwr.serverapp.failures import RunFailedError, reply_reason
+
+# In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
+# whole federation.
+SIMULATION_SETTLE_S = 1.0
+
+
+class NoClientsError(RunFailedError):
+    """The federation does not serve the client partitions this run needs."""
+
+
+def is_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation runtime, where the ServerApp and every simulated
+    SuperNode share this machine and all SuperNodes exist from the start."""
+    try:
+        from flwr.superlink.grid import InMemoryGrid
+    except ImportError:  # a Flower without it: treat the run as a deployment (the safe side)
+        return False
+    return isinstance(grid, InMemoryGrid)
+
+
+class NodeRegistry:
+    """Client (partition) id -> node id of the SuperNodes of one run.
+
+    Parameters
+    ----------
+    num_clients : int
+        N, the number of client partitions (``partition-id`` 0..N-1 in node configs).
+    discovery_timeout : float
+        How long :meth:`discover` waits for the partitions a run needs, and for the nodes' answers.
+    """
+
+    def __init__(self, num_clients: int, discovery_timeout: float = 600.0) -> None:
+        self.num_clients = num_clients
+        self.discovery_timeout = discovery_timeout
+        self._node_of_client: dict[int, int] = {}
+        self._asked: set[int] = set()
+
+    def assign(self, node_of_client: dict[int, int]) -> None:
+        """Take a known mapping (client -> node) as if those nodes had answered the partition query."""
+        self._node_of_client.update(node_of_client)
+        self._asked.update(node_of_client.values())
+
+    def node_of(self, client: int) -> int | None:
+        """The node serving ``client`` as last seen, or None."""
+        return self._node_of_client.get(client)
+
+    def client_of(self, node: int) -> int:
+        """The client (partition) served by ``node``; -1 for a node that never said."""
+        for client, known in self._node_of_client.items():
+            if known == node:
+                return client
+        return -1
+
+    def online(self, grid: Grid) -> dict[int, int]:
+        """Client -> node for the nodes connected now (asking any new node for its partition)."""
+        return self.discover(grid, (), wait=False)
+
+    def discover(self, grid: Grid, needed: Collection[int], wait: bool = True) -> dict[int, int]:
+        """Map client (partition) id -> node id, asking each newly connected node once.
+
+        With ``wait`` (before the first round) it waits, up to ``discovery_timeout``, until every
+        partition of ``needed`` is served; otherwise it takes whoever is connected, so a SuperNode
+        that died costs its client that round, not the run. In a simulation, where all SuperNodes
+        exist from the start, a missing partition is refused at once (:class:`NoClientsError`).
+        """
+        missing_set = set(needed)
+        deadline = time.monotonic() + self.discovery_timeout
+        simulated = wait and is_simulation(grid)
+        seen: set[int] = set()
+        settled_at = time.monotonic()
+        while True:
+            online = set(grid.get_node_ids())
+            if simulated:
+                # Flower registers all simulated SuperNodes at once, partitions 0..n-1: once the set
+                # is stable, a partition it lacks will never come, so say so now, not after the timeout.
+                if online != seen:
+                    seen, settled_at = online, time.monotonic()
+                if not online or time.monotonic() - settled_at < SIMULATION_SETTLE_S:
+                    time.sleep(0.25)
+                    continue
+                self._check_simulation_size(len(online), missing_set)
+                simulated = False
+            # Forget nodes that left (deployment), ask nodes not asked yet.
+            self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
+            new_nodes = sorted(online - self._asked)
+            if new_nodes:
+                self._ask_partitions(grid, new_nodes)
+                self._asked.update(new_nodes)
+            missing = missing_set - set(self._node_of_client)
+            if not missing or not wait:
+                return dict(self._node_of_client)
+            if time.monotonic() > deadline:
+                raise NoClientsError(
+                    f"no SuperNode serves client partition(s) {sorted(missing)} of "
+                    f"{self.num_clients}: start one SuperNode per partition with "
+                    f"--node-config 'partition-id=<i> num-partitions={self.num_clients}', or in "
+                    f"simulation run with --federation-config 'num-supernodes={self.num_clients}'"
+                )
+            log(INFO, "Waiting for client partitions %s to connect", sorted(missing))
+            time.sleep(1.0)
+
+    def _check_simulation_size(self, supernodes: int, needed: set[int]) -> None:
+        """Refuse a simulation with fewer SuperNodes than the partitions the run trains."""
+        missing = sorted(needed - set(range(supernodes)))
+        if missing:
+            raise NoClientsError(
+                f"config key 'clients.total' = {self.num_clients} needs client partition(s) {missing}, but this "
+                f"simulation has {supernodes} SuperNode(s) (partitions 0-{supernodes - 1}): run with "
+                f"--federation-config 'num-supernodes={self.num_clients}' or set clients.total={supernodes}"
+            )
+
+    def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
+        query = PartitionQuery()
+        messages = [Message(query.to_record(), dst_node_id=node, message_type=query.message_type) for node in node_ids]
+        for reply in grid.send_and_receive(messages, timeout=self.discovery_timeout):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log(WARNING, "Node %d did not report its partition: %s", node, reply_reason(reply))
+                continue
+            try:
+                answer = PartitionReply.from_record(reply.content)
+            except ProtocolError as exc:
+                log(WARNING, "Node %d did not report its partition: %s", node, exc)
+                continue
+            partition, count = answer.partition_id, answer.num_partitions
+            if partition in self._node_of_client and self._node_of_client[partition] != node:
+                log(WARNING, "Partition %d is served by two nodes; using node %d", partition,
+                    self._node_of_client[partition])
+                continue
+            if count != self.num_clients and partition < self.num_clients:
+                log(WARNING, "Node %d reports num-partitions=%d but the run has %d clients; "
+                    "it trains partition %d of %d", node, count, self.num_clients, partition,
+                    self.num_clients)
+            self._node_of_client[partition] = node
+
+    def shutdown(self, grid: Grid, instruction: ShutdownInstruction, timeout: float = 120.0) -> None:
+        """Tell every known node the run is over, so it stops what it started (env services)."""
+        messages = [Message(instruction.to_record(), dst_node_id=node, message_type=instruction.message_type)
+                    for node in sorted(set(self._node_of_client.values()))]
+        if not messages:
+            return
+        stopped = trainers = 0
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            if reply.has_error():
+                log(WARNING, "Node %d did not shut down cleanly: %s", reply.metadata.src_node_id, reply.error.reason)
+                continue
+            try:
+                answer = ShutdownReply.from_record(reply.content)
+            except ProtocolError as exc:
+                log(WARNING, "Node %d answered the shutdown oddly: %s", reply.metadata.src_node_id, exc)
+                continue
+            stopped += answer.services_stopped
+            trainers += answer.trainers_stopped
+        log(INFO, "[fedagent] run over: %d node(s) told, %d env service(s) and %d persistent trainer(s) stopped",
+            len(messages), stopped, trainers)

@@ -1,0 +1,167 @@
+"""The ServerApp's round loop: Flower's ``Strategy.start`` plus the run's bookkeeping.
+
+The loop calls the strategy's four Flower methods exactly as ``Strategy.start`` does
+(``configure_train`` -> send -> ``aggregate_train`` -> ``configure_evaluate`` -> send ->
+``aggregate_evaluate``), so a strategy is written as for Flower and knows nothing of what the loop
+adds around it:
+- before the first round it waits until every client partition the run trains is served
+  (:class:`~fedagent_flwr.serverapp.nodes.NodeRegistry`), and evaluates the base model (round 0);
+- it records every round in the run record (:class:`~fedagent_flwr.serverapp.recorder.RunRecorder`):
+  the clients selected, absent, failed (their own error line), refused by the strategy or silent,
+  the checkpoints used and the new global model, then the evaluation;
+- it commits a round once its evaluation is recorded, and skips the rounds an earlier attempt at the
+  same run committed (:mod:`.resume`): a completed round never reaches strategy code;
+- it stops the run (:class:`~fedagent_flwr.serverapp.failures.RoundFailedError`) when every client
+  of a round failed for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from fedagent_flwr.serverapp.failures import reply_reason, stop_if_all_failed_alike
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+
+NO_NODE = "no SuperNode serves this partition now"
+NOT_SENT = "selected but sent no instruction (fewer clients connected than the strategy's minimum)"
+NO_REPLY = "no reply within the round timeout"
+
+
+def _clients(strategy: FedAvgFSDP, messages: Sequence[Message]) -> list[int]:
+    """The clients the instructions ``messages`` went to."""
+    return [strategy.nodes.client_of(message.metadata.dst_node_id) for message in messages]
+
+
+def aggregate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: int, sent: Sequence[int],
+                    replies: Sequence[Message]) -> None:
+    """Have the strategy aggregate one training round's ``replies`` and record the round.
+
+    ``sent`` are the clients that were sent an instruction. Every selected client that is not in the
+    aggregate is recorded with its reason; when no new global model came out and every client that
+    was asked failed the same way, the run stops (an absent client was not asked, so it did not fail).
+    """
+    selected = strategy.select_clients(server_round)
+    rejected: dict[int, str] = {c: NO_NODE if strategy.nodes.node_of(c) is None else NOT_SENT
+                                for c in selected if c not in sent}
+    absent = set(rejected)
+    replied: set[int] = set()
+    for reply in replies:
+        client = strategy.nodes.client_of(reply.metadata.src_node_id)
+        replied.add(client)
+        if reply.has_error():
+            rejected[client] = reply_reason(reply)
+            log(WARNING, "round %d: client %d failed: %s", server_round, client, rejected[client])
+    strategy.last_aggregation = None
+    _, metrics = strategy.aggregate_train(server_round, replies)
+    if metrics is not None:
+        log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+    result = strategy.last_aggregation
+    if result is not None:
+        rejected.update(result.refused)
+    for client in sent:
+        if client not in replied:
+            rejected[client] = NO_REPLY
+            log(WARNING, "round %d: client %d did not reply in time", server_round, client)
+    if result is None:  # an aggregate_train of its own, which says nothing of what it used
+        return
+    recorder.record_round(
+        server_round=server_round,
+        clients=list(selected),
+        started_from=result.started_from.path,
+        client_actors=result.client_actors,
+        aggregated=result.actor.path if result.actor is not None else None,
+        rejected=rejected,
+        client_metrics=result.client_metrics,
+        client_critics=result.client_critics,
+        aggregated_critic=result.critic.path if result.critic is not None else None,
+        update_stats=result.update_stats,
+        aggregated_sha256=result.actor.sha256 if result.actor is not None else None,
+        aggregated_critic_sha256=result.critic.sha256 if result.critic is not None else None,
+    )
+    if result.actor is None:
+        stop_if_all_failed_alike(f"round {server_round}", list(selected),
+                                 {c: r for c, r in rejected.items() if c not in absent})
+
+
+def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: int, sent: Sequence[int],
+                   replies: Sequence[Message]) -> None:
+    """Have the strategy aggregate one evaluation's ``replies`` and record it; stop the run when every
+    evaluating client (``sent``) failed for the same reason."""
+    metrics = strategy.aggregate_evaluate(server_round, replies)
+    if metrics is None:
+        reasons = {strategy.nodes.client_of(r.metadata.src_node_id): reply_reason(r) for r in replies if r.has_error()}
+        for client in sent:
+            reasons.setdefault(client, NO_REPLY)
+        stop_if_all_failed_alike(f"evaluation of round {server_round}", list(sent), reasons)
+        return
+    log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+    recorder.record_eval(server_round=server_round, model="base" if server_round == 0 else "aggregated",
+                         metrics=dict(metrics))
+
+
+class RoundLoop:
+    """Runs (or resumes) the rounds of one run with ``strategy`` and records them.
+
+    ``last_completed`` is the last round an earlier attempt committed (None: not even round 0);
+    ``after_commit(round)`` runs after each commit (:mod:`.retention` frees disk there).
+    """
+
+    def __init__(self, strategy: FedAvgFSDP, grid: Grid, recorder: RunRecorder, *, timeout: float,
+                 last_completed: int | None = None, after_commit: Callable[[int], Any] | None = None) -> None:
+        self.strategy = strategy
+        self.grid = grid
+        self.recorder = recorder
+        self.timeout = timeout
+        self.done = -1 if last_completed is None else last_completed
+        self.after_commit = after_commit
+
+    def run(self, num_rounds: int, evaluate_base: bool = True) -> None:
+        """Round 0 (the base model's evaluation) unless committed, then rounds 1..``num_rounds``."""
+        log(INFO, "Starting %s strategy:", type(self.strategy).__name__)
+        self.strategy.summary()
+        if self.done >= num_rounds:
+            return
+        # Before the first round: wait until every partition the run trains is served.
+        self.strategy.nodes.discover(self.grid, self.strategy.required_clients(num_rounds), wait=True)
+        if self.done < 0:
+            if evaluate_base:
+                self.evaluate(0)
+            self.recorder.complete_round(0)
+        for server_round in range(1, num_rounds + 1):
+            if server_round <= self.done:
+                log(INFO, "round %d was completed by an earlier attempt at this run; skipped", server_round)
+                continue
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            self.train(server_round)
+            self.evaluate(server_round)
+            self.recorder.complete_round(server_round)
+            if self.after_commit is not None:
+                self.after_commit(server_round)
+
+    def _send(self, messages: list[Message]) -> list[Message]:
+        return list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
+
+    def train(self, server_round: int) -> None:
+        """One training step: configure, send, aggregate, record."""
+        messages = list(self.strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), self.grid))
+        replies = self._send(messages)
+        aggregate_round(self.strategy, self.recorder, server_round, _clients(self.strategy, messages), replies)
+
+    def evaluate(self, server_round: int) -> None:
+        """One evaluation of the global model: configure, send, aggregate, record."""
+        messages = list(self.strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), self.grid))
+        if server_round == 0:
+            if not messages:
+                return
+            log(INFO, "")
+            log(INFO, "[ROUND 0]")
+        replies = self._send(messages)
+        evaluate_round(self.strategy, self.recorder, server_round, _clients(self.strategy, messages), replies)

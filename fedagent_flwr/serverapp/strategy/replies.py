@@ -1,0 +1,64 @@
+"""Reading a client's train reply: the checks a reply passes before its checkpoint is opened.
+
+A train reply is a client id, a checkpoint reference and a few metrics (:class:`TrainReply`).
+A reply far larger than that, one carrying arrays, one claiming another client's id, or one whose
+weight is not a positive number of at most the episodes the client was assigned is refused with a
+reason that names the problem; the strategy records it and aggregates the other clients.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flwr.app import Message, RecordDict
+
+from fedagent_flwr.checkpoint import CheckpointError
+from fedagent_flwr.protocol import ProtocolError, TrainReply
+
+# A train reply is a client id, a checkpoint reference and a few metrics: well under a KiB.
+# Anything far larger is not a reply this strategy asked for (weights smuggled in an array,
+# a megabyte "path") and is refused before any of it is used.
+MAX_REPLY_BYTES = 64 * 1024
+
+
+def reply_bytes(content: RecordDict) -> int:
+    """Approximate payload size of a reply: array bytes plus the length of every config value."""
+    size = sum(len(array.data) for record in content.array_records.values() for array in record.values())
+    for record in [*content.config_records.values(), *content.metric_records.values()]:
+        for key, value in record.items():
+            items = value if isinstance(value, list) else [value]
+            size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)
+    return size
+
+
+def read_train_reply(reply: Message, client: int, weighted_by_key: str,
+                     assigned: int | None) -> tuple[TrainReply | None, str]:
+    """``(TrainReply, "")`` for a usable reply from client ``client``'s node, else ``(None, why)``.
+
+    ``weighted_by_key`` names the metric that weighs the reply (Flower's ``weighted_by_key``);
+    ``assigned`` is the most it may be (None: no limit beyond being a positive number).
+    """
+    if client < 0:
+        return None, f"reply from unknown node {reply.metadata.src_node_id}"
+    size = reply_bytes(reply.content)
+    if size > MAX_REPLY_BYTES:
+        return None, f"reply of {size} bytes exceeds the limit of {MAX_REPLY_BYTES} (checkpoints travel as references)"
+    if any(len(record) for record in reply.content.array_records.values()):
+        return None, "reply carries arrays; send a checkpoint reference instead"
+    try:
+        parsed = TrainReply.from_record(reply.content)
+    except CheckpointError as exc:  # a malformed reference: its own message names the field
+        return None, str(exc)
+    except ProtocolError as exc:
+        return None, f"malformed reply: {exc}"
+    if parsed.client_id != client:
+        return None, f"reply claims client {parsed.client_id} but comes from client {client}'s node"
+    if weighted_by_key not in parsed.metrics:
+        return None, f"malformed reply: no metric '{weighted_by_key}'"
+    weight = float(parsed.metrics[weighted_by_key])
+    if not math.isfinite(weight) or weight <= 0:
+        return None, f"'{weighted_by_key}' = {weight} is not a positive number"
+    if assigned is not None and weight > assigned:
+        return None, (f"'{weighted_by_key}' = {weight:g} is more than the {assigned} episodes client {client} "
+                      "was assigned this round")
+    return parsed, ""
