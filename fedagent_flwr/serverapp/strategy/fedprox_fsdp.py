@@ -18,6 +18,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from fedagent_flwr.protocol import PROXIMAL_MU
+
 from .fedavg_fsdp import FedAvgFSDP
 
 
@@ -34,7 +36,7 @@ class FedProxFSDP(FedAvgFSDP):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Add ``proximal-mu`` to the instructions, then configure as FedAvgFSDP."""
-        config["proximal-mu"] = self.proximal_mu
+        config[PROXIMAL_MU] = self.proximal_mu
         return super().configure_train(server_round, arrays, config, grid)
 
     def summary(self) -> None:

@@ -12,7 +12,8 @@ returns a float for the log. It may keep state between calls: the parameters at 
 the round's global weights, which is where FedProx anchors its term.
 
 The settings travel in the trainer group, so every client gets them with its instruction; a
-strategy that wants per-round values rewrites ``trainer-json`` in its ``configure_train``.
+strategy that wants per-round values overrides ``train_instruction`` and returns the instruction
+with a changed ``trainer`` mapping (``dataclasses.replace``).
 
 FedProx is the built-in rule (:mod:`.fedprox`): FedProxFSDP's ``proximal-mu`` instruction puts it
 first in the job's rule list (:func:`job_rule_specs`). Both backends run that list through
