@@ -86,6 +86,8 @@ TRAINERS_STOPPED = "trainers-stopped"
 # Metric names of replies.
 REWARD_MEAN = "reward-mean"
 SUCCESS_RATE = "success-rate"
+# the mean of the env's own episode score (WebShop's task_score in [0, 1]) where it reports one
+SCORE_MEAN = "score-mean"
 TRAIN_SECONDS = "train-seconds"
 ZERO_VARIANCE_GROUP_SHARE = "zero-variance-group-share"
 # Checkpoint reference prefixes.
@@ -305,17 +307,21 @@ class EvalReply:
     num_examples: int
     success_rate: float
     reward_mean: float
+    score_mean: float | None = None  # only for envs that score episodes (WebShop's task_score)
 
     def to_record(self) -> RecordDict:
-        return RecordDict({METRICS: MetricRecord({NUM_EXAMPLES: self.num_examples, SUCCESS_RATE: self.success_rate,
-                                                  REWARD_MEAN: self.reward_mean})})
+        values = {NUM_EXAMPLES: self.num_examples, SUCCESS_RATE: self.success_rate, REWARD_MEAN: self.reward_mean}
+        if self.score_mean is not None:
+            values[SCORE_MEAN] = self.score_mean
+        return RecordDict({METRICS: MetricRecord(values)})
 
     @classmethod
     def from_record(cls, content: RecordDict) -> EvalReply:
         metrics = single_metrics(content)
         return cls(num_examples=_field(metrics, NUM_EXAMPLES, int, "reply"),
                    success_rate=_field(metrics, SUCCESS_RATE, float, "reply"),
-                   reward_mean=_field(metrics, REWARD_MEAN, float, "reply"))
+                   reward_mean=_field(metrics, REWARD_MEAN, float, "reply"),
+                   score_mean=_field(metrics, SCORE_MEAN, float, "reply") if SCORE_MEAN in metrics else None)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ def test_every_message_survives_its_record() -> None:
                    metrics={"num-examples": 8, "reward-mean": 0.5, "verl.timing_s.gen": 1.25}),
         TrainReply(client_id=0, actor=_ref("/run/round_3/client_0/actor"), metrics={"num-examples": 8}),
         EvalReply(num_examples=6, success_rate=0.5, reward_mean=0.25),
+        EvalReply(num_examples=6, success_rate=0.5, reward_mean=0.25, score_mean=0.625),
         PartitionReply(partition_id=3, num_partitions=4),
         ShutdownInstruction(store={"store-kind": "http", "store-url": "http://127.0.0.1:1", "store-run": "7"}),
         ShutdownReply(services_stopped=2, trainers_stopped=1),

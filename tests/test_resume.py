@@ -133,6 +133,14 @@ def test_another_config_in_the_same_directory_is_refused_by_name(tmp_path: Path,
     # The same config with a base model whose content changed is another run too.
     with pytest.raises(ResumeError, match="base model's content differs"):
         load_previous_run(run_dir, _header(tmp_path, dataclasses.replace(base, sha256="0" * 64)))
+    # A run whose hashes were computed by the earlier content-hash scheme (no "content_hash" field)
+    # is refused as such, not as another base model or a damaged file.
+    stored = json.loads((run_dir / "federated_summary.json").read_text())
+    assert stored["content_hash"] == "v2"
+    del stored["content_hash"]
+    (run_dir / "federated_summary.json").write_text(json.dumps(stored))
+    with pytest.raises(ResumeError, match="recorded with checkpoint content hash v1, and this fedagent-flwr computes v2"):
+        load_previous_run(run_dir, _header(tmp_path, base))
     # A summary without a fingerprint (an older version, or not ours) is never resumed.
     (run_dir / "federated_summary.json").write_text(json.dumps({"status": "completed"}))
     with pytest.raises(ResumeError, match="no config fingerprint"):

@@ -158,3 +158,26 @@ def test_done_on_last_allowed_turn_adds_no_observation(smollm2_tokenizer: Any) -
     assert episode.num_turns == 2 and not episode.truncated and not episode.success
     assert episode.response_ids[-len(sent[-1]):] == sent[-1] and episode.response_mask[-1] == 1
     assert episode.messages[-1]["role"] == "assistant"
+
+
+class ScoredGuess(TinyGuess):
+    """TinyGuess that also scores its episodes, as WebShop does (``info["task_score"]``)."""
+
+    async def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        observation, reward, done, info = await super().step(action_text)
+        return observation, reward, done, {**info, "task_score": 1.0 if info.get("success") else 0.25}
+
+
+def test_episode_metrics_carry_the_env_score_only_when_every_episode_has_one(smollm2_tokenizer: Any) -> None:
+    from fedagent_flwr.trainers.common.evaluator import episode_metrics
+
+    tok = smollm2_tokenizer
+    generate, _ = scripted_policy(tok, ["<answer>3</answer>", "<answer>1</answer>"] * 4)
+    # secret of seed 30 in 1..10 is whatever TinyGuess draws; the score follows success either way
+    scored = [asyncio.run(run_episode(ScoredGuess({"max_turns": 1}), seed, tok, generate, SAMPLING, 1, 1024))
+              for seed in (30, 31)]
+    expected = sum(1.0 if e.success else 0.25 for e in scored) / 2
+    assert episode_metrics(scored)["score_mean"] == pytest.approx(expected)
+    plain = asyncio.run(run_episode(TinyGuess({"max_turns": 1}), 30, tok, generate, SAMPLING, 1, 1024))
+    assert "score_mean" not in episode_metrics([plain])
+    assert "score_mean" not in episode_metrics([*scored, plain])  # a mean over some episodes would mislead

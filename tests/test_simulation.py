@@ -223,6 +223,8 @@ def test_webshop_two_clients_on_their_own_partitioned_services(
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]
+    # WebShop scores every episode (task_score in [0, 1]): the validation curve carries its mean
+    assert all(0.0 <= point["score_mean"] <= 1.0 for point in summary["val_curve"]), summary["val_curve"]
     assert [e["aggregated_actor"] is not None for e in summary["rounds"]] == [True, True]
     goals = {c: [h["partition"]["goal_indices"] for h in hs] for c, hs in _service_health(run_dir, "WebShop").items()}
     goals = {c: g[0] for c, g in goals.items() if g[0] == g[1]}  # same service, both rounds

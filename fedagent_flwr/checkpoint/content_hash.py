@@ -28,8 +28,10 @@ __all__ = [
     "update_from_file",
 ]
 
-# Changing how the digest is built changes every checkpoint's hash: bump the tag with it.
-CONTENT_HASH_TAG = b"fedagent-checkpoint-content-v2\n"
+# Changing how the digest is built changes every checkpoint's hash: bump the tag and the version
+# with it (run records carry the version, so a resume can tell an old run from a damaged one).
+CONTENT_HASH_VERSION = "v2"
+CONTENT_HASH_TAG = f"fedagent-checkpoint-content-{CONTENT_HASH_VERSION}\n".encode()
 # Files that carry the model weights, plus the small JSON configs so that a swapped config
 # (another architecture) is caught as well. verl's optimizer and extra-state shards
 # (optim_*.pt, extra_state_*.pt; about twice the model) are left out: they are never averaged,

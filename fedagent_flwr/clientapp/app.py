@@ -237,6 +237,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     )
     result = _run_job("evaluate", job, out_dir, f"client {client} eval round {server_round}", trainer,
                       jobs.EvalResult, context, run_root)
+    score = result.metrics.get("score_mean")
     reply = EvalReply(num_examples=int(result.num_episodes), success_rate=float(result.success_rate),
-                      reward_mean=float(result.reward_mean))
+                      reward_mean=float(result.reward_mean), score_mean=None if score is None else float(score))
     return Message(reply.to_record(), reply_to=msg)

@@ -24,6 +24,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.exit import ExitCode
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.protocol import ShutdownInstruction
@@ -183,6 +184,7 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "base_seed": settings.seed,
         "base_model": base_model.path if base_model is not None else settings.model_path,
         "base_model_sha256": base_model.sha256 if base_model is not None else None,
+        "content_hash": CONTENT_HASH_VERSION,  # how every sha256 here was computed
         "config": settings.raw,
         # A re-run resumes this run only with the same resolved config and base model.
         "config_sha256": config_fingerprint(settings.raw, base_model.sha256) if base_model is not None else None,

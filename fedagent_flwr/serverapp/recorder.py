@@ -19,7 +19,7 @@ from flwr.common import log
 
 from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
 from fedagent_flwr.intervals import wilson_interval
-from fedagent_flwr.protocol import NUM_EXAMPLES, REWARD_MEAN, SUCCESS_RATE
+from fedagent_flwr.protocol import NUM_EXAMPLES, REWARD_MEAN, SCORE_MEAN, SUCCESS_RATE
 from fedagent_flwr.serverapp.crashpoint import crash_point
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, A
     n = int(metrics.get(NUM_EXAMPLES, 0))
     rate = float(metrics.get(SUCCESS_RATE, 0.0))
     low, high = wilson_interval(rate * n, n)
-    return {
+    point = {
         "round": server_round,
         label: value,
         "n": n,
@@ -214,6 +214,9 @@ def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, A
         "success_ci95": [round(low, 4), round(high, 4)],
         "reward_mean": float(metrics.get(REWARD_MEAN, 0.0)),
     }
+    if SCORE_MEAN in metrics:  # envs that score episodes (WebShop): the validation score
+        point["score_mean"] = float(metrics[SCORE_MEAN])
+    return point
 
 
 def _json_line(event: dict[str, Any]) -> str:
@@ -235,9 +238,12 @@ def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
         # 95% Wilson intervals (older summaries may lack them: recomputed from n).
         bounds = [p.get("success_ci95") or wilson_interval(p["success_rate"] * p["n"], p["n"]) for p in val]
         errors = [[max(r - b[0], 0.0) for r, b in zip(rates, bounds)], [max(b[1] - r, 0.0) for r, b in zip(rates, bounds)]]
-        left.errorbar(rounds, rates, yerr=errors, fmt="o-", capsize=3, label="global model (95% CI)")
+        left.errorbar(rounds, rates, yerr=errors, fmt="o-", capsize=3, label="success, global model (95% CI)")
+        scored = [p for p in val if "score_mean" in p]
+        if scored:
+            left.plot([p["round"] for p in scored], [p["score_mean"] for p in scored], "s--", label="mean score")
         left.legend(fontsize=8)
-    left.set_title("Validation success rate")
+    left.set_title("Validation success rate" + (" and score" if any("score_mean" in p for p in val) else ""))
     left.set_xlabel("round")
     left.set_ylim(-0.02, 1.02)
     left.grid(alpha=0.3)

@@ -134,6 +134,14 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         stored = json.loads(summary_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ResumeError(f"{summary_path} cannot be read ({exc}); choose another run_name or output_dir") from None
+    hashed_as = stored.get("content_hash", "v1")  # records before the field hashed as v1
+    if "config_sha256" in stored and hashed_as != header.get("content_hash", hashed_as):
+        # every recorded hash (base model, committed models) was computed another way, so none can
+        # be checked, and a mismatch would wrongly read as another base model or a damaged file
+        raise ResumeError(
+            f"output directory {run_dir} holds a run recorded with checkpoint content hash {hashed_as}, "
+            f"and this fedagent-flwr computes {header.get('content_hash')}: its recorded hashes cannot be "
+            "checked, so it cannot be resumed; choose another run_name or output_dir")
     if stored.get("config_sha256") != header["config_sha256"]:
         raise ResumeError(
             f"output directory {run_dir} already holds a run of another configuration "

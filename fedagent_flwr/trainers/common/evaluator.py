@@ -88,8 +88,9 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
         mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]
         metrics[f"success_rate/{entry.name}"] = mean([float(e.success) for e in mine])
     metrics["eval_seconds"] = time.monotonic() - started
+    score = f" score_mean {metrics['score_mean']:.4f}" if "score_mean" in metrics else ""
     print(f"evaluate: {len(episodes)} episodes on {device}: success_rate {metrics['success_rate']:.4f} "
-          f"reward_mean {metrics['reward_mean']:.4f} in {metrics['eval_seconds']:.1f} s", flush=True)
+          f"reward_mean {metrics['reward_mean']:.4f}{score} in {metrics['eval_seconds']:.1f} s", flush=True)
     result = EvalResult(
         num_episodes=len(episodes),
         success_rate=metrics["success_rate"],
@@ -105,12 +106,27 @@ def mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
 
+def episode_score(episode: Episode) -> float | None:
+    """The env's own score of a finished episode (``info["task_score"]`` of its last turn, as
+    WebShop reports it), or None when the env reports none."""
+    if not episode.turns:
+        return None
+    score = episode.turns[-1].info.get("task_score")
+    return float(score) if isinstance(score, (int, float)) else None
+
+
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Means over ``episodes`` of what every episode records (training and evaluation alike)."""
-    return {
+    """Means over ``episodes`` of what every episode records (training and evaluation alike), and
+    ``score_mean`` when the env scores every one of them (WebShop: success is a score of 1.0 only,
+    so the score shows progress that success hides)."""
+    metrics = {
         "reward_mean": mean([e.reward for e in episodes]),
         "success_rate": mean([float(e.success) for e in episodes]),
         "num_turns_mean": mean([float(e.num_turns) for e in episodes]),
         "truncated_rate": mean([float(e.truncated) for e in episodes]),
         "response_tokens_mean": mean([float(sum(e.response_mask)) for e in episodes]),
     }
+    scores = [episode_score(e) for e in episodes]
+    if episodes and all(s is not None for s in scores):
+        metrics["score_mean"] = mean([s for s in scores if s is not None])
+    return metrics
