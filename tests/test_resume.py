@@ -217,6 +217,7 @@ class _TwoNodes:
 
 
 def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Path, base: CheckpointRef) -> None:
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     recorder = RunRecorder(tmp_path, {"base_model": base.path})
     recorder.complete_round(2)  # an earlier attempt got this far
     strategy = _Recording(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2)
