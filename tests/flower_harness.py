@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from fedagent_flwr.deploy import write_connection
-from fedagent_flwr.launch import pids_with_cmdline, stop_superlink_tree
+from fedagent_flwr.launch import stop_superlink_tree
+from fedagent_flwr.procs import pids_with_cmdline
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

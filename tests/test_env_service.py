@@ -34,12 +34,11 @@ from fedagent_flwr.envs.service.manager import (
     EnvServiceError,
     EnvServiceManager,
     ServiceLaunch,
-    process_group_members,
 )
 from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, INVALID_OBS, TinyGuess
-from fedagent_flwr.launch import is_live_process, process_start_ticks
+from fedagent_flwr.procs import ProcessRef, group_members
 
 TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
 HANG_GUARD_S = 30.0  # only bounds a broken test; no assertion depends on speed
@@ -525,7 +524,7 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert health["info"] == {"num_goals": 3}  # the partition restricted the goal pool
         assert url.startswith("http://127.0.0.1:")
         first_pid = manager.pid
-        assert first_pid is not None and process_group_members(first_pid) == [first_pid]
+        assert first_pid is not None and [p.pid for p in group_members(first_pid)] == [first_pid]
 
         # A fresh process (as Flower runs each message) finds and reuses the same service.
         probe = subprocess.run(
@@ -557,7 +556,7 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert second_pid is not None
         EnvServiceManager.attach(state_file).stop()
         assert not _proc_exists(second_pid)
-        assert process_group_members(second_pid) == []
+        assert group_members(second_pid) == []
         assert not state_file.exists() and not manager.is_alive()
         with pytest.raises(EnvServiceError, match="no env service state file"):
             EnvServiceManager.attach(state_file)
@@ -615,9 +614,12 @@ def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
     state_file = tmp_path / "svc.json"
     try:
         with bystander_groups() as victims:
+            alive_ref = ProcessRef.of(victims["alive"])
+
             def forge(pid: int, pgid: int) -> None:
+                started = ProcessRef.of(pid)
                 state_file.write_text(json.dumps({
-                    "pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid), "url": "http://127.0.0.1:9",
+                    **(started.to_json() if started else {"pid": pid}), "pgid": pgid, "url": "http://127.0.0.1:9",
                     "log_file": str(tmp_path / "x.log"), "launch": dataclasses.asdict(launch)}))
 
             forgeries = [
@@ -642,8 +644,7 @@ def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
             url = manager.ensure_running()
             assert manager.pid != victims["alive"] and httpx.get(f"{url}/health").json()["ready"]
             manager.stop()
-            assert Path(f"/proc/{victims['alive']}").exists() and is_live_process(
-                victims["alive"], process_start_ticks(victims["alive"]))
+            assert Path(f"/proc/{victims['alive']}").exists() and alive_ref is not None and alive_ref.alive()
     finally:
         other.stop()
         EnvServiceManager.attach_or_create(state_file, launch).stop()

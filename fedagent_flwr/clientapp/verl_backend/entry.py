@@ -57,8 +57,8 @@ from fedagent_flwr.envs.base import EnvConfigError
 from fedagent_flwr.envs.registry import UnknownEnvError, make_env
 from fedagent_flwr.envs.spec import EnvSpecError
 from fedagent_flwr.hetero import PartitionError, partition_env_spec
-from fedagent_flwr.launch import pids_with_cmdline, stop_group
 from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.rollout.groups import zero_variance_group_share
 
 PROG = "verl_backend"
@@ -181,17 +181,6 @@ def _module_spec(name: str) -> Any:
         return None
 
 
-def _cleanup_ray(temp_dir: str) -> None:
-    """Stop what is left of the job's private Ray cluster (found by its temp dir)."""
-    for pid in pids_with_cmdline(temp_dir):
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
              temp_dir: str) -> tuple[int, float | None, list[str], dict[int, dict[str, float]]]:
     """Run verl in its own session; tee its output to ``log_path`` and our stdout.
@@ -208,7 +197,7 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
 
     def forward_term(signum: int, frame: Any) -> None:
         stop_group(process.pid, grace_s=5.0)
-        _cleanup_ray(temp_dir)
+        kill_matching(temp_dir)  # what is left of the job's private Ray cluster (its temp dir)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, forward_term)
@@ -231,7 +220,7 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_group(process.pid, grace_s=5.0)  # verl if still running, and helpers left in its session
-        _cleanup_ray(temp_dir)
+        kill_matching(temp_dir)
         if succeeded:
             # Each job makes a new dir in /tmp, outside the run. After a success its worker output is
             # already in verl.log (RAY_DEDUP_LOGS=0); after a failure Ray's own logs are kept to debug.

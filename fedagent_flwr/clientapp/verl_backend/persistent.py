@@ -45,6 +45,7 @@ from fedagent_flwr.clientapp.trainer_server import record_leftover_markers
 from fedagent_flwr.clientapp.verl_backend import entry
 from fedagent_flwr.clientapp.verl_backend.entry import InputError, PreparedTrain, VerlJobFailed
 from fedagent_flwr.clientapp.verl_backend.settings import VerlSettings
+from fedagent_flwr.procs import kill_matching
 
 PROG = "verl_backend (persistent)"
 LOG_HINT = "the trainer server's log"
@@ -205,7 +206,7 @@ class VerlSession:
                 ray.shutdown()
         finally:
             if self.ray_temp_dir:
-                entry._cleanup_ray(self.ray_temp_dir)
+                kill_matching(self.ray_temp_dir)  # what is left of the private Ray cluster
             if self._environ_before is not None:
                 apply_environment(self._environ_before)
                 self._environ_before = None
