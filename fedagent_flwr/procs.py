@@ -50,9 +50,12 @@ def since_boot(process: psutil.Process) -> float:
 
 
 def _live(process: psutil.Process) -> bool:
-    """Running, and not a zombie (an exited process whose parent has not collected it yet)."""
+    """Running: not a zombie (exited, not yet collected by its parent) and not exiting (a killed
+    process gives up its memory, environment included, some time before it becomes a zombie)."""
     try:
-        return bool(process.status() != psutil.STATUS_ZOMBIE)
+        return bool(process.status() != psutil.STATUS_ZOMBIE and process.memory_info().vms > 0)
+    except psutil.AccessDenied:
+        return True
     except psutil.Error:
         return False
 
@@ -267,7 +270,6 @@ class OwnerWatch:
     def __init__(self, owner: int | ProcessRef) -> None:
         """``owner`` a pid (taken to be the process running now) or a :class:`ProcessRef`."""
         self.pid = owner if isinstance(owner, int) else owner.pid
-        self.name = "process" if isinstance(owner, int) else owner.name or "process"
         try:
             self._fd: int | None = os.pidfd_open(self.pid)
         except ProcessLookupError:

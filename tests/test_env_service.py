@@ -508,8 +508,10 @@ def test_backoff_is_capped_exponential_with_deterministic_jitter() -> None:
 
 # --- the server process and its manager ---------------------------------------------------------
 
-def _proc_exists(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
+def _proc_exists(process: ProcessRef | None) -> bool:
+    """Whether that very process exists, even as a zombie (its pid may belong to another one by
+    now: pids wrap quickly on a busy machine)."""
+    return process is not None and ProcessRef.of(process.pid, zombie_ok=True) == process
 
 
 def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
@@ -541,10 +543,11 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert attached.launch == launch and attached.url == url and attached.is_alive()
 
         # kill -9: the attached manager notices and restarts it on a new process and port.
+        first = ProcessRef.of(first_pid)
         os.kill(first_pid, signal.SIGKILL)
         wait_until(lambda: not attached.is_alive(), "the killed service to be seen as dead")
         new_url = attached.ensure_running()
-        assert attached.pid != first_pid and not _proc_exists(first_pid)  # reaped, not a zombie
+        assert attached.pid != first_pid and first is not None and not _proc_exists(first)  # reaped, not a zombie
         assert httpx.get(f"{new_url}/health").json()["ready"] is True
         assert EnvServiceManager.attach(state_file).url == new_url
         # The restarted service serves a full episode.
@@ -554,8 +557,9 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         # Stopping from another manager instance leaves no process and no process group.
         second_pid = attached.pid
         assert second_pid is not None
+        second = ProcessRef.of(second_pid)
         EnvServiceManager.attach(state_file).stop()
-        assert not _proc_exists(second_pid)
+        assert second is not None and not _proc_exists(second)
         assert group_members(second_pid) == []
         assert not state_file.exists() and not manager.is_alive()
         with pytest.raises(EnvServiceError, match="no env service state file"):
@@ -573,9 +577,11 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
     try:
         first.ensure_running()
         pid_a = first.pid
+        assert pid_a is not None
+        service_a = ProcessRef.of(pid_a)
         assert EnvServiceManager.attach_or_create(state_file, launch_a).pid == pid_a  # reused
         second = EnvServiceManager.attach_or_create(state_file, launch_b)
-        assert pid_a is not None and not _proc_exists(pid_a)  # the other partition's service is gone
+        assert service_a is not None and not _proc_exists(service_a)  # the other partition's service is gone
         url = second.ensure_running()
         assert httpx.get(f"{url}/health").json()["partition"] == {"goal_indices": [1]}
         second.stop()
