@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from fedagent_flwr.deploy import write_connection
-from fedagent_flwr.launch import pids_with_cmdline, stop_superlink_tree
+from fedagent_flwr.launch import stop_superlink_tree
+from fedagent_flwr.procs import ProcessRef, pids_with_cmdline
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -117,25 +119,17 @@ class SuperLink:
         return [pid for pid in pids_with_cmdline("flwr-simulation") if parent_pid(pid) in superexecs]
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """Fields 3.. of ``/proc/<pid>/stat`` (state, parent, ...); [] if the process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return []
-    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
-
-
 def parent_pid(pid: int) -> int:
     """The parent of ``pid`` (0 if it is gone)."""
-    fields = _stat_fields(pid)
-    return int(fields[1]) if fields else 0
+    try:
+        return int(psutil.Process(pid).ppid())
+    except psutil.Error:
+        return 0
 
 
 def is_running(pid: int) -> bool:
     """True while ``pid`` runs (an exited child its parent has not reaped yet is a zombie)."""
-    fields = _stat_fields(pid)
-    return bool(fields) and fields[0] != "Z"
+    return ProcessRef.of(pid) is not None
 
 
 @contextmanager

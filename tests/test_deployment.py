@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint.manifest import build_manifest
 from fedagent_flwr.deploy import connection_toml, make_node_key, make_tls_files
-from fedagent_flwr.launch import is_live_process
+from fedagent_flwr.procs import ProcessRef
 from tests.deployment_harness import CONNECTION, Deployment, tls_deployment
 
 
@@ -63,7 +63,7 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
         # It watched its SuperNode's ClientApp launcher, which outlives each flwr-clientapp (and is
         # still up: the SuperNodes run on), so the trainer would end with the node, not the message.
         watch = json.loads(starts[0])["watch"]
-        assert watch["name"] == "flower-superexe" and is_live_process(watch["pid"], watch["start_ticks"]), starts
+        assert watch["name"] == "flower-superexe" and ProcessRef(watch["pid"], watch["since_boot"], watch["boot"]).alive(), starts
     assert "2 persistent trainer(s) stopped" in output, output[-4000:]
     # Each message ran in a fresh flwr-clientapp process under its SuperNode.
     for node in deployment.supernodes:

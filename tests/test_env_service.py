@@ -34,12 +34,11 @@ from fedagent_flwr.envs.service.manager import (
     EnvServiceError,
     EnvServiceManager,
     ServiceLaunch,
-    process_group_members,
 )
 from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS, INVALID_OBS, TinyGuess
-from fedagent_flwr.launch import is_live_process, process_start_ticks
+from fedagent_flwr.procs import ProcessRef, group_members
 
 TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
 HANG_GUARD_S = 30.0  # only bounds a broken test; no assertion depends on speed
@@ -509,8 +508,10 @@ def test_backoff_is_capped_exponential_with_deterministic_jitter() -> None:
 
 # --- the server process and its manager ---------------------------------------------------------
 
-def _proc_exists(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
+def _proc_exists(process: ProcessRef | None) -> bool:
+    """Whether that very process exists, even as a zombie (its pid may belong to another one by
+    now: pids wrap quickly on a busy machine)."""
+    return process is not None and ProcessRef.of(process.pid, zombie_ok=True) == process
 
 
 def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
@@ -525,7 +526,7 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert health["info"] == {"num_goals": 3}  # the partition restricted the goal pool
         assert url.startswith("http://127.0.0.1:")
         first_pid = manager.pid
-        assert first_pid is not None and process_group_members(first_pid) == [first_pid]
+        assert first_pid is not None and [p.pid for p in group_members(first_pid)] == [first_pid]
 
         # A fresh process (as Flower runs each message) finds and reuses the same service.
         probe = subprocess.run(
@@ -542,10 +543,11 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert attached.launch == launch and attached.url == url and attached.is_alive()
 
         # kill -9: the attached manager notices and restarts it on a new process and port.
+        first = ProcessRef.of(first_pid)
         os.kill(first_pid, signal.SIGKILL)
         wait_until(lambda: not attached.is_alive(), "the killed service to be seen as dead")
         new_url = attached.ensure_running()
-        assert attached.pid != first_pid and not _proc_exists(first_pid)  # reaped, not a zombie
+        assert attached.pid != first_pid and first is not None and not _proc_exists(first)  # reaped, not a zombie
         assert httpx.get(f"{new_url}/health").json()["ready"] is True
         assert EnvServiceManager.attach(state_file).url == new_url
         # The restarted service serves a full episode.
@@ -555,9 +557,10 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         # Stopping from another manager instance leaves no process and no process group.
         second_pid = attached.pid
         assert second_pid is not None
+        second = ProcessRef.of(second_pid)
         EnvServiceManager.attach(state_file).stop()
-        assert not _proc_exists(second_pid)
-        assert process_group_members(second_pid) == []
+        assert second is not None and not _proc_exists(second)
+        assert group_members(second_pid) == []
         assert not state_file.exists() and not manager.is_alive()
         with pytest.raises(EnvServiceError, match="no env service state file"):
             EnvServiceManager.attach(state_file)
@@ -574,9 +577,11 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
     try:
         first.ensure_running()
         pid_a = first.pid
+        assert pid_a is not None
+        service_a = ProcessRef.of(pid_a)
         assert EnvServiceManager.attach_or_create(state_file, launch_a).pid == pid_a  # reused
         second = EnvServiceManager.attach_or_create(state_file, launch_b)
-        assert pid_a is not None and not _proc_exists(pid_a)  # the other partition's service is gone
+        assert service_a is not None and not _proc_exists(service_a)  # the other partition's service is gone
         url = second.ensure_running()
         assert httpx.get(f"{url}/health").json()["partition"] == {"goal_indices": [1]}
         second.stop()
@@ -615,9 +620,12 @@ def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
     state_file = tmp_path / "svc.json"
     try:
         with bystander_groups() as victims:
+            alive_ref = ProcessRef.of(victims["alive"])
+
             def forge(pid: int, pgid: int) -> None:
+                started = ProcessRef.of(pid)
                 state_file.write_text(json.dumps({
-                    "pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid), "url": "http://127.0.0.1:9",
+                    **(started.to_json() if started else {"pid": pid}), "pgid": pgid, "url": "http://127.0.0.1:9",
                     "log_file": str(tmp_path / "x.log"), "launch": dataclasses.asdict(launch)}))
 
             forgeries = [
@@ -642,8 +650,7 @@ def test_a_forged_state_file_never_makes_the_manager_signal_another_group(
             url = manager.ensure_running()
             assert manager.pid != victims["alive"] and httpx.get(f"{url}/health").json()["ready"]
             manager.stop()
-            assert Path(f"/proc/{victims['alive']}").exists() and is_live_process(
-                victims["alive"], process_start_ticks(victims["alive"]))
+            assert Path(f"/proc/{victims['alive']}").exists() and alive_ref is not None and alive_ref.alive()
     finally:
         other.stop()
         EnvServiceManager.attach_or_create(state_file, launch).stop()

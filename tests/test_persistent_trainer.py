@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +29,7 @@ from fedagent_flwr.clientapp.persistent import (
     _LogFollower,
 )
 from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, serve
-from fedagent_flwr.launch import is_live_process, process_start_ticks
+from fedagent_flwr.procs import ProcessRef, boot_id
 from tests.test_reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
@@ -162,13 +163,11 @@ def test_timeout_stops_the_trainer_and_stop_is_idempotent(
     assert trainer.alive_pid() is None
     trainer.ensure_started()
     pid = trainer.alive_pid()
-    ticks = process_start_ticks(pid)
+    started = ProcessRef.of(pid)
     # Detached: not this process's child (a simulation actor would SIGKILL its children on exit).
-    ppid = int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("PPid:")).split()[1])
-    assert ppid != os.getpid() and os.getpgid(pid) == pid
+    assert started is not None and psutil.Process(pid).ppid() != os.getpid() and os.getpgid(pid) == pid
     assert trainer.stop(grace_s=30) is True
-    assert not is_live_process(pid, ticks)  # gone (init reaps it: it is nobody's child here)
+    assert not started.alive()  # gone (init reaps it: it is nobody's child here)
     assert trainer.stop() is False
     assert not (trainer.channel / "server.json").exists()  # the server cleaned up after itself
     assert json.loads((trainer.channel / PROCESS_FILE).read_text())["pid"] == pid
@@ -348,14 +347,14 @@ def test_a_busy_trainer_left_by_a_dead_node_is_replaced_not_reused(
         while node.stdout.readline().strip() != "clientapp exited":
             pass
         first = scripted.alive_pid()
-        ticks = process_start_ticks(first)
+        started = ProcessRef.of(first)
         waiter, errors = _busy_with_a_long_job(scripted, tmp_path)
         node.kill()
         node.wait(timeout=30)
         time.sleep(1.5)  # past the watchdog's period: only a busy trainer is still there
         assert scripted.alive_pid() == first
         second = scripted.ensure_started()
-        assert second != first and not is_live_process(first, ticks)
+        assert second != first and started is not None and not started.alive()
         assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone (terminated)"
         waiter.join(timeout=60)
         assert len(errors) == 1 and type(errors[0]) is TrainerFailed, errors
@@ -369,7 +368,7 @@ def test_no_trainer_is_started_once_the_node_process_is_gone(tmp_path: Path, mon
     watch init instead and linger for the idle timeout."""
     from fedagent_flwr.clientapp import persistent
 
-    dead = {"pid": os.getppid(), "start_ticks": -1, "name": "raylet"}  # same pid, another process
+    dead = ProcessRef(os.getppid(), -1.0, boot_id(), "raylet")  # same pid, another process
     monkeypatch.setattr(persistent, "_PARENT_AT_IMPORT", dead)
     handle = PersistentTrainer("reference", tmp_path / "channel")
     with pytest.raises(TrainerFailed, match=r"not starting a persistent trainer: raylet \(pid \d+\), the node "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fedagent_flwr.launch import pids_with_cmdline
+from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from tests.flower_harness import REPO, is_running, simulation_superlink

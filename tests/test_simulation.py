@@ -175,7 +175,7 @@ def test_bad_config_stops_the_run_at_start(superlink: SuperLink, tmp_path: Path)
 def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from fedagent_flwr.launch import pids_with_cmdline
+    from fedagent_flwr.procs import pids_with_cmdline
 
     # Flower's typed run-config keys for the common settings, overrides for the rest
     proc = superlink.run(

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE
-from fedagent_flwr.launch import is_live_process
+from fedagent_flwr.procs import ProcessRef
 from tests.flower_harness import REPO, SuperLink, simulation_superlink
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
         assert server_log.count("trainer server: train #") == 3
         assert f"pid {pid} serving" in server_log
         # The shutdown at the end of the run stopped it.
-        assert not is_live_process(pid, started["start_ticks"])
+        assert not ProcessRef(pid, started["since_boot"], started["boot"]).alive()
     assert "2 persistent trainer(s) stopped" in output
 
 

@@ -302,8 +302,8 @@ def test_entry_runs_verl_up_to_its_gpu_check_and_reports_one_clear_line(tiny_mod
     assert "Size of train dataloader: 2" in log  # 6 rows in batches of 3, built by our dataset in Ray
     assert (tmp_path / "out" / "verl" / "agent_loops.yaml").exists()
     assert not (tmp_path / "out" / "train_result.json").exists()
+    from fedagent_flwr.procs import pids_with_cmdline
     from fedagent_flwr.trainers.verl.runner import ray_temp_dir
-    from fedagent_flwr.launch import pids_with_cmdline
 
     temp_dir = ray_temp_dir(str(tmp_path / "out"))
     assert pids_with_cmdline(temp_dir) == []

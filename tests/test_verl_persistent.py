@@ -323,7 +323,7 @@ print(json.dumps({"error": error, "temp_dir": temp_dir, "work_dir": work_dir, "r
 def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_nothing(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     from fedagent_flwr.clientapp.job import save
-    from fedagent_flwr.launch import pids_with_cmdline
+    from fedagent_flwr.procs import pids_with_cmdline
 
     job = _job(tiny_model_dir, tmp_path / "out", 1, proximal_mu=0.1)
     save(job, tmp_path / "job.json")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
+from fedagent_flwr.procs import stop_group
 from fedagent_flwr.trainers import BACKEND_MODULES  # the registry (trainer.backend -> module)
 
 # Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
@@ -165,7 +165,8 @@ def run_trainer(
 
         def kill_on_timeout() -> None:
             timed_out.set()
-            _terminate_tree(process)
+            # SIGTERM first: a verl backend then stops its own job; SIGKILL after 20 s.
+            stop_group(process.pid, grace_s=20.0)
 
         def kill_on_stall() -> None:
             while not finished.wait(watch.poll_interval()):
@@ -173,7 +174,7 @@ def run_trainer(
                 if reason:
                     stalled.append(reason)
                     print(f"[{label}] stopping the trainer: {reason}", flush=True)
-                    _terminate_tree(process)
+                    stop_group(process.pid, grace_s=20.0)
                     return
 
         timer = threading.Timer(timeout_s, kill_on_timeout)
@@ -196,7 +197,7 @@ def run_trainer(
             if watchdog.is_alive():
                 watchdog.join()
             if process.poll() is None:
-                _terminate_tree(process)
+                stop_group(process.pid, grace_s=20.0)
                 process.wait()
     if timed_out.is_set():
         raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout (log: {log_path})")
@@ -209,18 +210,3 @@ def run_trainer(
         last = own[-1] if own else " | ".join(line for line in tail if line)[-800:]
         raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")
 
-
-def _terminate_tree(process: subprocess.Popen[str]) -> None:
-    """SIGTERM the backend's session (the verl backend then stops its own job), SIGKILL after 20 s."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

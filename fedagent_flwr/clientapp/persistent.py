@@ -31,7 +31,6 @@ from __future__ import annotations
 import codecs
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -48,13 +47,14 @@ from fedagent_flwr.clientapp.trainer_server import (
     OUTBOX,
     WATCH_ENV,
 )
-from fedagent_flwr.launch import (
-    is_live_process,
-    pids_with_cmdline,
-    process_group_members,
-    process_name,
-    process_start_ticks,
+from fedagent_flwr.procs import (
+    ProcessRef,
+    boot_id,
+    find,
+    group_members,
+    signal_each,
     spawn_detached,
+    started_since,
     stop_group,
 )
 
@@ -74,20 +74,13 @@ class TrainerStalled(TrainerDied):
     vLLM worker waiting forever), so the job gets a fresh subprocess."""
 
 
-def _parent_record() -> dict[str, Any] | None:
-    parent = os.getppid()
-    ticks = process_start_ticks(parent) if parent > 1 else None
-    if ticks is None:
-        return None
-    return {"pid": parent, "start_ticks": ticks, "name": process_name(parent) or "process"}
-
-
 # Taken when this process imports the module: by the time a trainer is started the parent may
 # already be gone (a dying simulation), and os.getppid() would then name init or a subreaper.
-_PARENT_AT_IMPORT = _parent_record()
+# None under init (pid 1): nothing worth watching.
+_PARENT_AT_IMPORT = ProcessRef.of(os.getppid()) if os.getppid() > 1 else None
 
 
-def node_process() -> dict[str, Any] | None:
+def node_process() -> ProcessRef | None:
     """The process whose end means this node's run is over: the ClientApp process's parent.
 
     In simulation the ClientApp runs in a Ray actor, whose parent is the simulation's raylet; in
@@ -100,10 +93,10 @@ def node_process() -> dict[str, Any] | None:
     recorded = _PARENT_AT_IMPORT
     if recorded is None:
         return None
-    if os.getppid() != recorded["pid"] or not is_live_process(recorded["pid"], recorded["start_ticks"]):
-        raise TrainerFailed(f"not starting a persistent trainer: {recorded['name']} (pid {recorded['pid']}), "
+    if os.getppid() != recorded.pid or not recorded.alive():
+        raise TrainerFailed(f"not starting a persistent trainer: {recorded.describe()}, "
                             "the node process of this ClientApp, is gone (the run is ending)")
-    return dict(recorded)
+    return recorded
 
 
 def channel_dir(run_root: Path, client_id: int) -> Path:
@@ -129,20 +122,15 @@ class PersistentTrainer:
         except (OSError, json.JSONDecodeError, TypeError, ValueError):
             return {}
 
-    def _ours(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` describes a process of this machine since its last boot (a channel
-        on a shared filesystem may hold another host's record; a pid means nothing there)."""
-        return record.get("boot_id") == _boot_id() and isinstance(record.get("pid"), int)
-
     def alive_pid(self) -> int | None:
-        """The pid of this node's trainer if that very process still runs, else None."""
+        """The pid of this node's trainer if that very process still runs, else None (a channel
+        on a shared filesystem may hold another host's record: its boot id tells)."""
         return self._live_pid(self.record())
 
-    def _live_pid(self, record: dict[str, Any]) -> int | None:
-        if not self._ours(record):
-            return None
-        pid = int(record["pid"])
-        return pid if is_live_process(pid, record.get("start_ticks")) else None
+    @staticmethod
+    def _live_pid(record: dict[str, Any]) -> int | None:
+        ref = ProcessRef.from_json(record)
+        return ref.pid if ref is not None and ref.alive() else None
 
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
@@ -165,7 +153,8 @@ class PersistentTrainer:
             reason = f"restart: trainer pid {previous['pid']} is gone"
             # Why it was stopped, if we stopped it for a reason (a stall); else why it ended itself.
             stopped = _marker(self.channel / STOPPING_FILE, previous["pid"]) or {}
-            ended = str(stopped.get("reason") or "") or _closing_reason(self.channel / CLOSING_FILE, previous["pid"])
+            closing = _marker(self.channel / CLOSING_FILE, previous["pid"]) or {}
+            ended = str(stopped.get("reason") or closing.get("reason") or "")
             if ended:  # it said why it ended (idle, failure, node gone, stopped) rather than being killed
                 reason += f" ({ended})"
         self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
@@ -179,7 +168,7 @@ class PersistentTrainer:
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
         watched = node_process()
         if watched is not None:
-            env[WATCH_ENV] = json.dumps(watched)
+            env[WATCH_ENV] = json.dumps(watched.to_json())
         command = [sys.executable, "-m", BACKEND_MODULES[self.backend], "serve", str(self.channel)]
         with open(self.channel / LOG_FILE, "a") as log:
             # Its own session: a timeout or the shutdown stops the trainer's whole tree (a verl
@@ -187,13 +176,13 @@ class PersistentTrainer:
             # simulation actor that runs this ClientApp would SIGKILL it when the actor exits,
             # before it could close its session; it watches the node process instead.
             try:
-                pid = spawn_detached(command, env, log)
+                started = spawn_detached(command, env, log)
             except OSError as exc:
                 raise TrainerFailed(f"could not start the persistent {self.backend} trainer: {exc}") from None
-        ticks = process_start_ticks(pid)
+        pid = started.pid
         starts = int(previous.get("starts", 0)) + 1
-        record = {"pid": pid, "start_ticks": ticks, "boot_id": _boot_id(), "backend": self.backend,
-                  "starts": starts, "started_at": time.time(), "reason": reason, "watch": watched}
+        record = {**started.to_json(), "backend": self.backend, "starts": starts, "started_at": time.time(),
+                  "reason": reason, "watch": watched.to_json() if watched is not None else None}
         write_json_atomic(self.channel / PROCESS_FILE, record)
         with open(self.channel / STARTS_FILE, "a") as history:
             history.write(json.dumps(record) + "\n")
@@ -255,7 +244,7 @@ class PersistentTrainer:
                     tail.pump()
                     if answer_path.exists():
                         continue
-                    if self._stopping(pid):
+                    if _marker(self.channel / STOPPING_FILE, pid):
                         raise TrainerFailed(f"{label}: the persistent {self.backend} trainer (pid {pid}) was "
                                             f"stopped during the {mode} job (log: {log_file})")
                     self._stop_leftovers(self.record())
@@ -280,12 +269,9 @@ class PersistentTrainer:
         """A trainer that announced it is closing (idle exit, a failure) will serve nothing more:
         wait for it to go, so that the next request reaches its successor."""
         pid = self.alive_pid()
-        while pid is not None and _names_pid(self.channel / CLOSING_FILE, pid) and time.monotonic() < deadline:
+        while pid is not None and _marker(self.channel / CLOSING_FILE, pid) and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             pid = self.alive_pid()
-
-    def _stopping(self, pid: int) -> bool:
-        return _names_pid(self.channel / STOPPING_FILE, pid)
 
     def stop(self, grace_s: float = 30.0, reason: str = "") -> bool:
         """Ask the trainer to stop, kill its session after ``grace_s``; True if one was running.
@@ -300,7 +286,7 @@ class PersistentTrainer:
         while time.monotonic() < deadline and self.alive_pid() == pid:
             time.sleep(_POLL_S)
         if self.alive_pid() == pid:
-            stop_group(pid, grace_s=10.0)
+            stop_group(pid, grace_s=10.0, kill_wait_s=10.0)
         self._stop_leftovers(self.record())
         return True
 
@@ -309,31 +295,18 @@ class PersistentTrainer:
         and the processes its session declared in ``leftovers.json`` (a verl session's Ray
         cluster, which lives outside the group). Only processes of this boot that started after
         the trainer are touched, so a reused pid or group id is never hit."""
-        if not self._ours(record) or record.get("start_ticks") is None:
+        trainer = ProcessRef.from_json(record)
+        if trainer is None or trainer.boot != boot_id():
             return
-        pid, since = int(record["pid"]), int(record["start_ticks"])
-        markers: list[str] = []
-        try:
-            declared = json.loads((self.channel / LEFTOVERS_FILE).read_text())
-            if isinstance(declared, dict) and declared.get("pid") == pid:
-                markers = [str(m) for m in declared.get("markers", []) if str(m).strip()]
-        except (OSError, json.JSONDecodeError):
-            pass
-        victims = set(process_group_members(pid))
+        declared = _marker(self.channel / LEFTOVERS_FILE, trainer.pid) or {}
+        markers = [str(m) for m in declared.get("markers", []) if str(m).strip()]
+        victims = {p.pid: p for p in group_members(trainer.pid)}
         for marker in markers:
-            victims.update(pids_with_cmdline(marker))
-        killed = []
-        for victim in sorted(victims - {os.getpid()}):
-            ticks = process_start_ticks(victim)
-            if ticks is None or ticks < since:
-                continue
-            try:
-                os.kill(victim, signal.SIGKILL)
-                killed.append(victim)
-            except ProcessLookupError:
-                pass
+            victims.update((p.pid, p) for p in find(marker))
+        killed = signal_each([p for pid, p in sorted(victims.items())
+                              if pid != os.getpid() and started_since(p, trainer)])
         if killed:
-            print(f"persistent trainer: stopped {len(killed)} process(es) left by trainer pid {pid}", flush=True)
+            print(f"persistent trainer: stopped {killed} process(es) left by trainer pid {trainer.pid}", flush=True)
 
     def state(self) -> dict[str, Any]:
         """A summary for the node's ``context.state`` (pid, number of starts, channel)."""
@@ -344,8 +317,8 @@ class PersistentTrainer:
 
 def _watch_gone(record: dict[str, Any]) -> bool:
     """Whether ``record``'s trainer watches a node process that no longer runs."""
-    watch = record.get("watch")
-    return isinstance(watch, dict) and not is_live_process(int(watch.get("pid", 0)), watch.get("start_ticks"))
+    watched = ProcessRef.from_json(record.get("watch"))
+    return isinstance(record.get("watch"), dict) and (watched is None or not watched.alive())
 
 
 def _marker(path: Path, pid: int) -> dict[str, Any] | None:
@@ -355,24 +328,6 @@ def _marker(path: Path, pid: int) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return body if isinstance(body, dict) and body.get("pid") == pid else None
-
-
-def _closing_reason(path: Path, pid: int) -> str:
-    """The reason the trainer ``pid`` gave in ``closing.json`` for serving no more, or ``""``."""
-    return str((_marker(path, pid) or {}).get("reason") or "")
-
-
-def _names_pid(path: Path, pid: int) -> bool:
-    """Whether the JSON marker file ``path`` exists and names ``pid``."""
-    return _marker(path, pid) is not None
-
-
-def _boot_id() -> str:
-    """This machine's boot id (pids and start times are only meaningful within one boot)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 class _LogFollower:

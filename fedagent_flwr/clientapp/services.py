@@ -18,6 +18,7 @@ from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.hetero import needs_goal_info, partition_goals
 from fedagent_flwr.hetero.env_level import variant_request
+from fedagent_flwr.procs import find_ancestor
 
 SERVICE_ENV = "Service"
 
@@ -29,21 +30,8 @@ def node_owner_pid() -> int:
     ``flower-supernode``: the SuperNode is the owner. In simulation the ClientApp runs in a Ray
     actor that lives for the whole run: this process is the owner.
     """
-    pid = os.getpid()
-    current = pid
-    for _ in range(8):
-        try:
-            stat = Path(f"/proc/{current}/stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            break
-        if parent <= 1:
-            break
-        if b"flower-supernode" in cmdline:
-            return parent
-        current = parent
-    return pid
+    supernode = find_ancestor("flower-supernode")
+    return supernode.pid if supernode is not None else os.getpid()
 
 
 def service_interpreter(env_name: str, env_config: dict[str, Any]) -> str | None:

@@ -8,7 +8,7 @@ which works the same from a SuperNode's ClientApp process and from whichever sim
 hosts the node this round:
 
 * ``server.json``: written (atomically) when the server is up: its pid, the process start time
-  (so a reused pid is never taken for it), the backend.
+  (a :class:`~fedagent_flwr.procs.ProcessRef`, so a reused pid is never taken for it), the backend.
 * ``inbox/<seq>.json``: one request, ``{"seq", "mode": "train"|"evaluate"|"stop", "job"}``, where
   ``job`` is the path of the same job file the subprocess path uses. Requests are served one at a
   time in ``seq`` order.
@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
-from fedagent_flwr.launch import is_live_process, process_start_ticks
+from fedagent_flwr.procs import OwnerWatch, ProcessRef
 
 PROTOCOL = 1
 SERVER_FILE = "server.json"
@@ -57,9 +57,8 @@ OUTBOX = "outbox"
 DEFAULT_IDLE_TIMEOUT_S = 3600.0
 IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
 CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, for the session
-# {"pid", "start_ticks", "name"} of the process whose end ends the server (set by the ClientApp).
+# The ProcessRef (JSON) of the process whose end ends the server (set by the ClientApp).
 WATCH_ENV = "FEDAGENT_TRAINER_WATCH"
-_WATCH_EVERY_S = 1.0
 LEFTOVERS_FILE = "leftovers.json"
 CLOSING_FILE = "closing.json"  # {"pid", "reason"}: this server serves nothing more and is about to exit
 _POLL_S = 0.1
@@ -106,14 +105,17 @@ def serve(
     session = session_factory()
     pid = os.getpid()
     write_json_atomic(channel / SERVER_FILE, {
-        "protocol": PROTOCOL, "pid": pid, "start_ticks": process_start_ticks(pid), "backend": backend,
+        "protocol": PROTOCOL, **ProcessRef.current().to_json(), "backend": backend,
         "started_at": time.time(),
     })
-    watched = _watched_process()
+    try:  # the process named by $FEDAGENT_TRAINER_WATCH; unset or unreadable: no watch
+        watched = ProcessRef.from_json(json.loads(os.environ.get(WATCH_ENV) or "null"))
+    except ValueError:
+        watched = None
+    owner = OwnerWatch(watched) if watched else None
     print(f"trainer server ({backend}) pid {pid} serving {channel}"
-          + (f", while {watched['name']} (pid {watched['pid']}) runs" if watched else ""), flush=True)
+          + (f", while {watched.describe()} runs" if watched else ""), flush=True)
     served, last_request = 0, time.monotonic()
-    next_watch = last_request
     end = "crashed"  # why it serves no more, for closing.json (the ClientApp names it on a restart)
     try:
         while True:
@@ -124,13 +126,11 @@ def serve(
                     print(f"trainer server: idle for {idle_timeout_s:.0f} s, exiting", flush=True)
                     end = f"idle for {idle_timeout_s:.0f} s, trainer.persistent_idle_s"
                     return 0
-                if watched and now >= next_watch:
-                    next_watch = now + _WATCH_EVERY_S
-                    if not is_live_process(watched["pid"], watched["start_ticks"]):
-                        print(f"trainer server: {watched['name']} (pid {watched['pid']}), the node process that "
-                              "started this trainer, is gone: the run ended without a shutdown; exiting", flush=True)
-                        end = f"{watched['name']} (pid {watched['pid']}) is gone"
-                        return 0
+                if watched and owner and owner.gone():
+                    print(f"trainer server: {watched.describe()}, the node process that "
+                          "started this trainer, is gone: the run ended without a shutdown; exiting", flush=True)
+                    end = f"{watched.describe()} is gone"
+                    return 0
                 time.sleep(_POLL_S)
                 continue
             path, body = request
@@ -175,16 +175,6 @@ def _answer_pending(inbox: Path, outbox: Path, kind: str) -> None:
                 else "the trainer server exited before serving this job",
             })
         path.unlink(missing_ok=True)
-
-
-def _watched_process() -> dict[str, Any] | None:
-    """The process named by ``$FEDAGENT_TRAINER_WATCH``, or None (unset or unreadable: no watch)."""
-    try:
-        watched = json.loads(os.environ.get(WATCH_ENV, ""))
-        return {"pid": int(watched["pid"]), "start_ticks": int(watched["start_ticks"]),
-                "name": str(watched.get("name") or "process")}
-    except (ValueError, TypeError, KeyError):
-        return None
 
 
 def record_leftover_markers(markers: list[str]) -> None:

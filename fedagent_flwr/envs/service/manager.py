@@ -7,18 +7,17 @@ and how to launch it again) and :meth:`EnvServiceManager.attach` rebuilds a mana
 any later process: health-check and reuse the service, restart it if it died, or stop it.
 
 The service runs in its own session and process group, so :meth:`EnvServiceManager.stop` takes
-down everything it started (SIGTERM, then SIGKILL after a grace period) and nothing else.
+down everything it started (SIGTERM, then SIGKILL after a grace period; :mod:`fedagent_flwr.procs`)
+and nothing else.
 
 The state file is only a hint, never a proof: it lies in a working directory others may write,
 and a stale one (a crashed run) or a forged one could name any pid and process group. So a
-group is signalled only when ``/proc`` shows that this manager's code started it for this very
-state file (:func:`service_group_owned`): its leader is the recorded pid, started at the
-recorded time, leads its own process group, runs as this user and carries in its environment
-the marker :data:`STATE_ENV` naming this state file's absolute path, which the manager sets at
+group is signalled only when the process table shows that this manager's code started it for
+this very state file (:func:`service_group_owned`): its leader is the recorded process (pid and
+start time), leads its own process group, runs as this user and carries in its environment the
+marker :data:`STATE_ENV` naming this state file's absolute path, which the manager sets at
 launch (the state file cannot choose its own path). Once the leader is gone, only the members
 that carry the marker are signalled, one by one. Anything else is left alone and reported.
-
-Linux only (``/proc``), like the rest of the training stack.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import fcntl
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -39,9 +37,10 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.launch import proc_stat, process_group_members, process_start_ticks
+from fedagent_flwr.procs import ProcessRef, group_members, reap, started_with_env, stop_each, stop_group
 
 logger = logging.getLogger(__name__)
 
@@ -113,73 +112,33 @@ class ServiceLaunch:
         return cmd
 
 
-# --- /proc helpers ------------------------------------------------------------------------------
+# --- ownership ----------------------------------------------------------------------------------
 
-def _reap(pid: int, wait_s: float = 0.0) -> None:
-    """Collect ``pid``'s exit status if this process is its parent, waiting up to ``wait_s``.
+def service_group_owned(state: Mapping[str, Any], state_file: Path) -> tuple[str, list[psutil.Process]]:
+    """What of the service recorded in ``state`` may be signalled, proven from the process table.
 
-    Only the parent can reap; in any other process the child is init's (or a subreaper's) job.
-    Waiting matters: a killed multi-threaded process shows as a zombie before its last thread is
-    gone, and until then it cannot be reaped.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            reaped, _status = os.waitpid(pid, os.WNOHANG)
-        except (ChildProcessError, OSError):
-            return  # not our child, or already reaped
-        if reaped or time.monotonic() >= deadline:
-            return
-        time.sleep(_POLL_S)
-
-
-def _process_environ(pid: int) -> list[bytes] | None:
-    """The environment ``pid`` was started with (``/proc/<pid>/environ``), or None if unreadable."""
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-
-
-def _process_uid(pid: int) -> int | None:
-    """The owner (real uid) of ``pid``, or None if it does not exist."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def carries_marker(pid: int, state_file: Path) -> bool:
-    """Whether ``pid`` runs as this user with :data:`STATE_ENV` set to ``state_file``'s absolute path."""
-    environ = _process_environ(pid)
-    marker = f"{STATE_ENV}={state_file}".encode()
-    return _process_uid(pid) == os.getuid() and environ is not None and marker in environ
-
-
-def service_group_owned(state: Mapping[str, Any], state_file: Path) -> tuple[str, list[int]]:
-    """What of the service recorded in ``state`` may be signalled, proven from ``/proc``.
-
-    Returns ``("group", [pgid])`` when the recorded leader still runs and is ours (recorded pid
+    Returns ``("group", [leader])`` when the recorded leader still runs and is ours (recorded pid
     and start time, leader of its own group, this user, :data:`STATE_ENV` naming ``state_file``);
-    ``("members", pids)`` when the leader is gone and only these group members carry the marker;
-    ``("none", [])`` when nothing is ours (a recycled pid, or a forged or stale state file);
-    raises ValueError for a state without integer pid and pgid.
+    ``("members", processes)`` when the leader is gone and only these group members carry the
+    marker; ``("none", [])`` when nothing is ours (a recycled pid, or a forged or stale state
+    file); raises ValueError for a state without integer pid and pgid.
     """
     pid, pgid = state.get("pid"), state.get("pgid")
     if isinstance(pid, bool) or isinstance(pgid, bool) or not isinstance(pid, int) or not isinstance(pgid, int):
         raise ValueError(f"pid {pid!r} and pgid {pgid!r} must be integers")
     if pid <= 1 or pgid != pid:
         return "none", []  # the manager always starts the service as the leader of its own group
-    leader = proc_stat(pid)
-    if leader is not None and leader[0] not in ("Z", "X"):
-        owned = leader[2] == state.get("start_ticks") and leader[1] == pid and carries_marker(pid, state_file)
-        return ("group", [pgid]) if owned else ("none", [])
-    # Leader gone (or a zombie): its pid, and so the group id, cannot be reused while members
-    # live, but the state file could still name someone else's group. Only marked members count.
-    return "members", [member for member in process_group_members(pgid) if carries_marker(member, state_file)]
+    recorded = ProcessRef.from_json(state)
+    leader = recorded.process() if recorded is not None else None
+    if leader is None and ProcessRef.of(pid) is None:
+        # Leader gone (or a zombie): its pid, and so the group id, cannot be reused while members
+        # live, but the state file could still name someone else's group. Only marked members count.
+        return "members", [member for member in group_members(pgid)
+                           if started_with_env(member, STATE_ENV, str(state_file))]
+    with contextlib.suppress(OSError):
+        if leader is not None and os.getpgid(pid) == pid and started_with_env(leader, STATE_ENV, str(state_file)):
+            return "group", [leader]
+    return "none", []  # another process has the pid (a stale file), or the file names a stranger
 
 
 def _log_tail(path: Path, lines: int = 20) -> str:
@@ -322,9 +281,8 @@ class EnvServiceManager:
 
     def _process_alive(self, state: Mapping[str, Any]) -> bool:
         """Whether the recorded leader runs and is provably the service this manager started."""
-        pid = state.get("pid")
-        if isinstance(pid, int) and not isinstance(pid, bool):
-            _reap(pid)
+        if isinstance(state.get("pid"), int):
+            reap(state["pid"])  # a dead service that is this process's child must not stay a zombie
         try:
             return service_group_owned(state, self.state_file)[0] == "group"
         except ValueError:
@@ -383,9 +341,8 @@ class EnvServiceManager:
             )
         self._popen = popen
         state: dict[str, Any] = {
-            "pid": popen.pid,
+            **(ProcessRef.of(popen.pid, zombie_ok=True) or ProcessRef(popen.pid, -1.0, "")).to_json(),
             "pgid": popen.pid,
-            "start_ticks": process_start_ticks(popen.pid),
             "url": None,
             "log_file": str(self.log_file),
             "launch": asdict(self.launch),
@@ -447,8 +404,8 @@ class EnvServiceManager:
         popen, self._popen = self._popen, None
         if popen is not None and popen.poll() is None and (not state or state.get("pid") != popen.pid):
             # Our own child, but no longer the recorded one (state file removed or replaced).
-            self._terminate_group({"pid": popen.pid, "pgid": popen.pid,
-                                   "start_ticks": process_start_ticks(popen.pid)})
+            stop_group(popen.pid, self.stop_grace_s, self.stop_grace_s)
+            reap(popen.pid, wait_s=self.stop_grace_s)
         if popen is not None:
             popen.poll()  # lets subprocess record the exit status it may already have reaped
 
@@ -470,30 +427,14 @@ class EnvServiceManager:
                            "start (the pid was reused, or the file is stale or forged); nothing signalled",
                            self.state_file, pid, state.get("pgid"))
             return
-
-        def running() -> list[int]:
-            if scope == "group":
-                return [pid] if self._group_alive(pid, pid) else []
-            return service_group_owned(state, self.state_file)[1]
-
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            targets = running()
-            if not targets:
-                break
-            for target in targets:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    (os.killpg if scope == "group" else os.kill)(target, sig)
-            deadline = time.monotonic() + self.stop_grace_s
-            while time.monotonic() < deadline and running():
-                time.sleep(_POLL_S)
-        _reap(pid, wait_s=self.stop_grace_s)
-        if running():
+        if scope == "group":
+            stopped = stop_group(pid, self.stop_grace_s, self.stop_grace_s)
+        else:
+            stopped = stop_each(lambda: service_group_owned(state, self.state_file)[1], self.stop_grace_s,
+                                self.stop_grace_s)
+        reap(pid, wait_s=self.stop_grace_s)
+        if not stopped:
             raise EnvServiceError(f"env service process group {pid} survived SIGKILL")
-
-    @staticmethod
-    def _group_alive(pid: int, pgid: int) -> bool:
-        _reap(pid)
-        return bool(process_group_members(pgid))
 
     def __enter__(self) -> EnvServiceManager:
         return self

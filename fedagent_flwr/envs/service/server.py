@@ -37,6 +37,7 @@ from fedagent_flwr.envs.service.app import (
     ServiceSettings,
     create_service_app,
 )
+from fedagent_flwr.procs import OwnerWatch
 
 __all__ = ["ServiceEnvSetup", "bind_socket", "build_env_setup", "serve", "socket_url"]
 
@@ -121,16 +122,7 @@ class _ReadyFileServer(uvicorn.Server):
             write_text_atomic(self.ready_file, self.url + "\n")
 
 
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-async def _exit_with_owner(server: uvicorn.Server, owner_pid: int, interval_s: float = 2.0) -> None:
+async def _exit_with_owner(server: uvicorn.Server, owner: OwnerWatch, interval_s: float = 2.0) -> None:
     """Stop serving once the owner process is gone.
 
     The service runs in its own session so that stopping it never touches its owner; the price
@@ -138,8 +130,8 @@ async def _exit_with_owner(server: uvicorn.Server, owner_pid: int, interval_s: f
     Ctrl-C of the run). Watching the owner closes that gap: no orphaned services.
     """
     while not server.should_exit:
-        if not process_alive(owner_pid):
-            logging.getLogger(__name__).warning("owner process %d is gone; shutting down", owner_pid)
+        if owner.gone():
+            logging.getLogger(__name__).warning("owner process %d is gone; shutting down", owner.pid)
             server.should_exit = True
             return
         await asyncio.sleep(interval_s)
@@ -160,7 +152,8 @@ async def serve(
     # websockets.legacy import (and its warning) out of the process.
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", ws="none")
     server = _ReadyFileServer(config, socket_url(sock), Path(ready_file) if ready_file else None)
-    watchdog = asyncio.create_task(_exit_with_owner(server, owner_pid)) if owner_pid else None
+    # Watched from now on: a pid reused after the owner died is never taken for it.
+    watchdog = asyncio.create_task(_exit_with_owner(server, OwnerWatch(owner_pid))) if owner_pid else None
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -4,7 +4,6 @@ stop what is left of its private Ray cluster afterwards, and say in one line why
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import signal
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.launch import pids_with_cmdline, stop_group
+from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.trainers.verl.verl_log import parse_step_line
 
 _OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
@@ -32,13 +31,7 @@ def ray_temp_dir(output_dir: str) -> str:
 
 def cleanup_ray(temp_dir: str) -> None:
     """Stop what is left of the job's private Ray cluster (found by its temp dir)."""
-    for pid in pids_with_cmdline(temp_dir):
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_matching(temp_dir)
 
 
 def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
