@@ -124,6 +124,7 @@ class RunSettings:
     round_timeout: float
     storage: StorageSettings
     raw: dict[str, Any]
+    tracking: tuple[str, ...] = ("jsonl",)
 
     @property
     def trainer_backend(self) -> str:
@@ -237,6 +238,21 @@ _TRAINER_NUMBERS: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "max_model_len": (int, lambda v: v >= 16, ">= 16"),
     "num_threads": (int, lambda v: v >= 0, ">= 0"),
 }
+
+
+def _tracking(raw: dict[str, Any]) -> tuple[str, ...]:
+    """``tracking``: where the run's metrics go besides ``metrics.jsonl`` (always written)."""
+    from fedagent_flwr.serverapp.tracking import TRACKERS  # local: serverapp imports this module
+
+    value = _get(raw, "tracking")
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"config key 'tracking' = {value!r} is invalid: expected a list such as [jsonl, tensorboard]")
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"config key 'tracking' = {value!r}: {unknown} not available; choose from {list(TRACKERS)} "
+                          "(W&B and MLflow are not supported yet: read metrics.jsonl or the TensorBoard files)")
+    return tuple(dict.fromkeys(["jsonl", *names]))
 
 
 def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
@@ -386,6 +402,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         round_timeout=_typed(raw, "round_timeout", float, lambda v: v > 0, "> 0"),
         storage=_storage(raw),
         raw=raw,
+        tracking=_tracking(raw),
     )
 
 

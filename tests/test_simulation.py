@@ -94,10 +94,16 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     summary, run_dir, output = _run(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} clients.total=3 clients.per_round=2 strategy=fedprox "
-        f"strategy.proximal_mu={mu} {COMMON}",
+        f"strategy.proximal_mu={mu} tracking=[tensorboard,jsonl] {COMMON}",
         supernodes=3,
     )
     assert summary["status"] == "completed", output[-4000:]
+    # tracking=[tensorboard]: the validation curve, read back from the event files
+    from tests.test_tracking import read_scalars
+
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert scalars["val/success_rate"] == [(p["round"], pytest.approx(p["success_rate"])) for p in summary["val_curve"]]
+    assert [step for step, _ in scalars["aggregate/norm_ratio"]] == [1, 2]
     assert summary["strategy"] == "fedprox" and summary["mode"] == "federated"
     assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
     assert all(p["n"] == 2 for p in summary["val_curve"])  # eval.num_episodes, split over clients

@@ -294,7 +294,7 @@ def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[st
     else:
         start_model = base
 
-    recorder = RunRecorder(run_dir, header, previous)
+    recorder = RunRecorder(run_dir, header, previous, tracking=settings.tracking)
     try:
         store = open_server_store(settings.storage, run_dir, run_key=str(header["run_id"]))
     except (CheckpointError, OSError) as exc:

@@ -12,6 +12,7 @@ import json
 import os
 import time
 from logging import WARNING
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
 from fedagent_flwr.intervals import wilson_interval
 from fedagent_flwr.protocol import NUM_EXAMPLES, REWARD_MEAN, SCORE_MEAN, SUCCESS_RATE
 from fedagent_flwr.serverapp.crashpoint import crash_point
+from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 
 if TYPE_CHECKING:
     from fedagent_flwr.serverapp.resume import PreviousRun
@@ -38,8 +40,11 @@ class RunRecorder:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], header: dict[str, Any],
-                 previous: PreviousRun | None = None) -> None:
+                 previous: PreviousRun | None = None, tracking: Sequence[str] = ()) -> None:
         self.run_dir = Path(run_dir)
+        # sinks besides metrics.jsonl (config key ``tracking``); a resumed run's earlier events are
+        # already in them, so only new events go there
+        self.sinks: list[Sink] = open_sinks(tracking, self.run_dir)
         self.summary: dict[str, Any] = {
             **header,
             "status": "running",
@@ -72,6 +77,23 @@ class RunRecorder:
     @property
     def summary_path(self) -> Path:
         return self.run_dir / SUMMARY_FILE
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """Add one ``metrics.jsonl`` event and hand its scalars to the tracking sinks."""
+        self.events.append(event)
+        self._track(event)
+
+    def _track(self, event: dict[str, Any]) -> None:
+        scalars = scalars_of(event)
+        if not scalars:
+            return
+        for sink in list(self.sinks):
+            try:
+                sink.log(scalars, int(event["round"]))
+            except Exception as exc:  # noqa: BLE001 - tracking must never stop a run
+                log(WARNING, "[fedagent] tracking sink %s failed (%s: %s); it is dropped, "
+                    "metrics.jsonl keeps every event", type(sink).__name__, type(exc).__name__, exc)
+                self.sinks.remove(sink)
 
     def record_round(
         self,
@@ -121,8 +143,8 @@ class RunRecorder:
         for client, metrics in sorted(client_metrics.items()):
             point = _curve_point(server_round, "client", client, metrics)
             self.summary["client_curve"].append(point)
-            self.events.append({"event": "train", **point, "metrics": metrics})
-        self.events.append({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
+            self._event({"event": "train", **point, "metrics": metrics})
+        self._event({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
                             "update_stats": update_stats})
         self.write()
 
@@ -131,7 +153,7 @@ class RunRecorder:
         point = _curve_point(server_round, "model", model, metrics)
         self.summary["val_curve"].append(point)
         # verl's own name for the validation rate, so tools reading verl's logs find it here too.
-        self.events.append({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
+        self._event({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
         self.write()
 
     def complete_round(self, server_round: int) -> None:
@@ -151,6 +173,8 @@ class RunRecorder:
         for entry in self.summary["rounds"]:
             if entry["round"] == server_round:
                 entry.setdefault("wall_seconds", seconds)
+        if server_round > 0:
+            self._track({"event": "round_time", "round": server_round, "wall_seconds": seconds})
         self.summary["last_completed_round"] = server_round
         self.write(commit_round=server_round)
 
@@ -179,6 +203,9 @@ class RunRecorder:
         if error:
             self.summary["warning" if status == "degraded" else "error"] = error
         self.write()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def write(self, commit_round: int | None = None) -> None:
         """Rewrite metrics, summary and plot atomically, in that order.
