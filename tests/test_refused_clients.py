@@ -35,7 +35,7 @@ def _task_identity() -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
 
 
-def _reply(client: int, ref: CheckpointRef, episodes: float, critic: CheckpointRef | None = None) -> Message:
+def _reply(client: int, ref: CheckpointRef, episodes: float | list[float], critic: CheckpointRef | None = None) -> Message:
     """A train reply as client ``client``'s node (node 100 + client) sends it."""
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
     content = TrainReply(client_id=client, actor=ref, critic=critic,
@@ -134,6 +134,17 @@ def test_num_examples_beyond_the_assigned_episodes_is_refused(suite: Suite, tmp_
     assert entry["client_actor_ids"] == [0]
     assert entry["rejected"]["1"] == "'num-examples' = 1e+300 is more than the 8 episodes client 1 was assigned this round"
     assert "'num-examples' = 9 is more than the 8 episodes client 2" in entry["rejected"]["2"]
+
+
+def test_a_weight_that_is_not_a_number_refuses_that_client_only(suite: Suite, tmp_path: Path) -> None:
+    """A MetricRecord may carry lists; a client weighing itself with one is refused, the run goes on."""
+    strategy = _strategy(tmp_path, _base(tmp_path), clients=2)
+    root = Path(strategy.run_root)
+    refs = [CheckpointRef.for_directory(suite.copy(name, root / "round_1" / f"client_{c}"))
+            for c, name in enumerate(("qwen_a", "qwen_b"))]
+    entry = _round(strategy, [_reply(0, refs[0], 8), _reply(1, refs[1], [1.0, 2.0])])
+    assert entry["client_actor_ids"] == [0]
+    assert entry["rejected"]["1"] == "malformed reply: metric 'num-examples' = [1.0, 2.0] is not a number"
 
 
 @pytest.fixture(params=["shared-fs", "http"])

@@ -297,3 +297,46 @@ def test_services_and_the_store_bind_to_loopback_by_default(tmp_path: Path) -> N
         assert spec["envs"][0]["config"]["url"] == managers[0].url
     finally:
         stop_client_services(tmp_path, 0)
+
+
+def test_a_custom_rule_that_checks_no_hash_still_gets_no_altered_checkpoint(suite: Suite, tmp_path: Path) -> None:
+    """Hashes are checked while reading; a user's aggregation rule that writes its output without
+    the built-in mean (which verifies before it renames) must not commit an altered checkpoint:
+    the strategy verifies every source afterwards, refuses the culprit and aggregates again."""
+    import shutil
+
+    from fedagent_flwr.checkpoint.aggregate import AggregateReport
+
+    class CopiesTheFirst(FedAvgFSDP):
+        """Takes the first client's weights as they are read, never calling verify_content()."""
+
+        def aggregate_checkpoints(self, server_round, sources, out_dir, reference):  # type: ignore[no-untyped-def]
+            from safetensors.torch import save_file
+
+            first = sources[0][0]
+            shutil.copytree(first.huggingface_dir(), out_dir)
+            save_file({key: first.read(key).contiguous() for key in first.keys()}, str(out_dir / "model.safetensors"))
+            return AggregateReport(out_dir, 0, 0, tuple(w for _, w in sources), 0, 0.0)
+
+    store = SharedFsServerStore(tmp_path / "run")
+    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
+    initial = CheckpointRef.for_directory(tmp_path / "base")
+    strategy = connect(CopiesTheFirst(run_root=str(store.run_root), initial_model=initial, num_clients=2,
+                                      clients_per_round=2, store=store),
+                       RunRecorder(store.run_root, {"base_model": initial.path, "mode": "federated"}), range(2))
+    root = store.run_root
+    altered = CheckpointRef.for_directory(suite.copy("qwen_a", root / "round_1" / "client_0"))
+    good = CheckpointRef.for_directory(suite.copy("qwen_b", root / "round_1" / "client_1"))
+    with open(Path(altered.path) / SHARD, "r+b") as handle:  # one byte changed after the reference was made
+        handle.seek(os.path.getsize(Path(altered.path) / SHARD) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    entry = run_round(strategy, [reply(0, altered.to_config("actor")), reply(1, good.to_config("actor"))])
+    assert entry["client_actor_ids"] == [1]
+    assert "content hash" in entry["rejected"]["0"], entry["rejected"]
+    from fedagent_flwr.checkpoint import open_checkpoint
+
+    written_ref = CheckpointRef.for_directory(entry["aggregated_actor"], "actor", "hf-safetensors")
+    with open_checkpoint(good) as source, open_checkpoint(written_ref) as written:
+        assert all(torch.equal(written.read(key), source.read(key)) for key in source.keys())  # client 1's

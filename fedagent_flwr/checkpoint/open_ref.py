@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Literal
 
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
@@ -18,7 +19,7 @@ from fedagent_flwr.checkpoint.ref import (
 from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader, safetensors_files
 from fedagent_flwr.checkpoint.shard_file import IoMode
 
-__all__ = ["HashCheck", "open_checkpoint"]
+__all__ = ["HashCheck", "content_mismatches", "open_checkpoint"]
 
 #: When the content hash is checked: at opening (``True``), while the tensors are read (the
 #: caller then calls :meth:`CheckpointReader.verify_content` before trusting them), or never.
@@ -79,3 +80,15 @@ def open_checkpoint(
     if ref.format == "fsdp-shards":
         return FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None)
     return SafetensorsReader(ref, directory, data_files)
+
+
+def content_mismatches(readers: Sequence[CheckpointReader]) -> list[tuple[int, CheckpointError]]:
+    """Complete every reader's deferred content-hash check; the (index, error) of each that fails.
+    Whatever was built from the failing readers' values must not be used."""
+    mismatches = []
+    for index, reader in enumerate(readers):
+        try:
+            reader.verify_content()
+        except CheckpointError as exc:
+            mismatches.append((index, exc))
+    return mismatches

@@ -31,6 +31,7 @@ and the rule by overriding :meth:`aggregation_weights` (weights per reply) or
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -41,7 +42,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from fedagent_flwr.checkpoint import (
     AggregateReport,
@@ -53,14 +53,14 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.model_files import check_model_config, model_files_dir
+from fedagent_flwr.checkpoint.open_ref import content_mismatches
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.protocol import CONFIG, PROXIMAL_MU, EvalInstruction, TrainInstruction, TrainReply, protocol_keys
 from fedagent_flwr.seeding import data_seed, select_clients
-from fedagent_flwr.serverapp.failures import reply_reason
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
-from fedagent_flwr.serverapp.strategy.replies import read_train_reply
+from fedagent_flwr.serverapp.strategy.replies import read_train_reply, split_replies
 
 
 @dataclass
@@ -380,6 +380,18 @@ class FedAvgFSDP(FedAvg):
                         _, reply, reader = opened.pop(i)
                         reader.close()
                         self._refuse(server_round, reply.client_id, str(exc), refused)
+                    opened = self._reopened(server_round, opened, refused)
+                    continue
+                # The built-in rules check every content hash before they rename the mean into place;
+                # a custom rule may not, so every source is checked here before anything is used.
+                mismatched = content_mismatches([reader for _, _, reader in opened])
+                if mismatched:
+                    shutil.rmtree(out_dir, ignore_errors=True)
+                    for i, exc in reversed(mismatched):
+                        _, reply, reader = opened.pop(i)
+                        reader.close()
+                        self._refuse(server_round, reply.client_id, str(exc), refused)
+                    opened = self._reopened(server_round, opened, refused)
                     continue
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
@@ -395,6 +407,22 @@ class FedAvgFSDP(FedAvg):
                 reader.close()
             if reference is not None:
                 reference.close()
+
+    def _reopened(
+        self, server_round: int, opened: list[tuple[Message, TrainReply, CheckpointReader]], refused: dict[int, str]
+    ) -> list[tuple[Message, TrainReply, CheckpointReader]]:
+        """The same checkpoints, opened afresh for another pass: a hash checked while reading covers
+        one pass only, so a retry reads (and hashes) every byte again. One that no longer opens is
+        refused."""
+        fresh = []
+        for message, reply, reader in opened:
+            reader.close()
+            try:
+                fresh.append((message, reply, open_checkpoint(reader.ref, root=self.run_root,
+                                                              check_hash="while-reading")))
+            except CheckpointError as exc:
+                self._refuse(server_round, reply.client_id, str(exc), refused)
+        return fresh
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, refused: dict[int, str]) -> None:
@@ -457,26 +485,8 @@ class FedAvgFSDP(FedAvg):
     def _check_and_log_replies(
         self, replies: Iterable[Message], is_train: bool, validate: bool = True
     ) -> tuple[list[Message], list[Message]]:
-        """Flower's split into (valid, error) replies, logging each failure as one readable line.
-
-        Flower logs every error reply's whole text, which in simulation is a Ray traceback of tens of
-        lines per client; the client's own error line says the same.
-        """
-        replies = list(replies)
-        if not replies:
-            return [], []
-        valid = [msg for msg in replies if not msg.has_error()]
-        errors = [msg for msg in replies if msg.has_error()]
-        log(INFO, "%s: Received %s results and %s failures", "aggregate_train" if is_train else "aggregate_evaluate",
-            len(valid), len(errors))
-        for msg in errors:
-            log(INFO, "\t> Node %d failed: %s", msg.metadata.src_node_id, reply_reason(msg))
-        if validate and valid:
-            validate_message_reply_consistency(
-                replies=[msg.content for msg in valid], weighted_by_key=self.weighted_by_key,
-                check_arrayrecord=is_train,
-            )
-        return valid, errors
+        """Flower's split into (valid, error) replies, each failure logged as one readable line."""
+        return split_replies(replies, is_train, validate, self.weighted_by_key)
 
     def summary(self) -> None:
         """Log the strategy's settings, as Flower's strategies do."""

@@ -9,11 +9,16 @@ reason that names the problem; the strategy records it and aggregates the other 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from logging import INFO
 
 from flwr.app import Message, RecordDict
+from flwr.common import log
+from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from fedagent_flwr.checkpoint import CheckpointError
 from fedagent_flwr.protocol import ProtocolError, TrainReply
+from fedagent_flwr.serverapp.failures import reply_reason
 
 # A train reply is a client id, a checkpoint reference and a few metrics: well under a KiB.
 # Anything far larger is not a reply this strategy asked for (weights smuggled in an array,
@@ -55,10 +60,37 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
         return None, f"reply claims client {parsed.client_id} but comes from client {client}'s node"
     if weighted_by_key not in parsed.metrics:
         return None, f"malformed reply: no metric '{weighted_by_key}'"
-    weight = float(parsed.metrics[weighted_by_key])
+    raw_weight = parsed.metrics[weighted_by_key]
+    if isinstance(raw_weight, bool) or not isinstance(raw_weight, (int, float)):
+        # a MetricRecord also carries lists: one client's odd value must not stop the run
+        return None, f"malformed reply: metric '{weighted_by_key}' = {raw_weight!r} is not a number"
+    weight = float(raw_weight)
     if not math.isfinite(weight) or weight <= 0:
         return None, f"'{weighted_by_key}' = {weight} is not a positive number"
     if assigned is not None and weight > assigned:
         return None, (f"'{weighted_by_key}' = {weight:g} is more than the {assigned} episodes client {client} "
                       "was assigned this round")
     return parsed, ""
+
+
+def split_replies(replies: Iterable[Message], is_train: bool, validate: bool,
+                  weighted_by_key: str) -> tuple[list[Message], list[Message]]:
+    """Flower's split into (valid, error) replies, logging each failure as one readable line.
+
+    Flower logs every error reply's whole text, which in simulation is a Ray traceback of tens of
+    lines per client; the client's own error line says the same.
+    """
+    replies = list(replies)
+    if not replies:
+        return [], []
+    valid = [msg for msg in replies if not msg.has_error()]
+    errors = [msg for msg in replies if msg.has_error()]
+    log(INFO, "%s: Received %s results and %s failures", "aggregate_train" if is_train else "aggregate_evaluate",
+        len(valid), len(errors))
+    for msg in errors:
+        log(INFO, "\t> Node %d failed: %s", msg.metadata.src_node_id, reply_reason(msg))
+    if validate and valid:
+        validate_message_reply_consistency(
+            replies=[msg.content for msg in valid], weighted_by_key=weighted_by_key, check_arrayrecord=is_train,
+        )
+    return valid, errors
