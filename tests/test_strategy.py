@@ -177,6 +177,13 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
     refs = [CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in enumerate(("qwen_a", "qwen_b"))]
     train_round(strategy, 1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
     assert verify([str(run_root)]) == 0
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())
+    assert summary["content_hash"] == "v2"
+    # a run recorded by an earlier version (content hash v1) still gets its means recomputed
+    summary_path.write_text(json.dumps({k: v for k, v in summary.items() if k != "content_hash"}))
+    assert verify([str(run_root)]) == 0
+    summary_path.write_text(json.dumps(summary))
     shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # a client file altered afterwards
     assert verify([str(run_root)]) == 1

@@ -21,6 +21,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.key_checks import verify_mean
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
@@ -41,13 +42,14 @@ def recorded_sources(global_dir: Path) -> list[dict[str, Any]]:
     return list(json.loads(metadata["fedagent.sources"]))
 
 
-def verify_round(global_dir: Path, run_root: Path) -> float:
-    """Max abs error of one aggregate against its recorded, hash-checked sources."""
+def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True) -> float:
+    """Max abs error of one aggregate against its recorded sources, hash-checked unless
+    ``check_hashes`` is False (a run recorded with another content-hash version)."""
     sources = []
     try:
         for source in recorded_sources(global_dir):
             ref = CheckpointRef.for_directory(source["path"])
-            if source["sha256"] and ref.sha256 != source["sha256"]:
+            if check_hashes and source["sha256"] and ref.sha256 != source["sha256"]:
                 raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
             sources.append((open_checkpoint(ref, root=run_root), float(source["weight"])))
         return verify_mean(sources, global_dir)
@@ -68,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verify: cannot read {summary_path}: {exc}", file=sys.stderr)
         return 2
     ok = True
+    hashed_as = summary.get("content_hash", "v1")  # records before the field hashed as v1
+    check_hashes = hashed_as == CONTENT_HASH_VERSION
+    if not check_hashes:
+        print(f"note: this run recorded checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
+              f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
     for entry in summary.get("rounds", []):
         if not entry.get("aggregated_actor"):
             print(f"round {entry['round']}: no aggregate (previous global model kept)")
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {entry['round']}: client checkpoints removed by the run after the round was committed "
                       "(storage.keep_client_checkpoints=false); not checked")
                 continue
-            error = verify_round(Path(entry["aggregated_actor"]), args.run_dir.resolve())
+            error = verify_round(Path(entry["aggregated_actor"]), args.run_dir.resolve(), check_hashes)
         except CheckpointError as exc:
             print(f"round {entry['round']}: cannot verify: {exc}")
             ok = False

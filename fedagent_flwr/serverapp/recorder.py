@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 
 from fedagent_flwr.atomic import atomic_path, json_text, write_text_atomic
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.intervals import wilson_interval
 from fedagent_flwr.protocol import NUM_EXAMPLES, REWARD_MEAN, SCORE_MEAN, SUCCESS_RATE
 from fedagent_flwr.serverapp.crashpoint import crash_point
@@ -47,6 +48,8 @@ class RunRecorder:
         self.sinks: list[Sink] = open_sinks(tracking, self.run_dir)
         self.summary: dict[str, Any] = {
             **header,
+            # how this record's sha256s were computed (resume and verify compare like with like)
+            "content_hash": header.get("content_hash", CONTENT_HASH_VERSION),
             "status": "running",
             "final_model": header.get("base_model"),
             "last_completed_round": None,

@@ -56,11 +56,20 @@ from fedagent_flwr.checkpoint.model_files import check_model_config, model_files
 from fedagent_flwr.checkpoint.open_ref import content_mismatches
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
-from fedagent_flwr.protocol import CONFIG, PROXIMAL_MU, EvalInstruction, TrainInstruction, TrainReply, protocol_keys
+from fedagent_flwr.protocol import (
+    CONFIG,
+    PROXIMAL_MU,
+    SCORE_MEAN,
+    EvalInstruction,
+    TrainInstruction,
+    TrainReply,
+    protocol_keys,
+)
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
 from fedagent_flwr.serverapp.strategy.replies import read_train_reply, split_replies
+from fedagent_flwr.serverapp.strategy.sources import reopened
 
 
 @dataclass
@@ -380,7 +389,7 @@ class FedAvgFSDP(FedAvg):
                         _, reply, reader = opened.pop(i)
                         reader.close()
                         self._refuse(server_round, reply.client_id, str(exc), refused)
-                    opened = self._reopened(server_round, opened, refused)
+                    opened = reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
                     continue
                 # The built-in rules check every content hash before they rename the mean into place;
                 # a custom rule may not, so every source is checked here before anything is used.
@@ -391,7 +400,7 @@ class FedAvgFSDP(FedAvg):
                         _, reply, reader = opened.pop(i)
                         reader.close()
                         self._refuse(server_round, reply.client_id, str(exc), refused)
-                    opened = self._reopened(server_round, opened, refused)
+                    opened = reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
                     continue
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
@@ -407,22 +416,6 @@ class FedAvgFSDP(FedAvg):
                 reader.close()
             if reference is not None:
                 reference.close()
-
-    def _reopened(
-        self, server_round: int, opened: list[tuple[Message, TrainReply, CheckpointReader]], refused: dict[int, str]
-    ) -> list[tuple[Message, TrainReply, CheckpointReader]]:
-        """The same checkpoints, opened afresh for another pass: a hash checked while reading covers
-        one pass only, so a retry reads (and hashes) every byte again. One that no longer opens is
-        refused."""
-        fresh = []
-        for message, reply, reader in opened:
-            reader.close()
-            try:
-                fresh.append((message, reply, open_checkpoint(reader.ref, root=self.run_root,
-                                                              check_hash="while-reading")))
-            except CheckpointError as exc:
-                self._refuse(server_round, reply.client_id, str(exc), refused)
-        return fresh
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, refused: dict[int, str]) -> None:
@@ -471,15 +464,15 @@ class FedAvgFSDP(FedAvg):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Episode-weighted success rate and reward of the global model, with the episode count."""
+        """Episode-weighted success rate, reward (and score) of the global model, with the episode count."""
         replies = list(replies)
         metrics = super().aggregate_evaluate(server_round, replies)
         if metrics is not None:
+            values = [next(iter(r.content.metric_records.values())) for r in replies if not r.has_error()]
+            if not all(SCORE_MEAN in v for v in values):
+                metrics.pop(SCORE_MEAN, None)  # a mean over the scoring clients' share only would read low
             # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
-            metrics[self.weighted_by_key] = sum(
-                int(next(iter(r.content.metric_records.values()))[self.weighted_by_key])
-                for r in replies if not r.has_error()
-            )
+            metrics[self.weighted_by_key] = sum(int(v[self.weighted_by_key]) for v in values)
         return metrics
 
     def _check_and_log_replies(

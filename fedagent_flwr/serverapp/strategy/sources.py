@@ -1,0 +1,26 @@
+"""The clients' checkpoints a round averages, opened for another pass after a culprit is dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointReader, open_checkpoint
+from fedagent_flwr.protocol import TrainReply
+
+M = TypeVar("M")
+
+
+def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]], run_root: str,
+             refuse: Callable[[int, str], None]) -> list[tuple[M, TrainReply, CheckpointReader]]:
+    """The same checkpoints, closed and opened afresh: a content hash checked while reading covers
+    one pass only, so a retry reads (and hashes) every byte again. One that no longer opens is
+    passed to ``refuse(client, reason)`` and left out."""
+    fresh = []
+    for message, reply, reader in opened:
+        reader.close()
+        try:
+            fresh.append((message, reply, open_checkpoint(reader.ref, root=run_root, check_hash="while-reading")))
+        except CheckpointError as exc:
+            refuse(reply.client_id, str(exc))
+    return fresh
