@@ -132,7 +132,9 @@ class HttpClientStore(ClientStore):
             if have < entry.size:
                 headers = {**self._read_headers, **({"Range": f"bytes={have}-"} if have else {})}
                 try:
-                    with self._client().stream("GET", model_url, params={"file": entry.name}, headers=headers) as response:
+                    with self._client().stream(
+                        "GET", model_url, params={"file": entry.name}, headers=headers
+                    ) as response:
                         if response.status_code not in (200, 206):
                             response.read()
                             _raise_for_store(response, f"download of {entry.name}")

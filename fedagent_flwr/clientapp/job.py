@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import DEFAULT_MIN_GOALS, check_args, fedagent_slice, knob_float, knob_int
-from fedagent_flwr.hetero.uniform import PartitionError
+from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob_float, knob_int
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
 
 CATALOG_SPLIT = "catalog_split"
 BM25_FIELD_SUBSET = "bm25_field_subset"
@@ -232,7 +232,9 @@ def unshuffled_goal_asins(products: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def catalog_distractors(all_asins: Collection[str], targets: Collection[str], holdout: Collection[str] = ()) -> list[str]:
+def catalog_distractors(
+    all_asins: Collection[str], targets: Collection[str], holdout: Collection[str] = ()
+) -> list[str]:
     """sorted(all − targets − holdout); a holdout ASIN among the targets is an error."""
     clash = set(holdout) & set(targets)
     if clash:

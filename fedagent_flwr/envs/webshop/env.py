@@ -267,9 +267,8 @@ class WebShopEnv(BaseTextEnv):
         request is resolved by :func:`~fedagent_flwr.envs.webshop.variants.variant_env_config`;
         ``/health`` info then carries its short description under ``"variant"``.
         """
-        from fedagent_flwr.envs.webshop.variants import variant_env_config
-
         from fedagent_flwr.envs.service.app import ServiceEnvSetup
+        from fedagent_flwr.envs.webshop.variants import variant_env_config
 
         effective = dict(config)
         resolved = None
