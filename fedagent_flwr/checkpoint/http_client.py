@@ -194,7 +194,9 @@ class HttpClientStore(ClientStore):
     def _upload(self, slot: str, path: Path, entry: FileEntry, offset: int) -> None:
         restarted = False
         for attempt in range(self.retries + 1):
-            params = {"file": entry.name, "offset": offset, "size": entry.size, "sha256": entry.sha256}
+            params: dict[str, str | int] = {
+                "file": entry.name, "offset": offset, "size": entry.size, "sha256": entry.sha256
+            }
             try:
                 response = self._client().put(slot, params=params, headers=self._upload_headers,
                                           content=_file_chunks(path, offset, self.report))

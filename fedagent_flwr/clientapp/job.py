@@ -143,7 +143,7 @@ def backend_main(
     except failures as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
-    except (JobFileError, *bad_input) as exc:
+    except (JobFileError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0

@@ -189,8 +189,8 @@ def pool_variant(strategy: str, client_id: int, num_clients: int, variant_n: int
     check_args(client_id, num_clients, 1)
     n = effective_variant_n(strategy, variant_n)
     i = choose_variant_index(client_id, n, base_seed)
-    common = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients, "base_seed": int(base_seed),
-              "index": i}
+    common: dict[str, Any] = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients,
+                              "base_seed": int(base_seed), "index": i}
     if strategy == BM25_FIELD_SUBSET:
         name, fields = FIELD_SUBSET_POOL[i]
         return EnvVariant(name=name, bm25={"fields": fields, "k1": DEFAULT_K1, "b": DEFAULT_B}, **common)

@@ -449,7 +449,7 @@ class FedAvgFSDP(FedAvg):
         if metrics is not None:
             # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
             metrics[self.weighted_by_key] = sum(
-                int(next(iter(r.content.metric_records.values()))[self.weighted_by_key])
+                int(next(iter(r.content.metric_records.values()))[self.weighted_by_key])  # type: ignore[arg-type,misc]
                 for r in replies if not r.has_error()
             )
         return metrics
