@@ -19,7 +19,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION = 1
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT ?= 39191
 export FLWR_LOCAL_CONTROL_API_PORT ?= 39193
 
-.PHONY: install alfworld-venv run test clean
+.PHONY: install alfworld-venv run lint test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ alfworld-venv: install
 run: install
 	$(VENV)/bin/python -m fedagent_flwr.outcome run -- $(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
+
+# Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) and type-check (mypy) the
+# package with the versions pinned in the test extra; settings in pyproject.toml. .ci/run runs it first.
+lint: install
+	$(VENV)/bin/ruff check fedagent_flwr
+	$(VENV)/bin/mypy fedagent_flwr
 
 test: install alfworld-venv
 	$(VENV)/bin/python -m pytest -q

@@ -315,7 +315,6 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         )
     partition = dict(_get(raw, "partition"))
     from fedagent_flwr.hetero import STRATEGIES, PartitionError, check_strategy
-
     from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
     from fedagent_flwr.plugins import is_dotted_path
 

@@ -74,7 +74,7 @@ def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | l
     if not hosts:
         raise ValueError("the server certificate needs at least one host (IP address or DNS name)")
     out = Path(directory)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())

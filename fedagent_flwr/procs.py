@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 try:
     import psutil
@@ -94,7 +94,7 @@ class ProcessRef:
         pid, start, boot = data.get("pid"), data.get("since_boot"), data.get("boot")
         if type(pid) is not int or type(start) not in (int, float) or not isinstance(boot, str):
             return None
-        return cls(pid, float(start), boot, str(data.get("name") or ""))
+        return cls(pid, float(cast(float, start)), boot, str(data.get("name") or ""))
 
     def to_json(self) -> dict[str, Any]:
         """``{"pid", "since_boot", "boot", "name"}``."""

@@ -310,7 +310,9 @@ class EvalReply:
     score_mean: float | None = None  # only for envs that score episodes (WebShop's task_score)
 
     def to_record(self) -> RecordDict:
-        values = {NUM_EXAMPLES: self.num_examples, SUCCESS_RATE: self.success_rate, REWARD_MEAN: self.reward_mean}
+        values: dict[str, int | float | list[int] | list[float]] = {
+            NUM_EXAMPLES: self.num_examples, SUCCESS_RATE: self.success_rate, REWARD_MEAN: self.reward_mean
+        }
         if self.score_mean is not None:
             values[SCORE_MEAN] = self.score_mean
         return RecordDict({METRICS: MetricRecord(values)})
@@ -383,7 +385,7 @@ class ShutdownReply:
     def from_record(cls, content: RecordDict) -> ShutdownReply:
         metrics = single_metrics(content)
         return cls(services_stopped=_field(metrics, SERVICES_STOPPED, int, "reply"),
-                   trainers_stopped=int(metrics.get(TRAINERS_STOPPED, 0)))
+                   trainers_stopped=int(metrics.get(TRAINERS_STOPPED, 0)))  # type: ignore[arg-type]  # a count
 
 
 def single_metrics(content: RecordDict) -> MetricRecord:

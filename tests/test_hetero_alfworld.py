@@ -20,9 +20,9 @@ import pytest
 
 from fedagent_flwr.envs.alfworld.data import TASK_TYPES
 from fedagent_flwr.hetero import GoalInfo, PartitionError, partition_goals
-from fedagent_flwr.hetero.common import DEFAULT_MIN_GOALS
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition
 from fedagent_flwr.hetero.task import coverage_assignment, hardness_sizes, load_hardness_labels
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS
 from tests.flower_harness import REPO
 
 SHARED = REPO.parent / "shared" / "data"

@@ -49,12 +49,12 @@ def fsdp_shard_paths(directory: Path, world_size: int) -> list[Path]:
             )
     paths = []
     for rank in range(world_size):
-        path = found.get((world_size, rank))
-        if path is None or not path.is_file():
+        rank_file = found.get((world_size, rank))
+        if rank_file is None or not rank_file.is_file():
             raise CheckpointError(
                 f"{directory} is missing rank file model_world_size_{world_size}_rank_{rank}.pt"
             )
-        paths.append(path)
+        paths.append(rank_file)
     extra = sorted(r for w, r in found if r >= world_size)
     if extra:
         raise CheckpointError(f"{directory} holds rank files for ranks {extra} >= world size {world_size}")

@@ -132,7 +132,9 @@ class HttpClientStore(ClientStore):
             if have < entry.size:
                 headers = {**self._read_headers, **({"Range": f"bytes={have}-"} if have else {})}
                 try:
-                    with self._client().stream("GET", model_url, params={"file": entry.name}, headers=headers) as response:
+                    with self._client().stream(
+                        "GET", model_url, params={"file": entry.name}, headers=headers
+                    ) as response:
                         if response.status_code not in (200, 206):
                             response.read()
                             _raise_for_store(response, f"download of {entry.name}")
@@ -192,7 +194,9 @@ class HttpClientStore(ClientStore):
     def _upload(self, slot: str, path: Path, entry: FileEntry, offset: int) -> None:
         restarted = False
         for attempt in range(self.retries + 1):
-            params = {"file": entry.name, "offset": offset, "size": entry.size, "sha256": entry.sha256}
+            params: dict[str, str | int] = {
+                "file": entry.name, "offset": offset, "size": entry.size, "sha256": entry.sha256
+            }
             try:
                 response = self._client().put(slot, params=params, headers=self._upload_headers,
                                           content=_file_chunks(path, offset, self.report))

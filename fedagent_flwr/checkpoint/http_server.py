@@ -82,7 +82,7 @@ class HttpServerStore(ServerStore):
 
     kind = "http"
 
-    def __init__(self, settings: StorageSettings, run_root: str | Path, run_key: str) -> None:
+    def __init__(self, settings: StorageSettings, run_root: str | os.PathLike[str], run_key: str) -> None:
         super().__init__(run_root)
         self.settings = settings
         self.run_key = run_key
@@ -281,7 +281,8 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
             part.parent.mkdir(parents=True, exist_ok=True)
             have = part.stat().st_size if part.exists() else 0
             if offset != have:
-                return JSONResponse({"detail": f"{file!r}: upload continues at byte {have}, not {offset}",
+                # FastAPI passes a Response through; the dict annotation stays the route's documented body.
+                return JSONResponse({"detail": f"{file!r}: upload continues at byte {have}, not {offset}",  # type: ignore[return-value]
                                      "received": have}, status_code=409)
             have = await _append_body(request, part, have, size, file, store.settings.upload_idle_timeout_s)
             if have < size:
@@ -305,7 +306,8 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
         world_size = body["world_size"]
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise HTTPException(400, f"world_size {world_size!r} is not an integer")
-        ref = CheckpointRef(path=upload_url(store.url, store.run_key, server_round, client, kind), kind=kind,
+        ref = CheckpointRef(path=upload_url(store.url, store.run_key, server_round, client, kind),
+                            kind=kind,  # type: ignore[arg-type]  # the route validates kind against CheckpointRef's kinds
                             format=str(body["format"]), world_size=world_size,  # type: ignore[arg-type]
                             sha256=check_sha256(body["sha256"], "commit"))
         ref.check_fields()

@@ -66,7 +66,7 @@ class CheckpointReader(ABC):
     def huggingface_dir(self) -> Path | None:
         """Directory holding ``config.json`` and tokenizer files for this checkpoint, if any."""
 
-    def verify_content(self) -> None:
+    def verify_content(self) -> None:  # noqa: B027 -- optional hook, no-op by default
         """Complete a content-hash check deferred to reading (``open_checkpoint(...,
         check_hash="while-reading")``); CheckpointError naming the directory on a mismatch.
 
@@ -74,7 +74,7 @@ class CheckpointReader(ABC):
         them until it has returned. A no-op for readers checked at opening or not at all.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional hook, no-op by default
         """Release open files."""
 
     def num_params(self) -> int:

@@ -114,7 +114,7 @@ class SafetensorsStreamWriter:
             )
         data = tensor.detach().to("cpu").contiguous()
         if nbytes:
-            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
             self._file.write(view)
         self._next += 1
 

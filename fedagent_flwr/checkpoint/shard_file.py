@@ -170,13 +170,13 @@ class ShardFile:
         first = meta.storage_offset() * itemsize
         if first + nbytes > storage.nbytes():
             raise CheckpointError(f"{self.path}: a tensor view runs past the end of its storage")
-        start = storage._checkpoint_offset + first  # type: ignore[attr-defined]
+        start = storage._checkpoint_offset + first  # type: ignore[attr-defined,operator]  # set on every storage we map
         if start + nbytes > self._size:
             raise CheckpointError(
                 f"{self.path} is truncated: a tensor needs bytes up to {start + nbytes}, "
                 f"the file has {self._size}"
             )
-        target = memoryview(out.view(-1).view(torch.uint8).numpy())
+        target = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
         if len(target) < nbytes:  # defensive: the caller sized ``out`` from ``meta``
             raise CheckpointError(f"{self.path}: destination too small for a tensor block")
         handle = self._handle
@@ -189,7 +189,7 @@ class ShardFile:
             done += got
         self.bytes_read += nbytes
         if self.hash_stream is not None:
-            self.hash_stream.feed(start, target[:nbytes])
+            self.hash_stream.feed(start, target[:nbytes])  # type: ignore[arg-type]  # plain int on CPU tensors
 
     def content_digest(self) -> bytes:
         """sha256 of the file (raw digest): from the blocks read so far plus the bytes they left
@@ -365,7 +365,9 @@ class _ShardedTensorStub(torch.Tensor):
     st_state: tuple[Any, ...] = ()
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub is narrower than its dispatch protocol
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise CheckpointError("a ShardedTensor placeholder cannot be used as a tensor")
 
     def __setstate__(self, state: Any) -> None:

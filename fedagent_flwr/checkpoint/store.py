@@ -161,7 +161,7 @@ class ServerStore(ABC):
     def describe(self) -> str:
         return f"{self.kind} store at {self.run_root}"
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional hook, no-op by default
         """Release what the store holds (the http store stops serving)."""
 
     def __enter__(self) -> ServerStore:
@@ -262,7 +262,9 @@ class SharedFsClientStore(ClientStore):
     def __init__(self, run_root: str) -> None:
         root = Path(run_root)
         if not root.is_absolute() or ".." in root.parts:
-            raise CheckpointError(f"instruction field '{RUN_ROOT_FIELD}' = {run_root!r} must be an absolute path without '..'")
+            raise CheckpointError(
+                f"instruction field '{RUN_ROOT_FIELD}' = {run_root!r} must be an absolute path without '..'"
+            )
         self._run_root = root
 
     @property

@@ -59,7 +59,8 @@ def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.checkpoint.verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.checkpoint.verify",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)
     args = parser.parse_args(argv)

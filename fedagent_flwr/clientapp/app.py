@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.checkpoint.store import ClientStore, open_client_store
 from fedagent_flwr.clientapp import job as jobs
-from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TrainerFailed, run_trainer
 from fedagent_flwr.clientapp.persistent import PersistentTrainer, TrainerDied, channel_dir
 from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic
@@ -143,7 +143,7 @@ def backend_main(
     except failures as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
-    except (JobFileError, *bad_input) as exc:
+    except (JobFileError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0

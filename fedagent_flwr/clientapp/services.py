@@ -65,7 +65,8 @@ def client_partition(
         return description, variant
     num_goals = env_cls.num_goals(env_config)
     if num_goals is not None and strategy != "none":
-        goal_info = env_cls.goal_info(env_config) if needs_goal_info(strategy) else None
+        # goal_info is an optional classmethod that BaseTextEnv does not declare (cf. hetero.partition_env_spec).
+        goal_info = env_cls.goal_info(env_config) if needs_goal_info(strategy) else None  # type: ignore[attr-defined]
         description["goal_indices"] = partition_goals(
             strategy, client_id, num_clients, num_goals, partition, base_seed, goal_info
         )

@@ -220,7 +220,7 @@ def _handle(body: dict[str, Any], session: TrainerSession, bad_input: tuple[type
             session.train(load(TrainJob, str(body["job"])))
         else:
             session.evaluate(load(EvalJob, str(body["job"])))
-    except (JobFileError, *bad_input) as exc:
+    except (JobFileError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         return {"ok": False, "kind": "bad_input", "error": " ".join(str(exc).split())}, True
     except failures as exc:  # the backend explains itself
         return {"ok": False, "kind": "failed", "error": " ".join(str(exc).split())[:800]}, False

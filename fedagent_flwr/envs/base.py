@@ -64,7 +64,7 @@ class BaseTextEnv(abc.ABC):
     async def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
         """Apply one model reply; return (observation, reward, done, info with ``success``)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 -- optional hook, no-op by default
         """Release resources held by the episode; the default has nothing to release."""
 
     async def __aenter__(self) -> BaseTextEnv:

@@ -82,7 +82,8 @@ def check_env(name: str, config: dict[str, Any], seeds: Sequence[int], actions: 
             continue
         same = first == second
         results.append((f"seed {seed}: deterministic", "" if same else
-                        f"two episodes with seed {seed} and the same replies differ: {first!r:.200} vs {second!r:.200}"))
+                        f"two episodes with seed {seed} and the same replies differ: "
+                        f"{first!r:.200} vs {second!r:.200}"))
         ended = first[-1][2] if len(first) > 1 else False
         results.append((f"seed {seed}: ends within {max_turns} steps",
                         "" if ended else f"still running after {max_turns} steps (set max_turns in the config)"))

@@ -35,7 +35,8 @@ DEFAULT_ENGINE_WORKERS = 2
 def format_observation(observation: str, commands: Sequence[str]) -> str:
     """One user turn: the observation and the quoted admissible commands (verl-agent's layout)."""
     actions = "\n ".join(f"'{c}'" for c in commands)
-    return f"Your current observation is: {observation}\nYour admissible actions of the current situation are: [{actions}]."
+    return (f"Your current observation is: {observation}\n"
+            f"Your admissible actions of the current situation are: [{actions}].")
 
 
 def config_int(config: Mapping[str, Any], key: str, default: int, minimum: int, env: str) -> int:
@@ -98,7 +99,9 @@ class GamePoolEnv(BaseTextEnv):
             return None
         if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
                 or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
-            raise EnvConfigError(f"{cls.env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}")
+            raise EnvConfigError(
+                f"{cls.env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}"
+            )
         bad = [g for g in raw if not 0 <= g < pool_size]
         if bad:
             raise EnvConfigError(f"{cls.env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
@@ -183,7 +186,9 @@ class GamePoolEnv(BaseTextEnv):
 
     def _engine(self) -> Any:
         if self.workers is None:
-            raise RuntimeError(f"{type(self).__name__} plays only inside its service (no engine workers in this process)")
+            raise RuntimeError(
+                f"{type(self).__name__} plays only inside its service (no engine workers in this process)"
+            )
         return self.workers
 
     async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:

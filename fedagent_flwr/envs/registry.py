@@ -98,7 +98,9 @@ def _env_class_at(path: str) -> type[BaseTextEnv]:
         raise UnknownEnvError(f"environment {path!r} is not a BaseTextEnv subclass")
     if not cls.env_name:
         # The registered name is what logs, metrics and /health show.
-        raise UnknownEnvError(f"environment {path!r} is not registered: decorate the class with @register_env(\"Name\")")
+        raise UnknownEnvError(
+            f"environment {path!r} is not registered: decorate the class with @register_env(\"Name\")"
+        )
     return cls
 
 

@@ -230,7 +230,9 @@ def partition_env_spec(
         if needs_goal_info(key):
             provider = getattr(env_cls, "goal_info", None)
             if provider is None:
-                raise PartitionError(f"partition strategy {key!r} needs goal metadata, which {entry.name} does not provide")
+                raise PartitionError(
+                    f"partition strategy {key!r} needs goal metadata, which {entry.name} does not provide"
+                )
             goal_info = provider(entry.config)
         goals = partition_goals(key, client_id, num_clients, pool, knobs, base_seed, goal_info, goal_order(env_cls))
         restricted = env_cls.restrict_goals(entry.config, goals)

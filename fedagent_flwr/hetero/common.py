@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError, uniform_bounds
+from fedagent_flwr.hetero.uniform import PartitionError, uniform_bounds
 
 #: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, used when a knob is absent
 #: (``DEFAULT_MIN_GOALS`` = 100 lives in :mod:`~fedagent_flwr.hetero.uniform`).
@@ -35,8 +35,9 @@ class GoalInfo:
     (True = easy, False = hard, None = unlabelled, which counts as hard) drives ``hardness``;
     ``task_id`` lets ``hardness`` look labels up in a trajectories file instead. ``scene`` and
     ``group`` (the spec: the task without its scene, e.g. ALFWorld's
-    ``<task>-<object>-<mrecep>-<recep>``) drive ``env_disjoint``, which orders a spec's games by ``(scene, trial)``; ``trial`` (ALFWorld's
-    ``trial_T...`` directory) is read from ALFWorld's ``task_id`` when not given.
+    ``<task>-<object>-<mrecep>-<recep>``) drive ``env_disjoint``, which orders a spec's games by
+    ``(scene, trial)``; ``trial`` (ALFWorld's ``trial_T...`` directory) is read from ALFWorld's
+    ``task_id`` when not given.
     """
 
     category: str | None = None

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import DEFAULT_MIN_GOALS, check_args, fedagent_slice, knob_float, knob_int
-from fedagent_flwr.hetero.uniform import PartitionError
+from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob_float, knob_int
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
 
 CATALOG_SPLIT = "catalog_split"
 BM25_FIELD_SUBSET = "bm25_field_subset"
@@ -189,8 +189,8 @@ def pool_variant(strategy: str, client_id: int, num_clients: int, variant_n: int
     check_args(client_id, num_clients, 1)
     n = effective_variant_n(strategy, variant_n)
     i = choose_variant_index(client_id, n, base_seed)
-    common = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients, "base_seed": int(base_seed),
-              "index": i}
+    common: dict[str, Any] = {"strategy": strategy, "client_id": client_id, "num_clients": num_clients,
+                              "base_seed": int(base_seed), "index": i}
     if strategy == BM25_FIELD_SUBSET:
         name, fields = FIELD_SUBSET_POOL[i]
         return EnvVariant(name=name, bm25={"fields": fields, "k1": DEFAULT_K1, "b": DEFAULT_B}, **common)
@@ -232,7 +232,9 @@ def unshuffled_goal_asins(products: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def catalog_distractors(all_asins: Collection[str], targets: Collection[str], holdout: Collection[str] = ()) -> list[str]:
+def catalog_distractors(
+    all_asins: Collection[str], targets: Collection[str], holdout: Collection[str] = ()
+) -> list[str]:
     """sorted(all − targets − holdout); a holdout ASIN among the targets is an error."""
     clash = set(holdout) & set(targets)
     if clash:

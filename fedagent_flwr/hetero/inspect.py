@@ -40,9 +40,9 @@ from fedagent_flwr.hetero import (
     needs_goal_info,
     partition_goals,
 )
-from fedagent_flwr.hetero.common import DEFAULT_MIN_GOALS
 from fedagent_flwr.hetero.env_level import CATALOG_SPLIT, ENV_LEVEL_STRATEGIES, POOL_STRATEGIES, pool_variant
 from fedagent_flwr.hetero.task import all_clients, load_hardness_labels
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS
 from fedagent_flwr.plugins import is_dotted_path
 
 ENVS = ("alfworld", "webshop", "tinyguess")

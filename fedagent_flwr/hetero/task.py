@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from fedagent_flwr.hetero.common import (
-    DEFAULT_MIN_GOALS,
     DEFAULT_OMEGA,
     DEFAULT_SIZE_STD,
     DEFAULT_SUCCESS_STD,
@@ -48,7 +47,7 @@ from fedagent_flwr.hetero.common import (
     knob_float,
     knob_int,
 )
-from fedagent_flwr.hetero.uniform import PartitionError
+from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
 
 __all__ = [
     "assign_with_overlap", "coverage_assignment", "coverage_partition", "coverage_sizes", "hardness_assignment",

@@ -179,7 +179,7 @@ def _dequantized_model_from_gguf(gguf: Path) -> Any:
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
         # save_pretrained refuses a model that still carries the GGUF quantizer.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it without None
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         return model

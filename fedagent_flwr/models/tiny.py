@@ -43,7 +43,7 @@ def make_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' .to wrapper stub
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -78,7 +78,7 @@ def run_directory(settings: RunSettings, run_id: int) -> Path:
     return run_dir
 
 
-def load_strategy_class(class_path: str) -> type[Strategy]:
+def load_strategy_class(class_path: str) -> type[FedAvgFSDP]:
     """Import ``package.module.Class`` and check it is a Flower Strategy."""
     module_name, _, class_name = class_path.rpartition(".")
     try:

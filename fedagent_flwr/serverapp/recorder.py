@@ -147,7 +147,8 @@ class RunRecorder:
             point = _curve_point(server_round, "client", client, metrics)
             self.summary["client_curve"].append(point)
             self._event({"event": "train", **point, "metrics": metrics})
-        self._event({"event": "aggregate", **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
+        self._event({"event": "aggregate",
+                     **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
                             "update_stats": update_stats})
         self.write()
 
@@ -267,7 +268,8 @@ def plot_learning_curve(summary: dict[str, Any], path: Path) -> None:
         rates = [p["success_rate"] for p in val]
         # 95% Wilson intervals (older summaries may lack them: recomputed from n).
         bounds = [p.get("success_ci95") or wilson_interval(p["success_rate"] * p["n"], p["n"]) for p in val]
-        errors = [[max(r - b[0], 0.0) for r, b in zip(rates, bounds)], [max(b[1] - r, 0.0) for r, b in zip(rates, bounds)]]
+        errors = [[max(r - b[0], 0.0) for r, b in zip(rates, bounds)],
+                  [max(b[1] - r, 0.0) for r, b in zip(rates, bounds)]]
         left.errorbar(rounds, rates, yerr=errors, fmt="o-", capsize=3, label="success, global model (95% CI)")
         scored = [p for p in val if "score_mean" in p]
         if scored:

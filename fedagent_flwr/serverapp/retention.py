@@ -63,7 +63,8 @@ class Retention:
                 aggregated = [e for r, e in sorted(entries.items()) if e.get(key)]
                 for entry in aggregated[:-self.keep_last_k]:
                     path = Path(entry[key])
-                    expected = self.run_dir / f"round_{entry['round']}" / ("global" if label == "global_model" else "global_critic")
+                    kind_dir = "global" if label == "global_model" else "global_critic"
+                    expected = self.run_dir / f"round_{entry['round']}" / kind_dir
                     if path == expected:  # only what the server itself wrote
                         self._note(freed, int(entry["round"]), label, _remove(path))
         total = sum(sum(kinds.values()) for kinds in freed.values())
@@ -77,8 +78,8 @@ class Retention:
         recorder.summary["disk_freed_bytes"] = sum(
             sum(e.get("removed", {}).values()) for e in recorder.summary.get("rounds", []))
         recorder.write()
-        log(INFO, "[fedagent] round %d committed: removed %s no longer needed (%.1f MB; storage.keep_client_checkpoints=%s, "
-            "storage.keep_last_k=%d)", server_round, _describe(freed), total / 1e6,
+        log(INFO, "[fedagent] round %d committed: removed %s no longer needed (%.1f MB; "
+            "storage.keep_client_checkpoints=%s, storage.keep_last_k=%d)", server_round, _describe(freed), total / 1e6,
             str(self.keep_client_checkpoints).lower(), self.keep_last_k)
         return total
 

@@ -214,7 +214,10 @@ def load_games(
 
 
 def games_for_config(config: Mapping[str, Any]) -> tuple[GameRecord, ...]:
-    """The game pool an ALFWorld env config names (``data_dir``, ``split``, ``shuffle_seed``, ``num_games``, ``task_types``)."""
+    """The game pool an ALFWorld env config names.
+
+    The config's ``data_dir``, ``split``, ``shuffle_seed``, ``num_games`` and ``task_types`` select it.
+    """
     task_types = config.get("task_types")
     if task_types is not None:
         task_types = _task_type_names(task_types)

@@ -81,7 +81,8 @@ class TWCookingEnv(GamePoolEnv):
         if key not in _POOLS:
             manifest = json.loads((Path(root) / "games.json").read_text())
             _POOLS[key] = tuple(
-                CookingGame(str(Path(root) / g["file"]), g["level"], int(g["seed"]), g["split"], tuple(g["walkthrough"]))
+                CookingGame(str(Path(root) / g["file"]), g["level"], int(g["seed"]), g["split"],
+                            tuple(g["walkthrough"]))
                 for g in manifest["games"])
         return _POOLS[key]
 

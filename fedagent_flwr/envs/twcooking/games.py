@@ -73,7 +73,9 @@ def tw_make_args(settings: Mapping[str, Any], seed: int, split: str, output: Pat
     return args + ["--split", split, "--seed", str(int(seed)), "--output", str(output), "--silent", "-f"]
 
 
-def generate(out: Path, levels: Sequence[tuple[str, dict[str, Any]]], per_level: int, seed: int, split: str) -> list[dict]:
+def generate(
+    out: Path, levels: Sequence[tuple[str, dict[str, Any]]], per_level: int, seed: int, split: str
+) -> list[dict]:
     """Generate the set into ``out`` (under the service interpreter); the manifest entries."""
     import textworld
 
@@ -86,7 +88,9 @@ def generate(out: Path, levels: Sequence[tuple[str, dict[str, Any]]], per_level:
             proc = subprocess.run([sys.executable, str(tw_make), *tw_make_args(settings, game_seed, split, output)],
                                   capture_output=True, text=True)
             if proc.returncode != 0 or not output.is_file():
-                raise GameSetError(f"tw-make failed for level {name!r} seed {game_seed}:\n{(proc.stderr or proc.stdout)[-2000:]}")
+                raise GameSetError(
+                    f"tw-make failed for level {name!r} seed {game_seed}:\n{(proc.stderr or proc.stdout)[-2000:]}"
+                )
             walkthrough = textworld.Game.load(str(output.with_suffix(".json"))).walkthrough
             entries.append({"file": output.name, "level": name, "seed": game_seed, "split": split,
                             "walkthrough": list(walkthrough or [])})

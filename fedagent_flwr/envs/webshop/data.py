@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 DATA_ENV_VAR = "FEDAGENT_WEBSHOP_DATA"
 PRODUCTS_FILE = "items_shuffle_1000.json"
@@ -145,7 +145,7 @@ def _normalise_options(raw_options: Any) -> dict[str, list[str]]:
     return options
 
 
-def _acceptable_asin(asin: Any) -> bool:
+def _acceptable_asin(asin: Any) -> TypeGuard[str]:
     # Upstream skips "nan" and ASINs over 10 characters; FedAgent also admits look-alike clones (LK_...).
     if not isinstance(asin, str) or asin == "nan":
         return False

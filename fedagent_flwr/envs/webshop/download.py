@@ -24,12 +24,15 @@ _FEDAGENT = "sunblaze-ucb/FedAgent/a6fdf2c84fd83966388ebcd01866c3eca8cf2d31"
 
 
 FILES: tuple[DataFile, ...] = (
-    DataFile("items_shuffle_1000.json", f"{_FEDAGENT}/fedagent/envs/webshop/engine/webshop/data/items_shuffle_1000.json"),
+    DataFile("items_shuffle_1000.json",
+             f"{_FEDAGENT}/fedagent/envs/webshop/engine/webshop/data/items_shuffle_1000.json"),
     DataFile("items_ins_v2_1000.json", f"{_FEDAGENT}/fedagent/envs/webshop/engine/webshop/data/items_ins_v2_1000.json",
              "e411cc853a2c56ecf0a148449ca73cbc201b0099d8f64624436d81795219186a"),
-    DataFile("lookalike/lookalike_v_color.json", f"{_FEDAGENT}/data/env_heterogeneity/lookalike_data/lookalike_v_color.json",
+    DataFile("lookalike/lookalike_v_color.json",
+             f"{_FEDAGENT}/data/env_heterogeneity/lookalike_data/lookalike_v_color.json",
              "467ab7b972c5682537f54a30ae02604ab20761511e4379661f24f5afa9252a82"),
-    DataFile("lookalike/lookalike_v_size.json", f"{_FEDAGENT}/data/env_heterogeneity/lookalike_data/lookalike_v_size.json",
+    DataFile("lookalike/lookalike_v_size.json",
+             f"{_FEDAGENT}/data/env_heterogeneity/lookalike_data/lookalike_v_size.json",
              "2900f2715310d2904a9881b3cd0fa7fed9fa04d4e9dcb6563b38281458110f0d"),
     DataFile("lookalike/lookalike_v_price_color.json",
              f"{_FEDAGENT}/data/env_heterogeneity/lookalike_data/lookalike_v_price_color.json",

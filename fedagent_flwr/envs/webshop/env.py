@@ -194,7 +194,7 @@ class WebShopEnv(BaseTextEnv):
         self.goal_indices = _goal_indices(self.config, self.pool_size)
         self.engine = WebShopEngine(
             self.world, self.search_index, allowed_asins=None if catalog is None else set(catalog),
-            top_k=self.top_k,
+            top_k=self.top_k,  # type: ignore[arg-type]  # None only if the config says null
         )
         self.goal_index: int | None = None
         self._turn = 0
@@ -267,9 +267,8 @@ class WebShopEnv(BaseTextEnv):
         request is resolved by :func:`~fedagent_flwr.envs.webshop.variants.variant_env_config`;
         ``/health`` info then carries its short description under ``"variant"``.
         """
-        from fedagent_flwr.envs.webshop.variants import variant_env_config
-
         from fedagent_flwr.envs.service.app import ServiceEnvSetup
+        from fedagent_flwr.envs.webshop.variants import variant_env_config
 
         effective = dict(config)
         resolved = None
@@ -317,7 +316,7 @@ class WebShopEnv(BaseTextEnv):
         self.goal_index = self.goal_index_for_seed(seed)
         goal = self.world.goals[self.goal_index]
         # A private stream per episode for the "<r>" keyword: deterministic, independent of other envs.
-        self.engine.rng = random.Random(self.search_seed * 1_000_003 + seed)
+        self.engine.rng = random.Random(self.search_seed * 1_000_003 + seed)  # type: ignore[operator]  # as top_k
         raw = self.engine.reset(goal)
         self._turn, self._done = 0, False
         available = self.engine.available_actions()
@@ -333,7 +332,7 @@ class WebShopEnv(BaseTextEnv):
         action, valid = project_action(action_text)
         result = self.engine.step(action)
         mapped = service_reward(result.score, result.done)
-        self._done = result.done or self._turn >= self.max_turns
+        self._done = result.done or self._turn >= self.max_turns  # type: ignore[operator]  # as top_k
         available = self.engine.available_actions()
         info: dict[str, Any] = {
             "success": mapped.success,

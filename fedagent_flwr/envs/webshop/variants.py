@@ -80,7 +80,9 @@ class RankWrapperSearch:
 def rank_wrapper_search(base: Searcher, spec: Mapping[str, Any]) -> RankWrapperSearch:
     """A :class:`RankWrapperSearch` from a ``rank_wrapper`` config ({type, seed, shuffle_k?, p?})."""
     if not isinstance(spec, Mapping) or "type" not in spec or set(spec) - {"type", "seed", "shuffle_k", "p"}:
-        raise EnvConfigError(f"WebShop config 'rank_wrapper' must be a mapping with type/seed[/shuffle_k/p], got {spec!r}")
+        raise EnvConfigError(
+            f"WebShop config 'rank_wrapper' must be a mapping with type/seed[/shuffle_k/p], got {spec!r}"
+        )
     try:
         return RankWrapperSearch(base, type=str(spec["type"]), seed=int(spec.get("seed", 42)),
                                  shuffle_k=int(spec.get("shuffle_k", RANK_SHUFFLE_K)),
@@ -105,7 +107,8 @@ def lookalike_file(config: Mapping[str, Any], request: Mapping[str, Any], name: 
     if not path.is_file():
         raise EnvConfigError(
             f"lookalike variant {name!r} needs {path}, which does not exist (FedAgent's v_price file is not in the "
-            "shared data; set 'lookalike_pool' to the files you have, e.g. [\"v_color\", \"v_size\", \"v_price_color\"])"
+            "shared data; set 'lookalike_pool' to the files you have, "
+            "e.g. [\"v_color\", \"v_size\", \"v_price_color\"])"
         )
     return path
 

@@ -472,7 +472,7 @@ class FedAvgFSDP(FedAvg):
             if not all(SCORE_MEAN in v for v in values):
                 metrics.pop(SCORE_MEAN, None)  # a mean over the scoring clients' share only would read low
             # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
-            metrics[self.weighted_by_key] = sum(int(v[self.weighted_by_key]) for v in values)
+            metrics[self.weighted_by_key] = sum(int(v[self.weighted_by_key]) for v in values)  # type: ignore[arg-type,misc]
         return metrics
 
     def _check_and_log_replies(

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 from logging import INFO
 
-from flwr.app import Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
@@ -29,7 +29,8 @@ MAX_REPLY_BYTES = 64 * 1024
 def reply_bytes(content: RecordDict) -> int:
     """Approximate payload size of a reply: array bytes plus the length of every config value."""
     size = sum(len(array.data) for record in content.array_records.values() for array in record.values())
-    for record in [*content.config_records.values(), *content.metric_records.values()]:
+    records: list[ConfigRecord | MetricRecord] = [*content.config_records.values(), *content.metric_records.values()]
+    for record in records:
         for key, value in record.items():
             items = value if isinstance(value, list) else [value]
             size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)

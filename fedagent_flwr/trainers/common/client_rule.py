@@ -70,7 +70,9 @@ def load_client_rule(trainer: Mapping[str, Any]) -> ClientRule | None:
     try:
         rule = factory(**dict(args))
     except (TypeError, ValueError) as exc:
-        raise ClientRuleError(f"trainer.client_rule {path!r} rejected trainer.client_rule_args {dict(args)}: {exc}") from None
+        raise ClientRuleError(
+            f"trainer.client_rule {path!r} rejected trainer.client_rule_args {dict(args)}: {exc}"
+        ) from None
     if not callable(getattr(rule, "apply", None)):
         raise ClientRuleError(f"trainer.client_rule {path!r} built an object without an apply(named_parameters) method")
     return rule  # type: ignore[no-any-return]

@@ -58,7 +58,7 @@ class GRPOConfig(EvalSettings):
                     raise InputError(f"trainer.{key} must be an integer, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InputError(f"trainer.{key} must be a number, got {value!r}")
-            values[key] = type(default)(value)
+            values[key] = type(default)(value)  # type: ignore[misc]  # default is a str/int/float here, never MISSING
         config = cls(**values)
         config._check()
         return config, sorted(k for k in (raw or {}) if k not in known)

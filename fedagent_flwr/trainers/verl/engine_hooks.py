@@ -125,7 +125,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``target`` with the normal machinery, then runs each of its patches right after the
     module executes, in whichever process first imports it (verl's Ray workers included)."""
 
-    def __init__(self, target: str, patch: Callable[[Any], None]) -> None:
+    def __init__(self, target: str, patch: Callable[[Any], object]) -> None:  # a return value is ignored
         self.target = target
         self.patches = [patch]
         self._inner: Any = None
@@ -150,7 +150,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             patch(module)
 
 
-def patch_when_imported(target: str, patch: Callable[[Any], None]) -> None:
+def patch_when_imported(target: str, patch: Callable[[Any], object]) -> None:
     """Apply ``patch`` to module ``target`` now if it is loaded, else as soon as it is imported.
 
     Several patches of one module run in the order they were asked for.

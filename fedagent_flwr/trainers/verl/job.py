@@ -25,8 +25,8 @@ from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, job_rule_specs, without_rule_keys
-from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
+from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hooks, weight_sync
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
@@ -111,7 +111,9 @@ def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, A
     for name in settings.plugin_modules:
         # Located, not run (it imports verl): a typo fails here instead of in a Ray worker.
         if _module_spec(name) is None:
-            raise InputError(f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)")
+            raise InputError(
+                f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)"
+            )
     world = check_train_world(job, PROG)  # the rule is built once there: a bad one fails before verl starts
     rule = {key: job.trainer.get(key) for key in RULE_KEYS} if world.user_rule else None
     return settings, world.spec, world.model_path, rule

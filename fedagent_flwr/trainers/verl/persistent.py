@@ -256,7 +256,8 @@ class VerlSession:
             # as verl.trainer.main_ppo.run_ppo initialises Ray
             ray_init = config.ray_kwargs.get("ray_init", {})
             runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.get("runtime_env", {}))
-            ray.init(**OmegaConf.to_container(OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
+            ray.init(**OmegaConf.to_container(  # type: ignore[arg-type]  # a mapping: created from a dict
+                OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
 
             stage = "starting verl's TaskRunner and workers (init_workers)"
             from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner

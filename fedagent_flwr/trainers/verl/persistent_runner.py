@@ -61,11 +61,11 @@ def recording_tracking(records: list[dict[str, Any]], t0: float) -> Iterator[Non
             records.append({"step": int(step), "t": time.monotonic() - t0, "metrics": numeric_metrics(data)})
             super().log(data=data, step=step, backend=backend)
 
-    tracking.Tracking = RecordingTracking
+    tracking.Tracking = RecordingTracking  # type: ignore[misc]  # the swap is the point (restored below)
     try:
         yield
     finally:
-        tracking.Tracking = stock
+        tracking.Tracking = stock  # type: ignore[misc]
 
 
 class PersistentTaskRunner(BaseTaskRunner):
@@ -171,7 +171,7 @@ class PersistentTaskRunner(BaseTaskRunner):
         with recording_tracking(records, t0):
             trainer.fit()
         fit_s = time.monotonic() - fit_started
-        trainer.checkpoint_manager.sleep_replicas()
+        trainer.checkpoint_manager.sleep_replicas()  # type: ignore[attr-defined]  # set by init_workers()
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),

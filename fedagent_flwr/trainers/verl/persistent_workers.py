@@ -67,7 +67,7 @@ def _rank(worker: Any) -> int:
 class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
     """verl's hybrid actor/rollout/ref worker, plus ``fedagent_reload``."""
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
     def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
         """Load ``model_path`` into the actor engine and, when there is one, the reference engine
         (the reference policy of a round is its global model). The vLLM replicas get the weights at
@@ -86,7 +86,7 @@ class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
 class ReloadableTrainingWorker(TrainingWorker):
     """verl's TrainingWorker (the PPO critic), plus ``fedagent_reload``."""
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
     def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
         """Load the critic's start for the round (the aggregated critic, or the model in round 1)."""
         reseed(seed)

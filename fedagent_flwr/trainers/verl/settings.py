@@ -91,11 +91,14 @@ class VerlSettings:
             )
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
             raise VerlSettingsError(
-                f"trainer.attn_implementation must be sdpa, eager or flash_attention_2, got {self.attn_implementation!r}"
+                "trainer.attn_implementation must be sdpa, eager or flash_attention_2, "
+                f"got {self.attn_implementation!r}"
             )
         for name in self.plugin_modules:
             if not _MODULE_NAME.match(name):
-                raise VerlSettingsError(f"trainer.plugin_modules entry {name!r} is not a module name such as mypkg.estimators")
+                raise VerlSettingsError(
+                    f"trainer.plugin_modules entry {name!r} is not a module name such as mypkg.estimators"
+                )
         for item in self.extra_overrides:
             if "=" not in item or item.startswith("=") or any(c in item for c in "\n\r\0"):
                 raise VerlSettingsError(

@@ -116,8 +116,9 @@ def serialize_update_weights(module: Any, lock_path: str, wait_s: float = WAIT_S
         finally:
             lock.release()
 
-    manager.update_weights = auto_await(update_weights)
-    manager._fedagent_weight_sync_lock = lock_path
+    # manager is not None here: inner was read from it (getattr(None, ...) gives None and returned above).
+    manager.update_weights = auto_await(update_weights)  # type: ignore[union-attr]
+    manager._fedagent_weight_sync_lock = lock_path  # type: ignore[union-attr]
     return True
 
 
