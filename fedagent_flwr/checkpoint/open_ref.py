@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths

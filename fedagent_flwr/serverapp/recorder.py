@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from logging import WARNING
 from collections.abc import Sequence
+from logging import WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,7 +149,7 @@ class RunRecorder:
             self._event({"event": "train", **point, "metrics": metrics})
         self._event({"event": "aggregate",
                      **{k: entry[k] for k in ("round", "clients", "aggregated_actor", "rejected")},
-                            "update_stats": update_stats})
+                     "update_stats": update_stats})
         self.write()
 
     def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any]) -> None:

@@ -389,18 +389,20 @@ class FedAvgFSDP(FedAvg):
                         _, reply, reader = opened.pop(i)
                         reader.close()
                         self._refuse(server_round, reply.client_id, str(exc), refused)
-                    opened = reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
+                    opened = reopened(opened, self.run_root,
+                                      lambda client, why: self._refuse(server_round, client, why, refused))
                     continue
                 # The built-in rules check every content hash before they rename the mean into place;
                 # a custom rule may not, so every source is checked here before anything is used.
                 mismatched = content_mismatches([reader for _, _, reader in opened])
                 if mismatched:
                     shutil.rmtree(out_dir, ignore_errors=True)
-                    for i, exc in reversed(mismatched):
+                    for i, mismatch in reversed(mismatched):
                         _, reply, reader = opened.pop(i)
                         reader.close()
-                        self._refuse(server_round, reply.client_id, str(exc), refused)
-                    opened = reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
+                        self._refuse(server_round, reply.client_id, str(mismatch), refused)
+                    opened = reopened(opened, self.run_root,
+                                      lambda client, why: self._refuse(server_round, client, why, refused))
                     continue
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
