@@ -67,6 +67,7 @@ def test_waves_keep_the_sessions_within_the_budget() -> None:
 def test_stop_ends_every_running_launcher_group_and_forgets_ended_ones(tmp_path: Path) -> None:
     """``arms.py stop`` signals each run's whole process group (a launcher and what it started in
     its group), the scheduler first, and drops the pid files of runs that had already ended."""
+    import os
     import subprocess
     import time
 
@@ -77,8 +78,10 @@ def test_stop_ends_every_running_launcher_group_and_forgets_ended_ones(tmp_path:
     running = subprocess.Popen(["bash", "-c", "sleep 300 & wait"], start_new_session=True)
     ended = subprocess.Popen(["true"], start_new_session=True)
     ended.wait()
-    (tmp_path / "federated-s1.pid").write_text(f"{running.pid}\n")
-    (tmp_path / "local-s1.pid").write_text(f"{ended.pid}\n")
+    (tmp_path / "federated-s1.pid").write_text(arms._pid_line(running.pid))
+    (tmp_path / "local-s1.pid").write_text(f"{ended.pid} 12345\n")
+    # a pid file whose process is gone and whose pid now belongs to another process (this one)
+    (tmp_path / "centralized-s1.pid").write_text(f"{os.getpid()} 1\n")
     time.sleep(0.2)  # let the launcher start its child
     child = subprocess.run(["pgrep", "-g", str(running.pid), "sleep"], capture_output=True, text=True).stdout.split()
     assert child, "the launcher's child did not start"

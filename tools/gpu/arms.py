@@ -91,9 +91,21 @@ def _start(out: Path, run: dict[str, Any]) -> subprocess.Popen[bytes]:
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # outlives the command that launched it
         )
-    (out / f"{run['name']}.pid").write_text(f"{process.pid}\n")  # its process group, for `stop`
+    (out / f"{run['name']}.pid").write_text(_pid_line(process.pid))  # its process group, for `stop`
     print(f"started {run['name']} (pid {process.pid}, port {run['port']}): {run['overrides']}", flush=True)
     return process
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22), or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_line(pid: int) -> str:
+    return f"{pid} {_start_ticks(pid)}\n"
 
 
 def stop(out: Path) -> list[str]:
@@ -106,7 +118,11 @@ def stop(out: Path) -> list[str]:
     # the scheduler first, so that it cannot start another wave while the runs are stopped
     for pid_file in sorted(out.glob("*.pid"), key=lambda path: (path.name != "schedule.pid", path.name)):
         try:
-            os.killpg(int(pid_file.read_text()), signal.SIGTERM)
+            pid, started = pid_file.read_text().split()
+            # the same process (pids wrap: a recycled one is a stranger), still leading its group
+            if _start_ticks(int(pid)) != started or os.getpgid(int(pid)) != int(pid):
+                raise ProcessLookupError
+            os.killpg(int(pid), signal.SIGTERM)
         except (ProcessLookupError, ValueError):
             pid_file.unlink(missing_ok=True)  # already ended
             continue
@@ -136,7 +152,7 @@ def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str
             scheduler = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "schedule", "--out", str(out)],
                                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
-        (out / "schedule.pid").write_text(f"{scheduler.pid}\n")
+        (out / "schedule.pid").write_text(_pid_line(scheduler.pid))
         print(f"{len(runs)} runs in {len(groups)} waves of at most {max_sessions} sessions: "
               + " | ".join(", ".join(r["name"] for r in g) for g in groups) + f" (progress in {out / 'schedule.log'})")
     return runs
