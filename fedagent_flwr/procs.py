@@ -263,26 +263,47 @@ def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any])
     return ref
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state first, start time at index 19), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 class OwnerWatch:
     """Tells when an owner process is gone, exactly: a pidfd refers to one process, never to a
-    later one that got its pid. Needs only the standard library (see the module docstring)."""
+    later one that got its pid. Where pidfds are unavailable (Python < 3.9, Linux < 5.3, a seccomp
+    filter) it compares the pid's start time instead. Needs only the standard library (see the
+    module docstring)."""
 
     def __init__(self, owner: int | ProcessRef) -> None:
         """``owner`` a pid (taken to be the process running now) or a :class:`ProcessRef`."""
         self.pid = owner if isinstance(owner, int) else owner.pid
+        self._fd: int | None = None
+        self._ticks: str | None = None  # the fallback's identity of the owner
         try:
-            self._fd: int | None = os.pidfd_open(self.pid)
+            self._fd = os.pidfd_open(self.pid)
         except ProcessLookupError:
-            self._fd = None
+            pass  # already gone
+        except (AttributeError, OSError):
+            self._ticks = _stat_fields(self.pid)[19] if _stat_fields(self.pid) else None
         if isinstance(owner, ProcessRef) and not owner.alive():
             self.close()  # the pid was reused before the watch began: the owner is gone
 
     def gone(self) -> bool:
         """Whether the owner has exited (its pidfd turns readable then; a zombie counts as gone)."""
-        return self._fd is None or bool(select.select([self._fd], [], [], 0)[0])
+        if self._fd is not None:
+            return bool(select.select([self._fd], [], [], 0)[0])
+        if self._ticks is not None:
+            fields = _stat_fields(self.pid)
+            return fields is None or fields[19] != self._ticks or fields[0] == "Z"
+        return True
 
     def close(self) -> None:
         """Release the pidfd; the watch then reports the owner gone."""
+        self._ticks = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

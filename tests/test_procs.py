@@ -107,7 +107,18 @@ def test_a_zombie_is_not_alive() -> None:
     child.poll()
 
 
-def test_owner_watch_sees_the_owner_die_and_never_a_stranger() -> None:
+@pytest.fixture(params=["pidfd", "no-pidfd"])
+def pidfds(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run with pidfds, and as on a kernel or interpreter without them (the start-time fallback)."""
+    if request.param == "no-pidfd":
+        def unavailable(pid: int) -> int:
+            raise OSError(38, "Function not implemented")  # ENOSYS, as on Linux < 5.3
+
+        monkeypatch.setattr(procs.os, "pidfd_open", unavailable)
+    return str(request.param)
+
+
+def test_owner_watch_sees_the_owner_die_and_never_a_stranger(pidfds: str) -> None:
     owner = subprocess.Popen(SLEEP)
     watch = OwnerWatch(owner.pid)
     try:
