@@ -288,7 +288,8 @@ class OwnerWatch:
         except ProcessLookupError:
             pass  # already gone
         except (AttributeError, OSError):
-            self._ticks = _stat_fields(self.pid)[19] if _stat_fields(self.pid) else None
+            fields = _stat_fields(self.pid)
+            self._ticks = fields[19] if fields else None
         if isinstance(owner, ProcessRef) and not owner.alive():
             self.close()  # the pid was reused before the watch began: the owner is gone
 
