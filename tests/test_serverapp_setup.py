@@ -38,6 +38,10 @@ def test_build_strategy_checks_kwargs_and_mu(tmp_path: Path, tiny_model_dir: Pat
         build_strategy(load_settings(overrides="strategy.proximal_mu=0.1"), tmp_path, base)
     custom = build_strategy(load_settings(overrides="+strategy.kwargs.weighted_by_key=episodes"), tmp_path, base)
     assert custom.weighted_by_key == "episodes"
+    slow_nodes = build_strategy(load_settings(overrides="+strategy.kwargs.discovery_timeout=1800"), tmp_path, base)
+    assert slow_nodes.nodes.discovery_timeout == 1800.0  # the node registry's, not the strategy's
+    with pytest.raises(ConfigError, match="discovery_timeout' = -1: give a number of seconds > 0"):
+        build_strategy(load_settings(overrides="+strategy.kwargs.discovery_timeout=-1"), tmp_path, base)
 
 
 def test_run_directory_is_named_by_run_name_or_run_id(tmp_path: Path) -> None:

@@ -115,6 +115,12 @@ def build_strategy(
     """Instantiate the configured strategy with the run's plan (``store`` None: shared filesystem;
     ``initial_critic``: PPO's global critic of a resumed run)."""
     cls = load_strategy_class(settings.strategy_class)
+    extra = dict(settings.strategy_kwargs)
+    # how long round 1 waits for a SuperNode to serve every partition (slow GPU nodes: raise it)
+    discovery_timeout = extra.pop("discovery_timeout", 600.0)
+    if isinstance(discovery_timeout, bool) or not isinstance(discovery_timeout, (int, float)) or discovery_timeout <= 0:
+        raise ConfigError(f"config key 'strategy.kwargs.discovery_timeout' = {discovery_timeout!r}: "
+                          "give a number of seconds > 0")
     planned: dict[str, Any] = dict(
         run_root=str(run_dir),
         initial_model=initial_model,
@@ -126,13 +132,13 @@ def build_strategy(
         plan=run_plan(settings),
         eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
         store=store,
-        nodes=NodeRegistry(settings.total_clients),
+        nodes=NodeRegistry(settings.total_clients, float(discovery_timeout)),
         initial_critic=initial_critic,
     )
-    clash = sorted(set(planned) & set(settings.strategy_kwargs))
+    clash = sorted(set(planned) & set(extra))
     if clash:
         raise ConfigError(f"config key 'strategy.kwargs.{clash[0]}' is set by the run itself and cannot be overridden")
-    kwargs = {**planned, **settings.strategy_kwargs}
+    kwargs = {**planned, **extra}
     if issubclass(cls, FedProxFSDP) or "proximal_mu" in inspect.signature(cls).parameters:
         kwargs["proximal_mu"] = settings.proximal_mu
     elif settings.proximal_mu > 0:
