@@ -17,6 +17,7 @@ import datetime
 import ipaddress
 import os
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,9 +190,21 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
                                                       default=False))["superlink"][name]
     if make_default:
         connections["default"] = name
-    tmp = path.with_name(path.name + ".tmp")
-    _write(tmp, tomli_w.dumps(config).encode())
-    os.replace(tmp, path)
+    # a private temporary name next to it (never a fixed name a link could redirect), the file's
+    # own mode kept (a user's 0600 stays 0600), flushed to disk before it replaces the original
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(tomli_w.dumps(config).encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -232,4 +232,7 @@ def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path
     config = tomllib.loads(path.read_text())["superlink"]
     assert config["mine"]["address"] == "10.0.0.7:8000" and config["default"] == "mine"
     assert config["local"] == {"address": ":local:"}
-    assert not list(home.glob("*.tmp"))
+    assert sorted(p.name for p in home.iterdir()) == ["config.toml"]  # no temporary file left
+    path.chmod(0o600)  # a user's private config stays private
+    write_connection(home, "site-c", "10.0.0.8:8000", insecure=True)
+    assert path.stat().st_mode & 0o777 == 0o600
