@@ -12,11 +12,15 @@ adds around it:
 - it commits a round once its evaluation is recorded, and skips the rounds an earlier attempt at the
   same run committed (:mod:`.resume`): a completed round never reaches strategy code;
 - it stops the run (:class:`~fedagent_flwr.serverapp.failures.RoundFailedError`) when every client
-  of a round failed for the same reason.
+  of a round failed for the same reason;
+- it shows progress: a line every minute while it waits on clients, and each round's time with
+  an ETA for the rest of the run.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from logging import INFO, WARNING
 from typing import Any
@@ -32,6 +36,8 @@ from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 NO_NODE = "no SuperNode serves this partition now"
 NOT_SENT = "selected but sent no instruction (fewer clients connected than the strategy's minimum)"
 NO_REPLY = "no reply within the round timeout"
+# How often a round that waits on its clients says so (clients train for minutes, silently).
+WAITING_LINE_EVERY_S = 60.0
 
 
 def _clients(strategy: FedAvgFSDP, messages: Sequence[Message]) -> list[int]:
@@ -134,25 +140,50 @@ class RoundLoop:
             if evaluate_base:
                 self.evaluate(0)
             self.recorder.complete_round(0)
+        took: list[float] = []
         for server_round in range(1, num_rounds + 1):
             if server_round <= self.done:
                 log(INFO, "round %d was completed by an earlier attempt at this run; skipped", server_round)
                 continue
             log(INFO, "")
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            started = time.monotonic()
             self.train(server_round)
             self.evaluate(server_round)
             self.recorder.complete_round(server_round)
             if self.after_commit is not None:
                 self.after_commit(server_round)
+            took.append(time.monotonic() - started)
+            left = num_rounds - server_round
+            log(INFO, "round %d/%d done in %.0f s%s", server_round, num_rounds, took[-1],
+                f"; about {left * sum(took) / len(took) / 60:.1f} min left for {left} round(s) "
+                f"(the mean of this attempt's {len(took)})" if left else "")
 
-    def _send(self, messages: list[Message]) -> list[Message]:
-        return list(self.grid.send_and_receive(messages, timeout=self.timeout)) if messages else []
+    def _send(self, messages: list[Message], server_round: int, what: str) -> list[Message]:
+        """Send ``messages`` and wait for the replies, saying every minute whom the round waits on."""
+        if not messages:
+            return []
+        clients = _clients(self.strategy, messages)
+        done = threading.Event()
+
+        def remind() -> None:
+            started = time.monotonic()
+            while not done.wait(WAITING_LINE_EVERY_S):
+                log(INFO, "round %d: %s: waiting on clients %s, %.0f min so far (round timeout %.0f min)",
+                    server_round, what, clients, (time.monotonic() - started) / 60, self.timeout / 60)
+
+        reminder = threading.Thread(target=remind, name=f"waiting-round-{server_round}", daemon=True)
+        reminder.start()
+        try:
+            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        finally:
+            done.set()
+            reminder.join()
 
     def train(self, server_round: int) -> None:
         """One training step: configure, send, aggregate, record."""
         messages = list(self.strategy.configure_train(server_round, ArrayRecord(), ConfigRecord(), self.grid))
-        replies = self._send(messages)
+        replies = self._send(messages, server_round, "training")
         aggregate_round(self.strategy, self.recorder, server_round, _clients(self.strategy, messages), replies)
 
     def evaluate(self, server_round: int) -> None:
@@ -163,5 +194,5 @@ class RoundLoop:
                 return
             log(INFO, "")
             log(INFO, "[ROUND 0]")
-        replies = self._send(messages)
+        replies = self._send(messages, server_round, "evaluation")
         evaluate_round(self.strategy, self.recorder, server_round, _clients(self.strategy, messages), replies)
