@@ -43,7 +43,7 @@ def put_params(name: str, data: bytes, offset: int = 0, sha: str | None = None, 
 
 
 def test_an_upload_is_checked_committed_atomically_and_resolves_to_the_same_checkpoint(
-        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+        store: HttpServerStore, suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = suite.copy("qwen_b", tmp_path / "node0")  # world size 2, with huggingface/ files
     client = node(store, tmp_path / "node0")
     before = tree(tmp_path, skip=(store.run_root, tmp_path / "node0"))
@@ -51,6 +51,10 @@ def test_an_upload_is_checked_committed_atomically_and_resolves_to_the_same_chec
     assert ref.path == upload_url(store.url, RUN, 1, 0, "actor")
     assert (ref.format, ref.world_size, ref.sha256) == ("fsdp-shards", 2, hash_checkpoint_dir(source))
     assert client.report.bytes_sent == build_manifest(source).total_bytes
+    # the transfer is logged with its size, time and rate
+    megabytes = f"{build_manifest(source).total_bytes / 1e6:.1f} MB in "
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[store]")]
+    assert line.startswith(f"[store] client 0's actor of round 1 uploaded: {megabytes}") and "MB/s" in line, line
     local = store.resolve(ref, 1, 0)
     landed = Path(local.path)
     assert landed == store.run_root / "round_1" / "client_0" / "actor"

@@ -41,6 +41,17 @@ class TransferReport:
     bytes_received: int = 0
     files_skipped: int = 0  # already complete on the other side (or in the cache)
     cache_hit: bool = False
+    started: float = 0.0  # time.monotonic() at the start
+
+    def describe(self, what: str) -> str:
+        """One log line: what moved, its size, time and rate (a 28 GB transfer must not look like a hang)."""
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        moved = self.bytes_sent + self.bytes_received
+        if self.cache_hit:
+            return f"[store] {what}: from this node's cache"
+        skipped = f", {self.files_skipped} file(s) already there" if self.files_skipped else ""
+        return (f"[store] {what}: {moved / 1e6:.1f} MB in {seconds:.1f} s "
+                f"({moved / 1e6 / seconds:.1f} MB/s){skipped}")
 
 
 class HttpClientStore(ClientStore):
@@ -88,7 +99,12 @@ class HttpClientStore(ClientStore):
         if len(segments) < 2 or segments[0] != "models":
             raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
         digest = check_sha256(ref.sha256, f"global model {ref.path}")
-        self.report = TransferReport()
+        self.report = TransferReport(started=time.monotonic())
+        target = self._fetch(ref, digest)
+        print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
+        return target
+
+    def _fetch(self, ref: CheckpointRef, digest: str) -> Path:
         target = self.cache_dir / digest
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         # One download per model per node, even with several ClientApp processes at once.
@@ -167,9 +183,11 @@ class HttpClientStore(ClientStore):
         local = CheckpointRef.for_directory(directory, kind)
         manifest = build_manifest(directory)
         slot = f"{self.url}/runs/{self.run_key}/uploads/{server_round}/{client}/{kind}"
-        self.report = TransferReport()
+        self.report = TransferReport(started=time.monotonic())
         with self._session():
-            return self._put(Path(directory), local, manifest, slot)
+            ref = self._put(Path(directory), local, manifest, slot)
+        print(self.report.describe(f"client {client}'s {kind} of round {server_round} uploaded"), flush=True)
+        return ref
 
     def _put(self, directory: Path, local: CheckpointRef, manifest: Manifest, slot: str) -> CheckpointRef:
         status = self._upload_status(slot)
