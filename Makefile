@@ -42,12 +42,12 @@ run: install
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
 # Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) and type-check (mypy) the
-# package with the versions pinned in the test extra; settings in pyproject.toml. .ci/run runs it first.
+# package with the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
 lint: install
 	$(VENV)/bin/ruff check fedagent_flwr
 	$(VENV)/bin/mypy fedagent_flwr
 
-test: install alfworld-venv
+test: install alfworld-venv lint
 	$(VENV)/bin/python -m pytest -q
 
 clean:
