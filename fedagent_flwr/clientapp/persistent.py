@@ -162,8 +162,10 @@ class PersistentTrainer:
             for stale in (self.channel / box).glob("*"):
                 stale.unlink(missing_ok=True)
         self.channel.mkdir(parents=True, exist_ok=True)
-        for marker in (STOPPING_FILE, CLOSING_FILE):
-            (self.channel / marker).unlink(missing_ok=True)
+        # The stop marker stays: it names the pid it was written for, so it never applies to the new
+        # trainer, and a thread still waiting on the stopped one must find it (else the stop reads
+        # as a crash, TrainerDied, and the job would be rerun).
+        (self.channel / CLOSING_FILE).unlink(missing_ok=True)
         env = trainer_environment()
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
         watched = node_process()
