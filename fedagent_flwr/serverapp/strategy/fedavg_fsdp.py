@@ -385,24 +385,14 @@ class FedAvgFSDP(FedAvg):
                         for _, reply, _ in opened:
                             refused.setdefault(reply.client_id, f"aggregation failed: {exc}")
                         return None, [], None
-                    for i in reversed(culprits):
-                        _, reply, reader = opened.pop(i)
-                        reader.close()
-                        self._refuse(server_round, reply.client_id, str(exc), refused)
-                    opened = reopened(opened, self.run_root,
-                                      lambda client, why: self._refuse(server_round, client, why, refused))
+                    opened = self._drop(server_round, opened, [(i, str(exc)) for i in culprits], refused)
                     continue
                 # The built-in rules check every content hash before they rename the mean into place;
                 # a custom rule may not, so every source is checked here before anything is used.
                 mismatched = content_mismatches([reader for _, _, reader in opened])
                 if mismatched:
                     shutil.rmtree(out_dir, ignore_errors=True)
-                    for i, mismatch in reversed(mismatched):
-                        _, reply, reader = opened.pop(i)
-                        reader.close()
-                        self._refuse(server_round, reply.client_id, str(mismatch), refused)
-                    opened = reopened(opened, self.run_root,
-                                      lambda client, why: self._refuse(server_round, client, why, refused))
+                    opened = self._drop(server_round, opened, [(i, str(m)) for i, m in mismatched], refused)
                     continue
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
@@ -418,6 +408,16 @@ class FedAvgFSDP(FedAvg):
                 reader.close()
             if reference is not None:
                 reference.close()
+
+    def _drop(self, server_round: int, opened: list[tuple[Message, TrainReply, CheckpointReader]],
+              culprits: list[tuple[int, str]], refused: dict[int, str]
+              ) -> list[tuple[Message, TrainReply, CheckpointReader]]:
+        """Refuse the culprits (index into ``opened``, reason) and reopen the rest for another pass."""
+        for i, reason in sorted(culprits, reverse=True):
+            _, reply, reader = opened.pop(i)
+            reader.close()
+            self._refuse(server_round, reply.client_id, reason, refused)
+        return reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, refused: dict[int, str]) -> None:
