@@ -80,8 +80,9 @@ class Session:
         for number, records in sorted(by_round.items()):
             values = _combine(records)
             first_sync = [r for r in records if r["phase"] == "weight_sync" and r.get("call") == 1]
-            values["overhead"] = (sum(values.get(name, 0.0) for name in OVERHEAD)
-                                  + sum(float(r["dt"]) for r in first_sync))
+            if first_sync or any(name in values for name in OVERHEAD):
+                values["overhead"] = (sum(values.get(name, 0.0) for name in OVERHEAD)
+                                      + sum(float(r["dt"]) for r in first_sync))
             table[number] = values
         return table
 
@@ -120,13 +121,22 @@ def _row(name: str, depth: int, values: list[float | None]) -> str:
     present = [v for v in values if v is not None]
     mean = sum(present) / len(present) if present else None
     cells = ["–" if v is None else f"{v:.1f}" for v in [*values, mean]]
-    return f"| {'&nbsp;' * 4 * depth}{name} | " + " | ".join(cells) + " |"
+    return f"| {'&nbsp;' * 2 * depth}{name} | " + " | ".join(cells) + " |"
 
 
 def _ordered(canonical: list[tuple[str, int]], seen: set[str]) -> list[tuple[str, int]]:
-    """The canonical rows present in ``seen``, then any other phase (sorted), at depth 0."""
+    """The canonical rows present in ``seen``, each indented by its ancestors that are present,
+    then any other phase (sorted), not indented."""
+    rows, open_depths = [], []  # depths of the present rows a later row may run inside
+    for name, depth in canonical:
+        if name not in seen:
+            continue
+        while open_depths and open_depths[-1] >= depth:
+            open_depths.pop()
+        rows.append((name, len(open_depths)))
+        open_depths.append(depth)
     known = {name for name, _ in canonical}
-    return [(n, d) for n, d in canonical if n in seen] + [(n, 0) for n in sorted(seen - known)]
+    return rows + [(n, 0) for n in sorted(seen - known)]
 
 
 def tables(sessions: list[Session], from_round: int = 2) -> str:
@@ -145,14 +155,17 @@ def tables(sessions: list[Session], from_round: int = 2) -> str:
     means: list[dict[str, float]] = []
     for per_round in rounds:
         names = set().union(*per_round.values()) if per_round else set()
-        means.append({n: sum(r.get(n, 0.0) for r in per_round.values()) / len(per_round) for n in names})
+        # a phase's mean over the rounds that have it (a round without a sync has no first sync)
+        means.append({n: sum(r[n] for r in per_round.values() if n in r) / sum(n in r for r in per_round.values())
+                      for n in names})
     lines += ["", f"Rounds >= {from_round} (seconds per round, mean over the rounds; overhead = reload + the "
               "round's first weight sync + dataloader)", "", header, rule]
     lines.append(_row("rounds averaged", 0, [float(len(r)) if r else None for r in rounds]))
     for name, depth in _ordered(ROUND, set().union(*means) - {"overhead"}):
         lines.append(_row(name, depth, [m.get(name) for m in means]))
     lines.append(_row("overhead", 0, [m.get("overhead") for m in means]))
-    shares = [100.0 * m["overhead"] / m["round_total"] if m.get("round_total") else None for m in means]
+    shares = [100.0 * m["overhead"] / m["round_total"] if m.get("round_total") and "overhead" in m else None
+              for m in means]
     lines.append(_row("overhead share of the round (%)", 0, shares))
     return "\n".join(lines) + "\n"
 
