@@ -190,3 +190,34 @@ def test_the_verl_calls_the_session_times_are_where_it_expects_them() -> None:
     assert "self.reward_loop_workers" in inspect.getsource(RewardLoopManager)
     assert callable(ResourcePoolManager.create_resource_pool) and callable(RayWorkerGroup.__init__)
     assert inspect.iscoroutinefunction(CheckpointEngineManager.sleep_replicas.__wrapped__)
+
+
+def test_our_worker_classes_time_their_first_engine_build_only(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch
+    from verl.workers.engine_workers import TrainingWorker
+
+    from fedagent_flwr.trainers.verl import persistent_workers as workers
+
+    # verl builds the actor and reference engines from these classes; init_model and the critic's
+    # reset stay bound by verl's worker groups as the methods they override.
+    hybrid = workers.ReloadableActorRolloutRefWorker
+    assert issubclass(hybrid.actor_worker_cls, TrainingWorker) and issubclass(hybrid.ref_worker_cls, TrainingWorker)
+    assert getattr(hybrid.init_model, MAGIC_ATTR)["dispatch_mode"] == Dispatch.ONE_TO_ALL
+    assert getattr(workers.ReloadableTrainingWorker.reset, MAGIC_ATTR)["dispatch_mode"] == Dispatch.ONE_TO_ALL
+
+    path = tmp_path / phases.FILE_NAME
+    monkeypatch.setenv(phases.ENV_FILE, str(path))
+    monkeypatch.setenv(phases.ENV_T0, repr(time.time()))
+    phases.from_environment.cache_clear()  # as in a fresh worker process
+    try:
+        worker = SimpleNamespace(rank=3)
+        builds: list[int] = []
+        for _ in range(3):  # init_model's build, then two rounds' reloads
+            workers._timed_first_reset(worker, "actor_init", lambda: builds.append(1))
+    finally:
+        phases.from_environment.cache_clear()
+    assert len(builds) == 3
+    assert [(r["phase"], r["rank"]) for r in read_phases(path)] == [("actor_init", 3)]
