@@ -4,6 +4,7 @@
         --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
     python3 tools/gpu/arms.py status --out /tmp/out
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
+    python3 tools/gpu/arms.py phases --out /tmp/out      # phases.md: the verl sessions' phase tables
 
 Every arm runs the same recipe with the same per-client step budget (``train.local_steps`` per
 round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eval.seed``):
@@ -25,6 +26,7 @@ evaluation noise only; the spread between seeds is shown beside it, so neither i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -302,6 +304,18 @@ def report(out: Path) -> str:
     return text
 
 
+def phases_report(out: Path, from_round: int = 2) -> str:
+    """Write phases.md under ``out``: the start-up and round phase tables of every run's persistent
+    verl sessions (``tools/gpu/phases.py`` on ``out/runs``); return the markdown."""
+    spec = importlib.util.spec_from_file_location("fedagent_gpu_phases", Path(__file__).resolve().parent / "phases.py")
+    assert spec is not None and spec.loader is not None  # the file beside this one
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = str(tool.tables(tool.find_sessions([out / "runs"]), from_round))
+    (out / "phases.md").write_text(text)
+    return text
+
+
 def _plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -346,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--port", type=int, default=39400, help="first local SuperLink port (each run takes 10)")
     start.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                        help="verl sessions at once; more runs go in later waves (about 15 GB of host memory each)")
-    for command in (start, sub.add_parser("status"), sub.add_parser("report"),
+    phases = sub.add_parser("phases", help="phase tables of the runs' persistent verl sessions (phases.md)")
+    phases.add_argument("--from-round", type=int, default=2, help="first round of the rounds table")
+    for command in (start, sub.add_parser("status"), sub.add_parser("report"), phases,
                     sub.add_parser("stop", help="stop the scheduler and every run still going (SuperLinks included)"),
                     sub.add_parser("schedule", help="(internal) run the waves of a launched matrix")):
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
@@ -359,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped: " + (", ".join(stop(args.out)) or "nothing was running"))
     elif args.command == "status":
         status(args.out)
+    elif args.command == "phases":
+        print(phases_report(args.out, args.from_round), end="")
     else:
         print(report(args.out), end="")
     return 0

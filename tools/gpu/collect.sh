@@ -1,19 +1,26 @@
 #!/bin/bash
 # Pack what a GPU session must keep (the device machine keeps nothing) into one archive under
-# $OUT: every run's summary, metrics, curve, the arms report, and the tail of each log.
+# $OUT: every run's summary, metrics, curve, the arms report, the verl sessions' phases
+# (phases.md, and each phases.jsonl), and the tail of each log.
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
 ARCHIVE=${1:-$OUT/results.tgz}
 cd "$(dirname "$0")/../.."
 python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
+python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/results"
-cp "$OUT"/arms.* "$OUT"/matrix.json "$STAGE/results/" 2>/dev/null
+cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$STAGE/results/" 2>/dev/null
 for run in "$OUT"/runs/*/; do
   name=$(basename "$run")
   mkdir -p "$STAGE/results/$name"
   cp "$run"/federated_summary.json "$run"/metrics.jsonl "$run"/learning_curve.png "$STAGE/results/$name/" 2>/dev/null
+  # the persistent sessions' phases, where tools/gpu/phases.py finds them again (results/<run>/trainers/...)
+  for phases in "$run"/trainers/client_*/phases.jsonl; do
+    [ -f "$phases" ] && mkdir -p "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")" \
+      && cp "$phases" "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")/"
+  done
   # each client's last round log and the persistent trainers' logs, tails only
   for log in "$run"/trainers/client_*/server.log; do
     [ -f "$log" ] && tail -c 200000 "$log" > "$STAGE/results/$name/$(basename "$(dirname "$log")")-server.log.tail"

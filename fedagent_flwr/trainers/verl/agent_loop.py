@@ -67,6 +67,37 @@ def append_episode_record(path: str, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
+class ServerGenerate:
+    """The episode runner's ``generate`` on verl's LLM server (``server_manager.generate``, token in,
+    token out), for both agent-loop modes.
+
+    ``request_id``: one id for every call (concat mode: the turns of an episode extend one prompt,
+    so a sticky id lets the server's prefix cache serve each turn), or None for a fresh id per
+    call (windowed mode: each turn's prompt is new, there is no prefix to share). Each call's
+    sampled-token log-probs (0.0 where the server returned none) are kept per turn in
+    ``turn_logprobs`` and the time spent waiting for the server in ``seconds``.
+    """
+
+    def __init__(self, server_manager: Any, sampling_params: dict[str, Any], request_id: str | None) -> None:
+        self.server_manager = server_manager
+        self.sampling_params = sampling_params
+        self.request_id = request_id
+        self.turn_logprobs: list[list[float]] = []
+        self.seconds = 0.0
+
+    async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+        params = dict(self.sampling_params)
+        params["max_tokens"] = sampling.max_new_tokens
+        started = time.monotonic()
+        output = await self.server_manager.generate(request_id=self.request_id or uuid4().hex,
+                                                    prompt_ids=prompt_ids, sampling_params=params)
+        self.seconds += time.monotonic() - started
+        tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
+        logprobs = list(output.log_probs or [])[: len(tokens)]
+        self.turn_logprobs.append(logprobs + [0.0] * (len(tokens) - len(logprobs)))
+        return tokens
+
+
 class EnvAgentLoop(AgentLoopBase):
     """Plays one multi-turn text-environment episode and returns it as a verl trajectory.
 
@@ -98,23 +129,7 @@ class EnvAgentLoop(AgentLoopBase):
         env = make_env(env_name, dict(kwargs["env_config"]))
         prompt_length = int(self.rollout_config.prompt_length)
         response_length = int(self.rollout_config.response_length)
-        turn_logprobs: list[list[float]] = []
-        generate_seconds = 0.0
-
-        async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
-            nonlocal generate_seconds
-            params = dict(sampling_params)
-            params["max_tokens"] = sampling.max_new_tokens
-            started = time.monotonic()
-            # A fresh request id per turn: each turn's prompt is new, there is no prefix to share.
-            output = await self.server_manager.generate(request_id=uuid4().hex, prompt_ids=prompt_ids,
-                                                        sampling_params=params)
-            generate_seconds += time.monotonic() - started
-            tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
-            logprobs = list(output.log_probs or [])[: len(tokens)]
-            turn_logprobs.append(logprobs + [0.0] * (len(tokens) - len(logprobs)))
-            return tokens
-
+        generate = ServerGenerate(self.server_manager, sampling_params, request_id=None)  # a fresh id per turn
         sampling = SamplingParams(min(self.max_new_tokens, response_length),
                                   float(sampling_params.get("temperature", 1.0)),
                                   float(sampling_params.get("top_p", 1.0) or 1.0))
@@ -139,7 +154,7 @@ class EnvAgentLoop(AgentLoopBase):
                 "samples": len(episode.windows), "pid": os.getpid(),
             })
         outputs = []
-        for window, logprobs in zip(episode.windows, turn_logprobs, strict=True):
+        for window, logprobs in zip(episode.windows, generate.turn_logprobs, strict=True):
             penalty = 0.0 if validate or not window.invalid else self.invalid_action_penalty
             outputs.append(AgentLoopOutput(
                 prompt_ids=window.prompt_ids,
@@ -148,7 +163,7 @@ class EnvAgentLoop(AgentLoopBase):
                 response_logprobs=logprobs,
                 reward_score=episode.reward - penalty,
                 num_turns=1,
-                metrics=AgentLoopMetrics(generate_sequences=generate_seconds / len(episode.windows)),
+                metrics=AgentLoopMetrics(generate_sequences=generate.seconds / len(episode.windows)),
                 extra_fields={"reward_extra_info": {
                     "traj_success": float(episode.success),
                     "env_reward": float(episode.reward),
@@ -163,24 +178,7 @@ class EnvAgentLoop(AgentLoopBase):
         env = make_env(env_name, dict(kwargs["env_config"]))
         prompt_length = int(self.rollout_config.prompt_length)
         response_length = int(self.rollout_config.response_length)
-        request_id = uuid4().hex
-        sampled_logprobs: list[float] = []
-        generate_seconds = 0.0
-
-        async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
-            nonlocal generate_seconds
-            params = dict(sampling_params)
-            params["max_tokens"] = sampling.max_new_tokens
-            started = time.monotonic()
-            output = await self.server_manager.generate(
-                request_id=request_id, prompt_ids=prompt_ids, sampling_params=params
-            )
-            generate_seconds += time.monotonic() - started
-            tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
-            logprobs = list(output.log_probs or [])[: len(tokens)]
-            sampled_logprobs.extend(logprobs + [0.0] * (len(tokens) - len(logprobs)))
-            return tokens
-
+        generate = ServerGenerate(self.server_manager, sampling_params, request_id=uuid4().hex)  # sticky
         sampling = SamplingParams(self.max_new_tokens, float(sampling_params.get("temperature", 1.0)),
                                   float(sampling_params.get("top_p", 1.0) or 1.0))
         episode = await run_episode(
@@ -208,10 +206,11 @@ class EnvAgentLoop(AgentLoopBase):
             prompt_ids=episode.prompt_ids,
             response_ids=episode.response_ids,
             response_mask=episode.response_mask,
-            response_logprobs=response_logprobs(episode.response_mask, sampled_logprobs),
+            response_logprobs=response_logprobs(episode.response_mask,
+                                                [lp for turn in generate.turn_logprobs for lp in turn]),
             reward_score=score,
             num_turns=episode.num_turns,
-            metrics=AgentLoopMetrics(generate_sequences=generate_seconds),
+            metrics=AgentLoopMetrics(generate_sequences=generate.seconds),
             extra_fields={"reward_extra_info": {
                 "traj_success": float(episode.success),
                 "env_reward": float(episode.reward),

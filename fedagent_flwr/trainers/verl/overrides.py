@@ -159,6 +159,13 @@ def build_overrides(
             f"critic.ppo_epochs={s.ppo_epochs}",
             "critic.checkpoint.save_contents=[model,extra]",
         ]
+    # Start-up knobs (docs/gpu.md, "Start-up phases"), written only when they leave verl's default,
+    # so a job with the defaults runs the very command it ran before they existed.
+    if not s.torch_compile:
+        overrides.append("actor_rollout_ref.actor.use_torch_compile=False")  # the reference follows the actor
+    if s.cudagraph_capture_sizes:
+        overrides.append("actor_rollout_ref.rollout.cudagraph_capture_sizes="
+                         f"[{','.join(str(n) for n in s.cudagraph_capture_sizes)}]")
     if s.kv_cache_gib > 0:
         # A fixed KV cache: vLLM then skips its memory profiling, which fails when another job on
         # the same GPU allocates or frees memory meanwhile (clients sharing a GPU start together).

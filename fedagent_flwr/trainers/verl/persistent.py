@@ -19,6 +19,9 @@ into the actor, reference and critic engines, this round's rows and seed, the st
 reports the same :class:`TrainResult` as the subprocess path, plus ``verl/persistent_round``,
 ``verl/reload_s`` and, once, ``verl/session_start_s``. ``verl/cold_start_s`` keeps its meaning,
 the time before step 1: Ray and worker start-up in the first round, the reload afterwards.
+The start-up and every round are also timed phase by phase (:mod:`.phases`): ``[phase]`` lines
+in the log and ``phases.jsonl`` in the trainer's channel directory, where
+``tools/gpu/phases.py`` reads them.
 
 What verl fixed when the session started (the algorithm, every ``trainer`` setting, the step
 budget and batch size, FedProx's ``mu``, the client rule) cannot change under a live session: a
@@ -41,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
-from fedagent_flwr.clientapp.trainer_server import record_leftover_markers
+from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, record_leftover_markers
 from fedagent_flwr.trainers.verl import job as verl_job
+from fedagent_flwr.trainers.verl import phases
 from fedagent_flwr.trainers.verl.job import InputError, PreparedTrain, VerlJobFailed
 from fedagent_flwr.trainers.verl.runner import cleanup_ray, known_cause
 from fedagent_flwr.trainers.verl.settings import VerlSettings
@@ -138,24 +142,34 @@ class VerlSession:
     """A verl trainer kept alive across rounds (the ``TrainerSession`` of :mod:`..trainer_server`).
 
     ``work_dir``: where the session keeps its own files (agent-loop YAML, hook markers); a fresh
-    temporary directory when not given, removed by :meth:`close`.
+    temporary directory when not given, removed by :meth:`close`. ``phases_file``: where the
+    phases are recorded; default ``phases.jsonl`` in the trainer server's channel directory
+    (``$FEDAGENT_TRAINER_CHANNEL``), else in ``work_dir`` (then removed with a temporary one).
+    The session's clock starts with this process (the trainer server is started for its first job).
     """
 
-    def __init__(self, work_dir: str | None = None) -> None:
+    def __init__(self, work_dir: str | None = None, phases_file: str | None = None) -> None:
         self._work_dir_arg = work_dir
+        self._phases_file_arg = phases_file
         self.work_dir: Path | None = None
         self.ray_temp_dir = ""
         self.runner: Any = None
         self.fixed: dict[str, Any] | None = None
         self.rounds = 0
         self._environ_before: dict[str, str] | None = None
+        self.t0 = phases.process_started_at() or time.time()
+        self.recorder: phases.PhaseRecorder | None = None
 
     # -- TrainerSession ------------------------------------------------------------------------
 
     def train(self, job: TrainJob) -> TrainResult:
         """One client-round on the live session (started by the first call); writes
         ``<output_dir>/train_result.json`` like :func:`.entry.train`."""
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
+        recorder = self._recorder()
+        if self.runner is None:
+            recorder.record("server_start", self.t0, started_at)
+        in_round = recorder.bound(round=job.round, client=job.client_id)
         checked = verl_job.check_train_job(job)
         settings, spec, _, rule = checked
         fingerprint = session_fingerprint(job, settings, rule, sum(e.n_envs for e in spec.envs))
@@ -168,6 +182,7 @@ class VerlSession:
                     "subprocess mode or restart the trainer server"
                 )
         prep = verl_job.prepare_train(job, shared_dir=self._session_dir(), checked=checked)
+        in_round.record("prepare", started_at)
         print(verl_job.describe(job, prep), flush=True)
         extra: dict[str, float] = {}
         first = self.runner is None
@@ -187,7 +202,10 @@ class VerlSession:
         first_step = called_at + float(records[0]["t"]) if records else None
         extra["verl/persistent_round"] = float(self.rounds)
         extra["verl/reload_s"] = float(out.get("reload_s", 0.0))
-        return verl_job.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
+        with in_round.phase("collect_result"):
+            result = verl_job.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
+        in_round.record("round_total", started_at)
+        return result
 
     def evaluate(self, job: EvalJob) -> Any:
         """Hugging Face evaluation in this process, as :func:`.job.evaluate`; the evaluation
@@ -222,6 +240,16 @@ class VerlSession:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _recorder(self) -> phases.PhaseRecorder:
+        """The session's phase recorder (see the class docstring for where it writes)."""
+        if self.recorder is None:
+            channel = os.environ.get(CHANNEL_ENV, "")
+            path = (Path(self._phases_file_arg) if self._phases_file_arg
+                    else Path(channel) / phases.FILE_NAME if channel
+                    else self._session_dir() / phases.FILE_NAME)
+            self.recorder = phases.PhaseRecorder(path, self.t0)
+        return self.recorder
+
     def _session_dir(self) -> Path:
         if self.work_dir is None:
             if self._work_dir_arg:
@@ -234,7 +262,8 @@ class VerlSession:
     def _start(self, prep: PreparedTrain) -> float:
         """Compose verl's config, start the private Ray cluster and the TaskRunner with its workers;
         returns the seconds it took. On failure everything started is stopped again."""
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
+        recorder = self._recorder()
         stage = "composing verl's config"
         try:
             import ray
@@ -248,10 +277,12 @@ class VerlSession:
             auto_set_device(config)
             validate_config(config=config, use_reference_policy=need_reference_policy(config),
                             use_critic=need_critic(config))
+            recorder.record("compose_config", started_at)
 
             stage = "starting the private Ray cluster"
             self._environ_before = dict(os.environ)
-            apply_environment(prep.env)
+            # the processes Ray starts record their phases into the same file, on the same clock
+            apply_environment({**prep.env, **recorder.environment()})
             self.ray_temp_dir = prep.paths.ray_temp_dir
             shutil.rmtree(self.ray_temp_dir, ignore_errors=True)
             # Ray's processes carry the temp dir in their command lines; should this server be
@@ -262,19 +293,23 @@ class VerlSession:
             # as verl.trainer.main_ppo.run_ppo initialises Ray
             ray_init = config.ray_kwargs.get("ray_init", {})
             runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), ray_init.get("runtime_env", {}))
-            ray.init(**OmegaConf.to_container(  # type: ignore[arg-type]  # a mapping: created from a dict
-                OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
+            with recorder.phase("ray_start"):
+                ray.init(**OmegaConf.to_container(  # type: ignore[arg-type]  # a mapping: created from a dict
+                    OmegaConf.create({**ray_init, "runtime_env": runtime_env})))
 
             stage = "starting verl's TaskRunner and workers (init_workers)"
-            from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner
-
-            self.runner = ray.remote(PersistentTaskRunner).remote()
-            info = ray.get(self.runner.start.remote(config))
+            with recorder.phase("driver_imports"):  # verl's trainer, torch: the class pickles by reference
+                from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner
+            with recorder.phase("task_runner"):  # its own phases are recorded inside (persistent_runner)
+                self.runner = ray.remote(PersistentTaskRunner).remote()
+                info = ray.get(self.runner.start.remote(config))
         except Exception as exc:
+            recorder.record("session_start", started_at, failed=True, stage=stage)
             self.close()
             raise VerlJobFailed(f"the persistent verl session could not start ({stage}): {root_cause(exc)} "
                                 f"(log: {LOG_HINT})") from exc
         seconds = round(time.monotonic() - started, 2)
+        recorder.record("session_start", started_at)
         print(f"{PROG}: session started in {seconds} s (Ray temp dir {self.ray_temp_dir}, TaskRunner pid "
               f"{info.get('pid')}, critic={info.get('use_critic')}, ref={info.get('use_reference_policy')})",
               flush=True)

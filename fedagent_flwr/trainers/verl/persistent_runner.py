@@ -20,14 +20,22 @@ workers (FedAgent's persistent task runner, reference/fedagent.md §1.9):
 
 Every metrics dict ``fit()`` logs is recorded, with the seconds since the call began, through a
 subclass of verl's ``Tracking`` installed for the duration of ``fit()``.
+
+Both steps are timed phase by phase (:mod:`.phases`) from this side of verl's API: around the
+calls made here, and, for the duration of ``init_workers()`` / ``fit()``, around the calls verl
+makes on objects it reaches through attributes (:func:`.phases.timed_calls`: the resource pool,
+the worker group, the vLLM servers, the agent-loop and reward managers; the weight sync,
+generation, updates and checkpoint save). verl's files stay as they are; everything is put back
+when the call returns.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import ray
@@ -38,6 +46,7 @@ from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_cr
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.utils.dataset.rl_dataset import collate_fn
 
+from fedagent_flwr.trainers.verl import phases
 from fedagent_flwr.trainers.verl.persistent_workers import (
     ReloadableActorRolloutRefWorker,
     ReloadableTrainingWorker,
@@ -77,6 +86,11 @@ class PersistentTaskRunner(BaseTaskRunner):
         self.trainer: RayPPOTrainer | None = None
         self.tokenizer: Any = None
         self.processor: Any = None
+        self.recorder = phases.from_environment()
+        # process start -> here: Python, Ray's worker set-up, verl's trainer and torch imported
+        phases.record_process_start(self.recorder, "task_runner_spawn")
+        # the session's first weight sync and generation are start-up phases (named first_*)
+        self._syncs, self._generations = phases.CallLog(), phases.CallLog()
 
     def add_actor_rollout_worker(self, config: DictConfig) -> tuple[type, type]:
         _, worker_group_cls = super().add_actor_rollout_worker(config)
@@ -92,7 +106,7 @@ class PersistentTaskRunner(BaseTaskRunner):
     def start(self, config: DictConfig) -> dict[str, Any]:
         """``TaskRunner.run`` up to and including ``init_workers()``; the workers are then idle and
         the vLLM replicas asleep."""
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         print(f"{TAG} TaskRunner pid {os.getpid()}: starting verl's workers", flush=True)
         OmegaConf.resolve(config)
         actor_rollout_cls, worker_group_cls = self.add_actor_rollout_worker(config)
@@ -113,7 +127,8 @@ class PersistentTaskRunner(BaseTaskRunner):
             ray_worker_group_cls=worker_group_cls, train_dataset=train_dataset, val_dataset=val_dataset,
             collate_fn=collate_fn, train_sampler=create_rl_sampler(config.data, train_dataset),
         )
-        self.trainer.init_workers()
+        self.recorder.record("trainer_setup", started_at)  # roles, tokenizer, datasets, RayPPOTrainer
+        self._init_workers(self.trainer, resource_pool_manager, worker_group_cls)
         self.config = config
         info = {"pid": os.getpid(), "use_critic": bool(self.trainer.use_critic),
                 "use_reference_policy": bool(self.trainer.use_reference_policy),
@@ -122,6 +137,43 @@ class PersistentTaskRunner(BaseTaskRunner):
               f"ref={info['use_reference_policy']}", flush=True)
         return info
 
+    def _init_workers(self, trainer: RayPPOTrainer, pools: Any, worker_group_cls: type) -> None:
+        """``trainer.init_workers()``, its steps timed; the agent-loop and reward workers it only
+        creates are watched until they answer (:meth:`_watch_ready`) without waiting for them."""
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.experimental.agent_loop import AgentLoopManager
+        from verl.experimental.reward_loop import RewardLoopManager
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        rec = self.recorder
+        with ExitStack() as stack, rec.phase("init_workers"):
+            timed = [(pools, "create_resource_pool", "ray_resource_pool"),
+                     (worker_group_cls, "__init__", "worker_group_create"),  # spawns the FSDP workers
+                     (RewardLoopManager, "__init__", "reward_loop_create"),
+                     (LLMServerManager, "create", "rollout_engine_init"),  # launches the vLLM servers
+                     (AgentLoopManager, "create", "agent_loop_workers_create"),
+                     (CheckpointEngineManager, "sleep_replicas", "sleep_replicas")]
+            logs = {name: stack.enter_context(phases.timed_calls(owner, attribute, rec, name))
+                    for owner, attribute, name in timed}
+            trainer.init_workers()
+        groups = {"agent_loop_workers_ready": (getattr(trainer.async_rollout_manager, "agent_loop_workers", []),
+                                               logs["agent_loop_workers_create"].last_started),
+                  "reward_loop_workers_ready": (getattr(trainer.reward_loop_manager, "reward_loop_workers", []),
+                                                logs["reward_loop_create"].last_started)}
+        for name, (workers, created) in groups.items():
+            if workers and created is not None:
+                threading.Thread(target=self._watch_ready, args=(name, list(workers), created), daemon=True).start()
+
+    def _watch_ready(self, name: str, workers: list[Any], created: float) -> None:
+        """Record ``name`` once every Ray actor in ``workers`` answers (from ``created`` on): verl
+        creates them without waiting, so their start-up overlaps whatever comes next."""
+        try:
+            ray.get([worker.__ray_ready__.remote() for worker in workers], timeout=900)
+        except Exception as exc:  # noqa: BLE001 - a timing aid: never fail the session over it
+            print(f"{TAG} note: could not time {name}: {type(exc).__name__}: {exc}", flush=True)
+            return
+        self.recorder.record(name, created, workers=len(workers))
+
     def _dataset(self, config: DictConfig, files: Any, is_train: bool) -> Any:
         key = "train_max_samples" if is_train else "val_max_samples"
         return create_rl_dataset(files, config.data, self.tokenizer, self.processor, is_train=is_train,
@@ -129,11 +181,12 @@ class PersistentTaskRunner(BaseTaskRunner):
 
     def train_round(self, plan: dict[str, Any]) -> dict[str, Any]:
         """One client-round (see the module docstring); ``plan`` is :func:`.persistent.round_plan`."""
-        t0 = time.monotonic()
+        t0, t0_at = time.monotonic(), time.time()
         trainer, config = self.trainer, self.config
         if trainer is None or config is None:
             raise RuntimeError("train_round before start: the session's workers were never built")
         label = f"{TAG} round {plan['round']} client {plan['client_id']}"
+        rec = self.recorder.bound(round=int(plan["round"]), client=int(plan["client_id"]))
         with open_dict(config):
             config.data.train_files = plan["rows_file"]
             config.data.seed = int(plan["seed"])
@@ -154,8 +207,15 @@ class PersistentTaskRunner(BaseTaskRunner):
                   f"{plan['model_path']}{' and critic from ' + plan['critic_path'] if trainer.use_critic else ''} "
                   f"on {len(reloaded['actor'])} rank(s) in {time.monotonic() - t0:.2f} s; hooks reset: {hooks}",
                   flush=True)
+            rec.record("reload", t0_at)
+            for role, answers in (("actor", reloaded["actor"]), ("ref", reloaded["actor"]),
+                                  ("critic", reloaded.get("critic") or [])):
+                seconds = [float((a.get(role) or {}).get("seconds", 0.0)) for a in answers if a.get(role)]
+                if seconds:  # the slowest rank: they load side by side
+                    rec.record_seconds(f"reload_{role}", max(seconds), ranks=len(seconds))
         reload_s = time.monotonic() - t0
 
+        dataloader_at = time.time()
         train_dataset = self._dataset(config, config.data.train_files, is_train=True)
         trainer._create_dataloader(train_dataset, trainer.val_dataset, collate_fn,
                                    create_rl_sampler(config.data, train_dataset))
@@ -165,17 +225,38 @@ class PersistentTaskRunner(BaseTaskRunner):
         print(f"{label}: dataloader rebuilt from {plan['rows_file']} ({len(train_dataset)} rows, "
               f"{len(trainer.train_dataloader)} batches), seed {plan['seed']}, checkpoints to "
               f"{plan['checkpoint_dir']}", flush=True)
+        rec.record("dataloader", dataloader_at)
         reseed(int(plan["seed"]))
         records: list[dict[str, Any]] = []
         fit_started = time.monotonic()
-        with recording_tracking(records, t0):
+        with recording_tracking(records, t0), self._timed_fit(trainer, rec), rec.phase("fit"):
             trainer.fit()
         fit_s = time.monotonic() - fit_started
-        trainer.checkpoint_manager.sleep_replicas()  # type: ignore[attr-defined]  # set by init_workers()
+        with rec.phase("sleep_replicas"):
+            trainer.checkpoint_manager.sleep_replicas()  # type: ignore[attr-defined]  # set by init_workers()
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
+        rec.record("train_round", t0_at)
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
                 "reloaded": reloaded}
+
+    @contextmanager
+    def _timed_fit(self, trainer: RayPPOTrainer, rec: phases.PhaseRecorder) -> Iterator[None]:
+        """While ``fit()`` runs: each weight sync, generation, update and checkpoint save is a phase
+        (the session's first sync and generation are ``first_weight_sync`` / ``first_generation``)."""
+        manager: Any = trainer.checkpoint_manager  # type: ignore[attr-defined]  # set by init_workers()
+        timed: list[tuple[Any, str, str, str, phases.CallLog | None]] = [
+            (manager, "update_weights", "weight_sync", "first_weight_sync", self._syncs),
+            (trainer.async_rollout_manager, "generate_sequences", "generation", "first_generation", self._generations),
+            (trainer, "_update_actor", "update_actor", "", None),
+            (trainer, "_save_checkpoint", "checkpoint_save", "", None),
+        ]
+        if trainer.use_critic:
+            timed.append((trainer, "_update_critic", "update_critic", "", None))
+        with ExitStack() as stack:
+            for owner, attribute, name, first, calls in timed:
+                stack.enter_context(phases.timed_calls(owner, attribute, rec, name, first, calls))
+            yield
 
 
 def _check_reload(answers: Any, role: str, path: str) -> None:

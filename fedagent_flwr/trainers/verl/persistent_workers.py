@@ -12,6 +12,11 @@ They are subclasses rather than patches: the TaskRunner names them in its role-t
 (the extension point verl's own ``TaskRunner.add_actor_rollout_worker`` fills), and Ray imports
 this module in each worker exactly where it would import ``verl.workers.engine_workers`` (after
 it assigned the worker its GPU), so no ``sitecustomize`` hook is needed.
+
+They also time their start-up for the session's phase table (:mod:`.phases`; inert outside a
+persistent session): the worker process's start until its constructor runs (``worker_spawn_<role>``),
+``init_model``, and inside it the first build of the reference, actor and critic engines
+(``ref_init``, ``actor_init``, ``critic_init``; the rounds' reloads are timed by the TaskRunner).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from fedagent_flwr.trainers.verl import engine_hooks
+from fedagent_flwr.trainers.verl import engine_hooks, phases
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
 _ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")
@@ -64,8 +69,46 @@ def _rank(worker: Any) -> int:
     return int(getattr(worker, "rank", os.environ.get("RANK", -1)))
 
 
+def _timed_first_reset(worker: Any, name: str, reset: Any) -> None:
+    """Run ``reset()`` (``FSDPEngine.initialize()``); the first time in ``worker``, as phase ``name``."""
+    if getattr(worker, "_fedagent_built", False):
+        reset()
+        return
+    with phases.from_environment().phase(name, rank=_rank(worker)):
+        reset()
+    worker._fedagent_built = True
+
+
+class _ActorEngine(TrainingWorker):
+    """The actor's engine inside the hybrid worker (its ``actor_worker_cls``), its build timed."""
+
+    def reset(self) -> None:  # called directly by init_model and reload_training_worker, never dispatched
+        _timed_first_reset(self, "actor_init", super().reset)
+
+
+class _RefEngine(TrainingWorker):
+    """The reference policy's engine inside the hybrid worker (its ``ref_worker_cls``), its build timed."""
+
+    def reset(self) -> None:
+        _timed_first_reset(self, "ref_init", super().reset)
+
+
 class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's hybrid actor/rollout/ref worker, plus ``fedagent_reload``."""
+    """verl's hybrid actor/rollout/ref worker, plus ``fedagent_reload`` (and start-up phases)."""
+
+    actor_worker_cls = _ActorEngine
+    ref_worker_cls = _RefEngine
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        phases.record_process_start(phases.from_environment(), "worker_spawn_actor_rollout",
+                                    rank=os.environ.get("RANK", "?"))
+        super().__init__(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # as the method it times
+    def init_model(self) -> None:
+        """verl's ``init_model`` (reference, actor, rollout adapter, checkpoint engine), timed."""
+        with phases.from_environment().phase("init_model", rank=_rank(self)):
+            super().init_model()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
     def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
@@ -84,7 +127,17 @@ class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
 
 
 class ReloadableTrainingWorker(TrainingWorker):
-    """verl's TrainingWorker (the PPO critic), plus ``fedagent_reload``."""
+    """verl's TrainingWorker (the PPO critic), plus ``fedagent_reload`` (and start-up phases)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        phases.record_process_start(phases.from_environment(), "worker_spawn_critic",
+                                    rank=os.environ.get("RANK", "?"))
+        super().__init__(*args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # as TrainingWorker.reset
+    def reset(self) -> None:
+        """``TrainingWorker.reset`` (the critic's engine build, or a round's reload), the first timed."""
+        _timed_first_reset(self, "critic_init", super().reset)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
     def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:

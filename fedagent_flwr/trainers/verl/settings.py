@@ -41,6 +41,12 @@ class VerlSettings:
     gpu_memory_utilization: float = 0.3
     kv_cache_gib: float = 4.0
     enforce_eager: bool = True
+    # vLLM's CUDA-graph batch sizes when enforce_eager is false (empty: vLLM's own list); fewer
+    # sizes, shorter capture at start-up (docs/gpu.md, "Start-up phases").
+    cudagraph_capture_sizes: tuple[int, ...] = field(default_factory=tuple)
+    # torch.compile of the actor's (and reference's) entropy-from-logits, verl's default; false
+    # skips its first-step compile at the price of an eager kernel.
+    torch_compile: bool = True
     agent_workers: int = 2
     ray_num_cpus: int = 8
     use_v1: bool = False
@@ -118,6 +124,10 @@ class VerlSettings:
                     f"trainer.verl_logger entry {name!r} is not one of verl's loggers; choose from "
                     f"{list(VERL_LOGGERS)} (console and file are always on)"
                 )
+        if self.cudagraph_capture_sizes and self.enforce_eager:
+            raise VerlSettingsError(
+                "trainer.cudagraph_capture_sizes needs trainer.enforce_eager=false (eager vLLM captures no CUDA "
+                "graphs): set enforce_eager to false or leave cudagraph_capture_sizes empty")
         for item in self.extra_overrides:
             if "=" not in item or item.startswith("=") or any(c in item for c in "\n\r\0"):
                 raise VerlSettingsError(
@@ -136,7 +146,8 @@ class VerlSettings:
         return self.max_prompt_length + self.max_response_length
 
 
-_LIST_FIELDS = ("extra_overrides", "plugin_modules", "verl_logger")
+_LIST_FIELDS = ("extra_overrides", "plugin_modules", "verl_logger", "cudagraph_capture_sizes")
+_INT_LIST_FIELDS = ("cudagraph_capture_sizes",)
 # The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
 # verl/utils/tracking.py); a test checks this list against the installed verl.
 VERL_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio",
@@ -146,6 +157,11 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """``value`` converted to ``default``'s type, or a VerlSettingsError naming ``trainer.key``."""
+    if key in _INT_LIST_FIELDS:
+        if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
+            raise VerlSettingsError(f"trainer.{key} must be a list of positive integers, got {value!r}")
+        return tuple(value)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise VerlSettingsError(f"trainer.{key} must be true or false, got {value!r}")

@@ -84,6 +84,30 @@ def test_extra_overrides_come_last_and_bad_settings_name_the_key() -> None:
             VerlSettings.from_mapping(raw)
 
 
+def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    paths = job_paths(tmp_path / "verl", str(tiny_model_dir), "", "/tmp/fa-ray-test")
+
+    def overrides(raw: dict[str, Any]) -> list[str]:
+        return build_overrides(algorithm="grpo", settings=VerlSettings.from_mapping(raw)[0], paths=paths,
+                               batch_size=3, local_steps=1, seed=1, experiment_name="e")
+
+    stock = overrides({})
+    assert not [o for o in stock if "use_torch_compile" in o or "cudagraph_capture_sizes" in o]
+    default_cfg = compose_verl_config(stock)
+    assert default_cfg.actor_rollout_ref.actor.use_torch_compile is True  # verl's own default, untouched
+    assert default_cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes is None
+    cfg = compose_verl_config(overrides({"torch_compile": False, "enforce_eager": False,
+                                         "cudagraph_capture_sizes": [1, 2, 4, 8]}))
+    assert cfg.actor_rollout_ref.actor.use_torch_compile is False
+    assert cfg.actor_rollout_ref.ref.use_torch_compile is False  # the reference follows the actor
+    assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == [1, 2, 4, 8]
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is False
+    with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
+        VerlSettings.from_mapping({"cudagraph_capture_sizes": [1, 2]})
+    with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes must be a list of positive"):
+        VerlSettings.from_mapping({"enforce_eager": False, "cudagraph_capture_sizes": [0, "8"]})
+
+
 def test_dataset_rows_follow_the_seed_rule_and_collate_with_verl(tmp_path: Path) -> None:
     from verl.utils.dataset.rl_dataset import collate_fn
 

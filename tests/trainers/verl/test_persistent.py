@@ -8,7 +8,7 @@
   FedProx anchor, which the next optimiser step captures again;
 * a first train job goes through config composition, the private Ray cluster and verl's
   TaskRunner up to verl's GPU check, fails as one clear ``VerlJobFailed``, and ``close()`` leaves
-  no Ray process behind.
+  no Ray process behind; the phases it went through are in ``phases.jsonl``, from both processes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.agent_loop import episode_log_path
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset, read_rows
 from fedagent_flwr.trainers.verl.job import InputError
+from fedagent_flwr.trainers.verl.phases import read_phases
 from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.persistent import (
     VerlSession,
@@ -327,8 +329,10 @@ def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_n
 
     job = _job(tiny_model_dir, tmp_path / "out", 1, proximal_mu=0.1)
     save(job, tmp_path / "job.json")
+    channel = tmp_path / "channel"  # as the trainer server sets it: the session's phases go there
     run = subprocess.run([sys.executable, "-c", _SESSION_SCRIPT, str(tmp_path / "job.json")], cwd=REPO,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "FEDAGENT_TRAINER_CHANNEL": str(channel)})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert "could not start (starting verl's TaskRunner and workers (init_workers))" in result["error"], result
@@ -341,6 +345,21 @@ def test_a_first_job_starts_the_session_up_to_verls_gpu_check_and_close_leaves_n
     assert not Path(result["work_dir"]).exists()
     assert (tmp_path / "out" / "verl" / "train_rows.json").exists()
     assert not (tmp_path / "out" / "train_result.json").exists()
+    # Its phases up to the GPU check, recorded by the server process and the TaskRunner actor on one clock.
+    records = {r["phase"]: r for r in read_phases(channel / "phases.jsonl")}
+    driver = ("server_start", "prepare", "compose_config", "ray_start", "driver_imports", "task_runner",
+              "session_start")
+    runner = ("task_runner_spawn", "trainer_setup", "ray_resource_pool", "init_workers")
+    assert set(records) == {*driver, *runner}, sorted(records)
+    assert len({records[name]["pid"] for name in driver}) == 1 and len({records[name]["pid"] for name in runner}) == 1
+    assert records["ray_start"]["pid"] != records["trainer_setup"]["pid"]
+    assert [name for name in (*driver, *runner) if records[name].get("failed")] == [
+        "task_runner", "session_start", "ray_resource_pool", "init_workers"]  # verl's GPU check
+    assert records["session_start"]["stage"] == "starting verl's TaskRunner and workers (init_workers)"
+    assert records["prepare"]["round"] == 1 and "round" not in records["ray_start"]
+    assert (records["ray_start"]["t"] <= records["task_runner_spawn"]["t"] <= records["trainer_setup"]["start"]
+            <= records["init_workers"]["start"] <= records["ray_resource_pool"]["t"] <= records["task_runner"]["t"])
+    assert "[phase] name=ray_start t=" in run.stdout and "[phase] name=trainer_setup t=" in logs
     shutil.rmtree(result["temp_dir"])  # Ray's dir lives in /tmp, outside tmp_path
 
 
