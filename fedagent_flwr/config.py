@@ -23,14 +23,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fedagent_flwr.checkpoint.store import STORE_KINDS, StorageSettings, is_loopback
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TRAINER_MODES
+from fedagent_flwr.config_keys import ConfigError
+from fedagent_flwr.config_keys import get_key as _get
+from fedagent_flwr.config_keys import typed_key as _typed
 from fedagent_flwr.trainers import BACKEND_MODULES
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the offending key."""
 
 
 def conf_dir() -> Path:
@@ -131,28 +130,6 @@ class RunSettings:
     @property
     def trainer_backend(self) -> str:
         return str(self.trainer["backend"])
-
-
-def _get(cfg: dict[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"config key '{dotted}' is missing")
-        node = node[part]
-    return node
-
-
-def _typed(cfg: dict[str, Any], key: str, kind: type, check: Callable[[Any], bool] | None = None,
-           expect: str = "") -> Any:
-    value = _get(cfg, key)
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {value!r}")
-    if check is not None and not check(value):
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected {expect}")
-    return value
 
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -276,6 +253,24 @@ def _rollout(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_trainer(trainer: dict[str, Any], where: str) -> None:
+    """Type the numbers of a trainer group (in place) and, for verl, check the job's own knobs
+    here, so a bad value stops the run before a client spends minutes starting Ray and vLLM."""
+    nested: dict[str, Any] = trainer  # errors name the key where it is: trainer.x, trainer.per_client.0.x
+    for part in reversed(where.split(".")):
+        nested = {part: nested}
+    for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
+        if name in trainer:
+            trainer[name] = _typed(nested, f"{where}.{name}", kind, check, expect)
+    if trainer.get("backend") == "verl":
+        from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError  # torch- and verl-free
+
+        try:
+            VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in CLIENTAPP_TRAINER_KEYS})
+        except VerlSettingsError as exc:
+            raise ConfigError(f"config key {str(exc).replace('trainer.', f'{where}.', 1)}") from None
+
+
 def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     """Check every value the run uses; return typed settings or raise ConfigError naming the key."""
     from fedagent_flwr.envs.spec import load_env_spec  # local: envs import torch-free helpers only
@@ -306,9 +301,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
                              f"one of {TRAINER_MODES}")
     if algorithm == "ppo" and backend == "reference":
         raise ConfigError("config key 'algorithm' = 'ppo' needs the verl backend; the reference trainer is GRPO only")
-    for name, (kind, check, expect) in _TRAINER_NUMBERS.items():
-        if name in trainer:
-            trainer[name] = _typed(raw, f"trainer.{name}", kind, check, expect)
+    _check_trainer(trainer, "trainer")
     trainer.update(_rollout(raw))  # the jobs carry the agent loop as trainer keys
     from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule
 
@@ -316,15 +309,10 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         load_client_rule(trainer)  # built once here, so a bad rule stops the run before any client trains
     except ClientRuleError as exc:
         raise ConfigError(f"config key {exc}") from None
-    if backend == "verl":
-        # The verl job's own knobs, checked here so a bad value stops the run before any client
-        # spends minutes starting Ray and vLLM. (Torch- and verl-free import.)
-        from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+    from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
 
-        try:
-            VerlSettings.from_mapping({k: v for k, v in trainer.items() if k not in CLIENTAPP_TRAINER_KEYS})
-        except VerlSettingsError as exc:
-            raise ConfigError(f"config key {exc}") from None
+    if PER_CLIENT_KEY in trainer:  # +trainer.per_client: a client's own resources, checked like the run's
+        trainer[PER_CLIENT_KEY] = resolve(trainer, total, _check_trainer)
     proximal_mu = _typed(raw, "strategy.proximal_mu", float, lambda v: v >= 0, ">= 0")
     weights = _get(raw, "strategy.weights")
     if not isinstance(weights, list) or any(

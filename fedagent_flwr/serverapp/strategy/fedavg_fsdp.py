@@ -233,7 +233,7 @@ class FedAvgFSDP(FedAvg):
             epochs=self.plan.epochs,
             client_eval_seeds=list(self.plan.client_eval_seeds),
             val_env_spec=self.plan.val_env_spec if self.plan.client_eval_seeds else {},
-            trainer=self.plan.trainer,
+            trainer=self.plan.trainer_for(client),
             env_spec=self.plan.train_env_spec,
             partition=self.plan.partition,
             service=self.plan.service,
@@ -434,7 +434,7 @@ class FedAvgFSDP(FedAvg):
         return EvalInstruction(
             server_round=server_round,
             client_id=client,
-            trainer=self.plan.trainer,
+            trainer=self.plan.trainer_for(client),
             env_spec=self.plan.val_env_spec,
             service=self.plan.service,
             eval_seeds=seeds,

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedagent_flwr.per_client import trainer_for_client
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -24,6 +26,10 @@ class RunPlan:
     val_env_spec: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"strategy": "none"})
     service: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
+
+    def trainer_for(self, client: int) -> dict[str, Any]:
+        """Client ``client``'s trainer group: the run's with its ``trainer.per_client`` resources."""
+        return trainer_for_client(self.trainer, client)
 
     def train_episodes(self) -> int | None:
         """Episodes one client plays in a round: ``epochs`` x ``local_steps`` x ``rollout_n`` x the

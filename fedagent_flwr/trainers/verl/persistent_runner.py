@@ -196,12 +196,13 @@ class PersistentTaskRunner(BaseTaskRunner):
         reloaded: dict[str, Any] = {}
         if plan["reload"]:
             reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]))
-            _check_reload(reloaded["actor"], "actor", plan["model_path"])
+            ranks = trainer.actor_rollout_wg.world_size
+            _check_reload(reloaded["actor"], "actor", plan["model_path"], ranks)
             if trainer.use_reference_policy:
-                _check_reload(reloaded["actor"], "ref", plan["model_path"])
+                _check_reload(reloaded["actor"], "ref", plan["model_path"], ranks)
             if trainer.use_critic:
                 reloaded["critic"] = trainer.critic_wg.fedagent_reload(plan["critic_path"], int(plan["seed"]))
-                _check_reload(reloaded["critic"], "critic", plan["critic_path"])
+                _check_reload(reloaded["critic"], "critic", plan["critic_path"], trainer.critic_wg.world_size)
             hooks = sorted({tag for rank in reloaded["actor"] for tag in rank["actor"]["hooks_reset"]})
             print(f"{label}: reloaded actor{'+ref' if trainer.use_reference_policy else ''} from "
                   f"{plan['model_path']}{' and critic from ' + plan['critic_path'] if trainer.use_critic else ''} "
@@ -259,10 +260,15 @@ class PersistentTaskRunner(BaseTaskRunner):
             yield
 
 
-def _check_reload(answers: Any, role: str, path: str) -> None:
-    """Every rank reports ``role`` loaded from ``path``, or this raises naming what is missing."""
+def _check_reload(answers: Any, role: str, path: str, world_size: int) -> None:
+    """Each of the ``world_size`` ranks reports ``role`` loaded from ``path``, or this raises naming
+    what is missing: an FSDP rank left on the previous weights would train a model that is neither."""
     if not isinstance(answers, list) or not answers:
         raise RuntimeError(f"fedagent_reload ({role}) returned {answers!r}, expected one answer per rank")
+    ranks = sorted(int((answer or {}).get("rank", -1)) for answer in answers)
+    if ranks != list(range(world_size)):
+        raise RuntimeError(f"fedagent_reload ({role}) was answered by ranks {ranks}, expected ranks 0 to "
+                           f"{world_size - 1} (one per GPU of the worker group)")
     for answer in answers:
         got = (answer or {}).get(role)
         if not got or got.get("path") != path:

@@ -134,6 +134,24 @@ def test_verl_internals_the_session_relies_on_exist() -> None:
                                                                                 if cls is persistent_workers.ReloadableTrainingWorker
                                                                                 else "actor_rollout_ref_init_model")
     assert issubclass(persistent_runner.PersistentTaskRunner, BaseTaskRunner)
+    from verl.single_controller.base.worker_group import WorkerGroup
+
+    assert "return len(self._workers)" in source(WorkerGroup.world_size.fget)  # what a reload is checked against
+
+
+def test_a_reload_must_be_answered_by_every_rank_of_the_worker_group() -> None:
+    from fedagent_flwr.trainers.verl.persistent_runner import _check_reload
+
+    def answer(rank: int, path: str = "/g") -> dict[str, Any]:
+        return {"rank": rank, "actor": {"path": path}}
+
+    _check_reload([answer(0), answer(1)], "actor", "/g", 2)
+    with pytest.raises(RuntimeError, match=r"answered by ranks \[0\], expected ranks 0 to 1"):
+        _check_reload([answer(0)], "actor", "/g", 2)  # a rank left on the previous round's weights
+    with pytest.raises(RuntimeError, match=r"answered by ranks \[0, 0\]"):
+        _check_reload([answer(0), answer(0)], "actor", "/g", 2)
+    with pytest.raises(RuntimeError, match="rank 1 did not reload the actor from /g"):
+        _check_reload([answer(0), answer(1, "/old")], "actor", "/g", 2)
 
 
 def test_two_jobs_of_one_session_differ_in_paths_seed_rows_and_episode_log(tiny_model_dir: Path,
