@@ -104,11 +104,12 @@ def run_plan(settings: RunSettings) -> RunPlan:
         # per-client validation: every validation episode, on each trained client's own model
         client_eval_seeds=tuple(validation_seeds(settings.eval_seed, settings.eval_num_episodes))
         if settings.eval_per_client else (),
-        trainer=dict(settings.trainer),
+        trainer=settings.trainer_settings,
         train_env_spec=dict(settings.train_env_spec),
         val_env_spec=dict(settings.val_env_spec),
         partition=dict(settings.partition),
         service=dict(settings.env_service),
+        per_client=dict(settings.trainer.get("per_client") or {}),
     )
 
 
@@ -187,7 +188,7 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
         "mode": settings.mode,
         "adv_estimator": adv_estimator(settings),
         "local_client_id": settings.local_client_id if settings.mode == "local" else None,
-        "partition_strategy": settings.partition.get("strategy") or "none",
+        "partition_strategy": settings.partition["strategy"],
         "strategy": settings.strategy_name,
         "strategy_class": settings.strategy_class,
         "proximal_mu": settings.proximal_mu,
