@@ -25,7 +25,7 @@ from fedagent_flwr.checkpoint.store import StorageSettings, is_loopback
 from fedagent_flwr.config_keys import ConfigError
 from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
-from fedagent_flwr.schema import RunSchema, SettingError, check, register
+from fedagent_flwr.schema import RunSchema, SettingError, check, declared_type, register
 from fedagent_flwr.schema.run import Storage
 from fedagent_flwr.schema.trainer import ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
@@ -64,6 +64,10 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, _, value = item.lstrip("+~").partition("=")
+        if declared_type(key) is bool and value.strip().lower() not in ("true", "false"):
+            # Hydra would also read yes/no/on/off/1/0; a setting here is true or false
+            raise ConfigError(f"config key '{key}' must be bool, got {value!r}")
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

@@ -11,6 +11,9 @@ Hydra then refuses unknown keys and values of the wrong type while it composes.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, get_type_hints
+
 from hydra.core.config_store import ConfigStore
 
 from fedagent_flwr.schema.fields import SettingError, check, setting
@@ -18,7 +21,7 @@ from fedagent_flwr.schema.run import RunSchema
 from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_MODES, TRAINER_SCHEMAS
 
 __all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_MODES", "TRAINER_SCHEMAS", "RunSchema", "SettingError",
-           "check", "register", "setting"]
+           "check", "declared_type", "register", "setting"]
 
 
 def register() -> None:
@@ -27,3 +30,20 @@ def register() -> None:
     store.store(name="run_schema", node=RunSchema)
     for backend, schema in TRAINER_SCHEMAS.items():
         store.store(group="schema/trainer", name=backend, node=schema)
+
+
+def declared_type(dotted: str) -> Any:
+    """The type the schema declares for a dotted config key (``trainer.*``: either backend's), or None."""
+    first, _, rest = dotted.partition(".")
+    roots: list[tuple[Any, list[str]]] = [(s, rest.split(".")) for s in TRAINER_SCHEMAS.values()] if (
+        first == "trainer") else [(RunSchema, dotted.split("."))]
+    for node, parts in roots:
+        for part in parts:
+            fields = getattr(node, "__dataclass_fields__", {})
+            if not dataclasses.is_dataclass(node) or part not in fields:
+                node = None
+                break
+            node = fields[part].metadata.get("keys") or get_type_hints(node)[part]
+        if node is not None:
+            return node
+    return None

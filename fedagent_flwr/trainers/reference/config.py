@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedagent_flwr.rollout.episode import SamplingParams
-from fedagent_flwr.schema import check
+from fedagent_flwr.schema import SettingError, check
 from fedagent_flwr.schema.trainer import ReferenceKnobs
+from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
 from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
 
@@ -33,7 +34,10 @@ class GRPOConfig(ReferenceKnobs, EvalSettings):
         The server checked the same mapping with the same validator; a job file written by hand
         gets the same checks here.
         """
-        return check(cls, raw, "trainer", known_only=True)
+        try:
+            return check(cls, raw, "trainer", known_only=True)
+        except SettingError as exc:
+            raise InputError(str(exc)) from None
 
     def torch_device(self) -> Any:
         """The resolved evaluation device."""
