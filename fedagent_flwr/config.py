@@ -27,7 +27,7 @@ from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
 from fedagent_flwr.schema import RunSchema, SettingError, check, declared_type, register
 from fedagent_flwr.schema.run import Storage
-from fedagent_flwr.schema.trainer import ClientAppKeys
+from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
 
 
@@ -84,7 +84,7 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
     while cause is not None:  # the schema's refusal (OmegaConf) carries the key it was about
         key = getattr(cause, "full_key", None)
         if key and isinstance(cause, ConfigKeyError):
-            return f"unknown config key '{key}'"
+            return _unknown_key(key)
         if key and isinstance(cause, ValidationError):
             schema, name = getattr(cause, "object_type", None), str(getattr(cause, "key", ""))
             hint = get_type_hints(schema).get(name) if is_dataclass(schema) else None
@@ -96,7 +96,7 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
         key = item.split("=", 1)[0].lstrip("+~")
         if f"'{key}'" in text or f"override '{key}'" in text.lower():
             if "not in struct" in text or "Could not override" in text:
-                return f"unknown config key '{key}' (from override '{item}')"
+                return f"{_unknown_key(key)} (from override '{item}')"
             if "Could not find" in text or "not found" in text:
                 found = re.search(r"Available options in '[^']*': (.*?) Config search path", text)
                 options = f" (available: {found.group(1).strip()})" if found else ""
@@ -104,44 +104,30 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
     return f"configuration error: {text}"
 
 
+def _unknown_key(key: str) -> str:
+    """An unknown key, or a trainer key that the run sets from the ``rollout`` group."""
+    if (name := AGENT_LOOP_KEYS.get(key.removeprefix("trainer."))) and key.startswith("trainer."):
+        return f"config key '{key}' is set from 'rollout.{name}'; set rollout.{name} instead"
+    return f"unknown config key '{key}'"
+
+
 @dataclass(frozen=True)
 class RunSettings:
-    """The checked configuration of one federated run (plus the raw composed tree)."""
+    """The checked configuration of one run: the schema's values as checked (``run``), what
+    validation derives from them, and the raw composed tree."""
 
     config_name: str
-    run_name: str
-    output_dir: str
-    num_rounds: int
-    seed: int
-    model_path: str
-    total_clients: int
-    clients_per_round: int
-    mode: str
-    local_client_id: int
-    algorithm: str
-    local_steps: int
-    env_name: str
+    run: RunSchema  # every setting, typed (run.clients.total, run.eval.seed, run.env.service, ...)
+    mode: str  # federated | centralized | local, as the keys describe
+    clients_per_round: int  # clients.per_round, at most clients.total
     train_env_spec: dict[str, Any]
     val_env_spec: dict[str, Any]
-    env_service: dict[str, Any]
-    trainer_settings: ClientAppKeys  # the checked trainer group, typed: what instructions carry
+    trainer_settings: ClientAppKeys  # the checked trainer group and agent loop, typed: what instructions carry
     trainer: dict[str, Any]  # the same as a mapping (what a job file carries)
-    strategy_name: str
-    strategy_class: str
-    proximal_mu: float
-    fixed_weights: tuple[float, ...]
-    strategy_kwargs: dict[str, Any]
-    partition: dict[str, Any]
-    eval_enabled: bool
-    eval_before_train: bool
-    eval_num_episodes: int
-    eval_seed: int
-    round_timeout: float
+    partition: dict[str, Any]  # the group as given (a custom strategy's own keys too), known ones checked
     storage: StorageSettings
+    tracking: tuple[str, ...]
     raw: dict[str, Any]
-    tracking: tuple[str, ...] = ("jsonl",)
-    epochs: int = 1  # E: passes over the round's instances (train.epochs)
-    eval_per_client: bool = False  # validate each trained client's model too (eval.per_client)
 
     @property
     def trainer_backend(self) -> str:
@@ -222,13 +208,15 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     from fedagent_flwr.envs.spec import load_env_spec  # local: envs import torch-free helpers only
 
     raw: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    for key in AGENT_LOOP_KEYS:  # added with "+": would be overwritten by the rollout group without a word
+        if key in (raw.get("trainer") or {}):
+            raise ConfigError(_unknown_key(f"trainer.{key}"))
     try:
         run, _ = check(RunSchema, raw)  # trainer: checked next, by its backend's schema
         # the jobs carry the agent loop (the rollout group) as trainer keys
         # +trainer.per_client (a client's own resources) is resolved below, against the checked group
         trainer_settings = check_trainer({**{k: v for k, v in _get(raw, "trainer").items() if k != PER_CLIENT_KEY},
-                                          "rollout_mode": run.rollout.mode,
-                                          "history_length": run.rollout.history_length})
+                                          **{key: getattr(run.rollout, name) for key, name in AGENT_LOOP_KEYS.items()}})
     except SettingError as exc:
         raise ConfigError(str(exc)) from None
     total = run.clients.total
@@ -303,42 +291,12 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         # per-client validation plays every validation episode on each client
         _check_pool_fits_lockstep(service.pool_size, run.eval.num_episodes, specs,
                                   int(trainer["rollout_n"]), 1 if per_client else total)
-    return RunSettings(
-        config_name=config_name,
-        run_name=run.run_name,
-        output_dir=_path_text(run.output_dir, "output_dir", required=True),
-        num_rounds=run.num_rounds,
-        seed=run.seed,
-        model_path=_path_text(run.model.path, "model.path"),
-        total_clients=total,
-        clients_per_round=min(run.clients.per_round, total),
-        mode=mode,
-        local_client_id=local_id,
-        algorithm=run.algorithm,
-        local_steps=run.train.local_steps,
-        env_name=run.env.name,
-        train_env_spec=specs["train"],
-        val_env_spec=specs["val"],
-        env_service=asdict(service),
-        trainer_settings=trainer_settings,
-        trainer=trainer,
-        strategy_name=run.strategy.name,
-        strategy_class=run.strategy.class_path,
-        proximal_mu=run.strategy.proximal_mu,
-        fixed_weights=tuple(run.strategy.weights),
-        strategy_kwargs=dict(run.strategy.kwargs),
-        partition=partition,
-        eval_enabled=run.eval.enabled,
-        eval_before_train=run.eval.before_train,
-        eval_num_episodes=run.eval.num_episodes,
-        eval_seed=run.eval.seed,
-        round_timeout=run.round_timeout,
-        storage=_storage(run.storage),
-        raw=raw,
-        tracking=_tracking(run.tracking),
-        epochs=run.train.epochs,
-        eval_per_client=per_client,
-    )
+    _path_text(run.output_dir, "output_dir", required=True)
+    _path_text(run.model.path, "model.path")
+    return RunSettings(config_name=config_name, run=run, mode=mode, clients_per_round=min(run.clients.per_round, total),
+                       train_env_spec=specs["train"], val_env_spec=specs["val"], trainer_settings=trainer_settings,
+                       trainer=trainer, partition=partition, storage=_storage(run.storage),
+                       tracking=_tracking(run.tracking), raw=raw)
 
 
 def _check_pool_fits_lockstep(pool: int, episodes: int, specs: dict[str, Any], rollout_n: int, clients: int) -> None:

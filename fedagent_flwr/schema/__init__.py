@@ -18,9 +18,9 @@ from hydra.core.config_store import ConfigStore
 
 from fedagent_flwr.schema.fields import SettingError, check, setting
 from fedagent_flwr.schema.run import RunSchema
-from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_MODES, TRAINER_SCHEMAS
+from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_GROUPS, TRAINER_MODES, TRAINER_SCHEMAS
 
-__all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_MODES", "TRAINER_SCHEMAS", "RunSchema", "SettingError",
+__all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_GROUPS", "TRAINER_MODES", "TRAINER_SCHEMAS", "RunSchema", "SettingError",
            "check", "declared_type", "register", "setting"]
 
 
@@ -28,14 +28,14 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent; before composing ``conf/``)."""
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunSchema)
-    for backend, schema in TRAINER_SCHEMAS.items():
+    for backend, schema in TRAINER_GROUPS.items():
         store.store(group="schema/trainer", name=backend, node=schema)
 
 
 def declared_type(dotted: str) -> Any:
     """The type the schema declares for a dotted config key (``trainer.*``: either backend's), or None."""
     first, _, rest = dotted.partition(".")
-    roots: list[tuple[Any, list[str]]] = [(s, rest.split(".")) for s in TRAINER_SCHEMAS.values()] if (
+    roots: list[tuple[Any, list[str]]] = [(s, rest.split(".")) for s in TRAINER_GROUPS.values()] if (
         first == "trainer") else [(RunSchema, dotted.split("."))]
     for node, parts in roots:
         for part in parts:

@@ -74,6 +74,12 @@ def setting(default: Any = MISSING, *, factory: Any = None, keys: type | None = 
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def renamed(schema: type, name: str) -> Any:
+    """``schema``'s field ``name`` under another name: the same default and bound, declared once there."""
+    declared = schema.__dataclass_fields__[name]  # type: ignore[attr-defined]  # a schema dataclass
+    return dataclasses.field(default=declared.default, metadata=declared.metadata)
+
+
 T = TypeVar("T")
 
 

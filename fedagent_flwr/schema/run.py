@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from fedagent_flwr.schema.fields import setting
-from fedagent_flwr.schema.trainer import ROLLOUT_MODES, AgentLoopKnobs
+from fedagent_flwr.schema.trainer import Rollout
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
@@ -46,15 +46,6 @@ class Eval:
     num_episodes: int = setting(8, ge=0)  # split across the evaluating clients
     seed: int = setting(7)  # validation seeds: seed * 100000 + i
     per_client: bool = setting(False)  # also validate each trained client's own model
-
-
-@dataclass
-class Rollout:
-    """The agent loop, for training and evaluation alike (sent to the trainers as their
-    ``rollout_mode`` / ``history_length`` keys, whose bounds are the same declaration's)."""
-
-    mode: str = setting(AgentLoopKnobs.rollout_mode, choices=ROLLOUT_MODES)
-    history_length: int = setting(AgentLoopKnobs.history_length, ge=0)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fedagent_flwr.schema.fields import SettingError, check, setting
+from fedagent_flwr.schema.fields import SettingError, check, renamed, setting
 
 TRAINER_MODES = ("subprocess", "persistent")
 ROLLOUT_MODES = ("concat", "windowed")
@@ -58,16 +58,28 @@ RULE_KEYS = tuple(f.name for f in dataclasses.fields(ClientRuleKeys))
 
 
 @dataclass
-class AgentLoopKnobs:
-    """The agent loop both backends run (from the config's ``rollout`` group): concat (one growing
-    conversation) or windowed (one prompt per turn showing the last ``history_length`` steps)."""
+class Rollout:
+    """The agent loop, for training and evaluation alike (the config's ``rollout`` group): concat (one
+    growing conversation) or windowed (one prompt per turn showing the last ``history_length`` steps)."""
 
-    rollout_mode: str = setting("concat", choices=ROLLOUT_MODES)
+    mode: str = setting("concat", choices=ROLLOUT_MODES)
     history_length: int = setting(2, ge=0, note="the (observation, action) pairs a windowed prompt shows")
 
 
+#: the trainer keys that carry the ``rollout`` group to the jobs -> its field (set there, not in ``trainer``)
+AGENT_LOOP_KEYS = {"rollout_mode": "mode", "history_length": "history_length"}
+
+
 @dataclass
-class EvalKnobs(AgentLoopKnobs):
+class AgentLoopKnobs:
+    """The ``rollout`` group as a job's trainer keys: :class:`Rollout`'s fields (default, bound) renamed."""
+
+    rollout_mode: str = renamed(Rollout, "mode")
+    history_length: int = renamed(Rollout, "history_length")
+
+
+@dataclass
+class EvalKnobs:
     """How validation episodes are sampled (the Hugging Face evaluator both backends use)."""
 
     max_new_tokens: int = setting(32, ge=1)  # tokens one turn may sample
@@ -98,7 +110,7 @@ class ReferenceKnobs(EvalKnobs):
 
 
 @dataclass
-class VerlKnobs(AgentLoopKnobs):
+class VerlKnobs:
     """Hyper-parameters and resources of one client's verl job."""
 
     rollout_n: int = setting(4, ge=1)  # GRPO group size (rollout.n)
@@ -147,7 +159,7 @@ class VerlKnobs(AgentLoopKnobs):
                 f"config key '{prefix}.max_new_tokens' ({self.max_new_tokens}) exceeds {prefix}.max_response_length "
                 f"({self.max_response_length}): not even one turn would fit"
             )
-        if self.rollout_mode == "windowed" and self.use_v1:
+        if getattr(self, "rollout_mode", None) == "windowed" and self.use_v1:  # a job's settings carry the loop
             raise SettingError(
                 f"config key '{prefix}.use_v1' = true does not support rollout.mode=windowed (its per-turn rows are "
                 "built for verl's classic PPO trainer): set trainer.use_v1=false or rollout.mode=concat")
@@ -162,20 +174,32 @@ class VerlKnobs(AgentLoopKnobs):
 
 
 @dataclass
-class ReferenceTrainer(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
+class ReferenceGroup(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
     """``conf/trainer/reference.yaml``'s schema."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.reference"
 
 
 @dataclass
-class VerlTrainer(VerlKnobs, ClientRuleKeys, ClientAppKeys):
+class VerlGroup(VerlKnobs, ClientRuleKeys, ClientAppKeys):
     """``conf/trainer/verl.yaml``'s schema (and its presets')."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.verl.entry"
 
 
-#: trainer.backend -> its schema (and, as ``module``, what the ClientApp runs). The one registry.
+@dataclass
+class ReferenceTrainer(AgentLoopKnobs, ReferenceGroup):
+    """What a reference job runs with: its group and the run's agent loop."""
+
+
+@dataclass
+class VerlTrainer(AgentLoopKnobs, VerlGroup):
+    """What a verl job runs with: its group and the run's agent loop."""
+
+
+#: trainer.backend -> the schema of its config group (Hydra's; ``module``: what the ClientApp runs)
+TRAINER_GROUPS: dict[str, type[ClientAppKeys]] = {"reference": ReferenceGroup, "verl": VerlGroup}
+#: trainer.backend -> the typed settings its jobs carry (the group plus the agent loop). The one registry.
 TRAINER_SCHEMAS: dict[str, type[ClientAppKeys]] = {"reference": ReferenceTrainer, "verl": VerlTrainer}
 
 

@@ -22,8 +22,16 @@ import fedagent_flwr
 from fedagent_flwr.checkpoint.ref import CheckpointRef
 from fedagent_flwr.config import ConfigError, conf_dir, load_settings
 from fedagent_flwr.protocol import TRAINER_JSON, ProtocolError, TrainInstruction
-from fedagent_flwr.schema import TRAINER_SCHEMAS, RunSchema, SettingError, check
-from fedagent_flwr.schema.trainer import ClientAppKeys, ReferenceTrainer, VerlTrainer, trainer_settings
+from fedagent_flwr.schema import TRAINER_GROUPS, TRAINER_SCHEMAS, RunSchema, SettingError, check
+from fedagent_flwr.schema.trainer import (
+    AGENT_LOOP_KEYS,
+    AgentLoopKnobs,
+    ClientAppKeys,
+    ReferenceTrainer,
+    Rollout,
+    VerlTrainer,
+    trainer_settings,
+)
 from fedagent_flwr.trainers import BACKEND_MODULES
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.verl.settings import VerlSettings
@@ -75,6 +83,16 @@ def test_every_leaf_setting_is_declared_in_exactly_one_field() -> None:
              for tree, keys in trees.items() for key, owners in keys.items() if len(owners) != 1}
     assert not twice, f"settings declared in more than one field: {twice}"
     assert len(trees["trainer/reference"]) > 20 and len(trees["trainer/verl"]) > 25 and len(trees["run"]) > 40
+
+
+def test_the_agent_loop_is_declared_once_in_the_rollout_group() -> None:
+    """The jobs' rollout_mode/history_length are the rollout group's fields renamed (same default and
+    bound objects); the trainer groups a user sets do not declare them."""
+    for key, name in AGENT_LOOP_KEYS.items():
+        mine, theirs = AgentLoopKnobs.__dataclass_fields__[key], Rollout.__dataclass_fields__[name]
+        assert mine.default == theirs.default and mine.metadata["bound"] is theirs.metadata["bound"]
+        assert all(key not in group.__dataclass_fields__ for group in TRAINER_GROUPS.values())
+        assert all(issubclass(schema, AgentLoopKnobs) for schema in TRAINER_SCHEMAS.values())
 
 
 def test_trainers_and_evaluator_add_behaviour_not_settings() -> None:
@@ -135,7 +153,7 @@ def test_every_conf_key_exists_in_the_schema(path: Path) -> None:
     if isinstance(trainer, dict):
         # the trainer keys must exist in the schema of the backend the file is for (either when unsaid)
         backend = trainer.get("backend") or ("verl" if "verl" in path.stem else None)
-        schemas = [TRAINER_SCHEMAS[backend]] if backend else list(TRAINER_SCHEMAS.values())
+        schemas = [TRAINER_GROUPS[backend]] if backend else list(TRAINER_GROUPS.values())
         unknown = [_unknown_keys(trainer, s, "trainer.") for s in schemas]
         missing += min(unknown, key=len)
     assert not missing, f"{path.name}: keys not in the schema (fedagent_flwr/schema/): {missing}"

@@ -17,7 +17,7 @@ from typing import Any
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
 from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
-from fedagent_flwr.schema.trainer import EvalKnobs
+from fedagent_flwr.schema.trainer import AgentLoopKnobs, EvalKnobs
 from fedagent_flwr.trainers.common.checks import InputError, check_eval_job
 from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
@@ -27,9 +27,9 @@ EVAL_RESULT = "eval_result.json"
 
 
 @dataclass
-class EvalSettings(EvalKnobs):
+class EvalSettings(AgentLoopKnobs, EvalKnobs):
     """How to evaluate: the knobs (and their defaults, the reference trainer's) are
-    :class:`~fedagent_flwr.schema.trainer.EvalKnobs`'s; each backend builds it from its own
+    :class:`~fedagent_flwr.schema.trainer.EvalKnobs`'s and the agent loop's; each backend builds it from its own
     (already checked) settings."""
 
     def val_sampling(self) -> SamplingParams:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedagent_flwr.schema import SettingError, check
-from fedagent_flwr.schema.trainer import VERL_LOGGERS, VerlKnobs  # noqa: F401  # VERL_LOGGERS: re-exported
+from fedagent_flwr.schema.trainer import VERL_LOGGERS, AgentLoopKnobs, VerlKnobs  # noqa: F401  # VERL_LOGGERS: re-exported
 
 #: a bad verl setting (the message names the key); the schema's error
 VerlSettingsError = SettingError
 
 
 @dataclass
-class VerlSettings(VerlKnobs):
+class VerlSettings(AgentLoopKnobs, VerlKnobs):
     """Hyper-parameters and resources of one client's verl job (see ``conf/trainer/verl.yaml``)."""
 
     @classmethod
