@@ -118,6 +118,12 @@ def check(cls: type[T], raw: Mapping[str, Any] | None, prefix: str = "",
     return instance, unknown
 
 
+def check_value(cls: type, name: str, value: Any, prefix: str) -> Any:
+    """``value`` checked as the field ``name`` of the schema ``cls`` (type, bound), named ``prefix.name``."""
+    return _typed(f"{prefix}.{name}", value, get_type_hints(cls)[name],
+                  cls.__dataclass_fields__[name].metadata.get("bound"))  # type: ignore[attr-defined]
+
+
 def _typed(key: str, value: Any, hint: Any, bound: Bound | None, entry: str = "") -> Any:
     """``value`` as the annotation ``hint`` says (ints widen to floats), inside ``bound``;
     ``entry`` names the list entry it is (" entry 2") in the messages."""

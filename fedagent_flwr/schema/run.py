@@ -18,6 +18,9 @@ from fedagent_flwr.schema.trainer import Rollout
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
 STORE_KINDS = ("shared-fs", "http")
+FALLBACKS = ("skip", "shared", "trial-only")
+UNITS = ("game", "scene")
+CATALOG_TARGETS = ("served", "unshuffled")
 _HOST = r"[A-Za-z0-9.:-]{1,253}"
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+"
 
@@ -84,19 +87,24 @@ class Strategy:
 
 @dataclass
 class Partition:
-    """The partition group's known knobs; a strategy reads the ones it has (unset ones stay None),
-    and a custom strategy's own keys pass unchecked (docs/extending.md)."""
+    """The partition group's known knobs with FedAgent's defaults, which a strategy uses for a knob
+    left out (or None); :mod:`fedagent_flwr.hetero` reads them through :func:`~fedagent_flwr.hetero.common.knob`.
+    A strategy reads the ones it has; a custom strategy's own keys pass unchecked (docs/extending.md)."""
 
     strategy: str = setting()  # a hetero strategy name or the dotted path of a partition function
-    min_goals_per_client: int = setting(100, ge=1)
-    variant_n: int | None = setting(None, ge=0)  # size of the variant pool; 0 -> FedAgent's default
-    env_div: float | None = setting(None, ge=0, le=1)
-    keep_ratio: float | None = setting(None, ge=0, le=1)
-    size_std: float | None = setting(None, gt=0)
-    success_std: float | None = setting(None, gt=0)
-    omega: float | None = setting(None, gt=0, lt=1)
-    fallback: str | None = setting(None, choices=("skip", "shared", "trial-only"))
-    unit: str | None = setting(None, choices=("game", "scene"))
+    min_goals_per_client: int = setting(100, ge=1)  # FedAgent's min_samples_per_client
+    variant_n: int | None = setting(0, ge=0, note="0 -> the strategy's own pool size")  # env-level pools
+    env_div: float | None = setting(0.7, ge=0, le=1)
+    keep_ratio: float | None = setting(0.7, ge=0, le=1)  # catalog_split's share of distractors kept
+    size_std: float | None = setting(1.0, gt=0)
+    success_std: float | None = setting(1.0, gt=0)
+    dispersion_s: float | None = setting(None, gt=0)  # FedAgent's name for size_std/success_std (wins when set)
+    omega: float | None = setting(0.5, gt=0, lt=1)
+    tau: float | None = setting(0.3, gt=0, lt=1)  # FedAgent's preference skew when omega is not given
+    fashion_sample_ratio: float | None = setting(0.2, ge=0, le=1)  # preference: WebShop fashion goals kept
+    fallback: str | None = setting("skip", choices=FALLBACKS)  # env_disjoint: specs seen in one scene
+    unit: str | None = setting("game", choices=UNITS)  # env_disjoint: what a client takes
+    catalog_targets: str | None = setting("served", choices=CATALOG_TARGETS)  # catalog_split's goal ASINs
     holdout_file: str | None = setting(None)
     trajectories_file: str | None = setting(None)
 
