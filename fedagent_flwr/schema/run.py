@@ -109,6 +109,17 @@ class Partition:
     trajectories_file: str | None = setting(None)
 
 
+@dataclass(frozen=True)
+class EnvEntry:
+    """One entry of an env spec (``env.train`` / ``env.val``: ``{envs: [entry, ...]}``), read by
+    :func:`fedagent_flwr.envs.spec.load_env_spec`, which also looks ``name`` up in the registry."""
+
+    name: str = setting(pattern=r".*\S.*", note="a registered environment name or a class's dotted path")
+    n_envs: int = setting(ge=1)  # episodes (dataset rows) per training step of this entry
+    max_turns: int = setting(6, ge=1)  # turn budget of one episode
+    config: dict[str, Any] = setting(factory=dict)  # the environment's own settings
+
+
 @dataclass
 class EnvService:
     enabled: bool = setting(False)  # each client serves its partition over HTTP
@@ -120,7 +131,7 @@ class EnvService:
 @dataclass
 class Env:
     name: str = setting()
-    train: Any = MISSING  # an env spec ({envs: [...]}), checked by fedagent_flwr.envs.spec
+    train: Any = MISSING  # an env spec ({envs: [EnvEntry, ...]} or a file), read by fedagent_flwr.envs.spec
     val: Any = MISSING
     service: EnvService = setting(factory=EnvService)
     data_dir: str | None = setting(None)  # referenced by the env configs (${env.data_dir})
