@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.schema.fields import Bound, SettingError, check, setting
+from fedagent_flwr.schema.fields import Bound, SettingError, check, renamed
+from fedagent_flwr.schema.run import Strategy, Train
 
 T = TypeVar("T")
 
@@ -39,13 +40,13 @@ class TrainJob:
     data_seed: int  # base_seed + 100 * round + client_id (FedAgent's rule)
     base_seed: int = 42  # the run's seed: partitions are drawn from it, identical in every round
     algorithm: str = "grpo"
-    local_steps: int = setting(1, ge=1)  # optimiser steps per epoch, each on new env instances
-    proximal_mu: float = setting(0.0, ge=0)
+    local_steps: int = renamed(Train, "local_steps")  # optimiser steps per epoch, each on new env instances
+    proximal_mu: float = renamed(Strategy, "proximal_mu")
     critic_path: str = ""
     partition: dict[str, Any] = field(default_factory=dict)
     service_url: str = ""
     trainer: dict[str, Any] = field(default_factory=dict)  # backend hyper-parameters
-    epochs: int = setting(1, ge=1)  # E: passes over the round's instances (epochs x local_steps optimiser steps)
+    epochs: int = renamed(Train, "epochs")  # E: passes over the round's instances (x local_steps optimiser steps)
 
     def check_together(self, prefix: str) -> None:
         """Fields that constrain each other (run by :func:`load`)."""
