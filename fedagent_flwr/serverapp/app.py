@@ -337,7 +337,7 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round,
         settings.run.env.name, settings.trainer_backend, type(strategy).__name__)
-    if settings.trainer.get("mode") == "persistent" and settings.run.clients.total > 1:
+    if settings.trainer_settings.mode == "persistent" and settings.run.clients.total > 1:
         # Memory scales with the node count, not with how many clients train at once.
         log(INFO, "[fedagent] trainer.mode=persistent: each node keeps one trainer (model, and with verl "
             "its GPU memory) for the whole run; a simulation holds all %d on this machine at once "
