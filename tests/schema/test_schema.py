@@ -97,13 +97,34 @@ def test_the_agent_loop_is_declared_once_in_the_rollout_group() -> None:
 
 def test_trainers_and_evaluator_add_behaviour_not_settings() -> None:
     """GRPOConfig, VerlSettings and EvalSettings take every field from the schema: none declares one."""
+    from fedagent_flwr.envs.spec import EnvSpecEntry
+    from fedagent_flwr.schema.run import EnvEntry
     from fedagent_flwr.trainers.common.evaluator import EvalSettings
 
-    for cls, schema in ((GRPOConfig, ReferenceTrainer), (VerlSettings, VerlTrainer), (EvalSettings, ReferenceTrainer)):
+    for cls, schema in ((GRPOConfig, ReferenceTrainer), (VerlSettings, VerlTrainer), (EvalSettings, ReferenceTrainer),
+                        (EnvSpecEntry, EnvEntry)):
         own = [n for n in vars(cls).get("__annotations__", {}) if not n.startswith("_")]
         assert own == [], f"{cls.__name__} re-declares {own}: declare settings in fedagent_flwr/schema/"
         assert {f.name for f in dataclasses.fields(cls)} <= {f.name for f in dataclasses.fields(schema)}
         assert all(f.default == schema.__dataclass_fields__[f.name].default for f in dataclasses.fields(cls))
+
+
+def test_partition_knobs_come_from_the_schema() -> None:
+    """hetero reads a knob through its schema field: the schema's default when absent, its bound
+    (in the server's words) when set."""
+    from fedagent_flwr.hetero import PartitionError, partition_goals
+    from fedagent_flwr.hetero.common import knob
+    from fedagent_flwr.schema.run import Partition
+
+    for name in ("min_goals_per_client", "omega", "tau", "size_std", "env_div", "keep_ratio", "fallback", "unit"):
+        assert knob({}, name) == Partition.__dataclass_fields__[name].default
+    assert partition_goals("uniform", 0, 2, 500, {}) == partition_goals(
+        "uniform", 0, 2, 500, {"min_goals_per_client": Partition.min_goals_per_client})
+    with pytest.raises(ConfigError) as server:
+        load_settings(overrides="partition=preference partition.omega=1.5")
+    with pytest.raises(PartitionError) as library:
+        knob({"omega": 1.5}, "omega")
+    assert str(server.value) == str(library.value) == "config key 'partition.omega' = 1.5 is invalid: expected in (0, 1)"
 
 
 def test_backend_registry_is_the_schema_registry() -> None:
