@@ -1,9 +1,8 @@
-"""Typed access to a composed run config: the error every config check raises, and the readers
-that name the key they failed on (:mod:`fedagent_flwr.config` and the per-client checks share them)."""
+"""The error every config check raises, and the reader of a composed run config that names the key
+it failed on (:mod:`fedagent_flwr.config` and the per-client checks share them)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 
@@ -19,18 +18,3 @@ def get_key(cfg: dict[str, Any], dotted: str) -> Any:
             raise ConfigError(f"config key '{dotted}' is missing")
         node = node[part]
     return node
-
-
-def typed_key(cfg: dict[str, Any], key: str, kind: type, check: Callable[[Any], bool] | None = None,
-              expect: str = "") -> Any:
-    """The value at ``key``, of type ``kind`` (an int is accepted as a float) and passing ``check``;
-    otherwise ConfigError naming the key (with ``expect``: what a valid value is)."""
-    value = get_key(cfg, key)
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {value!r}")
-    if check is not None and not check(value):
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected {expect}")
-    return value

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from fedagent_flwr.schema.run import ALGORITHMS
+
 #: FedAgent's paper protocol (``gen_paper_configs.py``: N, M, T, E, goals per client; base seed).
 TOTAL, PER_ROUND, ROUNDS, EPOCHS, MIN_GOALS, SEED = 100, 2, 70, 3, 100, 42
 #: The uniform table's backbones; the first is the only one of the other families.
 BACKBONES = ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct",
              "meta-llama/Llama-3.2-3B-Instruct")
 ENVS = ("webshop", "alfworld")
-ALGORITHMS = ("grpo", "ppo")
 FAMILIES = ("uniform", "env_heterogeneity", "task_heterogeneity", "decentralized")
 #: Env instances a step plays and rollouts each (the presets' n_envs and trainer.rollout_n): 64
 #: episodes a step either way.

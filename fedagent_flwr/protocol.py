@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
@@ -32,6 +32,8 @@ from fedagent_flwr.checkpoint.store import (
     UPLOAD_TOKEN_FIELD,
     URL_FIELD,
 )
+from fedagent_flwr.schema.fields import SettingError
+from fedagent_flwr.schema.trainer import TrainerSettings, trainer_settings
 
 __all__ = [
     "CLIENT_VAL_PREFIX",
@@ -141,6 +143,12 @@ def _seed_list(record: Mapping[str, Any], key: str) -> list[int]:
     if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ProtocolError(f"instruction field '{key}' must be a list of int, got {str(seeds)[:80]!r}")
     return [int(s) for s in seeds]
+def _trainer_field(record: Mapping[str, Any]) -> TrainerSettings:
+    """The trainer group, checked by the schema's one validator (as the server checked it)."""
+    try:
+        return trainer_settings(_json_field(record, TRAINER_JSON))
+    except SettingError as exc:
+        raise ProtocolError(f"instruction field '{TRAINER_JSON}': {exc}") from None
 
 
 def _config(content: RecordDict, what: str) -> ConfigRecord:
@@ -181,7 +189,7 @@ class TrainInstruction:
     base_seed: int
     algorithm: str
     local_steps: int
-    trainer: dict[str, Any]
+    trainer: TrainerSettings  # a mapping given here is checked by the schema's validator
     env_spec: dict[str, Any]
     partition: dict[str, Any]
     service: dict[str, Any]
@@ -193,6 +201,9 @@ class TrainInstruction:
     epochs: int = 1
     client_eval_seeds: list[int] = field(default_factory=list)
     val_env_spec: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer", trainer_settings(self.trainer))
 
     def to_record(self) -> RecordDict:
         values: dict[str, Any] = {
@@ -206,7 +217,7 @@ class TrainInstruction:
             ALGORITHM: self.algorithm,
             LOCAL_STEPS: self.local_steps,
             EPOCHS: self.epochs,
-            TRAINER_JSON: to_json(self.trainer),
+            TRAINER_JSON: to_json(asdict(self.trainer)),
             ENV_SPEC_JSON: to_json(self.env_spec),
             PARTITION_JSON: to_json(self.partition),
             SERVICE_JSON: to_json(self.service),
@@ -230,7 +241,7 @@ class TrainInstruction:
             base_seed=_field(record, BASE_SEED, int),
             algorithm=_field(record, ALGORITHM, str),
             local_steps=_field(record, LOCAL_STEPS, int),
-            trainer=_json_field(record, TRAINER_JSON),
+            trainer=_trainer_field(record),
             env_spec=_json_field(record, ENV_SPEC_JSON),
             partition=_json_field(record, PARTITION_JSON),
             service=_json_field(record, SERVICE_JSON),
@@ -251,7 +262,7 @@ class EvalInstruction:
 
     server_round: int
     client_id: int
-    trainer: dict[str, Any]
+    trainer: TrainerSettings  # a mapping given here is checked by the schema's validator
     env_spec: dict[str, Any]
     service: dict[str, Any]
     eval_seeds: list[int]
@@ -260,13 +271,16 @@ class EvalInstruction:
     store: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer", trainer_settings(self.trainer))
+
     def to_record(self) -> RecordDict:
         values: dict[str, Any] = {
             **self.extra,
             **self.store,
             SERVER_ROUND: self.server_round,
             CLIENT_ID: self.client_id,
-            TRAINER_JSON: to_json(self.trainer),
+            TRAINER_JSON: to_json(asdict(self.trainer)),
             ENV_SPEC_JSON: to_json(self.env_spec),
             SERVICE_JSON: to_json(self.service),
             EVAL_SEEDS: [int(seed) for seed in self.eval_seeds],
@@ -281,7 +295,7 @@ class EvalInstruction:
         return cls(
             server_round=_field(record, SERVER_ROUND, int),
             client_id=_field(record, CLIENT_ID, int),
-            trainer=_json_field(record, TRAINER_JSON),
+            trainer=_trainer_field(record),
             env_spec=_json_field(record, ENV_SPEC_JSON),
             service=_json_field(record, SERVICE_JSON),
             eval_seeds=seeds,

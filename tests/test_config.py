@@ -10,9 +10,9 @@ from fedagent_flwr.seeding import data_seed, select_clients
 
 def test_defaults_describe_the_two_client_federated_job() -> None:
     settings = load_settings()
-    assert (settings.mode, settings.total_clients, settings.clients_per_round, settings.num_rounds) == (
+    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds) == (
         "federated", 2, 2, 2)
-    assert settings.strategy_class.endswith("FedAvgFSDP")
+    assert settings.run.strategy.class_path.endswith("FedAvgFSDP")
     assert settings.train_env_spec["envs"][0]["name"] == "TinyGuess"
     assert settings.trainer_backend == "reference"
 
@@ -20,9 +20,9 @@ def test_defaults_describe_the_two_client_federated_job() -> None:
 def test_modes_come_from_config_alone() -> None:
     assert load_settings(overrides="experiment=centralized").mode == "centralized"
     local = load_settings(overrides="experiment=local clients.total=4 experiment.local_client_id=3")
-    assert (local.mode, local.local_client_id, local.total_clients) == ("local", 3, 4)
+    assert (local.mode, local.run.experiment.local_client_id, local.run.clients.total) == ("local", 3, 4)
     prox = load_settings(overrides="strategy=fedprox strategy.proximal_mu=0.5")
-    assert prox.strategy_class.endswith("FedProxFSDP") and prox.proximal_mu == 0.5
+    assert prox.run.strategy.class_path.endswith("FedProxFSDP") and prox.run.strategy.proximal_mu == 0.5
 
 
 def test_per_round_larger_than_total_means_all_clients() -> None:
@@ -116,7 +116,7 @@ def test_every_env_group_composes_and_validates(group: str) -> None:
 
     settings = load_settings(overrides=f"env={group}")
     declared = yaml.safe_load((conf_dir() / "env" / f"{group}.yaml").read_text())
-    assert settings.env_name == declared.get("name", settings.env_name) and settings.env_name
+    assert settings.run.env.name == declared.get("name", settings.run.env.name) and settings.run.env.name
 
 
 @pytest.mark.parametrize("group", sorted(p.stem for p in (conf_dir() / "trainer").glob("*.yaml")))

@@ -335,7 +335,7 @@ def test_verl_estimator_option_generates_overrides_that_pass_verls_validation(ti
 
     run = load_settings("config", VERL_OVERRIDES)
     settings, _ = VerlSettings.from_mapping({k: v for k, v in run.trainer.items() if k not in ("backend", "timeout_s")})
-    assert settings.plugin_modules == ("examples.verl_advantage",)
+    assert settings.plugin_modules == ["examples.verl_advantage"]
     overrides = build_overrides(algorithm="grpo", settings=settings,
                                 paths=job_paths(tmp_path / "verl", str(tiny_model_dir), "", "/tmp/fa-ray-test"),
                                 batch_size=2, local_steps=1, seed=142, experiment_name="round1_client0")

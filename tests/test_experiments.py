@@ -44,8 +44,8 @@ def _verl_config(settings: RunSettings, model_dir: Path, tmp_path: Path) -> Any:
     assert not unknown
     batch = sum(int(e["n_envs"]) for e in settings.train_env_spec["envs"])
     paths = job_paths(tmp_path / "verl", str(model_dir), "", "/tmp/fa-ray-test")
-    overrides = build_overrides(algorithm=settings.algorithm, settings=verl_settings, paths=paths, batch_size=batch,
-                                local_steps=settings.local_steps, seed=1, experiment_name="round1_client0")
+    overrides = build_overrides(algorithm=settings.run.algorithm, settings=verl_settings, paths=paths, batch_size=batch,
+                                local_steps=settings.run.train.local_steps, seed=1, experiment_name="round1_client0")
     cfg = compose_verl_config(overrides)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.data.train_batch_size == batch
@@ -59,7 +59,7 @@ def test_there_is_a_preset_per_environment_and_algorithm() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_passes_verls_validation(preset: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = load_settings("config", f"experiment={preset}")
-    assert (settings.mode, settings.total_clients, settings.clients_per_round, settings.num_rounds, settings.seed) == (
+    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds, settings.run.seed) == (
         "federated", experiments.TOTAL, experiments.PER_ROUND, experiments.ROUNDS, experiments.SEED)
     assert settings.partition == {"strategy": "uniform", "min_goals_per_client": experiments.MIN_GOALS}
     assert settings.trainer["n_gpus_per_node"] == experiments.GPUS_PER_CLIENT
@@ -67,7 +67,7 @@ def test_preset_composes_and_passes_verls_validation(preset: str, tiny_model_dir
     if preset == "paper_protocol":
         return
     env, algorithm = preset.removeprefix("paper_").split("_")
-    assert (settings.env_name, settings.algorithm) == (env, algorithm)
+    assert (settings.run.env.name, settings.run.algorithm) == (env, algorithm)
     n_envs, rollout_n = experiments.STEP_SHAPE[algorithm]
     rollout = cfg.actor_rollout_ref.rollout
     assert (cfg.data.train_batch_size, rollout.n) == (n_envs, rollout_n)
@@ -77,14 +77,14 @@ def test_preset_composes_and_passes_verls_validation(preset: str, tiny_model_dir
     if algorithm == "ppo":
         assert cfg.critic.ppo_mini_batch_size * rollout.n == 64
     # validation: every held-out goal (WebShop) or valid_seen game (ALFWorld) once
-    assert settings.eval_num_episodes == settings.val_env_spec["envs"][0]["n_envs"] == {"webshop": 500,
+    assert settings.run.eval.num_episodes == settings.val_env_spec["envs"][0]["n_envs"] == {"webshop": 500,
                                                                                        "alfworld": 140}[env]
 
 
 def test_ppo_preset_is_fedagents_ppo(tiny_model_dir: Path, tmp_path: Path) -> None:
     """trainer=verl_ppo alone: PPO with one rollout per instance; 64 instances give 64-row mini-batches."""
     settings = load_settings("config", "trainer=verl_ppo env.train.envs.0.n_envs=64")
-    assert (settings.algorithm, settings.trainer_backend, settings.trainer["rollout_n"]) == ("ppo", "verl", 1)
+    assert (settings.run.algorithm, settings.trainer_backend, settings.trainer["rollout_n"]) == ("ppo", "verl", 1)
     cfg = _verl_config(settings, tiny_model_dir, tmp_path)
     assert cfg.algorithm.adv_estimator == "gae" and cfg.actor_rollout_ref.rollout.n == 1
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == cfg.critic.ppo_mini_batch_size == 64
@@ -113,12 +113,12 @@ def _composed(settings: RunSettings) -> dict[str, Any]:
     search = {e["config"].get("search_return_n") for e in train + settings.val_env_spec["envs"]}
     assert len(search) == 1  # training and validation search alike, as FedAgent's services
     return {
-        "env": settings.env_name, "algorithm": settings.algorithm, "mode": settings.mode,
-        "model": settings.model_path, "clients_total": settings.total_clients,
-        "clients_per_round": settings.clients_per_round, "rounds": settings.num_rounds,
+        "env": settings.run.env.name, "algorithm": settings.run.algorithm, "mode": settings.mode,
+        "model": settings.run.model.path, "clients_total": settings.run.clients.total,
+        "clients_per_round": settings.clients_per_round, "rounds": settings.run.num_rounds,
         "epochs": settings.raw["train"]["epochs"] if WITH_EPOCHS else None,
-        "min_goals_per_client": settings.partition["min_goals_per_client"], "seed": settings.seed,
-        "local_client_id": settings.local_client_id, "partition": settings.partition["strategy"],
+        "min_goals_per_client": settings.partition["min_goals_per_client"], "seed": settings.run.seed,
+        "local_client_id": settings.run.experiment.local_client_id, "partition": settings.partition["strategy"],
         "search_return_n": search.pop(), "envs_per_step": sum(e["n_envs"] for e in train),
         "rollout_n": settings.trainer["rollout_n"],
     }

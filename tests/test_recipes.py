@@ -27,9 +27,9 @@ def test_there_are_recipes() -> None:
 @pytest.mark.parametrize("arm", ARMS)
 def test_recipe_composes_for_every_arm(recipe: str, arm: str) -> None:
     settings = load_settings("config", f"recipe={recipe} {arm}")
-    assert settings.num_rounds >= 1 and settings.eval_num_episodes >= 64  # learning claims need >= 64 episodes
+    assert settings.run.num_rounds >= 1 and settings.run.eval.num_episodes >= 64  # learning claims need >= 64 episodes
     if arm == "experiment=centralized":
-        assert settings.total_clients == 1
+        assert settings.run.clients.total == 1
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if load_settings("config", f"recipe={r}").trainer_backend == "verl"])
@@ -43,8 +43,8 @@ def test_verl_recipe_overrides_pass_verls_validation(recipe: str, tmp_path: Path
     assert not unknown
     batch = sum(int(e["n_envs"]) for e in settings.train_env_spec["envs"])
     paths = job_paths(tmp_path / "verl", str(tmp_path / "model"), "", "/tmp/fa-ray-test")
-    overrides = build_overrides(algorithm=settings.algorithm, settings=verl_settings, paths=paths, batch_size=batch,
-                                local_steps=settings.local_steps, seed=1, experiment_name="round1_client0")
+    overrides = build_overrides(algorithm=settings.run.algorithm, settings=verl_settings, paths=paths, batch_size=batch,
+                                local_steps=settings.run.train.local_steps, seed=1, experiment_name="round1_client0")
     cfg = compose_verl_config(overrides)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.data.train_batch_size == batch
@@ -61,13 +61,13 @@ def test_webshop_recipe_splits_the_training_goals_between_two_clients_and_bounds
     from fedagent_flwr.envs.webshop.env import WebShopEnv
 
     settings = load_settings("config", f"recipe=webshop_verl env.data_dir={WEBSHOP_DATA}")
-    assert settings.total_clients == 2 and settings.num_rounds >= 4 and settings.eval_num_episodes >= 64
+    assert settings.run.clients.total == 2 and settings.run.num_rounds >= 4 and settings.run.eval.num_episodes >= 64
     assert settings.partition["strategy"] == "task_disjoint"  # FedAgent's task-level arm for WebShop
     (train,) = settings.train_env_spec["envs"]
     (val,) = settings.val_env_spec["envs"]
     assert train["name"] == val["name"] == "WebShop" and val["config"]["split"] == "val"
     goals = {c: client_partition("WebShop", dict(train["config"]), dict(settings.partition), c, 2,
-                                 settings.seed)[0]["goal_indices"] for c in (0, 1)}
+                                 settings.run.seed)[0]["goal_indices"] for c in (0, 1)}
     pool = WebShopEnv.num_goals(train["config"])
     assert pool == 6410 and not set(goals[0]) & set(goals[1])
     assert sorted(goals[0] + goals[1]) == list(range(pool))  # N = 2 halves the pool exactly

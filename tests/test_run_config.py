@@ -42,10 +42,10 @@ def test_typed_keys_become_hydra_overrides_that_compose() -> None:
     assert overrides[:3] == ["num_rounds=3", "clients.total=4", "clients.per_round=2"]
     assert overrides[-2:] == ["eval.seed=3", "strategy.proximal_mu=0.2"]  # the free form comes last
     settings = load_settings(name, overrides)
-    assert (settings.num_rounds, settings.total_clients, settings.clients_per_round) == (3, 4, 2)
-    assert (settings.local_steps, settings.seed, settings.eval_seed) == (2, 11, 3)
-    assert settings.env_name == "webshop" and settings.model_path == "/models/my model:v2"
-    assert settings.strategy_name == "fedprox" and settings.proximal_mu == 0.2
+    assert (settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round) == (3, 4, 2)
+    assert (settings.run.train.local_steps, settings.run.seed, settings.run.eval.seed) == (2, 11, 3)
+    assert settings.run.env.name == "webshop" and settings.run.model.path == "/models/my model:v2"
+    assert settings.run.strategy.name == "fedprox" and settings.run.strategy.proximal_mu == 0.2
 
 
 def test_a_setting_given_both_ways_is_refused_by_name() -> None:
@@ -71,6 +71,6 @@ def test_values_flower_cannot_type_and_unmapped_keys_are_refused() -> None:
 def test_the_example_run_config_file_composes() -> None:
     run_config = {**_declared(), **parse_config_args([str(REPO / "examples" / "run-config.toml")])}
     settings = load_settings(*hydra_arguments(run_config))
-    assert (settings.num_rounds, settings.total_clients, settings.clients_per_round) == (3, 4, 2)
-    assert settings.strategy_name == "fedprox" and settings.proximal_mu == 0.05
-    assert settings.trainer["max_new_tokens"] == 16 and settings.eval_num_episodes == 16
+    assert (settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round) == (3, 4, 2)
+    assert settings.run.strategy.name == "fedprox" and settings.run.strategy.proximal_mu == 0.05
+    assert settings.trainer["max_new_tokens"] == 16 and settings.run.eval.num_episodes == 16

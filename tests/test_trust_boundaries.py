@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,9 @@ def test_paths_with_control_characters_are_refused(key: str) -> None:
 def test_services_and_the_store_bind_to_loopback_by_default(tmp_path: Path) -> None:
     settings = load_settings(overrides="env=tinyguess_service")
     assert settings.storage.host == "127.0.0.1" and settings.storage.kind == "shared-fs"
-    assert settings.env_service["host"] == "127.0.0.1"
+    assert settings.run.env.service.host == "127.0.0.1"
     spec, managers = serve_env_spec(settings.train_env_spec, split="train", run_root=tmp_path, client_id=0,
-                                    settings=settings.env_service, partition={"strategy": "none"})
+                                    settings=asdict(settings.run.env.service), partition={"strategy": "none"})
     try:
         assert managers[0].url.startswith("http://127.0.0.1:")
         assert spec["envs"][0]["config"]["url"] == managers[0].url

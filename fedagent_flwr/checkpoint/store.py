@@ -39,13 +39,10 @@ from urllib.parse import urlsplit
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.checkpoint.manifest import MAX_FILES
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, is_sha256, resolve_inside
+from fedagent_flwr.schema.run import STORE_KINDS, Storage
 
-STORE_KINDS = ("shared-fs", "http")
 PUBLISHED_FILE = "published_models.json"
-DEFAULT_MAX_FILE_BYTES = 64 * 1024**3
-# A healthy link never pauses a minute inside one request body; a stalled upload loses its slot's
-# lock after this long without a byte (HTTP 408), keeping what arrived for the next attempt.
-DEFAULT_UPLOAD_IDLE_TIMEOUT_S = 60.0
+DEFAULT_UPLOAD_IDLE_TIMEOUT_S = Storage.upload_idle_timeout_s  # declared with the setting
 
 # Instruction fields (ConfigRecord keys) of the store contract.
 KIND_FIELD = "store-kind"
@@ -57,23 +54,12 @@ UPLOAD_TOKEN_FIELD = "store-upload-token"
 CA_FIELD = "store-ca-pem"
 
 
-@dataclass(frozen=True)
-class StorageSettings:
-    """The ``storage`` config group: which store the run uses and, for ``http``, how it is served."""
+@dataclass
+class StorageSettings(Storage):
+    """The ``storage`` config group (its keys, defaults and bounds: :class:`~fedagent_flwr.schema.run.Storage`)
+    with what the store does with them."""
 
-    kind: str = "shared-fs"
-    # Retention (serverapp.retention): what the run directory keeps once a round is committed.
-    keep_client_checkpoints: bool = False  # False: a committed round's client checkpoints are removed
-    keep_last_k: int = 0  # global models kept, the newest ones (the latest always stays); 0: all
-    host: str = "127.0.0.1"  # bind address of the http store; loopback unless configured otherwise
-    port: int = 0  # 0: a free port (one machine); a fixed, reachable port across machines
-    url: str = ""  # what clients connect to; "" -> http(s)://host:port
-    ssl_certfile: str = ""
-    ssl_keyfile: str = ""
-    ssl_ca_certfile: str = ""  # the CA that signed ssl_certfile; sent to clients to verify the store
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    upload_idle_timeout_s: float = DEFAULT_UPLOAD_IDLE_TIMEOUT_S  # http: seconds an upload may send nothing
-    max_files_per_upload: int = MAX_FILES  # http: files one upload slot holds; a manifest lists no more
+    max_files_per_upload: int = MAX_FILES  # http: files one upload slot holds (not a config key)
 
     @property
     def tls(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from fedagent_flwr.checkpoint import CheckpointError
 from fedagent_flwr.checkpoint.model_files import model_files_dir
 from fedagent_flwr.checkpoint.store import ClientStore, open_client_store
 from fedagent_flwr.clientapp import job as jobs
-from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS, TrainerFailed, run_trainer
+from fedagent_flwr.clientapp.backend import TrainerFailed, run_trainer
 from fedagent_flwr.clientapp.client_val import client_val_metrics, eval_reply, trained_model_dir
 from fedagent_flwr.clientapp.persistent import PersistentTrainer, TrainerDied, channel_dir
 from fedagent_flwr.clientapp.progress import forward_progress
@@ -50,6 +51,8 @@ from fedagent_flwr.protocol import (
     TrainInstruction,
     TrainReply,
 )
+from fedagent_flwr.schema.fields import check
+from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, ClientAppKeys, TrainerSettings
 
 app = ClientApp()
 T = TypeVar("T")
@@ -99,13 +102,13 @@ def shutdown(msg: Message, context: Context) -> Message:
     return Message(ShutdownReply(len(stopped), int(trainer_stopped)).to_record(), reply_to=msg)
 
 
-def _trainer_knobs(settings: dict[str, Any]) -> dict[str, Any]:
+def _trainer_knobs(settings: TrainerSettings) -> dict[str, Any]:
     """The trainer group minus what the ClientApp itself consumes (backend, timeout, mode)."""
-    return {k: v for k, v in settings.items() if k not in CLIENTAPP_TRAINER_KEYS}
+    return {k: v for k, v in asdict(settings).items() if k not in CLIENTAPP_TRAINER_KEYS}
 
 
-def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, Any], result_cls: type[T],
-             context: Context, run_root: Path) -> T:
+def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: ClientAppKeys | Mapping[str, Any],
+             result_cls: type[T], context: Context, run_root: Path) -> T:
     """Write the job file, have the trainer run it, read back its result file.
 
     ``trainer.mode: persistent`` sends the job to the node's long-lived trainer; if that process
@@ -118,11 +121,13 @@ def _run_job(mode: str, job: Any, out_dir: Path, label: str, trainer: dict[str, 
     # pass for this attempt's.
     result_path.unlink(missing_ok=True)
     jobs.save(job, job_path)
-    backend, timeout_s, log_path = str(trainer["backend"]), float(trainer["timeout_s"]), out_dir / f"{mode}.log"
-    stall_timeout_s = float(trainer.get("stall_timeout_s", 0.0))  # absent in configs older than the watchdog
-    if trainer.get("mode", "subprocess") == "persistent":
+    if not isinstance(trainer, ClientAppKeys):  # the ClientApp's own keys of a trainer group, checked
+        trainer = check(ClientAppKeys, trainer, "trainer", known_only=True)[0]
+    backend, timeout_s, log_path = trainer.backend, trainer.timeout_s, out_dir / f"{mode}.log"
+    stall_timeout_s = trainer.stall_timeout_s
+    if trainer.mode == "persistent":
         handle = PersistentTrainer(backend, channel_dir(run_root, node_partition(context)[0]),
-                                   float(trainer.get("persistent_idle_s", 3600.0)))
+                                   trainer.persistent_idle_s)
         started = time.monotonic()
         try:
             handle.run(mode, job_path, log_path, label, timeout_s, stall_timeout_s)
@@ -267,7 +272,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(eval_reply(result).to_record(), reply_to=msg)
 
 
-def validation_job(env_spec: dict[str, Any], service: dict[str, Any], trainer: dict[str, Any], run_root: Path,
+def validation_job(env_spec: dict[str, Any], service: dict[str, Any], trainer: TrainerSettings, run_root: Path,
                    client: int, model: Path, out_dir: Path, server_round: int, seeds: list[int]) -> jobs.EvalJob:
     """The EvalJob of validation episodes ``seeds`` of ``model`` (the global model, or with per-client
     validation a client's own), on this node's validation service when the env is served."""

@@ -34,14 +34,8 @@ from typing import Any
 
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
 from fedagent_flwr.procs import stop_group
+from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS  # noqa: F401  # re-exported: the ClientApp's own keys
 from fedagent_flwr.trainers import BACKEND_MODULES  # the registry (trainer.backend -> module)
-
-# Trainer-group keys the ClientApp consumes itself; the rest are the backend's hyper-parameters.
-CLIENTAPP_TRAINER_KEYS = ("backend", "timeout_s", "mode", "persistent_idle_s", "stall_timeout_s")
-# subprocess: a fresh trainer process per (round, client) job; persistent: one per node, kept
-# across rounds (:mod:`.persistent`).
-TRAINER_MODES = ("subprocess", "persistent")
-
 
 
 class TrainerFailed(RuntimeError):

@@ -12,11 +12,13 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.schema.fields import Bound, SettingError, check, renamed
+from fedagent_flwr.schema.run import Strategy, Train
 
 T = TypeVar("T")
 
@@ -33,18 +35,23 @@ class TrainJob:
     output_dir: str  # where the trainer writes checkpoints/, train_result.json, logs
     env_spec: dict[str, Any]  # {"envs": [{name, n_envs, max_turns, config}]}
     round: int
-    client_id: int
-    num_clients: int
+    client_id: int = field(metadata={"bound": Bound(ge=0)})
+    num_clients: int = field(metadata={"bound": Bound(ge=1)})
     data_seed: int  # base_seed + 100 * round + client_id (FedAgent's rule)
     base_seed: int = 42  # the run's seed: partitions are drawn from it, identical in every round
     algorithm: str = "grpo"
-    local_steps: int = 1  # optimiser steps per epoch, each on new env instances
-    proximal_mu: float = 0.0
+    local_steps: int = renamed(Train, "local_steps")  # optimiser steps per epoch, each on new env instances
+    proximal_mu: float = renamed(Strategy, "proximal_mu")
     critic_path: str = ""
     partition: dict[str, Any] = field(default_factory=dict)
     service_url: str = ""
     trainer: dict[str, Any] = field(default_factory=dict)  # backend hyper-parameters
-    epochs: int = 1  # E: passes over the round's instances (epochs x local_steps optimiser steps)
+    epochs: int = renamed(Train, "epochs")  # E: passes over the round's instances (x local_steps optimiser steps)
+
+    def check_together(self, prefix: str) -> None:
+        """Fields that constrain each other (run by :func:`load`)."""
+        if self.client_id >= self.num_clients:
+            raise SettingError(f"client_id {self.client_id} is out of range for num_clients {self.num_clients}")
 
 
 @dataclass
@@ -88,7 +95,8 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def load(cls: type[T], path: str | os.PathLike[str]) -> T:
-    """Read a job/result dataclass from JSON; unknown or missing fields give a JobFileError."""
+    """Read a job/result dataclass from JSON; unknown, missing or bad fields give a JobFileError
+    (the schema's one validator checks them, as it checks the trainer settings in ``trainer``)."""
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError as exc:
@@ -97,14 +105,10 @@ def load(cls: type[T], path: str | os.PathLike[str]) -> T:
         raise JobFileError(f"{cls.__name__} file {path} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise JobFileError(f"{cls.__name__} file {path} must hold a JSON object")
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise JobFileError(f"{cls.__name__} file {path} has unknown fields {unknown}")
     try:
-        return cls(**raw)
-    except TypeError as exc:
-        raise JobFileError(f"{cls.__name__} file {path}: {exc}") from exc
+        return check(cls, raw)[0]
+    except SettingError as exc:
+        raise JobFileError(f"{cls.__name__} file {path}: {exc}") from None
 
 
 def backend_main(
@@ -144,7 +148,7 @@ def backend_main(
     except failures as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
-    except (JobFileError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
+    except (JobFileError, SettingError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0

@@ -101,7 +101,7 @@ def serve_env_spec(
         # Loopback unless the run configures env.service.host: the trainer on this node is the
         # only intended caller, and an env service has no authentication.
         launch = ServiceLaunch(env=entry.name, config=config, pool_size=int(settings["pool_size"]), partition=part,
-                               variant=variant, host=str(settings.get("host", ServiceLaunch.host)),
+                               variant=variant, host=str(settings["host"]),
                                owner_pid=node_owner_pid(), interpreter=service_interpreter(entry.name, config))
         manager = EnvServiceManager.attach_or_create(
             state_dir / f"{split}_{index}.json", launch, startup_timeout_s=float(settings["startup_timeout_s"])

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
 from fedagent_flwr.procs import OwnerWatch, ProcessRef
+from fedagent_flwr.schema.fields import SettingError
 
 PROTOCOL = 1
 SERVER_FILE = "server.json"
@@ -220,7 +221,7 @@ def _handle(body: dict[str, Any], session: TrainerSession, bad_input: tuple[type
             session.train(load(TrainJob, str(body["job"])))
         else:
             session.evaluate(load(EvalJob, str(body["job"])))
-    except (JobFileError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
+    except (JobFileError, SettingError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         return {"ok": False, "kind": "bad_input", "error": " ".join(str(exc).split())}, True
     except failures as exc:  # the backend explains itself
         return {"ok": False, "kind": "failed", "error": " ".join(str(exc).split())[:800]}, False

@@ -15,18 +15,20 @@ first problem in one message that names the offending field (``envs[1].n_envs``)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
 from fedagent_flwr.plugins import is_dotted_path
+from fedagent_flwr.schema.fields import SettingError, check
+from fedagent_flwr.schema.run import EnvEntry
 
-DEFAULT_MAX_TURNS = 6
-_ENTRY_KEYS = ("name", "n_envs", "max_turns", "config")
+DEFAULT_MAX_TURNS: int = EnvEntry.max_turns  # type: ignore[assignment]  # the schema field's default
 
 
 class EnvSpecError(ValueError):
@@ -34,13 +36,10 @@ class EnvSpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class EnvSpecEntry:
-    """One environment of a spec: ``n_envs`` episodes of ``name`` with ``config``."""
-
-    name: str  # the registered name (case as registered), or a class's dotted path
-    n_envs: int
-    max_turns: int = DEFAULT_MAX_TURNS
-    config: dict[str, Any] = field(default_factory=dict)
+class EnvSpecEntry(EnvEntry):
+    """One environment of a spec: ``n_envs`` episodes of ``name`` with ``config`` (the fields, their
+    defaults and bounds are :class:`~fedagent_flwr.schema.run.EnvEntry`'s; ``name`` as registered,
+    or a class's dotted path)."""
 
     def env_config(self) -> dict[str, Any]:
         """The config to build the environment with.
@@ -51,8 +50,7 @@ class EnvSpecEntry:
         return {"max_turns": self.max_turns, **self.config}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "n_envs": self.n_envs, "max_turns": self.max_turns,
-                "config": dict(self.config)}
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -66,36 +64,20 @@ class EnvSpec:
         return {"envs": [entry.to_dict() for entry in self.envs]}
 
 
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EnvSpecError(f"{where} must be a positive integer, got {value!r}")
-    return value
-
-
 def _parse_entry(raw: Any, where: str) -> EnvSpecEntry:
-    if not isinstance(raw, Mapping):
-        raise EnvSpecError(f"{where} must be a mapping with {', '.join(_ENTRY_KEYS)}, got {raw!r}")
-    unknown = sorted(set(raw) - set(_ENTRY_KEYS))
-    if unknown:
-        raise EnvSpecError(f"{where} has unknown field(s) {unknown} (allowed: {', '.join(_ENTRY_KEYS)})")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise EnvSpecError(f"{where}.name must be a non-empty string, got {name!r}")
+    if isinstance(raw, Mapping) and raw.get("config") is None:  # "config:" left empty
+        raw = {**raw, "config": {}}
     try:
-        registered = get_env_class(name).env_name
+        entry = check(EnvSpecEntry, raw, where)[0]
+        registered = get_env_class(entry.name).env_name
+    except SettingError as exc:
+        raise EnvSpecError(str(exc)) from None
     except UnknownEnvError as exc:
         raise EnvSpecError(f"{where}.name: {exc}") from None
     # The registered spelling, so metric names and logs do not depend on how a spec cased it; a
     # dotted path stays as written, since other processes find the class by importing it.
-    name = name.strip() if is_dotted_path(name) else registered
-    if "n_envs" not in raw:
-        raise EnvSpecError(f"{where}.n_envs is missing")
-    n_envs = _positive_int(raw["n_envs"], f"{where}.n_envs")
-    max_turns = _positive_int(raw.get("max_turns", DEFAULT_MAX_TURNS), f"{where}.max_turns")
-    config = raw.get("config") or {}
-    if not isinstance(config, Mapping):
-        raise EnvSpecError(f"{where}.config must be a mapping, got {config!r}")
-    return EnvSpecEntry(name=name.strip(), n_envs=n_envs, max_turns=max_turns, config=dict(config))
+    name = entry.name.strip() if is_dotted_path(entry.name) else registered
+    return dataclasses.replace(entry, name=name)
 
 
 def _read_file(path: Path) -> Any:

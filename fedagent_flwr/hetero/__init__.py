@@ -26,7 +26,7 @@ from typing import Any
 
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec, EnvSpecEntry, load_env_spec
-from fedagent_flwr.hetero.common import GoalInfo, knob_int
+from fedagent_flwr.hetero.common import GoalInfo, knob
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition, env_disjoint_strategy
 from fedagent_flwr.hetero.task import (
     coverage_partition,
@@ -39,7 +39,7 @@ from fedagent_flwr.hetero.task import (
     task_disjoint_partition,
     task_disjoint_strategy,
 )
-from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError, uniform_partition
+from fedagent_flwr.hetero.uniform import PartitionError, uniform_partition
 from fedagent_flwr.plugins import PluginError, is_dotted_path, load_object
 
 __all__ = [
@@ -74,7 +74,7 @@ def _none(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, 
 def _uniform(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any], base_seed: int,
              goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     return uniform_partition(client_id, num_clients, num_goals,
-                             knob_int(knobs, "min_goals_per_client", DEFAULT_MIN_GOALS))
+                             knob(knobs, "min_goals_per_client"))
 
 
 STRATEGIES: dict[str, GoalPartitioner] = {

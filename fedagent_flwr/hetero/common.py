@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from fedagent_flwr.hetero.uniform import PartitionError, uniform_bounds
+from fedagent_flwr.schema.fields import SettingError, check_value
+from fedagent_flwr.schema.run import Partition
 
-#: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, used when a knob is absent
-#: (``DEFAULT_MIN_GOALS`` = 100 lives in :mod:`~fedagent_flwr.hetero.uniform`).
-DEFAULT_OMEGA = 0.5
-DEFAULT_SIZE_STD = 1.0
-DEFAULT_SUCCESS_STD = 1.0
+#: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, declared in the schema.
+DEFAULT_OMEGA: float = Partition.omega  # type: ignore[assignment]  # a dataclass field's default
+DEFAULT_SIZE_STD: float = Partition.size_std  # type: ignore[assignment]
+DEFAULT_SUCCESS_STD: float = Partition.success_std  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,21 @@ def knob_int(knobs: Mapping[str, Any], key: str, default: int, minimum: int = 0)
     return default if value is None else check_int(key, value, minimum)
 
 
-def knob_float(knobs: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = knobs.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        raise PartitionError(f"{key} must be a number, got {value!r}")
+def knob(knobs: Mapping[str, Any], name: str) -> Any:
+    """Partition knob ``name`` checked by its schema field (:class:`~fedagent_flwr.schema.run.Partition`:
+    type, bound), or the field's default (FedAgent's) when it is absent or None."""
+    if knobs.get(name) is None:
+        return Partition.__dataclass_fields__[name].default
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise PartitionError(f"{key} must be a number, got {value!r}") from None
-    if not (lo <= out <= hi):
-        raise PartitionError(f"{key} must be in [{lo}, {hi}], got {value!r}")
-    return out
+        return check_value(Partition, name, knobs[name], "partition")
+    except SettingError as exc:
+        raise PartitionError(str(exc)) from None
+
+
+def first_knob(knobs: Mapping[str, Any], names: Sequence[str], default_of: str) -> Any:
+    """The first of ``names`` that is set, else ``default_of``'s default (FedAgent's fallbacks:
+    omega/tau, dispersion_s/size_std)."""
+    return knob(knobs, next((n for n in names if knobs.get(n) is not None), default_of))
 
 
 def check_goal_info(strategy: str, goal_info: Sequence[GoalInfo] | None, num_goals: int) -> Sequence[GoalInfo]:

@@ -36,12 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import GoalInfo, check_args, check_goal_info, knob_float
+from fedagent_flwr.hetero.common import GoalInfo, check_args, check_goal_info, knob
 from fedagent_flwr.hetero.uniform import PartitionError
+from fedagent_flwr.schema.run import FALLBACKS, UNITS, Partition
 
-DEFAULT_ENV_DIV = 0.7
-FALLBACKS = ("skip", "shared", "trial-only")
-UNITS = ("game", "scene")
+DEFAULT_ENV_DIV: float = Partition.env_div  # type: ignore[assignment]  # the schema field's default (FedAgent's)
 
 
 def spec_digest(spec: str) -> int:
@@ -166,10 +165,9 @@ def read_holdout_scenes(path: str | Path) -> list[str]:
 def env_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                           base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     """Dispatcher adapter: knobs ``env_div``, ``fallback``, ``unit``, ``holdout_scenes`` / ``holdout_file``."""
-    env_div = knob_float(knobs, "env_div", DEFAULT_ENV_DIV, 0.0, 1.0)
     holdout: list[str] = [str(s) for s in knobs.get("holdout_scenes") or ()]
     if knobs.get("holdout_file"):
         holdout += read_holdout_scenes(knobs["holdout_file"])
     return env_disjoint_partition(client_id, num_clients, check_goal_info("env_disjoint", goal_info, num_goals),
-                                  env_div, base_seed, holdout, str(knobs.get("fallback") or "skip"),
-                                  str(knobs.get("unit") or "game"))
+                                  knob(knobs, "env_div"), base_seed, holdout, knob(knobs, "fallback"),
+                                  knob(knobs, "unit"))

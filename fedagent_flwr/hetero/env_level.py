@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob_float, knob_int
+from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob, knob_int
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
+from fedagent_flwr.schema.run import CATALOG_TARGETS, Partition
 
 CATALOG_SPLIT = "catalog_split"
 BM25_FIELD_SUBSET = "bm25_field_subset"
@@ -50,9 +51,9 @@ ENV_LEVEL_STRATEGIES: tuple[str, ...] = (CATALOG_SPLIT, BM25_FIELD_SUBSET, BM25_
 #: Strategies that pick one entry of a fixed pool per client.
 POOL_STRATEGIES: tuple[str, ...] = (BM25_FIELD_SUBSET, BM25_REWEIGHT, LOOKALIKE, RANK_WRAPPER)
 
-#: FedAgent's ``DEFAULTS``: catalog_split divergence and distractor density.
-DEFAULT_ENV_DIV = 0.7
-DEFAULT_KEEP_RATIO = 0.7
+#: FedAgent's ``DEFAULTS``: catalog_split divergence and distractor density (the schema fields' defaults).
+DEFAULT_ENV_DIV: float = Partition.env_div  # type: ignore[assignment]
+DEFAULT_KEEP_RATIO: float = Partition.keep_ratio  # type: ignore[assignment]
 #: Pool size per strategy when ``variant_n`` is 0 or absent (FedAgent's function defaults).
 DEFAULT_VARIANT_N: dict[str, int] = {BM25_FIELD_SUBSET: 4, BM25_REWEIGHT: 4, LOOKALIKE: 2, RANK_WRAPPER: 4}
 
@@ -92,7 +93,7 @@ RANK_PARTIAL_P = 0.5
 
 #: ``catalog_targets``: "served" = ASINs of the goals the client is actually served (default; fixes
 #: FedAgent's quirk); "unshuffled" = FedAgent's, from the unshuffled goal order (spec §8 V1 step 3).
-CATALOG_TARGET_MODES = ("served", "unshuffled")
+CATALOG_TARGET_MODES = CATALOG_TARGETS
 
 _POOL_SIZES = {BM25_FIELD_SUBSET: len(FIELD_SUBSET_POOL), BM25_REWEIGHT: len(REWEIGHT_POOL),
                LOOKALIKE: len(LOOKALIKE_POOL), RANK_WRAPPER: len(RANK_WRAPPER_POOL)}
@@ -345,14 +346,10 @@ def _check_request(request: Mapping[str, Any]) -> tuple[str, int, int, int]:
     base_seed = knob_int(request, "base_seed", 42, 0)
     check_args(client_id, num_clients, 1)
     if strategy == CATALOG_SPLIT:
-        knob_float(request, "env_div", DEFAULT_ENV_DIV, 0.0, 1.0)
-        knob_float(request, "keep_ratio", DEFAULT_KEEP_RATIO, 0.0, 1.0)
-        knob_int(request, "min_goals_per_client", DEFAULT_MIN_GOALS, 0)
-        mode = request.get("catalog_targets", "served")
-        if mode not in CATALOG_TARGET_MODES:
-            raise PartitionError(f"catalog_targets must be one of {CATALOG_TARGET_MODES}, got {mode!r}")
+        for name in ("env_div", "keep_ratio", "min_goals_per_client", "catalog_targets"):
+            knob(request, name)
     else:
-        effective_variant_n(strategy, knob_int(request, "variant_n", 0, 0))
+        effective_variant_n(strategy, knob(request, "variant_n"))
         pool = request.get("lookalike_pool")
         if pool is not None and (isinstance(pool, str) or not isinstance(pool, Sequence) or not pool
                                  or not all(isinstance(p, str) and p for p in pool)):
@@ -378,18 +375,17 @@ def resolve_variant(
     if strategy == CATALOG_SPLIT:
         holdout = read_holdout(request["holdout_file"]) if request.get("holdout_file") else []
         targets = None
-        if request.get("catalog_targets", "served") == "unshuffled":
+        if knob(request, "catalog_targets") == "unshuffled":
             if unshuffled_pool_goal_asins is None:
                 raise PartitionError("catalog_targets 'unshuffled' needs the unshuffled goal ASINs")
             targets = unshuffled_pool_goal_asins
         return catalog_split(
             client_id, num_clients, all_asins, pool_goal_asins,
-            env_div=knob_float(request, "env_div", DEFAULT_ENV_DIV, 0.0, 1.0),
-            keep_ratio=knob_float(request, "keep_ratio", DEFAULT_KEEP_RATIO, 0.0, 1.0),
-            min_goals_per_client=knob_int(request, "min_goals_per_client", DEFAULT_MIN_GOALS, 0),
+            env_div=knob(request, "env_div"), keep_ratio=knob(request, "keep_ratio"),
+            min_goals_per_client=knob(request, "min_goals_per_client"),
             base_seed=base_seed, holdout=holdout, target_asins=targets,
         )
-    variant_n = knob_int(request, "variant_n", 0, 0)
+    variant_n = knob(request, "variant_n")
     if strategy == LOOKALIKE and request.get("lookalike_pool") is not None:
         pool = [str(p) for p in request["lookalike_pool"]]
         n = min(len(pool), int(variant_n) or DEFAULT_VARIANT_N[LOOKALIKE])

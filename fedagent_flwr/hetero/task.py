@@ -43,11 +43,12 @@ from fedagent_flwr.hetero.common import (
     check_int,
     default_r,
     fedagent_slice,
+    first_knob,
     generate_client_sizes,
-    knob_float,
-    knob_int,
+    knob,
 )
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
+from fedagent_flwr.schema.run import Partition
 
 __all__ = [
     "assign_with_overlap", "coverage_assignment", "coverage_partition", "coverage_sizes", "hardness_assignment",
@@ -71,11 +72,10 @@ def task_disjoint_partition(client_id: int, num_clients: int, num_goals: int,
 
 #: FedAgent keeps a random ``max(1, int(0.2 f))`` of the ``f`` fashion goals (WebShop) before the draw.
 FASHION_CATEGORY = "fashion"
-FASHION_SAMPLE_RATIO = 0.2
+FASHION_SAMPLE_RATIO: float = Partition.fashion_sample_ratio  # type: ignore[assignment]  # the field's default
 PREFERENCE_EPS = 0.01
-#: FedAgent's ``partition_dataset`` uses ``tau`` (default 0.3) when ``omega`` is not given; its runs
-#: always pass ``OMEGA`` (default 0.5, ``conf/partition/preference.yaml``).
-DEFAULT_TAU = 0.3
+#: FedAgent's ``partition_dataset`` uses ``tau`` (default 0.3, the schema's) when ``omega`` is not
+#: given; its runs always pass ``OMEGA`` (default 0.5, ``conf/partition/preference.yaml``).
 OMEGA_CLIP = (1e-3, 1 - 1e-3)
 UNKNOWN_CATEGORY = "unknown"
 
@@ -344,15 +344,7 @@ def hardness_partition(
 
 
 def _min_goals(knobs: Mapping[str, Any]) -> int:
-    return knob_int(knobs, "min_goals_per_client", DEFAULT_MIN_GOALS)
-
-
-def _first_knob(knobs: Mapping[str, Any], names: Sequence[str], default: float, lo: float, hi: float) -> float:
-    """The first of ``names`` that is set (FedAgent's fallbacks: omega/tau, size_std/dispersion_s)."""
-    for name in names:
-        if knobs.get(name) is not None:
-            return knob_float(knobs, name, default, lo, hi)
-    return default
+    return int(knob(knobs, "min_goals_per_client"))
 
 
 def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
@@ -362,21 +354,21 @@ def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, kno
 
 def preference_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                         base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    omega = _first_knob(knobs, ("omega", "tau"), DEFAULT_TAU, 0.0, 1.0)
-    ratio = knob_float(knobs, "fashion_sample_ratio", FASHION_SAMPLE_RATIO, 0.0, 1.0)
+    omega = first_knob(knobs, ("omega", "tau"), "tau")
+    ratio = knob(knobs, "fashion_sample_ratio")
     return preference_partition(client_id, num_clients, num_goals, check_goal_info("preference", goal_info, num_goals),
                                 _min_goals(knobs), omega, base_seed, ratio)
 
 
 def coverage_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    size_std = _first_knob(knobs, ("dispersion_s", "size_std"), DEFAULT_SIZE_STD, 0.0, float("inf"))
+    size_std = first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
     return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
 
 
 def hardness_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    success_std = _first_knob(knobs, ("success_std", "dispersion_s"), DEFAULT_SUCCESS_STD, 0.0, float("inf"))
+    success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
     path = knobs.get("trajectories_file")
     labels = load_hardness_labels(path) if path else None
     return hardness_partition(client_id, num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),
@@ -388,10 +380,10 @@ def all_clients(strategy: str, num_clients: int, num_goals: int, knobs: Mapping[
     """Every client's goals for the strategies whose global assignment is worth computing once
     (``coverage``, ``hardness``), as their dispatcher adapters would give them; None for the others."""
     if strategy == "coverage":
-        size_std = _first_knob(knobs, ("dispersion_s", "size_std"), DEFAULT_SIZE_STD, 0.0, float("inf"))
+        size_std = first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
         return coverage_assignment(num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
     if strategy == "hardness":
-        success_std = _first_knob(knobs, ("success_std", "dispersion_s"), DEFAULT_SUCCESS_STD, 0.0, float("inf"))
+        success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
         path = knobs.get("trajectories_file")
         labels = load_hardness_labels(path) if path else None
         parts = hardness_assignment(num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),

@@ -14,8 +14,10 @@ The function is pure arithmetic: no RNG, so it is identical across processes, ma
 
 from __future__ import annotations
 
-#: FedAgent's ``min_samples_per_client`` default (``MIN_GOALS_PER_CLIENT``).
-DEFAULT_MIN_GOALS = 100
+from fedagent_flwr.schema.run import Partition
+
+#: FedAgent's ``min_samples_per_client`` default (``MIN_GOALS_PER_CLIENT``), declared in the schema.
+DEFAULT_MIN_GOALS = Partition.min_goals_per_client
 
 
 class PartitionError(ValueError):

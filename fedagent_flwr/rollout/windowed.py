@@ -25,9 +25,10 @@ from typing import Any
 from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.window import Window, WindowStep
 from fedagent_flwr.rollout.episode import ChatRenderer, Episode, GenerateFn, SamplingParams, TurnRecord, WindowSample
+from fedagent_flwr.schema.trainer import ROLLOUT_MODES, Rollout  # noqa: F401  # ROLLOUT_MODES: re-exported
 
-ROLLOUT_MODES = ("concat", "windowed")
-DEFAULT_HISTORY_LENGTH = 2  # FedAgent's windowed_history_length (verl-agent's env.history_length)
+# FedAgent's windowed_history_length (verl-agent's env.history_length); both declared with the setting
+DEFAULT_HISTORY_LENGTH = Rollout.history_length
 
 
 def action_was_invalid(info: Mapping[str, Any]) -> bool:

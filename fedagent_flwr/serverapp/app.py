@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from dataclasses import asdict
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,10 @@ def run_directory(settings: RunSettings, run_id: int) -> Path:
     ``run_name`` "" gives every Flower run a directory of its own (``run-<run id>``); an explicit
     name lets a re-run find, and resume, an earlier attempt at the same run.
     """
-    name = settings.run_name or f"run-{run_id}"
+    name = settings.run.run_name or f"run-{run_id}"
     if "/" in name or name in (".", ".."):
         raise ConfigError(f"config key 'run_name' = {name!r} must be a plain directory name")
-    run_dir = (Path(settings.output_dir).expanduser() / name).resolve()
+    run_dir = (Path(settings.run.output_dir).expanduser() / name).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -98,17 +99,18 @@ def load_strategy_class(class_path: str) -> type[FedAvgFSDP]:
 def run_plan(settings: RunSettings) -> RunPlan:
     """The run-wide part of every instruction, from the resolved config."""
     return RunPlan(
-        algorithm=settings.algorithm,
-        local_steps=settings.local_steps,
-        epochs=settings.epochs,
+        algorithm=settings.run.algorithm,
+        local_steps=settings.run.train.local_steps,
+        epochs=settings.run.train.epochs,
         # per-client validation: every validation episode, on each trained client's own model
-        client_eval_seeds=tuple(validation_seeds(settings.eval_seed, settings.eval_num_episodes))
-        if settings.eval_per_client else (),
-        trainer=dict(settings.trainer),
+        client_eval_seeds=tuple(validation_seeds(settings.run.eval.seed, settings.run.eval.num_episodes))
+        if settings.run.eval.per_client else (),
+        trainer=settings.trainer_settings,
         train_env_spec=dict(settings.train_env_spec),
         val_env_spec=dict(settings.val_env_spec),
         partition=dict(settings.partition),
-        service=dict(settings.env_service),
+        service=asdict(settings.run.env.service),
+        per_client=dict(settings.trainer.get("per_client") or {}),
     )
 
 
@@ -118,8 +120,9 @@ def build_strategy(
 ) -> FedAvgFSDP:
     """Instantiate the configured strategy with the run's plan (``store`` None: shared filesystem;
     ``initial_critic``: PPO's global critic of a resumed run)."""
-    cls = load_strategy_class(settings.strategy_class)
-    extra = dict(settings.strategy_kwargs)
+    run = settings.run
+    cls = load_strategy_class(run.strategy.class_path)
+    extra = dict(run.strategy.kwargs)
     # how long round 1 waits for a SuperNode to serve every partition (slow GPU nodes: raise it)
     discovery_timeout = extra.pop("discovery_timeout", 600.0)
     if isinstance(discovery_timeout, bool) or not isinstance(discovery_timeout, (int, float)) or discovery_timeout <= 0:
@@ -128,15 +131,15 @@ def build_strategy(
     planned: dict[str, Any] = dict(
         run_root=str(run_dir),
         initial_model=initial_model,
-        num_clients=settings.total_clients,
+        num_clients=settings.run.clients.total,
         clients_per_round=settings.clients_per_round,
-        base_seed=settings.seed,
-        local_client_id=settings.local_client_id,
-        fixed_weights=settings.fixed_weights,
+        base_seed=settings.run.seed,
+        local_client_id=settings.run.experiment.local_client_id,
+        fixed_weights=tuple(settings.run.strategy.weights),
         plan=run_plan(settings),
-        eval_seeds=validation_seeds(settings.eval_seed, settings.eval_num_episodes) if settings.eval_enabled else [],
+        eval_seeds=validation_seeds(run.eval.seed, run.eval.num_episodes) if run.eval.enabled else [],
         store=store,
-        nodes=NodeRegistry(settings.total_clients, float(discovery_timeout)),
+        nodes=NodeRegistry(settings.run.clients.total, float(discovery_timeout)),
         initial_critic=initial_critic,
     )
     clash = sorted(set(planned) & set(extra))
@@ -144,23 +147,23 @@ def build_strategy(
         raise ConfigError(f"config key 'strategy.kwargs.{clash[0]}' is set by the run itself and cannot be overridden")
     kwargs = {**planned, **extra}
     if issubclass(cls, FedProxFSDP) or "proximal_mu" in inspect.signature(cls).parameters:
-        kwargs["proximal_mu"] = settings.proximal_mu
-    elif settings.proximal_mu > 0:
+        kwargs["proximal_mu"] = settings.run.strategy.proximal_mu
+    elif settings.run.strategy.proximal_mu > 0:
         raise ConfigError(
-            f"config key 'strategy.proximal_mu' = {settings.proximal_mu} has no effect with "
+            f"config key 'strategy.proximal_mu' = {settings.run.strategy.proximal_mu} has no effect with "
             f"{cls.__name__}; use strategy=fedprox (FedProxFSDP) or set it to 0"
         )
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:  # ValueError: a Flower setting (strategy.kwargs) it refuses
-        raise ConfigError(f"strategy {settings.strategy_class!r} rejected its arguments: {exc}") from None
+        raise ConfigError(f"strategy {settings.run.strategy.class_path!r} rejected its arguments: {exc}") from None
 
 
 def adv_estimator(settings: RunSettings) -> str:
     """The advantage estimator the trainers run: the algorithm's (``gae`` for PPO, else ``grpo``),
     unless the verl backend's ``extra_overrides`` set ``algorithm.adv_estimator`` (appended last,
     so the last such override is the one verl uses)."""
-    estimator = "gae" if settings.algorithm == "ppo" else "grpo"
+    estimator = "gae" if settings.run.algorithm == "ppo" else "grpo"
     if settings.trainer_backend == "verl":
         for item in settings.trainer.get("extra_overrides") or []:
             key, _, value = str(item).lstrip("+").partition("=")
@@ -177,23 +180,23 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
     """
     return {
         "run_id": run_id,
-        "total_clients": settings.total_clients,
+        "total_clients": settings.run.clients.total,
         "clients_per_round": settings.clients_per_round,
-        "total_rounds": settings.num_rounds,
-        "epochs_per_round": settings.epochs,  # E; each epoch is local_steps optimiser steps
-        "local_steps": settings.local_steps,
-        "client_eval": settings.eval_per_client,  # FedAgent's client_end_eval: client_val_curve has the points
-        "env_kind": settings.env_name,
+        "total_rounds": settings.run.num_rounds,
+        "epochs_per_round": settings.run.train.epochs,  # E; each epoch is local_steps optimiser steps
+        "local_steps": settings.run.train.local_steps,
+        "client_eval": settings.run.eval.per_client,  # FedAgent's client_end_eval: client_val_curve has the points
+        "env_kind": settings.run.env.name,
         "mode": settings.mode,
         "adv_estimator": adv_estimator(settings),
-        "local_client_id": settings.local_client_id if settings.mode == "local" else None,
-        "partition_strategy": settings.partition.get("strategy") or "none",
-        "strategy": settings.strategy_name,
-        "strategy_class": settings.strategy_class,
-        "proximal_mu": settings.proximal_mu,
+        "local_client_id": settings.run.experiment.local_client_id if settings.mode == "local" else None,
+        "partition_strategy": settings.partition["strategy"],
+        "strategy": settings.run.strategy.name,
+        "strategy_class": settings.run.strategy.class_path,
+        "proximal_mu": settings.run.strategy.proximal_mu,
         "trainer_backend": settings.trainer_backend,
-        "base_seed": settings.seed,
-        "base_model": base_model.path if base_model is not None else settings.model_path,
+        "base_seed": settings.run.seed,
+        "base_model": base_model.path if base_model is not None else settings.run.model.path,
         "base_model_sha256": base_model.sha256 if base_model is not None else None,
         "content_hash": CONTENT_HASH_VERSION,  # how every sha256 here was computed
         "config": settings.raw,
@@ -224,7 +227,7 @@ def main(grid: Grid, context: Context) -> None:
     except (ConfigError, ValueError, OSError) as exc:
         raise setup_failed(exc) from None
     log(INFO, "[fedagent] run directory: %s", run_dir)
-    if settings.total_clients > 100:
+    if settings.run.clients.total > 100:
         log(WARNING, "[fedagent] with more than 100 clients FedAgent's data seed rule "
             "(seed + 100 * round + client) gives some clients the seed another client had a "
             "round later")
@@ -249,9 +252,9 @@ def start_run(grid: Grid, settings: RunSettings, run_dir: Path, run_id: int) -> 
     try:
         warnings = preflight.check_env_specs(settings, data_is_local=is_simulation(grid))
         try:
-            base = preflight.base_model(resolve_model_path(settings.model_path), settings.model_path)
+            base = preflight.base_model(resolve_model_path(settings.run.model.path), settings.run.model.path)
         except (ModelResolutionError, OSError) as exc:
-            raise ConfigError(f"config key 'model.path' = {settings.model_path!r}: {exc}") from None
+            raise ConfigError(f"config key 'model.path' = {settings.run.model.path!r}: {exc}") from None
     except ConfigError as exc:
         record_failed_start(run_dir, summary_header(settings, run_id, None), str(exc))
         raise setup_failed(exc) from None
@@ -294,7 +297,7 @@ def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[st
         previous = None
     last_completed = previous.last_completed_round if previous else None
     if previous is not None:
-        if previous.status in FINISHED_STATUSES and last_completed == settings.num_rounds:
+        if previous.status in FINISHED_STATUSES and last_completed == settings.run.num_rounds:
             log(INFO, "[fedagent] %s already holds this run, %s: nothing to do", run_dir, previous.status)
             return
         start_model = previous.global_model(base)
@@ -329,18 +332,18 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
     retention = Retention.from_settings(settings.storage, run_dir)
-    loop = RoundLoop(strategy, grid, recorder, timeout=settings.round_timeout, last_completed=last_completed,
+    loop = RoundLoop(strategy, grid, recorder, timeout=settings.run.round_timeout, last_completed=last_completed,
                      after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir)
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
-        settings.mode, settings.num_rounds, settings.total_clients, settings.clients_per_round,
-        settings.env_name, settings.trainer_backend, type(strategy).__name__)
-    if settings.trainer.get("mode") == "persistent" and settings.total_clients > 1:
+        settings.mode, settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round,
+        settings.run.env.name, settings.trainer_backend, type(strategy).__name__)
+    if settings.trainer_settings.mode == "persistent" and settings.run.clients.total > 1:
         # Memory scales with the node count, not with how many clients train at once.
         log(INFO, "[fedagent] trainer.mode=persistent: each node keeps one trainer (model, and with verl "
             "its GPU memory) for the whole run; a simulation holds all %d on this machine at once "
-            "(trainer.mode=subprocess holds only the clients training at a time)", settings.total_clients)
+            "(trainer.mode=subprocess holds only the clients training at a time)", settings.run.clients.total)
     try:
-        loop.run(settings.num_rounds, evaluate_base=settings.eval_enabled and settings.eval_before_train)
+        loop.run(settings.run.num_rounds, evaluate_base=settings.run.eval.enabled and settings.run.eval.before_train)
     except RunFailedError as exc:  # its message is the reason, in one line
         recorder.finish("failed", str(exc))
         raise run_failed(exc) from None

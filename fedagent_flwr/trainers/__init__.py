@@ -15,8 +15,7 @@ Importing this package is cheap (no torch, no verl): the ServerApp's config chec
 
 from __future__ import annotations
 
-#: trainer.backend -> the module the ClientApp runs (``python -m``). Declared once, here.
-BACKEND_MODULES: dict[str, str] = {
-    "reference": "fedagent_flwr.trainers.reference",
-    "verl": "fedagent_flwr.trainers.verl.entry",
-}
+from fedagent_flwr.schema.trainer import TRAINER_SCHEMAS
+
+#: trainer.backend -> the module the ClientApp runs (``python -m``), from the schema registry.
+BACKEND_MODULES: dict[str, str] = {backend: schema.module for backend, schema in TRAINER_SCHEMAS.items()}

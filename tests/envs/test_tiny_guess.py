@@ -169,11 +169,11 @@ def test_load_env_spec_from_yaml_and_dict(tmp_path: Path) -> None:
     [
         ({}, "'envs' must be a non-empty list"),
         ({"envs": []}, "'envs' must be a non-empty list"),
-        ({"envs": [{"name": "TinyGuess"}]}, r"envs\[0\]\.n_envs is missing"),
+        ({"envs": [{"name": "TinyGuess"}]}, r"'envs\[0\]\.n_envs' is missing"),
         ({"envs": [{"name": "TinyGuess", "n_envs": 2}, {"name": "TinyGuess", "n_envs": 0}]}, r"envs\[1\]\.n_envs"),
         ({"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": "6"}]}, r"envs\[0\]\.max_turns"),
         ({"envs": [{"name": "Nope", "n_envs": 1}]}, r"envs\[0\]\.name.*'Nope'.*TinyGuess"),
-        ({"envs": [{"name": "TinyGuess", "n_envs": 1, "nenvs": 2}]}, r"envs\[0\].*unknown field.*nenvs"),
+        ({"envs": [{"name": "TinyGuess", "n_envs": 1, "nenvs": 2}]}, r"unknown config key 'envs\[0\]\.nenvs'"),
         ({"envs": [{"name": "TinyGuess", "n_envs": 1, "config": [1]}]}, r"envs\[0\]\.config"),
         ({"envs": [], "extra": 1}, "unknown top-level"),
     ],

@@ -40,8 +40,11 @@ def test_the_setting_defaults_to_concat_travels_as_trainer_keys_and_bad_values_n
                                                                             "'rollout.history_length'")):
         with pytest.raises(ConfigError, match=culprit):
             load_settings(overrides=override)
-    with pytest.raises(ConfigError, match="'trainer.rollout_mode' is set from 'rollout.mode'"):
-        load_settings(overrides="+trainer.rollout_mode=windowed")
+    for override in ("+trainer.rollout_mode=windowed", "trainer.rollout_mode=windowed"):
+        with pytest.raises(ConfigError, match="'trainer.rollout_mode' is set from 'rollout.mode'"):
+            load_settings(overrides=override)
+    with pytest.raises(ConfigError, match="'trainer.history_length' is set from 'rollout.history_length'"):
+        load_settings(overrides="trainer.history_length=3")
     # The trainers' own checks of a job file name the trainer key.
     with pytest.raises(InputError, match="trainer.rollout_mode"):
         GRPOConfig.from_mapping({"rollout_mode": "sliding"})

@@ -160,7 +160,7 @@ def test_bad_epochs_or_per_client_stop_the_run_naming_the_key(override: str, mes
 
 def test_the_summary_and_the_plan_carry_epochs_and_per_client_seeds(tiny_model_dir: Path) -> None:
     default = load_settings("config", "")
-    assert (default.epochs, default.eval_per_client) == (1, False)
+    assert (default.run.train.epochs, default.run.eval.per_client) == (1, False)
     assert run_plan(default).client_eval_seeds == ()
     settings = load_settings("config", "train.epochs=3 train.local_steps=2 eval.per_client=true eval.num_episodes=3")
     plan = run_plan(settings)
@@ -169,7 +169,7 @@ def test_the_summary_and_the_plan_carry_epochs_and_per_client_seeds(tiny_model_d
     assert plan.train_episodes() == 3 * one_epoch  # the most num-examples a client may report
     header = summary_header(settings, 1, CheckpointRef(path=str(tiny_model_dir)))
     assert (header["epochs_per_round"], header["local_steps"], header["client_eval"]) == (3, 2, True)
-    assert load_settings("config", "experiment=paper_webshop_grpo").epochs == 3  # FedAgent's E
+    assert load_settings("config", "experiment=paper_webshop_grpo").run.train.epochs == 3  # FedAgent's E
 
 
 def test_train_instruction_carries_epochs_and_per_client_validation() -> None:

@@ -4,10 +4,10 @@ per-client part)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fedagent_flwr.per_client import trainer_for_client
+from fedagent_flwr.schema.trainer import TrainerSettings, trainer_settings
 
 
 @dataclass(frozen=True)
@@ -21,31 +21,28 @@ class RunPlan:
     local_steps: int = 1
     epochs: int = 1
     client_eval_seeds: tuple[int, ...] = ()
-    trainer: dict[str, Any] = field(default_factory=dict)
+    # the checked trainer group (a mapping given here is checked by the schema's validator)
+    trainer: TrainerSettings = field(default_factory=lambda: trainer_settings({}))
     train_env_spec: dict[str, Any] = field(default_factory=dict)
     val_env_spec: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"strategy": "none"})
     service: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
+    # trainer.per_client: client id (str) -> its own resource values, checked when the run was composed
+    per_client: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def trainer_for(self, client: int) -> dict[str, Any]:
-        """Client ``client``'s trainer group: the run's with its ``trainer.per_client`` resources."""
-        return trainer_for_client(self.trainer, client)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trainer", trainer_settings(self.trainer))
+
+    def trainer_for(self, client: int) -> TrainerSettings:
+        """Client ``client``'s trainer settings: the run's with its ``trainer.per_client`` resources."""
+        return replace(self.trainer, **self.per_client.get(str(client), {}))
 
     def train_episodes(self) -> int | None:
         """Episodes one client plays in a round: ``epochs`` x ``local_steps`` x ``rollout_n`` x the
-        env instances (``n_envs``) of the train env spec. None when the plan does not say (a strategy
-        built without the ServerApp's plan)."""
+        env instances (``n_envs``) of the train env spec. None when the plan has no train env spec (a
+        strategy built without the ServerApp's plan)."""
         try:
-            rollout_n = self.trainer.get("rollout_n")
-            if rollout_n is None:  # the backend's own default
-                if self.trainer.get("backend") == "verl":
-                    from fedagent_flwr.trainers.verl.settings import VerlSettings
-
-                    rollout_n = VerlSettings.rollout_n
-                else:
-                    from fedagent_flwr.trainers.reference.config import GRPOConfig
-
-                    rollout_n = GRPOConfig.rollout_n
+            rollout_n = self.trainer.rollout_n  # type: ignore[attr-defined]  # every backend's schema has it
             instances = sum(int(entry["n_envs"]) for entry in self.train_env_spec["envs"])
             return int(self.epochs) * int(self.local_steps) * int(rollout_n) * instances
         except (KeyError, TypeError, ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +28,12 @@ class InputError(ValueError):
     stderr with exit status 2."""
 
 
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "str": (str,), "int": (int,), "float": (int, float), "dict": (dict,), "list": (list,),
-}
-
-
-def check_field_types(job: TrainJob | EvalJob) -> None:
-    """Refuse job fields of the wrong JSON type (``job.load`` checks names, not types)."""
-    for f in fields(job):
-        annotation = str(f.type)
-        allowed = _FIELD_TYPES.get(annotation.split("[", 1)[0])
-        value = getattr(job, f.name)
-        if allowed and (isinstance(value, bool) or not isinstance(value, allowed)):
-            raise InputError(f"job field '{f.name}' must be of type {annotation}, got {value!r}")
-
-
 def check_train_header(job: TrainJob, backend: str, algorithms: Sequence[str]) -> None:
-    """The job's own fields: types, algorithm (one of ``algorithms``), steps, epochs, client id, mu."""
-    check_field_types(job)
+    """The algorithm (one of ``algorithms``); the job's field types and bounds were checked when
+    its file was loaded (:func:`fedagent_flwr.clientapp.job.load`)."""
     if job.algorithm not in algorithms:  # exact: verl branches on job.algorithm == "ppo"
         wanted = " or ".join(repr(a) for a in algorithms)
         raise InputError(f"algorithm {job.algorithm!r}: the {backend} only does {wanted}")
-    if job.local_steps < 1:
-        raise InputError(f"local_steps must be >= 1, got {job.local_steps}")
-    if job.epochs < 1:
-        raise InputError(f"epochs must be >= 1, got {job.epochs}")
-    if not 0 <= job.client_id < job.num_clients:
-        raise InputError(f"client_id {job.client_id} is out of range for num_clients {job.num_clients}")
-    if job.proximal_mu < 0:
-        raise InputError(f"proximal_mu must be >= 0, got {job.proximal_mu}")
 
 
 @dataclass(frozen=True)
@@ -90,8 +67,7 @@ def check_train_world(job: TrainJob, prog: str) -> TrainWorld:
 
 
 def check_eval_job(job: EvalJob) -> tuple[EnvSpec, Path]:
-    """Field types, env spec (the full, unpartitioned one), seeds and model path of an EvalJob."""
-    check_field_types(job)
+    """Env spec (the full, unpartitioned one), seeds and model path of an EvalJob."""
     spec = load_env_spec(job.env_spec)
     if not job.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in job.seeds):
         raise InputError(f"seeds must be a non-empty list of integers, got {job.seeds!r}")

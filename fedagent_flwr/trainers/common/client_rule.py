@@ -27,10 +27,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from fedagent_flwr.plugins import PluginError, load_object
+from fedagent_flwr.schema.trainer import RULE_KEYS
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 
 #: The trainer-group keys of a client rule (no backend's own hyper-parameters).
-RULE_KEYS = ("client_rule", "client_rule_args")
 
 
 class ClientRuleError(ValueError):
@@ -55,8 +55,8 @@ def without_rule_keys(trainer: Mapping[str, Any]) -> dict[str, Any]:
 
 def load_client_rule(trainer: Mapping[str, Any]) -> ClientRule | None:
     """Build the rule named by ``trainer["client_rule"]`` ("" or absent: None)."""
-    path = trainer.get("client_rule") or ""
-    if not path:
+    path = trainer.get("client_rule")
+    if not path:  # "" or absent
         return None
     if not isinstance(path, str):
         raise ClientRuleError(f"trainer.client_rule must be a dotted path string, got {path!r}")

@@ -17,6 +17,7 @@ from typing import Any
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
 from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
+from fedagent_flwr.schema.trainer import AgentLoopKnobs, EvalKnobs
 from fedagent_flwr.trainers.common.checks import InputError, check_eval_job
 from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
@@ -25,23 +26,11 @@ from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
 EVAL_RESULT = "eval_result.json"
 
 
-@dataclass(frozen=True)
-class EvalSettings:
-    """How to evaluate; each backend builds it from its own (already checked) settings. The
-    defaults are the reference trainer's."""
-
-    max_new_tokens: int = 32
-    val_temperature: float = 0.4  # FedAgent's validation temperature
-    val_top_p: float = 1.0
-    max_model_len: int = 1024
-    gen_batch_size: int = 32  # episodes sampled together
-    num_threads: int = 0  # torch threads; 0 keeps torch's default
-    compute_dtype: str = "auto"  # precision.COMPUTE_DTYPES
-    device: str = "auto"  # precision.DEVICES
-    # The agent loop (config keys rollout.mode / rollout.history_length, sent as these trainer keys):
-    # "concat" (one growing conversation) or "windowed" (one prompt per turn with the last steps).
-    rollout_mode: str = "concat"
-    history_length: int = 2
+@dataclass
+class EvalSettings(AgentLoopKnobs, EvalKnobs):
+    """How to evaluate: the knobs (and their defaults, the reference trainer's) are
+    :class:`~fedagent_flwr.schema.trainer.EvalKnobs`'s and the agent loop's; each backend builds it from its own
+    (already checked) settings."""
 
     def val_sampling(self) -> SamplingParams:
         """The validation sampling parameters."""

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-
 
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 / AMX); emulated bf16 is slower than fp32."""
@@ -24,7 +21,7 @@ def native_bf16() -> bool:
 
 
 def torch_device(name: str) -> Any:
-    """The ``torch.device`` for a device choice (one of :data:`DEVICES`)."""
+    """The ``torch.device`` for a device choice (one of :data:`~fedagent_flwr.schema.trainer.DEVICES`)."""
     import torch
 
     if name == "auto":
@@ -33,8 +30,8 @@ def torch_device(name: str) -> Any:
 
 
 def torch_compute_dtype(name: str, device: Any = None) -> Any:
-    """``torch.float32`` or ``torch.bfloat16`` for a dtype choice (one of :data:`COMPUTE_DTYPES`)
-    on ``device`` (None: the CPU)."""
+    """``torch.float32`` or ``torch.bfloat16`` for a dtype choice (one of
+    :data:`~fedagent_flwr.schema.trainer.COMPUTE_DTYPES`) on ``device`` (None: the CPU)."""
     import torch
 
     if name == "auto":

@@ -18,7 +18,7 @@ from typing import Any
 
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
-from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
+from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, ROLLOUT_MODES, run_windowed_episode
 
 # A rollout prints how far it got at most this often: long CPU rollouts print nothing else for
 # minutes, and the ClientApp's progress watchdog (trainer.stall_timeout_s) judges by output lines.
@@ -196,8 +196,8 @@ def play_episodes(
     ``rollout_mode`` "concat" plays each episode as one growing conversation, "windowed" as one
     fresh prompt per turn showing the last ``history_length`` steps (:mod:`fedagent_flwr.rollout.windowed`).
     """
-    if rollout_mode not in ("concat", "windowed"):
-        raise ValueError(f"rollout mode must be concat or windowed, got {rollout_mode!r}")
+    if rollout_mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
 
     async def play_all() -> list[Episode]:
         batcher = LockstepBatcher(policy, generator, len(tasks))

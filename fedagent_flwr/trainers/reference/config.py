@@ -1,81 +1,43 @@
-"""The reference trainer's hyper-parameters (``job.trainer``), checked once when a job arrives."""
+"""The reference trainer's hyper-parameters (``job.trainer``), built by the schema's one validator."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from fedagent_flwr.rollout.episode import SamplingParams
-from fedagent_flwr.rollout.windowed import ROLLOUT_MODES
+from fedagent_flwr.schema import SettingError, check
+from fedagent_flwr.schema.trainer import ReferenceKnobs
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
-from fedagent_flwr.trainers.common.precision import COMPUTE_DTYPES, DEVICES, torch_compute_dtype, torch_device
-
-_CHOICES = {"compute_dtype": COMPUTE_DTYPES, "device": DEVICES, "rollout_mode": ROLLOUT_MODES}
+from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
 
 
-@dataclass(frozen=True)
-class GRPOConfig(EvalSettings):
-    """Hyper-parameters read from ``job.trainer`` (defaults follow FedAgent/verl where they exist).
+@dataclass
+class GRPOConfig(ReferenceKnobs, EvalSettings):
+    """The reference trainer's settings: the fields, defaults and bounds are
+    :class:`~fedagent_flwr.schema.trainer.ReferenceKnobs`'s; this class adds what the trainer does
+    with them.
 
-    The evaluation knobs (``max_new_tokens``, ``val_temperature``, ``val_top_p``,
-    ``max_model_len``, ``gen_batch_size``, ``num_threads``, ``compute_dtype``, ``device``) are
-    :class:`~fedagent_flwr.trainers.common.evaluator.EvalSettings`'s: a GRPOConfig is what the
-    evaluator reads. ``compute_dtype`` "bfloat16" samples with a bf16 copy of the weights and runs
-    the update under bf16 autocast (fp32 master weights, optimiser and checkpoint), as verl's FSDP
-    mixed precision + bf16 vLLM do. ``device`` is where evaluation runs; training always runs on
-    the CPU.
+    The evaluation knobs are :class:`~fedagent_flwr.schema.trainer.EvalKnobs`'s: a GRPOConfig is
+    what the evaluator reads. ``compute_dtype`` "bfloat16" samples with a bf16 copy of the weights
+    and runs the update under bf16 autocast (fp32 master weights, optimiser and checkpoint), as
+    verl's FSDP mixed precision + bf16 vLLM do. ``device`` is where evaluation runs; training
+    always runs on the CPU.
     """
-
-    rollout_n: int = 2  # episodes per environment seed (GRPO group size)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    kl_coef: float = 0.0  # low-variance KL (k3) to the starting weights
-    entropy_coeff: float = 0.001  # FedAgent's value; keeps updates non-zero at zero advantage
-    clip_ratio: float = 0.2
-    ppo_epochs: int = 1
-    grad_clip: float = 1.0  # verl's actor default; <= 0 disables clipping
-    temperature: float = 1.0
-    top_p: float = 1.0
-    micro_batch_size: int = 8  # episodes per forward/backward in the update
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> tuple[GRPOConfig, list[str]]:
-        """Validated config from ``job.trainer`` and the keys it ignored (other backends' knobs)."""
-        values: dict[str, Any] = {}
-        known = {f.name: f for f in fields(cls)}
-        for key, value in (raw or {}).items():
-            if key not in known:
-                continue
-            default = known[key].default
-            if isinstance(default, str):
-                choices = _CHOICES[key]
-                if value not in choices:
-                    raise InputError(f"trainer.{key} must be one of {list(choices)}, got {value!r}")
-            elif isinstance(default, int) and not isinstance(default, bool):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise InputError(f"trainer.{key} must be an integer, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InputError(f"trainer.{key} must be a number, got {value!r}")
-            values[key] = type(default)(value)  # type: ignore[misc]  # default is a str/int/float here, never MISSING
-        config = cls(**values)
-        config._check()
-        return config, sorted(k for k in (raw or {}) if k not in known)
+        """Checked config from ``job.trainer`` and the keys it ignored (other backends' knobs).
 
-    def _check(self) -> None:
-        positive = ("rollout_n", "ppo_epochs", "max_new_tokens", "max_model_len", "micro_batch_size",
-                    "gen_batch_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise InputError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "kl_coef", "entropy_coeff", "clip_ratio", "num_threads", "history_length"):
-            if getattr(self, name) < 0:
-                raise InputError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("top_p", "val_top_p"):
-            if not 0 < getattr(self, name) <= 1:
-                raise InputError(f"trainer.{name} must be in (0, 1], got {getattr(self, name)}")
+        The server checked the same mapping with the same validator; a job file written by hand
+        gets the same checks here.
+        """
+        try:
+            return check(cls, raw, "trainer", known_only=True)
+        except SettingError as exc:
+            raise InputError(str(exc)) from None
 
     def torch_device(self) -> Any:
         """The resolved evaluation device."""

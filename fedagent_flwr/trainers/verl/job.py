@@ -32,7 +32,7 @@ from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hoo
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
 from fedagent_flwr.trainers.verl.runner import ray_temp_dir
-from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+from fedagent_flwr.trainers.verl.settings import VerlSettings
 from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepCallback
 
 PROG = "verl_backend"
@@ -109,10 +109,7 @@ def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, A
     check_train_header(job, "verl backend", ("grpo", "ppo"))
     if job.critic_path and not Path(job.critic_path).is_dir():
         raise InputError(f"critic_path {job.critic_path} is not a directory")
-    try:
-        settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))
-    except VerlSettingsError as exc:
-        raise InputError(str(exc)) from None
+    settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))
     if ignored:
         print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
     for name in settings.plugin_modules:
@@ -334,10 +331,7 @@ def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str
 def evaluate(job: EvalJob) -> EvalResult:
     """Validation episodes with Hugging Face generation on the node's accelerator, with the
     sampling knobs of the verl settings (the rest at the evaluator's defaults)."""
-    try:
-        settings, _ = VerlSettings.from_mapping(job.trainer)
-    except VerlSettingsError as exc:
-        raise InputError(str(exc)) from None
+    settings, _ = VerlSettings.from_mapping(job.trainer)
     return evaluator.evaluate(job, EvalSettings(
         max_new_tokens=settings.max_new_tokens,
         val_temperature=settings.val_temperature,

@@ -46,7 +46,7 @@ def test_the_run_composes_with_world_sizes_2_and_1_that_verl_accepts(mode: str, 
     from verl.utils.config import validate_config
 
     settings = load_settings(overrides=f"output_dir={tmp_path} {_overrides(mode)}")
-    assert settings.num_rounds == 2 and settings.total_clients == 2 and settings.trainer["mode"] == mode
+    assert settings.run.num_rounds == 2 and settings.run.clients.total == 2 and settings.trainer["mode"] == mode
     assert settings.storage.keep_client_checkpoints  # verify re-reads the clients' shards
     batch = sum(entry["n_envs"] for entry in settings.train_env_spec["envs"])
     worlds = []
@@ -56,8 +56,8 @@ def test_the_run_composes_with_world_sizes_2_and_1_that_verl_accepts(mode: str, 
         verl_settings, _ = VerlSettings.from_mapping(trainer)
         worlds.append(verl_settings.n_gpus_per_node)
         paths = job_paths(tmp_path / f"c{client}" / "verl", str(tiny_model_dir), "", "/tmp/fa-ray-test")
-        cfg = compose_verl_config(build_overrides(algorithm=settings.algorithm, settings=verl_settings, paths=paths,
-                                                  batch_size=batch, local_steps=settings.local_steps, seed=1,
+        cfg = compose_verl_config(build_overrides(algorithm=settings.run.algorithm, settings=verl_settings, paths=paths,
+                                                  batch_size=batch, local_steps=settings.run.train.local_steps, seed=1,
                                                   experiment_name=f"client{client}"))
         validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
         assert cfg.trainer.n_gpus_per_node == verl_settings.n_gpus_per_node

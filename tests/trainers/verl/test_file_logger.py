@@ -108,7 +108,7 @@ def test_the_loggers_are_console_file_and_the_users_and_compose_with_verls_schem
     assert VerlSettings.from_mapping({})[0].loggers == ["console", "file"]
     with pytest.raises(VerlSettingsError, match=r"trainer\.verl_logger entry 'tensorbord' is not one of verl's"):
         VerlSettings.from_mapping({"verl_logger": ["tensorbord"]})
-    with pytest.raises(VerlSettingsError, match=r"trainer\.verl_logger must be a list of strings"):
+    with pytest.raises(VerlSettingsError, match=r"'trainer\.verl_logger' must be a list of str"):
         VerlSettings.from_mapping({"verl_logger": "wandb"})
 
 

@@ -1,0 +1,49 @@
+"""The configuration schema: each setting's type, default and bound, declared once.
+
+* :mod:`.fields`: :func:`~.fields.setting` (a field with its bound) and :func:`~.fields.check`,
+  the one validator (server and trainers);
+* :mod:`.run`: ``conf/config.yaml`` and its groups; :mod:`.trainer`: one schema per backend.
+
+:func:`register` stores them in Hydra's ConfigStore, where the YAML files' defaults lists extend
+them (``run_schema`` in ``config.yaml``, ``/schema/trainer/<backend>`` in ``trainer/<backend>.yaml``):
+Hydra then refuses unknown keys and values of the wrong type while it composes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+
+from fedagent_flwr.schema.fields import SettingError, check, setting
+from fedagent_flwr.schema.run import RunSchema
+from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_GROUPS, TRAINER_MODES, TRAINER_SCHEMAS
+
+__all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_GROUPS", "TRAINER_MODES", "TRAINER_SCHEMAS", "RunSchema", "SettingError",
+           "check", "declared_type", "register", "setting"]
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent; before composing ``conf/``)."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunSchema)
+    for backend, schema in TRAINER_GROUPS.items():
+        store.store(group="schema/trainer", name=backend, node=schema)
+
+
+def declared_type(dotted: str) -> Any:
+    """The type the schema declares for a dotted config key (``trainer.*``: either backend's), or None."""
+    first, _, rest = dotted.partition(".")
+    roots: list[tuple[Any, list[str]]] = [(s, rest.split(".")) for s in TRAINER_GROUPS.values()] if (
+        first == "trainer") else [(RunSchema, dotted.split("."))]
+    for node, parts in roots:
+        for part in parts:
+            fields = getattr(node, "__dataclass_fields__", {})
+            if not dataclasses.is_dataclass(node) or part not in fields:
+                node = None
+                break
+            node = fields[part].metadata.get("keys") or get_type_hints(node)[part]
+        if node is not None:
+            return node
+    return None

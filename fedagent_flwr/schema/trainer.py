@@ -1,0 +1,217 @@
+"""The ``trainer`` group's schema: the ClientApp's keys, then one schema per backend.
+
+Each knob is declared once, here, with its default and bound; ``conf/trainer/<backend>.yaml``
+extends the backend's schema (Hydra's structured config as schema), the server checks the
+composed group with :func:`~fedagent_flwr.schema.fields.check`, and the trainers build their
+settings from the same classes (``GRPOConfig``, ``VerlSettings`` add behaviour, no fields).
+A verl preset such as ``verl_ppo`` is a YAML file over the verl schema, not a schema of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fedagent_flwr.schema.fields import SettingError, check, renamed, setting
+
+TRAINER_MODES = ("subprocess", "persistent")
+ROLLOUT_MODES = ("concat", "windowed")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+_MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+# The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
+# verl/utils/tracking.py); a test checks this list against the installed verl.
+VERL_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio",
+                "file", "rl_insight")
+
+
+@dataclass
+class ClientAppKeys:
+    """What the ClientApp reads itself to run a backend; the rest of the group is the backend's."""
+
+    module: ClassVar[str]  # what the ClientApp runs (python -m MODULE train|evaluate JOB.json)
+
+    backend: str = setting("reference")  # a key of TRAINER_SCHEMAS
+    timeout_s: float = setting(3600.0, gt=0)  # a trainer job running longer is killed
+    # subprocess: a fresh trainer per client-round; persistent: one per node, kept across rounds
+    mode: str = setting("subprocess", choices=TRAINER_MODES)
+    persistent_idle_s: float = setting(3600.0, gt=0)  # a persistent trainer idle this long exits
+    stall_timeout_s: float = setting(900.0, ge=0, note="0 disables the progress watchdog")
+
+
+@dataclass
+class ClientRuleKeys:
+    """A user's client rule (docs/extending.md), run by either backend before every optimiser step."""
+
+    client_rule: str = setting("")  # dotted path of the rule class ("" -> none)
+    client_rule_args: Any = None  # its keyword arguments, e.g. {mu: 0.1, freeze: embed_tokens}
+
+
+#: a backend's whole trainer group, typed (ReferenceTrainer or VerlTrainer)
+TrainerSettings = ClientAppKeys
+#: the keys the ClientApp consumes itself (not sent to the backend)
+CLIENTAPP_TRAINER_KEYS = tuple(f.name for f in dataclasses.fields(ClientAppKeys))
+#: the client-rule keys, which a backend hands to the rule rather than to its own settings
+RULE_KEYS = tuple(f.name for f in dataclasses.fields(ClientRuleKeys))
+
+
+@dataclass
+class Rollout:
+    """The agent loop, for training and evaluation alike (the config's ``rollout`` group): concat (one
+    growing conversation) or windowed (one prompt per turn showing the last ``history_length`` steps)."""
+
+    mode: str = setting("concat", choices=ROLLOUT_MODES)
+    history_length: int = setting(2, ge=0, note="the (observation, action) pairs a windowed prompt shows")
+
+
+#: the trainer keys that carry the ``rollout`` group to the jobs -> its field (set there, not in ``trainer``)
+AGENT_LOOP_KEYS = {"rollout_mode": "mode", "history_length": "history_length"}
+
+
+@dataclass
+class AgentLoopKnobs:
+    """The ``rollout`` group as a job's trainer keys: :class:`Rollout`'s fields (default, bound) renamed."""
+
+    rollout_mode: str = renamed(Rollout, "mode")
+    history_length: int = renamed(Rollout, "history_length")
+
+
+@dataclass
+class EvalKnobs:
+    """How validation episodes are sampled (the Hugging Face evaluator both backends use)."""
+
+    max_new_tokens: int = setting(32, ge=1)  # tokens one turn may sample
+    val_temperature: float = setting(0.4, gt=0)  # FedAgent's validation temperature
+    val_top_p: float = setting(1.0, gt=0, le=1)
+    max_model_len: int = setting(1024, ge=16)  # token budget of one episode
+    gen_batch_size: int = setting(32, ge=1)  # episodes sampled together
+    num_threads: int = setting(0, ge=0, note="0 keeps torch's default")
+    compute_dtype: str = setting("auto", choices=COMPUTE_DTYPES)
+    device: str = setting("auto", choices=DEVICES)  # where evaluation runs
+
+
+@dataclass
+class ReferenceKnobs(EvalKnobs):
+    """The CPU reference trainer's GRPO hyper-parameters (defaults follow FedAgent/verl)."""
+
+    rollout_n: int = setting(2, ge=1)  # episodes per environment seed (GRPO group size)
+    lr: float = setting(1e-5, gt=0)
+    weight_decay: float = setting(0.0, ge=0)
+    kl_coef: float = setting(0.0, ge=0)  # low-variance KL (k3) to the starting weights
+    entropy_coeff: float = setting(0.001, ge=0)  # FedAgent's; keeps updates non-zero at zero advantage
+    clip_ratio: float = setting(0.2, gt=0)
+    ppo_epochs: int = setting(1, ge=1)
+    grad_clip: float = setting(1.0, note="verl's actor default; <= 0 disables clipping")
+    temperature: float = setting(1.0, gt=0)
+    top_p: float = setting(1.0, gt=0, le=1)
+    micro_batch_size: int = setting(8, ge=1)  # episodes per forward/backward in the update
+
+
+@dataclass
+class VerlKnobs:
+    """Hyper-parameters and resources of one client's verl job."""
+
+    rollout_n: int = setting(4, ge=1)  # GRPO group size (rollout.n)
+    lr: float = setting(1e-6, gt=0)  # actor learning rate
+    critic_lr: float = setting(1e-5, gt=0)  # PPO critic learning rate
+    kl_coef: float = setting(0.01, ge=0)  # KL loss to the reference model; 0 turns it off
+    entropy_coeff: float = setting(0.001, ge=0)
+    clip_ratio: float = setting(0.2, gt=0)
+    ppo_epochs: int = setting(1, ge=1)
+    ppo_mini_batch_size: int = setting(8, ge=1)  # prompts per mini-batch (clamped to the step's batch)
+    micro_batch_size_per_gpu: int = setting(4, ge=1)
+    max_prompt_length: int = setting(512, ge=1)  # first-turn prompt budget
+    max_response_length: int = setting(512, ge=1)  # all turns' tokens after the prompt
+    max_new_tokens: int = setting(64, ge=1)  # tokens one turn may sample
+    temperature: float = setting(1.0, gt=0)
+    top_p: float = setting(1.0, gt=0, le=1)
+    val_temperature: float = setting(0.4, gt=0)
+    invalid_action_penalty: float = setting(0.1, ge=0)
+    n_gpus_per_node: int = setting(1, ge=1)
+    gpu_memory_utilization: float = setting(0.3, gt=0, le=1)  # vLLM's share of each GPU
+    kv_cache_gib: float = setting(4.0, ge=0, note="0 lets vLLM profile")
+    enforce_eager: bool = setting(True)
+    # vLLM's CUDA-graph batch sizes when enforce_eager is false (empty: vLLM's own list); fewer
+    # sizes, shorter capture at start-up (docs/gpu.md, "Start-up phases").
+    cudagraph_capture_sizes: list[int] = setting(factory=list, ge=1)
+    # torch.compile of the actor's (and reference's) entropy-from-logits, verl's default; false
+    # skips its first-step compile at the price of an eager kernel.
+    torch_compile: bool = setting(True)
+    agent_workers: int = setting(2, ge=1)
+    ray_num_cpus: int = setting(8, ge=1)
+    use_v1: bool = setting(False)
+    attn_implementation: str = setting("sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    use_remove_padding: bool = setting(False)
+    # raw Hydra overrides for verl, appended last
+    extra_overrides: list[str] = setting(factory=list, pattern=r"[^=\n\r\0][^\n\r\0]*=[^\n\r\0]*",
+                                         note="a Hydra override of the form key=value")
+    # modules imported in every verl process right after core_algos (estimators, policy losses)
+    plugin_modules: list[str] = setting(factory=list, pattern=_MODULE, note="a module name such as mypkg.estimators")
+    # verl's own loggers besides console and file, which are always on (the client reads the file)
+    verl_logger: list[str] = setting(factory=list)
+
+    def check_together(self, prefix: str) -> None:
+        """Settings that constrain each other."""
+        if self.max_new_tokens > self.max_response_length:
+            raise SettingError(
+                f"config key '{prefix}.max_new_tokens' ({self.max_new_tokens}) exceeds {prefix}.max_response_length "
+                f"({self.max_response_length}): not even one turn would fit"
+            )
+        if getattr(self, "rollout_mode", None) == "windowed" and self.use_v1:  # a job's settings carry the loop
+            raise SettingError(
+                f"config key '{prefix}.use_v1' = true does not support rollout.mode=windowed (its per-turn rows are "
+                "built for verl's classic PPO trainer): set trainer.use_v1=false or rollout.mode=concat")
+        for name in self.verl_logger:
+            if name not in VERL_LOGGERS:
+                raise SettingError(f"{prefix}.verl_logger entry {name!r} is not one of verl's loggers; choose from "
+                                   f"{list(VERL_LOGGERS)} (console and file are always on)")
+        if self.cudagraph_capture_sizes and self.enforce_eager:
+            raise SettingError(
+                f"{prefix}.cudagraph_capture_sizes needs {prefix}.enforce_eager=false (eager vLLM "
+                "captures no CUDA graphs): set enforce_eager to false or leave cudagraph_capture_sizes empty")
+
+
+@dataclass
+class ReferenceGroup(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
+    """``conf/trainer/reference.yaml``'s schema."""
+
+    module: ClassVar[str] = "fedagent_flwr.trainers.reference"
+
+
+@dataclass
+class VerlGroup(VerlKnobs, ClientRuleKeys, ClientAppKeys):
+    """``conf/trainer/verl.yaml``'s schema (and its presets')."""
+
+    module: ClassVar[str] = "fedagent_flwr.trainers.verl.entry"
+
+
+@dataclass
+class ReferenceTrainer(AgentLoopKnobs, ReferenceGroup):
+    """What a reference job runs with: its group and the run's agent loop."""
+
+
+@dataclass
+class VerlTrainer(AgentLoopKnobs, VerlGroup):
+    """What a verl job runs with: its group and the run's agent loop."""
+
+
+#: trainer.backend -> the schema of its config group (Hydra's; ``module``: what the ClientApp runs)
+TRAINER_GROUPS: dict[str, type[ClientAppKeys]] = {"reference": ReferenceGroup, "verl": VerlGroup}
+#: trainer.backend -> the typed settings its jobs carry (the group plus the agent loop). The one registry.
+TRAINER_SCHEMAS: dict[str, type[ClientAppKeys]] = {"reference": ReferenceTrainer, "verl": VerlTrainer}
+
+
+def trainer_settings(raw: Mapping[str, Any] | ClientAppKeys, prefix: str = "trainer") -> ClientAppKeys:
+    """The ``trainer`` group as its backend's typed settings, checked by the one validator (a
+    typed one is returned as it is: it was checked when it was built)."""
+    if isinstance(raw, ClientAppKeys):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise SettingError(f"config key '{prefix}' must be a mapping, got {raw!r}")
+    backend = raw.get("backend", ClientAppKeys.backend)
+    if backend not in TRAINER_SCHEMAS:
+        raise SettingError(
+            f"config key '{prefix}.backend' = {backend!r}: available backends are {tuple(TRAINER_SCHEMAS)}")
+    return check(TRAINER_SCHEMAS[backend], raw, prefix)[0]

@@ -1,0 +1,261 @@
+"""Each setting is declared once: in one schema field (type, default, bound), and nowhere else.
+
+Walks the schema (:mod:`fedagent_flwr.schema`), every YAML file under ``conf/`` and the package
+code that reads settings: a key the schema lacks, a field declared twice or a default re-declared
+where a setting is read fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import pytest
+import yaml
+
+import fedagent_flwr
+from fedagent_flwr.checkpoint.ref import CheckpointRef
+from fedagent_flwr.config import ConfigError, conf_dir, load_settings
+from fedagent_flwr.protocol import TRAINER_JSON, ProtocolError, TrainInstruction
+from fedagent_flwr.schema import TRAINER_GROUPS, TRAINER_SCHEMAS, RunSchema, SettingError, check
+from fedagent_flwr.schema.trainer import (
+    AGENT_LOOP_KEYS,
+    AgentLoopKnobs,
+    ClientAppKeys,
+    ReferenceTrainer,
+    Rollout,
+    VerlTrainer,
+    trainer_settings,
+)
+from fedagent_flwr.trainers import BACKEND_MODULES
+from fedagent_flwr.trainers.reference.config import GRPOConfig
+from fedagent_flwr.trainers.verl.settings import VerlSettings
+
+PACKAGE = Path(fedagent_flwr.__file__).resolve().parent
+SCHEMA_DIR = PACKAGE / "schema"
+
+
+def schema_classes() -> list[type]:
+    """Every dataclass the schema package declares."""
+    found = []
+    for info in pkgutil.iter_modules([str(SCHEMA_DIR)]):
+        module = importlib.import_module(f"fedagent_flwr.schema.{info.name}")
+        found += [v for v in vars(module).values()
+                  if dataclasses.is_dataclass(v) and isinstance(v, type) and v.__module__ == module.__name__]
+    return found
+
+
+def declarations(cls: type) -> dict[str, list[str]]:
+    """field name -> the classes of ``cls``'s MRO whose own body declares it."""
+    found: dict[str, list[str]] = {}
+    for klass in cls.__mro__:
+        for name in vars(klass).get("__annotations__", {}):
+            if name in {f.name for f in dataclasses.fields(cls)}:
+                found.setdefault(name, []).append(klass.__qualname__)
+    return found
+
+
+def field_schema(cls: type, name: str) -> Any:
+    """The schema a field's value follows: its dataclass type, or the known keys of an open mapping."""
+    return cls.__dataclass_fields__[name].metadata.get("keys") or get_type_hints(cls)[name]  # type: ignore[attr-defined]
+
+
+def leaves(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """dotted key -> the classes declaring it, through nested schema dataclasses."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, owners in declarations(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(field_schema(cls, name)):
+            out.update(leaves(field_schema(cls, name), f"{key}."))
+        else:
+            out[key] = tuple(owners)
+    return out
+
+
+def test_every_leaf_setting_is_declared_in_exactly_one_field() -> None:
+    trees = {"run": leaves(RunSchema)} | {f"trainer/{b}": leaves(s, "trainer.") for b, s in TRAINER_SCHEMAS.items()}
+    twice = {f"{tree}: {key}": owners
+             for tree, keys in trees.items() for key, owners in keys.items() if len(owners) != 1}
+    assert not twice, f"settings declared in more than one field: {twice}"
+    assert len(trees["trainer/reference"]) > 20 and len(trees["trainer/verl"]) > 25 and len(trees["run"]) > 40
+
+
+def test_the_agent_loop_is_declared_once_in_the_rollout_group() -> None:
+    """The jobs' rollout_mode/history_length are the rollout group's fields renamed (same default and
+    bound objects); the trainer groups a user sets do not declare them."""
+    for key, name in AGENT_LOOP_KEYS.items():
+        mine, theirs = AgentLoopKnobs.__dataclass_fields__[key], Rollout.__dataclass_fields__[name]
+        assert mine.default == theirs.default and mine.metadata["bound"] is theirs.metadata["bound"]
+        assert all(key not in group.__dataclass_fields__ for group in TRAINER_GROUPS.values())
+        assert all(issubclass(schema, AgentLoopKnobs) for schema in TRAINER_SCHEMAS.values())
+
+
+def test_trainers_and_evaluator_add_behaviour_not_settings() -> None:
+    """GRPOConfig, VerlSettings and EvalSettings take every field from the schema: none declares one."""
+    from fedagent_flwr.envs.spec import EnvSpecEntry
+    from fedagent_flwr.schema.run import EnvEntry
+    from fedagent_flwr.trainers.common.evaluator import EvalSettings
+
+    for cls, schema in ((GRPOConfig, ReferenceTrainer), (VerlSettings, VerlTrainer), (EvalSettings, ReferenceTrainer),
+                        (EnvSpecEntry, EnvEntry)):
+        own = [n for n in vars(cls).get("__annotations__", {}) if not n.startswith("_")]
+        assert own == [], f"{cls.__name__} re-declares {own}: declare settings in fedagent_flwr/schema/"
+        assert {f.name for f in dataclasses.fields(cls)} <= {f.name for f in dataclasses.fields(schema)}
+        assert all(f.default == schema.__dataclass_fields__[f.name].default for f in dataclasses.fields(cls))
+
+
+def test_partition_knobs_come_from_the_schema() -> None:
+    """hetero reads a knob through its schema field: the schema's default when absent, its bound
+    (in the server's words) when set."""
+    from fedagent_flwr.hetero import PartitionError, partition_goals
+    from fedagent_flwr.hetero.common import knob
+    from fedagent_flwr.schema.run import Partition
+
+    for name in ("min_goals_per_client", "omega", "tau", "size_std", "env_div", "keep_ratio", "fallback", "unit"):
+        assert knob({}, name) == Partition.__dataclass_fields__[name].default
+    assert partition_goals("uniform", 0, 2, 500, {}) == partition_goals(
+        "uniform", 0, 2, 500, {"min_goals_per_client": Partition.min_goals_per_client})
+    with pytest.raises(ConfigError) as server:
+        load_settings(overrides="partition=preference partition.omega=1.5")
+    with pytest.raises(PartitionError) as library:
+        knob({"omega": 1.5}, "omega")
+    assert str(server.value) == str(library.value) == "config key 'partition.omega' = 1.5 is invalid: expected in (0, 1)"
+
+
+def test_backend_registry_is_the_schema_registry() -> None:
+    assert BACKEND_MODULES == {b: s.module for b, s in TRAINER_SCHEMAS.items()}
+    assert all(issubclass(s, ClientAppKeys) for s in TRAINER_SCHEMAS.values())
+
+
+def _yaml_files() -> list[Path]:
+    return sorted(conf_dir().rglob("*.yaml"))
+
+
+def _place(path: Path) -> str:
+    """The package a conf file's keys land in ('' = the root)."""
+    text = path.read_text()
+    group = path.parent.relative_to(conf_dir()).as_posix()
+    return "" if "@package _global_" in text or group == "." else group
+
+
+def _unknown_keys(node: Any, schema: Any, where: str) -> list[str]:
+    """Keys of a YAML mapping that the schema type ``schema`` does not declare."""
+    if schema is Any or not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
+        return []  # a free-form value (env spec, kwargs): checked by its own reader
+    missing = []
+    for key, value in node.items():
+        if key == "defaults":
+            continue
+        if key not in schema.__dataclass_fields__:
+            missing.append(f"{where}{key}")
+        else:
+            missing += _unknown_keys(value, _strip_optional(field_schema(schema, key)), f"{where}{key}.")
+    return missing
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in getattr(hint, "__args__", ()) else hint
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: p.relative_to(conf_dir()).as_posix())
+def test_every_conf_key_exists_in_the_schema(path: Path) -> None:
+    tree = yaml.safe_load(path.read_text()) or {}
+    place = _place(path)
+    if place:
+        tree = {place.split("/")[0]: tree}
+    trainer = tree.pop("trainer", None) if isinstance(tree, dict) else None
+    missing = _unknown_keys(tree, RunSchema, "")
+    if isinstance(trainer, dict):
+        # the trainer keys must exist in the schema of the backend the file is for (either when unsaid)
+        backend = trainer.get("backend") or ("verl" if "verl" in path.stem else None)
+        schemas = [TRAINER_GROUPS[backend]] if backend else list(TRAINER_GROUPS.values())
+        unknown = [_unknown_keys(trainer, s, "trainer.") for s in schemas]
+        missing += min(unknown, key=len)
+    assert not missing, f"{path.name}: keys not in the schema (fedagent_flwr/schema/): {missing}"
+
+
+def _reads_with_default(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x.get("<setting>", <default>)`` / ``x.get("<setting>") or <literal>`` calls."""
+    names = set(leaves(RunSchema)) | {k for s in TRAINER_SCHEMAS.values() for k in leaves(s)}
+    leaf = {k.rsplit(".", 1)[-1] for k in names}
+    hits = []
+    for node in ast.walk(tree):
+        call = node.values[0] if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) else node
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "get"
+                and call.args and isinstance(call.args[0], ast.Constant) and call.args[0].value in leaf):
+            continue
+        receiver = ast.unparse(call.func.value)
+        if "trainer" not in receiver and "settings" not in receiver:
+            continue  # other mappings (partition knobs, env configs) are read by their own modules
+        defaulted = len(call.args) > 1 or (node is not call and isinstance(node.values[-1], ast.Constant))
+        if defaulted:
+            hits.append((node.lineno, ast.unparse(node)))
+    return hits
+
+
+def test_code_reading_settings_does_not_redeclare_defaults() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if SCHEMA_DIR in path.parents:
+            continue
+        found += [f"{path.relative_to(PACKAGE)}:{line}: {text}"
+                  for line, text in _reads_with_default(ast.parse(path.read_text()))]
+    assert not found, f"settings read with a default of their own (take it from fedagent_flwr/schema/): {found}"
+
+
+def test_the_scan_finds_a_redeclared_default() -> None:
+    """The scan above can fail: a trainer setting read with its own default is found."""
+    source = "def f(trainer):\n    return trainer.get('stall_timeout_s', 0.0), trainer.get('mode') or 'subprocess'\n"
+    assert [text for _, text in _reads_with_default(ast.parse(source))] == [
+        "trainer.get('stall_timeout_s', 0.0)", "trainer.get('mode') or 'subprocess'"]
+
+
+def test_one_validator_gives_the_same_words_on_the_server_and_in_a_job_file() -> None:
+    with pytest.raises(ConfigError) as server:
+        load_settings(overrides="trainer=verl trainer.top_p=1.5")
+    with pytest.raises(SettingError) as job:
+        VerlSettings.from_mapping({"top_p": 1.5})
+    assert str(server.value) == str(job.value) == "config key 'trainer.top_p' = 1.5 is invalid: expected in (0, 1]"
+    with pytest.raises(ConfigError, match=r"config key 'trainer.max_model_len' = 8 is invalid: expected >= 16"):
+        load_settings(overrides="trainer.max_model_len=8")
+    with pytest.raises(Exception, match=r"config key 'trainer.max_model_len' = 8 is invalid"):
+        GRPOConfig.from_mapping({"max_model_len": 8})
+
+
+def test_instructions_carry_the_checked_trainer_settings() -> None:
+    settings = load_settings(overrides="trainer=verl_ppo")
+    assert isinstance(settings.trainer_settings, VerlTrainer) and settings.trainer_settings.rollout_n == 1
+    assert settings.trainer == dataclasses.asdict(settings.trainer_settings)
+    typed = trainer_settings({"backend": "verl", "rollout_n": 3})
+    assert typed == VerlTrainer(backend="verl", rollout_n=3) and trainer_settings(typed) is typed
+    with pytest.raises(SettingError, match="config key 'trainer.rollout_n'"):
+        trainer_settings({"backend": "reference", "rollout_n": 0})
+    with pytest.raises(SettingError, match="available backends are"):
+        trainer_settings({"backend": "nope"})
+    # the client rebuilds the typed object from the message with the same validator
+    model = CheckpointRef(path="/run/global", kind="actor", format="fsdp-shards", world_size=1, sha256="0" * 64)
+    sent = TrainInstruction(server_round=1, client_id=0, num_clients=2, data_seed=1, base_seed=1, algorithm="ppo",
+                            local_steps=1, trainer=settings.trainer_settings, env_spec={"envs": []},
+                            partition={"strategy": "none"}, service={"enabled": False}, global_model=model)
+    record = sent.to_record()
+    assert TrainInstruction.from_record(record).trainer == settings.trainer_settings
+    record.config_records["config"][TRAINER_JSON] = json.dumps({"backend": "verl", "rollout_n": 0})
+    with pytest.raises(ProtocolError, match="instruction field 'trainer-json': config key 'trainer.rollout_n'"):
+        TrainInstruction.from_record(record)
+
+
+def test_bounds_are_checked_by_the_validator() -> None:
+    _, unknown = check(VerlTrainer, {"backend": "verl", "extra": 1}, "trainer", known_only=True)
+    assert unknown == ["extra"]
+    for raw, message in [({"backend": "verl", "extra": 1}, "unknown config key 'trainer.extra'"),
+                         ({"backend": "verl", "plugin_modules": ["a b"]}, "'trainer.plugin_modules' entry 0"),
+                         ({"backend": "verl", "enforce_eager": 1}, "'trainer.enforce_eager' must be bool"),
+                         ({"backend": "verl", "lr": float("nan")}, "'trainer.lr' must be float")]:
+        with pytest.raises(SettingError, match=message):
+            check(VerlTrainer, raw, "trainer")
