@@ -1,6 +1,8 @@
 """End to end: a real Flower simulation (reference trainer, tiny model) with E = 2 local epochs and
 per-client validation: each trained client's own model on the validation episodes, recorded apart
-from the training metrics in ``metrics.jsonl`` and ``federated_summary.json``."""
+from the training metrics in ``metrics.jsonl`` and ``federated_summary.json``; and the clients'
+two step lines a round relayed to the ServerApp's log (on the shared filesystem: the server reads
+each client's progress file in its slot). One run, read by both tests."""
 
 from __future__ import annotations
 
@@ -23,14 +25,21 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
         yield link
 
 
-def test_each_trained_client_is_validated_and_recorded_apart(superlink: SuperLink, tmp_path: Path,
-                                                             tiny_model_dir: Path) -> None:
-    proc = superlink.run(f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=1 "
+@pytest.fixture(scope="module")
+def run(superlink: SuperLink, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, str]:
+    """The job (1 round, E = 2, per-client validation), run once; its run directory and output."""
+    out = tmp_path_factory.mktemp("client-val")
+    proc = superlink.run(f"output_dir={out} run_name=job model.path={tiny_model_dir} num_rounds=1 "
                          "train.epochs=2 eval.per_client=true eval.num_episodes=3 trainer.max_new_tokens=8 "
                          "trainer.lr=1e-3", supernodes=2)
-    output = proc.stdout + proc.stderr
-    run_dir = tmp_path / "job"
-    summary = json.loads((run_dir / "federated_summary.json").read_text())
+    return out / "job", proc.stdout + proc.stderr
+
+
+def test_each_trained_client_is_validated_and_recorded_apart(run: tuple[Path, str]) -> None:
+    run_dir, output = run
+    summary_path = run_dir / "federated_summary.json"
+    assert summary_path.exists(), output[-4000:]
+    summary = json.loads(summary_path.read_text())
     assert summary["status"] == "completed", output[-4000:]
     assert summary["epochs_per_round"] == 2 and summary["client_eval"] is True
 
@@ -65,3 +74,12 @@ def test_each_trained_client_is_validated_and_recorded_apart(superlink: SuperLin
     assert len(train) == 2 and not any(k.startswith("client-val-") for e in train for k in e["metrics"])
     # training episodes: E 2 x local_steps 1 x n_envs 2 x rollout_n 2
     assert [p["n"] for p in summary["client_curve"]] == [8, 8]
+
+
+def test_a_simulation_relays_the_reference_trainers_step_lines_to_the_server_log(run: tuple[Path, str]) -> None:
+    run_dir, output = run
+    assert json.loads((run_dir / "federated_summary.json").read_text())["status"] == "completed", output[-4000:]
+    for client in (0, 1):
+        for step in (1, 2):  # E 2 x local_steps 1: two steps, one line each
+            # the relayed line (the ClientApp's own lines read "[client 0 round 1] step 1/2 episodes ...")
+            assert f"client {client} round 1: step {step}/2, success " in output, output[-4000:]

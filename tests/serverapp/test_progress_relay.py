@@ -4,7 +4,8 @@
   "trainer" (this test) appends steps, and the real round loop relaying them, live;
 * the store refuses a report without the slot's token, or one too large.
 
-The runs of the whole app (simulation, deployment with the http store) are in tests/e2e/test_progress.py.
+The relay in runs of the whole app: a simulation in tests/e2e/test_simulation_client_val.py, a
+deployment with the http store in tests/e2e/test_deployment.py.
 """
 
 from __future__ import annotations
