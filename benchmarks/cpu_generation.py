@@ -55,25 +55,28 @@ def tasks_for(episodes: int, mode: str) -> list[Any]:
 
 
 def plain(model: Any, tokenizer: Any, tasks: list[Any], sampling: Any, stop_ids: list[int], pad_id: int,
-          mode: str, seed: int) -> tuple[int, int]:
-    """Each episode alone, each turn one ``generate`` call; (sampled tokens, prompt tokens)."""
+          mode: str, seed: int, sampled: list[list[int]]) -> tuple[int, int]:
+    """Each episode alone, each turn one ``generate`` call; (sampled tokens, prompt tokens).
+    Appends every turn's tokens to ``sampled``."""
     from fedagent_flwr.envs.registry import make_env
     from fedagent_flwr.rollout.episode import run_episode
     from fedagent_flwr.rollout.windowed import run_windowed_episode
 
     counts = [0, 0]
+    how: dict[str, Any] = {"do_sample": False}
+    if sampling.temperature > 0:  # the sampler's distribution: temperature and top-p only
+        how = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
 
     async def generate(prompt: list[int], params: Any) -> list[int]:
         ids = torch.tensor([prompt], dtype=torch.long)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_new_tokens,
-                                 do_sample=params.temperature > 0, temperature=params.temperature or None,
-                                 top_p=params.top_p, top_k=0, use_cache=True, pad_token_id=pad_id,
-                                 eos_token_id=stop_ids)
+                                 use_cache=True, pad_token_id=pad_id, eos_token_id=stop_ids, **how)
         new = out[0, len(prompt):].tolist()
         cut = next((k + 1 for k, t in enumerate(new) if t in stop_ids), len(new))  # generate pads after EOS
         counts[0] += cut
         counts[1] += len(prompt)
+        sampled.append(new[:cut])
         return new[:cut]
 
     for i, task in enumerate(tasks):
@@ -88,6 +91,18 @@ def plain(model: Any, tokenizer: Any, tasks: list[Any], sampling: Any, stop_ids:
     return counts[0], counts[1]
 
 
+def _turn_tokens(episode: Any) -> list[list[int]]:
+    """A concat episode's sampled tokens, turn by turn (the mask-1 runs of its response)."""
+    turns, current = [], []
+    for token, mask in zip(episode.response_ids, episode.response_mask):
+        if mask:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="model directory; '' = make run's SmolLM2-135M-Instruct, "
@@ -96,7 +111,8 @@ def main() -> None:
     parser.add_argument("--mode", default="concat", choices=["concat", "windowed"], help="rollout.mode")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="the reference trainer's default")
-    parser.add_argument("--temperature", type=float, default=1.0, help="1.0: training; 0.4: validation")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, every mode samples the same tokens (equal work); 1: training; 0.4: validation")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -120,15 +136,16 @@ def main() -> None:
               f"{args.max_new_tokens}, temperature {args.temperature}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
 
-        def run(mode: str, rep: int) -> tuple[int, int]:
+        def run(mode: str, rep: int, sampled: list[list[int]]) -> tuple[int, int]:
             seed = args.seed + 1000 * rep
             if mode == "plain":
-                return plain(model, tokenizer, tasks, sampling, stop, pad, args.mode, seed)
+                return plain(model, tokenizer, tasks, sampling, stop, pad, args.mode, seed, sampled)
             policy = HFPolicy(model, tokenizer, batch_size=max(1, len(tasks)), kv_reuse=mode == "batched+kv")
             episodes = play_episodes(policy, tokenizer, tasks, sampling, 1024, torch.Generator().manual_seed(seed),
                                      args.mode)
-            sampled = sum(sum(t.num_tokens for t in e.turns) for e in episodes)
-            return sampled, policy.prefilled_tokens
+            for episode in episodes:  # in the order plain plays them: episode by episode, turn by turn
+                sampled += [w.response_ids for w in episode.windows] or _turn_tokens(episode)
+            return sum(sum(t.num_tokens for t in e.turns) for e in episodes), policy.prefilled_tokens
 
         modes = ("plain", "batched", "batched+kv")
         warm = torch.tensor([[pad] * 16])  # untimed warm-up of both call paths (first-call allocations)
@@ -136,13 +153,15 @@ def main() -> None:
             model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
                            pad_token_id=pad)
         probe.sample([warm[0].tolist()], SamplingParams(2, 0.0), None)
-        rows = []
+        rows, outputs = [], {}
         for rep in range(1, args.repeats + 1):
             for mode in modes:
                 load_before = load()
                 started = time.perf_counter()
-                tokens, prefilled = run(mode, rep)
+                sampled: list[list[int]] = []
+                tokens, prefilled = run(mode, rep, sampled)
                 seconds = time.perf_counter() - started
+                outputs[mode, rep] = sampled
                 rows.append({"rep": rep, "mode": mode, "episodes": len(tasks), "new_tokens": tokens,
                              "prefilled": prefilled, "seconds": round(seconds, 3),
                              "tok_s": round(tokens / seconds, 1), "load_before": load_before, "load_after": load()})
@@ -153,6 +172,9 @@ def main() -> None:
         for row in rows:
             print(" ".join(f"{row[h]!s:>{w}}" for h, w in zip(header, widths)))
         print(json.dumps({"benchmark": "cpu_generation", "model": str(model_dir), "mode": args.mode, "rows": rows}))
+        if args.temperature <= 0:  # greedy: the modes must have done the very same work
+            same = all(outputs[m, r] == outputs["plain", r] for m in modes for r in range(1, args.repeats + 1))
+            print(f"same_tokens_in_every_mode={same}")
         median = {m: statistics.median(r["tok_s"] for r in rows if r["mode"] == m) for m in modes}
         print(f"batched_vs_plain={median['batched'] / median['plain']:.2f} "
               f"kv_vs_batched={median['batched+kv'] / median['batched']:.2f}")
