@@ -131,7 +131,7 @@ def test_greedy_episodes_match_hugging_faces_generate_one_by_one(tiny: tuple[Any
 def test_prefill_setting_is_checked_and_defaults_to_incremental() -> None:
     assert GRPOConfig.from_mapping({})[0].prefill == "incremental"
     assert GRPOConfig.from_mapping({"prefill": "full", "gen_batch_size": 1})[0].prefill == "full"
-    with pytest.raises(InputError, match="trainer.prefill' must be one of"):
+    with pytest.raises(InputError, match="trainer.prefill' = 'yes' is invalid: expected one of"):
         GRPOConfig.from_mapping({"prefill": "yes"})
     with pytest.raises(InputError, match="trainer.prefill' must be str"):
         GRPOConfig.from_mapping({"prefill": False})  # what YAML makes of an unquoted off
