@@ -19,6 +19,7 @@ from fedagent_flwr.schema.fields import SettingError, check, renamed, setting
 TRAINER_MODES = ("subprocess", "persistent")
 ROLLOUT_MODES = ("concat", "windowed")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+PREFILL_MODES = ("incremental", "full")  # EvalKnobs.prefill
 DEVICES = ("auto", "cpu", "cuda")
 _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
@@ -86,7 +87,11 @@ class EvalKnobs:
     val_temperature: float = setting(0.4, gt=0)  # FedAgent's validation temperature
     val_top_p: float = setting(1.0, gt=0, le=1)
     max_model_len: int = setting(1024, ge=16)  # token budget of one episode
-    gen_batch_size: int = setting(32, ge=1)  # episodes sampled together
+    gen_batch_size: int = setting(32, ge=1)  # episodes sampled together (1: one after the other)
+    # incremental: keep each episode's keys and values between its turns, prefill only new tokens
+    # (a GRPO group's shared first prompt once); full: prefill every prompt in full (the earlier
+    # sampler; sampled tokens can differ by float rounding only, docs/performance.md).
+    prefill: str = setting("incremental", choices=PREFILL_MODES)
     num_threads: int = setting(0, ge=0, note="0 keeps torch's default")
     compute_dtype: str = setting("auto", choices=COMPUTE_DTYPES)
     device: str = setting("auto", choices=DEVICES)  # where evaluation runs

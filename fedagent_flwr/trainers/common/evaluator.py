@@ -72,7 +72,7 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
     seed_everything(derive_seed("eval", job.round))
     device = torch_device(settings.device)
     policy = HFPolicy(model.to(device=device, dtype=torch_compute_dtype(settings.compute_dtype, device)),
-                      tokenizer, settings.gen_batch_size)
+                      tokenizer, settings.gen_batch_size, settings.prefill == "incremental")
     tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
              for e in spec.envs for k, s in enumerate(job.seeds)]
     generator = torch.Generator(device=device).manual_seed(derive_seed("eval", job.round))

@@ -19,6 +19,14 @@ from typing import Any
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, ROLLOUT_MODES, run_windowed_episode
+from fedagent_flwr.trainers.common.prefix_cache import (
+    PrefixCache,
+    RowCache,
+    common_prefix,
+    left_padded_past,
+    plain_layers,
+    take_rows,
+)
 
 # A rollout prints how far it got at most this often: long CPU rollouts print nothing else for
 # minutes, and the ClientApp's progress watchdog (trainer.stall_timeout_s) judges by output lines.
@@ -31,11 +39,20 @@ class HFPolicy:
     Prompts are left-padded (with matching position ids) so one prefill plus one forward per new
     token serves the whole batch. A seeded ``torch.Generator`` drives all sampling, so a run is
     reproducible independently of the global torch RNG.
+
+    With ``kv_reuse`` (the default; ``trainer.prefill=incremental``) a caller that names its rows
+    (``keys``) and passes a :class:`PrefixCache` gets each row's keys and values kept after the
+    call, and the row's next prompt prefills only what follows the longest prefix it shares with
+    them (:mod:`fedagent_flwr.trainers.common.prefix_cache`); rows without a kept cache and the
+    same prompt (a GRPO group's first turn) are prefilled once. Without it every call prefills
+    every prompt, as before the option existed (``trainer.prefill=full``).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int) -> None:
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int, kv_reuse: bool = True) -> None:
         self.model = model
         self.batch_size = batch_size
+        self.kv_reuse = kv_reuse
+        self.prefilled_tokens = 0  # prompt tokens run through prefills so far (what kv_reuse saves)
         stop: set[int] = set()
         for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
             if isinstance(source, int):
@@ -49,37 +66,87 @@ class HFPolicy:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def sample(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any,
+        keys: Sequence[int] | None = None, kept: PrefixCache | None = None,
     ) -> list[list[int]]:
-        """New token ids for every prompt (stopping at an EOS, which is kept)."""
+        """New token ids for every prompt (stopping at an EOS, which is kept).
+
+        ``keys`` name the rows in ``kept`` (the caches kept between calls); both or neither.
+        """
+        if (keys is None) != (kept is None) or (keys is not None and len(keys) != len(prompts)):
+            raise ValueError("HFPolicy.sample needs one key per prompt together with a PrefixCache, or neither")
         results: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
-            results += self._sample_chunk(prompts[start:start + self.batch_size], sampling, generator)
+            chunk = prompts[start:start + self.batch_size]
+            if keys is None or kept is None or not self.kv_reuse:
+                results += self._sample_chunk(chunk, sampling, generator, None)[0]
+                continue
+            chunk_keys = keys[start:start + self.batch_size]
+            outputs, caches = self._sample_chunk(chunk, sampling, generator, [kept.get(k) for k in chunk_keys])
+            for key, cache in zip(chunk_keys, caches or []):
+                kept.put(key, cache)
+            results += outputs
         return results
 
     def _sample_chunk(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any
-    ) -> list[list[int]]:
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: Any,
+        kept: list[RowCache | None] | None,
+    ) -> tuple[list[list[int]], list[RowCache] | None]:
+        """Sample one batch; with ``kept`` (reuse on) also return each row's cache to keep."""
         import torch
 
-        batch, width = len(prompts), max(len(p) for p in prompts)
+        batch = len(prompts)
         device = self.model.device
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-            attention[row, width - len(prompt):] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        # Kept positions each row reuses (at least its last prompt token is prefilled, for logits),
+        # and the rows actually prefilled: one per distinct prompt among rows that reuse nothing.
+        reused = [0] * batch
+        unique_of, uniques = list(range(batch)), list(range(batch))
+        if kept is not None:
+            reused = [0 if entry is None else min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+                      for entry, prompt in zip(kept, prompts)]
+            first: dict[tuple[int, ...], int] = {}
+            uniques = []
+            for row, prompt in enumerate(prompts):
+                key = tuple(prompt) if reused[row] == 0 else None
+                if key is not None and key in first:
+                    unique_of[row] = first[key]
+                    continue
+                if key is not None:
+                    first[key] = len(uniques)
+                unique_of[row] = len(uniques)
+                uniques.append(row)
+        past = max(reused[row] for row in uniques)
+        width = max(len(prompts[row]) - reused[row] for row in uniques)
+        input_ids = torch.full((len(uniques), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(uniques), past + width), dtype=torch.long)
+        positions = torch.zeros((len(uniques), width), dtype=torch.long)
+        for u, row in enumerate(uniques):
+            start, suffix = reused[row], list(prompts[row][reused[row]:])
+            input_ids[u, width - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            attention[u, past - start:past] = 1
+            attention[u, past + width - len(suffix):] = 1
+            positions[u, width - len(suffix):] = torch.arange(start, start + len(suffix))
+        self.prefilled_tokens += sum(len(prompts[row]) - reused[row] for row in uniques)
+        input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+        extra: dict[str, Any] = {}
+        if past > 0 and kept is not None:
+            extra[self._cache_kw] = left_padded_past([kept[row] for row in uniques], [reused[row] for row in uniques])
         stop = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
         outputs: list[list[int]] = [[] for _ in range(batch)]
         alive = torch.ones(batch, dtype=torch.bool, device=device)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                             use_cache=True, logits_to_keep=1)
+                             use_cache=True, logits_to_keep=1, **extra)
             next_position = positions[:, -1:] + 1
+            cache = _cache_of(out)
+            if len(uniques) < batch:  # copy each distinct prompt's state to the rows that share it
+                index = torch.tensor(unique_of, dtype=torch.long, device=device)
+                cache.batch_select_indices(index)
+                logits, attention, next_position = out.logits[index], attention[index], next_position[index]
+            else:
+                logits = out.logits
             for t in range(sampling.max_new_tokens):
-                tokens = _pick_tokens(out.logits[:, -1, :].float(), sampling, generator)
+                tokens = _pick_tokens(logits[:, -1, :].float(), sampling, generator)
                 chosen = tokens.tolist()
                 for row in torch.nonzero(alive).flatten().tolist():
                     outputs[row].append(int(chosen[row]))
@@ -87,13 +154,26 @@ class HFPolicy:
                 if not bool(alive.any()) or t + 1 == sampling.max_new_tokens:
                     break
                 attention = torch.cat([attention, torch.ones((batch, 1), dtype=torch.long, device=device)], dim=1)
-                cache = getattr(out, "cache", None)
-                if cache is None:
-                    cache = getattr(out, "past_key_values", None)
                 out = self.model(input_ids=tokens[:, None], attention_mask=attention,
                                  position_ids=next_position, use_cache=True, **{self._cache_kw: cache})
+                cache = _cache_of(out)
+                logits = out.logits
                 next_position = next_position + 1
-        return outputs
+            if kept is None:
+                return outputs, None
+            layers = plain_layers(cache)
+            if layers is None:  # a cache this code does not take apart: reuse nothing from here on
+                self.kv_reuse = False
+                return outputs, None
+            # Each row holds its prompt and every sampled token but the last (never fed back).
+            contexts = [list(prompt) + new[:-1] for prompt, new in zip(prompts, outputs)]
+            return outputs, take_rows(layers, attention, contexts)
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache a forward returned (``cache`` in newer transformers, else ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _pick_tokens(logits: Any, sampling: SamplingParams, generator: Any) -> Any:
@@ -118,12 +198,14 @@ class LockstepBatcher:
 
     A batch is sampled once *every* unfinished episode is waiting for tokens, and its rows are
     ordered by episode index. The batches therefore do not depend on when environment steps
-    return (in-process or over HTTP), which keeps sampling reproducible.
+    return (in-process or over HTTP), which keeps sampling reproducible. Each episode's keys and
+    values are kept between its turns (when the policy reuses them) and freed when it ends.
     """
 
     def __init__(self, policy: HFPolicy, generator: Any, num_episodes: int) -> None:
         self.policy = policy
         self.generator = generator
+        self.kept = PrefixCache()
         self.active = num_episodes
         self.pending: dict[int, tuple[list[int], SamplingParams, asyncio.Future[list[int]]]] = {}
         self.total, self.batches = num_episodes, 0
@@ -140,9 +222,10 @@ class LockstepBatcher:
 
         return generate
 
-    def finished(self) -> None:
-        """An episode ended: later batches no longer wait for it."""
+    def finished(self, index: int) -> None:
+        """Episode ``index`` ended: later batches no longer wait for it, and its cache is freed."""
         self.active -= 1
+        self.kept.drop(index)
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
@@ -150,17 +233,18 @@ class LockstepBatcher:
             return
         waiting = sorted(self.pending.items())
         self.pending = {}
-        by_params: dict[SamplingParams, list[tuple[list[int], asyncio.Future[list[int]]]]] = {}
-        for _, (prompt, sampling, future) in waiting:
-            by_params.setdefault(sampling, []).append((prompt, future))
+        by_params: dict[SamplingParams, list[tuple[int, list[int], asyncio.Future[list[int]]]]] = {}
+        for index, (prompt, sampling, future) in waiting:
+            by_params.setdefault(sampling, []).append((index, prompt, future))
         for sampling, items in by_params.items():
             try:
-                outputs = self.policy.sample([p for p, _ in items], sampling, self.generator)
+                outputs = self.policy.sample([p for _, p, _ in items], sampling, self.generator,
+                                             keys=[i for i, _, _ in items], kept=self.kept)
             except Exception as exc:  # hand the failure to every waiting episode
-                for _, future in items:
+                for _, _, future in items:
                     future.set_exception(exc)
                 continue
-            for (_, future), tokens in zip(items, outputs):
+            for (_, _, future), tokens in zip(items, outputs):
                 future.set_result(tokens)
         self.batches += 1
         now = time.monotonic()
@@ -215,7 +299,7 @@ def play_episodes(
                     task.max_turns, max_model_len, eos_token_ids=policy.stop_ids,
                 )
             finally:
-                batcher.finished()
+                batcher.finished(index)
 
         return list(await asyncio.gather(*(play(i, t) for i, t in enumerate(tasks))))
 

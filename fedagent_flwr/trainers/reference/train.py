@@ -70,7 +70,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     # Sampling uses a copy in the compute dtype, refreshed after every update (like verl syncing
     # the trained weights into vLLM); in fp32 the trained model samples itself.
     sampler = model if compute_dtype == torch.float32 else copy.deepcopy(model).to(compute_dtype)
-    policy = HFPolicy(sampler, tokenizer, cfg.gen_batch_size)
+    policy = HFPolicy(sampler, tokenizer, cfg.gen_batch_size, cfg.prefill == "incremental")
     # A frozen copy of the starting (global) weights is the KL reference (FedProx's rule keeps
     # its own anchor).
     ref_model = None
