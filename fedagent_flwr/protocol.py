@@ -143,6 +143,8 @@ def _seed_list(record: Mapping[str, Any], key: str) -> list[int]:
     if not isinstance(seeds, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise ProtocolError(f"instruction field '{key}' must be a list of int, got {str(seeds)[:80]!r}")
     return [int(s) for s in seeds]
+
+
 def _trainer_field(record: Mapping[str, Any]) -> TrainerSettings:
     """The trainer group, checked by the schema's one validator (as the server checked it)."""
     try:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, get_type_hints
 
-from hydra.core.config_store import ConfigStore
-
 from fedagent_flwr.schema.fields import SettingError, check, setting
 from fedagent_flwr.schema.run import RunSchema
 from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_GROUPS, TRAINER_MODES, TRAINER_SCHEMAS
@@ -26,6 +24,10 @@ __all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_GROUPS", "TRAINER_MODES", "TRAINER
 
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent; before composing ``conf/``)."""
+    # Imported here: trainer and env-service processes import the schema for its validator only,
+    # and need not load Hydra for it.
+    from hydra.core.config_store import ConfigStore
+
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunSchema)
     for backend, schema in TRAINER_GROUPS.items():

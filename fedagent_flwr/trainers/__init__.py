@@ -2,8 +2,9 @@
 
 A backend is a module run as ``python -m <module> train|evaluate JOB.json`` (and ``serve
 CHANNEL_DIR`` for a persistent trainer); it reads a :class:`~fedagent_flwr.clientapp.job.TrainJob`
-or ``EvalJob`` and writes the matching result file. :data:`BACKEND_MODULES` is the one registry of
-them: the config check (``trainer.backend``) and the ClientApp's dispatch both read it.
+or ``EvalJob`` and writes the matching result file. :data:`BACKEND_MODULES` (backend name to
+module) is derived from :data:`fedagent_flwr.schema.trainer.TRAINER_SCHEMAS`, the one registry of
+backends that the config check reads; the ClientApp's dispatch reads this mapping.
 
 * :mod:`.common`: what both backends share (job checks, client rules and the built-in FedProx
   rule, the Hugging Face sampler and evaluator);

@@ -137,3 +137,32 @@ def test_prefill_setting_is_checked_and_defaults_to_incremental() -> None:
         GRPOConfig.from_mapping({"prefill": False})  # what YAML makes of an unquoted off
     with pytest.raises(ValueError, match="one key per prompt"):
         HFPolicy.sample(object.__new__(HFPolicy), [[1]], GREEDY, None, keys=[0])  # type: ignore[arg-type]
+
+
+def per_task_generators(tasks: list[EpisodeTask], seed: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed * 1000 + index) for index, task in enumerate(tasks)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_episode_with_its_own_generator_samples_the_same_tokens_in_any_batch(
+        tiny: tuple[Any, Any], mode: str) -> None:
+    """With one generator per episode (what evaluation uses), an episode's sampled tokens do not
+    depend on the other episodes in its batches: the validation episodes split over two clients
+    play exactly as on one, so a model's score does not depend on the federation's size."""
+    model, tokenizer = tiny
+    generators = per_task_generators(TASKS, 5)
+    whole = play_episodes(HFPolicy(model, tokenizer, 8, True), tokenizer, TASKS, SAMPLED, 1024,
+                          generators, mode)
+    split: list[Episode] = []
+    for part in (slice(0, 2), slice(2, None)):  # two "clients", each with its own share
+        split += play_episodes(HFPolicy(model, tokenizer, 8, True), tokenizer, TASKS[part], SAMPLED, 1024,
+                               per_task_generators(TASKS, 5)[part], mode)
+    assert tokens(split) == tokens(whole)
+    # One shared generator, by contrast, gives an episode other tokens when its batch changes.
+    shared = play_episodes(HFPolicy(model, tokenizer, 8, True), tokenizer, TASKS[2:], SAMPLED, 1024,
+                           torch.Generator().manual_seed(5), mode)
+    alone = play_episodes(HFPolicy(model, tokenizer, 8, True), tokenizer, TASKS, SAMPLED, 1024,
+                          torch.Generator().manual_seed(5), mode)
+    assert tokens(shared) != tokens(alone[2:])
+    with pytest.raises(ValueError, match="one per task"):
+        play_episodes(HFPolicy(model, tokenizer, 8, True), tokenizer, TASKS, SAMPLED, 1024, generators[:2], mode)

@@ -30,8 +30,6 @@ from fedagent_flwr.plugins import PluginError, load_object
 from fedagent_flwr.schema.trainer import RULE_KEYS
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 
-#: The trainer-group keys of a client rule (no backend's own hyper-parameters).
-
 
 class ClientRuleError(ValueError):
     """A client rule that cannot be loaded or built; the message names the config key."""

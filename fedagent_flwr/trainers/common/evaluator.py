@@ -75,8 +75,13 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
                       tokenizer, settings.gen_batch_size, settings.prefill == "incremental")
     tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
              for e in spec.envs for k, s in enumerate(job.seeds)]
-    generator = torch.Generator(device=device).manual_seed(derive_seed("eval", job.round))
-    episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generator,
+    # One generator per episode, from the round and the episode's own env and seed: an episode
+    # samples the same tokens whichever client evaluates it and whatever else shares its batches,
+    # so the validation score of a model does not depend on how many clients split the episodes.
+    generators = [torch.Generator(device=device).manual_seed(
+        derive_seed("eval", job.round, index // len(job.seeds), task.env_name, task.seed))
+        for index, task in enumerate(tasks)]
+    episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generators,
                              settings.rollout_mode, settings.history_length)
     metrics = episode_metrics(episodes)
     for j, entry in enumerate(spec.envs):

@@ -75,14 +75,18 @@ class HFPolicy:
         """
         if (keys is None) != (kept is None) or (keys is not None and len(keys) != len(prompts)):
             raise ValueError("HFPolicy.sample needs one key per prompt together with a PrefixCache, or neither")
+        if isinstance(generator, (list, tuple)) and len(generator) != len(prompts):
+            raise ValueError("HFPolicy.sample needs one generator, or one per prompt")
         results: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start:start + self.batch_size]
+            rows_generator = (generator[start:start + self.batch_size] if isinstance(generator, (list, tuple))
+                              else generator)
             if keys is None or kept is None or not self.kv_reuse:
-                results += self._sample_chunk(chunk, sampling, generator, None)[0]
+                results += self._sample_chunk(chunk, sampling, rows_generator, None)[0]
                 continue
             chunk_keys = keys[start:start + self.batch_size]
-            outputs, caches = self._sample_chunk(chunk, sampling, generator, [kept.get(k) for k in chunk_keys])
+            outputs, caches = self._sample_chunk(chunk, sampling, rows_generator, [kept.get(k) for k in chunk_keys])
             for key, cache in zip(chunk_keys, caches or []):
                 kept.put(key, cache)
             results += outputs
@@ -177,20 +181,27 @@ def _cache_of(out: Any) -> Any:
 
 
 def _pick_tokens(logits: Any, sampling: SamplingParams, generator: Any) -> Any:
-    """One token per row: greedy at temperature <= 0, else temperature + nucleus sampling."""
+    """One token per row: greedy at temperature <= 0, else temperature + nucleus sampling.
+
+    ``generator`` is one ``torch.Generator`` for the whole batch, or a list with one per row
+    (each row then draws only from its own, so what it samples does not depend on its batch).
+    """
     import torch
 
     if sampling.temperature <= 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    order = None
     if sampling.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token once the mass before it already reaches top_p; the top token always stays.
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= sampling.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return order.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drop = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        probs = probs.masked_fill(drop, 0.0)
+    if isinstance(generator, (list, tuple)):
+        choice = torch.cat([torch.multinomial(probs[row:row + 1], 1, generator=g) for row, g in enumerate(generator)])
+    else:
+        choice = torch.multinomial(probs, 1, generator=generator)
+    return (order.gather(-1, choice) if order is not None else choice).squeeze(-1)
 
 
 class LockstepBatcher:
@@ -238,7 +249,9 @@ class LockstepBatcher:
             by_params.setdefault(sampling, []).append((index, prompt, future))
         for sampling, items in by_params.items():
             try:
-                outputs = self.policy.sample([p for _, p, _ in items], sampling, self.generator,
+                generator = ([self.generator[i] for i, _, _ in items]
+                             if isinstance(self.generator, (list, tuple)) else self.generator)
+                outputs = self.policy.sample([p for _, p, _ in items], sampling, generator,
                                              keys=[i for i, _, _ in items], kept=self.kept)
             except Exception as exc:  # hand the failure to every waiting episode
                 for _, _, future in items:
@@ -277,11 +290,18 @@ def play_episodes(
 ) -> list[Episode]:
     """Play all ``tasks`` concurrently (batched generation); results in task order.
 
+    ``generator`` seeds the sampling: one ``torch.Generator`` shared by all episodes (consumed in
+    batch order), or a list with one per task, so that each episode's tokens depend only on its
+    own generator, not on which other episodes share its batches.
+
     ``rollout_mode`` "concat" plays each episode as one growing conversation, "windowed" as one
     fresh prompt per turn showing the last ``history_length`` steps (:mod:`fedagent_flwr.rollout.windowed`).
     """
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
+
+    if isinstance(generator, (list, tuple)) and len(generator) != len(tasks):
+        raise ValueError(f"play_episodes needs one generator, or one per task ({len(tasks)}), got {len(generator)}")
 
     async def play_all() -> list[Episode]:
         batcher = LockstepBatcher(policy, generator, len(tasks))

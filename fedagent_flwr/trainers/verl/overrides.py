@@ -162,7 +162,12 @@ def build_overrides(
     # Start-up knobs (docs/gpu.md, "Start-up phases"), written only when they leave verl's default,
     # so a job with the defaults runs the very command it ran before they existed.
     if not s.torch_compile:
-        overrides.append("actor_rollout_ref.actor.use_torch_compile=False")  # the reference follows the actor
+        # verl's FSDP engine reads its own ``fsdp_config.use_torch_compile`` (engine/fsdp.yaml sets
+        # it to true, not linked to the actor's key), so the actor's and the reference's engine
+        # configs are set, and the actor's key too. PPO's critic config has no such key: left alone.
+        overrides += ["actor_rollout_ref.actor.use_torch_compile=False",
+                      "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+                      "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False"]
     if s.cudagraph_capture_sizes:
         overrides.append("actor_rollout_ref.rollout.cudagraph_capture_sizes="
                          f"[{','.join(str(n) for n in s.cudagraph_capture_sizes)}]")

@@ -38,6 +38,8 @@ from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.rollout.episode import SamplingParams, run_episode
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.seeding import train_env_seed
+from verl.utils.config import omega_conf_to_dataclass
+
 from testkit.verl_probe import ENGINE, compose_verl_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -99,7 +101,11 @@ def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_
     cfg = compose_verl_config(overrides({"torch_compile": False, "enforce_eager": False,
                                          "cudagraph_capture_sizes": [1, 2, 4, 8]}))
     assert cfg.actor_rollout_ref.actor.use_torch_compile is False
-    assert cfg.actor_rollout_ref.ref.use_torch_compile is False  # the reference follows the actor
+    # What verl's FSDP engines actually read: each engine config's own flag (not linked to the actor's).
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).engine.use_torch_compile is False
+    assert cfg.actor_rollout_ref.ref.fsdp_config.use_torch_compile is False  # the reference engine's config
+    assert default_cfg.actor_rollout_ref.ref.fsdp_config.use_torch_compile is True
+    assert omega_conf_to_dataclass(default_cfg.actor_rollout_ref.actor).engine.use_torch_compile is True
     assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == [1, 2, 4, 8]
     assert cfg.actor_rollout_ref.rollout.enforce_eager is False
     with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
