@@ -22,15 +22,32 @@ several times by one process in a round (a sync per step) counts their sum.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from fedagent_flwr.trainers.verl.phases import FILE_NAME, PhasesFileError, read_phases  # noqa: E402
+
+def _load_phases_module() -> Any:
+    """``fedagent_flwr/trainers/verl/phases.py`` loaded by its path: it needs only the standard
+    library, whereas importing it through its package pulls in the config schema (omegaconf),
+    which a GPU node's plain ``python3`` lacks (the staged site directory is only on the runs' path)."""
+    path = REPO / "fedagent_flwr" / "trainers" / "verl" / "phases.py"
+    spec = importlib.util.spec_from_file_location("fedagent_flwr_phases_file", path)
+    assert spec is not None and spec.loader is not None  # the file is part of this checkout
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+_PHASES = _load_phases_module()
+FILE_NAME: str = _PHASES.FILE_NAME
+PhasesFileError: type[Exception] = _PHASES.PhasesFileError
+read_phases = _PHASES.read_phases
 
 #: Start-up phases in the order they happen, with their depth (a phase runs inside the last
 #: shallower one above it). The ``*_ready`` phases overlap what follows ``init_workers``.

@@ -9,7 +9,9 @@ FEDERATION=${3:-"num-supernodes=2 client-resources-num-gpus=0.5 client-resources
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 source tools/gpu/node_env.sh
-export FLWR_HOME=/tmp/flwr-$NAME
+# One Flower home per output folder and run: runs of two matrices launched side by side share run
+# names (federated-s1) and would otherwise share a SuperLink state and stop each other's SuperLink.
+export FLWR_HOME=/tmp/flwr-$(basename "$OUT")-$NAME
 # Each job gets its own local SuperLink ports, so jobs can run side by side (PORT picks them;
 # pin a job to a GPU with CUDA_VISIBLE_DEVICES).
 case $NAME in *ppo*) P=39291;; *) P=39191;; esac

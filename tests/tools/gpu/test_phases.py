@@ -147,3 +147,13 @@ def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     assert "results/phases.md" in names
     assert "results/federated-s1/trainers/client_0/phases.jsonl" in names
     assert "results/federated-s1/trainers/client_1/phases.jsonl" in names
+
+
+def test_phase_tables_need_only_the_standard_library(tmp_path: Path) -> None:
+    """A GPU node runs ``arms.py phases`` with its plain ``python3``, whose path lacks the staged
+    packages (omegaconf, torch): ``-S`` (no site-packages) reproduces that; the tables still come."""
+    _write_runs(tmp_path)
+    run = subprocess.run([sys.executable, "-S", str(REPO / "tools" / "gpu" / "arms.py"), "phases", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "session_start" in run.stdout and (tmp_path / "phases.md").read_text() == run.stdout
