@@ -59,6 +59,14 @@ _FOREIGN_BOOTSTRAP = (
 )
 
 
+#: An env service is a CPU program, started beside the trainers that own the node's GPUs: it sees
+#: none, so no library it imports can take GPU memory. bm25s (WebShop's search) uses JAX where it
+#: is installed, and JAX reserves 75% of a GPU's memory when first used: on an H200 node two
+#: WebShop services took 105 and 33 GiB and the trainers' evaluation ran out of memory
+#: (docs/gpu.md §7). ``JAX_PLATFORMS`` keeps JAX itself on the CPU rather than failing to find CUDA.
+CPU_ONLY_ENV: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+
+
 def module_command(module: str, interpreter: str) -> list[str]:
     """``python -m module`` for a module of this package under ``interpreter``, which need not
     have the package installed (an env's own virtual environment)."""
@@ -329,7 +337,7 @@ class EnvServiceManager:
     def _start_unlocked(self) -> str:
         self._ready_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", STATE_ENV: str(self.state_file)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", STATE_ENV: str(self.state_file), **CPU_ONLY_ENV}
         with open(self.log_file, "ab") as log:
             log.write(f"\n=== starting env service {self.launch.env} at {time.ctime()} ===\n".encode())
             log.flush()

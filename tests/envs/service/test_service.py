@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 
@@ -527,6 +528,9 @@ def test_manager_start_attach_restart_stop(tmp_path: Path) -> None:
         assert url.startswith("http://127.0.0.1:")
         first_pid = manager.pid
         assert first_pid is not None and [p.pid for p in group_members(first_pid)] == [first_pid]
+        # A CPU program beside the trainers: it sees no GPU, and JAX (bm25s's backend) stays on the CPU.
+        service_env = psutil.Process(first_pid).environ()
+        assert service_env.get("CUDA_VISIBLE_DEVICES") == "" and service_env.get("JAX_PLATFORMS") == "cpu"
 
         # A fresh process (as Flower runs each message) finds and reuses the same service.
         probe = subprocess.run(
