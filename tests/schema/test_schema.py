@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 import pytest
 import yaml
+from omegaconf import MISSING
 
 import fedagent_flwr
 from fedagent_flwr.checkpoint.ref import CheckpointRef
@@ -178,6 +179,105 @@ def test_every_conf_key_exists_in_the_schema(path: Path) -> None:
         unknown = [_unknown_keys(trainer, s, "trainer.") for s in schemas]
         missing += min(unknown, key=len)
     assert not missing, f"{path.name}: keys not in the schema (fedagent_flwr/schema/): {missing}"
+
+
+_NO_DEFAULT = object()
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    """A schema field's default value (``_NO_DEFAULT`` for a required one)."""
+    if field.default is not dataclasses.MISSING and field.default is not MISSING:
+        return field.default
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else _NO_DEFAULT
+
+
+def _repeated_defaults(node: Any, schema: Any, where: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of a YAML mapping's keys set to the value the schema already gives them.
+
+    Hydra fills a structured node's defaults from the schema, so such a key only repeats it. An open
+    mapping (``setting(keys=...)``: ``partition``, ``env``) is composed as the YAML gives it, without
+    the schema's defaults: its values are what a strategy and the env spec receive, and stay.
+    """
+    if not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
+        return []
+    found = []
+    for key, value in node.items():
+        field = schema.__dataclass_fields__.get(key)
+        if key == "defaults" or field is None or field.metadata.get("keys") is not None:
+            continue
+        inner = _strip_optional(field_schema(schema, key))
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            found += _repeated_defaults(value, inner, f"{where}{key}.")
+        elif value == _default(field) and type(value) is type(_default(field)) or (
+                isinstance(value, int) and type(_default(field)) is float and value == _default(field)):
+            found.append((f"{where}{key}", value))
+    return found
+
+
+def _trainer_backend(path: Path, tree: dict[str, Any]) -> str:
+    """The backend whose group a file's ``trainer`` keys land in: its own, or the one it composes."""
+    group = _group(path)
+    if group == "trainer" and _place(path):
+        return str(tree.get("backend") or ClientAppKeys.backend)
+    return str(load_settings(overrides=f"{group}={path.stem}").trainer_backend) if group != "." else "reference"
+
+
+def _flat(node: Any, where: str = "") -> dict[str, Any]:
+    """A YAML tree as dotted key -> leaf value."""
+    if not isinstance(node, dict):
+        return {where[:-1]: node}
+    return {k: v for key, value in node.items() if key != "defaults" for k, v in _flat(value, f"{where}{key}.").items()}
+
+
+def _conf_tree(path: Path) -> dict[str, Any]:
+    """A conf file's keys where they land in the composed config."""
+    tree = yaml.safe_load(path.read_text()) or {}
+    place = _place(path)
+    return {place.split("/")[0]: tree} if place else tree
+
+
+#: the order config.yaml's defaults list composes the groups in (a later one overrides an earlier one)
+LAYERS = (".", "env", "trainer", "strategy", "partition", "experiment", "recipe")
+
+
+def _group(path: Path) -> str:
+    return path.parent.relative_to(conf_dir()).as_posix()
+
+
+def _repeated_in(path: Path) -> list[str]:
+    """A conf file's keys that only repeat a schema default: the schema gives the value, and no conf
+    file composed beneath it (an earlier group, or its own group's) sets another one, which this file
+    would pin the key against."""
+    tree = _conf_tree(path)
+    trainer = tree.pop("trainer", None)
+    repeated = _repeated_defaults(tree, RunSchema, "")
+    if isinstance(trainer, dict):
+        repeated += _repeated_defaults(trainer, TRAINER_GROUPS[_trainer_backend(path, trainer)], "trainer.")
+    elsewhere: dict[str, list[Any]] = {}
+    for other in _yaml_files():
+        if other != path and LAYERS.index(_group(other)) <= LAYERS.index(_group(path)):
+            for key, value in _flat(_conf_tree(other)).items():
+                elsewhere.setdefault(key, []).append(value)
+    return [f"{key}: {value!r}" for key, value in repeated if all(v == value for v in elsewhere.get(key, []))]
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: p.relative_to(conf_dir()).as_posix())
+def test_no_conf_file_repeats_a_schema_default(path: Path) -> None:
+    """A file under conf/ sets only what differs from the schema: each default is declared there once."""
+    repeated = _repeated_in(path)
+    assert not repeated, (f"{path.relative_to(conf_dir())} repeats the schema's defaults (fedagent_flwr/schema/), "
+                          f"leave them out: {repeated}")
+
+
+def test_the_repeated_default_scan_can_fail() -> None:
+    from fedagent_flwr.schema.trainer import VerlGroup
+
+    tree = {"num_rounds": 2, "seed": 5, "eval": {"seed": 7, "enabled": True}, "partition": {"omega": 0.5},
+            "strategy": {"weights": [], "proximal_mu": 0.01}, "round_timeout": 3600}
+    assert _repeated_defaults(tree, RunSchema, "") == [
+        ("num_rounds", 2), ("eval.seed", 7), ("eval.enabled", True), ("strategy.weights", []), ("round_timeout", 3600)]
+    assert _repeated_defaults({"rollout_n": 4, "lr": 1e-6, "stall_timeout_s": 600}, VerlGroup, "") == [
+        ("rollout_n", 4), ("lr", 1e-6)]
 
 
 def _reads_with_default(tree: ast.AST) -> list[tuple[int, str]]:
