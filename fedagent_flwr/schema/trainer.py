@@ -185,27 +185,47 @@ class VerlKnobs:
 
 
 @dataclass
-class ReferenceGroup(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
-    """``conf/trainer/reference.yaml``'s schema."""
+class PerClientKeys:
+    """Resources of single clients (nodes of different sizes), read by the server only
+    (:mod:`fedagent_flwr.per_client`): each client's job carries its own values, not this key."""
+
+    # client id -> {resource key: value}, e.g. {0: {n_gpus_per_node: 2}} (docs/gpu.md); None: no client differs
+    # (not an empty mapping: Hydra would refuse new keys in it, and a run sets the mapping whole)
+    per_client: Any = setting(None)
+
+
+@dataclass
+class ReferenceJob(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
+    """The reference backend's keys that every job of it carries."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.reference"
 
 
 @dataclass
-class VerlGroup(VerlKnobs, ClientRuleKeys, ClientAppKeys):
-    """``conf/trainer/verl.yaml``'s schema (and its presets')."""
+class VerlJob(VerlKnobs, ClientRuleKeys, ClientAppKeys):
+    """The verl backend's keys that every job of it carries."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.verl.entry"
 
 
 @dataclass
-class ReferenceTrainer(AgentLoopKnobs, ReferenceGroup):
-    """What a reference job runs with: its group and the run's agent loop."""
+class ReferenceGroup(PerClientKeys, ReferenceJob):
+    """``conf/trainer/reference.yaml``'s schema."""
 
 
 @dataclass
-class VerlTrainer(AgentLoopKnobs, VerlGroup):
-    """What a verl job runs with: its group and the run's agent loop."""
+class VerlGroup(PerClientKeys, VerlJob):
+    """``conf/trainer/verl.yaml``'s schema (and its presets')."""
+
+
+@dataclass
+class ReferenceTrainer(AgentLoopKnobs, ReferenceJob):
+    """What a reference job runs with: its keys and the run's agent loop."""
+
+
+@dataclass
+class VerlTrainer(AgentLoopKnobs, VerlJob):
+    """What a verl job runs with: its keys and the run's agent loop."""
 
 
 #: trainer.backend -> the schema of its config group (Hydra's; ``module``: what the ClientApp runs)

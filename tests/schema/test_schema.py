@@ -79,7 +79,8 @@ def leaves(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
 
 
 def test_every_leaf_setting_is_declared_in_exactly_one_field() -> None:
-    trees = {"run": leaves(RunSchema)} | {f"trainer/{b}": leaves(s, "trainer.") for b, s in TRAINER_SCHEMAS.items()}
+    trees = {"run": leaves(RunSchema)} | {f"trainer/{b}": leaves(s, "trainer.") for b, s in TRAINER_SCHEMAS.items()} | {
+        f"trainer group {b}": leaves(s, "trainer.") for b, s in TRAINER_GROUPS.items()}
     twice = {f"{tree}: {key}": owners
              for tree, keys in trees.items() for key, owners in keys.items() if len(owners) != 1}
     assert not twice, f"settings declared in more than one field: {twice}"
@@ -307,6 +308,53 @@ def test_code_reading_settings_does_not_redeclare_defaults() -> None:
         found += [f"{path.relative_to(PACKAGE)}:{line}: {text}"
                   for line, text in _reads_with_default(ast.parse(path.read_text()))]
     assert not found, f"settings read with a default of their own (take it from fedagent_flwr/schema/): {found}"
+
+
+def _trainer_keys_read(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, key) of ``<trainer mapping>.get("key")`` / ``.pop("key")`` / ``["key"]`` reads: a receiver
+    named like the trainer group (``settings.trainer``, ``job.trainer``, ``trainer``)."""
+    reads = []
+    for node in ast.walk(tree):
+        key = receiver = None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop")
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            key, receiver = node.args[0].value, ast.unparse(node.func.value)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(
+                node.slice.value, str):
+            key, receiver = node.slice.value, ast.unparse(node.value)
+        if key is not None and receiver is not None and receiver.split(".")[-1] == "trainer":
+            reads.append((node.lineno, key))
+    return reads
+
+
+def _dotted_keys_read(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, key) of ``get_key(raw, "a.b")`` reads of a composed config by dotted key."""
+    return [(node.lineno, node.args[1].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("get_key", "_get") and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)]
+
+
+def test_code_reads_only_settings_the_schema_declares() -> None:
+    """Every trainer key and dotted config key the package reads is a schema field."""
+    from fedagent_flwr.schema import declared_type
+
+    trainer_keys = {f.name for s in (*TRAINER_GROUPS.values(), *TRAINER_SCHEMAS.values()) for f in dataclasses.fields(s)}
+    undeclared = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        undeclared += [f"{path.relative_to(PACKAGE)}:{line}: trainer.{key}"
+                       for line, key in _trainer_keys_read(tree) if key not in trainer_keys]
+        undeclared += [f"{path.relative_to(PACKAGE)}:{line}: {key}"
+                       for line, key in _dotted_keys_read(tree)
+                       if declared_type(key) is None and key not in RunSchema.__dataclass_fields__]
+    assert not undeclared, f"settings read but not declared in fedagent_flwr/schema/: {undeclared}"
+    assert len(trainer_keys) > 40
+
+
+def test_the_reader_scan_finds_an_undeclared_setting() -> None:
+    source = "def f(settings, raw):\n    return settings.trainer.get('per_gpu'), get_key(raw, 'env.nope')\n"
+    assert _trainer_keys_read(ast.parse(source)) == [(2, "per_gpu")]
+    assert _dotted_keys_read(ast.parse(source)) == [(2, "env.nope")]
 
 
 def test_the_scan_finds_a_redeclared_default() -> None:
