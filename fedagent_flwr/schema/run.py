@@ -84,12 +84,21 @@ class Experiment:
 
 
 @dataclass
+class StrategyKwargs:
+    """``strategy.kwargs``' keys that the ServerApp reads itself; the others go to the Strategy class."""
+
+    # seconds round 1 waits for the SuperNodes to serve every partition (slow GPU nodes: raise it)
+    discovery_timeout: float = setting(600.0, gt=0)
+
+
+@dataclass
 class Strategy:
     name: str = setting()
     class_path: str = setting(pattern=_DOTTED, note="a dotted path such as mypkg.module.MyStrategy")
     proximal_mu: float = setting(0.0, ge=0)
     weights: list[float] = setting(factory=list, gt=0, note="fixed positive weights by client id; [] -> num-examples")
-    kwargs: dict[str, Any] = setting(factory=dict)  # extra keyword arguments for a custom Strategy class
+    # extra keyword arguments for a custom Strategy class (open: its own keys pass unchecked)
+    kwargs: Any = setting(factory=dict, keys=StrategyKwargs)
 
 
 @dataclass
