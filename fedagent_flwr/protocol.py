@@ -33,6 +33,7 @@ from fedagent_flwr.checkpoint.store import (
     URL_FIELD,
 )
 from fedagent_flwr.schema.fields import SettingError
+from fedagent_flwr.schema.run import Strategy, Train
 from fedagent_flwr.schema.trainer import TrainerSettings, trainer_settings
 
 __all__ = [
@@ -197,10 +198,10 @@ class TrainInstruction:
     service: dict[str, Any]
     global_model: CheckpointRef
     global_critic: CheckpointRef | None = None
-    proximal_mu: float = 0.0
+    proximal_mu: float = Strategy.proximal_mu
     store: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 1
+    epochs: int = Train.epochs
     client_eval_seeds: list[int] = field(default_factory=list)
     val_env_spec: dict[str, Any] = field(default_factory=dict)
 

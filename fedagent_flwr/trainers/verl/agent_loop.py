@@ -30,7 +30,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
-from fedagent_flwr.rollout.windowed import run_windowed_episode
+from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
+from fedagent_flwr.schema.trainer import VerlKnobs
 
 
 class PromptTooLongError(ValueError):
@@ -106,8 +107,9 @@ class EnvAgentLoop(AgentLoopBase):
     ``history_length`` (windowed mode: :meth:`run_windowed`, which the windowed worker calls).
     """
 
-    def __init__(self, *args: Any, max_new_tokens: int = 64, invalid_action_penalty: float = 0.1,
-                 episode_log: str = "", history_length: int = 2, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_new_tokens: int = VerlKnobs.max_new_tokens,
+                 invalid_action_penalty: float = VerlKnobs.invalid_action_penalty,
+                 episode_log: str = "", history_length: int = DEFAULT_HISTORY_LENGTH, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_new_tokens = int(max_new_tokens)
         self.invalid_action_penalty = float(invalid_action_penalty)
