@@ -250,10 +250,10 @@ class TrainInstruction:
             service=_json_field(record, SERVICE_JSON),
             global_model=model,
             global_critic=critic,
-            proximal_mu=_field(record, PROXIMAL_MU, float) if PROXIMAL_MU in record else 0.0,
+            proximal_mu=_field(record, PROXIMAL_MU, float) if PROXIMAL_MU in record else Strategy.proximal_mu,
             store=_store_fields(record),
             extra=_unknown(record, _TRAIN_KEYS),
-            epochs=_field(record, EPOCHS, int) if EPOCHS in record else 1,
+            epochs=_field(record, EPOCHS, int) if EPOCHS in record else Train.epochs,
             client_eval_seeds=_seed_list(record, CLIENT_EVAL_SEEDS) if CLIENT_EVAL_SEEDS in record else [],
             val_env_spec=_json_field(record, VAL_ENV_SPEC_JSON) if CLIENT_EVAL_SEEDS in record else {},
         )
