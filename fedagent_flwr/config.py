@@ -60,7 +60,10 @@ def parse_overrides(overrides: str | Sequence[str]) -> list[str]:
 
 def compose_config(config_name: str = "config", overrides: str | Sequence[str] = "") -> DictConfig:
     """Compose ``conf/<config_name>.yaml`` with Hydra overrides; unknown keys are errors."""
-    items = parse_overrides(overrides)
+    # "+trainer.per_client=...": the form from before per_client was a schema field (Hydra refuses "+"
+    # for a key the schema declares); it sets the key as it always did
+    items = [item.removeprefix("+") if item.startswith("+trainer.per_client=") else item
+             for item in parse_overrides(overrides)]
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -208,13 +211,15 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     from fedagent_flwr.envs.spec import load_env_spec  # local: envs import torch-free helpers only
 
     raw: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    if isinstance(raw.get("trainer"), dict) and raw["trainer"].get(PER_CLIENT_KEY, {}) is None:
+        del raw["trainer"][PER_CLIENT_KEY]  # unset: the run's config (and its resume fingerprint) as without the key
     for key in AGENT_LOOP_KEYS:  # added with "+": would be overwritten by the rollout group without a word
         if key in (raw.get("trainer") or {}):
             raise ConfigError(_unknown_key(f"trainer.{key}"))
     try:
         run, _ = check(RunSchema, raw)  # trainer: checked next, by its backend's schema
         # the jobs carry the agent loop (the rollout group) as trainer keys
-        # +trainer.per_client (a client's own resources) is resolved below, against the checked group
+        # trainer.per_client (single clients' own resources) is resolved below, against the checked group
         trainer_settings = check_trainer({**{k: v for k, v in _get(raw, "trainer").items() if k != PER_CLIENT_KEY},
                                           **{key: getattr(run.rollout, name) for key, name in AGENT_LOOP_KEYS.items()}})
     except SettingError as exc:
@@ -234,7 +239,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     if run.algorithm == "ppo" and backend == "reference":
         raise ConfigError("config key 'algorithm' = 'ppo' needs the verl backend; the reference trainer is GRPO only")
     trainer = asdict(trainer_settings)
-    if PER_CLIENT_KEY in raw["trainer"]:  # checked with the run's rules, client by client
+    if raw["trainer"].get(PER_CLIENT_KEY):  # checked with the run's rules, client by client
         trainer[PER_CLIENT_KEY] = resolve({**trainer, PER_CLIENT_KEY: raw["trainer"][PER_CLIENT_KEY]},
                                           total, _check_client_trainer)
     from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule

@@ -4,9 +4,10 @@ A federation often mixes node sizes: one client trains on two GPUs, another on o
 group is run-wide, so ``trainer.per_client`` gives single clients other values of the keys that
 describe *where* a client trains, never *what* it trains::
 
-    +trainer.per_client={0:{n_gpus_per_node:2}}
+    trainer.per_client={0:{n_gpus_per_node:2}}
 
-(the ``+``: the trainer groups have no such key, so a run that sets none is composed as before).
+(declared by the trainer groups' schema, :class:`~fedagent_flwr.schema.trainer.PerClientKeys`; the
+earlier ``+trainer.per_client=...`` still works).
 
 Only :data:`RESOURCE_KEYS` may differ (GPUs, memory shares, micro-batches, worker counts, time
 limits); learning rates, group sizes and the like stay the same for every client, so the clients

@@ -33,6 +33,7 @@ from fedagent_flwr.checkpoint.store import (
     URL_FIELD,
 )
 from fedagent_flwr.schema.fields import SettingError
+from fedagent_flwr.schema.run import Strategy, Train
 from fedagent_flwr.schema.trainer import TrainerSettings, trainer_settings
 
 __all__ = [
@@ -197,10 +198,10 @@ class TrainInstruction:
     service: dict[str, Any]
     global_model: CheckpointRef
     global_critic: CheckpointRef | None = None
-    proximal_mu: float = 0.0
+    proximal_mu: float = Strategy.proximal_mu
     store: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 1
+    epochs: int = Train.epochs
     client_eval_seeds: list[int] = field(default_factory=list)
     val_env_spec: dict[str, Any] = field(default_factory=dict)
 
@@ -249,10 +250,10 @@ class TrainInstruction:
             service=_json_field(record, SERVICE_JSON),
             global_model=model,
             global_critic=critic,
-            proximal_mu=_field(record, PROXIMAL_MU, float) if PROXIMAL_MU in record else 0.0,
+            proximal_mu=_field(record, PROXIMAL_MU, float) if PROXIMAL_MU in record else Strategy.proximal_mu,
             store=_store_fields(record),
             extra=_unknown(record, _TRAIN_KEYS),
-            epochs=_field(record, EPOCHS, int) if EPOCHS in record else 1,
+            epochs=_field(record, EPOCHS, int) if EPOCHS in record else Train.epochs,
             client_eval_seeds=_seed_list(record, CLIENT_EVAL_SEEDS) if CLIENT_EVAL_SEEDS in record else [],
             val_env_spec=_json_field(record, VAL_ENV_SPEC_JSON) if CLIENT_EVAL_SEEDS in record else {},
         )

@@ -1,4 +1,4 @@
-"""``+trainer.per_client`` (issue 19): one client on two GPUs beside one on a single GPU, refused
+"""``trainer.per_client`` (issue 19): one client on two GPUs beside one on a single GPU, refused
 at composition when it cannot apply, and carried into that client's instructions only."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fedagent_flwr.per_client import trainer_for_client
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 
-MIXED = "trainer=verl +trainer.per_client={0:{n_gpus_per_node:2,timeout_s:7200}}"
+MIXED = "trainer=verl trainer.per_client={0:{n_gpus_per_node:2,timeout_s:7200}}"
 
 
 def test_a_client_gets_its_own_gpus_and_the_others_keep_the_run_value(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -49,13 +49,14 @@ from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, JobFileError, TrainJob, TrainResult, load
 from fedagent_flwr.procs import OwnerWatch, ProcessRef
 from fedagent_flwr.schema.fields import SettingError
+from fedagent_flwr.schema.trainer import ClientAppKeys
 
 PROTOCOL = 1
 SERVER_FILE = "server.json"
 LOG_FILE = "server.log"
 INBOX = "inbox"
 OUTBOX = "outbox"
-DEFAULT_IDLE_TIMEOUT_S = 3600.0
+DEFAULT_IDLE_TIMEOUT_S = ClientAppKeys.persistent_idle_s
 IDLE_ENV = "FEDAGENT_TRAINER_IDLE_S"  # the ClientApp passes trainer.persistent_idle_s here
 CHANNEL_ENV = "FEDAGENT_TRAINER_CHANNEL"  # set by serve() in its own process, for the session
 # The ProcessRef (JSON) of the process whose end ends the server (set by the ClientApp).

@@ -1,6 +1,7 @@
 """The run's schema: every key of ``conf/config.yaml`` and of its groups but ``trainer``.
 
-Values live in the YAML files (with their comments); types and bounds live here, once. Checks
+Each key's type, default, bound and meaning live here, once; a YAML file under ``conf/`` sets only
+what differs from it (``tests/schema/test_schema.py`` fails on a repeated default). Checks
 that need more than one key or a registry (the mode the keys describe, TLS rules of the store,
 partition strategies, env specs) stay in :func:`fedagent_flwr.config.validate`.
 """
@@ -39,32 +40,38 @@ class Clients:
 @dataclass
 class Train:
     local_steps: int = setting(1, ge=1)  # optimiser steps per epoch, each on new env instances
-    epochs: int = setting(1, ge=1, note="passes over the round's instances")  # E
+    # E: passes over the round's instances (FedAgent's epochs_per_round); E x local_steps steps
+    epochs: int = setting(1, ge=1, note="passes over the round's instances")
 
 
 @dataclass
 class Eval:
     enabled: bool = setting(True)
     before_train: bool = setting(True)  # evaluate the base model as round 0
-    num_episodes: int = setting(8, ge=0)  # split across the evaluating clients
-    seed: int = setting(7)  # validation seeds: seed * 100000 + i
-    per_client: bool = setting(False)  # also validate each trained client's own model
+    num_episodes: int = setting(8, ge=0)  # validation episodes per evaluation, split across the evaluating clients
+    seed: int = setting(7)  # validation seeds: seed * 100000 + i (the same every round)
+    # also validate each trained client's own model on all of those episodes (FedAgent's client_end_eval)
+    per_client: bool = setting(False)
 
 
 @dataclass
 class Storage:
     """How checkpoints travel between the server and the clients (docs/deployment.md)."""
 
+    # shared-fs: one filesystem everywhere (HPC) | http: the ServerApp serves a store
     kind: str = setting("shared-fs", choices=STORE_KINDS)
-    keep_client_checkpoints: bool = setting(False)
+    keep_client_checkpoints: bool = setting(False)  # false: a round's client checkpoints go once it is committed
+    # the k newest global models are kept (the latest always stays, so resume works)
     keep_last_k: int = setting(0, ge=0, note="the number of newest global models kept; 0 keeps all")
+    # http: bind address of the store (loopback unless set; 0.0.0.0 needs url and TLS)
     host: str = setting("127.0.0.1", pattern=_HOST, note="an IP address or host name")
-    port: int = setting(0, ge=0, le=65535)
+    port: int = setting(0, ge=0, le=65535)  # http: 0 picks a free port (one machine); across machines a fixed one
+    # http: the address clients use, e.g. https://10.0.0.5:8470 ("" -> host:port)
     url: str = setting("", pattern=r"|https?://[A-Za-z0-9.:\[\]-]+/?", note="'' or http(s)://host:port")
-    ssl_certfile: str = setting("")
+    ssl_certfile: str = setting("")  # http: server certificate (PEM); required unless host is loopback
     ssl_keyfile: str = setting("")
-    ssl_ca_certfile: str = setting("")
-    max_file_bytes: int = setting(64 * 2**30, ge=1)  # http: largest file a client may upload
+    ssl_ca_certfile: str = setting("")  # http: CA of ssl_certfile, sent to clients to verify the store
+    max_file_bytes: int = setting(64 * 2**30, ge=1)  # http: largest file a client may upload (64 GiB)
     # A healthy link never pauses a minute inside one request body; a stalled upload loses its slot's
     # lock after this long without a byte (HTTP 408), keeping what arrived for the next attempt.
     upload_idle_timeout_s: float = setting(60.0, gt=0)
@@ -77,12 +84,21 @@ class Experiment:
 
 
 @dataclass
+class StrategyKwargs:
+    """``strategy.kwargs``' keys that the ServerApp reads itself; the others go to the Strategy class."""
+
+    # seconds round 1 waits for the SuperNodes to serve every partition (slow GPU nodes: raise it)
+    discovery_timeout: float = setting(600.0, gt=0)
+
+
+@dataclass
 class Strategy:
     name: str = setting()
     class_path: str = setting(pattern=_DOTTED, note="a dotted path such as mypkg.module.MyStrategy")
     proximal_mu: float = setting(0.0, ge=0)
     weights: list[float] = setting(factory=list, gt=0, note="fixed positive weights by client id; [] -> num-examples")
-    kwargs: dict[str, Any] = setting(factory=dict)  # extra keyword arguments for a custom Strategy class
+    # extra keyword arguments for a custom Strategy class (open: its own keys pass unchecked)
+    kwargs: Any = setting(factory=dict, keys=StrategyKwargs)
 
 
 @dataclass
@@ -142,18 +158,20 @@ class Env:
 class RunSchema:
     """``conf/config.yaml``'s schema; ``trainer`` is typed by its group's own schema."""
 
+    # "" -> run-<flower run id>
     run_name: str = setting("", pattern=r"|[A-Za-z0-9][A-Za-z0-9._-]{0,127}",
                             note="'' or a plain directory name (letters, digits, '.', '_', '-')")
-    output_dir: str = setting("outputs")
-    num_rounds: int = setting(2, ge=1)
-    seed: int = setting(42)
+    output_dir: str = setting("outputs")  # relative paths resolve against the SuperLink's working directory
+    num_rounds: int = setting(2, ge=1)  # T
+    seed: int = setting(42)  # base seed: client selection (seed + r - 1) and data seeds (seed + 100 r + c)
     model: Model = setting(factory=Model)
     clients: Clients = setting(factory=Clients)
-    algorithm: str = setting("grpo", choices=ALGORITHMS)
+    algorithm: str = setting("grpo", choices=ALGORITHMS)  # ppo needs the verl backend
     train: Train = setting(factory=Train)
     eval: Eval = setting(factory=Eval)
     rollout: Rollout = setting(factory=Rollout)
-    round_timeout: float = setting(3600.0, gt=0)
+    round_timeout: float = setting(3600.0, gt=0)  # seconds Flower waits for a round's replies
+    # + tensorboard (<run dir>/tensorboard), wandb (offline), mlflow (<run dir>/mlflow.db); metrics.jsonl always
     tracking: list[str] = setting(factory=lambda: ["jsonl"])
     storage: Storage = setting(factory=Storage)
     experiment: Experiment = setting(factory=Experiment)

@@ -35,10 +35,11 @@ class ClientAppKeys:
     module: ClassVar[str]  # what the ClientApp runs (python -m MODULE train|evaluate JOB.json)
 
     backend: str = setting("reference")  # a key of TRAINER_SCHEMAS
-    timeout_s: float = setting(3600.0, gt=0)  # a trainer job running longer is killed
+    timeout_s: float = setting(3600.0, gt=0)  # a trainer job running longer is killed and the client fails
     # subprocess: a fresh trainer per client-round; persistent: one per node, kept across rounds
     mode: str = setting("subprocess", choices=TRAINER_MODES)
-    persistent_idle_s: float = setting(3600.0, gt=0)  # a persistent trainer idle this long exits
+    persistent_idle_s: float = setting(3600.0, gt=0)  # a persistent trainer idle this long exits (frees its GPU)
+    # a job whose output shows no progress this long is stopped (docs/gpu.md "Stalls")
     stall_timeout_s: float = setting(900.0, ge=0, note="0 disables the progress watchdog")
 
 
@@ -46,7 +47,7 @@ class ClientAppKeys:
 class ClientRuleKeys:
     """A user's client rule (docs/extending.md), run by either backend before every optimiser step."""
 
-    client_rule: str = setting("")  # dotted path of the rule class ("" -> none)
+    client_rule: str = setting("")  # dotted path of a rule class run before every optimiser step ("" -> none)
     client_rule_args: Any = None  # its keyword arguments, e.g. {mu: 0.1, freeze: embed_tokens}
 
 
@@ -63,6 +64,8 @@ class Rollout:
     """The agent loop, for training and evaluation alike (the config's ``rollout`` group): concat (one
     growing conversation) or windowed (one prompt per turn showing the last ``history_length`` steps)."""
 
+    # concat: one sample per episode, the conversation grows | windowed: FedAgent's paper setting, one
+    # sample per turn whose prompt shows the last history_length steps (docs/agent-loop.md)
     mode: str = setting("concat", choices=ROLLOUT_MODES)
     history_length: int = setting(2, ge=0, note="the (observation, action) pairs a windowed prompt shows")
 
@@ -101,10 +104,10 @@ class EvalKnobs:
 class ReferenceKnobs(EvalKnobs):
     """The CPU reference trainer's GRPO hyper-parameters (defaults follow FedAgent/verl)."""
 
-    rollout_n: int = setting(2, ge=1)  # episodes per environment seed (GRPO group size)
+    rollout_n: int = setting(2, ge=1)  # GRPO group size G (episodes per env seed)
     lr: float = setting(1e-5, gt=0)
     weight_decay: float = setting(0.0, ge=0)
-    kl_coef: float = setting(0.0, ge=0)  # low-variance KL (k3) to the starting weights
+    kl_coef: float = setting(0.0, ge=0)  # low-variance KL (k3) to the starting weights; FedAgent's paper: 0.01
     entropy_coeff: float = setting(0.001, ge=0)  # FedAgent's; keeps updates non-zero at zero advantage
     clip_ratio: float = setting(0.2, gt=0)
     ppo_epochs: int = setting(1, ge=1)
@@ -118,38 +121,41 @@ class ReferenceKnobs(EvalKnobs):
 class VerlKnobs:
     """Hyper-parameters and resources of one client's verl job."""
 
-    rollout_n: int = setting(4, ge=1)  # GRPO group size (rollout.n)
+    rollout_n: int = setting(4, ge=1)  # GRPO group size G (rollout.n)
     lr: float = setting(1e-6, gt=0)  # actor learning rate
     critic_lr: float = setting(1e-5, gt=0)  # PPO critic learning rate
-    kl_coef: float = setting(0.01, ge=0)  # KL loss to the reference model; 0 turns it off
+    kl_coef: float = setting(0.01, ge=0)  # KL loss (low_var_kl) to the reference model; 0 turns it off
     entropy_coeff: float = setting(0.001, ge=0)
     clip_ratio: float = setting(0.2, gt=0)
     ppo_epochs: int = setting(1, ge=1)
     ppo_mini_batch_size: int = setting(8, ge=1)  # prompts per mini-batch (clamped to the step's batch)
     micro_batch_size_per_gpu: int = setting(4, ge=1)
-    max_prompt_length: int = setting(512, ge=1)  # first-turn prompt budget
-    max_response_length: int = setting(512, ge=1)  # all turns' tokens after the prompt
+    max_prompt_length: int = setting(512, ge=1)  # first-turn prompt budget (system prompt + reset observation)
+    max_response_length: int = setting(512, ge=1)  # all turns' tokens after the prompt (model + observations)
     max_new_tokens: int = setting(64, ge=1)  # tokens one turn may sample
     temperature: float = setting(1.0, gt=0)
     top_p: float = setting(1.0, gt=0, le=1)
-    val_temperature: float = setting(0.4, gt=0)
+    val_temperature: float = setting(0.4, gt=0)  # evaluation episodes (HF generation on the node's GPU)
+    # FedAgent's penalty per invalid action (envs that report is_action_valid)
     invalid_action_penalty: float = setting(0.1, ge=0)
-    n_gpus_per_node: int = setting(1, ge=1)
-    gpu_memory_utilization: float = setting(0.3, gt=0, le=1)  # vLLM's share of each GPU
+    n_gpus_per_node: int = setting(1, ge=1)  # GPUs one client's verl job uses
+    gpu_memory_utilization: float = setting(0.3, gt=0, le=1)  # vLLM's share of each GPU (two clients can share one)
+    # fixed vLLM KV cache per GPU; 0 lets vLLM profile (unsafe when clients share a GPU)
     kv_cache_gib: float = setting(4.0, ge=0, note="0 lets vLLM profile")
-    enforce_eager: bool = setting(True)
+    enforce_eager: bool = setting(True)  # skip CUDA-graph capture: faster start for short client jobs
     # vLLM's CUDA-graph batch sizes when enforce_eager is false (empty: vLLM's own list); fewer
     # sizes, shorter capture at start-up (docs/gpu.md, "Start-up phases").
     cudagraph_capture_sizes: list[int] = setting(factory=list, ge=1)
     # torch.compile of the actor's (and reference's) entropy-from-logits, verl's default; false
     # skips its first-step compile at the price of an eager kernel.
     torch_compile: bool = setting(True)
-    agent_workers: int = setting(2, ge=1)
-    ray_num_cpus: int = setting(8, ge=1)
-    use_v1: bool = setting(False)
+    agent_workers: int = setting(2, ge=1)  # Ray agent-loop workers (rollout.agent.num_workers)
+    ray_num_cpus: int = setting(8, ge=1)  # logical CPUs of the job's private Ray cluster
+    use_v1: bool = setting(False)  # verl's legacy trainer reaches the first step ~35 s sooner than V1
+    # sdpa: no flash-attn wheel for torch 2.11/CUDA 13
     attn_implementation: str = setting("sdpa", choices=("sdpa", "eager", "flash_attention_2"))
-    use_remove_padding: bool = setting(False)
-    # raw Hydra overrides for verl, appended last
+    use_remove_padding: bool = setting(False)  # padding-free packing needs varlen flash-attn
+    # raw Hydra overrides for verl, appended last (e.g. ["actor_rollout_ref.actor.optim.weight_decay=0"])
     extra_overrides: list[str] = setting(factory=list, pattern=r"[^=\n\r\0][^\n\r\0]*=[^\n\r\0]*",
                                          note="a Hydra override of the form key=value")
     # modules imported in every verl process right after core_algos (estimators, policy losses)
@@ -179,27 +185,47 @@ class VerlKnobs:
 
 
 @dataclass
-class ReferenceGroup(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
-    """``conf/trainer/reference.yaml``'s schema."""
+class PerClientKeys:
+    """Resources of single clients (nodes of different sizes), read by the server only
+    (:mod:`fedagent_flwr.per_client`): each client's job carries its own values, not this key."""
+
+    # client id -> {resource key: value}, e.g. {0: {n_gpus_per_node: 2}} (docs/gpu.md); None: no client differs
+    # (not an empty mapping: Hydra would refuse new keys in it, and a run sets the mapping whole)
+    per_client: Any = setting(None)
+
+
+@dataclass
+class ReferenceJob(ReferenceKnobs, ClientRuleKeys, ClientAppKeys):
+    """The reference backend's keys that every job of it carries."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.reference"
 
 
 @dataclass
-class VerlGroup(VerlKnobs, ClientRuleKeys, ClientAppKeys):
-    """``conf/trainer/verl.yaml``'s schema (and its presets')."""
+class VerlJob(VerlKnobs, ClientRuleKeys, ClientAppKeys):
+    """The verl backend's keys that every job of it carries."""
 
     module: ClassVar[str] = "fedagent_flwr.trainers.verl.entry"
 
 
 @dataclass
-class ReferenceTrainer(AgentLoopKnobs, ReferenceGroup):
-    """What a reference job runs with: its group and the run's agent loop."""
+class ReferenceGroup(PerClientKeys, ReferenceJob):
+    """``conf/trainer/reference.yaml``'s schema."""
 
 
 @dataclass
-class VerlTrainer(AgentLoopKnobs, VerlGroup):
-    """What a verl job runs with: its group and the run's agent loop."""
+class VerlGroup(PerClientKeys, VerlJob):
+    """``conf/trainer/verl.yaml``'s schema (and its presets')."""
+
+
+@dataclass
+class ReferenceTrainer(AgentLoopKnobs, ReferenceJob):
+    """What a reference job runs with: its keys and the run's agent loop."""
+
+
+@dataclass
+class VerlTrainer(AgentLoopKnobs, VerlJob):
+    """What a verl job runs with: its keys and the run's agent loop."""
 
 
 #: trainer.backend -> the schema of its config group (Hydra's; ``module``: what the ClientApp runs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from fedagent_flwr.checkpoint.store import ServerStore, open_server_store
 from fedagent_flwr.config import ConfigError, RunSettings, load_settings
 from fedagent_flwr.protocol import ShutdownInstruction
 from fedagent_flwr.run_config import hydra_arguments
+from fedagent_flwr.schema.run import StrategyKwargs
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp import preflight
 from fedagent_flwr.serverapp.failures import RunFailedError
@@ -63,6 +64,10 @@ class RunFailed(AppExitException):
 
 # Statuses of a run whose every round ran: a re-run has nothing left to do.
 FINISHED_STATUSES = ("completed", "degraded")
+
+
+#: ``strategy.kwargs``' keys that the ServerApp reads itself (not passed to the Strategy class)
+STRATEGY_KWARGS = frozenset(f.name for f in fields(StrategyKwargs))
 
 
 def run_directory(settings: RunSettings, run_id: int) -> Path:
@@ -122,12 +127,9 @@ def build_strategy(
     ``initial_critic``: PPO's global critic of a resumed run)."""
     run = settings.run
     cls = load_strategy_class(run.strategy.class_path)
-    extra = dict(run.strategy.kwargs)
-    # how long round 1 waits for a SuperNode to serve every partition (slow GPU nodes: raise it)
-    discovery_timeout = extra.pop("discovery_timeout", 600.0)
-    if isinstance(discovery_timeout, bool) or not isinstance(discovery_timeout, (int, float)) or discovery_timeout <= 0:
-        raise ConfigError(f"config key 'strategy.kwargs.discovery_timeout' = {discovery_timeout!r}: "
-                          "give a number of seconds > 0")
+    # the Strategy class's own keyword arguments; the ServerApp's known keys (checked) are not among them
+    extra = {k: v for k, v in settings.raw["strategy"]["kwargs"].items()
+             if k not in STRATEGY_KWARGS}
     planned: dict[str, Any] = dict(
         run_root=str(run_dir),
         initial_model=initial_model,
@@ -139,7 +141,7 @@ def build_strategy(
         plan=run_plan(settings),
         eval_seeds=validation_seeds(run.eval.seed, run.eval.num_episodes) if run.eval.enabled else [],
         store=store,
-        nodes=NodeRegistry(settings.run.clients.total, float(discovery_timeout)),
+        nodes=NodeRegistry(settings.run.clients.total, run.strategy.kwargs.discovery_timeout),
         initial_critic=initial_critic,
     )
     clash = sorted(set(planned) & set(extra))

@@ -19,6 +19,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedagent_flwr.protocol import PartitionQuery, PartitionReply, ProtocolError, ShutdownInstruction, ShutdownReply
+from fedagent_flwr.schema.run import StrategyKwargs
 from fedagent_flwr.serverapp.failures import RunFailedError, reply_reason
 
 # In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
@@ -51,7 +52,7 @@ class NodeRegistry:
         How long :meth:`discover` waits for the partitions a run needs, and for the nodes' answers.
     """
 
-    def __init__(self, num_clients: int, discovery_timeout: float = 600.0) -> None:
+    def __init__(self, num_clients: int, discovery_timeout: float = StrategyKwargs.discovery_timeout) -> None:
         self.num_clients = num_clients
         self.discovery_timeout = discovery_timeout
         self._node_of_client: dict[int, int] = {}

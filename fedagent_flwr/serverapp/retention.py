@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.common import log
 
+from fedagent_flwr.schema.run import Storage
+
 if TYPE_CHECKING:
     from fedagent_flwr.checkpoint.store import StorageSettings
     from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -43,8 +45,8 @@ class Retention:
     """What a run keeps after each commit (the ``storage.keep_*`` keys)."""
 
     run_dir: Path
-    keep_client_checkpoints: bool = False
-    keep_last_k: int = 0  # global models kept (the newest aggregated ones); 0: all
+    keep_client_checkpoints: bool = Storage.keep_client_checkpoints
+    keep_last_k: int = Storage.keep_last_k  # global models kept (the newest aggregated ones); 0: all
 
     @classmethod
     def from_settings(cls, storage: StorageSettings, run_dir: Path) -> Retention:

@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 
 import pytest
 import yaml
+from omegaconf import MISSING
 
 import fedagent_flwr
 from fedagent_flwr.checkpoint.ref import CheckpointRef
@@ -78,7 +79,8 @@ def leaves(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:
 
 
 def test_every_leaf_setting_is_declared_in_exactly_one_field() -> None:
-    trees = {"run": leaves(RunSchema)} | {f"trainer/{b}": leaves(s, "trainer.") for b, s in TRAINER_SCHEMAS.items()}
+    trees = {"run": leaves(RunSchema)} | {f"trainer/{b}": leaves(s, "trainer.") for b, s in TRAINER_SCHEMAS.items()} | {
+        f"trainer group {b}": leaves(s, "trainer.") for b, s in TRAINER_GROUPS.items()}
     twice = {f"{tree}: {key}": owners
              for tree, keys in trees.items() for key, owners in keys.items() if len(owners) != 1}
     assert not twice, f"settings declared in more than one field: {twice}"
@@ -180,6 +182,105 @@ def test_every_conf_key_exists_in_the_schema(path: Path) -> None:
     assert not missing, f"{path.name}: keys not in the schema (fedagent_flwr/schema/): {missing}"
 
 
+_NO_DEFAULT = object()
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    """A schema field's default value (``_NO_DEFAULT`` for a required one)."""
+    if field.default is not dataclasses.MISSING and field.default is not MISSING:
+        return field.default
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else _NO_DEFAULT
+
+
+def _repeated_defaults(node: Any, schema: Any, where: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of a YAML mapping's keys set to the value the schema already gives them.
+
+    Hydra fills a structured node's defaults from the schema, so such a key only repeats it. An open
+    mapping (``setting(keys=...)``: ``partition``, ``env``) is composed as the YAML gives it, without
+    the schema's defaults: its values are what a strategy and the env spec receive, and stay.
+    """
+    if not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
+        return []
+    found = []
+    for key, value in node.items():
+        field = schema.__dataclass_fields__.get(key)
+        if key == "defaults" or field is None or field.metadata.get("keys") is not None:
+            continue
+        inner = _strip_optional(field_schema(schema, key))
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            found += _repeated_defaults(value, inner, f"{where}{key}.")
+        elif value == _default(field) and type(value) is type(_default(field)) or (
+                isinstance(value, int) and type(_default(field)) is float and value == _default(field)):
+            found.append((f"{where}{key}", value))
+    return found
+
+
+def _trainer_backend(path: Path, tree: dict[str, Any]) -> str:
+    """The backend whose group a file's ``trainer`` keys land in: its own, or the one it composes."""
+    group = _group(path)
+    if group == "trainer" and _place(path):
+        return str(tree.get("backend") or ClientAppKeys.backend)
+    return str(load_settings(overrides=f"{group}={path.stem}").trainer_backend) if group != "." else "reference"
+
+
+def _flat(node: Any, where: str = "") -> dict[str, Any]:
+    """A YAML tree as dotted key -> leaf value."""
+    if not isinstance(node, dict):
+        return {where[:-1]: node}
+    return {k: v for key, value in node.items() if key != "defaults" for k, v in _flat(value, f"{where}{key}.").items()}
+
+
+def _conf_tree(path: Path) -> dict[str, Any]:
+    """A conf file's keys where they land in the composed config."""
+    tree = yaml.safe_load(path.read_text()) or {}
+    place = _place(path)
+    return {place.split("/")[0]: tree} if place else tree
+
+
+#: the order config.yaml's defaults list composes the groups in (a later one overrides an earlier one)
+LAYERS = (".", "env", "trainer", "strategy", "partition", "experiment", "recipe")
+
+
+def _group(path: Path) -> str:
+    return path.parent.relative_to(conf_dir()).as_posix()
+
+
+def _repeated_in(path: Path) -> list[str]:
+    """A conf file's keys that only repeat a schema default: the schema gives the value, and no conf
+    file composed beneath it (an earlier group, or its own group's) sets another one, which this file
+    would pin the key against."""
+    tree = _conf_tree(path)
+    trainer = tree.pop("trainer", None)
+    repeated = _repeated_defaults(tree, RunSchema, "")
+    if isinstance(trainer, dict):
+        repeated += _repeated_defaults(trainer, TRAINER_GROUPS[_trainer_backend(path, trainer)], "trainer.")
+    elsewhere: dict[str, list[Any]] = {}
+    for other in _yaml_files():
+        if other != path and LAYERS.index(_group(other)) <= LAYERS.index(_group(path)):
+            for key, value in _flat(_conf_tree(other)).items():
+                elsewhere.setdefault(key, []).append(value)
+    return [f"{key}: {value!r}" for key, value in repeated if all(v == value for v in elsewhere.get(key, []))]
+
+
+@pytest.mark.parametrize("path", _yaml_files(), ids=lambda p: p.relative_to(conf_dir()).as_posix())
+def test_no_conf_file_repeats_a_schema_default(path: Path) -> None:
+    """A file under conf/ sets only what differs from the schema: each default is declared there once."""
+    repeated = _repeated_in(path)
+    assert not repeated, (f"{path.relative_to(conf_dir())} repeats the schema's defaults (fedagent_flwr/schema/), "
+                          f"leave them out: {repeated}")
+
+
+def test_the_repeated_default_scan_can_fail() -> None:
+    from fedagent_flwr.schema.trainer import VerlGroup
+
+    tree = {"num_rounds": 2, "seed": 5, "eval": {"seed": 7, "enabled": True}, "partition": {"omega": 0.5},
+            "strategy": {"weights": [], "proximal_mu": 0.01}, "round_timeout": 3600}
+    assert _repeated_defaults(tree, RunSchema, "") == [
+        ("num_rounds", 2), ("eval.seed", 7), ("eval.enabled", True), ("strategy.weights", []), ("round_timeout", 3600)]
+    assert _repeated_defaults({"rollout_n": 4, "lr": 1e-6, "stall_timeout_s": 600}, VerlGroup, "") == [
+        ("rollout_n", 4), ("lr", 1e-6)]
+
+
 def _reads_with_default(tree: ast.AST) -> list[tuple[int, str]]:
     """``x.get("<setting>", <default>)`` / ``x.get("<setting>") or <literal>`` calls."""
     names = set(leaves(RunSchema)) | {k for s in TRAINER_SCHEMAS.values() for k in leaves(s)}
@@ -207,6 +308,53 @@ def test_code_reading_settings_does_not_redeclare_defaults() -> None:
         found += [f"{path.relative_to(PACKAGE)}:{line}: {text}"
                   for line, text in _reads_with_default(ast.parse(path.read_text()))]
     assert not found, f"settings read with a default of their own (take it from fedagent_flwr/schema/): {found}"
+
+
+def _trainer_keys_read(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, key) of ``<trainer mapping>.get("key")`` / ``.pop("key")`` / ``["key"]`` reads: a receiver
+    named like the trainer group (``settings.trainer``, ``job.trainer``, ``trainer``)."""
+    reads = []
+    for node in ast.walk(tree):
+        key = receiver = None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop")
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            key, receiver = node.args[0].value, ast.unparse(node.func.value)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(
+                node.slice.value, str):
+            key, receiver = node.slice.value, ast.unparse(node.value)
+        if key is not None and receiver is not None and receiver.split(".")[-1] == "trainer":
+            reads.append((node.lineno, key))
+    return reads
+
+
+def _dotted_keys_read(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, key) of ``get_key(raw, "a.b")`` reads of a composed config by dotted key."""
+    return [(node.lineno, node.args[1].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("get_key", "_get") and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)]
+
+
+def test_code_reads_only_settings_the_schema_declares() -> None:
+    """Every trainer key and dotted config key the package reads is a schema field."""
+    from fedagent_flwr.schema import declared_type
+
+    trainer_keys = {f.name for s in (*TRAINER_GROUPS.values(), *TRAINER_SCHEMAS.values()) for f in dataclasses.fields(s)}
+    undeclared = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        undeclared += [f"{path.relative_to(PACKAGE)}:{line}: trainer.{key}"
+                       for line, key in _trainer_keys_read(tree) if key not in trainer_keys]
+        undeclared += [f"{path.relative_to(PACKAGE)}:{line}: {key}"
+                       for line, key in _dotted_keys_read(tree)
+                       if declared_type(key) is None and key not in RunSchema.__dataclass_fields__]
+    assert not undeclared, f"settings read but not declared in fedagent_flwr/schema/: {undeclared}"
+    assert len(trainer_keys) > 40
+
+
+def test_the_reader_scan_finds_an_undeclared_setting() -> None:
+    source = "def f(settings, raw):\n    return settings.trainer.get('per_gpu'), get_key(raw, 'env.nope')\n"
+    assert _trainer_keys_read(ast.parse(source)) == [(2, "per_gpu")]
+    assert _dotted_keys_read(ast.parse(source)) == [(2, "env.nope")]
 
 
 def test_the_scan_finds_a_redeclared_default() -> None:

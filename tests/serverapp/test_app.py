@@ -40,7 +40,7 @@ def test_build_strategy_checks_kwargs_and_mu(tmp_path: Path, tiny_model_dir: Pat
     assert custom.weighted_by_key == "episodes"
     slow_nodes = build_strategy(load_settings(overrides="+strategy.kwargs.discovery_timeout=1800"), tmp_path, base)
     assert slow_nodes.nodes.discovery_timeout == 1800.0  # the node registry's, not the strategy's
-    with pytest.raises(ConfigError, match="discovery_timeout' = -1: give a number of seconds > 0"):
+    with pytest.raises(ConfigError, match=r"'strategy.kwargs.discovery_timeout' = -1.0 is invalid: expected > 0"):
         build_strategy(load_settings(overrides="+strategy.kwargs.discovery_timeout=-1"), tmp_path, base)
 
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 19 on a host with 2 (or more) GPUs: 2 clients x 2 rounds of verl GRPO in Flower's simulation,
-# client 0 at FSDP world size 2 (+trainer.per_client={0:{n_gpus_per_node:2}}), client 1 at world
+# client 0 at FSDP world size 2 (trainer.per_client={0:{n_gpus_per_node:2}}), client 1 at world
 # size 1; then `python -m fedagent_flwr.checkpoint.verify` on every round's global model, and the
 # clients' world sizes and timings. One run per trainer mode (subprocess, then persistent: the
 # persistent one also loads round 1's global model into client 0's live 2-rank actor).
@@ -28,7 +28,7 @@ for mode in $MODES; do
   name=ws2-$mode
   # storage.keep_client_checkpoints=true: verify re-reads the clients' FSDP shards of every round.
   overrides="trainer=verl trainer.mode=$mode num_rounds=2 clients.total=2 storage.keep_client_checkpoints=true"
-  overrides="$overrides +trainer.per_client={0:{n_gpus_per_node:2}} $EXTRA"
+  overrides="$overrides trainer.per_client={0:{n_gpus_per_node:2}} $EXTRA"
   PORT=39491 bash tools/gpu/run_federated.sh "$name" "$overrides" \
     "num-supernodes=2 client-resources-num-gpus=2 client-resources-num-cpus=8"
   rc=$?

@@ -74,7 +74,7 @@ class ServiceSettings:
     """
 
     env_name: str
-    pool_size: int = 4
+    pool_size: int  # env.service.pool_size, passed by the client (fedagent_flwr/schema/run.py)
     create_timeout_s: float = DEFAULT_CREATE_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     partition: Mapping[str, Any] = field(default_factory=dict)

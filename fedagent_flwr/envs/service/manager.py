@@ -41,6 +41,7 @@ import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.procs import ProcessRef, group_members, reap, started_with_env, stop_each, stop_group
+from fedagent_flwr.schema.run import EnvService
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +85,10 @@ class ServiceLaunch:
 
     env: str
     config: dict[str, Any] = field(default_factory=dict)
-    pool_size: int = 4
+    pool_size: int = EnvService.pool_size  # the defaults are the env.service group's
     partition: dict[str, Any] = field(default_factory=dict)
     variant: dict[str, Any] = field(default_factory=dict)
-    host: str = "127.0.0.1"
+    host: str = EnvService.host
     create_timeout_s: float | None = None
     max_body_bytes: int | None = None
     log_level: str = "warning"
@@ -173,7 +174,7 @@ class EnvServiceManager:
         launch: ServiceLaunch,
         state_file: str | os.PathLike[str],
         *,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = EnvService.startup_timeout_s,
         stop_grace_s: float = 10.0,
         python: str = sys.executable,
     ) -> None:
@@ -244,7 +245,7 @@ class EnvServiceManager:
         cls,
         state_file: str | os.PathLike[str],
         *,
-        startup_timeout_s: float = 120.0,
+        startup_timeout_s: float = EnvService.startup_timeout_s,
         stop_grace_s: float = 10.0,
         python: str = sys.executable,
     ) -> EnvServiceManager:

@@ -181,7 +181,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="partition description as a JSON object (goal_indices restricts goals)")
     parser.add_argument("--variant", default="{}", type=lambda s: _json_object(s, "--variant"),
                         help="environment-variant description as a JSON object")
-    parser.add_argument("--pool", type=int, default=4, help="number of pre-warmed env instances")
+    parser.add_argument("--pool", type=int, required=True,
+                        help="number of pre-warmed env instances (the client's env.service.pool_size)")
     parser.add_argument("--host", default=DEFAULT_HOST, help="bind address (loopback by default)")
     parser.add_argument("--port", type=int, default=0, help="port; 0 picks a free one")
     parser.add_argument("--ready-file", default=None, help="file that receives the URL once serving")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fedagent_flwr.schema.run import RunSchema, Train
 from fedagent_flwr.schema.trainer import TrainerSettings, trainer_settings
 
 
@@ -17,9 +18,9 @@ class RunPlan:
     ``epochs`` is E, the passes over a round's instances; ``client_eval_seeds`` (empty: off) are the
     validation episodes each trained client plays with its own model (per-client validation)."""
 
-    algorithm: str = "grpo"
-    local_steps: int = 1
-    epochs: int = 1
+    algorithm: str = RunSchema.algorithm  # the schema's defaults
+    local_steps: int = Train.local_steps
+    epochs: int = Train.epochs
     client_eval_seeds: tuple[int, ...] = ()
     # the checked trainer group (a mapping given here is checked by the schema's validator)
     trainer: TrainerSettings = field(default_factory=lambda: trainer_settings({}))

@@ -19,6 +19,7 @@ from typing import Any
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, ROLLOUT_MODES, run_windowed_episode
+from fedagent_flwr.schema.trainer import Rollout
 from fedagent_flwr.trainers.common.prefix_cache import (
     PrefixCache,
     RowCache,
@@ -285,7 +286,7 @@ def play_episodes(
     sampling: SamplingParams,
     max_model_len: int,
     generator: Any,
-    rollout_mode: str = "concat",
+    rollout_mode: str = Rollout.mode,
     history_length: int = DEFAULT_HISTORY_LENGTH,
 ) -> list[Episode]:
     """Play all ``tasks`` concurrently (batched generation); results in task order.

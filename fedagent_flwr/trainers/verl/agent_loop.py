@@ -30,7 +30,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
-from fedagent_flwr.rollout.windowed import run_windowed_episode
+from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
+from fedagent_flwr.schema.trainer import VerlKnobs
 
 
 class PromptTooLongError(ValueError):
@@ -49,6 +50,12 @@ def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -
     values = iter(sampled_logprobs)
     aligned = [next(values) if m else 0.0 for m in response_mask]
     return aligned
+
+
+def reward_extra_info(episode: Any, invalid: int) -> dict[str, Any]:
+    """What verl's reward manager reports of an episode beside its score (either agent loop)."""
+    return {"reward_extra_info": {"traj_success": float(episode.success), "env_reward": float(episode.reward),
+                                  "invalid_actions": float(invalid)}}
 
 
 def episode_log_path(row: dict[str, Any], default: str) -> str:
@@ -106,13 +113,25 @@ class EnvAgentLoop(AgentLoopBase):
     ``history_length`` (windowed mode: :meth:`run_windowed`, which the windowed worker calls).
     """
 
-    def __init__(self, *args: Any, max_new_tokens: int = 64, invalid_action_penalty: float = 0.1,
-                 episode_log: str = "", history_length: int = 2, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_new_tokens: int = VerlKnobs.max_new_tokens,
+                 invalid_action_penalty: float = VerlKnobs.invalid_action_penalty,
+                 episode_log: str = "", history_length: int = DEFAULT_HISTORY_LENGTH, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_new_tokens = int(max_new_tokens)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.episode_log = str(episode_log)
         self.history_length = int(history_length)
+
+    def _episode_setup(self, kwargs: dict[str, Any]) -> tuple[str, int, Any, int, int]:
+        """A row's env name, seed and env, and the rollout's prompt and response budgets."""
+        env_name, seed = str(kwargs["env_name"]), int(kwargs["seed"])
+        return (env_name, seed, make_env(env_name, dict(kwargs["env_config"])), int(self.rollout_config.prompt_length),
+                int(self.rollout_config.response_length))
+
+    def _sampling(self, sampling_params: dict[str, Any], max_new_tokens: int) -> SamplingParams:
+        """verl's temperature and top-p for this request, with a turn's token budget."""
+        return SamplingParams(max_new_tokens, float(sampling_params.get("temperature", 1.0)),
+                              float(sampling_params.get("top_p", 1.0) or 1.0))
 
     async def run_windowed(self, sampling_params: dict[str, Any], validate: bool = False,
                            **kwargs: Any) -> list[AgentLoopOutput]:
@@ -124,15 +143,9 @@ class EnvAgentLoop(AgentLoopBase):
         the response is the turn's sampled tokens only (mask 1). verl repeats the row's ``uid`` onto
         every turn (:mod:`.windowed`), so GRPO groups the turns of all rollouts of one env instance.
         """
-        env_name = str(kwargs["env_name"])
-        seed = int(kwargs["seed"])
-        env = make_env(env_name, dict(kwargs["env_config"]))
-        prompt_length = int(self.rollout_config.prompt_length)
-        response_length = int(self.rollout_config.response_length)
+        env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
         generate = ServerGenerate(self.server_manager, sampling_params, request_id=None)  # a fresh id per turn
-        sampling = SamplingParams(min(self.max_new_tokens, response_length),
-                                  float(sampling_params.get("temperature", 1.0)),
-                                  float(sampling_params.get("top_p", 1.0) or 1.0))
+        sampling = self._sampling(sampling_params, min(self.max_new_tokens, response_length))
         episode = await run_windowed_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), prompt_length + response_length,
             history_length=self.history_length, chat_template_kwargs=self.apply_chat_template_kwargs,
@@ -164,23 +177,14 @@ class EnvAgentLoop(AgentLoopBase):
                 reward_score=episode.reward - penalty,
                 num_turns=1,
                 metrics=AgentLoopMetrics(generate_sequences=generate.seconds / len(episode.windows)),
-                extra_fields={"reward_extra_info": {
-                    "traj_success": float(episode.success),
-                    "env_reward": float(episode.reward),
-                    "invalid_actions": float(invalid),
-                }},
+                extra_fields=reward_extra_info(episode, invalid),
             ))
         return outputs
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        env_name = str(kwargs["env_name"])
-        seed = int(kwargs["seed"])
-        env = make_env(env_name, dict(kwargs["env_config"]))
-        prompt_length = int(self.rollout_config.prompt_length)
-        response_length = int(self.rollout_config.response_length)
+        env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
         generate = ServerGenerate(self.server_manager, sampling_params, request_id=uuid4().hex)  # sticky
-        sampling = SamplingParams(self.max_new_tokens, float(sampling_params.get("temperature", 1.0)),
-                                  float(sampling_params.get("top_p", 1.0) or 1.0))
+        sampling = self._sampling(sampling_params, self.max_new_tokens)
         episode = await run_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]),
             prompt_length + response_length,
@@ -211,9 +215,5 @@ class EnvAgentLoop(AgentLoopBase):
             reward_score=score,
             num_turns=episode.num_turns,
             metrics=AgentLoopMetrics(generate_sequences=generate.seconds),
-            extra_fields={"reward_extra_info": {
-                "traj_success": float(episode.success),
-                "env_reward": float(episode.reward),
-                "invalid_actions": float(invalid),
-            }},
+            extra_fields=reward_extra_info(episode, invalid),
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedagent_flwr.schema.run import Train
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 
 AGENT_LOOP_MODULE = "fedagent_flwr.trainers.verl.agent_loop"
@@ -59,7 +60,7 @@ def build_overrides(
     local_steps: int,
     seed: int,
     experiment_name: str,
-    epochs: int = 1,
+    epochs: int = Train.epochs,
 ) -> list[str]:
     """Hydra overrides for ``python -m verl.trainer.main_ppo``, in a stable order.
 

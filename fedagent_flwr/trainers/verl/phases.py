@@ -91,10 +91,6 @@ class PhaseRecorder:
         """A recorder writing to the same file, with ``context`` added to every record."""
         return PhaseRecorder(self.path, self.t0, self.session, {**self.context, **context}, self.enabled, self.log)
 
-    def since_start(self, when: float | None = None) -> float:
-        """Seconds from the session's start to ``when`` (default: now), both ``time.time()``."""
-        return (time.time() if when is None else when) - self.t0
-
     def record(self, name: str, started: float, ended: float | None = None, **fields: Any) -> dict[str, Any] | None:
         """Record phase ``name`` from ``started`` to ``ended`` (``time.time()`` values; default
         now); returns the record (None when disabled)."""

@@ -704,7 +704,7 @@ def test_server_module_refuses_bad_arguments() -> None:
     )
     assert result.returncode == 2 and "--partition must be a JSON object" in result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "fedagent_flwr.envs.service.server", "--env", "NoSuchEnv"],
+        [sys.executable, "-m", "fedagent_flwr.envs.service.server", "--env", "NoSuchEnv", "--pool", "1"],
         capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert result.returncode == 2 and "unknown environment 'NoSuchEnv'" in result.stderr
