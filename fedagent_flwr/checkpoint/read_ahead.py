@@ -127,22 +127,17 @@ class ReadAhead:
         return got
 
     def close(self) -> None:
-        """After the last :meth:`take`: wait for the reader thread and for every hash in flight."""
-        self._thread.join()
-        if self._failure is None:
-            leftover = self._ready.get_nowait() if not self._ready.empty() else None
-            if isinstance(leftover, BaseException):  # failed after the consumer's last take
-                raise leftover
+        """After the last :meth:`take`: end the reader thread and wait for every hash in flight,
+        raising a hashing error. The thread is told to stop, so a consumer that took less than
+        the plan cannot leave it waiting for a release."""
+        self._stop()
         while self._live:
             self._live.popleft().wait_hash()
 
     def abort(self) -> None:
         """Stop reading (on an error): the thread ends after the read it is in; no hash is left
         running once this returns. Errors of the reads and hashes in flight are dropped."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._stop()
         while self._live:  # every slot read and not yet reclaimed, taken or not
             try:
                 self._live.popleft().wait_hash()
@@ -159,6 +154,12 @@ class ReadAhead:
             self.close()
         else:
             self.abort()
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
 
     def _release(self, slot: Slot) -> None:
         with self._cond:

@@ -86,6 +86,18 @@ def test_asking_out_of_order_is_refused(suite: Suite) -> None:
     assert _read_ahead_threads() == []
 
 
+def test_closing_before_the_end_of_the_plan_does_not_wait_for_releases(suite: Suite) -> None:
+    reader = _open(suite.ckpt("qwen_a"))
+    plan = _plan([reader])
+    try:
+        # A ring of one tensor: the reader thread waits for the consumer after every read.
+        with ReadAhead(plan, -(-max(i.nbytes for i in plan) // 64) * 64) as ahead:
+            ahead.take(plan[0].key, 0).release()
+        assert _read_ahead_threads() == []
+    finally:
+        reader.close()
+
+
 def test_stopping_half_way_leaves_the_hash_consistent(suite: Suite) -> None:
     reader = _open(suite.ckpt("qwen_b"))  # world size 2, hashed while reading
     plan = _plan([reader])
