@@ -392,7 +392,7 @@ def _mean_of_key(
 
     The arithmetic (first source times its weight, then add each next one scaled) is the same
     with or without statistics and read-ahead, so the written mean does not depend on them.
-    The sources are not read in place: a read-ahead slot may still be being hashed.
+    The sources' tensors are never modified: a read-ahead slot may still be being hashed.
     """
     count = math.prod(shape)
     acc = context.acc[:count].view(shape)
