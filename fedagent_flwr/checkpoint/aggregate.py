@@ -3,8 +3,10 @@
 This is the tensor half of federated averaging: the strategy decides who takes part and with
 which weight, this module computes. It reads one key at a time from every client's checkpoint
 (FSDP rank files of any world size or HF safetensors, see :mod:`.reader`), accumulates in fp32,
-and streams the result into ``model.safetensors``, so memory is about two tensors of the largest
-key whatever the number of clients. The output stays fp32 (no bf16 rounding between rounds) and
+and streams the result into ``model.safetensors``, so memory is a few tensors of the largest key
+(:func:`weighted_mean` says how many) whatever the number of clients. Reads run ahead on a
+background thread (:mod:`.read_ahead`), so the disk, the content hash and the arithmetic overlap.
+The output stays fp32 (no bf16 rounding between rounds) and
 loads with ``AutoModelForCausalLM.from_pretrained``. :func:`aggregate_by_key` writes the same
 layout with another per-key rule (a strategy's median, trimmed mean, ...).
 
@@ -31,6 +33,7 @@ import torch
 
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, config_dir, copy_hf_files, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import (
+    all_finite,
     check_compatible,
     check_finite,
     compare_keys,
@@ -38,6 +41,7 @@ from fedagent_flwr.checkpoint.key_checks import (
     normalise_weights,
     verify_mean,
 )
+from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter, fsync_dir
@@ -94,16 +98,44 @@ class _KeyContext:
     """What every key of one aggregation shares: reused buffers, names, optional statistics."""
 
     acc: torch.Tensor  # the largest key's size: the running weighted sum
-    rows: torch.Tensor  # (n + 1, largest) with full statistics (every client's copy kept), else (1, largest)
+    # (n + 1, largest) with full statistics (every client's copy kept); else (1, largest) where a
+    # buffer is needed (sequential reads, or the clients' update norms), (0, largest) otherwise.
+    rows: torch.Tensor
     names: list[str]  # "source i (directory)": errors name the culprit so the strategy can drop it
     reference: CheckpointReader | None
     stats: UpdateStatsAccumulator | None
+    ahead: ReadAhead | None = None  # the sources' tensors read ahead, in the order they are used
 
     def start(self, key: str) -> torch.Tensor | None:
         """The reference's fp32 value of ``key`` when statistics are kept (one read per key)."""
         if self.stats is None or self.reference is None:
             return None
         return self.reference.read(key)
+
+    def fetch(
+        self, key: str, index: int, reader: CheckpointReader, buffer: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Source ``index``'s ``key`` and what to call once done with it (before the next fetch).
+
+        From the read-ahead when one runs (read only: its hash may still be running), else read
+        now, into ``buffer`` (a float key's fp32 buffer) or, without one, as a new tensor in the
+        stored dtype.
+        """
+        if self.ahead is not None:
+            slot = self.ahead.take(key, index)
+            return slot.tensor, slot.release
+        if buffer is None:
+            return reader.read(key, dtype=None), _nothing
+        reader.read_into(key, buffer)
+        return buffer, _nothing
+
+    def stop_reading_ahead(self) -> None:
+        """Read on the calling thread from now on (to re-read a key already consumed)."""
+        if self.ahead is not None:
+            self.ahead.abort()
+            self.ahead = None
+            if self.rows.shape[0] == 0:  # the sequential path reads into a row
+                self.rows = torch.empty(1, self.acc.numel(), dtype=torch.float32)
 
 
 # How a writer gets one floating-point key: (key, readers, weights, shape, context) -> tensor.
@@ -118,6 +150,7 @@ def weighted_mean(
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
     model_files: str | os.PathLike[str] | None = None,
+    read_ahead: bool = True,
 ) -> AggregateReport:
     """Write the weighted mean of ``sources`` as an fp32 HF model directory at ``out_dir``.
 
@@ -133,6 +166,16 @@ def weighted_mean(
     ``None`` leaves them alone). The per-key work is a memory-bound multiply-add, which one
     thread does at memory speed, while waking a thread pool once per tensor can cost more than
     the add itself (measured: ~12 ms per op with 2 threads vs 0.2 ms with 1 on a 2-vCPU host).
+    The other core is kept for the reads and the content hash running alongside.
+
+    ``read_ahead`` (default) reads the sources' tensors on a background thread, in the order
+    they are averaged, while the last ones are averaged (:mod:`.read_ahead`); ``False`` reads and
+    averages in turn on the calling thread. The mean is bitwise the same either way. Memory,
+    with L the bytes of the largest tensor as fp32: 3 L with read-ahead (the running sum and a
+    ring of two tensors), 2 L without (the sum and one read buffer); with update statistics, one
+    L more for the reference's tensor, plus one per client for the cosines (within
+    ``stats_max_bytes``). Read-ahead is off when ``reference`` is also one of the sources (one
+    reader object is never read from two threads).
 
     A source holding NaN or Inf is refused (CheckpointError naming it) before anything is
     written. With a ``reference`` and ``update_stats`` the report carries the clients' update
@@ -140,7 +183,7 @@ def weighted_mean(
     cosines, up to ``stats_max_bytes`` of memory; the mean itself is bitwise the same either way.
     """
     return _write_aggregate(sources, out_dir, reference, num_threads, "weighted_mean", _mean_of_key,
-                            update_stats, stats_max_bytes, model_files)
+                            update_stats, stats_max_bytes, model_files, read_ahead=read_ahead)
 
 
 def aggregate_by_key(
@@ -166,7 +209,7 @@ def aggregate_by_key(
 
     def combine(key: str, readers: list[CheckpointReader], weights: list[float], shape: tuple[int, ...],
                 context: _KeyContext) -> torch.Tensor:
-        tensors = [reader.read(key) for reader in readers]
+        tensors = [reader.read(key) for reader in readers]  # every tensor at once: no read-ahead here
         for tensor, source in zip(tensors, context.names):
             check_finite(key, tensor, source)
         start = context.start(key)
@@ -200,8 +243,13 @@ def _write_aggregate(
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
     model_files: str | os.PathLike[str] | None = None,
+    read_ahead: bool = False,
 ) -> AggregateReport:
-    """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`)."""
+    """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`).
+
+    ``read_ahead`` feeds ``combine`` through :meth:`_KeyContext.fetch` from a background reader;
+    only a combiner that fetches every source of a key in order, one at a time, may ask for it.
+    """
     started = time.perf_counter()
     if not sources:
         raise CheckpointError("no sources to aggregate")
@@ -244,28 +292,38 @@ def _write_aggregate(
     threads_before = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    context: _KeyContext | None = None
     try:
         copy_hf_files(hf_dir, staging)
-        # Buffers sized for the largest tensor, reused for every key: memory stays at two tensors
-        # whatever the model or the number of clients (plus one per client for the cosines of
-        # the update statistics, within stats_max_bytes), and pages are faulted in once.
+        # Buffers sized for the largest tensor, reused for every key: memory stays at a few
+        # tensors whatever the model or the number of clients (weighted_mean's docstring), and
+        # pages are faulted in once.
         largest = max((math.prod(shape) for _, shape, dtype in entries if dtype.is_floating_point), default=0)
         stats = (UpdateStatsAccumulator(weights, largest, stats_max_bytes)
                  if update_stats and reference is not None else None)
-        # Full statistics keep every client's copy plus one row for the aggregate's update.
-        rows = len(readers) + 1 if stats is not None and stats.mode == "full" else 1
+        ahead = read_ahead and not any(reference is reader for reader in readers)
+        # Full statistics keep every client's copy plus one row for the aggregate's update;
+        # otherwise one row: the read buffer, or with read-ahead the clients' update.
+        rows = len(readers) + 1 if stats is not None and stats.mode == "full" else int(stats is not None or not ahead)
         context = _KeyContext(acc=torch.empty(largest, dtype=torch.float32),
                               rows=torch.empty(rows, largest, dtype=torch.float32),
                               names=names, reference=reference, stats=stats)
+        if ahead:
+            plan = [ReadItem(key, index, reader, shape, dtype)
+                    for key, shape, dtype in entries for index, reader in enumerate(readers)]
+            context.ahead = ReadAhead(plan, ring_bytes(max((item.nbytes for item in plan), default=0)))
         with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata) as writer:
             for key, shape, dtype in entries:
                 if dtype.is_floating_point:
                     value = combine(key, readers, weights, shape, context)
                 else:
-                    value = _agreed_integer_tensor(key, readers)
+                    value = _agreed_integer_tensor(key, readers, context)
                 writer.write(key, value)
                 num_params += value.numel()
-        del context
+            if context.ahead is not None:  # every hash in flight done (or its error raised)
+                context.ahead.close()
+                context.ahead = None
+        context = None
         # A source whose hash was deferred to reading is checked now, before anything built from
         # it is committed: a mismatch raises (naming the source) and the staging dir goes away.
         for reader in readers:
@@ -277,6 +335,8 @@ def _write_aggregate(
         os.rename(staging, out_dir)
         fsync_dir(out_dir.parent)
     except BaseException:
+        if context is not None:  # no read or hash may outlive the call
+            context.stop_reading_ahead()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
@@ -297,15 +357,22 @@ def _write_aggregate(
 # Helpers
 
 
-def _agreed_integer_tensor(key: str, readers: list[CheckpointReader]) -> torch.Tensor:
+def _agreed_integer_tensor(key: str, readers: list[CheckpointReader], context: _KeyContext) -> torch.Tensor:
     """Integer buffers (counters, index tables) cannot be averaged; they must agree."""
-    value = readers[0].read(key, dtype=None)
-    for index, reader in enumerate(readers[1:], start=1):
-        if not torch.equal(reader.read(key, dtype=None), value):
-            raise CheckpointError(
-                f"integer tensor '{key}' differs between source 0 and source {index} "
-                f"({reader.directory}); it cannot be averaged"
-            )
+    value: torch.Tensor | None = None
+    for index, reader in enumerate(readers):
+        tensor, release = context.fetch(key, index, reader, None)
+        try:
+            if value is None:  # a read-ahead slot is reused once released: keep a copy
+                value = tensor.clone() if context.ahead is not None else tensor
+            elif not torch.equal(tensor, value):
+                raise CheckpointError(
+                    f"integer tensor '{key}' differs between source 0 and source {index} "
+                    f"({reader.directory}); it cannot be averaged"
+                )
+        finally:
+            release()
+    assert value is not None  # there is always a source
     return value
 
 
@@ -321,26 +388,37 @@ def _mean_of_key(
     shape: tuple[int, ...],
     context: _KeyContext,
 ) -> torch.Tensor:
-    """Stream the weighted sum of ``key``, one source at a time, checking each for NaN/Inf.
+    """Stream the weighted sum of ``key``, one source at a time, then check it for NaN/Inf.
 
     The arithmetic (first source times its weight, then add each next one scaled) is the same
-    with or without statistics, so the written mean does not depend on them.
+    with or without statistics and read-ahead, so the written mean does not depend on them.
+    The sources' tensors are never modified: a read-ahead slot may still be being hashed.
     """
     count = math.prod(shape)
     acc = context.acc[:count].view(shape)
     stats = context.stats
     start = context.start(key)
     full = stats is not None and stats.mode == "full"
+    sequential = context.ahead is None
     for index, (reader, weight) in enumerate(zip(readers, weights)):
-        incoming = context.rows[index if full else 0, :count].view(shape)
-        reader.read_into(key, incoming)
-        check_finite(key, incoming, context.names[index])
-        if index == 0:
-            acc.copy_(incoming).mul_(weight)
-        else:
-            acc.add_(incoming, alpha=weight)
-        if stats is not None and start is not None and not full:
-            stats.add_client_sq(index, sq_norm_float64(incoming.sub_(start)))
+        row = context.rows[index if full else 0, :count].view(shape) if full or sequential else None
+        incoming, release = context.fetch(key, index, reader, row)
+        try:
+            if index == 0:
+                torch.mul(incoming, weight, out=acc)
+            else:
+                acc.add_(incoming, alpha=weight)
+            if stats is not None and start is not None:
+                if full:
+                    if row is not None and incoming is not row:
+                        row.copy_(incoming)  # kept for the cosines at the end of the key
+                else:
+                    diff = context.rows[0, :count].view(shape)
+                    stats.add_client_sq(index, sq_norm_float64(torch.sub(incoming, start, out=diff)))
+        finally:
+            release()
+    if not all_finite(acc):
+        _refuse_non_finite_source(key, readers, context)
     if stats is not None and start is not None:
         # The aggregate's own update is measured directly: derived from the clients' products
         # it would lose all precision exactly when updates cancel, the case worth seeing.
@@ -349,3 +427,22 @@ def _mean_of_key(
         if full:
             stats.add_key(start.reshape(-1), context.rows[: len(readers), :count])
     return acc
+
+
+def _refuse_non_finite_source(key: str, readers: list[CheckpointReader], context: _KeyContext) -> None:
+    """Name the first source whose ``key`` holds NaN or Inf (CheckpointError).
+
+    The sum is checked rather than every source: a weight is > 0, so a NaN or Inf in any source
+    makes the weighted sum NaN or Inf at that element, and a finite sum proves every source
+    finite, in one pass over the output instead of one per source. Only here, on the rare
+    non-finite sum, is each source read again to find the culprit (on this thread, so the
+    read-ahead stops). A mean of finite values that overflows float32 names no source and is
+    written as before.
+    """
+    context.stop_reading_ahead()
+    for index, reader in enumerate(readers):
+        check_finite(key, reader.read(key), context.names[index])
+
+
+def _nothing() -> None:
+    """Nothing to hand back (the sequential path)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -17,7 +19,7 @@ import torch
 from fedagent_flwr.checkpoint.content_hash import combine_file_digests, file_digest, hashed_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, content_mismatch
-from fedagent_flwr.checkpoint.shard_file import Entry, IoMode, ShardFile
+from fedagent_flwr.checkpoint.shard_file import Entry, IoMode, ShardFile, wait_hashed
 
 __all__ = ["FsdpShardReader", "fsdp_shard_paths"]
 
@@ -141,11 +143,36 @@ class FsdpShardReader(CheckpointReader):
         return self._layouts[key].dtype
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
+        self.read_into_deferred(key, out)()
+
+    def read_into_deferred(self, key: str, out: torch.Tensor) -> Callable[[], None]:
         self._require(key)
         layout = self._layouts[key]
         check_out_buffer(self, key, layout.shape, out)
-        for block in layout.blocks:
-            self._files[block.rank].read_piece_into(key, block.index, out[block.slices])
+        # Per rank file, the hashing of the blocks just read (FsdpShardReader with a deferred
+        # content check); the caller waits for it before it touches ``out`` again.
+        pending: dict[int, list[Future[None]]] = {}
+        try:
+            for block in layout.blocks:
+                self._files[block.rank].read_piece_into(
+                    key, block.index, out[block.slices], pending.setdefault(block.rank, [])
+                )
+            self._check_replicas(key, layout, out)
+        except BaseException:
+            for futures in pending.values():  # nothing may still read ``out`` once we raise
+                for future in futures:
+                    future.exception()
+            raise
+        self.bytes_read = sum(f.bytes_read for f in self._files)
+        paths = {rank: self._files[rank].path for rank in pending}
+
+        def wait() -> None:
+            for rank, futures in pending.items():
+                wait_hashed(futures, paths[rank])
+
+        return wait
+
+    def _check_replicas(self, key: str, layout: _Layout, out: torch.Tensor) -> None:
         for rank in layout.replicas:
             other = self._files[rank].read_piece(key, 0)
             if not torch.equal(other.to(out.dtype), out):
@@ -153,7 +180,6 @@ class FsdpShardReader(CheckpointReader):
                     f"{self._files[rank].path}: plain tensor '{key}' differs from rank 0's copy "
                     "(a sharded tensor saved without DTensor metadata?)"
                 )
-        self.bytes_read = sum(f.bytes_read for f in self._files)
 
     def verify_content(self) -> None:
         """Finish the content-hash check begun while reading; CheckpointError naming the directory

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -62,6 +63,17 @@ class CheckpointReader(ABC):
         fault per 4 KiB, which is a large share of the time when streaming a whole model.
         """
 
+    def read_into_deferred(self, key: str, out: torch.Tensor) -> Callable[[], None]:
+        """:meth:`read_into`, except that work on ``out``'s bytes that does not change them (the
+        content hash of a reader checked while reading) may still be running on return.
+
+        The returned callable waits for that work (and raises its error); until it has returned,
+        ``out`` may be read but neither modified nor reused. It lets a read-ahead thread start
+        the next read while the hash of the last one finishes. Default: all done on return.
+        """
+        self.read_into(key, out)
+        return _nothing_pending
+
     @abstractmethod
     def huggingface_dir(self) -> Path | None:
         """Directory holding ``config.json`` and tokenizer files for this checkpoint, if any."""
@@ -103,6 +115,10 @@ class CheckpointReader(ABC):
     @abstractmethod
     def _key_set(self) -> set[str] | dict[str, Any]:
         ...
+
+def _nothing_pending() -> None:
+    """What :meth:`CheckpointReader.read_into_deferred` returns when nothing is left to wait for."""
+
 
 def check_out_buffer(reader: CheckpointReader, key: str, shape: tuple[int, ...], out: torch.Tensor) -> None:
     if tuple(out.shape) != shape:

@@ -4,7 +4,9 @@
 produced key by key, so this writer takes the list of (key, shape[, dtype]) up front, writes the
 header (which fixes every tensor's byte range) and then accepts the tensors in that order. Memory
 is one tensor. The file is written under a temporary name, fsynced and renamed, so a reader never
-sees a partial file under the final name.
+sees a partial file under the final name. Every ``FLUSH_EVERY`` bytes a helper thread starts
+``fdatasync`` on what was written so far, so the disk writes it while the next tensors are being
+computed, and the fsync in :meth:`SafetensorsStreamWriter.close` has little left to wait for.
 
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length, a JSON
 header ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded
@@ -19,6 +21,7 @@ import os
 import struct
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -43,6 +46,9 @@ SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 TensorSpec = tuple[str, Sequence[int]] | tuple[str, Sequence[int], torch.dtype]
+
+#: Bytes written between two background ``fdatasync`` calls (one in flight at a time).
+FLUSH_EVERY = 64 * 1024 * 1024
 
 
 class SafetensorsStreamWriter:
@@ -90,6 +96,9 @@ class SafetensorsStreamWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
         self._next = 0
+        self._unflushed = 0  # bytes written since the last background fdatasync began
+        self._flusher: ThreadPoolExecutor | None = None
+        self._flushing: Future[None] | None = None
         self._file: BinaryIO | None = open(self._tmp, "wb")
         try:
             self._file.write(struct.pack("<Q", len(encoded)))
@@ -116,7 +125,36 @@ class SafetensorsStreamWriter:
         if nbytes:
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
             self._file.write(view)
+            self._unflushed += nbytes
+            if self._unflushed >= FLUSH_EVERY:
+                self._flush_in_background()
         self._next += 1
+
+    def _flush_in_background(self) -> None:
+        """Start writing what the page cache holds of the file to disk, unless a flush is still
+        running (the next write tries again): the writes overlap the computation instead of
+        piling up for the final fsync."""
+        if self._file is None or (self._flushing is not None and not self._flushing.done()):
+            return
+        if self._flushing is not None:
+            self._flushing.result()  # a failed flush is raised here, naming nothing else
+        self._file.flush()  # Python's buffer into the kernel's (the header; tensors go direct)
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(1, thread_name_prefix="safetensors-flush")
+        self._flushing = self._flusher.submit(os.fdatasync, self._file.fileno())
+        self._unflushed = 0
+
+    def _stop_flushing(self) -> None:
+        """Wait for the background flush (it uses the descriptor) and end its thread; its error,
+        if any, is raised."""
+        try:
+            if self._flushing is not None:
+                self._flushing.result()
+        finally:
+            self._flushing = None
+            if self._flusher is not None:
+                self._flusher.shutdown()
+                self._flusher = None
 
     def close(self) -> Path:
         """Check every tensor was written, flush to disk and move the file into place."""
@@ -130,6 +168,7 @@ class SafetensorsStreamWriter:
                 f"(next was '{missing}')"
             )
         try:
+            self._stop_flushing()
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -143,6 +182,10 @@ class SafetensorsStreamWriter:
 
     def abort(self) -> None:
         """Drop the partial file."""
+        try:
+            self._stop_flushing()
+        except OSError:  # the file is dropped anyway
+            pass
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -137,11 +137,18 @@ class ShardFile:
         out.copy_(base)
         return out
 
-    def read_piece_into(self, key: str, index: int, out: torch.Tensor) -> None:
+    def read_piece_into(
+        self, key: str, index: int, out: torch.Tensor, pending: list[Future[None]] | None = None
+    ) -> None:
         """Write block ``index`` of ``key`` into ``out`` (same shape; dtype converted if needed).
 
         When the stored block is contiguous, has ``out``'s dtype and ``out`` is contiguous, the
-        bytes go straight from the file into ``out``: no intermediate copy.
+        bytes go straight from the file into ``out``: no intermediate copy. Then, with a
+        ``pending`` list, the hashing of those bytes (when the file is hashed while read) may still
+        be running on return: its futures are appended to ``pending``, and ``out`` must be neither
+        modified nor reused before :func:`wait_hashed` has returned for them. Without ``pending``
+        (and on the converting paths, whose temporary buffer would otherwise be hashed after it
+        is gone) every byte is hashed before this returns.
         """
         piece = self.entries[key].pieces[index]
         if tuple(out.shape) != piece.shape:
@@ -160,13 +167,17 @@ class ShardFile:
             and meta.dtype == out.dtype
             and out.is_contiguous()
         ):
-            self._pread_into(meta, out)
+            futures = self._pread_into(meta, out, defer=pending is not None)
+            if pending is not None:
+                pending.extend(futures)
             return
         out.copy_(self.read_piece(key, index))
 
     def _pread_into(
-        self, meta: torch.Tensor, out: torch.Tensor, span_elements: int | None = None
-    ) -> None:
+        self, meta: torch.Tensor, out: torch.Tensor, span_elements: int | None = None, defer: bool = False
+    ) -> list[Future[None]]:
+        """Read ``meta``'s bytes into ``out``; with ``defer``, return the hashing still in flight
+        (else wait for it and return nothing pending)."""
         storage = meta.untyped_storage()
         itemsize = meta.element_size()
         count = meta.numel() if span_elements is None else span_elements
@@ -187,7 +198,8 @@ class ShardFile:
         handle.seek(start)
         # With the hash on, a helper thread hashes each chunk while the next one is read (both
         # release the GIL), so on a cold cache the hash hides behind the disk; one worker keeps
-        # the chunks in file order, and every chunk is hashed before ``out`` is handed back.
+        # the chunks in file order. Unless deferred, every chunk is hashed before ``out`` is
+        # handed back; deferred, the caller waits (``wait_hashed``) before reusing ``out``.
         stream = self.hash_stream
         chunk = _HASHED_READ_CHUNK if stream is not None else _READ_CHUNK
         pending: list[Future[None]] = []
@@ -200,14 +212,17 @@ class ShardFile:
                 if stream is not None:
                     pending.append(self._hasher().submit(stream.feed, int(start) + done, target[done : done + got]))
                 done += got
-        finally:
-            # Every chunk is waited for (``out`` is reused once this returns); a read error in
-            # flight stays the one raised, else the first hashing error is.
-            errors = [f.exception() for f in pending]
-        failure = next((e for e in errors if e is not None), None)
-        if failure is not None:
-            raise CheckpointError(f"{self.path}: hashing while reading failed: {failure}") from failure
+        except BaseException:
+            # The chunks in flight still read ``out``: wait for them before the error leaves (it
+            # stays the one raised, not a hashing error behind it).
+            for future in pending:
+                future.exception()
+            raise
         self.bytes_read += nbytes
+        if defer:
+            return pending
+        wait_hashed(pending, self.path)
+        return []
 
     def _hasher(self) -> ThreadPoolExecutor:
         if self._hash_pool is None:
@@ -218,7 +233,8 @@ class ShardFile:
         """sha256 of the file (raw digest): from the blocks read so far plus the bytes they left
         out when hashed while reading, else by reading the file (mmap mode, or after close)."""
         if self.hash_stream is not None and self._handle is not None:
-            return self.hash_stream.finish()
+            # Through the hashing thread: after every chunk still queued, in file order.
+            return self._hasher().submit(self.hash_stream.finish).result()
         return file_digest(self.path)
 
     def _mmap_piece(self, key: str, index: int) -> torch.Tensor:
@@ -260,6 +276,15 @@ class ShardFile:
                     order = archive.read(info).decode(errors="replace")
                 if order != "little":
                     raise CheckpointError(f"{self.path}: byte order '{order}' is not supported")
+
+
+def wait_hashed(pending: list[Future[None]], path: Path) -> None:
+    """Wait for hashing work returned by a deferred read; CheckpointError naming ``path`` if any
+    of it failed (the first error)."""
+    errors = [future.exception() for future in pending]
+    failure = next((e for e in errors if e is not None), None)
+    if failure is not None:
+        raise CheckpointError(f"{path}: hashing while reading failed: {failure}") from failure
 
 
 # ---------------------------------------------------------------------------------------------

@@ -191,3 +191,43 @@ def test_integer_buffers_are_copied_and_odd_layouts_averaged(suite: Suite, tmp_p
     for key in ("tiny", "odd", "columns", "replicated"):
         assert max_abs_diff(written[key], expected[key]) < 1e-6, key
     assert verify_mean([(reader, 1.0), (reader, 3.0)], out) < 1e-6
+
+
+def test_stream_writer_flushes_in_the_background_and_a_failed_flush_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import threading
+
+    from fedagent_flwr.checkpoint import safetensors_writer
+
+    monkeypatch.setattr(safetensors_writer, "FLUSH_EVERY", 1)  # a background fdatasync after every write
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+
+    def counting_fdatasync(fd: int) -> None:
+        synced.append(fd)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting_fdatasync)
+    tensors = {f"t{i}": torch.randn(64, 33) for i in range(12)}
+    path = tmp_path / "model.safetensors"
+    with SafetensorsStreamWriter(path, [(k, tuple(v.shape)) for k, v in tensors.items()]) as writer:
+        for key, value in tensors.items():
+            writer.write(key, value)
+    loaded = load_file(str(path))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert synced  # the flushes ran (one at a time: a write while one runs skips its turn)
+    assert not [t for t in threading.enumerate() if t.name.startswith("safetensors-flush")]
+
+    def failing_fdatasync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing_fdatasync)
+    failed = tmp_path / "failed.safetensors"
+    with pytest.raises(OSError, match="Input/output error"):
+        with SafetensorsStreamWriter(failed, [(k, tuple(v.shape)) for k, v in tensors.items()]) as writer:
+            for key, value in tensors.items():
+                writer.write(key, value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no partial file
+    assert not [t for t in threading.enumerate() if t.name.startswith("safetensors-flush")]
