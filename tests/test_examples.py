@@ -33,7 +33,8 @@ from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.hetero import PartitionError, partition_goals
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
-from testkit.flower_harness import REPO, SuperLink, simulation_superlink
+from testkit.audit import audit_run
+from testkit.flower_harness import REPO, SuperLink
 from testkit.verl_probe import ENGINE, compose_verl_config
 
 GUIDE = REPO / "docs" / "extending.md"
@@ -55,13 +56,6 @@ ROUND_ROBIN = "examples.partition_round_robin.round_robin"
 # --------------------------------------------------------------------------------------------
 # Real Flower simulations
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
-    workdir = tmp_path_factory.mktemp("superlink")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        yield link
 
 
 def _run(superlink: SuperLink, tmp_path: Path, overrides: str) -> tuple[dict, Path]:
@@ -116,8 +110,7 @@ def test_in_process_env_trains_a_round_with_the_median_strategy_and_the_client_r
         assert np.abs(tensor.numpy().astype(np.float64) - expected).max() < 1e-6, key
     with safe_open(str(global_dir / "model.safetensors"), framework="pt") as handle:
         assert handle.metadata()["fedagent.aggregation"] == "coordinate_median"
-    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
-                           capture_output=True, text=True)
+    audit = audit_run(run_dir)
     assert audit.returncode == 1 and "written by the rule 'coordinate_median'" in audit.stdout
 
 

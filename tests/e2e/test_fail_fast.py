@@ -14,18 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from testkit.flower_harness import REPO, SuperLink, simulation_superlink
+from testkit.flower_harness import SuperLink
 
 pytestmark = pytest.mark.slow
 
 COMMON = "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3"
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
-    workdir = tmp_path_factory.mktemp("superlink")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        yield link
 
 
 def _run(superlink: SuperLink, overrides: str, supernodes: int = 2) -> tuple[int, list[tuple[float, str]], float]:

@@ -7,9 +7,9 @@ rounds untouched.
 Every case runs 2 rounds with 3 clients (2 a round, so the selection differs per round) and is
 killed in round 2, so the re-run recomputes round 2 only; the crash-point case kills the re-run
 too, at the next point, so a run resumed twice is checked as well. One uninterrupted run, shared
-by the cases, is the reference. Each case has a SuperLink of its own: the re-run goes to the
-SuperLink that outlived the killed ServerApp, and stopping it afterwards clears whatever the
-killed simulation left behind.
+by the cases and run on the session's SuperLink, is the reference. Each case has a SuperLink of its
+own: the re-run goes to the SuperLink that outlived the killed ServerApp, and stopping it
+afterwards clears whatever the killed simulation left behind.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,7 @@ from safetensors.torch import load_file
 from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.seeding import select_clients
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
+from testkit.audit import audit_run
 from testkit.flower_harness import REPO, SuperLink, is_running, simulation_superlink
 
 pytestmark = pytest.mark.slow
@@ -143,18 +142,17 @@ def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Pa
     assert "configure_train: round 2 trains" in output
     assert not list(run_dir.glob(".federated_summary.json.*"))
     assert not list(run_dir.glob("round_*/.global.staging-*"))
-    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
-                           capture_output=True, text=True)
+    audit = audit_run(run_dir)
     assert audit.returncode == 0 and audit.stdout.count(" ok") == 2, audit.stdout + audit.stderr
     return output
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    """The uninterrupted run every crash case is compared with."""
+def baseline(superlink: SuperLink, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The uninterrupted run every crash case is compared with (on the session's SuperLink: nothing
+    is killed in it)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        proc = link.run(_overrides(workdir, tiny_model_dir), supernodes=SUPERNODES)
+    proc = superlink.run(_overrides(workdir, tiny_model_dir), supernodes=SUPERNODES)
     run_dir = workdir / "out" / "job"
     summary = _summary(run_dir)
     assert summary["status"] == "completed" and summary["resumed"] == [], (proc.stdout + proc.stderr)[-4000:]

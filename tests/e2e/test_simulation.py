@@ -13,19 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from fedagent_flwr.seeding import select_clients
-from testkit.flower_harness import REPO, SuperLink, simulation_superlink
+from testkit.flower_harness import REPO, SuperLink
 
 pytestmark = pytest.mark.slow
 
 # The client checkpoints stay: the tests recompute each round's mean from them.
 COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true"
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
-    workdir = tmp_path_factory.mktemp("superlink")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        yield link
 
 
 def _client_state(client_dir: Path) -> dict[str, torch.Tensor]:

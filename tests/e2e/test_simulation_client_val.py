@@ -13,16 +13,9 @@ import pytest
 
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp.recorder import METRICS_FILE
-from testkit.flower_harness import REPO, SuperLink, simulation_superlink
+from testkit.flower_harness import SuperLink
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
-    workdir = tmp_path_factory.mktemp("superlink")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        yield link
 
 
 @pytest.fixture(scope="module")

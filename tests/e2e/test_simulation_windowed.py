@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from testkit.flower_harness import SuperLink, simulation_superlink
-from tests.e2e.test_simulation import REPO, _check_round_mean, _run
+from testkit.flower_harness import SuperLink
+from tests.e2e.test_simulation import _check_round_mean, _run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def superlink(tmp_path_factory: pytest.TempPathFactory) -> SuperLink:
-    workdir = tmp_path_factory.mktemp("superlink-windowed")
-    with simulation_superlink(workdir, pythonpath=[REPO]) as link:
-        yield link
 
 
 def test_windowed_two_clients_one_round(superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path) -> None:

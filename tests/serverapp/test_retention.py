@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pytest
 from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
+from testkit.audit import audit_run
 from testkit.flower_harness import REPO, is_running, simulation_superlink
 
 SETTINGS = ("clients.total=2 clients.per_round=2 num_rounds=3 eval.num_episodes=2 trainer.max_new_tokens=8 "
@@ -113,8 +112,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     assert freed > 2 * kept / 3  # 6 client checkpoints and 2 of 3 global models of 3 rounds
 
     # The audit says what it could not check, and why, instead of failing.
-    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
-                           capture_output=True, text=True)
+    audit = audit_run(run_dir)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "round 1: global model removed by the run (storage.keep_last_k)" in audit.stdout
     assert "round 3: client checkpoints removed by the run" in audit.stdout
