@@ -16,9 +16,9 @@ The checkpoint store's own fields (``store-*``, ``run-root``) are the store's bu
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Annotated, Any, ClassVar, NamedTuple, TypeVar, get_args, get_type_hints
 
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
@@ -70,27 +70,9 @@ QUERY_SHUTDOWN = "query.shutdown"
 # FedProx coefficient (the key Flower's FedProx sends).
 NUM_EXAMPLES = "num-examples"
 PROXIMAL_MU = "proximal-mu"
-
-SERVER_ROUND = "server-round"
+# Instruction keys other modules name (the rest are spelled once, in the message classes' Wire).
 CLIENT_ID = "client-id"
-NUM_CLIENTS = "num-clients"
-DATA_SEED = "data-seed"
-BASE_SEED = "base-seed"
-ALGORITHM = "algorithm"
-LOCAL_STEPS = "local-steps"
-EPOCHS = "epochs"
-# per-client validation: seeds and spec of the validation episodes a client plays with its trained model
-CLIENT_EVAL_SEEDS = "client-eval-seeds"
-VAL_ENV_SPEC_JSON = "val-env-spec-json"
 TRAINER_JSON = "trainer-json"
-ENV_SPEC_JSON = "env-spec-json"
-PARTITION_JSON = "partition-json"
-SERVICE_JSON = "service-json"
-EVAL_SEEDS = "eval-seeds"
-PARTITION_ID = "partition-id"
-NUM_PARTITIONS = "num-partitions"
-SERVICES_STOPPED = "services-stopped"
-TRAINERS_STOPPED = "trainers-stopped"
 # Metric names of replies.
 REWARD_MEAN = "reward-mean"
 SUCCESS_RATE = "success-rate"
@@ -100,11 +82,6 @@ SCORE_MEAN = "score-mean"
 CLIENT_VAL_PREFIX = "client-val-"
 TRAIN_SECONDS = "train-seconds"
 ZERO_VARIANCE_GROUP_SHARE = "zero-variance-group-share"
-# Checkpoint reference prefixes.
-GLOBAL = "global"
-GLOBAL_CRITIC = "global-critic"
-ACTOR = "actor"
-CRITIC = "critic"
 STORE_FIELDS = (KIND_FIELD, RUN_ROOT_FIELD, URL_FIELD, RUN_FIELD, READ_TOKEN_FIELD, UPLOAD_TOKEN_FIELD, CA_FIELD)
 
 
@@ -146,298 +123,18 @@ def _seed_list(record: Mapping[str, Any], key: str) -> list[int]:
     return [int(s) for s in seeds]
 
 
-def _trainer_field(record: Mapping[str, Any]) -> TrainerSettings:
+def _trainer_field(record: Mapping[str, Any], key: str) -> TrainerSettings:
     """The trainer group, checked by the schema's one validator (as the server checked it)."""
     try:
-        return trainer_settings(_json_field(record, TRAINER_JSON))
+        return trainer_settings(_json_field(record, key))
     except SettingError as exc:
-        raise ProtocolError(f"instruction field '{TRAINER_JSON}': {exc}") from None
+        raise ProtocolError(f"instruction field '{key}': {exc}") from None
 
 
 def _config(content: RecordDict, what: str) -> ConfigRecord:
     if CONFIG not in content.config_records:
         raise ProtocolError(f"{what} has no '{CONFIG}' record")
     return content.config_records[CONFIG]
-
-
-def _global_models(record: Mapping[str, Any]) -> tuple[CheckpointRef, CheckpointRef | None]:
-    model = CheckpointRef.from_config(record, GLOBAL)
-    critic = CheckpointRef.from_config(record, GLOBAL_CRITIC) if f"{GLOBAL_CRITIC}-path" in record else None
-    return model, critic
-
-
-def _with_models(values: dict[str, Any], model: CheckpointRef, critic: CheckpointRef | None) -> dict[str, Any]:
-    values.update(model.to_config(GLOBAL))
-    if critic is not None:
-        values.update(critic.to_config(GLOBAL_CRITIC))
-    return values
-
-
-@dataclass(frozen=True)
-class TrainInstruction:
-    """What the server asks one client to train in one round.
-
-    ``global_model`` (and, for PPO after round 1, ``global_critic``) are references as the
-    checkpoint store shares them; ``store`` holds the store's own fields (how to reach it, the
-    client's upload grant). ``extra`` carries values of Flower's train config that the protocol does
-    not know, unchanged. ``epochs`` is E, the passes over the round's instances (absent from an
-    older server's instruction: 1). A non-empty ``client_eval_seeds`` asks the client to validate
-    its trained model on those seeds of ``val_env_spec`` (per-client validation).
-    """
-
-    server_round: int
-    client_id: int
-    num_clients: int
-    data_seed: int
-    base_seed: int
-    algorithm: str
-    local_steps: int
-    trainer: TrainerSettings  # a mapping given here is checked by the schema's validator
-    env_spec: dict[str, Any]
-    partition: dict[str, Any]
-    service: dict[str, Any]
-    global_model: CheckpointRef
-    global_critic: CheckpointRef | None = None
-    proximal_mu: float = Strategy.proximal_mu
-    store: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    epochs: int = Train.epochs
-    client_eval_seeds: list[int] = field(default_factory=list)
-    val_env_spec: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trainer", trainer_settings(self.trainer))
-
-    def to_record(self) -> RecordDict:
-        values: dict[str, Any] = {
-            **self.extra,
-            **self.store,
-            SERVER_ROUND: self.server_round,
-            CLIENT_ID: self.client_id,
-            NUM_CLIENTS: self.num_clients,
-            DATA_SEED: self.data_seed,
-            BASE_SEED: self.base_seed,
-            ALGORITHM: self.algorithm,
-            LOCAL_STEPS: self.local_steps,
-            EPOCHS: self.epochs,
-            TRAINER_JSON: to_json(asdict(self.trainer)),
-            ENV_SPEC_JSON: to_json(self.env_spec),
-            PARTITION_JSON: to_json(self.partition),
-            SERVICE_JSON: to_json(self.service),
-        }
-        if self.client_eval_seeds:  # only when per-client validation is on
-            values[CLIENT_EVAL_SEEDS] = [int(seed) for seed in self.client_eval_seeds]
-            values[VAL_ENV_SPEC_JSON] = to_json(self.val_env_spec)
-        if self.proximal_mu:  # only FedProx-style strategies send it, as Flower's FedProx does
-            values[PROXIMAL_MU] = self.proximal_mu
-        return RecordDict({CONFIG: ConfigRecord(_with_models(values, self.global_model, self.global_critic))})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> TrainInstruction:
-        record = _config(content, "train instruction")
-        model, critic = _global_models(record)
-        return cls(
-            server_round=_field(record, SERVER_ROUND, int),
-            client_id=_field(record, CLIENT_ID, int),
-            num_clients=_field(record, NUM_CLIENTS, int),
-            data_seed=_field(record, DATA_SEED, int),
-            base_seed=_field(record, BASE_SEED, int),
-            algorithm=_field(record, ALGORITHM, str),
-            local_steps=_field(record, LOCAL_STEPS, int),
-            trainer=_trainer_field(record),
-            env_spec=_json_field(record, ENV_SPEC_JSON),
-            partition=_json_field(record, PARTITION_JSON),
-            service=_json_field(record, SERVICE_JSON),
-            global_model=model,
-            global_critic=critic,
-            proximal_mu=_field(record, PROXIMAL_MU, float) if PROXIMAL_MU in record else Strategy.proximal_mu,
-            store=_store_fields(record),
-            extra=_unknown(record, _TRAIN_KEYS),
-            epochs=_field(record, EPOCHS, int) if EPOCHS in record else Train.epochs,
-            client_eval_seeds=_seed_list(record, CLIENT_EVAL_SEEDS) if CLIENT_EVAL_SEEDS in record else [],
-            val_env_spec=_json_field(record, VAL_ENV_SPEC_JSON) if CLIENT_EVAL_SEEDS in record else {},
-        )
-
-
-@dataclass(frozen=True)
-class EvalInstruction:
-    """What the server asks one client to evaluate: the global model on ``eval_seeds``."""
-
-    server_round: int
-    client_id: int
-    trainer: TrainerSettings  # a mapping given here is checked by the schema's validator
-    env_spec: dict[str, Any]
-    service: dict[str, Any]
-    eval_seeds: list[int]
-    global_model: CheckpointRef
-    global_critic: CheckpointRef | None = None
-    store: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trainer", trainer_settings(self.trainer))
-
-    def to_record(self) -> RecordDict:
-        values: dict[str, Any] = {
-            **self.extra,
-            **self.store,
-            SERVER_ROUND: self.server_round,
-            CLIENT_ID: self.client_id,
-            TRAINER_JSON: to_json(asdict(self.trainer)),
-            ENV_SPEC_JSON: to_json(self.env_spec),
-            SERVICE_JSON: to_json(self.service),
-            EVAL_SEEDS: [int(seed) for seed in self.eval_seeds],
-        }
-        return RecordDict({CONFIG: ConfigRecord(_with_models(values, self.global_model, self.global_critic))})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> EvalInstruction:
-        record = _config(content, "evaluate instruction")
-        model, critic = _global_models(record)
-        seeds = _seed_list(record, EVAL_SEEDS)
-        return cls(
-            server_round=_field(record, SERVER_ROUND, int),
-            client_id=_field(record, CLIENT_ID, int),
-            trainer=_trainer_field(record),
-            env_spec=_json_field(record, ENV_SPEC_JSON),
-            service=_json_field(record, SERVICE_JSON),
-            eval_seeds=seeds,
-            global_model=model,
-            global_critic=critic,
-            store=_store_fields(record),
-            extra=_unknown(record, _EVAL_KEYS),
-        )
-
-
-@dataclass(frozen=True)
-class TrainReply:
-    """A client's answer to a :class:`TrainInstruction`: references to the checkpoints it wrote
-    (the actor; the critic too under PPO) and its metrics (``num-examples``: the episodes played,
-    the FedAvg weight; ``reward-mean``, ``success-rate``, ``train-seconds``, backend timings)."""
-
-    client_id: int
-    actor: CheckpointRef
-    metrics: dict[str, float | int]
-    critic: CheckpointRef | None = None
-
-    def to_record(self) -> RecordDict:
-        values: dict[str, Any] = {CLIENT_ID: self.client_id, **self.actor.to_config(ACTOR)}
-        if self.critic is not None:
-            values.update(self.critic.to_config(CRITIC))
-        return RecordDict({CONFIG: ConfigRecord(values), METRICS: MetricRecord(dict(self.metrics))})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> TrainReply:
-        """Read a client's reply. A missing or mistyped ``client-id`` or metric record raises
-        :class:`ProtocolError`; a malformed checkpoint reference raises ``CheckpointError`` naming
-        its field."""
-        record = _config(content, "reply")
-        client = _field(record, CLIENT_ID, int, "reply")
-        metrics = single_metrics(content)
-        actor = CheckpointRef.from_config(record, ACTOR)
-        critic = CheckpointRef.from_config(record, CRITIC) if f"{CRITIC}-path" in record else None
-        for ref, kind in ((actor, ACTOR), (critic, CRITIC)):
-            if ref is not None and ref.kind != kind:
-                raise CheckpointError(f"reference says kind '{ref.kind}', expected '{kind}'")
-        return cls(client_id=client, actor=actor, metrics=dict(metrics), critic=critic)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class EvalReply:
-    """A client's answer to an :class:`EvalInstruction`: the episodes played and their outcome."""
-
-    num_examples: int
-    success_rate: float
-    reward_mean: float
-    score_mean: float | None = None  # only for envs that score episodes (WebShop's task_score)
-
-    def to_record(self) -> RecordDict:
-        return RecordDict({METRICS: MetricRecord(self.metrics())})  # type: ignore[arg-type]
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> EvalReply:
-        return cls.from_metrics(single_metrics(content))
-
-    @classmethod
-    def from_metrics(cls, metrics: Mapping[str, Any], prefix: str = "") -> EvalReply:
-        """Read the metrics :meth:`metrics` wrote (behind ``prefix``: a train reply's
-        per-client validation, :data:`CLIENT_VAL_PREFIX`)."""
-        unprefixed = {key[len(prefix):]: value for key, value in metrics.items() if key.startswith(prefix)}
-        return cls(num_examples=_field(unprefixed, NUM_EXAMPLES, int, "reply"),
-                   success_rate=_field(unprefixed, SUCCESS_RATE, float, "reply"),
-                   reward_mean=_field(unprefixed, REWARD_MEAN, float, "reply"),
-                   score_mean=_field(unprefixed, SCORE_MEAN, float, "reply") if SCORE_MEAN in unprefixed else None)
-
-    def metrics(self, prefix: str = "") -> dict[str, int | float]:
-        """The reply's metric values, each key behind ``prefix``."""
-        values: dict[str, int | float] = {
-            NUM_EXAMPLES: self.num_examples, SUCCESS_RATE: self.success_rate, REWARD_MEAN: self.reward_mean
-        }
-        if self.score_mean is not None:
-            values[SCORE_MEAN] = self.score_mean
-        return {prefix + key: value for key, value in values.items()}
-
-
-@dataclass(frozen=True)
-class PartitionQuery:
-    """The server asking a node which client partition it serves."""
-
-    message_type = QUERY_PARTITION
-
-    def to_record(self) -> RecordDict:
-        return RecordDict({CONFIG: ConfigRecord({})})
-
-
-@dataclass(frozen=True)
-class PartitionReply:
-    """The partition a node serves, from its node config."""
-
-    partition_id: int
-    num_partitions: int
-
-    def to_record(self) -> RecordDict:
-        return RecordDict({CONFIG: ConfigRecord({PARTITION_ID: self.partition_id,
-                                                 NUM_PARTITIONS: self.num_partitions})})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> PartitionReply:
-        record = _config(content, "partition reply")
-        return cls(partition_id=_field(record, PARTITION_ID, int, "reply"),
-                   num_partitions=_field(record, NUM_PARTITIONS, int, "reply"))
-
-
-@dataclass(frozen=True)
-class ShutdownInstruction:
-    """The run is over: stop what the node started for it. ``store`` tells the node where the
-    run's files are (its env services and trainer channels live there)."""
-
-    message_type = QUERY_SHUTDOWN
-    store: dict[str, Any] = field(default_factory=dict)
-
-    def to_record(self) -> RecordDict:
-        return RecordDict({CONFIG: ConfigRecord(dict(self.store))})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> ShutdownInstruction:
-        return cls(store=_store_fields(_config(content, "shutdown instruction")))
-
-
-@dataclass(frozen=True)
-class ShutdownReply:
-    """What a node stopped at the end of the run."""
-
-    services_stopped: int
-    trainers_stopped: int
-
-    def to_record(self) -> RecordDict:
-        return RecordDict({METRICS: MetricRecord({SERVICES_STOPPED: self.services_stopped,
-                                                  TRAINERS_STOPPED: self.trainers_stopped})})
-
-    @classmethod
-    def from_record(cls, content: RecordDict) -> ShutdownReply:
-        metrics = single_metrics(content)
-        return cls(services_stopped=_field(metrics, SERVICES_STOPPED, int, "reply"),
-                   trainers_stopped=int(metrics.get(TRAINERS_STOPPED, 0)))  # type: ignore[arg-type]  # a count
 
 
 def single_metrics(content: RecordDict) -> MetricRecord:
@@ -448,30 +145,264 @@ def single_metrics(content: RecordDict) -> MetricRecord:
     return records[0]
 
 
-def _store_fields(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: record[key] for key in STORE_FIELDS if key in record}
+@dataclass(frozen=True)
+class Wire:
+    """How one message field travels, declared beside its type (``Annotated[int, Wire(CLIENT_ID)]``).
+
+    ``key`` is its record key (a checkpoint reference's prefix); ``codec`` how it is written:
+    ``scalar`` as is (read back checked against the field's type), ``json`` / ``trainer`` as a JSON
+    string, ``seeds`` a list of int, ``ref`` a :class:`CheckpointRef` flattened under ``key``,
+    ``store`` / ``extra`` / ``metrics`` a mapping spread into the record (the store's fields, the
+    values the protocol does not know, a reply's whole metric record). ``record`` is the record it
+    goes in (config or metrics). A field with a default is read only when its key (``when``'s key)
+    is present; ``when`` names the field whose truthiness decides whether this one is sent; a ``None``
+    is never sent. ``check_kind``: a reference's kind must be its prefix (a reply's actor/critic).
+    """
+
+    key: str = ""
+    codec: str = "scalar"
+    record: str = CONFIG
+    when: str | None = None
+    check_kind: bool = False
 
 
-def _ref_keys(prefix: str) -> set[str]:
-    return set(CheckpointRef(path="x").to_config(prefix))
+class _Wired(NamedTuple):
+    name: str
+    wire: Wire
+    kind: type  # a scalar's type (``float`` for ``float | None``)
+    optional: bool  # has a default: read only when ``presence`` is in the record
+    presence: str
 
 
-_TRAIN_KEYS = frozenset({
-    SERVER_ROUND, CLIENT_ID, NUM_CLIENTS, DATA_SEED, BASE_SEED, ALGORITHM, LOCAL_STEPS, EPOCHS, TRAINER_JSON,
-    ENV_SPEC_JSON, PARTITION_JSON, SERVICE_JSON, PROXIMAL_MU, CLIENT_EVAL_SEEDS, VAL_ENV_SPEC_JSON,
-    *STORE_FIELDS, *_ref_keys(GLOBAL),
-    *_ref_keys(GLOBAL_CRITIC),
-})
-_EVAL_KEYS = frozenset({
-    SERVER_ROUND, CLIENT_ID, TRAINER_JSON, ENV_SPEC_JSON, SERVICE_JSON, EVAL_SEEDS, *STORE_FIELDS,
-    *_ref_keys(GLOBAL), *_ref_keys(GLOBAL_CRITIC),
-})
+_WIRES: dict[type, tuple[_Wired, ...]] = {}
 
 
-def _unknown(record: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
-    return {key: value for key, value in record.items() if key not in known}
+def _wires(cls: type) -> tuple[_Wired, ...]:
+    """A message class's fields with their :class:`Wire`, the spread mappings first (so a protocol
+    field always wins over an extra value of the same key); worked out once per class."""
+    if cls in _WIRES:
+        return _WIRES[cls]
+    hints = get_type_hints(cls, include_extras=True)
+    keys = {f.name: get_args(hints[f.name])[1].key for f in fields(cls)}
+    wired = []
+    for f in fields(cls):
+        base, wire = get_args(hints[f.name])
+        presence = keys[wire.when] if wire.when else f"{wire.key}-path" if wire.codec == "ref" else wire.key
+        optional = f.default is not MISSING or f.default_factory is not MISSING
+        wired.append(_Wired(f.name, wire, base if isinstance(base, type) else get_args(base)[0], optional, presence))
+    _WIRES[cls] = tuple(sorted(wired, key=lambda w: {"extra": 0, "store": 1}.get(w.wire.codec, 2)))
+    return _WIRES[cls]
+
+
+def _keys(cls: type) -> frozenset[str]:
+    """The config keys a message class reads itself (the rest of an instruction is its ``extra``)."""
+    keys: set[str] = set()
+    for w in _wires(cls):
+        if w.wire.codec == "ref":
+            keys |= set(CheckpointRef(path="x").to_config(w.wire.key))
+        elif w.wire.codec not in ("extra", "metrics"):
+            keys |= set(STORE_FIELDS) if w.wire.codec == "store" else {w.wire.key}
+    return frozenset(keys)
+
+
+def _encode(codec: str, key: str, value: Any) -> dict[str, Any]:
+    """The record entries one field's value writes (a reference or a spread mapping writes several)."""
+    if codec in ("store", "extra", "metrics"):
+        return dict(value)
+    if codec == "ref":
+        return value.to_config(key)  # type: ignore[no-any-return]
+    encoded = {"json": to_json, "trainer": lambda v: to_json(asdict(v)), "seeds": lambda v: [int(s) for s in v]}
+    return {key: encoded.get(codec, lambda v: v)(value)}
+
+
+def _decode(cls: type, w: _Wired, record: Mapping[str, Any], what: str) -> Any:
+    """One field read back from a peer's record, checked (``what``: how the error names the message)."""
+    key, codec = w.wire.key, w.wire.codec
+    if codec == "ref":
+        ref = CheckpointRef.from_config(record, key)
+        if w.wire.check_kind and ref.kind != key:
+            raise CheckpointError(f"reference says kind '{ref.kind}', expected '{key}'")
+        return ref
+    if codec == "extra":
+        known = _keys(cls)
+        return {k: v for k, v in record.items() if k not in known}
+    readers: dict[str, Any] = {
+        "scalar": lambda: _field(record, key, w.kind, what), "json": lambda: _json_field(record, key),
+        "trainer": lambda: _trainer_field(record, key), "seeds": lambda: _seed_list(record, key),
+        "store": lambda: {k: record[k] for k in STORE_FIELDS if k in record},
+        "metrics": lambda: dict(record),
+    }
+    return readers[codec]()
+
+
+_M = TypeVar("_M", bound="_Message")
+
+
+class _Message:
+    """One generic ``to_record`` / ``from_record`` for every message, driven by its fields' :class:`Wire`."""
+
+    what: ClassVar[str] = "reply"  # how errors name the message ("train instruction", "reply", ...)
+
+    def __post_init__(self) -> None:
+        for w in _wires(type(self)):
+            if w.wire.codec == "trainer":  # a mapping given here is checked by the schema's validator
+                object.__setattr__(self, w.name, trainer_settings(getattr(self, w.name)))
+
+    def _records(self) -> dict[str, dict[str, Any]]:
+        records: dict[str, dict[str, Any]] = {}
+        for w in _wires(type(self)):
+            value, values = getattr(self, w.name), records.setdefault(w.wire.record, {})
+            if value is not None and (w.wire.when is None or getattr(self, w.wire.when)):
+                values.update(_encode(w.wire.codec, w.wire.key, value))
+        return records or {CONFIG: {}}
+
+    def to_record(self) -> RecordDict:
+        """The ``RecordDict`` Flower carries: a ``config`` ConfigRecord and/or a ``metrics`` MetricRecord."""
+        return RecordDict({name: ConfigRecord(values) if name == CONFIG else MetricRecord(values)
+                           for name, values in self._records().items()})
+
+    @classmethod
+    def from_record(cls: type[_M], content: RecordDict) -> _M:
+        """Read a peer's record, checking every field; the first missing or malformed one raises
+        :class:`ProtocolError` (``CheckpointError`` for a checkpoint reference) naming it."""
+        records: dict[str, Mapping[str, Any]] = {}
+
+        def record(name: str) -> Mapping[str, Any]:  # looked up when a field first needs it
+            if name not in records:
+                records[name] = _config(content, cls.what) if name == CONFIG else single_metrics(content)
+            return records[name]
+
+        return cls._from_records(record)
+
+    @classmethod
+    def _from_records(cls: type[_M], record: Callable[[str], Mapping[str, Any]]) -> _M:
+        values = {w.name: _decode(cls, w, record(w.wire.record), cls.what.split()[-1]) for w in _wires(cls)
+                  if not (w.optional and w.wire.key and w.presence not in record(w.wire.record))}
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class TrainInstruction(_Message):
+    """What the server asks one client to train in one round.
+
+    ``global_model`` (and, for PPO after round 1, ``global_critic``) are references as the
+    checkpoint store shares them; ``store`` holds the store's own fields (how to reach it, the
+    client's upload grant). ``extra`` carries values of Flower's train config that the protocol does
+    not know, unchanged. ``epochs`` is E, the passes over the round's instances (absent from an
+    older server's instruction: 1). A non-empty ``client_eval_seeds`` asks the client to validate
+    its trained model on those seeds of ``val_env_spec`` (per-client validation). ``proximal_mu`` is
+    sent only when non-zero (by FedProx-style strategies, as Flower's FedProx does).
+    """
+
+    what: ClassVar[str] = "train instruction"
+    server_round: Annotated[int, Wire("server-round")]
+    client_id: Annotated[int, Wire(CLIENT_ID)]
+    num_clients: Annotated[int, Wire("num-clients")]
+    data_seed: Annotated[int, Wire("data-seed")]
+    base_seed: Annotated[int, Wire("base-seed")]
+    algorithm: Annotated[str, Wire("algorithm")]
+    local_steps: Annotated[int, Wire("local-steps")]
+    trainer: Annotated[TrainerSettings, Wire(TRAINER_JSON, "trainer")]
+    env_spec: Annotated[dict[str, Any], Wire("env-spec-json", "json")]
+    partition: Annotated[dict[str, Any], Wire("partition-json", "json")]
+    service: Annotated[dict[str, Any], Wire("service-json", "json")]
+    global_model: Annotated[CheckpointRef, Wire("global", "ref")]
+    global_critic: Annotated[CheckpointRef | None, Wire("global-critic", "ref")] = None
+    proximal_mu: Annotated[float, Wire(PROXIMAL_MU, when="proximal_mu")] = Strategy.proximal_mu
+    store: Annotated[dict[str, Any], Wire(codec="store")] = field(default_factory=dict)
+    extra: Annotated[dict[str, Any], Wire(codec="extra")] = field(default_factory=dict)
+    epochs: Annotated[int, Wire("epochs")] = Train.epochs
+    client_eval_seeds: Annotated[list[int], Wire("client-eval-seeds", "seeds", when="client_eval_seeds")] = field(
+        default_factory=list)
+    val_env_spec: Annotated[dict[str, Any], Wire("val-env-spec-json", "json", when="client_eval_seeds")] = field(
+        default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalInstruction(_Message):
+    """What the server asks one client to evaluate: the global model on ``eval_seeds``."""
+
+    what: ClassVar[str] = "evaluate instruction"
+    server_round: Annotated[int, Wire("server-round")]
+    client_id: Annotated[int, Wire(CLIENT_ID)]
+    trainer: Annotated[TrainerSettings, Wire(TRAINER_JSON, "trainer")]
+    env_spec: Annotated[dict[str, Any], Wire("env-spec-json", "json")]
+    service: Annotated[dict[str, Any], Wire("service-json", "json")]
+    eval_seeds: Annotated[list[int], Wire("eval-seeds", "seeds")]
+    global_model: Annotated[CheckpointRef, Wire("global", "ref")]
+    global_critic: Annotated[CheckpointRef | None, Wire("global-critic", "ref")] = None
+    store: Annotated[dict[str, Any], Wire(codec="store")] = field(default_factory=dict)
+    extra: Annotated[dict[str, Any], Wire(codec="extra")] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainReply(_Message):
+    """A client's answer to a :class:`TrainInstruction`: references to the checkpoints it wrote
+    (the actor; the critic too under PPO) and its metrics (``num-examples``: the episodes played,
+    the FedAvg weight; ``reward-mean``, ``success-rate``, ``train-seconds``, backend timings)."""
+
+    client_id: Annotated[int, Wire(CLIENT_ID)]
+    actor: Annotated[CheckpointRef, Wire("actor", "ref", check_kind=True)]
+    metrics: Annotated[dict[str, float | int], Wire(codec="metrics", record=METRICS)]
+    critic: Annotated[CheckpointRef | None, Wire("critic", "ref", check_kind=True)] = None
+
+
+@dataclass(frozen=True)
+class EvalReply(_Message):
+    """A client's answer to an :class:`EvalInstruction`: the episodes played and their outcome."""
+
+    num_examples: Annotated[int, Wire(NUM_EXAMPLES, record=METRICS)]
+    success_rate: Annotated[float, Wire(SUCCESS_RATE, record=METRICS)]
+    reward_mean: Annotated[float, Wire(REWARD_MEAN, record=METRICS)]
+    # only for envs that score episodes (WebShop's task_score)
+    score_mean: Annotated[float | None, Wire(SCORE_MEAN, record=METRICS)] = None
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any], prefix: str = "") -> EvalReply:
+        """Read the metrics :meth:`metrics` wrote (behind ``prefix``: a train reply's
+        per-client validation, :data:`CLIENT_VAL_PREFIX`)."""
+        unprefixed = {key[len(prefix):]: value for key, value in metrics.items() if key.startswith(prefix)}
+        return cls._from_records(lambda _: unprefixed)
+
+    def metrics(self, prefix: str = "") -> dict[str, int | float]:
+        """The reply's metric values, each key behind ``prefix``."""
+        return {prefix + key: value for key, value in self._records()[METRICS].items()}
+
+
+@dataclass(frozen=True)
+class PartitionQuery(_Message):
+    """The server asking a node which client partition it serves."""
+
+    message_type = QUERY_PARTITION
+
+
+@dataclass(frozen=True)
+class PartitionReply(_Message):
+    """The partition a node serves, from its node config."""
+
+    what: ClassVar[str] = "partition reply"
+    partition_id: Annotated[int, Wire("partition-id")]
+    num_partitions: Annotated[int, Wire("num-partitions")]
+
+
+@dataclass(frozen=True)
+class ShutdownInstruction(_Message):
+    """The run is over: stop what the node started for it. ``store`` tells the node where the
+    run's files are (its env services and trainer channels live there)."""
+
+    what: ClassVar[str] = "shutdown instruction"
+    message_type = QUERY_SHUTDOWN
+    store: Annotated[dict[str, Any], Wire(codec="store")] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShutdownReply(_Message):
+    """What a node stopped at the end of the run (``trainers-stopped`` absent from an older node: 0)."""
+
+    services_stopped: Annotated[int, Wire("services-stopped", record=METRICS)]
+    trainers_stopped: Annotated[int, Wire("trainers-stopped", record=METRICS)] = 0
 
 
 def protocol_keys() -> frozenset[str]:
     """Every key an instruction of this protocol may carry (a strategy's extra values must avoid them)."""
-    return _TRAIN_KEYS | _EVAL_KEYS
+    return _keys(TrainInstruction) | _keys(EvalInstruction)
