@@ -26,7 +26,7 @@ from fedagent_flwr.config_keys import ConfigError
 from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
 from fedagent_flwr.schema import RunSchema, SettingError, check, declared_type, register
-from fedagent_flwr.schema.run import Storage
+from fedagent_flwr.schema.run import Storage, StrategyKwargs
 from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
 
@@ -61,9 +61,10 @@ def parse_overrides(overrides: str | Sequence[str]) -> list[str]:
 def compose_config(config_name: str = "config", overrides: str | Sequence[str] = "") -> DictConfig:
     """Compose ``conf/<config_name>.yaml`` with Hydra overrides; unknown keys are errors."""
     # "+trainer.per_client=...": the form from before per_client was a schema field (Hydra refuses "+"
-    # for a key the schema declares); it sets the key as it always did
-    items = [item.removeprefix("+") if item.startswith("+trainer.per_client=") else item
-             for item in parse_overrides(overrides)]
+    # for a key the schema declares); it sets the key as it always did. strategy.kwargs is an open
+    # mapping (Hydra wants "+" to add a key to it), but the keys StrategyKwargs declares are
+    # settings: "strategy.kwargs.discovery_timeout=..." sets one whether a file set it or not.
+    items = [_declared_form(item) for item in parse_overrides(overrides)]
     for item in items:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -107,10 +108,26 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
     return f"configuration error: {text}"
 
 
+_STRATEGY_KWARGS = "strategy.kwargs."
+
+
+def _declared_form(item: str) -> str:
+    """An override as Hydra takes it for a declared key of an open mapping (see compose_config)."""
+    if item.startswith("+trainer.per_client="):
+        return item.removeprefix("+")
+    key = item.partition("=")[0]
+    if key.startswith(_STRATEGY_KWARGS) and key.removeprefix(_STRATEGY_KWARGS) in StrategyKwargs.__dataclass_fields__:
+        return f"++{item}"
+    return item
+
+
 def _unknown_key(key: str) -> str:
     """An unknown key, or a trainer key that the run sets from the ``rollout`` group."""
     if (name := AGENT_LOOP_KEYS.get(key.removeprefix("trainer."))) and key.startswith("trainer."):
         return f"config key '{key}' is set from 'rollout.{name}'; set rollout.{name} instead"
+    if key.startswith(_STRATEGY_KWARGS):
+        return (f"unknown config key '{key}': strategy.kwargs is an open mapping for a custom Strategy's own "
+                f"arguments; add a key to it with '+{key}=...'")
     return f"unknown config key '{key}'"
 
 

@@ -133,3 +133,13 @@ def test_service_pool_must_hold_what_the_reference_trainer_plays_at_once() -> No
     with pytest.raises(ConfigError, match="8 validation episodes each client plays"):
         load_settings(overrides="env=tinyguess_service clients.total=1 clients.per_round=1 experiment=centralized")
     assert load_settings(overrides="env=tinyguess_service env.service.pool_size=8 trainer.rollout_n=4")
+
+
+def test_a_declared_strategy_kwarg_is_set_with_or_without_a_plus() -> None:
+    # strategy.kwargs is an open mapping (a custom Strategy's own arguments need "+"), but the keys
+    # the ServerApp reads itself are settings: both forms set them, and an unknown key says how.
+    for override in ("strategy.kwargs.discovery_timeout=5", "+strategy.kwargs.discovery_timeout=5"):
+        assert load_settings(overrides=override).run.strategy.kwargs.discovery_timeout == 5.0
+    with pytest.raises(ConfigError, match=r"unknown config key 'strategy.kwargs.foo': .* with '\+strategy.kwargs.foo=\.\.\.'"):
+        load_settings(overrides="strategy.kwargs.foo=1")
+    assert load_settings(overrides="+strategy.kwargs.foo=1").raw["strategy"]["kwargs"] == {"foo": 1}

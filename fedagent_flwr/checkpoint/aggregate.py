@@ -171,9 +171,11 @@ def weighted_mean(
     ``read_ahead`` (default) reads the sources' tensors on a background thread, in the order
     they are averaged, while the last ones are averaged (:mod:`.read_ahead`); ``False`` reads and
     averages in turn on the calling thread. The mean is bitwise the same either way. Memory,
-    with L the bytes of the largest tensor as fp32: 3 L with read-ahead (the running sum and a
-    ring of two tensors), 2 L without (the sum and one read buffer); with update statistics, one
-    L more for the reference's tensor, plus one per client for the cosines (within
+    with L the bytes of the largest tensor as fp32 and n the number of sources: 3 L with
+    read-ahead (the running sum and a ring of two tensors), 2 L without (the sum and one read
+    buffer). Update statistics add the reference's tensor and a row for the client's update:
+    5 L with read-ahead, 3 L without (the read buffer is that row); the cosines keep every
+    client's update and the aggregate's instead of one row: (n + 5) L and (n + 3) L (within
     ``stats_max_bytes``). Read-ahead is off when ``reference`` is also one of the sources (one
     reader object is never read from two threads).
 
@@ -309,7 +311,9 @@ def _write_aggregate(
                               rows=torch.empty(rows, largest, dtype=torch.float32),
                               names=names, reference=reference, stats=stats)
         if ahead:
-            plan = [ReadItem(key, index, reader, shape, dtype)
+            # Integer keys are read as each source stores them, as the reads in turn do: cast to
+            # the first source's dtype, a source's 1.5 would pass as 1 in the agreement check.
+            plan = [ReadItem(key, index, reader, shape, dtype if dtype.is_floating_point else reader.dtype(key))
                     for key, shape, dtype in entries for index, reader in enumerate(readers)]
             context.ahead = ReadAhead(plan, ring_bytes(max((item.nbytes for item in plan), default=0)))
         with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata) as writer:

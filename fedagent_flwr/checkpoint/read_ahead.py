@@ -170,6 +170,8 @@ class ReadAhead:
     def _run(self) -> None:
         try:
             for item in self._items:
+                if self._stopped:  # told to stop while the ring had room: read no further
+                    return
                 slot = self._allocate(item)
                 if slot is None:  # stopped
                     return

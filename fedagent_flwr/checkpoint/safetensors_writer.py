@@ -137,19 +137,27 @@ class SafetensorsStreamWriter:
         if self._file is None or (self._flushing is not None and not self._flushing.done()):
             return
         if self._flushing is not None:
-            self._flushing.result()  # a failed flush is raised here, naming nothing else
+            self._flushed()  # a failed flush is raised here
         self._file.flush()  # Python's buffer into the kernel's (the header; tensors go direct)
         if self._flusher is None:
             self._flusher = ThreadPoolExecutor(1, thread_name_prefix="safetensors-flush")
         self._flushing = self._flusher.submit(os.fdatasync, self._file.fileno())
         self._unflushed = 0
 
+    def _flushed(self) -> None:
+        """Wait for the background flush; its failure is raised naming the file written."""
+        assert self._flushing is not None
+        try:
+            self._flushing.result()
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self._tmp}: background fdatasync failed: {exc.strerror or exc}") from exc
+
     def _stop_flushing(self) -> None:
         """Wait for the background flush (it uses the descriptor) and end its thread; its error,
         if any, is raised."""
         try:
             if self._flushing is not None:
-                self._flushing.result()
+                self._flushed()
         finally:
             self._flushing = None
             if self._flusher is not None:

@@ -193,3 +193,26 @@ def test_a_read_error_on_the_reader_thread_is_raised_by_name(suite: Suite, tmp_p
         good.close()
         bad.close()
     assert not out.exists() and _read_ahead_threads() == []
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_an_integer_key_stored_as_float_by_one_source_is_refused(
+    suite: Suite, tmp_path: Path, read_ahead: bool
+) -> None:
+    # Integer buffers must agree across sources. Source 1 stores the counter as float 1.5: read in
+    # source 0's dtype it would pass as 1, so each source's tensor is read as that source stores it.
+    directories = [suite.copy("qwen_plain", tmp_path / name) for name in ("a", "b")]
+    for directory, counter in zip(directories, (torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0, 3.0]))):
+        rank_file = directory / "model_world_size_1_rank_0.pt"
+        state = torch.load(rank_file, weights_only=True)
+        state["step_counter"] = counter
+        torch.save(state, rank_file)
+    readers = [_open(directory) for directory in directories]
+    out = tmp_path / "out"
+    try:
+        with pytest.raises(CheckpointError, match="integer tensor 'step_counter' differs between source 0 and source 1"):
+            weighted_mean([(reader, 1.0) for reader in readers], out, read_ahead=read_ahead)
+    finally:
+        for reader in readers:
+            reader.close()
+    assert not out.exists() and _read_ahead_threads() == []

@@ -11,7 +11,9 @@ cd "$(dirname "$0")/../.."
 source tools/gpu/node_env.sh
 # One Flower home per output folder and run: runs of two matrices launched side by side share run
 # names (federated-s1) and would otherwise share a SuperLink state and stop each other's SuperLink.
-export FLWR_HOME=/tmp/flwr-$(basename "$OUT")-$NAME
+# Named by a digest of the folder's absolute path (two folders may share a base name), under /tmp.
+OUT_KEY=$(cd "$OUT" && pwd -P | sha256sum | cut -c1-12)
+export FLWR_HOME=/tmp/flwr-$OUT_KEY-$NAME
 # Each job gets its own local SuperLink ports, so jobs can run side by side (PORT picks them;
 # pin a job to a GPU with CUDA_VISIBLE_DEVICES).
 case $NAME in *ppo*) P=39291;; *) P=39191;; esac

@@ -65,7 +65,7 @@ from fedagent_flwr.protocol import (
     TrainReply,
     protocol_keys,
 )
-from fedagent_flwr.schema.run import Experiment
+from fedagent_flwr.schema.run import Experiment, RunSchema
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
@@ -129,7 +129,7 @@ class FedAvgFSDP(FedAvg):
         initial_model: CheckpointRef,
         num_clients: int,
         clients_per_round: int,
-        base_seed: int = 42,
+        base_seed: int = RunSchema.seed,
         local_client_id: int = Experiment.local_client_id,
         fixed_weights: Sequence[float] = (),
         plan: RunPlan | None = None,
