@@ -7,6 +7,7 @@ is off (it would re-resolve torch for every run).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,8 @@ class SuperLink:
     connection: str
     log_file: Path
     process: subprocess.Popen[bytes]
+    #: (pid, start time) of each run's flwr-simulation -> when stop_runaway_runs first saw it
+    first_seen: dict[tuple[int, float], float] = field(default_factory=dict)
 
     def command(self, overrides: str = "", supernodes: int = 2, app: Path = REPO,
                 extra_run_config: str = "", run_config_file: Path | None = None) -> list[str]:
@@ -117,6 +120,32 @@ class SuperLink:
         clients) that this SuperLink's SuperExec started."""
         superexecs = set(pids_with_cmdline(f"--parent-pid {self.process.pid}"))
         return [pid for pid in pids_with_cmdline("flwr-simulation") if parent_pid(pid) in superexecs]
+
+
+    def stop_runaway_runs(self, after_s: float = 120.0) -> list[int]:
+        """Kill, with their processes, the runs seen going at an earlier call and still going
+        ``after_s`` later; their pids. A run normally ends with its ``flwr run`` (its
+        ``flwr-simulation`` takes a few more seconds to exit, which is left alone), but a ``flwr
+        run`` that timed out or a test that failed half-way leaves its run training, and on a
+        shared SuperLink it would compete with every later test."""
+        now = time.monotonic()
+        live: dict[tuple[int, float], psutil.Process] = {}
+        for pid in self.simulation_pids():
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                live[(pid, process.create_time())] = process
+        self.first_seen = {key: self.first_seen.get(key, now) for key in live}
+        runaway = [key for key in live if now - self.first_seen[key] >= after_s]
+        for key in runaway:
+            try:
+                tree = [live[key], *live[key].children(recursive=True)]
+            except psutil.Error:
+                continue
+            for process in tree:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(tree, timeout=30)
+        return [pid for pid, _ in runaway]
 
 
 def parent_pid(pid: int) -> int:

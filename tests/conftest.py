@@ -8,6 +8,7 @@ reuse it. CI can point ``FEDAGENT_CACHE_DIR`` at a cached directory of its own.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,18 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuperLink]:
 
     with simulation_superlink(tmp_path_factory.mktemp("superlink"), pythonpath=[REPO]) as link:
         yield link
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test on the shared SuperLink, a run still going two minutes after an earlier test
+    saw it (a timed-out ``flwr run``, a test failed half-way) is stopped, with a warning, so it
+    cannot slow or disturb later tests for long; a run merely exiting is not waited for."""
+    link = request.getfixturevalue("superlink") if "superlink" in request.fixturenames else None
+    yield
+    if link is not None and (killed := link.stop_runaway_runs()):
+        warnings.warn(f"a Flower run outlived its test by minutes; killed flwr-simulation {killed} "
+                      f"after {request.node.nodeid}", stacklevel=1)
 
 
 # --- ALFWorld: the service venv and a small real game set ----------------------------------------

@@ -98,14 +98,19 @@ def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
     channel = run_dir / "trainers" / "client_0"
     victim = None
     deadline = time.monotonic() + 600
-    # Kill client 0's trainer (started for round 0's evaluation) while it works on its round-1 job.
-    while victim is None and time.monotonic() < deadline and proc.poll() is None:
-        if (run_dir / "round_1" / "client_0" / "train_job.json").exists():
-            victim = json.loads((channel / PROCESS_FILE).read_text())["pid"]
-            os.kill(victim, signal.SIGKILL)
-        time.sleep(0.02)
-    assert victim is not None, log_file.read_text()[-4000:]
-    proc.wait(timeout=600)
+    try:
+        # Kill client 0's trainer (started for round 0's evaluation) while it works on its round-1 job.
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "round_1" / "client_0" / "train_job.json").exists():
+                victim = json.loads((channel / PROCESS_FILE).read_text())["pid"]
+                os.kill(victim, signal.SIGKILL)
+            time.sleep(0.02)
+        assert victim is not None, log_file.read_text()[-4000:]
+        proc.wait(timeout=600)
+    finally:  # a failure above leaves no flwr client behind (the run itself: conftest stops it)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     output = log_file.read_text()
     summary = _summary(run_dir, output)
     # That job ran again in a fresh subprocess; the next one started a new trainer.
