@@ -24,7 +24,7 @@ import psutil
 
 from fedagent_flwr.deploy import write_connection
 from fedagent_flwr.launch import stop_superlink_tree
-from fedagent_flwr.procs import ProcessRef, pids_with_cmdline
+from fedagent_flwr.procs import ProcessRef, pids_with_cmdline, signal_each
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -141,9 +141,7 @@ class SuperLink:
                 tree = [live[key], *live[key].children(recursive=True)]
             except psutil.Error:
                 continue
-            for process in tree:
-                with contextlib.suppress(psutil.Error):
-                    process.kill()
+            signal_each(tree)
             psutil.wait_procs(tree, timeout=30)
         return [pid for pid, _ in runaway]
 
