@@ -18,6 +18,7 @@ above 24 tokens, so scores of long documents differ slightly from Lucene's.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
@@ -102,6 +103,13 @@ class BM25Search:
         k1: float = LUCENE_K1,
         b: float = LUCENE_B,
     ) -> None:
+        # bm25s runs a JAX op when it is imported (its top-k backend probe), and JAX on a GPU node
+        # reserves 75% of the GPU's memory at its first op. Any process that builds a WebShop world
+        # imports it (the ClientApp counting goals for a partition, the ServerApp's pre-flight
+        # check, the env services), so on the H200 two ClientApp processes took 30 and 105 GiB and
+        # no verl session could start (docs/gpu.md §7). The search is numpy; JAX stays on the CPU
+        # unless the user chose its platform.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import bm25s
 
         if top_k < 1:
