@@ -171,6 +171,9 @@ class RunSchema:
     eval: Eval = setting(factory=Eval)
     rollout: Rollout = setting(factory=Rollout)
     round_timeout: float = setting(3600.0, gt=0)  # seconds Flower waits for a round's replies
+    # rounds in a row that aggregate no client update before the run stops as failed (GPU time is
+    # not burnt on a run that trains nothing); 0 never stops
+    max_empty_rounds: int = setting(2, ge=0, note="0 never stops the run for empty rounds")
     # + tensorboard (<run dir>/tensorboard), wandb (offline), mlflow (<run dir>/mlflow.db); metrics.jsonl always
     tracking: list[str] = setting(factory=lambda: ["jsonl"])
     storage: Storage = setting(factory=Storage)

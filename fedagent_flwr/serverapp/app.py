@@ -57,7 +57,8 @@ class RunSetupError(AppExitException):
 
 
 class RunFailed(AppExitException):
-    """The run stopped before its last round (every client failed alike, too few SuperNodes)."""
+    """The run failed: it stopped before its last round (every client failed alike, too many empty
+    rounds in a row, too few SuperNodes), or none of its rounds aggregated anything."""
 
     exit_code = ExitCode.SERVERAPP_EXCEPTION
 
@@ -335,7 +336,8 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         raise setup_failed(exc) from None
     retention = Retention.from_settings(settings.storage, run_dir)
     loop = RoundLoop(strategy, grid, recorder, timeout=settings.run.round_timeout, last_completed=last_completed,
-                     after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir)
+                     after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir,
+                     max_empty_rounds=settings.run.max_empty_rounds)
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",
         settings.mode, settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round,
         settings.run.env.name, settings.trainer_backend, type(strategy).__name__)
@@ -359,6 +361,8 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
             log(WARNING, "[fedagent] could not tell the nodes to shut down: %s", exc)
     status, reason = recorder.outcome()
     recorder.finish(status, reason)
+    if status == "failed":  # every round ran, none aggregated anything: nothing was trained
+        raise run_failed(RunFailedError(reason))
     if reason:
         log(WARNING, "[fedagent] run %s: %s", status, reason)
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)

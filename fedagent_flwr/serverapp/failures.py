@@ -3,14 +3,17 @@
 Flower reports a failed ClientApp as an error reply whose reason is Flower's (and, in simulation,
 Ray's) wrapping of the ClientApp's own exception; :func:`readable_reason` gets that exception's line
 back. When every client of a round failed for the same reason (:func:`reason_key` blanks out what
-differs between clients), the next rounds would fail the same way and the run stops
-(:func:`stop_if_all_failed_alike`).
+differs between clients, and takes a GPU-memory shortage in any of its wordings as one reason), the
+next rounds would fail the same way and the run stops (:func:`stop_if_all_failed_alike`). Rounds
+that aggregate nothing for different reasons stop the run too once ``max_empty_rounds`` of them
+come in a row (:func:`stop_after_empty_rounds`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flwr.app import Message
 
@@ -21,6 +24,10 @@ class RunFailedError(RuntimeError):
 
 class RoundFailedError(RunFailedError):
     """Every client of a round failed for the same reason: the next rounds would fail the same way."""
+
+
+class EmptyRoundsError(RunFailedError):
+    """``max_empty_rounds`` rounds in a row aggregated no client update: the run trains nothing."""
 
 
 def reply_reason(reply: Message) -> str:
@@ -87,11 +94,32 @@ def readable_reason(reason: str, limit: int = 1500) -> str:
 
 
 _VARYING = re.compile(r"\b(client|round|node|pid)([ _=])\d+")
+# A GPU without the memory a client needs, in every wording that reaches the server: torch's
+# ("CUDA out of memory", torch.OutOfMemoryError), the verl runner's ("ran out of GPU memory") and
+# vLLM's check at engine start ("Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less
+# than desired GPU memory utilization (0.3, 41.94 GiB)"). Clients sharing one GPU meet the shortage
+# at different places, so their reasons differ in words but not in cause.
+_GPU_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|ran out of GPU memory|"
+                         r"Free memory on device .{0,80}? is less than desired GPU memory utilization")
+#: :func:`reason_key` of every GPU-memory shortage.
+OUT_OF_GPU_MEMORY = "out of GPU memory"
+#: What to do about it, for the line that stops the run.
+GPU_MEMORY_HINT = ("the GPU has too little free memory for the clients' trainers: run fewer verl sessions "
+                   "on the GPU at once (other runs on it count; tools/gpu/arms.py --max-sessions) or lower "
+                   "trainer.gpu_memory_utilization (vLLM's share of the GPU)")
+
+
+def is_gpu_memory_shortage(reason: str) -> bool:
+    """Whether ``reason`` says a GPU had too little free memory (any of the wordings above)."""
+    return _GPU_MEMORY.search(reason) is not None
 
 
 def reason_key(reason: str) -> str:
     """``reason`` with what differs between clients failing the same way blanked out: the leading
-    ``client <c> round <r>:`` label, client/round/node numbers and process ids (in paths and text)."""
+    ``client <c> round <r>:`` label, client/round/node numbers and process ids (in paths and text).
+    A GPU-memory shortage is one reason however it is worded (:data:`OUT_OF_GPU_MEMORY`)."""
+    if is_gpu_memory_shortage(reason):
+        return OUT_OF_GPU_MEMORY
     text = _CLIENT_LABEL.sub("", reason, count=1) if _CLIENT_LABEL.match(reason) else reason
     return _VARYING.sub(lambda m: f"{m.group(1)}{m.group(2)}#", text)
 
@@ -108,6 +136,48 @@ def stop_if_all_failed_alike(what: str, clients: Sequence[int], reasons: dict[in
     if len({reason_key(reasons[c]) for c in clients}) != 1:
         return
     first = min(clients)
+    if reason_key(reasons[first]) == OUT_OF_GPU_MEMORY:
+        raise RoundFailedError(f"{what}: every client ({len(clients)}) ran out of GPU memory, so the run stops; "
+                               f"{GPU_MEMORY_HINT}: {reasons[first]}")
     raise RoundFailedError(
         f"{what}: every client ({len(clients)}) failed the same way, so the run stops: {reasons[first]}"
+    )
+
+
+def round_reasons(entry: Mapping[str, Any]) -> str:
+    """Why the clients of a recorded round (a summary's ``rounds`` entry) were left out, one line:
+    ``client <c>: <reason>; ...``, followed by :data:`GPU_MEMORY_HINT` when one ran out of GPU memory."""
+    rejected = entry.get("rejected") or {}
+    text = "; ".join(f"client {c}: {reason}" for c, reason in rejected.items())
+    if any(is_gpu_memory_shortage(str(reason)) for reason in rejected.values()):
+        text += f" ({GPU_MEMORY_HINT})"
+    return text
+
+
+def empty_streak(rounds: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The rounds at the end of ``rounds`` (a summary's ``rounds`` entries, in order) that
+    aggregated no client update, in a row."""
+    streak: list[int] = []
+    for entry in reversed(rounds):
+        if entry.get("aggregated_actor") is not None:
+            break
+        streak.insert(0, int(entry["round"]))
+    return streak
+
+
+def stop_after_empty_rounds(rounds: Sequence[Mapping[str, Any]], limit: int) -> None:
+    """Raise :class:`EmptyRoundsError` when the last ``limit`` recorded rounds all aggregated nothing
+    (``limit`` 0: never).
+
+    Clients failing for different reasons (one out of memory, another timed out) do not stop a round
+    by themselves (:func:`stop_if_all_failed_alike`), yet a run whose rounds keep aggregating nothing
+    trains nothing and only holds the GPU.
+    """
+    streak = empty_streak(rounds)
+    if limit <= 0 or len(streak) < limit:
+        return
+    why = round_reasons(rounds[-1])
+    raise EmptyRoundsError(
+        f"round(s) {streak} aggregated no client update, {len(streak)} in a row (max_empty_rounds={limit}), "
+        f"so the run stops instead of training nothing" + (f"; round {streak[-1]}: {why}" if why else "")
     )

@@ -31,6 +31,7 @@ from fedagent_flwr.protocol import (
     ProtocolError,
 )
 from fedagent_flwr.serverapp.crashpoint import crash_point
+from fedagent_flwr.serverapp.failures import round_reasons
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 
 if TYPE_CHECKING:
@@ -214,10 +215,21 @@ class RunRecorder:
 
         ``degraded``: some round aggregated no client checkpoint (the previous global model went on
         to the next round), so the final model had fewer rounds of training than the run asked for.
+        ``failed``: no round aggregated anything, so the run trained nothing at all (its final model
+        is the one it started from); the reason names the last round's client failures.
         """
-        empty = [entry for entry in self.summary["rounds"] if entry.get("aggregated_actor") is None]
+        rounds = self.summary["rounds"]
+        empty = [entry for entry in rounds if entry.get("aggregated_actor") is None]
         if not empty:
             return "completed", ""
+        if len(empty) == len(rounds):
+            last = empty[-1]
+            why = round_reasons(last)
+            return "failed", (
+                f"no round aggregated any client update (round(s) {[entry['round'] for entry in empty]}): the run "
+                f"trained nothing and its final model is the one it started from"
+                + (f" (last round, {last['round']}: {why})" if why else "")
+            )
         first = empty[0]
         refused = "; ".join(f"client {c}: {reason}" for c, reason in (first.get("rejected") or {}).items())
         return "degraded", (

@@ -12,7 +12,8 @@ adds around it:
 - it commits a round once its evaluation is recorded, and skips the rounds an earlier attempt at the
   same run committed (:mod:`.resume`): a completed round never reaches strategy code;
 - it stops the run (:class:`~fedagent_flwr.serverapp.failures.RoundFailedError`) when every client
-  of a round failed for the same reason;
+  of a round failed for the same reason, and (:class:`~fedagent_flwr.serverapp.failures.EmptyRoundsError`)
+  after ``max_empty_rounds`` rounds in a row that aggregated nothing;
 - it shows progress: a line every minute while it waits on clients, the clients' step lines while
   they train (:mod:`.progress_relay`), and each round's time with an ETA for the rest of the run.
 """
@@ -30,7 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from fedagent_flwr.serverapp.failures import reply_reason, stop_if_all_failed_alike
+from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_rounds, stop_if_all_failed_alike
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
@@ -121,13 +122,15 @@ class RoundLoop:
 
     ``last_completed`` is the last round an earlier attempt committed (None: not even round 0);
     ``after_commit(round)`` runs after each commit (:mod:`.retention` frees disk there);
-    ``run_root`` is where the clients' progress files are (None: no step lines are relayed).
+    ``run_root`` is where the clients' progress files are (None: no step lines are relayed);
+    ``max_empty_rounds``: rounds in a row that aggregate nothing before the run stops (0: never).
     """
 
     def __init__(self, strategy: FedAvgFSDP, grid: Grid, recorder: RunRecorder, *, timeout: float,
                  last_completed: int | None = None, after_commit: Callable[[int], Any] | None = None,
-                 run_root: Path | None = None) -> None:
+                 run_root: Path | None = None, max_empty_rounds: int = 0) -> None:
         self.run_root = run_root
+        self.max_empty_rounds = max_empty_rounds
         self.strategy = strategy
         self.grid = grid
         self.recorder = recorder
@@ -156,6 +159,8 @@ class RoundLoop:
             log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
             started = time.monotonic()
             self.train(server_round)
+            # before the evaluation: an unchanged model is not worth evaluating again
+            stop_after_empty_rounds(self.recorder.summary["rounds"], self.max_empty_rounds)
             self.evaluate(server_round)
             self.recorder.complete_round(server_round)
             if self.after_commit is not None:

@@ -69,7 +69,7 @@ def train(job: TrainJob) -> TrainResult:
     code, first_step, tail, steps = run_verl(command, prep.env, work, work / "verl.log", prep.paths.ray_temp_dir,
                                              prep.step_file, progress_reporter(job, prep, started))
     if code != 0:
-        raise VerlJobFailed(f"verl {failure_reason(code, tail)} (log: {work / 'verl.log'})")
+        raise VerlJobFailed(f"verl {failure_reason(code, tail, work / 'verl.log')} (log: {work / 'verl.log'})")
     return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"))
 
 

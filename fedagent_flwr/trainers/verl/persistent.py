@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -44,11 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
-from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, record_leftover_markers
+from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, LOG_FILE, record_leftover_markers
 from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl import phases
 from fedagent_flwr.trainers.verl.job import InputError, PreparedTrain, VerlJobFailed
-from fedagent_flwr.trainers.verl.runner import cleanup_ray, known_cause
+from fedagent_flwr.trainers.verl.runner import cleanup_ray, known_cause, logged_cause
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 from fedagent_flwr.trainers.verl.verl_log import StepWatch
 
@@ -108,15 +109,26 @@ def round_plan(job: TrainJob, prep: PreparedTrain, *, reload: bool) -> dict[str,
     }
 
 
-def root_cause(exc: BaseException) -> str:
+def root_cause(exc: BaseException, log_path: Path | None = None, log_offset: int = 0) -> str:
     """One line for an exception raised through Ray: the original error where Ray kept it, with
-    the operator's phrasing for a known cause (GPU memory)."""
+    the operator's phrasing for a known cause (GPU memory). When the exception names none, the
+    server's log from ``log_offset`` on (what Ray's workers printed meanwhile) may: vLLM's engine
+    fails with "Engine core initialization failed. See root cause above.", and the root cause
+    (not enough free GPU memory) is only in that log."""
     cause = getattr(exc, "cause", None)
     inner = cause if isinstance(cause, BaseException) else exc
     text = f"{type(inner).__name__}: {inner}"
-    known = known_cause(f"{text}\n{exc}")
+    known = known_cause(f"{text}\n{exc}") or (logged_cause(log_path, log_offset) if log_path is not None else None)
     line = " ".join(text.split())
     return f"{known} ({line[:300]})" if known else line[:600]
+
+
+def _size(path: Path | None) -> int:
+    """The size of ``path`` in bytes (0: none, or unreadable)."""
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def _release_cached_gpu_memory() -> None:
@@ -264,6 +276,11 @@ class VerlSession:
         returns the seconds it took. On failure everything started is stopped again."""
         started, started_at = time.monotonic(), time.time()
         recorder = self._recorder()
+        # The server's log (a trainer server's session): Ray's workers print into it, and a failed
+        # start's root cause may be there only; what it holds from here on is this start's.
+        channel = os.environ.get(CHANNEL_ENV, "")
+        server_log = Path(channel) / LOG_FILE if channel else None
+        log_offset = _size(server_log)
         stage = "composing verl's config"
         try:
             import ray
@@ -306,8 +323,9 @@ class VerlSession:
         except Exception as exc:
             recorder.record("session_start", started_at, failed=True, stage=stage)
             self.close()
-            raise VerlJobFailed(f"the persistent verl session could not start ({stage}): {root_cause(exc)} "
-                                f"(log: {LOG_HINT})") from exc
+            sys.stdout.flush()  # our own lines in the log before it is read
+            raise VerlJobFailed(f"the persistent verl session could not start ({stage}): "
+                                f"{root_cause(exc, server_log, log_offset)} (log: {LOG_HINT})") from exc
         seconds = round(time.monotonic() - started, 2)
         recorder.record("session_start", started_at)
         print(f"{PROG}: session started in {seconds} s (Ray temp dir {self.ray_temp_dir}, TaskRunner pid "

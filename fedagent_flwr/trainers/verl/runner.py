@@ -22,7 +22,14 @@ from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 _OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
 # vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
 _VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
+# vLLM refusing to start: the GPU has less free memory than trainer.gpu_memory_utilization asks for
+# (other sessions on the GPU hold it). Its engine then fails with "Engine core initialization
+# failed. See root cause above.", and only the log above holds this line.
+_VLLM_STARTUP_MEMORY = re.compile(r"Free memory on device .{0,80}? is less than desired GPU memory utilization "
+                                  r"\([^)]*\)")
 _ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
+#: How much of a log's end :func:`logged_cause` reads (vLLM's traceback precedes the failure by a few hundred lines).
+LOG_SCAN_BYTES = 4 * 2**20
 
 def ray_temp_dir(output_dir: str) -> str:
     """A short per-job Ray temp dir: Ray puts Unix sockets under it (paths must stay < 108 bytes)."""
@@ -82,6 +89,10 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
 
 def known_cause(text: str) -> str | None:
     """A root cause recognised in verl's output (GPU memory), phrased for the operator; else None."""
+    startup = _VLLM_STARTUP_MEMORY.search(text)
+    if startup is not None:
+        return (f"ran out of GPU memory: vLLM could not start ({startup.group(0)}); run fewer sessions on "
+                "the GPU at once or lower trainer.gpu_memory_utilization")
     if any(marker in text for marker in _OOM_MARKERS):
         return "ran out of GPU memory (CUDA out of memory)"
     if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
@@ -90,10 +101,29 @@ def known_cause(text: str) -> str | None:
     return None
 
 
-def failure_reason(code: int, tail: Sequence[str]) -> str:
-    """One line for why verl failed: a known root cause, else the first error line of the tail
-    (chained tracebacks print the root cause first), else the last line."""
-    known = known_cause("\n".join(tail))
+def logged_cause(log_path: Path, offset: int = 0) -> str | None:
+    """:func:`known_cause` of what ``log_path`` holds from byte ``offset`` on (at most its last
+    :data:`LOG_SCAN_BYTES`); None when the file is missing or names no known cause.
+
+    An exception raised through Ray often says only that something failed ("Engine core
+    initialization failed. See root cause above."): the root cause was printed by another process
+    (a vLLM worker) into the log, which is where this looks for it.
+    """
+    try:
+        with open(log_path, "rb") as log:
+            size = log.seek(0, 2)
+            log.seek(max(offset, size - LOG_SCAN_BYTES, 0))
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    return known_cause(text)
+
+
+def failure_reason(code: int, tail: Sequence[str], log_path: Path | None = None) -> str:
+    """One line for why verl failed: a known root cause (in the tail, else anywhere in the end of
+    ``log_path``), else the first error line of the tail (chained tracebacks print the root cause
+    first), else the last line."""
+    known = known_cause("\n".join(tail)) or (logged_cause(log_path) if log_path is not None else None)
     if known is not None:
         return known
     if code < 0:

@@ -361,6 +361,23 @@ def test_failure_reasons_name_the_root_cause() -> None:
     assert failure_reason(3, ["", "last words"]) == "exited with code 3: last words"
 
 
+
+def test_a_failed_jobs_reason_finds_vllms_memory_refusal_above_the_tail(tmp_path: Path) -> None:
+    from fedagent_flwr.trainers.verl.runner import failure_reason
+
+    log = tmp_path / "verl.log"
+    refused = ("(Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] ValueError: Free memory on device "
+               "cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB). "
+               "Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+    tail = ["RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    log.write_text("\n".join([refused, *["(EngineCore pid=10003) traceback line"] * 200, *tail]) + "\n")
+    assert failure_reason(1, tail).startswith("exited with code 1: RuntimeError: Engine core initialization failed")
+    assert failure_reason(1, tail, log) == (
+        "ran out of GPU memory: vLLM could not start (Free memory on device cuda:0 (1.54/139.8 GiB) on startup is "
+        "less than desired GPU memory utilization (0.3, 41.94 GiB)); run fewer sessions on the GPU at once or lower "
+        "trainer.gpu_memory_utilization")
+
+
 def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path: Path) -> None:
     from fedagent_flwr.trainers.verl.job import VerlJobFailed, checkpoint_dir, episode_metrics
 

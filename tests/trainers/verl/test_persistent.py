@@ -317,6 +317,36 @@ def test_metrics_and_errors_from_ray_read_as_one_line() -> None:
     assert root_cause(RuntimeError("CUDA out of memory. Tried")).startswith("ran out of GPU memory")
 
 
+# What a trainer server's log held when vLLM could not start beside three other sessions on an H200
+# (Ray forwards the worker's lines; the exception the session gets says only "see root cause above").
+_VLLM_REFUSED = """\
+\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] WorkerProc failed to start.
+\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898]     raise ValueError(
+\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] ValueError: Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.
+\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (EngineCore pid=10003) ERROR 12-02 07:50:48 [core.py:1231] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+[phase] name=session_start t=176.40 dt=167.69 pid=8045 failed=True stage=starting verl's TaskRunner and workers (init_workers)
+"""
+
+
+def test_a_failed_session_start_names_vllms_root_cause_from_the_servers_log(tmp_path: Path) -> None:
+    engine = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    log = tmp_path / "server.log"
+    log.write_text("an earlier server's start: ValueError: Free memory on device cuda:0 (9.0/139.8 GiB) on startup "
+                   "is less than desired GPU memory utilization (0.3, 41.94 GiB).\n")
+    offset = log.stat().st_size
+    # nothing after the offset: the exception's own words (an earlier server's failure is not this one's)
+    assert root_cause(engine, log, offset) == ("RuntimeError: Engine core initialization failed. See root cause "
+                                               "above. Failed core proc(s): {}")
+    with open(log, "a") as out:
+        out.write(_VLLM_REFUSED)
+    assert root_cause(engine, log, offset) == (
+        "ran out of GPU memory: vLLM could not start (Free memory on device cuda:0 (1.54/139.8 GiB) on startup is "
+        "less than desired GPU memory utilization (0.3, 41.94 GiB)); run fewer sessions on the GPU at once or lower "
+        "trainer.gpu_memory_utilization (RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {})")
+    assert root_cause(engine, tmp_path / "missing.log") == root_cause(engine)
+
+
 _SESSION_SCRIPT = r"""
 import json, sys
 from fedagent_flwr.clientapp.job import load, TrainJob

@@ -1,0 +1,105 @@
+"""How a run ends when its clients fail: one reason for a GPU-memory shortage in any wording, a stop
+after ``max_empty_rounds`` empty rounds in a row, and ``failed`` (not ``degraded``) for a run none of
+whose rounds aggregated anything. The reasons are the real ones of two matrices that shared an H200
+(four verl sessions, each asking vLLM for 30 % of the GPU at start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.serverapp.failures import (
+    GPU_MEMORY_HINT,
+    OUT_OF_GPU_MEMORY,
+    EmptyRoundsError,
+    RoundFailedError,
+    reason_key,
+    stop_after_empty_rounds,
+    stop_if_all_failed_alike,
+)
+from fedagent_flwr.serverapp.recorder import RunRecorder
+
+SESSION = ("verl trainer failed: the persistent verl session could not start (starting verl's TaskRunner and "
+           "workers (init_workers)): ")
+# Our runner's wording of torch's out-of-memory error, when the session could not start.
+RAN_OUT = ("client 0 round 2: " + SESSION + "ran out of GPU memory (CUDA out of memory) (OutOfMemoryError: CUDA "
+           "out of memory. Tried to allocate 14.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 14.31 MiB "
+           "is free. Process 3162 has 30.15 GiB memory in use. Process 3163 has 105.39 GiB memory in use. Process "
+           "9665 has 2.30 GiB memory in use. Including non-PyTorch memory, this pro) (log: the trainer server's log) "
+           "(log: /tmp/outWS/runs/federated-s1/round_2/client_0/train.log)")
+# torch's own words, from an evaluation job.
+TORCH_OOM = ("client 1 eval round 2: verl trainer failed: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+             "20.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which 22.38 MiB is free. Process 3162 has 30.15 "
+             "GiB memory in use. Process 3163 has 105.39 GiB memory in use.")
+# vLLM's check at engine start, as the session now surfaces it from the server's log.
+VLLM_FREE = ("client 1 round 2: " + SESSION + "ran out of GPU memory: vLLM could not start (Free memory on device "
+             "cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB)); run "
+             "fewer sessions on the GPU at once or lower trainer.gpu_memory_utilization (RuntimeError: Engine core "
+             "initialization failed. See root cause above. Failed core proc(s): {}) (log: the trainer server's log) "
+             "(log: /tmp/outWS/runs/federated-s1/round_2/client_1/train.log)")
+VLLM_RAW = ("ValueError: Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory "
+            "utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+# What the same client said before: vLLM's engine failure without its root cause.
+ENGINE = ("client 1 round 2: " + SESSION + "RuntimeError: Engine core initialization failed. See root cause above. "
+          "Failed core proc(s): {} (log: the trainer server's log) "
+          "(log: /tmp/outWS/runs/federated-s1/round_2/client_1/train.log)")
+NO_SUCH_ENV = "client 0 round 1: reference trainer exited with code 2: UnknownEnvError: unknown environment 'NoSuchEnv'"
+
+
+def test_a_gpu_memory_shortage_is_one_reason_in_every_wording() -> None:
+    assert {reason_key(r) for r in (RAN_OUT, TORCH_OOM, VLLM_FREE, VLLM_RAW)} == {OUT_OF_GPU_MEMORY}
+    # an engine failure that does not say why is not taken for a memory shortage, nor is another error
+    assert reason_key(ENGINE) != OUT_OF_GPU_MEMORY and reason_key(NO_SUCH_ENV) != OUT_OF_GPU_MEMORY
+
+
+def test_clients_short_of_gpu_memory_in_different_words_stop_the_run_at_once_saying_what_to_do() -> None:
+    with pytest.raises(RoundFailedError) as stopped:
+        stop_if_all_failed_alike("round 2", [0, 1], {0: RAN_OUT, 1: VLLM_FREE})
+    message = str(stopped.value)
+    assert message.startswith("round 2: every client (2) ran out of GPU memory, so the run stops; ")
+    assert GPU_MEMORY_HINT in message and "trainer.gpu_memory_utilization" in message and RAN_OUT in message
+    # one out of memory and one whose engine failed for an unknown reason: not alike, the run goes on
+    stop_if_all_failed_alike("round 2", [0, 1], {0: RAN_OUT, 1: ENGINE})
+
+
+def _round(server_round: int, aggregated: str | None, rejected: dict[int, str]) -> dict:
+    return {"round": server_round, "aggregated_actor": aggregated, "rejected": {str(c): r for c, r in rejected.items()}}
+
+
+def test_empty_rounds_in_a_row_stop_the_run_after_max_empty_rounds() -> None:
+    different = {0: RAN_OUT, 1: NO_SUCH_ENV}
+    rounds = [_round(1, None, different)]
+    stop_after_empty_rounds(rounds, 2)  # one empty round: not yet
+    rounds.append(_round(2, "/g2", {}))
+    rounds.append(_round(3, None, different))
+    stop_after_empty_rounds(rounds, 2)  # rounds 1 and 3 are empty, but not in a row
+    rounds.append(_round(4, None, different))
+    with pytest.raises(EmptyRoundsError) as stopped:
+        stop_after_empty_rounds(rounds, 2)
+    message = str(stopped.value)
+    assert message.startswith("round(s) [3, 4] aggregated no client update, 2 in a row (max_empty_rounds=2), so the "
+                              "run stops instead of training nothing; round 4: client 0: " + RAN_OUT)
+    assert NO_SUCH_ENV in message and GPU_MEMORY_HINT in message
+    stop_after_empty_rounds(rounds, 3)
+    stop_after_empty_rounds(rounds, 0)  # 0: never
+
+
+def _recorded(run_dir: Path, aggregated: list[str | None]) -> RunRecorder:
+    recorder = RunRecorder(run_dir, {"run_id": 1, "base_model": "/m"})
+    for server_round, actor in enumerate(aggregated, start=1):
+        recorder.record_round(server_round=server_round, clients=[0, 1], started_from="/m", client_actors={},
+                              aggregated=actor, rejected={} if actor else {0: RAN_OUT, 1: ENGINE}, client_metrics={})
+    return recorder
+
+
+def test_a_run_no_round_of_which_aggregated_anything_failed(tmp_path: Path) -> None:
+    status, reason = _recorded(tmp_path / "none", [None, None, None, None]).outcome()
+    assert status == "failed"
+    assert reason.startswith("no round aggregated any client update (round(s) [1, 2, 3, 4]): the run trained "
+                             f"nothing and its final model is the one it started from (last round, 4: client 0: {RAN_OUT}; "
+                             f"client 1: {ENGINE} ({GPU_MEMORY_HINT}))")
+    # some empty rounds among rounds that trained: degraded, as before
+    status, reason = _recorded(tmp_path / "some", [None, "/g2", None]).outcome()
+    assert status == "degraded" and reason.startswith("round(s) [1, 3] aggregated no client checkpoint")
+    assert _recorded(tmp_path / "all", ["/g1", "/g2"]).outcome() == ("completed", "")
