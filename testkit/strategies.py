@@ -2,8 +2,8 @@
 
 ``ClientIdWeighted`` changes the aggregation rule (client c weighs c + 1, whatever its episode
 count) and, to test failure handling, gives client 1 an unknown environment in round 1 so that
-client's trainer subprocess exits non-zero. The ``Breaks*`` strategies break round 1 for every
-client, alike or differently, to test how the run ends.
+client's trainer subprocess exits non-zero. The ``Breaks*`` strategies break round 1 (or every
+round) for every client, alike or differently, to test how the run ends.
 """
 
 from __future__ import annotations
@@ -55,3 +55,14 @@ class BreaksEveryClientDifferently(_BreaksRoundOne):
     aggregates nothing, for two different reasons."""
 
     broken: ClassVar[dict[int, dict]] = {0: BROKEN_SPEC, 1: EMPTY_RANGE_SPEC}
+
+
+class BreaksEveryRoundDifferently(FedAvgFSDP):
+    """Every round: client 0 gets the unknown environment, client 1 an empty TinyGuess range, so no
+    round aggregates anything, and never for one reason."""
+
+    broken: ClassVar[dict[int, dict]] = BreaksEveryClientDifferently.broken
+
+    def train_instruction(self, server_round: int, client: int, config: ConfigRecord) -> TrainInstruction:
+        instruction = super().train_instruction(server_round, client, config)
+        return dataclasses.replace(instruction, env_spec=self.broken[client])

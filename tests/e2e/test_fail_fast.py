@@ -1,8 +1,9 @@
 """Fail fast and honestly, in real Flower simulations run the way `make run` runs them
 (``python -m fedagent_flwr.outcome run -- flwr run ... --stream``): a run that cannot work stops at
 start with one line naming the config key and the fix; a round that every client fails the same way
-stops the run; a run with a round that aggregated nothing ends ``degraded``; and the exit status says
-which."""
+stops the run, and so do ``max_empty_rounds`` rounds in a row that aggregated nothing; a run with a
+round that aggregated nothing ends ``degraded``, one with no round that aggregated anything
+``failed``; and the exit status says which."""
 
 from __future__ import annotations
 
@@ -130,3 +131,41 @@ def test_a_round_that_aggregated_nothing_makes_the_run_degraded(
     assert summary["warning"].startswith("round(s) [1] aggregated no client checkpoint and kept the previous global model")
     assert returncode == 3
     assert lines[-1][1].startswith("[fedagent] run degraded: round(s) [1]")
+
+
+def test_rounds_that_aggregate_nothing_for_different_reasons_stop_the_run_after_max_empty_rounds(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Every round's clients fail, for two different reasons (so no round stops the run by itself):
+    with the default max_empty_rounds=2 the run stops after round 2 of 3, failed (before: it ran every
+    round, trained nothing and ended 'degraded')."""
+    returncode, lines, _ = _run(
+        superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=3 "
+                   f"strategy.class_path=testkit.strategies.BreaksEveryRoundDifferently {COMMON}")
+    output = "\n".join(line for _, line in lines)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed", output[-3000:]
+    assert summary["error"].startswith("round(s) [1, 2] aggregated no client update, 2 in a row (max_empty_rounds=2), "
+                                       "so the run stops instead of training nothing; round 2: client 0: ")
+    assert "NoSuchEnv" in summary["error"]
+    assert [entry["round"] for entry in summary["rounds"]] == [1, 2] and "[ROUND 3]" not in output
+    assert returncode == 1
+    assert lines[-1][1].startswith("[fedagent] run failed: round(s) [1, 2] aggregated no client update")
+
+
+def test_a_run_whose_every_round_aggregated_nothing_failed(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """One round, both clients failing for different reasons: the run ran its rounds but trained
+    nothing, so it ends 'failed' (before: 'degraded'), naming the last round's client failures."""
+    returncode, lines, _ = _run(
+        superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=1 "
+                   f"strategy.class_path=testkit.strategies.BreaksEveryClientDifferently {COMMON}")
+    output = "\n".join(line for _, line in lines)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed", output[-3000:]
+    assert summary["error"].startswith("no round aggregated any client update (round(s) [1]): the run trained nothing "
+                                       "and its final model is the one it started from (last round, 1: client 0: ")
+    assert summary["last_completed_round"] == 1  # every round ran; a re-run has nothing left to redo
+    assert returncode == 1
+    assert lines[-1][1].startswith("[fedagent] run failed: no round aggregated any client update")

@@ -39,7 +39,8 @@ VLLM_FREE = ("client 1 round 2: " + SESSION + "ran out of GPU memory: vLLM could
              "initialization failed. See root cause above. Failed core proc(s): {}) (log: the trainer server's log) "
              "(log: /tmp/outWS/runs/federated-s1/round_2/client_1/train.log)")
 VLLM_RAW = ("ValueError: Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory "
-            "utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")
+            "utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+            "processes.")
 # What the same client said before: vLLM's engine failure without its root cause.
 ENGINE = ("client 1 round 2: " + SESSION + "RuntimeError: Engine core initialization failed. See root cause above. "
           "Failed core proc(s): {} (log: the trainer server's log) "
@@ -97,8 +98,8 @@ def test_a_run_no_round_of_which_aggregated_anything_failed(tmp_path: Path) -> N
     status, reason = _recorded(tmp_path / "none", [None, None, None, None]).outcome()
     assert status == "failed"
     assert reason.startswith("no round aggregated any client update (round(s) [1, 2, 3, 4]): the run trained "
-                             f"nothing and its final model is the one it started from (last round, 4: client 0: {RAN_OUT}; "
-                             f"client 1: {ENGINE} ({GPU_MEMORY_HINT}))")
+                             "nothing and its final model is the one it started from "
+                             f"(last round, 4: client 0: {RAN_OUT}; client 1: {ENGINE} ({GPU_MEMORY_HINT}))")
     # some empty rounds among rounds that trained: degraded, as before
     status, reason = _recorded(tmp_path / "some", [None, "/g2", None]).outcome()
     assert status == "degraded" and reason.startswith("round(s) [1, 3] aggregated no client checkpoint")
