@@ -16,11 +16,14 @@ round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eva
 
 ``launch`` starts one ``tools/gpu/run_federated.sh`` per (arm, seed), detached and side by side,
 each with its own Flower home and ports, and returns at once; runs beyond ``--max-sessions``
-verl sessions wait in later waves, started by a detached scheduler as earlier ones end. ``report`` reads every run's
-``federated_summary.json`` (finished or not: the summary is rewritten after every round) and
-writes the table: the final validation success of each run with its 95% Wilson interval, and per
-arm the mean over seeds with the Wilson interval of the pooled episodes. Pooling counts the
-evaluation noise only; the spread between seeds is shown beside it, so neither is hidden.
+verl sessions wait in later waves, started by a detached scheduler as earlier ones end. The GPU's
+memory is shared with every other matrix live on the node: each run gets
+``trainer.gpu_memory_utilization`` = its share for all their sessions together (``gpu_share.py``).
+``report`` reads every run's ``federated_summary.json`` (finished or not: the summary is
+rewritten after every round) and writes the table: the final validation success of each run with
+its 95% Wilson interval, and per arm the mean over seeds with the Wilson interval of the pooled
+episodes. Pooling counts the evaluation noise only; the spread between seeds is shown beside it,
+so neither is hidden.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_share  # noqa: E402
+import yaml  # noqa: E402
+
 from fedagent_flwr.intervals import wilson_interval  # noqa: E402
+from fedagent_flwr.schema.trainer import VerlKnobs  # noqa: E402
 
 #: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
 #: front). A session is one persistent trainer that trains; "local" has a second node that only
@@ -98,12 +107,7 @@ def _start(out: Path, run: dict[str, Any]) -> subprocess.Popen[bytes]:
     return process
 
 
-def _start_ticks(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks after boot, /proc/<pid>/stat field 22), or None if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+_start_ticks = gpu_share.start_ticks
 
 
 def _pid_line(pid: int) -> str:
@@ -133,30 +137,77 @@ def stop(out: Path) -> list[str]:
     return stopped
 
 
+def _recipe(recipe: str) -> dict[str, Any]:
+    """The recipe's YAML (``conf/recipe/<recipe>.yaml``); empty when there is no such file."""
+    path = REPO / "conf" / "recipe" / f"{recipe}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def _uses_vllm(recipe: dict[str, Any], extra: str) -> bool:
+    """Whether the runs train with verl (whose sessions start vLLM): ``trainer=`` in ``extra``,
+    else the recipe's trainer group."""
+    chosen = [x.split("=", 1)[1] for x in extra.split() if x.lstrip("+").startswith("trainer=")]
+    if not chosen:
+        chosen = [str(d.get("override /trainer")) for d in recipe.get("defaults") or []
+                  if isinstance(d, dict) and "override /trainer" in d]
+    return bool(chosen) and chosen[-1].startswith("verl")
+
+
+def gpu_plan(out: Path, recipe: str, runs: list[dict[str, Any]], groups: list[list[dict[str, Any]]],
+             extra: str, live_dir: Path | None = None) -> dict[str, Any]:
+    """How this matrix shares the GPU: its sessions at once, the other live matrices' sessions, and
+    each vLLM's ``trainer.gpu_memory_utilization`` (None: the runs start no vLLM). Raises
+    gpu_share.ShareError when ``extra`` sets a value that over-commits the GPU."""
+    config = _recipe(recipe)
+    default = float((config.get("trainer") or {}).get("gpu_memory_utilization", VerlKnobs.gpu_memory_utilization))
+    ours = max(sum(r["sessions"] for r in group) for group in groups)
+    others = gpu_share.live_matrices(out, live_dir)
+    other_sessions = sum(int(m.get("sessions", 0)) for m in others)
+    # what the others' vLLMs asked for (a matrix whose runs start no vLLM: nothing)
+    held = sum(int(m.get("sessions", 0)) * float(m.get("gpu_memory_utilization") or 0) for m in others)
+    explicit = gpu_share.explicit_value(extra)
+    value = gpu_share.share(ours, default, explicit, other_sessions, held) if _uses_vllm(config, extra) else None
+    return {"sessions": ours, "other_matrices": {m["out"]: m.get("sessions") for m in others},
+            "other_sessions": other_sessions, "other_held": round(held, 4), "total_sessions": ours + other_sessions,
+            "explicit": explicit, "gpu_memory_utilization": value}
+
+
 def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int,
-           max_sessions: int = DEFAULT_MAX_SESSIONS) -> list[dict[str, Any]]:
+           max_sessions: int = DEFAULT_MAX_SESSIONS, live_dir: Path | None = None) -> list[dict[str, Any]]:
     """Start the runs detached, wave after wave of at most ``max_sessions`` verl sessions.
 
     The first wave starts now; when there are more, a detached scheduler (this script's
     ``schedule`` command) starts each next wave once the previous one has ended, so the call
-    returns at once either way.
+    returns at once either way. Every run gets its share of the GPU's memory
+    (:func:`gpu_plan`), and the matrix is registered as live under ``live_dir`` (default
+    ``gpu_share.LIVE_DIR``) for later launches.
     """
     out.mkdir(parents=True, exist_ok=True)
-    runs = plan(recipe, seeds, arms, extra, base_port)
+    runs = plan(recipe, seeds, arms, gpu_share.without_setting(extra), base_port)
     groups = waves(runs, max_sessions)
-    (out / MATRIX_FILE).write_text(json.dumps({"recipe": recipe, "max_sessions": max_sessions, "runs": runs,
-                                               "waves": [[r["name"] for r in g] for g in groups]}, indent=2))
+    gpu = gpu_plan(out, recipe, runs, groups, extra, live_dir)
+    if gpu["gpu_memory_utilization"] is not None:
+        for run in runs:
+            run["overrides"] += f" {gpu_share.KEY}={gpu['gpu_memory_utilization']}"
+        others = ", ".join(f"{n} in {o}" for o, n in gpu["other_matrices"].items())
+        print(f"GPU: {gpu['total_sessions']} verl session(s) at once ({gpu['sessions']} of this matrix"
+              + (f"; other live matrices: {others}, holding {gpu['other_held']:.0%} of the GPU" if others else "")
+              + f"): each run gets {gpu_share.KEY}={gpu['gpu_memory_utilization']}", flush=True)
+    (out / MATRIX_FILE).write_text(json.dumps({"recipe": recipe, "max_sessions": max_sessions, "gpu": gpu,
+                                               "runs": runs, "waves": [[r["name"] for r in g] for g in groups]},
+                                              indent=2))
     if len(groups) == 1:
-        for run in groups[0]:
-            _start(out, run)
+        pids = [_start(out, run).pid for run in groups[0]]
     else:
         with open(out / "schedule.log", "ab") as log:
             scheduler = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "schedule", "--out", str(out)],
                                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         (out / "schedule.pid").write_text(_pid_line(scheduler.pid))
+        pids = [scheduler.pid]
         print(f"{len(runs)} runs in {len(groups)} waves of at most {max_sessions} sessions: "
               + " | ".join(", ".join(r["name"] for r in g) for g in groups) + f" (progress in {out / 'schedule.log'})")
+    gpu_share.register(out, gpu["sessions"], max_sessions, pids, gpu["gpu_memory_utilization"], live_dir)
     return runs
 
 
@@ -368,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
     args = parser.parse_args(argv)
     if args.command == "launch":
-        launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)
+        try:
+            launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)
+        except gpu_share.ShareError as exc:
+            print(f"arms.py launch: {exc}", file=sys.stderr)
+            return 2
     elif args.command == "schedule":
         schedule(args.out)
     elif args.command == "stop":

@@ -100,3 +100,87 @@ def test_stop_ends_every_running_launcher_group_and_forgets_ended_ones(tmp_path:
     assert not any(alive(pid) for pid in child), "the group's child survived"
     assert not list(tmp_path.glob("*.pid"))
     assert arms.stop(tmp_path) == []
+
+
+def _gpu_share_module():  # noqa: ANN202 - tools/gpu/gpu_share.py, as arms.py imports it
+    _arms_module()  # puts tools/gpu on sys.path
+    import gpu_share
+
+    return gpu_share
+
+
+def test_each_session_gets_an_even_share_of_the_gpu_and_an_over_commit_is_refused() -> None:
+    share = _gpu_share_module()
+    assert share.share(2, 0.3) == 0.3  # two sessions: the default fits (0.85 / 2 = 0.42)
+    assert share.share(4, 0.3) == 0.21  # the two side-by-side matrices of 2026-12-02: 4 x 0.3 did not fit
+    assert share.share(3, 0.3) == 0.28 and share.share(4, 0.3, explicit=0.2) == 0.2
+    assert share.share(2, 0.3, explicit=0.44) == 0.42
+    # beside 2 live sessions at 0.3 each: an even split of the 0.25 they leave
+    assert share.share(2, 0.3, other_sessions=2, other_held=0.6) == 0.12
+    assert share.share(2, 0.3, other_sessions=2, other_held=0.42) == 0.21
+    with pytest.raises(share.ShareError, match=r"trainer.gpu_memory_utilization=0.3 for 4 verl session\(s\) beside 0 "
+                                               r"live one\(s\) on this GPU .*set at most 0.22"):
+        share.share(4, 0.3, explicit=0.3)
+    with pytest.raises(share.ShareError, match=r"hold 85% of this GPU already: no room for 1 more"):
+        share.share(1, 0.3, other_sessions=2, other_held=0.85)
+    assert share.explicit_value("num_rounds=3 trainer.gpu_memory_utilization=0.2") == 0.2
+    assert share.explicit_value("num_rounds=3") is None
+    with pytest.raises(share.ShareError, match="expected a number in"):
+        share.explicit_value("+trainer.gpu_memory_utilization=lots")
+    assert share.without_setting("a=1 trainer.gpu_memory_utilization=0.2 b=2") == "a=1 b=2"
+
+
+def test_launch_counts_the_sessions_of_other_live_matrices_and_passes_each_run_its_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two matrices launched side by side (WebShop and TinyGuess, 2 sessions each) share the GPU:
+    the second finds the first in the registry, and its runs get what the first leaves (before:
+    0.3 each, 4 x 0.3 of the GPU, and vLLM did not start)."""
+    import subprocess
+
+    arms = _arms_module()
+    share = _gpu_share_module()
+    live = tmp_path / "live"
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(out: Path, run: dict) -> subprocess.Popen[bytes]:  # a live process in place of a GPU run
+        process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(arms, "_start", start)
+    try:
+        # an entry whose processes have all ended is no matrix
+        ended = subprocess.Popen(["true"])
+        ended.wait()
+        share.register(tmp_path / "old", 5, 5, [ended.pid], 0.3, live)
+        first = arms.launch(tmp_path / "ws", "webshop_verl", [1], ["federated"], "env.data_dir=/d", 39400,
+                            max_sessions=2, live_dir=live)
+        assert first[0]["overrides"].endswith("env.data_dir=/d trainer.gpu_memory_utilization=0.3")
+        assert not share.entry_path(tmp_path / "old", live).exists()
+        second = arms.launch(tmp_path / "w", "tinyguess_verl", [1], ["federated"], "num_rounds=3", 39500,
+                             max_sessions=2, live_dir=live)
+        assert second[0]["overrides"] == "recipe=tinyguess_verl seed=1 num_rounds=3 trainer.gpu_memory_utilization=0.12"
+        printed = capsys.readouterr().out
+        assert (f"GPU: 4 verl session(s) at once (2 of this matrix; other live matrices: 2 in {tmp_path / 'ws'}, "
+                "holding 60% of the GPU): each run gets trainer.gpu_memory_utilization=0.12") in printed
+        matrix = json.loads((tmp_path / "w" / arms.MATRIX_FILE).read_text())
+        assert matrix["gpu"]["gpu_memory_utilization"] == 0.12 and matrix["gpu"]["total_sessions"] == 4
+        # a third asking explicitly for more than is left is refused, and starts nothing
+        monkeypatch.setattr(share, "LIVE_DIR", live)
+        count = len(started)
+        code = arms.main(["launch", "--out", str(tmp_path / "x"), "--recipe", "tinyguess_verl", "--seeds", "1",
+                          "--arms", "local", "--extra", "trainer.gpu_memory_utilization=0.2"])
+        assert code == 2 and len(started) == count and not (tmp_path / "x" / arms.MATRIX_FILE).exists()
+        assert capsys.readouterr().err == (
+            "arms.py launch: trainer.gpu_memory_utilization=0.2 for 1 verl session(s) beside 4 live one(s) on this GPU "
+            "(holding 84% of it) over-commits it (more than 90% in all): vLLM would not start; set at most 0.06, or "
+            "leave it out to get an even share, or run fewer sessions (--max-sessions)\n")
+        # once the first matrix's runs have ended, it no longer counts
+        started[0].kill()
+        started[0].wait()
+        assert [m["out"] for m in share.live_matrices(tmp_path / "x", live)] == [str((tmp_path / "w").resolve())]
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
