@@ -39,7 +39,7 @@ import numpy as np
 
 from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob, knob_int
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
-from fedagent_flwr.schema.run import CATALOG_TARGETS, Partition
+from fedagent_flwr.schema.run import Partition
 
 CATALOG_SPLIT = "catalog_split"
 BM25_FIELD_SUBSET = "bm25_field_subset"
@@ -90,10 +90,6 @@ LOOKALIKE_POOL: tuple[str, ...] = ("v_price", "v_color", "v_size", "v_price_colo
 RANK_WRAPPER_POOL: tuple[str, ...] = ("bm25_default", "bm25_shuffle", "bm25_invert", "bm25_partial")
 RANK_SHUFFLE_K = 50
 RANK_PARTIAL_P = 0.5
-
-#: ``catalog_targets``: "served" = ASINs of the goals the client is actually served (default; fixes
-#: FedAgent's quirk); "unshuffled" = FedAgent's, from the unshuffled goal order (spec §8 V1 step 3).
-CATALOG_TARGET_MODES = CATALOG_TARGETS
 
 _POOL_SIZES = {BM25_FIELD_SUBSET: len(FIELD_SUBSET_POOL), BM25_REWEIGHT: len(REWEIGHT_POOL),
                LOOKALIKE: len(LOOKALIKE_POOL), RANK_WRAPPER: len(RANK_WRAPPER_POOL)}
