@@ -253,12 +253,9 @@ def _write_aggregate(
     only a combiner that fetches every source of a key in order, one at a time, may ask for it.
     """
     started = time.perf_counter()
-    if not sources:
-        raise CheckpointError("no sources to aggregate")
     readers = [reader for reader, _ in sources]
-    weights = normalise_weights(
-        [weight for _, weight in sources], [f"source {i} ({r.directory})" for i, r in enumerate(readers)]
-    )
+    names = [f"source {index} ({reader.directory})" for index, reader in enumerate(readers)]
+    weights = normalise_weights([weight for _, weight in sources], names)  # refuses no sources, too
     out_dir = Path(out_dir)
     if out_dir.exists() or out_dir.is_symlink():
         raise CheckpointError(f"output directory {out_dir} already exists; refusing to overwrite it")
@@ -267,7 +264,6 @@ def _write_aggregate(
     ties = tied_weight_keys(hf_dir)
     head = readers[0]
     keys = effective_keys(head, ties)
-    names = [f"source {index} ({reader.directory})" for index, reader in enumerate(readers)]
     for reader, name in zip(readers[1:], names[1:]):
         compare_keys(reader, head, ties, name, names[0])
     if reference is not None:

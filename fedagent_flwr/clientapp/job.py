@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.schema.fields import Bound, SettingError, check, renamed
-from fedagent_flwr.schema.run import Strategy, Train
+from fedagent_flwr.schema.run import RunSchema, Strategy, Train
 
 T = TypeVar("T")
 
@@ -38,8 +38,8 @@ class TrainJob:
     client_id: int = field(metadata={"bound": Bound(ge=0)})
     num_clients: int = field(metadata={"bound": Bound(ge=1)})
     data_seed: int  # base_seed + 100 * round + client_id (FedAgent's rule)
-    base_seed: int = 42  # the run's seed: partitions are drawn from it, identical in every round
-    algorithm: str = "grpo"
+    base_seed: int = renamed(RunSchema, "seed")  # the run's seed: partitions are drawn from it, every round alike
+    algorithm: str = RunSchema.algorithm
     local_steps: int = renamed(Train, "local_steps")  # optimiser steps per epoch, each on new env instances
     proximal_mu: float = renamed(Strategy, "proximal_mu")
     critic_path: str = ""

@@ -19,6 +19,7 @@ from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.hetero import needs_goal_info, partition_goals
 from fedagent_flwr.hetero.env_level import variant_request
 from fedagent_flwr.procs import find_ancestor
+from fedagent_flwr.schema.run import RunSchema
 
 SERVICE_ENV = "Service"
 
@@ -82,7 +83,7 @@ def serve_env_spec(
     settings: dict[str, Any],
     partition: dict[str, Any] | None = None,
     num_clients: int = 1,
-    base_seed: int = 42,
+    base_seed: int = RunSchema.seed,
 ) -> tuple[dict[str, Any], list[EnvServiceManager]]:
     """Make sure this client's services for ``spec`` run; return the spec pointed at them.
 

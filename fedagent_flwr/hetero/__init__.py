@@ -26,7 +26,7 @@ from typing import Any
 
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec, EnvSpecEntry, load_env_spec
-from fedagent_flwr.hetero.common import GoalInfo, knob
+from fedagent_flwr.hetero.common import DEFAULT_SEED, GoalInfo, knob
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition, env_disjoint_strategy
 from fedagent_flwr.hetero.task import (
     coverage_partition,
@@ -171,7 +171,7 @@ def partition_goals(
     num_clients: int,
     num_goals: int,
     knobs: Mapping[str, Any] | None = None,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     goal_info: Sequence[GoalInfo] | None = None,
     order: str = "fedagent",
 ) -> list[int]:
@@ -203,7 +203,7 @@ def partition_env_spec(
     partition: Mapping[str, Any] | None,
     client_id: int,
     num_clients: int,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
 ) -> EnvSpec:
     """The env spec a client trains on: each goal-pool environment restricted to its goals.
 

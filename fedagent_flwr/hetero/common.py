@@ -19,9 +19,10 @@ import numpy as np
 
 from fedagent_flwr.hetero.uniform import PartitionError, uniform_bounds
 from fedagent_flwr.schema.fields import SettingError, check_value
-from fedagent_flwr.schema.run import Partition
+from fedagent_flwr.schema.run import Partition, RunSchema
 
 #: FedAgent's ``DEFAULTS`` (``fed/run_fed.py``) for the task-level knobs, declared in the schema.
+DEFAULT_SEED: int = RunSchema.seed  # the run's seed, S; FedAgent's partitions are S = 42's
 DEFAULT_OMEGA: float = Partition.omega  # type: ignore[assignment]  # a dataclass field's default
 DEFAULT_SIZE_STD: float = Partition.size_std  # type: ignore[assignment]
 DEFAULT_SUCCESS_STD: float = Partition.success_std  # type: ignore[assignment]

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import GoalInfo, check_args, check_goal_info, knob
+from fedagent_flwr.hetero.common import DEFAULT_SEED, GoalInfo, check_args, check_goal_info, knob
 from fedagent_flwr.hetero.uniform import PartitionError
 from fedagent_flwr.schema.run import FALLBACKS, UNITS, Partition
 
@@ -48,7 +48,7 @@ def spec_digest(spec: str) -> int:
     return int.from_bytes(hashlib.sha256(spec.encode("utf-8")).digest()[:4], "big") & 0x7FFFFFFF
 
 
-def spec_seeds(spec: str, client_id: int, base_seed: int = 42) -> tuple[int, int]:
+def spec_seeds(spec: str, client_id: int, base_seed: int = DEFAULT_SEED) -> tuple[int, int]:
     """``(spec_seed, client_seed)`` of a spec for one client."""
     digest = spec_digest(spec)
     spec_seed = (int(base_seed) + (digest & 0x7FFFFFFF)) & 0x7FFFFFFF
@@ -56,7 +56,7 @@ def spec_seeds(spec: str, client_id: int, base_seed: int = 42) -> tuple[int, int
     return spec_seed, client_seed
 
 
-def selection_scores(spec: str, count: int, client_id: int, env_div: float, base_seed: int = 42,
+def selection_scores(spec: str, count: int, client_id: int, env_div: float, base_seed: int = DEFAULT_SEED,
                      rng: np.random.RandomState | None = None) -> np.ndarray:
     """``e = (1 - env_div) * u + env_div * v`` over a spec's ``count`` sorted items, for one client.
 
@@ -94,7 +94,7 @@ def env_disjoint_partition(
     num_clients: int,
     goal_info: Sequence[GoalInfo],
     env_div: float = DEFAULT_ENV_DIV,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     holdout_scenes: Collection[str] = (),
     fallback: str = "skip",
     unit: str = "game",

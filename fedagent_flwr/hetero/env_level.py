@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from fedagent_flwr.hetero.common import check_args, fedagent_slice, knob, knob_int
+from fedagent_flwr.hetero.common import DEFAULT_SEED, check_args, fedagent_slice, knob, knob_int
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
-from fedagent_flwr.schema.run import CATALOG_TARGETS, Partition
+from fedagent_flwr.schema.run import Partition
 
 CATALOG_SPLIT = "catalog_split"
 BM25_FIELD_SUBSET = "bm25_field_subset"
@@ -90,10 +90,6 @@ LOOKALIKE_POOL: tuple[str, ...] = ("v_price", "v_color", "v_size", "v_price_colo
 RANK_WRAPPER_POOL: tuple[str, ...] = ("bm25_default", "bm25_shuffle", "bm25_invert", "bm25_partial")
 RANK_SHUFFLE_K = 50
 RANK_PARTIAL_P = 0.5
-
-#: ``catalog_targets``: "served" = ASINs of the goals the client is actually served (default; fixes
-#: FedAgent's quirk); "unshuffled" = FedAgent's, from the unshuffled goal order (spec §8 V1 step 3).
-CATALOG_TARGET_MODES = CATALOG_TARGETS
 
 _POOL_SIZES = {BM25_FIELD_SUBSET: len(FIELD_SUBSET_POOL), BM25_REWEIGHT: len(REWEIGHT_POOL),
                LOOKALIKE: len(LOOKALIKE_POOL), RANK_WRAPPER: len(RANK_WRAPPER_POOL)}
@@ -175,7 +171,7 @@ def effective_variant_n(strategy: str, variant_n: int | None) -> int:
     return n
 
 
-def choose_variant_index(client_id: int, variant_n: int, base_seed: int = 42) -> int:
+def choose_variant_index(client_id: int, variant_n: int, base_seed: int = DEFAULT_SEED) -> int:
     """FedAgent's assignment: ``RandomState(base_seed + client_id).randint(variant_n)``."""
     if variant_n < 1:
         raise PartitionError(f"variant_n must be >= 1, got {variant_n}")
@@ -183,7 +179,7 @@ def choose_variant_index(client_id: int, variant_n: int, base_seed: int = 42) ->
 
 
 def pool_variant(strategy: str, client_id: int, num_clients: int, variant_n: int | None = None,
-                 base_seed: int = 42) -> EnvVariant:
+                 base_seed: int = DEFAULT_SEED) -> EnvVariant:
     """The V2-V5 variant of a client: ``pool[:N][choose_variant_index(...)]``, resolved to parameters."""
     if strategy not in POOL_STRATEGIES:
         raise PartitionError(f"{strategy!r} is not a pool strategy ({', '.join(POOL_STRATEGIES)})")
@@ -244,7 +240,7 @@ def catalog_distractors(
 
 
 def keep_distractors(all_asins: Collection[str], distractors: Sequence[str], client_id: int, env_div: float,
-                     keep_ratio: float, base_seed: int = 42) -> list[str]:
+                     keep_ratio: float, base_seed: int = DEFAULT_SEED) -> list[str]:
     """The kept distractors: the ``round(keep_ratio * D)`` smallest ``e = (1-env_div)*u + env_div*v``.
 
     ``u`` = ``RandomState(base_seed).random()`` and ``v`` = ``RandomState(base_seed + 1000*client_id)
@@ -271,7 +267,7 @@ def catalog_split(
     env_div: float = DEFAULT_ENV_DIV,
     keep_ratio: float = DEFAULT_KEEP_RATIO,
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     holdout: Collection[str] = (),
     target_asins: Sequence[str] | None = None,
 ) -> EnvVariant:
@@ -314,7 +310,7 @@ def read_holdout(path: str | Path) -> list[str]:
 
 
 def variant_request(strategy: str, client_id: int, num_clients: int, knobs: Mapping[str, Any] | None = None,
-                    base_seed: int = 42) -> dict[str, Any] | None:
+                    base_seed: int = DEFAULT_SEED) -> dict[str, Any] | None:
     """The ``variant`` dict for a client's service launch (None for a non-env-level strategy).
 
     Small and JSON-serialisable: strategy, client id, client count, base seed and the strategy's

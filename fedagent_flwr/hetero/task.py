@@ -34,6 +34,7 @@ import numpy as np
 
 from fedagent_flwr.hetero.common import (
     DEFAULT_OMEGA,
+    DEFAULT_SEED,
     DEFAULT_SIZE_STD,
     DEFAULT_SUCCESS_STD,
     GoalInfo,
@@ -91,7 +92,7 @@ def preference_partition(
     goal_info: Sequence[GoalInfo],
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
     omega: float = DEFAULT_OMEGA,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     fashion_sample_ratio: float = FASHION_SAMPLE_RATIO,
 ) -> list[int]:
     """Dirichlet category preference (ω, specs/partitions.md §5): ``L`` goals, in FedAgent's order.
@@ -177,14 +178,14 @@ def _coverage_setup(num_clients: int, num_goals: int, min_goals_per_client: int,
 
 
 def coverage_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                   size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[int]:
+                   size_std: float = DEFAULT_SIZE_STD, base_seed: int = DEFAULT_SEED) -> list[int]:
     """Every client's target size under ``coverage`` (§7): ``generate_client_sizes(N, L, 500, 1000,
     s, 500 N)`` on ``default_rng(S)``; they depend on ``(N, L, s, S)``, not on the pool."""
     return _coverage_setup(num_clients, num_goals, min_goals_per_client, size_std, base_seed)[2]
 
 
 def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                        size_std: float = DEFAULT_SIZE_STD, base_seed: int = 42) -> list[list[int]]:
+                        size_std: float = DEFAULT_SIZE_STD, base_seed: int = DEFAULT_SEED) -> list[list[int]]:
     """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
     check_int("num_clients", num_clients, 1)
     check_int("num_goals", num_goals, 1)
@@ -208,7 +209,7 @@ def coverage_partition(
     num_goals: int,
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
     size_std: float = DEFAULT_SIZE_STD,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
 ) -> list[int]:
     """Coverage (ξ, §7): Beta-sized client pools in ``[L, 1000]`` averaging 500, each goal held by
     ``floor(r)`` or ``ceil(r)`` clients (``r = 500 N / n``); the client's goals in set order.
@@ -259,7 +260,7 @@ def _hardness_setup(num_clients: int, num_goals: int, min_goals_per_client: int,
 
 
 def hardness_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                   success_std: float = DEFAULT_SUCCESS_STD, base_seed: int = 42) -> list[int]:
+                   success_std: float = DEFAULT_SUCCESS_STD, base_seed: int = DEFAULT_SEED) -> list[int]:
     """Every client's easy quota (§8.3 step 4): ``generate_client_sizes(N, 0, L // 2, L, s, N (L // 2))``."""
     return _hardness_setup(num_clients, num_goals, min_goals_per_client, success_std, base_seed)[2]
 
@@ -279,7 +280,7 @@ def hardness_assignment(
     goal_info: Sequence[GoalInfo],
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
     success_std: float = DEFAULT_SUCCESS_STD,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     labels: Mapping[str, bool] | None = None,
     clients: Sequence[int] | None = None,
 ) -> dict[int, list[int]]:
@@ -327,7 +328,7 @@ def hardness_partition(
     goal_info: Sequence[GoalInfo],
     min_goals_per_client: int = DEFAULT_MIN_GOALS,
     success_std: float = DEFAULT_SUCCESS_STD,
-    base_seed: int = 42,
+    base_seed: int = DEFAULT_SEED,
     labels: Mapping[str, bool] | None = None,
 ) -> list[int]:
     """Hardness (ξ′, §8, FedAgent 0a41188): ``L`` goals, the client's easy quota first (set order),

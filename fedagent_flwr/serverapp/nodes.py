@@ -11,8 +11,9 @@ trainers).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from logging import INFO, WARNING
+from typing import Any, TypeVar
 
 from flwr.app import Message
 from flwr.common import log
@@ -21,6 +22,8 @@ from flwr.serverapp import Grid
 from fedagent_flwr.protocol import PartitionQuery, PartitionReply, ProtocolError, ShutdownInstruction, ShutdownReply
 from fedagent_flwr.schema.run import StrategyKwargs
 from fedagent_flwr.serverapp.failures import RunFailedError, reply_reason
+
+R = TypeVar("R")
 
 # In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
 # whole federation.
@@ -133,18 +136,9 @@ class NodeRegistry:
             )
 
     def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
-        query = PartitionQuery()
-        messages = [Message(query.to_record(), dst_node_id=node, message_type=query.message_type) for node in node_ids]
-        for reply in grid.send_and_receive(messages, timeout=self.discovery_timeout):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                log(WARNING, "Node %d did not report its partition: %s", node, reply_reason(reply))
-                continue
-            try:
-                answer = PartitionReply.from_record(reply.content)
-            except ProtocolError as exc:
-                log(WARNING, "Node %d did not report its partition: %s", node, exc)
-                continue
+        answers = _answers(grid, PartitionQuery(), node_ids, PartitionReply.from_record, self.discovery_timeout,
+                           "report its partition")
+        for node, answer in answers:
             partition, count = answer.partition_id, answer.num_partitions
             if partition in self._node_of_client and self._node_of_client[partition] != node:
                 log(WARNING, "Partition %d is served by two nodes; using node %d", partition,
@@ -158,21 +152,27 @@ class NodeRegistry:
 
     def shutdown(self, grid: Grid, instruction: ShutdownInstruction, timeout: float = 120.0) -> None:
         """Tell every known node the run is over, so it stops what it started (env services)."""
-        messages = [Message(instruction.to_record(), dst_node_id=node, message_type=instruction.message_type)
-                    for node in sorted(set(self._node_of_client.values()))]
-        if not messages:
+        nodes = sorted(set(self._node_of_client.values()))
+        if not nodes:
             return
-        stopped = trainers = 0
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            if reply.has_error():
-                log(WARNING, "Node %d did not shut down cleanly: %s", reply.metadata.src_node_id, reply.error.reason)
-                continue
-            try:
-                answer = ShutdownReply.from_record(reply.content)
-            except ProtocolError as exc:
-                log(WARNING, "Node %d answered the shutdown oddly: %s", reply.metadata.src_node_id, exc)
-                continue
-            stopped += answer.services_stopped
-            trainers += answer.trainers_stopped
+        answers = [a for _, a in _answers(grid, instruction, nodes, ShutdownReply.from_record, timeout,
+                                          "shut down cleanly")]
         log(INFO, "[fedagent] run over: %d node(s) told, %d env service(s) and %d persistent trainer(s) stopped",
-            len(messages), stopped, trainers)
+            len(nodes), sum(a.services_stopped for a in answers), sum(a.trainers_stopped for a in answers))
+
+
+def _answers(grid: Grid, instruction: Any, node_ids: list[int], parse: Callable[[Any], R], timeout: float,
+             what: str) -> Iterator[tuple[int, R]]:
+    """Send ``instruction`` to every node of ``node_ids``; yield (node, parsed reply) for each
+    answer ``parse`` accepts, logging a warning (``Node N did not <what>: ...``) for each other."""
+    messages = [Message(instruction.to_record(), dst_node_id=node, message_type=instruction.message_type)
+                for node in node_ids]
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        try:
+            if reply.has_error():
+                raise ProtocolError(reply_reason(reply))
+            answer = parse(reply.content)
+        except ProtocolError as exc:
+            log(WARNING, "Node %d did not %s: %s", reply.metadata.src_node_id, what, exc)
+            continue
+        yield reply.metadata.src_node_id, answer

@@ -52,7 +52,7 @@ def task_from_observation(observation: str) -> str:
 
 
 def windowed_prompt(task: str, observation: str, commands: Sequence[str],
-                    memory: Sequence[tuple[str, str]] = (), history_length: int = 2) -> str:
+                    memory: Sequence[tuple[str, str]], history_length: int) -> str:
     """FedAgent's ``build_alfworld_obs``; ``memory`` = (raw observation before, projected action) per
     step so far. The history count printed is the number of pairs actually shown."""
     actions = admissible_text(commands)

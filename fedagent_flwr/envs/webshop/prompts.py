@@ -53,7 +53,6 @@ WEBSHOP_TEMPLATE = (
 )
 #: Windowed prompts longer than this fall back to the no-history template.
 MAX_WINDOWED_CHARS = 13000
-HISTORY_LENGTH = 2
 
 
 def admissible_actions_text(available: Mapping[str, Any]) -> str:
@@ -95,8 +94,8 @@ def windowed_prompt(
     task: str,
     observation: str,
     available: Mapping[str, Any],
-    memory: Sequence[tuple[str, str]] = (),
-    history_length: int = HISTORY_LENGTH,
+    memory: Sequence[tuple[str, str]],
+    history_length: int,
 ) -> str:
     """The windowed single-message prompt (FedAgent's ``build_webshop_obs``).
 

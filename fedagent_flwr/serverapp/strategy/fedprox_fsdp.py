@@ -24,9 +24,12 @@ from .fedavg_fsdp import FedAvgFSDP
 
 
 class FedProxFSDP(FedAvgFSDP):
-    """FedAvgFSDP plus the ``proximal-mu`` instruction for the clients' proximal term."""
+    """FedAvgFSDP plus the ``proximal-mu`` instruction for the clients' proximal term.
 
-    def __init__(self, *, proximal_mu: float = 0.01, **kwargs: Any) -> None:
+    ``proximal_mu`` has no default here: it is the config's ``strategy.proximal_mu`` (declared in the
+    schema, set by ``conf/strategy/fedprox.yaml``), which the ServerApp passes in."""
+
+    def __init__(self, *, proximal_mu: float, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.proximal_mu = proximal_mu
         if proximal_mu == 0.0:

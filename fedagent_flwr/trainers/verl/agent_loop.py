@@ -130,8 +130,8 @@ class EnvAgentLoop(AgentLoopBase):
 
     def _sampling(self, sampling_params: dict[str, Any], max_new_tokens: int) -> SamplingParams:
         """verl's temperature and top-p for this request, with a turn's token budget."""
-        return SamplingParams(max_new_tokens, float(sampling_params.get("temperature", 1.0)),
-                              float(sampling_params.get("top_p", 1.0) or 1.0))
+        return SamplingParams(max_new_tokens, float(sampling_params.get("temperature", SamplingParams.temperature)),
+                              float(sampling_params.get("top_p") or SamplingParams.top_p))
 
     async def run_windowed(self, sampling_params: dict[str, Any], validate: bool = False,
                            **kwargs: Any) -> list[AgentLoopOutput]:

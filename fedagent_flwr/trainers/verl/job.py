@@ -23,6 +23,7 @@ from fedagent_flwr.checkpoint.ref import SHARD_GLOB
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, save
 from fedagent_flwr.progress import StepProgress, report_step
 from fedagent_flwr.rollout.groups import zero_variance_group_share
+from fedagent_flwr.schema.run import ALGORITHMS
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, job_rule_specs, without_rule_keys
@@ -106,7 +107,7 @@ def experiment_name(job: TrainJob) -> str:
 
 def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, Any] | None]:
     """Everything checkable before verl starts; raises InputError naming the culprit."""
-    check_train_header(job, "verl backend", ("grpo", "ppo"))
+    check_train_header(job, "verl backend", ALGORITHMS)
     if job.critic_path and not Path(job.critic_path).is_dir():
         raise InputError(f"critic_path {job.critic_path} is not a directory")
     settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedagent_flwr.schema.run import Train
+from fedagent_flwr.schema.run import ALGORITHMS, Train
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 
 AGENT_LOOP_MODULE = "fedagent_flwr.trainers.verl.agent_loop"
@@ -68,7 +68,7 @@ def build_overrides(
     (rollout sampling in vLLM and the dataloader), derived by the caller from the data seed;
     ``epochs`` is how many times verl goes through the ``local_steps`` batches of rows.
     """
-    if algorithm not in ("grpo", "ppo"):
+    if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'grpo' or 'ppo', got {algorithm!r}")
     if batch_size < 1 or local_steps < 1 or epochs < 1:
         raise ValueError(f"batch_size, local_steps and epochs must be >= 1, got {batch_size}, {local_steps} "

@@ -154,15 +154,14 @@ class VerlSession:
     """A verl trainer kept alive across rounds (the ``TrainerSession`` of :mod:`..trainer_server`).
 
     ``work_dir``: where the session keeps its own files (agent-loop YAML, hook markers); a fresh
-    temporary directory when not given, removed by :meth:`close`. ``phases_file``: where the
-    phases are recorded; default ``phases.jsonl`` in the trainer server's channel directory
-    (``$FEDAGENT_TRAINER_CHANNEL``), else in ``work_dir`` (then removed with a temporary one).
+    temporary directory when not given, removed by :meth:`close`. The phases are recorded in
+    ``phases.jsonl`` in the trainer server's channel directory (``$FEDAGENT_TRAINER_CHANNEL``), else
+    in ``work_dir`` (then removed with a temporary one).
     The session's clock starts with this process (the trainer server is started for its first job).
     """
 
-    def __init__(self, work_dir: str | None = None, phases_file: str | None = None) -> None:
+    def __init__(self, work_dir: str | None = None) -> None:
         self._work_dir_arg = work_dir
-        self._phases_file_arg = phases_file
         self.work_dir: Path | None = None
         self.ray_temp_dir = ""
         self.runner: Any = None
@@ -256,10 +255,8 @@ class VerlSession:
         """The session's phase recorder (see the class docstring for where it writes)."""
         if self.recorder is None:
             channel = os.environ.get(CHANNEL_ENV, "")
-            path = (Path(self._phases_file_arg) if self._phases_file_arg
-                    else Path(channel) / phases.FILE_NAME if channel
-                    else self._session_dir() / phases.FILE_NAME)
-            self.recorder = phases.PhaseRecorder(path, self.t0)
+            directory = Path(channel) if channel else self._session_dir()
+            self.recorder = phases.PhaseRecorder(directory / phases.FILE_NAME, self.t0)
         return self.recorder
 
     def _session_dir(self) -> Path:

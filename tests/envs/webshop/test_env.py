@@ -204,9 +204,9 @@ def test_projection_and_prompts() -> None:
     available = {"has_search_bar": True, "clickables": ["search"]}
     assert admissible_actions_text(available) == "'search[<your query>]',\n'click[search]',"
     assert baseline_observation("WebShop [SEP] Instruction: [SEP] find x [SEP] Search") == "'Search'"
-    first = windowed_prompt("find x", "obs0", available)
+    first = windowed_prompt("find x", "obs0", available, (), 2)
     assert first.startswith("\nYou are an expert") and first.endswith("\n") and "Prior to this step" not in first
-    later = windowed_prompt("find x", "obs3", available, [("o1", "a1"), ("o2", "a2"), ("o3", "a3")])
+    later = windowed_prompt("find x", "obs3", available, [("o1", "a1"), ("o2", "a2"), ("o3", "a3")], 2)
     assert "already taken 3 step(s)" in later and "[Observation 2: 'o2', Action 2: 'a2']" in later
     assert "Observation 1:" not in later and "You are now at step 4" in later
 
