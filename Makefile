@@ -7,6 +7,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 FLWR_HOME ?= $(CURDIR)/.flwr
 ARGS ?=
+# The default job's trainer runs persistent: one reference-trainer process per node serves all of its
+# (round, client) jobs, so torch, transformers and the model are loaded once per node instead of once
+# per job (~8 CPU-seconds each, 10 jobs in the default run), with bit-identical results
+# (tests/e2e/test_simulation_persistent.py; docs/performance.md, "make run's trainer mode").
+# `make run RUN_CONFIG=` starts one trainer process per job instead. Flower merges this with a
+# --run-config in ARGS (an `overrides=` there replaces this one), but takes a .toml file only alone:
+# with ARGS="--run-config FILE.toml" set RUN_CONFIG= too.
+RUN_CONFIG ?= overrides='trainer.mode=persistent'
 
 export FLWR_HOME
 # flwr starts flower-superlink, flower-superexec and flwr-simulation by name.
@@ -38,7 +46,8 @@ alfworld-venv: install
 # `flwr run --stream` exits 0 even when the run failed; fedagent_flwr.outcome passes its log through
 # and exits with the run's own status (0 completed, 3 degraded, 1 failed).
 run: install
-	$(VENV)/bin/python -m fedagent_flwr.outcome run -- $(VENV)/bin/flwr run . --stream $(ARGS); status=$$?; \
+	$(VENV)/bin/python -m fedagent_flwr.outcome run -- $(VENV)/bin/flwr run . --stream \
+	  $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)") $(ARGS); status=$$?; \
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
 # Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) and type-check (mypy) the
