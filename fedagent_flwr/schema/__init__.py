@@ -34,6 +34,22 @@ def register() -> None:
         store.store(group="schema/trainer", name=backend, node=schema)
 
 
+def declared_default(dotted: str) -> Any:
+    """The schema's default of a dotted run key outside ``trainer`` (``MISSING`` where none is
+    declared): what a key added to the schema meant for a run recorded before it existed."""
+    node: Any = RunSchema
+    *parents, last = dotted.split(".")
+    for part in parents:
+        declared = getattr(node, "__dataclass_fields__", {}).get(part)
+        if declared is None:
+            return dataclasses.MISSING
+        node = declared.metadata.get("keys") or get_type_hints(node)[part]
+    declared = getattr(node, "__dataclass_fields__", {}).get(last)
+    if declared is None or dotted.startswith("trainer."):
+        return dataclasses.MISSING
+    return declared.default
+
+
 def declared_type(dotted: str) -> Any:
     """The type the schema declares for a dotted config key (``trainer.*``: either backend's), or None."""
     first, _, rest = dotted.partition(".")

@@ -99,14 +99,18 @@ _VARYING = re.compile(r"\b(client|round|node|pid)([ _=])\d+")
 # vLLM's check at engine start ("Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less
 # than desired GPU memory utilization (0.3, 41.94 GiB)"). Clients sharing one GPU meet the shortage
 # at different places, so their reasons differ in words but not in cause.
-_GPU_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|ran out of GPU memory|"
+# vLLM sizing its KV cache ("No available memory for the cache blocks") is the same shortage. Ray's
+# own ray.exceptions.OutOfMemoryError is the host's memory, not the GPU's, and is not matched.
+_GPU_MEMORY = re.compile(r"CUDA out of memory|(?<!exceptions\.)OutOfMemoryError|ran out of GPU memory|"
+                         r"No available memory for the cache blocks|"
                          r"Free memory on device .{0,80}? is less than desired GPU memory utilization")
 #: :func:`reason_key` of every GPU-memory shortage.
 OUT_OF_GPU_MEMORY = "out of GPU memory"
 #: What to do about it, for the line that stops the run.
 GPU_MEMORY_HINT = ("the GPU has too little free memory for the clients' trainers: run fewer verl sessions "
                    "on the GPU at once (other runs on it count; tools/gpu/arms.py --max-sessions) or lower "
-                   "trainer.gpu_memory_utilization (vLLM's share of the GPU)")
+                   "trainer.gpu_memory_utilization (vLLM's share of the GPU), with a new run_name once a "
+                   "round has been committed")
 
 
 def is_gpu_memory_shortage(reason: str) -> bool:

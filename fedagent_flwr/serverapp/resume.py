@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint
+from fedagent_flwr.schema import declared_default
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, METRICS_FILE, SUMMARY_FILE
 
 LOCK_FILE = ".serverapp.lock"
@@ -143,7 +144,7 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
             f"output directory {run_dir} holds a run recorded with checkpoint content hash {hashed_as}, "
             f"and this fedagent-flwr computes {header.get('content_hash')}: its recorded hashes cannot be "
             "checked, so it cannot be resumed; choose another run_name or output_dir")
-    if stored.get("config_sha256") != header["config_sha256"]:
+    if stored.get("config_sha256") != header["config_sha256"] and not _only_new_defaults(stored, header):
         raise ResumeError(
             f"output directory {run_dir} already holds a run of another configuration "
             f"({_difference(stored, header)}); choose another run_name or output_dir, or re-run "
@@ -177,10 +178,25 @@ def _difference(stored: dict[str, Any], header: dict[str, Any]) -> str:
         return "its summary has no config fingerprint: it was written by an older fedagent-flwr"
     before, now = _flatten(stored.get("config", {})), _flatten(header["config"])
     for key in sorted(set(before) | set(now)):
+        if key not in before and now[key] == declared_default(key):
+            continue  # a setting added since, at the default the older run had in effect
         if before.get(key, "<unset>") != now.get(key, "<unset>"):
             return f"config key '{key}' = {before.get(key, '<unset>')!r} there, {now.get(key, '<unset>')!r} now"
     return (f"the base model's content differs: sha256 {stored.get('base_model_sha256')} there, "
             f"{header.get('base_model_sha256')} now")
+
+
+def _only_new_defaults(stored: dict[str, Any], header: dict[str, Any]) -> bool:
+    """Whether the configs differ only by run keys the schema gained after ``stored`` was recorded,
+    each at its declared default (``max_empty_rounds`` = 2 for a run recorded before it existed):
+    such a run is the same run, and refusing it would strand every run of an older version."""
+    if "config" not in stored or stored.get("base_model_sha256") != header.get("base_model_sha256"):
+        return False
+    before, now = _flatten(stored["config"]), _flatten(header["config"])
+    added = set(now) - set(before)
+    if set(before) - set(now) or any(before[key] != now[key] for key in before):
+        return False
+    return bool(added) and all(now[key] == declared_default(key) for key in added)
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

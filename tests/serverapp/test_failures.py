@@ -46,10 +46,17 @@ ENGINE = ("client 1 round 2: " + SESSION + "RuntimeError: Engine core initializa
           "Failed core proc(s): {} (log: the trainer server's log) "
           "(log: /tmp/outWS/runs/federated-s1/round_2/client_1/train.log)")
 NO_SUCH_ENV = "client 0 round 1: reference trainer exited with code 2: UnknownEnvError: unknown environment 'NoSuchEnv'"
+# Ray killing a worker because the host's memory ran low: not the GPU's.
+RAY_HOST_OOM = ("client 1 round 2: ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on "
+                "memory. Memory on the node was 120.50GB / 126.00GB (0.956), which exceeds the memory usage threshold")
+# vLLM sizing its KV cache next to another process on the GPU.
+VLLM_KV = ("client 0 round 2: verl trainer failed: ValueError: No available memory for the cache blocks. Try "
+           "increasing `gpu_memory_utilization` when initializing the engine.")
 
 
 def test_a_gpu_memory_shortage_is_one_reason_in_every_wording() -> None:
-    assert {reason_key(r) for r in (RAN_OUT, TORCH_OOM, VLLM_FREE, VLLM_RAW)} == {OUT_OF_GPU_MEMORY}
+    assert {reason_key(r) for r in (RAN_OUT, TORCH_OOM, VLLM_FREE, VLLM_RAW, VLLM_KV)} == {OUT_OF_GPU_MEMORY}
+    assert reason_key(RAY_HOST_OOM) != OUT_OF_GPU_MEMORY  # the host's memory: another cause, another fix
     # an engine failure that does not say why is not taken for a memory shortage, nor is another error
     assert reason_key(ENGINE) != OUT_OF_GPU_MEMORY and reason_key(NO_SUCH_ENV) != OUT_OF_GPU_MEMORY
 

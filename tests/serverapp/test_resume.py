@@ -31,6 +31,7 @@ from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
+    config_fingerprint,
     discard_uncommitted,
     exclusive_run_directory,
     load_previous_run,
@@ -322,3 +323,21 @@ def test_a_resume_checks_the_global_model_against_the_hash_recorded_at_its_commi
     assert message.startswith(f"round 1's global model {weights.parent} is damaged: its content hash is ")
     assert "recorded when round 1 was committed" in message and "restore that directory" in message
     assert f"[fedagent] cannot start the run: {message}" in caplog.text
+
+
+def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default_only(
+    tmp_path: Path, base: CheckpointRef
+) -> None:
+    """A run recorded by a version without ``max_empty_rounds``: the same run at the setting's
+    default (what that version did), another configuration at any other value."""
+    run_dir = tmp_path / "job"
+    RunRecorder(run_dir, _header(tmp_path, base))
+    stored = json.loads((run_dir / "federated_summary.json").read_text())
+    del stored["config"]["max_empty_rounds"]
+    stored["config_sha256"] = config_fingerprint(stored["config"], stored["base_model_sha256"])
+    (run_dir / "federated_summary.json").write_text(json.dumps(stored))
+    assert load_previous_run(run_dir, _header(tmp_path, base)) is not None
+    with pytest.raises(ResumeError, match=r"config key 'max_empty_rounds' = '<unset>' there, 5 now"):
+        load_previous_run(run_dir, _header(tmp_path, base, "max_empty_rounds=5"))
+    with pytest.raises(ResumeError, match=r"config key 'num_rounds' = 2 there, 3 now"):
+        load_previous_run(run_dir, _header(tmp_path, base, "num_rounds=3"))

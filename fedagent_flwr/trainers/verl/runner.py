@@ -19,7 +19,8 @@ from typing import Any
 from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 
-_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "torch.OutOfMemoryError")
+# torch's GPU out-of-memory; not Ray's ray.exceptions.OutOfMemoryError (the host's memory).
+_OOM = re.compile(r"CUDA out of memory|(?<!exceptions\.)OutOfMemoryError")
 # vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
 _VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
 # vLLM refusing to start: the GPU has less free memory than trainer.gpu_memory_utilization asks for
@@ -93,7 +94,7 @@ def known_cause(text: str) -> str | None:
     if startup is not None:
         return (f"ran out of GPU memory: vLLM could not start ({startup.group(0)}); run fewer sessions on "
                 "the GPU at once or lower trainer.gpu_memory_utilization")
-    if any(marker in text for marker in _OOM_MARKERS):
+    if _OOM.search(text):
         return "ran out of GPU memory (CUDA out of memory)"
     if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
         return ("could not start vLLM: its KV-cache sizing failed because another process on the GPU "
