@@ -166,10 +166,30 @@ def gpu_plan(out: Path, recipe: str, runs: list[dict[str, Any]], groups: list[li
     # what the others' vLLMs asked for (a matrix whose runs start no vLLM: nothing)
     held = sum(int(m.get("sessions", 0)) * float(m.get("gpu_memory_utilization") or 0) for m in others)
     explicit = gpu_share.explicit_value(extra)
+    # Relaunching into the same --out resumes its named runs, which the server accepts only with the
+    # same config: keep the share the first launch recorded, whatever else is live now.
+    earlier = _earlier_share(out) if explicit is None else None
+    if earlier is not None:
+        explicit = earlier
     value = gpu_share.share(ours, default, explicit, other_sessions, held) if _uses_vllm(config, extra) else None
+    if earlier is not None and value is not None and value < earlier:
+        raise gpu_share.ShareError(
+            f"{out} was launched with {gpu_share.KEY}={earlier}, and its runs resume only with that value, but the "
+            f"matrices live on the GPU now leave {value}: wait for them to end, or launch into another --out")
+    if explicit is not None and value is not None and value < explicit:
+        print(f"GPU: {gpu_share.KEY}={explicit} lowered to {value}, an even share of the GPU", flush=True)
     return {"sessions": ours, "other_matrices": {m["out"]: m.get("sessions") for m in others},
             "other_sessions": other_sessions, "other_held": round(held, 4), "total_sessions": ours + other_sessions,
             "explicit": explicit, "gpu_memory_utilization": value}
+
+
+def _earlier_share(out: Path) -> float | None:
+    """The vLLM share an earlier launch into ``out`` gave its runs (matrix.json), if any."""
+    try:
+        value = json.loads((out / MATRIX_FILE).read_text()).get("gpu", {}).get("gpu_memory_utilization")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str, base_port: int,

@@ -180,6 +180,15 @@ def test_launch_counts_the_sessions_of_other_live_matrices_and_passes_each_run_i
         started[0].kill()
         started[0].wait()
         assert [m["out"] for m in share.live_matrices(tmp_path / "x", live)] == [str((tmp_path / "w").resolve())]
+        # relaunching into the same folder resumes its named runs: the share the first launch
+        # recorded is kept (0.12), not the 0.3 an empty GPU would give, or the server would refuse
+        # every run as another configuration
+        for process in started[1:]:
+            process.kill()
+            process.wait()
+        again = arms.launch(tmp_path / "w", "tinyguess_verl", [1], ["federated"], "num_rounds=3", 39500,
+                            max_sessions=2, live_dir=live)
+        assert again[0]["overrides"].endswith("trainer.gpu_memory_utilization=0.12")
     finally:
         for process in started:
             process.kill()
