@@ -19,6 +19,12 @@ pytestmark = pytest.mark.slow
 
 # The client checkpoints stay: the tests recompute each round's mean from them.
 COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true"
+# The node's one long-lived reference trainer instead of a fresh one per job (a 2 x 2 run starts
+# ~10, each ~4.5 s of CPU importing torch and transformers), for the tests that are not about how
+# the trainer is started: test_simulation_persistent checks that it gives the subprocess mode's
+# checkpoints bit for bit. The crashing-client and partition tests here, and the fail-fast,
+# windowed, per-client-validation and http-store tests, keep subprocess mode covered.
+PERSISTENT = "trainer.mode=persistent"
 
 
 def _client_state(client_dir: Path) -> dict[str, torch.Tensor]:
@@ -87,7 +93,7 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     summary, run_dir, output = _run(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} clients.total=3 clients.per_round=2 strategy=fedprox "
-        f"strategy.proximal_mu={mu} tracking=[tensorboard,jsonl] {COMMON}",
+        f"strategy.proximal_mu={mu} tracking=[tensorboard,jsonl] {COMMON} {PERSISTENT}",
         supernodes=3,
     )
     assert summary["status"] == "completed", output[-4000:]
@@ -218,7 +224,7 @@ def test_webshop_two_clients_on_their_own_partitioned_services(
         f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} "
         "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=3 env.val.envs.0.max_turns=3 "
         "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=2048 "
-        "partition.min_goals_per_client=10",
+        f"partition.min_goals_per_client=10 {PERSISTENT}",
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]
@@ -239,7 +245,7 @@ def test_webshop_catalog_split_gives_each_client_its_own_catalogue(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} partition=catalog_split "
         "num_rounds=1 env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
-        "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=2048",
+        f"eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=2048 {PERSISTENT}",
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]
@@ -288,7 +294,7 @@ def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(
         f"model.path={tiny_model_dir} env=alfworld env.data_dir={alfworld_data} "
         "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
         "env.service.pool_size=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.max_model_len=4096 "
-        "partition.min_goals_per_client=3",
+        f"partition.min_goals_per_client=3 {PERSISTENT}",
         supernodes=2,
     )
     assert summary["status"] == "completed", output[-4000:]

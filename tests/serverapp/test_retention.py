@@ -18,8 +18,10 @@ from fedagent_flwr.serverapp.recorder import RunRecorder
 from testkit.audit import audit_run
 from testkit.flower_harness import REPO, is_running, simulation_superlink
 
+# Persistent trainers (one start per node, not one per job: this run and its re-run would start ~18
+# of ~4.5 s of CPU each): retention is the ServerApp's work, whichever way the trainers run.
 SETTINGS = ("clients.total=2 clients.per_round=2 num_rounds=3 eval.num_episodes=2 trainer.max_new_tokens=8 "
-            "trainer.lr=1e-3 storage.keep_last_k=1")  # storage.keep_client_checkpoints: false by default
+            "trainer.lr=1e-3 storage.keep_last_k=1 trainer.mode=persistent")  # keep_client_checkpoints: false
 
 
 def _wait(check, what: str, limit_s: float = 600.0):  # type: ignore[no-untyped-def]
