@@ -1,6 +1,6 @@
 """FedAgent's arms side by side on one GPU node: launch them, watch them, and report the table.
 
-    python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
+    PYTHONPATH=/tmp/site python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
         --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
     python3 tools/gpu/arms.py status --out /tmp/out
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
@@ -45,10 +45,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_share  # noqa: E402
-import yaml  # noqa: E402
 
 from fedagent_flwr.intervals import wilson_interval  # noqa: E402
-from fedagent_flwr.schema.trainer import VerlKnobs  # noqa: E402
 
 #: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
 #: front). A session is one persistent trainer that trains; "local" has a second node that only
@@ -139,6 +137,8 @@ def stop(out: Path) -> list[str]:
 
 def _recipe(recipe: str) -> dict[str, Any]:
     """The recipe's YAML (``conf/recipe/<recipe>.yaml``); empty when there is no such file."""
+    import yaml  # here, not at the top: `status` and `phases` run on the node's bare python3 (stdlib only)
+
     path = REPO / "conf" / "recipe" / f"{recipe}.yaml"
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
@@ -158,6 +158,8 @@ def gpu_plan(out: Path, recipe: str, runs: list[dict[str, Any]], groups: list[li
     """How this matrix shares the GPU: its sessions at once, the other live matrices' sessions, and
     each vLLM's ``trainer.gpu_memory_utilization`` (None: the runs start no vLLM). Raises
     gpu_share.ShareError when ``extra`` sets a value that over-commits the GPU."""
+    from fedagent_flwr.schema.trainer import VerlKnobs  # needs omegaconf: PYTHONPATH=/tmp/site on the node
+
     config = _recipe(recipe)
     default = float((config.get("trainer") or {}).get("gpu_memory_utilization", VerlKnobs.gpu_memory_utilization))
     ours = max(sum(r["sessions"] for r in group) for group in groups)
@@ -441,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         try:
             launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)
+        except ModuleNotFoundError as exc:  # the node's bare python3: the staged tree has yaml and omegaconf
+            print(f"arms.py launch: {exc}; run it with PYTHONPATH=/tmp/site (the staged wheels, docs/gpu.md §1)",
+                  file=sys.stderr)
+            return 2
         except gpu_share.ShareError as exc:
             print(f"arms.py launch: {exc}", file=sys.stderr)
             return 2
