@@ -17,6 +17,8 @@ from typing import Any
 
 from flwr.app import Message
 
+from fedagent_flwr import gpu_memory
+
 
 class RunFailedError(RuntimeError):
     """The run cannot go on; the message is the one line the log and the summary carry."""
@@ -94,16 +96,11 @@ def readable_reason(reason: str, limit: int = 1500) -> str:
 
 
 _VARYING = re.compile(r"\b(client|round|node|pid)([ _=])\d+")
-# A GPU without the memory a client needs, in every wording that reaches the server: torch's
-# ("CUDA out of memory", torch.OutOfMemoryError), the verl runner's ("ran out of GPU memory") and
-# vLLM's check at engine start ("Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less
-# than desired GPU memory utilization (0.3, 41.94 GiB)"). Clients sharing one GPU meet the shortage
-# at different places, so their reasons differ in words but not in cause.
-# vLLM sizing its KV cache ("No available memory for the cache blocks") is the same shortage. Ray's
-# own ray.exceptions.OutOfMemoryError is the host's memory, not the GPU's, and is not matched.
-_GPU_MEMORY = re.compile(r"CUDA out of memory|(?<!exceptions\.)OutOfMemoryError|ran out of GPU memory|"
-                         r"No available memory for the cache blocks|"
-                         r"Free memory on device .{0,80}? is less than desired GPU memory utilization")
+# A GPU without the memory a client needs, in every wording that reaches the server (torch's,
+# vLLM's at engine start and KV-cache sizing, the verl trainer's own): clients sharing one GPU meet
+# the shortage at different places, so their reasons differ in words but not in cause.
+_GPU_MEMORY = (gpu_memory.TORCH_OOM, gpu_memory.VLLM_KV_CACHE, gpu_memory.VLLM_STARTUP,
+               re.compile(re.escape(gpu_memory.RAN_OUT)))
 #: :func:`reason_key` of every GPU-memory shortage.
 OUT_OF_GPU_MEMORY = "out of GPU memory"
 #: What to do about it, for the line that stops the run.
@@ -115,7 +112,7 @@ GPU_MEMORY_HINT = ("the GPU has too little free memory for the clients' trainers
 
 def is_gpu_memory_shortage(reason: str) -> bool:
     """Whether ``reason`` says a GPU had too little free memory (any of the wordings above)."""
-    return _GPU_MEMORY.search(reason) is not None
+    return any(pattern.search(reason) for pattern in _GPU_MEMORY)
 
 
 def reason_key(reason: str) -> str:

@@ -16,18 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.gpu_memory import RAN_OUT, TORCH_OOM, VLLM_KV_CACHE, VLLM_STARTUP
 from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 
-# torch's GPU out-of-memory; not Ray's ray.exceptions.OutOfMemoryError (the host's memory).
-_OOM = re.compile(r"CUDA out of memory|(?<!exceptions\.)OutOfMemoryError")
-# vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.
-_VLLM_MEMORY_MARKERS = ("Error in memory profiling", "No available memory for the cache blocks")
-# vLLM refusing to start: the GPU has less free memory than trainer.gpu_memory_utilization asks for
-# (other sessions on the GPU hold it). Its engine then fails with "Engine core initialization
-# failed. See root cause above.", and only the log above holds this line.
-_VLLM_STARTUP_MEMORY = re.compile(r"Free memory on device .{0,80}? is less than desired GPU memory utilization "
-                                  r"\([^)]*\)")
 _ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
 #: How much of a log's end :func:`logged_cause` reads (vLLM's traceback precedes the failure by a few hundred lines).
 LOG_SCAN_BYTES = 4 * 2**20
@@ -90,13 +82,13 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
 
 def known_cause(text: str) -> str | None:
     """A root cause recognised in verl's output (GPU memory), phrased for the operator; else None."""
-    startup = _VLLM_STARTUP_MEMORY.search(text)
+    startup = VLLM_STARTUP.search(text)
     if startup is not None:
-        return (f"ran out of GPU memory: vLLM could not start ({startup.group(0)}); run fewer sessions on "
+        return (f"{RAN_OUT}: vLLM could not start ({startup.group(0)}); run fewer sessions on "
                 "the GPU at once or lower trainer.gpu_memory_utilization")
-    if _OOM.search(text):
-        return "ran out of GPU memory (CUDA out of memory)"
-    if any(marker in text for marker in _VLLM_MEMORY_MARKERS):
+    if TORCH_OOM.search(text):
+        return f"{RAN_OUT} (CUDA out of memory)"
+    if VLLM_KV_CACHE.search(text):
         return ("could not start vLLM: its KV-cache sizing failed because another process on the GPU "
                 "changed its memory use meanwhile (set trainer.kv_cache_gib > 0 when clients share a GPU)")
     return None
