@@ -1,0 +1,32 @@
+#!/bin/bash
+# Times the imports a verl session's processes pay, on a freshly staged GPU node (issue 16, item 2;
+# docs/gpu.md §8): each of torch, ray, transformers, vllm and verl imported in a new python3 twice.
+# The first pass runs right after unpacking, when /tmp/site has no byte code yet (the chunks carry
+# none), so it includes compiling the sources; the second reads the byte code the first wrote. The
+# difference is what compiling byte code at staging would save; the second pass is the floor a
+# process start pays for imports. `-X importtime` of each vllm import is kept to show which
+# modules cost the time.
+# usage: bash tools/gpu/import_times.sh OUTDIR   (on the node, after every chunk is unpacked)
+set -u
+OUTDIR=${1:?usage: import_times.sh OUTDIR}
+SITE=${FEDAGENT_SITE:-/tmp/site}
+mkdir -p "$OUTDIR"
+pyc() { find "$SITE" -name '*.pyc' 2>/dev/null | wc -l; }
+{
+  echo "node: $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); byte-code files in $SITE: $(pyc)"
+  for pass in 1 2; do
+    for module in torch ray transformers vllm verl; do
+      start=$(date +%s.%N)
+      PYTHONPATH=$SITE python3 -X importtime -c "import $module" 2> "$OUTDIR/importtime-$module-pass$pass.txt"
+      status=$?
+      end=$(date +%s.%N)
+      printf 'pass %d  import %-13s %6.2f s  (exit %d)\n' "$pass" "$module" "$(echo "$end - $start" | bc)" "$status"
+    done
+    echo "after pass $pass: byte-code files in $SITE: $(pyc); load $(cut -d' ' -f1-3 /proc/loadavg)"
+  done
+  # the slowest top-level packages of the second vllm import (cumulative microseconds)
+  echo "vllm import, pass 2, top-level packages by cumulative time:"
+  awk -F'|' '/^import time:/ && $3 !~ /^ *imported package/ {
+      name=$3; gsub(/^ +| +$/, "", name); if (name !~ /^\./ && index(name, ".") == 0) print $2+0, name }' \
+      "$OUTDIR/importtime-vllm-pass2.txt" | sort -rn | head -12 | awk '{printf "  %-28s %7.2f s\n", $2, $1/1e6}'
+} 2>&1 | tee "$OUTDIR/import-times.txt"
