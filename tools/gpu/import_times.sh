@@ -6,16 +6,18 @@
 # difference is what compiling byte code at staging would save; the second pass is the floor a
 # process start pays for imports. `-X importtime` of each vllm import is kept to show which
 # modules cost the time.
-# usage: bash tools/gpu/import_times.sh OUTDIR   (on the node, after every chunk is unpacked)
+# usage: [MODULES="torch vllm"] bash tools/gpu/import_times.sh OUTDIR   (on the node, after every
+# chunk is unpacked; MODULES defaults to the five above)
 set -u
 OUTDIR=${1:?usage: import_times.sh OUTDIR}
 SITE=${FEDAGENT_SITE:-/tmp/site}
+MODULES=${MODULES:-torch ray transformers vllm verl}
 mkdir -p "$OUTDIR"
 pyc() { find "$SITE" -name '*.pyc' 2>/dev/null | wc -l; }
 {
   echo "node: $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); byte-code files in $SITE: $(pyc)"
   for pass in 1 2; do
-    for module in torch ray transformers vllm verl; do
+    for module in $MODULES; do
       start=$(date +%s.%N)
       PYTHONPATH=$SITE python3 -X importtime -c "import $module" 2> "$OUTDIR/importtime-$module-pass$pass.txt"
       status=$?
