@@ -1,10 +1,9 @@
 #!/bin/bash
 # Times the imports a verl session's processes pay, on a freshly staged GPU node (issue 16, item 2;
 # docs/gpu.md §8): each of torch, ray, transformers, vllm and verl imported in a new python3 twice.
-# The first pass runs right after unpacking, when /tmp/site has no byte code yet (the chunks carry
-# none), so it includes compiling the sources; the second reads the byte code the first wrote. The
-# difference is what compiling byte code at staging would save; the second pass is the floor a
-# process start pays for imports. `-X importtime` of each vllm import is kept to show which
+# Run it before prepare_node.sh to see what byte code saves: the chunks carry none and the node's
+# image sets PYTHONDONTWRITEBYTECODE=1, so neither pass finds any; after prepare_node.sh (which
+# compiles the tree) both passes read it. `-X importtime` of each vllm import is kept to show which
 # modules cost the time.
 # usage: [MODULES="torch vllm"] bash tools/gpu/import_times.sh OUTDIR   (on the node, after every
 # chunk is unpacked; MODULES defaults to the five above)
@@ -18,11 +17,12 @@ pyc() { find "$SITE" -name '*.pyc' 2>/dev/null | wc -l; }
   echo "node: $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg); byte-code files in $SITE: $(pyc)"
   for pass in 1 2; do
     for module in $MODULES; do
-      start=$(date +%s.%N)
+      start=$(date +%s%N)
       PYTHONPATH=$SITE python3 -X importtime -c "import $module" 2> "$OUTDIR/importtime-$module-pass$pass.txt"
       status=$?
-      end=$(date +%s.%N)
-      printf 'pass %d  import %-13s %6.2f s  (exit %d)\n' "$pass" "$module" "$(echo "$end - $start" | bc)" "$status"
+      end=$(date +%s%N)   # (the node has no bc: integer nanoseconds, divided by awk)
+      printf 'pass %d  import %-13s %6.2f s  (exit %d)\n' "$pass" "$module" \
+        "$(awk -v a="$start" -v b="$end" 'BEGIN { print (b - a) / 1e9 }')" "$status"
     done
     echo "after pass $pass: byte-code files in $SITE: $(pyc); load $(cut -d' ' -f1-3 /proc/loadavg)"
   done

@@ -6,6 +6,13 @@
 set -eu
 cd "$(dirname "$0")/../.."
 source tools/gpu/node_env.sh
+# The GPU node's image sets PYTHONDONTWRITEBYTECODE=1, so no Python process there ever writes byte
+# code, and each of a verl session's processes (TaskRunner, FSDP worker, vLLM's server, engine core
+# and GPU worker) compiled every module of torch's neighbours, vLLM and verl it imported, again.
+# Compiling the tree once takes 3-5 s on 16 cores and took a single session's start from 189.8 s to
+# 169.5 s (docs/gpu.md §8). Python reads byte code whatever that variable says.
+python3 -m compileall -q -j 0 "$FEDAGENT_SITE" fedagent_flwr > /dev/null \
+  || echo "prepare_node.sh: compileall reported errors (some files stay uncompiled; runs still work)" >&2
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 DEST=$FEDAGENT_CACHE_DIR/smollm2-0.1.2-gguf
 mkdir -p "$DEST"
