@@ -24,6 +24,21 @@ print("versions", versions, flush=True)
 t0 = time.time()
 from fedagent_flwr.models.smollm2 import default_model_dir
 print("model", default_model_dir(), f"ready in {time.time() - t0:.1f} s", flush=True)
+# vLLM inspects a model class in a child Python process (~20 s on the H200 node: imports again) when
+# its model-info cache (~/.cache/vllm/modelinfos) has no entry, i.e. in the first session on a node
+# (docs/gpu.md §8). Filling it here, once, spares the sessions that start side by side in round 1.
+import json
+from pathlib import Path
+t0 = time.time()
+try:
+    from vllm.model_executor.models.registry import ModelRegistry
+    archs = json.loads((Path(default_model_dir()) / "config.json").read_text()).get("architectures", [])
+    for arch in archs:
+        if arch in ModelRegistry.models:
+            ModelRegistry.models[arch].inspect_model_cls()
+    print("vLLM model info cached for", archs, f"in {time.time() - t0:.1f} s", flush=True)
+except Exception as exc:  # only a start-up saving is lost
+    print(f"prepare_node.sh: could not fill vLLM's model-info cache ({exc!r}); sessions will inspect the model themselves", flush=True)
 PY
 df -h /dev/shm /tmp | tail -2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
