@@ -3,6 +3,7 @@
     PYTHONPATH=/tmp/site python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
         --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
     python3 tools/gpu/arms.py status --out /tmp/out
+    python3 tools/gpu/arms.py wait --out /tmp/out /tmp/out2 --timeout 540   # until every run ended
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
     python3 tools/gpu/arms.py phases --out /tmp/out      # phases.md: the verl sessions' phase tables
 
@@ -36,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +271,44 @@ def status(out: Path) -> None:
               f"success {last.get('success_rate')} (n={last.get('n')}) wall {summary.get('wall_seconds')} s")
 
 
+def running(out: Path) -> list[str]:
+    """The names of ``out``'s launchers (runs, and the scheduler of later waves) still alive."""
+    alive = []
+    for pid_file in sorted(out.glob("*.pid")):
+        try:
+            pid, started = pid_file.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _start_ticks(int(pid)) == started:  # the same process, not a recycled pid
+            alive.append(pid_file.stem)
+    return alive
+
+
+def wait(outs: list[Path], timeout: float, every: float = 60.0, poll: float = 5.0) -> bool:
+    """Block until every run of every matrix in ``outs`` has ended (True) or ``timeout`` seconds
+    have passed (False), printing their status lines every ``every`` seconds and whenever a run ends.
+
+    One command that waits on the node, instead of a status call after each pause: a device machine
+    that sits idle between two calls is given back, and the runs on it with it (docs/gpu.md §7).
+    """
+    deadline = time.monotonic() + timeout
+    last_print = -math.inf
+    before: dict[Path, list[str]] = {}
+    while True:
+        now = {out: running(out) for out in outs}
+        done = not any(now.values())
+        if done or now != before or time.monotonic() - last_print >= every:
+            print(time.strftime("%H:%M:%S"), "running:", {str(out): names for out, names in now.items()}, flush=True)
+            for out in outs:
+                status(out)
+            last_print, before = time.monotonic(), now
+        if done:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+
+
 def collect(out: Path) -> dict[str, Any]:
     """Every run's curve and final point, grouped by arm, with intervals."""
     matrix = json.loads((out / MATRIX_FILE).read_text())
@@ -439,7 +479,13 @@ def main(argv: list[str] | None = None) -> int:
                     sub.add_parser("stop", help="stop the scheduler and every run still going (SuperLinks included)"),
                     sub.add_parser("schedule", help="(internal) run the waves of a launched matrix")):
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    waiting = sub.add_parser("wait", help="wait until every run of the matrices ended (exit 0) or --timeout (exit 124)")
+    waiting.add_argument("--out", type=Path, nargs="+", required=True)
+    waiting.add_argument("--timeout", type=float, required=True, help="seconds")
+    waiting.add_argument("--every", type=float, default=60.0, help="seconds between status prints")
     args = parser.parse_args(argv)
+    if args.command == "wait":
+        return 0 if wait(args.out, args.timeout, args.every) else 124
     if args.command == "launch":
         try:
             launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)

@@ -193,3 +193,28 @@ def test_launch_counts_the_sessions_of_other_live_matrices_and_passes_each_run_i
         for process in started:
             process.kill()
             process.wait()
+
+
+def test_wait_returns_when_every_launcher_ended_and_false_at_the_timeout(tmp_path: Path) -> None:
+    """``arms.py wait`` follows the launchers' pid files: it returns True once every one of them has
+    ended, and False at its timeout while one is still running."""
+    import subprocess
+    import threading
+
+    arms = _arms_module()
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"runs": [{"name": "federated-s1"}]}))
+    short = subprocess.Popen(["sleep", "1"], start_new_session=True)
+    threading.Thread(target=short.wait, daemon=True).start()  # reaped as init would reap a launcher
+    (tmp_path / "federated-s1.pid").write_text(arms._pid_line(short.pid))
+    assert arms.running(tmp_path) == ["federated-s1"]
+    assert arms.wait([tmp_path], timeout=120, every=60, poll=0.1) is True
+    assert arms.running(tmp_path) == []
+
+    long = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        (tmp_path / "schedule.pid").write_text(arms._pid_line(long.pid))
+        assert arms.wait([tmp_path], timeout=0.5, every=60, poll=0.1) is False
+        assert arms.running(tmp_path) == ["schedule"]
+    finally:
+        long.kill()
+        long.wait()
