@@ -3,7 +3,7 @@
     PYTHONPATH=/tmp/site python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
         --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
     python3 tools/gpu/arms.py status --out /tmp/out
-    python3 tools/gpu/arms.py wait --out /tmp/out /tmp/out2 --timeout 540   # until every run ended
+    python3 tools/gpu/arms.py wait --out /tmp/out /tmp/out2 --timeout 540   # until every run ended (exit 0; 3: timeout)
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
     python3 tools/gpu/arms.py phases --out /tmp/out      # phases.md: the verl sessions' phase tables
 
@@ -61,6 +61,9 @@ ARMS: dict[str, tuple[str, str, int]] = {
     "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
 }
 MATRIX_FILE = "matrix.json"
+#: ``arms.py wait``'s exit status when its timeout passed with runs still going (not 124, which the
+#: device tool reads as its own time limit).
+STILL_RUNNING = 3
 #: verl sessions one node runs at once by default: each persistent session holds about 15 GB of
 #: host memory, and eight of them with their simulations exhausted a 126 GB H200 node (docs/gpu.md §6).
 DEFAULT_MAX_SESSIONS = 5
@@ -279,7 +282,7 @@ def running(out: Path) -> list[str]:
             pid, started = pid_file.read_text().split()
         except (OSError, ValueError):
             continue
-        if _start_ticks(int(pid)) == started:  # the same process, not a recycled pid
+        if gpu_share.is_running(int(pid), started):  # not a recycled pid, not an unreaped zombie
             alive.append(pid_file.stem)
     return alive
 
@@ -291,6 +294,10 @@ def wait(outs: list[Path], timeout: float, every: float = 60.0, poll: float = 5.
     One command that waits on the node, instead of a status call after each pause: a device machine
     that sits idle between two calls is given back, and the runs on it with it (docs/gpu.md §7).
     """
+    missing = [str(out) for out in outs if not (out / MATRIX_FILE).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no {MATRIX_FILE} in {', '.join(missing)}: --out takes the folders given to "
+                                "`arms.py launch --out`")
     deadline = time.monotonic() + timeout
     last_print = -math.inf
     before: dict[Path, list[str]] = {}
@@ -298,9 +305,10 @@ def wait(outs: list[Path], timeout: float, every: float = 60.0, poll: float = 5.
         now = {out: running(out) for out in outs}
         done = not any(now.values())
         if done or now != before or time.monotonic() - last_print >= every:
-            print(time.strftime("%H:%M:%S"), "running:", {str(out): names for out, names in now.items()}, flush=True)
+            print(time.strftime("%H:%M:%S"), "running:", {str(out): names for out, names in now.items()})
             for out in outs:
                 status(out)
+            sys.stdout.flush()  # a command killed at the device's time limit still shows its last lines
             last_print, before = time.monotonic(), now
         if done:
             return True
@@ -479,13 +487,18 @@ def main(argv: list[str] | None = None) -> int:
                     sub.add_parser("stop", help="stop the scheduler and every run still going (SuperLinks included)"),
                     sub.add_parser("schedule", help="(internal) run the waves of a launched matrix")):
         command.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
-    waiting = sub.add_parser("wait", help="wait until every run of the matrices ended (exit 0) or --timeout (exit 124)")
+    waiting = sub.add_parser("wait", help="wait until every run of the matrices ended (exit 0) or --timeout "
+                             f"(exit {STILL_RUNNING})")
     waiting.add_argument("--out", type=Path, nargs="+", required=True)
     waiting.add_argument("--timeout", type=float, required=True, help="seconds")
     waiting.add_argument("--every", type=float, default=60.0, help="seconds between status prints")
     args = parser.parse_args(argv)
     if args.command == "wait":
-        return 0 if wait(args.out, args.timeout, args.every) else 124
+        try:
+            return 0 if wait(args.out, args.timeout, args.every) else STILL_RUNNING
+        except FileNotFoundError as exc:
+            print(f"arms.py wait: {exc}", file=sys.stderr)
+            return 2
     if args.command == "launch":
         try:
             launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)

@@ -70,8 +70,19 @@ def register(out: Path, sessions: int, max_sessions: int, pids: list[int], utili
     return path
 
 
+def is_running(pid: int, ticks: str | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``ticks`` and has not ended. An ended
+    process that nobody has reaped yet (a zombie, state Z, or dead, X) keeps its /proc entry and its
+    start ticks, but holds nothing any more."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return ticks is not None and len(fields) > 19 and fields[19] == ticks and fields[0] not in ("Z", "X")
+
+
 def _alive(entry: dict[str, Any]) -> bool:
-    return any(ticks is not None and start_ticks(int(pid)) == ticks for pid, ticks in entry.get("pids", []))
+    return any(is_running(int(pid), ticks) for pid, ticks in entry.get("pids", []))
 
 
 def live_matrices(out: Path, live_dir: Path | None = None) -> list[dict[str, Any]]:

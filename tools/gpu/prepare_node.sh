@@ -8,11 +8,14 @@ cd "$(dirname "$0")/../.."
 source tools/gpu/node_env.sh
 # The GPU node's image sets PYTHONDONTWRITEBYTECODE=1, so no Python process there ever writes byte
 # code, and each of a verl session's processes (TaskRunner, FSDP worker, vLLM's server, engine core
-# and GPU worker) compiled every module of torch's neighbours, vLLM and verl it imported, again.
-# Compiling the tree once takes 3-5 s on 16 cores and took a single session's start from 189.8 s to
-# 169.5 s (docs/gpu.md §8). Python reads byte code whatever that variable says.
-python3 -m compileall -q -j 0 "$FEDAGENT_SITE" fedagent_flwr > /dev/null \
-  || echo "prepare_node.sh: compileall reported errors (some files stay uncompiled; runs still work)" >&2
+# and GPU worker) compiled every module of vLLM, verl, Ray and transformers it imported, again.
+# Compiling the tree once (run this after every chunk is unpacked) took 3 s and 5 s on 16 cores in
+# the two staging runs of 2026-12-02, and a single session's start went from 189.8 s to 169.5 s
+# (docs/gpu.md §8). Python reads byte code whatever that variable says.
+if ! python3 -m compileall -q -j 0 "$FEDAGENT_SITE" fedagent_flwr > /tmp/fa-compileall.log 2>&1; then
+  echo "prepare_node.sh: compileall could not compile $(grep -c '^\*\*\*' /tmp/fa-compileall.log) file(s)" \
+       "(list: /tmp/fa-compileall.log); they stay uncompiled, runs still work" >&2
+fi
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 DEST=$FEDAGENT_CACHE_DIR/smollm2-0.1.2-gguf
 mkdir -p "$DEST"
@@ -33,10 +36,17 @@ t0 = time.time()
 try:
     from vllm.model_executor.models.registry import ModelRegistry
     archs = json.loads((Path(default_model_dir()) / "config.json").read_text()).get("architectures", [])
+    from vllm import envs
+    cached = []
     for arch in archs:
-        if arch in ModelRegistry.models:
-            ModelRegistry.models[arch].inspect_model_cls()
-    print("vLLM model info cached for", archs, f"in {time.time() - t0:.1f} s", flush=True)
+        model = ModelRegistry.models.get(arch)
+        if model is None or not hasattr(model, "module_name"):
+            continue  # not a lazily registered vLLM model: nothing is cached for it
+        model.inspect_model_cls()
+        name = f"{model.module_name}-{model.class_name}".replace(".", "-") + ".json"
+        if (Path(envs.VLLM_CACHE_ROOT) / "modelinfos" / name).is_file():  # vLLM swallows its own write errors
+            cached.append(arch)
+    print(f"vLLM model info cached for {cached} of {archs} in {time.time() - t0:.1f} s", flush=True)
 except Exception as exc:  # only a start-up saving is lost
     print(f"prepare_node.sh: could not fill vLLM's model-info cache ({exc!r}); sessions will inspect the model themselves", flush=True)
 PY

@@ -197,24 +197,30 @@ def test_launch_counts_the_sessions_of_other_live_matrices_and_passes_each_run_i
 
 def test_wait_returns_when_every_launcher_ended_and_false_at_the_timeout(tmp_path: Path) -> None:
     """``arms.py wait`` follows the launchers' pid files: it returns True once every one of them has
-    ended, and False at its timeout while one is still running."""
+    ended (an ended launcher nobody reaped yet, a zombie, counts as ended; so does a pid file whose pid
+    now belongs to another process), and False at its timeout while one is still running."""
+    import os
     import subprocess
-    import threading
 
     arms = _arms_module()
     (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"runs": [{"name": "federated-s1"}]}))
-    short = subprocess.Popen(["sleep", "1"], start_new_session=True)
-    threading.Thread(target=short.wait, daemon=True).start()  # reaped as init would reap a launcher
+    short = subprocess.Popen(["sleep", "1"], start_new_session=True)  # not reaped until the end: a zombie
     (tmp_path / "federated-s1.pid").write_text(arms._pid_line(short.pid))
+    (tmp_path / "local-s1.pid").write_text(f"{os.getpid()} 1\n")  # a recycled pid: another process now
     assert arms.running(tmp_path) == ["federated-s1"]
     assert arms.wait([tmp_path], timeout=120, every=60, poll=0.1) is True
+    assert Path(f"/proc/{short.pid}").exists(), "the launcher was reaped: the zombie case was not tested"
     assert arms.running(tmp_path) == []
+    short.wait()
 
     long = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         (tmp_path / "schedule.pid").write_text(arms._pid_line(long.pid))
         assert arms.wait([tmp_path], timeout=0.5, every=60, poll=0.1) is False
         assert arms.running(tmp_path) == ["schedule"]
+        assert arms.main(["wait", "--out", str(tmp_path), "--timeout", "0.2"]) == arms.STILL_RUNNING
     finally:
         long.kill()
         long.wait()
+    assert arms.main(["wait", "--out", str(tmp_path), "--timeout", "5"]) == 0
+    assert arms.main(["wait", "--out", str(tmp_path / "nowhere"), "--timeout", "5"]) == 2
