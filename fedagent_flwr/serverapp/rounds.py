@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from fedagent_flwr.schema import declared_default
 from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_rounds, stop_if_all_failed_alike
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -43,6 +44,9 @@ NO_REPLY = "no reply within the round timeout"
 WAITING_LINE_EVERY_S = 60.0
 # How often a training round looks for new client step records to relay.
 PROGRESS_POLL_S = 5.0
+# The run config's default (the schema declares it once), so a loop built without the setting
+# stops after empty rounds as a configured run does.
+MAX_EMPTY_ROUNDS: int = declared_default("max_empty_rounds")
 
 
 def _clients(strategy: FedAvgFSDP, messages: Sequence[Message]) -> list[int]:
@@ -123,12 +127,13 @@ class RoundLoop:
     ``last_completed`` is the last round an earlier attempt committed (None: not even round 0);
     ``after_commit(round)`` runs after each commit (:mod:`.retention` frees disk there);
     ``run_root`` is where the clients' progress files are (None: no step lines are relayed);
-    ``max_empty_rounds``: rounds in a row that aggregate nothing before the run stops (0: never).
+    ``max_empty_rounds``: rounds in a row that aggregate nothing before the run stops (0: never;
+    by default the run config's default, :data:`MAX_EMPTY_ROUNDS`).
     """
 
     def __init__(self, strategy: FedAvgFSDP, grid: Grid, recorder: RunRecorder, *, timeout: float,
                  last_completed: int | None = None, after_commit: Callable[[int], Any] | None = None,
-                 run_root: Path | None = None, max_empty_rounds: int = 0) -> None:
+                 run_root: Path | None = None, max_empty_rounds: int = MAX_EMPTY_ROUNDS) -> None:
         self.run_root = run_root
         self.max_empty_rounds = max_empty_rounds
         self.strategy = strategy

@@ -41,3 +41,12 @@ def test_a_waiting_round_says_so_every_interval_and_stops_when_the_replies_come(
         time.sleep(0.5)  # the reminder stopped with the replies
         assert len([r for r in caplog.records if "waiting on clients" in r.getMessage()]) == len(waiting)
     assert loop._send([], 3, "training") == []
+
+
+def test_a_loop_built_without_max_empty_rounds_stops_as_a_default_run_does() -> None:
+    """The loop's default is the run config's (declared once, in the schema): a loop built without
+    the setting (an embedding, a test) stops after as many empty rounds as ``make run`` does."""
+    from fedagent_flwr.config import load_settings
+
+    loop = rounds.RoundLoop(SimpleNamespace(), SlowGrid(0), recorder=None, timeout=600)  # type: ignore[arg-type]
+    assert loop.max_empty_rounds == load_settings().run.max_empty_rounds == 2
