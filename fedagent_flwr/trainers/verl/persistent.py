@@ -49,7 +49,7 @@ from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, LOG_FILE, record
 from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl import phases
 from fedagent_flwr.trainers.verl.job import InputError, PreparedTrain, VerlJobFailed
-from fedagent_flwr.trainers.verl.runner import cleanup_ray, known_cause, logged_cause
+from fedagent_flwr.trainers.verl.runner import CAUSE_WAIT_S, cleanup_ray, known_cause, logged_cause
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 from fedagent_flwr.trainers.verl.verl_log import StepWatch
 
@@ -109,16 +109,20 @@ def round_plan(job: TrainJob, prep: PreparedTrain, *, reload: bool) -> dict[str,
     }
 
 
-def root_cause(exc: BaseException, log_path: Path | None = None, log_offset: int = 0) -> str:
+def root_cause(exc: BaseException, log_path: Path | None = None, log_offset: int = 0,
+               wait_s: float = CAUSE_WAIT_S) -> str:
     """One line for an exception raised through Ray: the original error where Ray kept it, with
     the operator's phrasing for a known cause (GPU memory). When the exception names none, the
     server's log from ``log_offset`` on (what Ray's workers printed meanwhile) may: vLLM's engine
     fails with "Engine core initialization failed. See root cause above.", and the root cause
-    (not enough free GPU memory) is only in that log."""
+    (not enough free GPU memory) is only in that log. Ray forwards the workers' lines into it
+    asynchronously, so the log is watched for up to ``wait_s`` seconds for a known cause to arrive
+    (:func:`~.runner.logged_cause`)."""
     cause = getattr(exc, "cause", None)
     inner = cause if isinstance(cause, BaseException) else exc
     text = f"{type(inner).__name__}: {inner}"
-    known = known_cause(f"{text}\n{exc}") or (logged_cause(log_path, log_offset) if log_path is not None else None)
+    known = known_cause(f"{text}\n{exc}") or (
+        logged_cause(log_path, log_offset, wait_s) if log_path is not None else None)
     line = " ".join(text.split())
     return f"{known} ({line[:300]})" if known else line[:600]
 
@@ -319,10 +323,17 @@ class VerlSession:
                 info = ray.get(self.runner.start.remote(config))
         except Exception as exc:
             recorder.record("session_start", started_at, failed=True, stage=stage)
-            self.close()
             sys.stdout.flush()  # our own lines in the log before it is read
+            try:
+                # Before close(): while Ray runs it still forwards its workers' last lines (vLLM's
+                # root cause among them) into the log; only a running Ray has lines still to come.
+                ray_module = sys.modules.get("ray")
+                forwarding = ray_module is not None and ray_module.is_initialized()
+                reason = root_cause(exc, server_log, log_offset, CAUSE_WAIT_S if forwarding else 0.0)
+            finally:
+                self.close()
             raise VerlJobFailed(f"the persistent verl session could not start ({stage}): "
-                                f"{root_cause(exc, server_log, log_offset)} (log: {LOG_HINT})") from exc
+                                f"{reason} (log: {LOG_HINT})") from exc
         seconds = round(time.monotonic() - started, 2)
         recorder.record("session_start", started_at)
         print(f"{PROG}: session started in {seconds} s (Ray temp dir {self.ray_temp_dir}, TaskRunner pid "

@@ -23,6 +23,12 @@ from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 _ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
 #: How much of a log's end :func:`logged_cause` reads (vLLM's traceback precedes the failure by a few hundred lines).
 LOG_SCAN_BYTES = 4 * 2**20
+#: How long :func:`logged_cause` may wait for a root cause to reach a log that Ray writes into: Ray's
+#: log monitor forwards a worker's lines asynchronously, so they can arrive after the exception that
+#: they explain. A bound, not a delay: the wait ends as soon as a known cause is there.
+CAUSE_WAIT_S = 5.0
+#: How often the log is read again while waiting.
+CAUSE_POLL_S = 0.2
 
 def ray_temp_dir(output_dir: str) -> str:
     """A short per-job Ray temp dir: Ray puts Unix sockets under it (paths must stay < 108 bytes)."""
@@ -94,22 +100,31 @@ def known_cause(text: str) -> str | None:
     return None
 
 
-def logged_cause(log_path: Path, offset: int = 0) -> str | None:
+def logged_cause(log_path: Path, offset: int = 0, wait_s: float = 0.0) -> str | None:
     """:func:`known_cause` of what ``log_path`` holds from byte ``offset`` on (at most its last
     :data:`LOG_SCAN_BYTES`); None when the file is missing or names no known cause.
 
     An exception raised through Ray often says only that something failed ("Engine core
     initialization failed. See root cause above."): the root cause was printed by another process
-    (a vLLM worker) into the log, which is where this looks for it.
+    (a vLLM worker) into the log, which is where this looks for it. A log that is still being
+    written (Ray forwards its workers' lines asynchronously) is read again every
+    :data:`CAUSE_POLL_S` until a known cause is in it or ``wait_s`` seconds have passed; then the
+    answer is what the log held by that time.
     """
-    try:
-        with open(log_path, "rb") as log:
-            size = log.seek(0, 2)
-            log.seek(max(offset, size - LOG_SCAN_BYTES, 0))
-            text = log.read().decode(errors="replace")
-    except OSError:
-        return None
-    return known_cause(text)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(log_path, "rb") as log:
+                size = log.seek(0, 2)
+                log.seek(max(offset, size - LOG_SCAN_BYTES, 0))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return None
+        known = known_cause(text)
+        left = deadline - time.monotonic()
+        if known is not None or left <= 0:
+            return known
+        time.sleep(min(CAUSE_POLL_S, left))
 
 
 def failure_reason(code: int, tail: Sequence[str], log_path: Path | None = None) -> str:

@@ -334,9 +334,10 @@ def test_a_failed_session_start_names_vllms_root_cause_from_the_servers_log(tmp_
     log.write_text("an earlier server's start: ValueError: Free memory on device cuda:0 (9.0/139.8 GiB) on startup "
                    "is less than desired GPU memory utilization (0.3, 41.94 GiB).\n")
     offset = log.stat().st_size
-    # nothing after the offset: the exception's own words (an earlier server's failure is not this one's)
-    assert root_cause(engine, log, offset) == ("RuntimeError: Engine core initialization failed. See root cause "
-                                               "above. Failed core proc(s): {}")
+    # nothing after the offset, within the wait: the exception's own words (an earlier server's
+    # failure is not this one's)
+    assert root_cause(engine, log, offset, wait_s=0.5) == ("RuntimeError: Engine core initialization failed. See "
+                                                           "root cause above. Failed core proc(s): {}")
     with open(log, "a") as out:
         out.write(_VLLM_REFUSED)
     assert root_cause(engine, log, offset) == (
@@ -345,6 +346,37 @@ def test_a_failed_session_start_names_vllms_root_cause_from_the_servers_log(tmp_
         "trainer.gpu_memory_utilization (RuntimeError: Engine core initialization failed. See root cause above. "
         "Failed core proc(s): {})")
     assert root_cause(engine, tmp_path / "missing.log") == root_cause(engine)
+
+
+# Appends argv[2] to the file argv[1] once argv[3] seconds have passed, as Ray's log forwarding does
+# with a worker's last lines after the driver already has the exception.
+_LATE_WRITER = "import sys, time; time.sleep(float(sys.argv[3])); open(sys.argv[1], 'a').write(sys.argv[2])"
+
+
+def test_a_root_cause_that_reaches_the_log_after_the_exception_is_waited_for(tmp_path: Path) -> None:
+    """Ray forwards its workers' lines asynchronously: the session can have vLLM's "see root cause
+    above" before the root cause is in the server's log. Another process appends it a second after
+    the read begins, and the reason names it (a read at once finds only the exception's words)."""
+    engine = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    log = tmp_path / "server.log"
+    log.write_text("trainer server up\n")
+    offset = log.stat().st_size
+    writer = subprocess.Popen([sys.executable, "-c", _LATE_WRITER, str(log), _VLLM_REFUSED, "1.0"])
+    try:
+        reason = root_cause(engine, log, offset)
+    finally:
+        assert writer.wait(timeout=60) == 0
+    assert reason.startswith("ran out of GPU memory: vLLM could not start (Free memory on device cuda:0 "
+                             "(1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB))")
+    # A line that names no known cause does not end the wait early; the wait then ends with what
+    # the log holds (the exception's own words).
+    writer = subprocess.Popen([sys.executable, "-c", _LATE_WRITER, str(log), "still no cause\n", "0.2"])
+    try:
+        reason = root_cause(engine, log, log.stat().st_size, wait_s=1.0)
+    finally:
+        assert writer.wait(timeout=60) == 0
+    assert reason == "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    assert log.read_text().endswith("still no cause\n")
 
 
 _SESSION_SCRIPT = r"""
