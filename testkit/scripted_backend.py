@@ -2,7 +2,8 @@
 ``trainer.script`` says and takes ``trainer.close_s`` to close.
 
 Scripts: ``ok``, ``fail``, ``sleep:<s>``; for the progress watchdog ``hang`` (one line, then
-silence), ``warn`` (then only vLLM's stall warning) and ``stall_in_session`` (hangs in a
+silence), ``warn`` (then only vLLM's stall warning), ``bar`` (a progress bar redrawn after ``\r``
+for 4.8 s, with no newline until it is full) and ``stall_in_session`` (hangs in a
 persistent trainer, trains normally in a fresh subprocess: issue 18's stuck verl session). The
 subprocess path (``train JOB.json``) runs the same session code.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, backend_main, save
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
-from testkit.sleepy_backend import STALL_WARNING
+from testkit.sleepy_backend import STALL_WARNING, progress_bar
 
 
 class ScriptedSession:
@@ -30,6 +31,8 @@ class ScriptedSession:
         print(f"scripted train round {job.round}: {script} ({'persistent' if served else 'subprocess'})", flush=True)
         if script == "fail":
             raise RuntimeError(f"scripted failure in round {job.round}")
+        if script == "bar":
+            progress_bar()
         if script.startswith("sleep:"):
             time.sleep(float(script.split(":", 1)[1]))
         if script in ("hang", "warn") or (script == "stall_in_session" and served):

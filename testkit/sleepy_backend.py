@@ -2,11 +2,28 @@
 
 The mode (the backend's first argument) is a number of seconds to sleep, ``fail``, or, for the
 progress watchdog: ``hang`` (one line, then silence), ``warn`` (one line, then only vLLM's stall
-warning, as a stuck verl job prints it) or ``tick`` (a progress line every 0.5 s for 4 s, then done).
+warning, as a stuck verl job prints it), ``tick`` (a progress line every 0.5 s for 4 s, then done)
+or ``bar`` (a tqdm-style progress bar redrawn after ``\r`` every 0.4 s for 4.8 s, no newline until
+it is full: :func:`progress_bar`).
 """
 
 import sys
 import time
+
+BAR_STEPS = 12
+
+
+def progress_bar(steps: int = BAR_STEPS, every_s: float = 0.4) -> None:
+    """Draw a progress bar as tqdm does on a terminal-less stream: each redraw starts with ``\r``
+    and none ends with a newline until the bar is full."""
+    for step in range(steps + 1):
+        if step:
+            time.sleep(every_s)
+        filled = "█" * (10 * step // steps)
+        sys.stdout.write(f"\rTraining Progress: {100 * step // steps:3d}%|{filled:<10}| {step}/{steps}")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 # vLLM's message while its engine waits for a stuck worker (vllm/distributed/device_communicators/shm_broadcast.py).
 STALL_WARNING = ("INFO 12-01 10:00:00 [shm_broadcast.py:582] No available shared memory broadcast block found "
@@ -25,6 +42,9 @@ if __name__ == "__main__":
             time.sleep(0.2)
             if mode == "warn":
                 print(STALL_WARNING, flush=True)
+    if mode == "bar":
+        progress_bar()
+        sys.exit(0)
     if mode == "tick":
         for i in range(8):
             time.sleep(0.5)

@@ -8,7 +8,8 @@ a log file beside the job.
 **Progress watchdog** (``trainer.stall_timeout_s``, both modes, every backend): a job whose output
 shows no progress for that long is stopped, with the reason "no progress for N s
 (trainer.stall_timeout_s): last line: ...", instead of waiting for ``trainer.timeout_s`` (an hour).
-*Progress* is a new output line that is not a known stall warning (:data:`STALL_WARNINGS`). Why
+*Progress* is a new output line that is not a known stall warning (:data:`STALL_WARNINGS`); a
+progress bar's carriage-return update (tqdm's ``\r``) is a line too (:class:`TrainerOutput`). Why
 output lines and not a heartbeat the trainer writes: the stall this catches (a verl session whose
 vLLM worker waits forever, issue 18) leaves every process alive and their threads running, so a
 heartbeat thread would keep beating; only the work itself can say it moved on, and the job's
@@ -22,6 +23,7 @@ print is the waiting messages of the layers underneath, repeated: those are list
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import subprocess
@@ -30,7 +32,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
 from fedagent_flwr.procs import stop_group
@@ -105,6 +107,68 @@ class ProgressWatch:
         return max(0.05, min(1.0, self.stall_timeout_s / 10))
 
 
+class TrainerOutput:
+    """A trainer's output as it arrives, in byte chunks (a pipe's reads, what a log file grew by):
+    each line goes to the job's log (``sink``), to the node's output with the client's ``label``,
+    to the progress ``watch`` and to :attr:`recent` (the last lines, for error messages).
+
+    Used by both trainer modes (a subprocess's pipe, a persistent trainer's log), so both judge
+    progress alike. Lines end at ``\n``, ``\r\n`` or a lone ``\r``: a progress bar (tqdm) redraws
+    itself after a ``\r`` without a newline, and each redraw is progress. A ``\r`` on an empty
+    line is only the cursor moving back, so it makes no line; a UTF-8 character split between two
+    chunks is decoded whole.
+    """
+
+    RECENT_LINES = 15
+
+    def __init__(self, sink: TextIO, label: str, watch: ProgressWatch | None = None) -> None:
+        self.sink, self.label, self.watch = sink, label, watch
+        self.recent: deque[str] = deque(maxlen=self.RECENT_LINES)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+        self._after_cr = False  # the last chunk ended with \r: a \n opening the next one is its pair
+
+    def feed(self, data: bytes) -> None:
+        """Take the next chunk of output; emit the lines it completes."""
+        self._split(self._decoder.decode(data))
+
+    def close(self) -> None:
+        """Emit an unfinished last line (output that ended without a newline)."""
+        self._split(self._decoder.decode(b"", final=True))
+        rest, self._partial = self._partial, ""
+        if rest:
+            self._emit(rest)
+            self.sink.flush()
+
+    def last_lines(self) -> str:
+        """The last non-blank lines, joined with `` | `` (at most 800 characters)."""
+        text = " | ".join(line for line in self.recent if line.strip())
+        return text[-800:] or "no output"
+
+    def _split(self, text: str) -> None:
+        if not text:
+            return
+        if self._after_cr and text.startswith("\n"):
+            text = text[1:]
+        self._after_cr = text.endswith("\r")
+        pieces = re.split(r"(\r\n|\r|\n)", self._partial + text)
+        self._partial = pieces.pop()
+        emitted = False
+        for line, end in zip(pieces[::2], pieces[1::2], strict=True):
+            if line or end != "\r":
+                self._emit(line)
+                emitted = True
+        if emitted:
+            self.sink.flush()
+
+    def _emit(self, line: str) -> None:
+        if self.watch is not None:
+            self.watch.line(line)
+        self.sink.write(line + "\n")
+        self.recent.append(line.rstrip())
+        print(f"[{self.label}] {line.rstrip()}", flush=True)
+
+
 def _quote(line: str) -> str:
     line = " ".join(line.split())
     return repr(line if len(line) <= _QUOTE_CHARS else line[:_QUOTE_CHARS] + "...")
@@ -143,17 +207,17 @@ def run_trainer(
     if backend not in BACKEND_MODULES:
         raise TrainerFailed(f"{label}: unknown trainer backend {backend!r} (known: {sorted(BACKEND_MODULES)})")
     command = [sys.executable, "-m", BACKEND_MODULES[backend], mode, str(job_path)]
-    tail: deque[str] = deque(maxlen=15)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log_file:
         # A session of its own: on timeout the whole tree goes (a verl job's driver, Ray and
         # vLLM processes included), not just the backend's own process.
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=trainer_environment(), bufsize=1, start_new_session=True,
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=trainer_environment(),
+            bufsize=0, start_new_session=True,
         )
         timed_out = threading.Event()
         watch = ProgressWatch(stall_timeout_s)
+        output = TrainerOutput(log_file, label, watch)
         stalled: list[str] = []
         finished = threading.Event()
 
@@ -178,12 +242,10 @@ def run_trainer(
             watchdog.start()
         try:
             assert process.stdout is not None
-            for line in process.stdout:
-                log_file.write(line)
-                log_file.flush()
-                tail.append(line.rstrip())
-                watch.line(line)
-                print(f"[{label}] {line.rstrip()}", flush=True)
+            # Whatever has arrived, not whole lines: a progress bar's redraw ends with no newline.
+            while chunk := os.read(process.stdout.fileno(), 65536):
+                output.feed(chunk)
+            output.close()
             code = process.wait()
         finally:
             timer.cancel()
@@ -200,7 +262,7 @@ def run_trainer(
     if code != 0:
         # A backend that explains itself ("<prog>: error: ...") is quoted alone; otherwise the
         # output's last lines (a traceback) are.
-        own = [line for line in tail if re.match(r"^[\w.-]+: error: ", line)]
-        last = own[-1] if own else " | ".join(line for line in tail if line)[-800:]
+        own = [line for line in output.recent if re.match(r"^[\w.-]+: error: ", line)]
+        last = own[-1] if own else output.last_lines()
         raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")
 

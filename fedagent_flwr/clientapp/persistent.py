@@ -28,7 +28,6 @@ job's own log file, exactly like a subprocess's.
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import sys
@@ -37,7 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.clientapp.backend import BACKEND_MODULES, ProgressWatch, TrainerFailed, trainer_environment
+from fedagent_flwr.clientapp.backend import (
+    BACKEND_MODULES,
+    ProgressWatch,
+    TrainerFailed,
+    TrainerOutput,
+    trainer_environment,
+)
 from fedagent_flwr.clientapp.trainer_server import (
     CLOSING_FILE,
     IDLE_ENV,
@@ -333,16 +338,13 @@ def _marker(path: Path, pid: int) -> dict[str, Any] | None:
 
 
 class _LogFollower:
-    """Copies what the server appends to its log (from ``offset`` on) into the job's log and the
-    node's output, line by line with the client's label; each line also goes to ``watch``."""
+    """Follows what the server appends to its log (from ``offset`` on) and passes it to a
+    :class:`.backend.TrainerOutput`: into the job's log and the node's output, line by line with
+    the client's label, each line also to ``watch`` (as a subprocess's output is)."""
 
     def __init__(self, path: Path, offset: int, sink: Any, label: str, watch: ProgressWatch | None = None) -> None:
-        self.path, self.offset, self.sink, self.label = path, offset, sink, label
-        self.watch = watch
-        # Incremental: a UTF-8 character split between two reads is decoded whole.
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.partial = ""
-        self.recent: list[str] = []
+        self.path, self.offset = path, offset
+        self.output = TrainerOutput(sink, label, watch)
 
     def pump(self) -> None:
         try:
@@ -352,28 +354,12 @@ class _LogFollower:
         except OSError:
             return
         self.offset += len(data)
-        lines = (self.partial + self.decoder.decode(data)).split("\n")
-        self.partial = lines.pop()
-        for line in lines:
-            self._emit(line)
-        self.sink.flush()
+        self.output.feed(data)
 
     def close(self) -> None:
         """Emit an unfinished last line (output that ended without a newline)."""
         self.pump()
-        rest = self.partial + self.decoder.decode(b"", final=True)
-        self.partial = ""
-        if rest:
-            self._emit(rest)
-            self.sink.flush()
-
-    def _emit(self, line: str) -> None:
-        if self.watch is not None:
-            self.watch.line(line)
-        self.sink.write(line + "\n")
-        print(f"[{self.label}] {line}", flush=True)
-        self.recent = (self.recent + [line])[-15:]
+        self.output.close()
 
     def last_lines(self) -> str:
-        text = " | ".join(line for line in self.recent if line.strip())
-        return text[-800:] or "no output"
+        return self.output.last_lines()

@@ -15,13 +15,14 @@ from fedagent_flwr.clientapp.backend import (
     CLIENTAPP_TRAINER_KEYS,
     ProgressWatch,
     TrainerFailed,
+    TrainerOutput,
     is_stall_warning,
     run_trainer,
 )
 from fedagent_flwr.clientapp.job import TrainJob, TrainResult, save
 from fedagent_flwr.clientapp.persistent import PersistentTrainer, TrainerStalled, channel_dir
 from fedagent_flwr.config import load_settings
-from testkit.sleepy_backend import STALL_WARNING
+from testkit.sleepy_backend import BAR_STEPS, STALL_WARNING
 
 
 class _Clock:
@@ -102,6 +103,19 @@ def test_a_slow_job_that_keeps_printing_is_left_alone(tmp_path: Path, sleepy: No
     assert "tick 7" in (tmp_path / "tick.log").read_text()
 
 
+def _bar_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.startswith("Training Progress:")]
+
+
+def test_a_progress_bar_that_keeps_moving_is_progress(tmp_path: Path, sleepy: None) -> None:
+    """tqdm redraws its bar after a carriage return, with no newline until the bar is full: 4.8 s of
+    redraws, one every 0.4 s, pass a 2 s watchdog, and each redraw is a line of the job's log."""
+    run_trainer("sleepy", "bar", tmp_path / "job.json", tmp_path / "bar.log", "client 0 round 1",
+                timeout_s=120, stall_timeout_s=2)
+    lines = _bar_lines(tmp_path / "bar.log")
+    assert len(lines) == BAR_STEPS + 1 and lines[-1] == f"Training Progress: 100%|{'█' * 10}| {BAR_STEPS}/{BAR_STEPS}"
+
+
 # -- persistent mode -------------------------------------------------------------------------------
 
 
@@ -140,6 +154,44 @@ def test_a_stalled_persistent_trainer_is_stopped_and_its_successor_says_why(
     scripted.ensure_started()
     assert scripted.record()["reason"] == (f"restart: trainer pid {first} is gone "
                                            "(no progress for 3 s, trainer.stall_timeout_s)")
+
+
+def test_a_progress_bar_that_keeps_moving_is_progress_in_a_persistent_trainer(
+    tmp_path: Path, scripted: PersistentTrainer
+) -> None:
+    """The same bar from a persistent trainer, read from its log file: its redraws are progress
+    too (the watchdog judges both modes' output alike), and lines of the job's log."""
+    out_dir = tmp_path / "r5"
+    _, job_path = _scripted_job(out_dir, "bar")
+    scripted.run("train", job_path, tmp_path / "r5.log", "client 0 round 5", timeout_s=120, stall_timeout_s=2)
+    assert (out_dir / "train_result.json").exists()
+    lines = _bar_lines(tmp_path / "r5.log")
+    assert len(lines) == BAR_STEPS + 1 and lines[-1] == f"Training Progress: 100%|{'█' * 10}| {BAR_STEPS}/{BAR_STEPS}"
+
+
+def test_output_lines_end_at_newlines_and_carriage_returns_wherever_the_chunks_are_cut() -> None:
+    """:class:`TrainerOutput` on output cut at every byte (a pipe or a log file may hand over any
+    prefix): ``\\r\\n`` is one line end, a lone ``\\r`` another, a ``\\r`` on an empty line none,
+    a character split between chunks is decoded whole; each line reaches the watchdog."""
+    import io
+
+    text = "start\r\n\r 1/2 █\r 2/2 ██\nend".encode()
+    for size in (1, 2, 3, 5):
+        sink, clock = io.StringIO(), _Clock()
+        watch = ProgressWatch(10, clock=clock)
+        output = TrainerOutput(sink, "c0", watch)
+        progress: list[tuple[str, float, float]] = []  # (the watchdog's last line, its time of progress, now)
+        for start in range(0, len(text), size):
+            clock.now += 1
+            output.feed(text[start:start + size])
+            if watch.last_line != (progress[-1][0] if progress else ""):
+                progress.append((watch.last_line, watch.last_progress, clock.now))
+        output.close()
+        assert sink.getvalue() == "start\n 1/2 █\n 2/2 ██\nend\n", size
+        # each redraw was progress at the chunk that ended it
+        assert [line for line, _, _ in progress] == ["start", " 1/2 █", " 2/2 ██"], size
+        assert all(at == now for _, at, now in progress), progress
+        assert watch.last_line == "end" and list(output.recent) == ["start", " 1/2 █", " 2/2 ██", "end"]
 
 
 def test_a_job_stalled_in_the_persistent_trainer_reruns_in_a_subprocess(
