@@ -264,11 +264,22 @@ def rank_main(rank: int, root_text: str, base_text: str, job_env: dict[str, str]
     (root / f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
 
 
+# A hang guard, not a bound on speed: two ranks stuck in a collective are killed and fail the test
+# here, instead of holding the suite until its own timeout.
+HANG_GUARD_S = 600
+
+
 def run(root: Path, base: Path, job_env: dict[str, str]) -> list[dict[str, Any]]:
     """Spawn the two processes and return their reports (rank order)."""
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(rank_main, args=(str(root), str(base), job_env), nprocs=2, join=True,
-                       start_method="spawn")
+    ranks = mp.start_processes(rank_main, args=(str(root), str(base), job_env), nprocs=2, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not ranks.join(timeout=5.0):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(f"the two ranks did not finish within {HANG_GUARD_S} s (a hung collective?)")
     return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]

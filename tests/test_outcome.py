@@ -52,3 +52,33 @@ def test_the_outcome_of_a_log_is_its_run_directorys_summary_or_its_refusal(tmp_p
                 "ERROR : [fedagent] cannot start the run: another ServerApp is running the run in it\n"]
     assert outcome_of_log(busy_log).reason == "another ServerApp is running the run in it"
     assert outcome_of_log(["nothing of ours\n"]).exit_code == 1
+
+
+# A stand-in for `flwr run --stream` of a run that failed: the ServerApp's last words, then a log
+# stream that stays open (Flower winding the simulation down) until something stops it. It also
+# ends once its parent (the wrapper) is gone, so a broken wrapper leaves nothing behind.
+_STREAM_STAYS_OPEN = """
+import os, sys, time
+parent = os.getppid()
+print("INFO :      [fedagent] run directory: " + sys.argv[1], flush=True)
+print("ERROR :     [fedagent] run failed: round 1: every client (2) failed the same way", flush=True)
+while os.getppid() == parent:
+    time.sleep(0.1)
+"""
+
+
+def test_the_wrapper_stops_following_a_log_that_outlives_the_servers_last_words(tmp_path: Path) -> None:
+    """Flower keeps a failed simulation's log stream open while it winds down (half a minute on a
+    small machine): once the ServerApp has said the run failed, the wrapper stops following the
+    stream and ends with the run's outcome, instead of waiting for a stream that ends on its own."""
+    run_dir = _summary(tmp_path / "run", "failed", "round 1: every client (2) failed the same way")
+    proc = subprocess.run([sys.executable, "-m", "fedagent_flwr.outcome", "run", "--",
+                           sys.executable, "-c", _STREAM_STAYS_OPEN, str(run_dir)],
+                          capture_output=True, text=True, timeout=120)  # a hang guard: the stream never ends by itself
+    lines = proc.stdout.splitlines()
+    assert lines[-2:] == [
+        "[fedagent] the run has ended; stopped following its log (Flower ends the simulation by itself)",
+        "[fedagent] run failed: round 1: every client (2) failed the same way "
+        f"(summary: {run_dir / 'federated_summary.json'})",
+    ], proc.stdout + proc.stderr
+    assert proc.returncode == 1

@@ -4,7 +4,6 @@ progress is stopped with the reason, in both trainer modes, instead of running i
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -77,23 +76,20 @@ def sleepy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_subprocess_that_hangs_silently_is_stopped(tmp_path: Path, sleepy: None) -> None:
-    started = time.monotonic()
     with pytest.raises(TrainerFailed) as info:
         run_trainer("sleepy", "hang", tmp_path / "job.json", tmp_path / "hang.log", "client 3 round 2",
                     timeout_s=120, stall_timeout_s=2)
-    assert time.monotonic() - started < 30  # the watchdog, not the 120 s timeout
+    # stopped by the watchdog, with its reason: not by the 120 s timeout ("trainer killed after ...")
     assert str(info.value) == (f"client 3 round 2: sleepy trainer stopped: no progress for 2 s "
                                f"(trainer.stall_timeout_s): last line: 'step 1 done' (log: {tmp_path / 'hang.log'})")
 
 
 def test_a_subprocess_that_prints_only_stall_warnings_is_stopped(tmp_path: Path, sleepy: None) -> None:
-    started = time.monotonic()
     with pytest.raises(TrainerFailed, match=r"sleepy trainer stopped: no progress for 2 s \(trainer.stall_timeout_s\): "
                                             r"last line: 'step 1 done'; since then only \d+ stall warning\(s\), "
                                             r"the last: '.*No available shared memory broadcast block found"):
         run_trainer("sleepy", "warn", tmp_path / "job.json", tmp_path / "warn.log", "client 0 round 5",
                     timeout_s=120, stall_timeout_s=2)
-    assert time.monotonic() - started < 30
     assert (tmp_path / "warn.log").read_text().count("No available shared memory broadcast block") >= 5
 
 
@@ -140,10 +136,9 @@ def test_a_stalled_persistent_trainer_is_stopped_and_its_successor_says_why(
     tmp_path: Path, scripted: PersistentTrainer, script: str
 ) -> None:
     _, job_path = _scripted_job(tmp_path / "r5", script)
-    started = time.monotonic()
+    # TrainerStalled, with the watchdog's reason: not the 120 s timeout (TrainerFailed, "trainer killed after")
     with pytest.raises(TrainerStalled) as info:
         scripted.run("train", job_path, tmp_path / "r5.log", "client 0 round 5", timeout_s=120, stall_timeout_s=3)
-    assert time.monotonic() - started < 40
     first = scripted.record()["pid"]
     message = str(info.value)
     assert message.startswith(f"client 0 round 5: the persistent scripted trainer (pid {first}) was stopped: "
@@ -205,10 +200,8 @@ def test_a_job_stalled_in_the_persistent_trainer_reruns_in_a_subprocess(
                "stall_timeout_s": 3.0}
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 1},
                       state=RecordDict(), run_config={})
-    started = time.monotonic()
     result = app._run_job("train", job, out_dir, "client 0 round 5", trainer, TrainResult, context,
                           tmp_path / "run")
-    assert time.monotonic() - started < 60
     assert result.actor_dir == str(out_dir) and result.num_episodes == 1
     output = capsys.readouterr().out
     assert "no progress for 3 s (trainer.stall_timeout_s)" in output

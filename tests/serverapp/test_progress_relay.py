@@ -33,20 +33,23 @@ from testkit.store_harness import RUN, auth, node
 
 class TrainingGrid:
     """A federation of one http-store client that trains ``steps`` steps, ``step_s`` seconds each,
-    sending its progress file as the ClientApp does; it replies nothing (only the wait matters)."""
+    sending its progress file as the ClientApp does; it replies nothing (only the wait matters).
+    ``logged`` is the server log's messages so far; :attr:`logged_at_reply` how many there were
+    when the client replied."""
 
-    def __init__(self, store: HttpServerStore, work: Path, steps: int, step_s: float) -> None:
+    def __init__(self, store: HttpServerStore, work: Path, steps: int, step_s: float, logged: list[str]) -> None:
         self.client = node(store, work, server_round=3, client=1)
         self.out_dir = work / "round_3" / "client_1"
         self.steps, self.step_s = steps, step_s
-        self.replied_at = 0.0
+        self.logged = logged
+        self.logged_at_reply = -1
 
     def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
         with forward_progress(self.client, self.out_dir / PROGRESS_FILE, 3, 1, every_s=0.05):
             for step in range(1, self.steps + 1):
                 time.sleep(self.step_s)
                 report_step(self.out_dir, StepProgress(step, self.steps, 10.0 * step, 0.25 * step))
-        self.replied_at = time.monotonic()
+        self.logged_at_reply = len(self.logged)
         return []
 
 
@@ -57,18 +60,18 @@ def test_http_clients_step_lines_reach_the_server_log_while_they_train(
     monkeypatch.setattr(rounds, "PROGRESS_POLL_S", 0.05)
     run_root = tmp_path / "run"
     with HttpServerStore(StorageSettings(kind="http"), run_root, RUN) as store:
-        grid = TrainingGrid(store, tmp_path / "node", steps=3, step_s=0.4)
+        relayed: list[str] = []
+        grid = TrainingGrid(store, tmp_path / "node", steps=3, step_s=0.4, logged=relayed)
         strategy = SimpleNamespace(nodes=SimpleNamespace(client_of=lambda node_id: node_id - 100))
         loop = rounds.RoundLoop(strategy, grid, recorder=None, timeout=600,  # type: ignore[arg-type]
                                 run_root=run_root.resolve())
         stale = run_root / "round_3" / "client_1" / PROGRESS_FILE
         stale.parent.mkdir(parents=True)
         stale.write_text(json.dumps({"step": 9, "steps": 9, "seconds": 1.0}) + "\n")  # an earlier attempt's
-        relayed: list[tuple[float, str]] = []
 
         class Collect(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
-                relayed.append((time.monotonic(), record.getMessage()))
+                relayed.append(record.getMessage())
 
         handler = Collect()
         logging.getLogger("flwr").addHandler(handler)
@@ -77,11 +80,12 @@ def test_http_clients_step_lines_reach_the_server_log_while_they_train(
                 loop._send([Message(RecordDict(), dst_node_id=101, message_type="train")], 3, "training")
         finally:
             logging.getLogger("flwr").removeHandler(handler)
-    lines = [(t, m) for t, m in relayed if m.startswith("client 1 round 3: ")]
-    assert [m for _, m in lines] == ["client 1 round 3: step 1/3, success 0.25, 10 s",
-                                     "client 1 round 3: step 2/3, success 0.50, 20 s",
-                                     "client 1 round 3: step 3/3, success 0.75, 30 s"]
-    assert lines[0][0] < grid.replied_at  # relayed while the client trained, not only after its reply
+    lines = [m for m in relayed if m.startswith("client 1 round 3: ")]
+    assert lines == ["client 1 round 3: step 1/3, success 0.25, 10 s",
+                     "client 1 round 3: step 2/3, success 0.50, 20 s",
+                     "client 1 round 3: step 3/3, success 0.75, 30 s"]
+    # relayed while the client trained, not only after its reply
+    assert lines[0] in relayed[:grid.logged_at_reply], (grid.logged_at_reply, relayed)
     # the store kept the copy where a shared filesystem's trainer would have written it
     assert [r.step for r in parse_progress(stale.read_text())] == [1, 2, 3]
 

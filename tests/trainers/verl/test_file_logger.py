@@ -58,26 +58,43 @@ def test_the_reader_waits_for_a_whole_line_and_follows_a_file_started_anew(tmp_p
 
 
 def test_the_runner_follows_the_step_file_while_the_job_runs(tmp_path: Path) -> None:
-    """run_verl with a process that writes verl's step-file format (the GPU job itself cannot run here)."""
+    """run_verl with a process that writes verl's step-file format (the GPU job itself cannot run here).
+    The process writes step 2 only once the runner has reported step 1, so the time to the first step
+    is step 1's, taken while the job ran."""
     step_file = tmp_path / "verl_steps.jsonl"
     step_file.write_text(json.dumps({"step": 9, "data": {"stale": 1}}) + "\n")  # an earlier attempt's
+    go = tmp_path / "step-1-seen"
+    # time.monotonic() is CLOCK_MONOTONIC, one clock for every process of the machine
     script = textwrap.dedent("""
-        import json, os, time
+        import json, os, sys, time
+        print("started at", time.monotonic(), flush=True)
         with open(os.environ["VERL_FILE_LOGGER_PATH"], "wb", buffering=0) as f:
-            for step in (1, 2):
-                time.sleep(0.6)
-                print("step", step, "done", flush=True)
-                f.write(json.dumps({"step": step, "data": {"timing_s/step": 0.5 * step}}).encode() + b"\\n")
+            time.sleep(0.6)
+            print("step 1 written at", time.monotonic(), flush=True)
+            f.write(json.dumps({"step": 1, "data": {"timing_s/step": 0.5}}).encode() + b"\\n")
+            while not os.path.exists(sys.argv[1]):
+                time.sleep(0.05)
+            print("step 2 written at", time.monotonic(), flush=True)
+            f.write(json.dumps({"step": 2, "data": {"timing_s/step": 1.0}}).encode() + b"\\n")
+        print("step 2 done", flush=True)
     """)
     seen: list[int] = []
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        seen.append(step)
+        go.touch()
+
     env = job_environment({"PATH": "/usr/bin:/bin"}, step_file=str(step_file))
     launched = time.monotonic()
-    code, first_step, tail, steps = run_verl([sys.executable, "-c", script], env, tmp_path, tmp_path / "verl.log",
-                                             str(tmp_path / "ray-temp"), step_file, lambda s, m: seen.append(s))
+    code, first_step, tail, steps = run_verl([sys.executable, "-c", script, str(go)], env, tmp_path,
+                                             tmp_path / "verl.log", str(tmp_path / "ray-temp"), step_file, on_step)
     assert code == 0 and tail[-1] == "step 2 done"
     assert steps == {1: {"timing_s/step": 0.5}, 2: {"timing_s/step": 1.0}} and seen == [1, 2]
-    # step 1 ends >= 0.6 s after launch, step 2 0.6 s later (the watch looks every 0.5 s)
-    assert first_step is not None and 0.6 <= first_step < time.monotonic() - launched
+    clock = {line.rsplit(" at ", 1)[0]: float(line.rsplit(" at ", 1)[1]) for line in tail if " at " in line}
+    # Counted from the launch (no later than the process's start) to when step 1 was seen (no earlier
+    # than it was written, and before step 2 existed: step 2 waited for step 1's report).
+    assert first_step is not None
+    assert clock["step 1 written"] - clock["started"] <= first_step < clock["step 2 written"] - launched
 
 
 def test_a_step_watch_reports_each_step_once_and_a_failing_report_never_stops_it(tmp_path: Path) -> None:

@@ -77,4 +77,10 @@ def test_the_round_reports_its_timings(reports: Reports) -> None:
     print(f"2-rank round: {seconds:.1f} s; per process, seconds at the end of each phase: "
           f"{[r['phase_s'] for r in ranks]}; CPU seconds {[r['cpu_s'] for r in ranks]}; "
           f"server: {server['aggregate_s']} s aggregate, {server['verify_s']} s verify")
-    assert seconds < 600  # a hung collective fails the test instead of the suite's timeout
+    # Every rank timed every phase, in the order they ran (a hung collective is verl_world.run's
+    # hang guard, not an assertion here).
+    for report in ranks:
+        laps = report["phase_s"]
+        assert list(laps) == ["imports", "1 client 1", "2 client 0", "3 server", "4 reloaded"], laps
+        assert list(laps.values()) == sorted(laps.values()) and report["cpu_s"] > 0
+    assert server["aggregate_s"] >= 0 and server["verify_s"] >= 0
