@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,16 +84,25 @@ def combine_file_digests(files: Sequence[tuple[str, int, bytes]]) -> str:
     return digest.hexdigest()
 
 
-def hash_checkpoint_dir(directory: str | os.PathLike[str], threads: int | None = None) -> str:
-    """Content hash of ``directory`` (module docstring), its files hashed on ``threads`` threads."""
+def hash_checkpoint_dir(directory: str | os.PathLike[str], threads: int | None = None,
+                        known: Mapping[str, tuple[int, bytes]] | None = None) -> str:
+    """Content hash of ``directory`` (module docstring), its files hashed on ``threads`` threads.
+
+    ``known`` maps a file name to its size and digest where the caller already holds them (a
+    store's receipt, checked against the file's stat: :mod:`.receipts`); those files are not read.
+    """
+    known = known or {}
     files = hashed_files(directory)
-    workers = max(1, min(len(files), threads or HASH_THREADS))
+    todo = [path for path in files if path.name not in known]
+    workers = max(1, min(len(todo), threads or HASH_THREADS))
     if workers == 1:
-        digests = [file_digest(path) for path in files]
+        computed = [file_digest(path) for path in todo]
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-hash") as pool:
-            digests = list(pool.map(file_digest, files))
-    return combine_file_digests([(p.name, p.stat().st_size, d) for p, d in zip(files, digests)])
+            computed = list(pool.map(file_digest, todo))
+    entries = {p.name: (p.stat().st_size, d) for p, d in zip(todo, computed)}
+    entries.update({p.name: known[p.name] for p in files if p.name in known})
+    return combine_file_digests([(name, size, digest) for name, (size, digest) in entries.items()])
 
 
 class FileHashStream:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 
 from fedagent_flwr.checkpoint.content_hash import combine_file_digests, file_digest, hashed_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, content_mismatch
 from fedagent_flwr.checkpoint.shard_file import Entry, IoMode, ShardFile, wait_hashed
 
@@ -107,6 +108,7 @@ class FsdpShardReader(CheckpointReader):
         shard_paths: list[Path] | None = None,
         io: IoMode = "auto",
         expected_sha256: str | None = None,
+        trusted: Mapping[str, TrustedFile] | None = None,
     ) -> None:
         super().__init__(ref, directory)
         paths = shard_paths or fsdp_shard_paths(directory, ref.world_size)
@@ -114,10 +116,14 @@ class FsdpShardReader(CheckpointReader):
         self._verified = expected_sha256 is None
         # The file list is fixed now: a file added or removed before the check is a mismatch.
         self._hashed_names = [p.name for p in hashed_files(directory)] if expected_sha256 else []
+        # Files whose digest a receipt of the store vouches for (.receipts): not hashed while read,
+        # their stat checked again in verify_content instead.
+        self._trusted = {name: t for name, t in (trusted or {}).items() if name in self._hashed_names}
         self._files: list[ShardFile] = []
         try:
             for path in paths:
-                self._files.append(ShardFile(path, io=io, hash_while_reading=expected_sha256 is not None))
+                hash_it = expected_sha256 is not None and path.name not in self._trusted
+                self._files.append(ShardFile(path, io=io, hash_while_reading=hash_it))
             self._layouts = self._plan()
         except BaseException:
             self.close()
@@ -194,7 +200,16 @@ class FsdpShardReader(CheckpointReader):
         digests = []
         for path in listed:
             file = streamed.get(path.name)
-            if file is not None:
+            receipt = self._trusted.get(path.name)
+            if receipt is not None:
+                now = FileStat.of(path.stat())
+                if now != receipt.stat:  # changed since its receipt was checked at opening
+                    raise CheckpointError(
+                        f"{path} changed while it was read (its stat no longer matches the store's receipt: "
+                        f"{receipt.stat} at opening, {now} now); the round leaves this checkpoint out"
+                    )
+                digests.append((path.name, now.size, receipt.digest))
+            elif file is not None:
                 # The size now: a file that grew since opening must not match.
                 digests.append((path.name, path.stat().st_size, file.content_digest()))
             else:  # a JSON config: a few hundred bytes
@@ -203,6 +218,11 @@ class FsdpShardReader(CheckpointReader):
         if actual != self._expected_sha256:
             raise content_mismatch(self.directory, actual, self._expected_sha256)
         self._verified = True
+
+    @property
+    def receipt_files(self) -> list[str]:
+        """Names of the files whose digest came from the store's receipt (not hashed here)."""
+        return sorted(self._trusted)
 
     @property
     def hash_gap_bytes(self) -> int:

@@ -34,11 +34,13 @@ import secrets
 import shutil
 import threading
 import time
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse
+from flwr.common.logger import log
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -51,6 +53,7 @@ from fedagent_flwr.checkpoint.manifest import (
     check_sha256,
     file_sha256,
 )
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, write_receipt
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
 from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
@@ -72,6 +75,7 @@ from fedagent_flwr.progress import MAX_PROGRESS_BYTES, PROGRESS_FILE
 
 MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
 _RECEIVED = "received.json"
+_VERIFIED = "verified.json"  # per received file: sha256 and stat when hashed, for the receipt
 _FILES = "files"
 
 
@@ -113,6 +117,11 @@ class HttpServerStore(ServerStore):
     def upload_token(self, server_round: int, client: int) -> str:
         return self._token(f"upload:{server_round}:{client}")
 
+    def receipt_key(self) -> bytes:
+        """The key that authenticates this store's receipts (derived from the run's secret: a
+        receipt of another run, or one written by anything but this store, is not trusted)."""
+        return hmac.new(self._secret, f"{self.run_key}:receipt".encode(), hashlib.sha256).digest()
+
     # -- ServerStore --------------------------------------------------------------------------
     def share(self, ref: CheckpointRef) -> CheckpointRef:
         key = (ref.path, ref.sha256)
@@ -153,6 +162,9 @@ class HttpServerStore(ServerStore):
 
     def upload_grant(self, server_round: int, client: int) -> dict[str, Any]:
         return {UPLOAD_TOKEN_FIELD: self.upload_token(server_round, client)}
+
+    def receipt_check(self) -> ReceiptCheck | None:
+        return ReceiptCheck(self.receipt_key()) if self.settings.trust_store_receipts else None
 
     def describe(self) -> str:
         return f"http store {self.url} (run {self.run_key}) -> {self.run_root}"
@@ -290,12 +302,15 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
             have = await _append_body(request, part, have, size, file, store.settings.upload_idle_timeout_s)
             if have < size:
                 return {"received": have, "complete": False}
-            actual = await run_in_threadpool(_hash_and_sync, part)
+            actual, checked = await run_in_threadpool(_hash_and_sync, part)
             if actual != sha256:
                 part.unlink()
                 raise HTTPException(422, f"{file!r}: received bytes hash to {actual[:16]}..., the upload "
                                     f"declared {sha256[:16]}...; discarded, upload it again")
             part.replace(target)
+            if checked is not None:  # the digest matched and the file did not change while hashed
+                verified = {**_verified(staging), file: {"sha256": sha256, **checked.__dict__}}
+                write_json_atomic(staging / _VERIFIED, verified)
             write_json_atomic(staging / _RECEIVED, {**received, file: {"size": size, "sha256": sha256}})
             return {"received": size, "complete": True}
 
@@ -330,8 +345,11 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                 name = path.relative_to(files).as_posix()
                 if path.is_file() and name not in listed:
                     path.unlink()
+            verified = _verified(staging)
             files.replace(final)
             fsync_dir(final.parent)
+            if store.settings.trust_store_receipts:
+                await run_in_threadpool(_write_receipt, store, final, manifest, verified)
             shutil.rmtree(staging)
         return {"ref": {"path": ref.path, "kind": ref.kind, "format": ref.format,
                         "world_size": ref.world_size, "sha256": ref.sha256}}
@@ -399,9 +417,41 @@ def _held_files(staging: Path) -> int:
     return count
 
 
-def _hash_and_sync(path: Path) -> str:
+def _verified(staging: Path) -> dict[str, dict[str, Any]]:
+    """The files of an upload whose digest matched on receipt, with their stat when hashed."""
+    try:
+        return dict(json.loads((staging / _VERIFIED).read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def _hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
+    """The sha256 (hex) of the received file and its stat while hashed (None if it changed meanwhile)."""
     fsync_file(path)  # before it is renamed complete: a crash must not leave a short "complete" file
-    return file_sha256(path)
+    before = FileStat.of(os.stat(path))
+    digest = file_sha256(path)
+    after = FileStat.of(os.stat(path))
+    return digest, after if after == before else None
+
+
+def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
+                   verified: dict[str, dict[str, Any]]) -> None:
+    """Record what was verified on receipt beside the committed checkpoint (:mod:`.receipts`); a
+    receipt that cannot be written only means the aggregation hashes those files itself."""
+    checked: dict[str, tuple[str, FileStat]] = {}
+    for entry in manifest.files:
+        record = verified.get(entry.name)
+        if record is None or record.get("sha256") != entry.sha256:
+            continue
+        try:
+            stat = FileStat(**{f: int(record[f]) for f in ("size", "mtime_ns", "ctime_ns", "ino", "dev")})
+        except (KeyError, TypeError, ValueError):
+            continue
+        checked[entry.name] = (entry.sha256, stat)
+    try:
+        write_receipt(final, checked, store.receipt_key())
+    except OSError as exc:
+        log(WARNING, "no receipt for %s (%s): the aggregation will hash its files", final, exc)
 
 
 def _write_through(handle: Any, chunk: bytes) -> None:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
 from fedagent_flwr.checkpoint.reader import CheckpointReader
+from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointRef,
@@ -31,6 +32,7 @@ def open_checkpoint(
     root: str | os.PathLike[str] | None = None,
     check_hash: HashCheck = True,
     io: IoMode = "auto",
+    receipts: ReceiptCheck | None = None,
 ) -> CheckpointReader:
     """Check a reference and open it for reading.
 
@@ -44,6 +46,12 @@ def open_checkpoint(
     fetch anyway (one pass over the files instead of two); the check completes in
     :meth:`~CheckpointReader.verify_content`, which the aggregation calls before it commits.
     Safetensors directories are hashed at opening either way (their files are memory-mapped).
+
+    ``receipts`` (the http store's, :meth:`~.store.ServerStore.receipt_check`): a file whose
+    receipt holds and whose stat is unchanged since it was verified on upload contributes the
+    recorded digest instead of being hashed (:mod:`.receipts`); the reference's content hash is
+    still checked over every file's digest, and with ``"while-reading"`` the stat is checked
+    again once the reads are done. Without it (shared-fs) every byte is hashed.
     """
     if check_hash not in (True, False, "while-reading"):
         raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")
@@ -72,13 +80,16 @@ def open_checkpoint(
                 raise CheckpointError(f"{path} links to {path.resolve()}, outside the run root {root_path}")
 
     deferred = check_hash == "while-reading" and ref.format == "fsdp-shards" and bool(ref.sha256)
+    trusted = receipts.trusted(directory) if receipts is not None and check_hash and ref.sha256 else {}
     if check_hash and ref.sha256 and not deferred:
-        actual = hash_checkpoint_dir(directory)
+        known = {name: (t.stat.size, t.digest) for name, t in trusted.items()}
+        actual = hash_checkpoint_dir(directory, known=known)
         if actual != ref.sha256:
             raise content_mismatch(directory, actual, ref.sha256)
 
     if ref.format == "fsdp-shards":
-        return FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None)
+        return FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None,
+                               trusted=trusted if deferred else None)
     return SafetensorsReader(ref, directory, data_files)
 
 

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.checkpoint.manifest import MAX_FILES
+from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, is_sha256, resolve_inside
 from fedagent_flwr.schema.run import STORE_KINDS, Storage
 
@@ -148,6 +149,12 @@ class ServerStore(ABC):
     def upload_grant(self, server_round: int, client: int) -> dict[str, Any]:
         """Extra train-instruction fields allowing ``client`` to put its checkpoint of ``server_round``."""
         return {}
+
+    def receipt_check(self) -> ReceiptCheck | None:
+        """What lets the aggregation take a file's digest from the store's receipt instead of hashing
+        it (:mod:`.receipts`); None (the default, and shared-fs: the clients write those files
+        themselves) hashes every file while reading."""
+        return None
 
     def describe(self) -> str:
         return f"{self.kind} store at {self.run_root}"

@@ -352,8 +352,9 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
+                    # verified before the mean is committed; from the http store's receipts where they hold
                     reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
-                                             check_hash="while-reading")  # verified before the mean is committed
+                                             check_hash="while-reading", receipts=self.store.receipt_check())
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)
@@ -421,7 +422,8 @@ class FedAvgFSDP(FedAvg):
             _, reply, reader = opened.pop(i)
             reader.close()
             self._refuse(server_round, reply.client_id, reason, refused)
-        return reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused))
+        return reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused),
+                        receipts=self.store.receipt_check())
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, refused: dict[int, str]) -> None:

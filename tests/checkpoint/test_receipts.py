@@ -1,0 +1,236 @@
+"""Receipts of the http store (fedagent_flwr.checkpoint.receipts), on a real uvicorn store on
+loopback with real FSDP checkpoints: a checkpoint uploaded through the store aggregates without
+its bytes being hashed a second time and gives the identical mean; a file changed after receipt
+(also with its mtime put back) is hashed and refused with the content-hash mismatch; a receipt
+that is corrupt, forged without the store's key or vouching for other content never lets a
+changed file through."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, content_hash, open_checkpoint, weighted_mean
+from fedagent_flwr.checkpoint.content_hash import hashed_files
+from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
+from fedagent_flwr.checkpoint.http_server import HttpServerStore
+from fedagent_flwr.checkpoint.receipts import ReceiptCheck, receipt_path
+from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
+from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.store_harness import RUN, node
+
+SHARD_W2 = "model_world_size_2_rank_1.pt"
+
+
+def open_store(root: Path, **settings: Any) -> HttpServerStore:
+    root.mkdir(exist_ok=True)
+    return HttpServerStore(StorageSettings(kind="http", max_file_bytes=64 * 1024 * 1024, **settings), root, RUN)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[HttpServerStore]:
+    with open_store(tmp_path / "run") as running:
+        yield running
+
+
+class HashCounter:
+    """Counts the bytes fed to every sha256 the content-hash module creates (the aggregation's
+    hashing while reading, and any file hashed at opening or at the check): a real hashlib
+    digest, only counted."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def sha256(self, data: bytes = b"") -> Any:
+        counter = self
+        real = hashlib.sha256(data)
+        counter.bytes += len(data)
+
+        class Counted:
+            def update(self, block: Any) -> None:
+                counter.bytes += memoryview(block).nbytes
+                real.update(block)
+
+            def digest(self) -> bytes:
+                return real.digest()
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Counted()
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> HashCounter:
+    counter = HashCounter()
+    monkeypatch.setattr(content_hash, "hashlib", SimpleNamespace(sha256=counter.sha256))
+    return counter
+
+
+def upload(store: HttpServerStore, source: Path, work: Path, client: int) -> CheckpointRef:
+    """``source`` uploaded by client ``client`` in round 1, as the server's local reference."""
+    ref = node(store, work, client=client).put(source, "actor", 1, client)
+    return store.resolve(ref, 1, client)
+
+
+def mean_of(refs: list[CheckpointRef], out: Path, root: Path, receipts: ReceiptCheck | None) -> dict[str, Any]:
+    readers = [open_checkpoint(r, root=root, check_hash="while-reading", receipts=receipts) for r in refs]
+    try:
+        weighted_mean([(r, float(i + 1)) for i, r in enumerate(readers)], out)
+        return load_file(str(out / "model.safetensors"))
+    finally:
+        for reader in readers:
+            reader.close()
+
+
+def hashed_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in hashed_files(directory))
+
+
+def test_an_uploaded_checkpoint_aggregates_from_its_receipt_without_rehashing(
+        store: HttpServerStore, suite: Suite, tmp_path: Path, hashed: HashCounter) -> None:
+    sources = [suite.copy("qwen_b", tmp_path / "node0"), suite.copy("qwen_plain", tmp_path / "node1")]
+    refs = [upload(store, s, tmp_path / f"node{i}", i) for i, s in enumerate(sources)]
+    landed = [Path(r.path) for r in refs]
+    assert all(receipt_path(d).is_file() for d in landed)
+    checker = store.receipt_check()
+    assert checker is not None
+    # Every hashed file is vouched for by the receipt, and the reader hashes none of them.
+    for directory, ref in zip(landed, refs):
+        with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+            assert isinstance(reader, FsdpShardReader)
+            assert reader.receipt_files == [p.name for p in hashed_files(directory)]
+
+    hashed.bytes = 0
+    trusted = mean_of(refs, tmp_path / "trusted", store.run_root, checker)
+    # Only the directory hashes' combining step (name, size, digest per file): no file's bytes.
+    combine_bytes = hashed.bytes
+    assert combine_bytes < 1024, combine_bytes
+    # The same mean, every byte hashed (no receipts): the checkpoints' bytes go through sha256.
+    hashed.bytes = 0
+    rehashed = mean_of(refs, tmp_path / "rehashed", store.run_root, None)
+    assert hashed.bytes >= sum(hashed_bytes(d) for d in landed)
+    assert trusted.keys() == rehashed.keys()
+    assert all(trusted[k].equal(rehashed[k]) for k in trusted)
+
+
+def _flip_byte_keeping_mtime(path: Path, restore_mtime: bool) -> None:
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    if restore_mtime:  # what an editor covering its tracks does; ctime still moves
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = path.stat()
+        assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+
+
+@pytest.mark.parametrize("restore_mtime", [False, True], ids=["mtime-moved", "mtime-restored"])
+def test_a_file_changed_after_receipt_is_hashed_and_refused(
+        store: HttpServerStore, suite: Suite, tmp_path: Path, hashed: HashCounter, restore_mtime: bool) -> None:
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    shard = Path(ref.path) / SHARD_W2
+    _flip_byte_keeping_mtime(shard, restore_mtime)
+    checker = store.receipt_check()
+    assert checker is not None
+    with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+        assert isinstance(reader, FsdpShardReader)
+        assert SHARD_W2 not in reader.receipt_files  # its stat no longer matches: hashed while read
+    hashed.bytes = 0
+    with pytest.raises(CheckpointError, match=rf"content hash of {Path(ref.path)} is .*\(files changed or incomplete\)"):
+        mean_of([ref], tmp_path / "out", store.run_root, checker)
+    assert hashed.bytes >= shard.stat().st_size
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_changed_while_it_is_read_is_refused(store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    checker = store.receipt_check()
+    with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+        assert SHARD_W2 in reader.receipt_files  # trusted at opening
+        _flip_byte_keeping_mtime(Path(ref.path) / SHARD_W2, restore_mtime=True)
+        with pytest.raises(CheckpointError, match=f"{SHARD_W2} changed while it was read"):
+            reader.verify_content()
+
+
+def _rewrite_receipt(directory: Path, key: bytes | None, change: Any) -> None:
+    """Edit the receipt's body with ``change`` and sign it with ``key`` (None: keep the old mac)."""
+    path = receipt_path(directory)
+    data = json.loads(path.read_text())
+    body = {k: data[k] for k in ("version", "stamp_ns", "files")}
+    change(body)
+    mac = data["hmac"]
+    if key is not None:
+        import hmac as hmac_module
+
+        mac = hmac_module.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+                              hashlib.sha256).hexdigest()
+    path.write_text(json.dumps({**body, "hmac": mac}))
+
+
+def _restat(directory: Path, name: str) -> Any:
+    def change(body: dict[str, Any]) -> None:
+        now = (directory / name).stat()
+        body["files"][name].update(size=now.st_size, mtime_ns=now.st_mtime_ns, ctime_ns=now.st_ctime_ns,
+                                   ino=now.st_ino, dev=now.st_dev)
+        body["stamp_ns"] = now.st_ctime_ns + 1
+    return change
+
+
+@pytest.mark.parametrize("forgery", ["garbage", "wrong-key", "old-mac", "other-content"])
+def test_a_forged_or_corrupt_receipt_falls_back_to_hashing(
+        store: HttpServerStore, suite: Suite, tmp_path: Path, hashed: HashCounter, forgery: str) -> None:
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    directory = Path(ref.path)
+    shard = directory / SHARD_W2
+    if forgery == "other-content":
+        # Signed with the store's own key, stat matching, but the digest of other bytes: the
+        # directory hash over the per-file digests catches it.
+        def change(body: dict[str, Any]) -> None:
+            body["files"][SHARD_W2]["sha256"] = "ab" * 32
+        _rewrite_receipt(directory, store.receipt_key(), change)
+        with pytest.raises(CheckpointError, match=rf"content hash of {directory} is .*\(files changed"):
+            mean_of([ref], tmp_path / "out", store.run_root, store.receipt_check())
+        return
+    # The file is changed, and the receipt made to match its new stat (keeping the old digest).
+    _flip_byte_keeping_mtime(shard, restore_mtime=False)
+    if forgery == "garbage":
+        receipt_path(directory).write_text("{not json")
+    elif forgery == "wrong-key":
+        _rewrite_receipt(directory, b"not the store's key", _restat(directory, SHARD_W2))
+    else:
+        _rewrite_receipt(directory, None, _restat(directory, SHARD_W2))
+    checker = store.receipt_check()
+    assert checker is not None
+    with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+        assert isinstance(reader, FsdpShardReader)
+        assert reader.receipt_files == []  # nothing trusted: the receipt does not authenticate
+    hashed.bytes = 0
+    with pytest.raises(CheckpointError, match=rf"content hash of {directory} is .*\(files changed or incomplete\)"):
+        mean_of([ref], tmp_path / "out", store.run_root, checker)
+    assert hashed.bytes >= hashed_bytes(directory)
+
+
+def test_a_receipt_of_another_store_or_run_is_not_trusted(suite: Suite, tmp_path: Path) -> None:
+    with open_store(tmp_path / "run") as first:
+        ref = upload(first, suite.copy("qwen_a", tmp_path / "node0"), tmp_path / "node0", 0)
+    with open_store(tmp_path / "run") as resumed:  # a restarted server: a new secret
+        checker = resumed.receipt_check()
+        assert checker is not None
+        assert checker.trusted(Path(ref.path)) == {}
+
+
+def test_receipts_can_be_turned_off_and_shared_fs_never_trusts_them(suite: Suite, tmp_path: Path) -> None:
+    with open_store(tmp_path / "run", trust_store_receipts=False) as store:
+        assert store.receipt_check() is None
+        ref = upload(store, suite.copy("qwen_a", tmp_path / "node0"), tmp_path / "node0", 0)
+        assert not receipt_path(Path(ref.path)).exists()
+    assert SharedFsServerStore(tmp_path / "run").receipt_check() is None
