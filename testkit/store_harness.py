@@ -3,10 +3,15 @@ snapshots (to show nothing was written outside the run root), and a bounded wait
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from fedagent_flwr.checkpoint import content_hash
 
 from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
@@ -43,3 +48,36 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(0.05)
+
+
+class HashCounter:
+    """Counts the bytes fed to every sha256 that :mod:`fedagent_flwr.checkpoint.content_hash`
+    creates (the aggregation's hashing while reading, a directory hashed at opening or at the
+    check, the combining step): real hashlib digests, only counted. Install with :meth:`install`."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> HashCounter:
+        import types
+
+        monkeypatch.setattr(content_hash, "hashlib", types.SimpleNamespace(sha256=self.sha256))
+        return self
+
+    def sha256(self, data: bytes = b"") -> Any:
+        counter = self
+        real = hashlib.sha256(data)
+        counter.bytes += len(data)
+
+        class Counted:
+            def update(self, block: Any) -> None:
+                counter.bytes += memoryview(block).nbytes
+                real.update(block)
+
+            def digest(self) -> bytes:
+                return real.digest()
+
+            def hexdigest(self) -> str:
+                return real.hexdigest()
+
+        return Counted()

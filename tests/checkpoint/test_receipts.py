@@ -8,24 +8,24 @@ changed file through."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
-from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, content_hash, open_checkpoint, weighted_mean
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint, weighted_mean
 from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
-from fedagent_flwr.checkpoint.receipts import ReceiptCheck, receipt_path
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_path, write_receipt
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
-from testkit.store_harness import RUN, node
+from testkit.store_harness import RUN, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"
 
@@ -41,38 +41,9 @@ def store(tmp_path: Path) -> Iterator[HttpServerStore]:
         yield running
 
 
-class HashCounter:
-    """Counts the bytes fed to every sha256 the content-hash module creates (the aggregation's
-    hashing while reading, and any file hashed at opening or at the check): a real hashlib
-    digest, only counted."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-    def sha256(self, data: bytes = b"") -> Any:
-        counter = self
-        real = hashlib.sha256(data)
-        counter.bytes += len(data)
-
-        class Counted:
-            def update(self, block: Any) -> None:
-                counter.bytes += memoryview(block).nbytes
-                real.update(block)
-
-            def digest(self) -> bytes:
-                return real.digest()
-
-            def hexdigest(self) -> str:
-                return real.hexdigest()
-
-        return Counted()
-
-
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> HashCounter:
-    counter = HashCounter()
-    monkeypatch.setattr(content_hash, "hashlib", SimpleNamespace(sha256=counter.sha256))
-    return counter
+    return HashCounter().install(monkeypatch)
 
 
 def upload(store: HttpServerStore, source: Path, work: Path, client: int) -> CheckpointRef:
@@ -122,7 +93,9 @@ def test_an_uploaded_checkpoint_aggregates_from_its_receipt_without_rehashing(
     assert all(trusted[k].equal(rehashed[k]) for k in trusted)
 
 
-def _flip_byte_keeping_mtime(path: Path, restore_mtime: bool) -> None:
+def flip_byte(path: Path, restore_mtime: bool) -> None:
+    """Change one byte in the middle of ``path`` in place (same size, same inode); with
+    ``restore_mtime`` put its mtime back as well."""
     before = path.stat()
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -138,7 +111,7 @@ def test_a_file_changed_after_receipt_is_hashed_and_refused(
         store: HttpServerStore, suite: Suite, tmp_path: Path, hashed: HashCounter, restore_mtime: bool) -> None:
     ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
     shard = Path(ref.path) / SHARD_W2
-    _flip_byte_keeping_mtime(shard, restore_mtime)
+    flip_byte(shard, restore_mtime)
     checker = store.receipt_check()
     assert checker is not None
     with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
@@ -156,7 +129,7 @@ def test_a_file_changed_while_it_is_read_is_refused(store: HttpServerStore, suit
     checker = store.receipt_check()
     with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
         assert SHARD_W2 in reader.receipt_files  # trusted at opening
-        _flip_byte_keeping_mtime(Path(ref.path) / SHARD_W2, restore_mtime=True)
+        flip_byte(Path(ref.path) / SHARD_W2, restore_mtime=True)
         with pytest.raises(CheckpointError, match=f"{SHARD_W2} changed while it was read"):
             reader.verify_content()
 
@@ -169,9 +142,7 @@ def _rewrite_receipt(directory: Path, key: bytes | None, change: Any) -> None:
     change(body)
     mac = data["hmac"]
     if key is not None:
-        import hmac as hmac_module
-
-        mac = hmac_module.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+        mac = hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
                               hashlib.sha256).hexdigest()
     path.write_text(json.dumps({**body, "hmac": mac}))
 
@@ -201,7 +172,7 @@ def test_a_forged_or_corrupt_receipt_falls_back_to_hashing(
             mean_of([ref], tmp_path / "out", store.run_root, store.receipt_check())
         return
     # The file is changed, and the receipt made to match its new stat (keeping the old digest).
-    _flip_byte_keeping_mtime(shard, restore_mtime=False)
+    flip_byte(shard, restore_mtime=False)
     if forgery == "garbage":
         receipt_path(directory).write_text("{not json")
     elif forgery == "wrong-key":
@@ -234,3 +205,36 @@ def test_receipts_can_be_turned_off_and_shared_fs_never_trusts_them(suite: Suite
         ref = upload(store, suite.copy("qwen_a", tmp_path / "node0"), tmp_path / "node0", 0)
         assert not receipt_path(Path(ref.path)).exists()
     assert SharedFsServerStore(tmp_path / "run").receipt_check() is None
+
+
+def test_a_file_as_new_as_its_receipt_is_not_trusted(store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    # "Racily clean" (git's term): a file whose ctime is not older than the receipt could still
+    # change within the same timestamp tick without its stat showing it.
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    directory = Path(ref.path)
+    checker = store.receipt_check()
+    assert checker is not None and SHARD_W2 in checker.trusted(directory)
+
+    def same_tick(body: dict[str, Any]) -> None:
+        body["stamp_ns"] = body["files"][SHARD_W2]["ctime_ns"]
+    _rewrite_receipt(directory, store.receipt_key(), same_tick)
+    trusted = checker.trusted(directory)
+    assert SHARD_W2 not in trusted and "fsdp_config.json" in trusted  # only files older than the stamp
+
+
+def test_the_writer_stamps_a_receipt_after_every_file_it_records(tmp_path: Path) -> None:
+    # Written the moment before the receipt (the same clock tick, as a fast commit gives): the
+    # writer waits for the filesystem clock to pass the file's ctime rather than leave it out.
+    key = b"k" * 32
+    names = [f"model_{i}.json" for i in range(3)]
+    verified = {}
+    for name in names:
+        (tmp_path / name).write_text("{}")
+        verified[name] = (hashlib.sha256(b"{}").hexdigest(), FileStat.of((tmp_path / name).stat()))
+    assert write_receipt(tmp_path, verified, key) == names
+    data = json.loads(receipt_path(tmp_path).read_text())
+    assert all(entry["ctime_ns"] < data["stamp_ns"] for entry in data["files"].values())
+    assert sorted(ReceiptCheck(key).trusted(tmp_path)) == names
+    # A file written again after it was hashed (same size, mtime moved) is not recorded.
+    (tmp_path / names[0]).write_text("[]")
+    assert write_receipt(tmp_path, verified, key) == names[1:]

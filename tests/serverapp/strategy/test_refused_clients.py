@@ -6,6 +6,7 @@ with another client's checkpoint. Each is refused by name and the round goes on.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +14,10 @@ import pytest
 from flwr.app import Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.model_files import check_model_config
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore, StorageSettings
@@ -25,7 +28,7 @@ from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 from testkit.round_harness import connect, train_round
-from testkit.store_harness import RUN, node
+from testkit.store_harness import RUN, HashCounter, node
 
 BASE_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
 
@@ -176,3 +179,43 @@ def test_a_client_answering_with_another_clients_checkpoint_is_refused(
     assert "client 1" in entry["rejected"]["1"] and own_slot in entry["rejected"]["1"]
     entry = _round(strategy, [_reply(2, ref2, 4)], server_round=2)
     assert entry["client_actor_ids"] == [] and "round 2" in entry["rejected"]["2"]
+
+
+def test_with_the_http_store_a_round_takes_digests_from_receipts_and_refuses_a_file_changed_after_upload(
+        suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real strategy over a real http store: client 0's checkpoint is averaged from the store's
+    receipt (its bytes are not hashed again), client 1's, changed on the server after its upload
+    with the mtime put back, is hashed and refused; the same round without receipts hashes client 0
+    as well and gives the same global model."""
+    counter = HashCounter().install(monkeypatch)
+    hashed, models, good, vouched = {}, {}, 0, 0
+    for trust in (True, False):
+        work = tmp_path / f"trust_{trust}"
+        (work / "job").mkdir(parents=True)
+        with HttpServerStore(StorageSettings(kind="http", trust_store_receipts=trust), work / "job", RUN) as store:
+            strategy = _strategy(work, _base(work), clients=2, store=store)
+            ref0 = node(store, work / "n0", 1, 0).put(suite.copy("qwen_a", work), "actor", 1, 0)
+            ref1 = node(store, work / "n1", 1, 1).put(suite.copy("qwen_c", work), "actor", 1, 1)
+            landed = store.run_root / "round_1"
+            good = sum(p.stat().st_size for p in hashed_files(landed / "client_0" / "actor"))
+            shard = sorted((landed / "client_1" / "actor").glob("model_world_size_*.pt"))[0]
+            # client 1's files other than the changed one still match their receipt
+            vouched = sum(p.stat().st_size for p in hashed_files(landed / "client_1" / "actor")) - shard.stat().st_size
+            before = shard.stat()
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+            counter.bytes = 0
+            entry = _round(strategy, [_reply(0, ref0, 4), _reply(1, ref1, 4)])
+            hashed[trust] = counter.bytes
+            assert entry["client_actor_ids"] == [0]
+            assert "content hash of" in entry["rejected"]["1"] and "files changed" in entry["rejected"]["1"]
+            models[trust] = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
+    # Client 0 is read twice (the mean with client 1, which fails its check, then without it):
+    # without receipts each pass hashes all its bytes, with them none; of client 1 (read once)
+    # only the changed file is hashed with receipts.
+    assert vouched > 0
+    assert hashed[False] - hashed[True] == 2 * good + vouched
+    assert models[True].keys() == models[False].keys()
+    assert all(models[True][k].equal(models[False][k]) for k in models[True])
