@@ -10,18 +10,32 @@ repeat, with the files' pages evicted from the page cache before every timed pas
 
 * ``cat`` of the rank files (the disk's sequential read speed, the yardstick);
 * the server's work in a child process: open every client checkpoint with its content hash
-  checked, average them (``weighted_mean``) and commit the output. ``one-pass`` (what the
-  strategy does) checks the hash from the bytes the aggregation reads; ``hash-first`` hashes
-  every checkpoint before opening it (the earlier server: each file read twice). Run the
-  benchmark with ``PYTHONPATH`` on an older checkout and ``--modes hash-first`` for that code's
-  numbers.
+  checked, average them (``weighted_mean``) and commit the output. ``store`` is what the
+  strategy does with the http store (``storage.kind=http``, receipts trusted by default,
+  ``storage.trust_store_receipts``): the checkpoints were uploaded through a real store on
+  loopback before the timed passes (not timed: the clients' uploads), which verified every file's
+  sha256 on receipt and wrote its receipt, so the aggregation takes those digests while the files'
+  stat is unchanged, checks the content hash over them and hashes nothing again
+  (``fedagent_flwr/checkpoint/receipts.py``). The store's own hashing at receipt is reported
+  beside it (``receipt_hash_s``: the wall time of the store's hash of every received file, the
+  upload's fsync included), so no cost is hidden: it is paid while the uploads arrive, before
+  the round's aggregation. ``one-pass`` is what the strategy does with a shared filesystem (the
+  default ``storage.kind``): the hash is checked from the bytes the aggregation reads;
+  ``hash-first`` hashes every checkpoint before opening it (the earlier server: each file read
+  twice). Run the benchmark with ``PYTHONPATH`` on an older checkout and ``--modes hash-first``
+  for that code's numbers (``store`` needs this code).
 
 The cache is made cold with ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file (no root
 needed; ``/proc/sys/vm/drop_caches`` would evict every process's cache on a shared machine), and
 ``fincore`` (when installed) reports how much of the files stayed resident. The output lists,
-per pass, wall times, MB/s, the child's peak RSS over its import-time baseline, and the load
-averages (the ratio is taken against ``cat`` in the same repeat, so both see the same load). The
-last line is ``ratio_vs_cat=<cat time / one-pass server time>`` (median over repeats).
+per pass, wall times, MB/s, the server's CPU seconds (every thread; less sensitive to load than
+wall time), the child's peak RSS over its import-time baseline, and the load averages (the ratio
+is taken against ``cat`` in the same repeat, so both see the same load). The last line is
+``ratio_vs_cat=<cat time / server time>`` of the first mode given (median over repeats); by
+default that is ``store``, the mode of a deployment with the http store, whose ratio issue 16
+tracks. ``--modes one-pass`` gives the shared-filesystem figure on the last line.
+
+    python benchmarks/aggregate_throughput.py --layers 1 --clients 4 --repeats 1   # a quick check
 """
 
 from __future__ import annotations
@@ -140,10 +154,14 @@ def hwm_mb():
     # carries it across exec, so a child would report its (big) parent's peak.
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
+import os
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, weighted_mean, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 refs, out, mode = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+# store: the key of the store's receipts, which the ServerApp holds in memory (here: from the parent)
+receipts = ReceiptCheck(bytes.fromhex(os.environ["AGG_BENCH_RECEIPT_KEY"])) if mode == "store" else None
 base_mb = hwm_mb()
-t0 = time.perf_counter()
+t0, cpu0 = time.perf_counter(), time.process_time()
 readers = []
 for r in refs:
     ref = CheckpointRef(**r)
@@ -151,19 +169,20 @@ for r in refs:
         if hash_checkpoint_dir(ref.path) != ref.sha256:
             raise SystemExit(f"hash mismatch in {ref.path}")
         readers.append(open_checkpoint(ref, check_hash=False))
-    else:  # what the strategy does: the hash is checked from the bytes the mean reads
-        readers.append(open_checkpoint(ref, check_hash="while-reading"))
+    else:  # what the strategy does: the hash is checked from the bytes the mean reads (or receipts)
+        readers.append(open_checkpoint(ref, check_hash="while-reading", receipts=receipts))
 open_s = time.perf_counter() - t0
 report = weighted_mean([(r, float(i + 1)) for i, r in enumerate(readers)], out)
-server_s = time.perf_counter() - t0
+server_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0  # cpu: every thread, user + sys
 peak_mb = hwm_mb()
 t1 = time.perf_counter()
 hash_checkpoint_dir(out)  # the strategy describes the new global model (warm: just written)
 out_hash_s = time.perf_counter() - t1
-print(json.dumps({"open_s": open_s, "server_s": server_s, "bytes_read": report.bytes_read,
+print(json.dumps({"open_s": open_s, "server_s": server_s, "cpu_s": cpu_s, "bytes_read": report.bytes_read,
                   "gap_bytes": sum(getattr(r, "hash_gap_bytes", 0) for r in readers),
                   "peak_rss_mb": peak_mb, "base_rss_mb": base_mb, "out_hash_s": out_hash_s,
-                  "io": getattr(readers[0], "io", "?")}))
+                  "io": getattr(readers[0], "io", "?"),
+                  "receipt_files": sum(len(getattr(r, "receipt_files", [])) for r in readers)}))
 """
 
 
@@ -198,15 +217,46 @@ def time_cat(files: list[Path]) -> float:
     return time.perf_counter() - started
 
 
-def run_server(refs: list[dict[str, Any]], out: Path, mode: str) -> dict[str, Any]:
+def run_server(refs: list[dict[str, Any]], out: Path, mode: str, receipt_key: bytes = b"") -> dict[str, Any]:
     """The server's per-round work in a fresh interpreter (imports not timed)."""
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(refs), str(out), mode],
-        check=False, capture_output=True, text=True, env=dict(os.environ),
+        check=False, capture_output=True, text=True, env={**os.environ, "AGG_BENCH_RECEIPT_KEY": receipt_key.hex()},
     )
     if result.returncode != 0:
         raise SystemExit(f"the server child ({mode}) failed:\n{result.stderr[-4000:]}")
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def upload_through_store(work: Path, sources: list[Path], store: Any) -> tuple[list[dict[str, Any]], float, float]:
+    """Upload every client directory through ``store`` (a running HttpServerStore) as its client
+    of round 1 would; return the server's local references, the uploads' wall time and the store's
+    time hashing received files (``_hash_and_sync``: fsync and sha256 of each file as it completes)."""
+    from fedagent_flwr.checkpoint import http_server
+    from fedagent_flwr.checkpoint.http_client import HttpClientStore
+
+    spent = [0.0]
+    original = http_server._hash_and_sync
+
+    def timed(path: Path) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(path)
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    http_server._hash_and_sync = timed  # type: ignore[assignment]
+    try:
+        refs, started = [], time.perf_counter()
+        for client, directory in enumerate(sources):
+            node = HttpClientStore(store.url, store.run_key, store.read_token(), work / f"node_{client}",
+                                   upload_token=store.upload_token(1, client))
+            local = store.resolve(node.put(directory, "actor", 1, client), 1, client)
+            refs.append({"path": local.path, "format": local.format, "world_size": local.world_size,
+                         "sha256": local.sha256})
+        return refs, time.perf_counter() - started, spent[0]
+    finally:
+        http_server._hash_and_sync = original  # type: ignore[assignment]
 
 
 def load() -> str:
@@ -219,7 +269,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (size of each client)")
-    parser.add_argument("--modes", nargs="+", default=["one-pass", "hash-first"], choices=["one-pass", "hash-first"])
+    parser.add_argument("--modes", nargs="+", default=["store", "one-pass", "hash-first"],
+                        choices=["store", "one-pass", "hash-first"],
+                        help="the first one's ratio is the last line (default: store, the http store's)")
     args = parser.parse_args()
 
     from fedagent_flwr.checkpoint import CheckpointRef
@@ -244,6 +296,23 @@ def main() -> None:
         print("cold cache: posix_fadvise(POSIX_FADV_DONTNEED) on every rank file before each timed pass "
               "(not /proc/sys/vm/drop_caches: it needs root and evicts every process's cache)")
 
+        store_refs, store_files, receipt_key, upload_s, receipt_hash_s = [], [], b"", 0.0, 0.0
+        if "store" in args.modes:
+            from fedagent_flwr.checkpoint.http_server import HttpServerStore
+            from fedagent_flwr.checkpoint.store import StorageSettings
+
+            (work / "store_run").mkdir()
+            store = HttpServerStore(StorageSettings(kind="http"), work / "store_run", "1")
+            try:
+                store_refs, upload_s, receipt_hash_s = upload_through_store(
+                    work, [work / f"client_{i}" for i in range(args.clients)], store)
+                receipt_key = store.receipt_key()
+            finally:
+                store.close()
+            store_files = sorted(f for r in store_refs for f in Path(r["path"]).glob("model_world_size_*.pt"))
+            print(f"uploaded through a loopback http store in {upload_s:.2f}s; the store hashed the received "
+                  f"files (fsync + sha256, receipt_hash_s) in {receipt_hash_s:.2f}s; receipts written")
+
         rows = []
         for rep in range(1, args.repeats + 1):
             evict(files)
@@ -251,32 +320,39 @@ def main() -> None:
             load_before = load()
             cat_s = time_cat(files)
             for mode in args.modes:
-                evict(files)
+                evict(store_files if mode == "store" else files)
                 out = work / f"global_{mode}_{rep}"
-                child = run_server(refs, out, mode)
+                child = run_server(store_refs if mode == "store" else refs, out, mode, receipt_key)
                 shutil.rmtree(out)
                 rows.append({
                     "rep": rep, "mode": mode, "input_mb": round(input_mb, 1),
                     "resident_mb_after_evict": None if resident is None else round(resident, 1),
                     "cat_s": round(cat_s, 3), "cat_mb_s": round(input_mb / cat_s, 1),
                     "server_s": round(child["server_s"], 3), "server_mb_s": round(input_mb / child["server_s"], 1),
+                    "server_cpu_s": round(child["cpu_s"], 3),
                     "ratio_vs_cat": round(cat_s / child["server_s"], 3),
                     "open_s": round(child["open_s"], 3), "out_hash_s": round(child["out_hash_s"], 3),
                     "read_mb": round((child["bytes_read"] + child["gap_bytes"]) / 1e6, 1),
                     "peak_rss_mb": round(child["peak_rss_mb"], 1),
                     "rss_over_base_mb": round(child["peak_rss_mb"] - child["base_rss_mb"], 1),
                     "io": child["io"], "load_before": load_before, "load_after": load(),
+                    "receipt_files": child["receipt_files"],
+                    # paid once per upload, before the round (not in server_s): shown so nothing is hidden
+                    "receipt_hash_s": round(receipt_hash_s, 3) if mode == "store" else "-",
                 })
-        header = ("rep", "mode", "input_mb", "cat_s", "cat_mb_s", "server_s", "server_mb_s", "ratio_vs_cat",
-                  "read_mb", "out_hash_s", "rss_over_base_mb", "load_before", "load_after")
+        header = ("rep", "mode", "input_mb", "cat_s", "cat_mb_s", "server_s", "server_cpu_s", "ratio_vs_cat",
+                  "read_mb", "out_hash_s", "receipt_files", "receipt_hash_s", "rss_over_base_mb", "load_before",
+                  "load_after")
         widths = [max(9, len(h)) for h in header]
         print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
         for row in rows:
             print(" ".join(f"{row[h]!s:>{w}}" for h, w in zip(header, widths)))
         print(json.dumps({"benchmark": "aggregate_throughput", "world_sizes": worlds, "layers": args.layers,
+                          "upload_s": round(upload_s, 3), "receipt_hash_s": round(receipt_hash_s, 3),
                           "rows": rows}))
         ratios = [r["ratio_vs_cat"] for r in rows if r["mode"] == args.modes[0]]
-        # Last line, for scripts: cat time / server time of the first mode (one-pass by default).
+        # Last line, for scripts: cat time / server time of the first mode (store by default: the
+        # ServerApp's mode in a deployment with the http store).
         print(f"ratio_vs_cat={statistics.median(ratios):.3f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from fedagent_flwr.checkpoint import content_hash
-
 from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
 

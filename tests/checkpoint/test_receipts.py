@@ -118,7 +118,8 @@ def test_a_file_changed_after_receipt_is_hashed_and_refused(
         assert isinstance(reader, FsdpShardReader)
         assert SHARD_W2 not in reader.receipt_files  # its stat no longer matches: hashed while read
     hashed.bytes = 0
-    with pytest.raises(CheckpointError, match=rf"content hash of {Path(ref.path)} is .*\(files changed or incomplete\)"):
+    mismatch = rf"content hash of {Path(ref.path)} is .*\(files changed or incomplete\)"
+    with pytest.raises(CheckpointError, match=mismatch):
         mean_of([ref], tmp_path / "out", store.run_root, checker)
     assert hashed.bytes >= shard.stat().st_size
     assert not (tmp_path / "out").exists()
