@@ -7,8 +7,8 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
   from the global model (a persistent trainer reloads the global model, never its own output).
   Removed unless ``storage.keep_client_checkpoints`` (keep them to audit every round's mean with
   ``python -m fedagent_flwr.checkpoint.verify``). What goes: ``round_<r>/client_<c>/checkpoints/``
-  (what the trainers write) and ``actor/``, ``critic/`` and ``.upload-*`` (the http store's upload
-  slots). Jobs, results, logs and episode records stay.
+  (what the trainers write) and ``actor/``, ``critic/``, ``.upload-*`` and ``.receipt-*.json``
+  (the http store's upload slots and receipts). Jobs, results, logs and episode records stay.
 - **Global models** older than the last ``storage.keep_last_k`` aggregated ones (0 keeps them all).
   The newest aggregate is the next round's starting model and what a re-run resumes from, so it is
   never removed, whatever ``k``; the critics of PPO follow the same rule.
@@ -94,7 +94,8 @@ class Retention:
             for client_dir in sorted(round_dir.glob("client_*")):
                 if not _CLIENT_DIR.fullmatch(client_dir.name) or client_dir.is_symlink():
                     continue
-                paths = [client_dir / name for name in CLIENT_CHECKPOINT_DIRS] + sorted(client_dir.glob(".upload-*"))
+                paths = [client_dir / name for name in CLIENT_CHECKPOINT_DIRS] + sorted(client_dir.glob(".upload-*")) \
+                    + sorted(client_dir.glob(".receipt-*.json"))
                 found += [(int(match.group(1)), p) for p in paths if p.exists() or p.is_symlink()]
         return found
 

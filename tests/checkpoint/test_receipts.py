@@ -24,6 +24,8 @@ from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_path, write_receipt
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.retention import Retention
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
 from testkit.store_harness import RUN, HashCounter, node
 
@@ -239,3 +241,13 @@ def test_the_writer_stamps_a_receipt_after_every_file_it_records(tmp_path: Path)
     # A file written again after it was hashed (same size, mtime moved) is not recorded.
     (tmp_path / names[0]).write_text("[]")
     assert write_receipt(tmp_path, verified, key) == names[1:]
+
+
+def test_a_committed_rounds_receipts_go_with_its_client_checkpoints(
+        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    ref = upload(store, suite.copy("qwen_a", tmp_path / "node0"), tmp_path / "node0", 0)
+    directory = Path(ref.path)
+    assert receipt_path(directory).is_file()
+    recorder = RunRecorder(store.run_root, {"base_model": "base", "mode": "federated"})
+    Retention(store.run_root, keep_client_checkpoints=False).after_commit(recorder, 1)
+    assert not directory.exists() and not receipt_path(directory).exists()
