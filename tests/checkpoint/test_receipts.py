@@ -26,7 +26,7 @@ from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_pa
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 from testkit.store_harness import RUN, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"
@@ -251,3 +251,22 @@ def test_a_committed_rounds_receipts_go_with_its_client_checkpoints(
     recorder = RunRecorder(store.run_root, {"base_model": "base", "mode": "federated"})
     Retention(store.run_root, keep_client_checkpoints=False).after_commit(recorder, 1)
     assert not directory.exists() and not receipt_path(directory).exists()
+
+
+def test_a_safetensors_upload_is_checked_at_opening_from_its_receipt(
+        store: HttpServerStore, tmp_path: Path, hashed: HashCounter) -> None:
+    # hf-safetensors directories are hashed when opened (their files are memory-mapped): the
+    # receipt stands in for that hash while the stat holds, and a changed file is hashed and refused.
+    source = tmp_path / "node0" / "hf"
+    write_hf_checkpoint(ModelSpec("hf", "qwen2", seed=5), source)
+    ref = upload(store, source, tmp_path / "node0", 0)
+    assert ref.format == "hf-safetensors"
+    checker = store.receipt_check()
+    hashed.bytes = 0
+    open_checkpoint(ref, root=store.run_root, receipts=checker).close()
+    assert hashed.bytes < 1024, hashed.bytes
+    open_checkpoint(ref, root=store.run_root).close()
+    assert hashed.bytes >= hashed_bytes(Path(ref.path))
+    flip_byte(Path(ref.path) / "model.safetensors", restore_mtime=True)
+    with pytest.raises(CheckpointError, match=f"content hash of {Path(ref.path)}"):
+        open_checkpoint(ref, root=store.run_root, receipts=checker)
