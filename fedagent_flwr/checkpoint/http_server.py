@@ -15,7 +15,10 @@ Reads need the run's read token, uploads and progress reports the token of their
 HMACs of a random per-run secret and travel only inside Flower instructions. An upload lands in
 ``<run root>/round_<r>/client_<c>/.upload-<kind>/`` and becomes ``.../<kind>/`` by one rename at
 commit. A file is kept only once its bytes match the sha256 declared for it; a dropped connection
-keeps the bytes received so far, and the next ``PUT`` continues at that offset.
+keeps the bytes received so far, and the next ``PUT`` continues at that offset. At commit the store
+writes ``.../.receipt-<kind>.json`` beside the checkpoint: the digests it verified with each file's
+stat data, HMAC'd with a key from the run's secret, so the aggregation can skip hashing files that
+have not changed since (:mod:`.receipts`; ``storage.trust_store_receipts``).
 
 A ``PUT`` holds its slot's lock while it reads the body, so a client that stops sending mid-body
 gets HTTP 408 after ``storage.upload_idle_timeout_s`` without a byte and the lock is free again
