@@ -56,7 +56,7 @@ from fedagent_flwr.checkpoint.manifest import (
     check_sha256,
     file_sha256,
 )
-from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, write_receipt
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, wait_for_tick, write_receipt
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
 from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
@@ -78,7 +78,6 @@ from fedagent_flwr.progress import MAX_PROGRESS_BYTES, PROGRESS_FILE
 
 MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
 _RECEIVED = "received.json"
-_VERIFIED = "verified.json"  # per received file: sha256 and stat when hashed, for the receipt
 _FILES = "files"
 
 
@@ -102,6 +101,10 @@ class HttpServerStore(ServerStore):
         self._models: dict[str, tuple[Path, Manifest]] = {}
         self._shared: dict[tuple[str, str], CheckpointRef] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Per upload slot, the files whose digest matched on receipt, with their stat when hashed.
+        # Kept in memory only: nothing on disk can add to what the store signs, and a restarted
+        # store (a new secret anyway) knows of no file, so the aggregation hashes them itself.
+        self._verified: dict[str, dict[str, tuple[str, FileStat]]] = {}
         self._ca_pem = Path(settings.ssl_ca_certfile).read_text() if settings.ssl_ca_certfile else ""
         self._sock = bind_socket(settings.host, settings.port)
         bound = socket_url(self._sock)
@@ -186,6 +189,10 @@ class HttpServerStore(ServerStore):
 
     def lock(self, slot: str) -> asyncio.Lock:
         return self._locks.setdefault(slot, asyncio.Lock())
+
+    def verified(self, slot: str) -> dict[str, tuple[str, FileStat]]:
+        """The files of upload ``slot`` verified on receipt (name -> sha256, stat when hashed)."""
+        return self._verified.setdefault(slot, {})
 
     def model(self, model_id: str) -> tuple[Path, Manifest]:
         if model_id not in self._models:
@@ -305,15 +312,17 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
             have = await _append_body(request, part, have, size, file, store.settings.upload_idle_timeout_s)
             if have < size:
                 return {"received": have, "complete": False}
-            actual, checked = await run_in_threadpool(_hash_and_sync, part)
+            store.verified(slot).pop(file, None)
+            # Renamed first and hashed under its final name: the stat the receipt records is then
+            # the one taken before these very bytes were hashed (a rename moves ctime).
+            part.replace(target)
+            actual, checked = await run_in_threadpool(_hash_and_sync, target)
             if actual != sha256:
-                part.unlink()
+                target.unlink()
                 raise HTTPException(422, f"{file!r}: received bytes hash to {actual[:16]}..., the upload "
                                     f"declared {sha256[:16]}...; discarded, upload it again")
-            part.replace(target)
             if checked is not None:  # the digest matched and the file did not change while hashed
-                verified = {**_verified(staging), file: {"sha256": sha256, **checked.__dict__}}
-                write_json_atomic(staging / _VERIFIED, verified)
+                store.verified(slot)[file] = (sha256, checked)
             write_json_atomic(staging / _RECEIVED, {**received, file: {"size": size, "sha256": sha256}})
             return {"received": size, "complete": True}
 
@@ -348,8 +357,8 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                 name = path.relative_to(files).as_posix()
                 if path.is_file() and name not in listed:
                     path.unlink()
-            verified = _verified(staging)
-            files.replace(final)
+            verified = store._verified.pop(slot, {})
+            files.replace(final)  # renames the folder: the files' own stat (ctime included) stays
             fsync_dir(final.parent)
             if store.settings.trust_store_receipts:
                 await run_in_threadpool(_write_receipt, store, final, manifest, verified)
@@ -420,37 +429,29 @@ def _held_files(staging: Path) -> int:
     return count
 
 
-def _verified(staging: Path) -> dict[str, dict[str, Any]]:
-    """The files of an upload whose digest matched on receipt, with their stat when hashed."""
-    try:
-        return dict(json.loads((staging / _VERIFIED).read_text()))
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
 def _hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
-    """The sha256 (hex) of the received file and its stat while hashed (None if it changed meanwhile)."""
-    fsync_file(path)  # before it is renamed complete: a crash must not leave a short "complete" file
+    """The sha256 (hex) of the received file, and its stat from before it was hashed if nothing
+    can have changed it since without changing that stat (else None).
+
+    The filesystem's clock is let tick past the file's ``ctime`` before hashing starts (as
+    :func:`~.receipts.write_receipt` does for its stamp), so a write during the hashing or after it
+    gives the file a later ``ctime``, even one that puts the size and mtime back; a write before
+    the stat went into the bytes hashed.
+    """
+    fsync_file(path)  # a crash must not leave a short "complete" file
     before = FileStat.of(os.stat(path))
+    ticked = wait_for_tick(path.parent, before.ctime_ns)
     digest = file_sha256(path)
     after = FileStat.of(os.stat(path))
-    return digest, after if after == before else None
+    return digest, before if ticked and after == before else None
 
 
 def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
-                   verified: dict[str, dict[str, Any]]) -> None:
+                   verified: dict[str, tuple[str, FileStat]]) -> None:
     """Record what was verified on receipt beside the committed checkpoint (:mod:`.receipts`); a
     receipt that cannot be written only means the aggregation hashes those files itself."""
-    checked: dict[str, tuple[str, FileStat]] = {}
-    for entry in manifest.files:
-        record = verified.get(entry.name)
-        if record is None or record.get("sha256") != entry.sha256:
-            continue
-        try:
-            stat = FileStat(**{f: int(record[f]) for f in ("size", "mtime_ns", "ctime_ns", "ino", "dev")})
-        except (KeyError, TypeError, ValueError):
-            continue
-        checked[entry.name] = (entry.sha256, stat)
+    checked = {entry.name: verified[entry.name] for entry in manifest.files
+               if entry.name in verified and verified[entry.name][0] == entry.sha256}
     try:
         write_receipt(final, checked, store.receipt_key())
     except OSError as exc:

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ __all__ = [
     "ReceiptCheck",
     "TrustedFile",
     "receipt_path",
+    "wait_for_tick",
     "write_receipt",
 ]
 
@@ -69,9 +71,6 @@ class FileStat:
     def of(cls, result: os.stat_result) -> FileStat:
         return cls(result.st_size, result.st_mtime_ns, result.st_ctime_ns, result.st_ino, result.st_dev)
 
-    def same_file_content(self, other: FileStat) -> bool:
-        """Same inode, size and mtime: nothing was written since (``ctime`` also moves on a rename)."""
-        return (self.size, self.mtime_ns, self.ino, self.dev) == (other.size, other.mtime_ns, other.ino, other.dev)
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,31 @@ def receipt_path(directory: str | os.PathLike[str]) -> Path:
     return path.parent / f".receipt-{path.name}.json"
 
 
+def wait_for_tick(directory: str | os.PathLike[str], after_ns: int) -> bool:
+    """Wait until the filesystem's clock in ``directory`` (the one ``ctime`` comes from) reads
+    later than ``after_ns``; False if it did not within about a second (a clock that does not move
+    means something else is wrong: the caller then trusts nothing). A hidden probe file is
+    created and removed again."""
+    fd, name = tempfile.mkstemp(prefix=".clock-", dir=directory)
+    os.close(fd)
+    probe = Path(name)
+    try:
+        for _ in range(_STAMP_TRIES):
+            if os.stat(probe).st_mtime_ns > after_ns:
+                return True
+            time.sleep(_STAMP_WAIT_S)
+            os.utime(probe)
+        return os.stat(probe).st_mtime_ns > after_ns
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _checkpoint_name(directory: str | os.PathLike[str]) -> str:
+    # Signed with the files: a receipt names the checkpoint it was written for, so it cannot be
+    # copied beside another one.
+    return str(Path(directory).resolve())
+
+
 def _mac(key: bytes, body: Mapping[str, Any]) -> str:
     return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
 
@@ -97,12 +121,12 @@ def write_receipt(directory: str | os.PathLike[str], verified: Mapping[str, tupl
                   key: bytes) -> list[str]:
     """Record the files of ``directory`` whose digest the caller verified on receipt.
 
-    ``verified`` maps a file name (relative, posix) to its sha256 (hex) and its stat right after
-    that digest was checked; a file whose stat has changed since (size, inode or mtime) is left
-    out. The receipt is written under a temporary name and renamed into place; its stamp (the
-    filesystem's clock when it was written) is strictly later than every recorded ``ctime`` (the
-    writer waits for the clock to tick when needed), else the file is left out. Returns the names
-    recorded.
+    ``verified`` maps a file name (relative, posix) to its sha256 (hex) and its stat taken before
+    those bytes were hashed (with the clock let tick past its ``ctime``, :func:`wait_for_tick`); a
+    file whose stat is not exactly that any more is left out. The receipt names ``directory``,
+    is written under a temporary name and renamed into place; its stamp (the filesystem's clock
+    when it was written) is strictly later than every recorded ``ctime`` (the writer waits for the
+    clock to tick when needed), else the file is left out. Returns the names recorded.
     """
     root = Path(directory)
     files: dict[str, dict[str, Any]] = {}
@@ -111,7 +135,7 @@ def write_receipt(directory: str | os.PathLike[str], verified: Mapping[str, tupl
             now = FileStat.of(os.stat(root / name, follow_symlinks=False))
         except OSError:
             continue
-        if now.same_file_content(checked):
+        if now == checked:  # nothing changed since it was hashed: a change would have moved ctime
             files[name] = {"sha256": sha256, **now.__dict__}
     target = receipt_path(root)
     with atomic_path(target) as tmp:
@@ -125,7 +149,7 @@ def write_receipt(directory: str | os.PathLike[str], verified: Mapping[str, tupl
             os.utime(tmp)  # the filesystem's own clock, the one ctime comes from
             stamp = os.stat(tmp).st_mtime_ns
         files = {name: entry for name, entry in files.items() if entry["ctime_ns"] < stamp}
-        body = {"version": RECEIPT_VERSION, "stamp_ns": stamp, "files": files}
+        body = {"version": RECEIPT_VERSION, "checkpoint": _checkpoint_name(root), "stamp_ns": stamp, "files": files}
         tmp.write_text(json.dumps({**body, "hmac": _mac(key, body)}, sort_keys=True))
     return sorted(files)
 
@@ -144,9 +168,11 @@ class ReceiptCheck:
         """
         try:
             data = json.loads(receipt_path(directory).read_text())
-            body = {k: data[k] for k in ("version", "stamp_ns", "files")}
+            body = {k: data[k] for k in ("version", "checkpoint", "stamp_ns", "files")}
             mac = data["hmac"]
             if not (isinstance(mac, str) and hmac.compare_digest(mac, _mac(self._key, body))):
+                return {}
+            if body["checkpoint"] != _checkpoint_name(directory):
                 return {}
             if body["version"] != RECEIPT_VERSION:
                 return {}

@@ -141,7 +141,7 @@ def _rewrite_receipt(directory: Path, key: bytes | None, change: Any) -> None:
     """Edit the receipt's body with ``change`` and sign it with ``key`` (None: keep the old mac)."""
     path = receipt_path(directory)
     data = json.loads(path.read_text())
-    body = {k: data[k] for k in ("version", "stamp_ns", "files")}
+    body = {k: data[k] for k in ("version", "checkpoint", "stamp_ns", "files")}
     change(body)
     mac = data["hmac"]
     if key is not None:
@@ -191,6 +191,47 @@ def test_a_forged_or_corrupt_receipt_falls_back_to_hashing(
     with pytest.raises(CheckpointError, match=rf"content hash of {directory} is .*\(files changed or incomplete\)"):
         mean_of([ref], tmp_path / "out", store.run_root, checker)
     assert hashed.bytes >= hashed_bytes(directory)
+
+
+def test_a_file_changed_between_upload_and_commit_is_not_vouched_for(
+        store: HttpServerStore, suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file changed in the store after its upload was verified but before the checkpoint is
+    committed (same size, mtime put back) is left out of the receipt, and the aggregation hashes
+    it and refuses it."""
+    from fedagent_flwr.checkpoint.http_client import HttpClientStore
+
+    request = HttpClientStore._request
+    changed: list[Path] = []
+
+    def flip_before_commit(self: HttpClientStore, method: str, url: str, **kwargs: Any) -> Any:
+        if method == "POST" and "/uploads/" in url and not changed:  # the commit, after every file's upload
+            shard = next(store.run_root.glob(f"round_1/client_0/.upload-actor/*/{SHARD_W2}"))
+            flip_byte(shard, restore_mtime=True)
+            changed.append(shard)
+        return request(self, method, url, **kwargs)
+
+    monkeypatch.setattr(HttpClientStore, "_request", flip_before_commit)
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    assert changed, "the commit request was not seen: the change was not made"
+    directory = Path(ref.path)
+    checker = store.receipt_check()
+    assert checker is not None
+    trusted = checker.trusted(directory)
+    assert SHARD_W2 not in trusted and "fsdp_config.json" in trusted
+    with pytest.raises(CheckpointError, match=rf"content hash of {directory} is .*\(files changed or incomplete\)"):
+        mean_of([ref], tmp_path / "out", store.run_root, checker)
+
+
+def test_a_receipt_copied_beside_another_checkpoint_is_not_trusted(
+        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    directory = Path(ref.path)
+    checker = store.receipt_check()
+    assert checker is not None and checker.trusted(directory)
+    copy = directory.parent / "critic"
+    directory.rename(copy)  # the same files (and stat) under another checkpoint's name
+    receipt_path(directory).rename(receipt_path(copy))
+    assert checker.trusted(copy) == {}
 
 
 def test_a_receipt_of_another_store_or_run_is_not_trusted(suite: Suite, tmp_path: Path) -> None:
