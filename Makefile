@@ -15,6 +15,11 @@ ARGS ?=
 # --run-config in ARGS (an `overrides=` there replaces this one), but takes a .toml file only alone:
 # with ARGS="--run-config FILE.toml" set RUN_CONFIG= too.
 RUN_CONFIG ?= overrides='trainer.mode=persistent'
+# `make test` runs the suite on this many pytest-xdist worker processes (TEST_WORKERS=0: one process).
+# Two on the 2-core CI machine: a simulation test spends much of its time waiting (process and Ray
+# start-up, polling), which the other worker's tests fill. Tests that share a module-scoped fixture
+# stay on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 export FLWR_HOME
 # flwr starts flower-superlink, flower-superexec and flwr-simulation by name.
@@ -57,7 +62,7 @@ lint: install
 	$(VENV)/bin/mypy fedagent_flwr
 
 test: install alfworld-venv lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) $(FLWR_HOME)

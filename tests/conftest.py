@@ -47,6 +47,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                     "(FEDAGENT_TEST_MIN_FREE_MB lowers this check).", returncode=1)
 
 
+#: Fixture scopes wider than a test but narrower than a session: tests that share one must share a
+#: process, or each pytest-xdist worker would build the fixture (a whole simulation, for some) again.
+_SHARED_SCOPES = frozenset({"class", "module", "package"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into work units
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): each
+    test on whichever worker is free, except that the tests of one module that share a module- or
+    class-scoped fixture go to one worker together (an ``xdist_group`` named after the module), so
+    the fixture is built once, as in a single-process run. Without xdist the marks do nothing."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {fixturedef.scope for name in info.names_closure
+                  for fixturedef in info.name2fixturedefs.get(name, ())}
+        if scopes & _SHARED_SCOPES:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:
     """Directory of the saved SmolLM2 tokenizer (built from the GGUF once per machine)."""
