@@ -17,8 +17,9 @@ ARGS ?=
 RUN_CONFIG ?= overrides='trainer.mode=persistent'
 # `make test` runs the suite on this many pytest-xdist worker processes (TEST_WORKERS=0: one process).
 # Two on the 2-core CI machine: a simulation test spends much of its time waiting (process and Ray
-# start-up, polling), which the other worker's tests fill. Tests that share a module-scoped fixture
-# stay on one worker (tests/conftest.py).
+# start-up, polling), which the other worker's tests fill. Each module runs whole on one worker
+# (--dist loadfile), so a module-scoped fixture (a simulation checked by several tests) is built once;
+# the modules with the most slow tests go first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 export FLWR_HOME
@@ -62,7 +63,7 @@ lint: install
 	$(VENV)/bin/mypy fedagent_flwr
 
 test: install alfworld-venv lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) $(FLWR_HOME)

@@ -9,6 +9,7 @@ reuse it. CI can point ``FEDAGENT_CACHE_DIR`` at a cached directory of its own.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,25 +48,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                     "(FEDAGENT_TEST_MIN_FREE_MB lowers this check).", returncode=1)
 
 
-#: Fixture scopes wider than a test but narrower than a session: tests that share one must share a
-#: process, or each pytest-xdist worker would build the fixture (a whole simulation, for some) again.
-_SHARED_SCOPES = frozenset({"class", "module", "package"})
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into work units
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``): each
-    test on whichever worker is free, except that the tests of one module that share a module- or
-    class-scoped fixture go to one worker together (an ``xdist_group`` named after the module), so
-    the fixture is built once, as in a single-process run. Without xdist the marks do nothing."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        scopes = {fixturedef.scope for name in info.names_closure
-                  for fixturedef in info.name2fixturedefs.get(name, ())}
-        if scopes & _SHARED_SCOPES:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    """Under pytest-xdist (`make test`: ``-n 2 --dist loadfile``), the modules with the most
+    ``slow`` tests (whole Flower runs) come first, each module's tests in their own order.
+
+    A worker takes one module at a time, in this order, whenever it runs short of work, so the long
+    modules start at once and the short ones fill the gaps at the end, instead of one worker
+    finishing alone with a long module begun last. A single-process run keeps the collection order.
+    """
+    if not hasattr(config, "workerinput"):  # set in xdist's workers only
+        return
+    modules = [item.nodeid.split("::", 1)[0] for item in items]
+    slow = Counter(module for module, item in zip(modules, items) if item.get_closest_marker("slow"))
+    first: dict[str, int] = {}
+    for index, module in enumerate(modules):
+        first.setdefault(module, index)
+    order = {id(item): (-slow[module], first[module], index)
+             for index, (module, item) in enumerate(zip(modules, items))}
+    items.sort(key=lambda item: order[id(item)])
 
 
 @pytest.fixture(scope="session")
