@@ -67,6 +67,12 @@ def test_wandb_records_the_run_offline_in_the_run_directory(tmp_path: Path, monk
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     record_two_rounds(tmp_path, ("jsonl", "wandb"))
+    # run.finish() returns once W&B's service has the run's last records, not once it has written
+    # them: the run file can still hold only its 7-byte header (seen on a loaded machine). Stopping
+    # the service (what the process's exit does) waits until the file is complete.
+    import wandb
+
+    wandb.teardown()
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     rows = wandb_history(run_file)
     assert [(row["_step"], row["val/success_rate"]) for row in rows if "val/success_rate" in row] == [
