@@ -34,6 +34,7 @@ from fedagent_flwr.schema.run import StrategyKwargs
 from fedagent_flwr.seeding import validation_seeds
 from fedagent_flwr.serverapp import preflight
 from fedagent_flwr.serverapp.failures import RunFailedError
+from fedagent_flwr.serverapp.learning import describe
 from fedagent_flwr.serverapp.nodes import NodeRegistry, is_simulation
 from fedagent_flwr.serverapp.recorder import CURVE_FILE, SUMMARY_FILE, RunRecorder
 from fedagent_flwr.serverapp.resume import (
@@ -365,6 +366,9 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         raise run_failed(RunFailedError(reason))
     if reason:
         log(WARNING, "[fedagent] run %s: %s", status, reason)
+    comparison = recorder.summary["learning"].get("final_vs_base")
+    if comparison is not None:
+        log(INFO, "[fedagent] %s", describe(comparison))
     log(INFO, "[fedagent] final global model: %s", strategy.global_model.path)
     log(INFO, "[fedagent] summary: %s", recorder.summary_path)
     log(INFO, "[fedagent] learning curve: %s", run_dir / CURVE_FILE)

@@ -32,6 +32,7 @@ from fedagent_flwr.protocol import (
 )
 from fedagent_flwr.serverapp.crashpoint import crash_point
 from fedagent_flwr.serverapp.failures import round_reasons
+from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_record, no_signal_reason, round_shares
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 
 if TYPE_CHECKING:
@@ -151,6 +152,13 @@ class RunRecorder:
                 entry["aggregated_critic_sha256"] = aggregated_critic_sha256
         if update_stats is not None:
             entry["update_stats"] = update_stats
+        shares = round_shares(client_metrics)
+        if shares:
+            entry[ROUND_SHARES] = shares
+            if aggregated is not None and is_flat(shares):
+                log(WARNING, "[fedagent] round %d had no learning signal: every group of every client's episodes "
+                    "scored alike (zero-variance-group-share 1.0 from clients %s), so the update is drift, "
+                    "not learning", server_round, ", ".join(shares))
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated
@@ -214,13 +222,18 @@ class RunRecorder:
         """The status of a run whose rounds all ran, and why when it is not ``completed``.
 
         ``degraded``: some round aggregated no client checkpoint (the previous global model went on
-        to the next round), so the final model had fewer rounds of training than the run asked for.
+        to the next round), so the final model had fewer rounds of training than the run asked for;
+        or no round had a learning signal (``serverapp.learning``: every group of every client scored
+        alike), so the run learned nothing.
         ``failed``: no round aggregated anything, so the run trained nothing at all (its final model
         is the one it started from); the reason names the last round's client failures.
         """
         rounds = self.summary["rounds"]
         empty = [entry for entry in rounds if entry.get("aggregated_actor") is None]
+        learning = learning_record(rounds, self.summary["val_curve"])
         if not empty:
+            if learning["no_signal_run"]:
+                return "degraded", no_signal_reason(learning)
             return "completed", ""
         if len(empty) == len(rounds):
             last = empty[-1]
@@ -235,6 +248,7 @@ class RunRecorder:
         return "degraded", (
             f"round(s) {[entry['round'] for entry in empty]} aggregated no client checkpoint and kept the previous "
             f"global model" + (f" (round {first['round']}: {refused})" if refused else "")
+            + (f"; and {no_signal_reason(learning)}" if learning["no_signal_run"] else "")
         )
 
     def finish(self, status: str = "completed", error: str = "") -> None:
@@ -257,6 +271,7 @@ class RunRecorder:
         ahead of them: a re-run keeps the metrics lines of the rounds the summary committed.
         """
         self.summary["wall_seconds"] = round(self._earlier_seconds + time.time() - self._started, 3)
+        self.summary["learning"] = learning_record(self.summary["rounds"], self.summary["val_curve"])
         lines = "".join(_json_line(event) for event in self.events)
         write_text_atomic(self.run_dir / METRICS_FILE, lines)
         with atomic_path(self.summary_path) as tmp:

@@ -17,6 +17,7 @@ from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from testkit.audit import audit_run
 from testkit.flower_harness import REPO, is_running, simulation_superlink
+from testkit.run_end import ran_every_round
 
 # Persistent trainers (one start per node, not one per job: this run and its re-run would start ~18
 # of ~4.5 s of CPU each): retention is the ServerApp's work, whichever way the trainers run.
@@ -99,7 +100,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
         rerun = link.run(overrides, supernodes=2)
     output = rerun.stdout + rerun.stderr
     summary = json.loads((run_dir / "federated_summary.json").read_text())
-    assert summary["status"] == "completed" and summary["last_completed_round"] == 3, output[-4000:]
+    assert ran_every_round(summary) and summary["last_completed_round"] == 3, output[-4000:]
     assert all(e["client_actor_ids"] == [0, 1] and not e["rejected"] for e in summary["rounds"])  # real configs pass
     assert summary["resumed"] == [{"after_round": 2, "run_id": summary["run_id"]}]
     assert summary["rounds"][2]["started_from"] == str(run_dir / "round_2" / "global")

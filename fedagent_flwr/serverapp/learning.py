@@ -1,0 +1,103 @@
+"""Whether a run could learn and whether it did: the summary's ``learning`` record.
+
+Two questions a user asks of every run, answered from what the run already records:
+
+* **Was there anything to learn from?** GRPO's advantage is an episode's reward minus its group's
+  mean, so a round in which every group of every client scored alike (``zero-variance-group-share``
+  1.0 from each client) gave no policy gradient at all: the weights moved only by the KL and
+  entropy terms, which Adam rescales to full step size, so the model drifted instead of learning.
+  A run in which *every* round was like that learned nothing by construction; the recorder marks
+  it ``degraded`` (exit status 3) with this reason, and each such round gets a warning in the log.
+* **Did the global model get better?** The last evaluated model's validation success against the
+  base model's (round 0), each with its 95% Wilson interval. The verdict follows the criterion of
+  ``docs/results.md``: ``above`` when the final interval lies wholly above the base interval,
+  ``below`` when wholly below, ``overlapping`` otherwise (no clear change at this sample size).
+  This is reported, not turned into an exit status: a short run that moves within the noise has
+  not failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fedagent_flwr.protocol import ZERO_VARIANCE_GROUP_SHARE
+
+#: A client's share at or above this is "every group flat" (the share is a mean of ratios).
+FLAT_SHARE = 1.0 - 1e-9
+#: A round entry's key for its clients' shares (``{client id: share}``).
+ROUND_SHARES = "zero_variance_group_share"
+
+
+def round_shares(client_metrics: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
+    """Each client's ``zero-variance-group-share`` of one round, keyed by client id (as a string,
+    the summary's JSON keys); clients that did not report it (PPO's groups of one do) are left out."""
+    return {str(client): float(metrics[ZERO_VARIANCE_GROUP_SHARE])
+            for client, metrics in sorted(client_metrics.items()) if ZERO_VARIANCE_GROUP_SHARE in metrics}
+
+
+def is_flat(shares: Mapping[str, float]) -> bool:
+    """True when at least one client reported the share and every one of them reported 1.0."""
+    return bool(shares) and all(share >= FLAT_SHARE for share in shares.values())
+
+
+def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary's ``learning`` entry from its ``rounds`` and ``val_curve``.
+
+    ``rounds_measured``: the aggregated rounds whose clients reported their zero-variance share;
+    ``rounds_without_signal``: those in which every reporting client's share was 1.0;
+    ``no_signal_run``: every aggregated round was measured and flat (nothing could be learned);
+    ``final_vs_base``: the base and last validation points with their intervals and the verdict.
+    """
+    trained = [entry for entry in rounds if entry.get("aggregated_actor") is not None]
+    measured = [entry for entry in trained if entry.get(ROUND_SHARES)]
+    flat = [entry["round"] for entry in measured if is_flat(entry[ROUND_SHARES])]
+    record: dict[str, Any] = {
+        "rounds_measured": [entry["round"] for entry in measured],
+        "rounds_without_signal": flat,
+        "no_signal_run": bool(trained) and len(measured) == len(trained) and len(flat) == len(trained),
+    }
+    comparison = final_vs_base(val_curve)
+    if comparison is not None:
+        record["final_vs_base"] = comparison
+    return record
+
+
+def final_vs_base(val_curve: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The base model's validation point against the last later one, or None before there are both."""
+    base = next((point for point in val_curve if point.get("model") == "base"), None)
+    later = [point for point in val_curve if point.get("model") != "base"]
+    if base is None or not later:
+        return None
+    final = later[-1]
+    base_low, base_high = base["success_ci95"]
+    low, high = final["success_ci95"]
+    verdict = "above" if low > base_high else "below" if high < base_low else "overlapping"
+    return {
+        "base": {key: base[key] for key in ("round", "n", "success_rate", "success_ci95")},
+        "final": {key: final[key] for key in ("round", "n", "success_rate", "success_ci95")},
+        "verdict": verdict,
+    }
+
+
+def describe(comparison: Mapping[str, Any]) -> str:
+    """One line for the log: base -> final validation success with intervals, and the verdict."""
+    base, final = comparison["base"], comparison["final"]
+    meaning = {"above": "the final model's 95% interval lies above the base model's",
+               "below": "the final model's 95% interval lies below the base model's: it got worse",
+               "overlapping": "the intervals overlap: no clear change at this sample size"}[comparison["verdict"]]
+    return (f"validation success {base['success_rate']:.3f} {_interval(base)} (round {base['round']}, n={base['n']}) "
+            f"-> {final['success_rate']:.3f} {_interval(final)} (round {final['round']}, n={final['n']}): {meaning}")
+
+
+def no_signal_reason(record: Mapping[str, Any]) -> str:
+    """Why a run whose every round was flat learned nothing, and what to change."""
+    return (f"no round had a learning signal (rounds {record['rounds_without_signal']}): in each, every group "
+            "of every client's episodes scored alike (zero-variance-group-share 1.0), so GRPO's advantages "
+            "were all zero and the updates were KL/entropy drift, not learning; make rewards differ within "
+            "a group (an easier task split, more turns, a larger trainer.rollout_n, or a stronger base model)")
+
+
+def _interval(point: Mapping[str, Any]) -> str:
+    low, high = point["success_ci95"]
+    return f"[{low:.3f}, {high:.3f}]"
