@@ -116,14 +116,24 @@ class FsdpShardReader(CheckpointReader):
         self._verified = expected_sha256 is None
         # The file list is fixed now: a file added or removed before the check is a mismatch.
         self._hashed_names = [p.name for p in hashed_files(directory)] if expected_sha256 else []
-        # Files whose digest a receipt of the store vouches for (.receipts): not hashed while read,
-        # their stat checked again in verify_content instead.
+        # Files whose digest a receipt of the store vouches for (.receipts): not hashed while read.
+        # The receipt was checked by path; the file opened must be the one it describes (its path
+        # may lead elsewhere by the time it is opened), and its stat is checked again in
+        # verify_content.
         self._trusted = {name: t for name, t in (trusted or {}).items() if name in self._hashed_names}
         self._files: list[ShardFile] = []
         try:
             for path in paths:
                 hash_it = expected_sha256 is not None and path.name not in self._trusted
-                self._files.append(ShardFile(path, io=io, hash_while_reading=hash_it))
+                file = ShardFile(path, io=io, hash_while_reading=hash_it)
+                self._files.append(file)
+                receipt = self._trusted.get(path.name)
+                if receipt is not None and file.opened_stat != receipt.stat:
+                    raise CheckpointError(
+                        f"{path} changed since its receipt was checked (the file opened has stat "
+                        f"{file.opened_stat}, the store's receipt {receipt.stat}); the round leaves this "
+                        "checkpoint out"
+                    )
             self._layouts = self._plan()
         except BaseException:
             self.close()
@@ -202,11 +212,15 @@ class FsdpShardReader(CheckpointReader):
             file = streamed.get(path.name)
             receipt = self._trusted.get(path.name)
             if receipt is not None:
+                # Both the file read (still open, or as it was closed) and what the path leads to
+                # now must be the file the receipt describes, unchanged since the opening.
                 now = FileStat.of(path.stat())
-                if now != receipt.stat:  # changed since its receipt was checked at opening
+                read = file.held_stat() if file is not None else now
+                if now != receipt.stat or read != receipt.stat:
                     raise CheckpointError(
                         f"{path} changed while it was read (its stat no longer matches the store's receipt: "
-                        f"{receipt.stat} at opening, {now} now); the round leaves this checkpoint out"
+                        f"{receipt.stat} at opening, {read} of the file read, {now} at its path now); "
+                        "the round leaves this checkpoint out"
                     )
                 digests.append((path.name, now.size, receipt.digest))
             elif file is not None:

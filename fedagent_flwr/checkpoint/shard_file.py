@@ -16,6 +16,11 @@ pages of a file mapping count towards RSS until the mapping goes away, so stream
 shards through ``mmap`` shows up as a 2 GB process. It also turns a file truncated after opening
 into a clean error instead of a SIGBUS. If a torch version stops exposing the storage offsets the
 file falls back to ``torch.load(mmap=True)`` (same results, higher RSS).
+
+The file is opened once, and its structure, its blocks and its digest all come from that open
+file, never from the path again: :attr:`ShardFile.opened_stat` is the stat of that very file, which
+is what a store's receipt must match (:mod:`.receipts`). A path swapped to another file after the
+open (and back) changes nothing that was read.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch.distributed.tensor  # noqa: F401
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fedagent_flwr.checkpoint.content_hash import FileHashStream, file_digest
+from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 IoMode = Literal["auto", "pread", "mmap"]
@@ -86,9 +92,24 @@ class ShardFile:
         blocks read (:meth:`content_digest`) rather than by a separate read of the file."""
         self.path = Path(path)
         self.bytes_read = 0
-        self._size = self.path.stat().st_size
+        self._mmapped: dict[str, Entry] | None = None
+        self.hash_stream: FileHashStream | None = None
+        self._hash_pool: ThreadPoolExecutor | None = None
+        self._closed_stat: FileStat | None = None
+        self._handle: Any = open(self.path, "rb")
+        try:
+            self._open(io, hash_while_reading)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, io: IoMode, hash_while_reading: bool) -> None:
+        #: The stat of the file opened (not of whatever the path leads to later).
+        self.opened_stat = FileStat.of(os.fstat(self._handle.fileno()))
+        self._size = self.opened_stat.size
         self._check_zip()
-        state = _load_state(self.path, map_location="meta")
+        self._handle.seek(0)
+        state = _load_state(self._handle, self.path, map_location="meta")
         self.entries: dict[str, Entry] = {}
         self.skipped: list[str] = []  # non-tensor values (e.g. ``_extra_state``); never averaged
         for key, value in state.items():
@@ -107,11 +128,7 @@ class ShardFile:
                 f"{self.path}: this torch version does not expose storage offsets; use io='mmap'"
             )
         self.io: Literal["pread", "mmap"] = "pread" if io in ("auto", "pread") and has_offsets else "mmap"
-        self._handle: Any = open(self.path, "rb") if self.io == "pread" else None
-        self._mmapped: dict[str, Entry] | None = None
-        self.hash_stream: FileHashStream | None = None
-        self._hash_pool: ThreadPoolExecutor | None = None
-        if hash_while_reading and self._handle is not None:
+        if hash_while_reading and self.io == "pread":
             self.hash_stream = FileHashStream(self._handle.fileno(), self._size)
 
     # -- reading --------------------------------------------------------------------------------
@@ -230,16 +247,37 @@ class ShardFile:
         return self._hash_pool
 
     def content_digest(self) -> bytes:
-        """sha256 of the file (raw digest): from the blocks read so far plus the bytes they left
-        out when hashed while reading, else by reading the file (mmap mode, or after close)."""
-        if self.hash_stream is not None and self._handle is not None:
+        """sha256 of the file opened (raw digest): from the blocks read so far plus the bytes they
+        left out when hashed while reading, else by reading it whole (mmap mode); after close, of
+        the file at the path."""
+        if self._handle is None:
+            return file_digest(self.path)
+        if self.hash_stream is not None:
             # Through the hashing thread: after every chunk still queued, in file order.
             return self._hasher().submit(self.hash_stream.finish).result()
-        return file_digest(self.path)
+        # From the open descriptor, not the path: the path may lead to another file by now.
+        return FileHashStream(self._handle.fileno(), self._size).finish()
+
+    def held_stat(self) -> FileStat:
+        """The stat of the file opened as it is now (or was when closed): a receipt that matched
+        :attr:`opened_stat` must still match it after the reads."""
+        if self._handle is None:
+            assert self._closed_stat is not None  # set by close()
+            return self._closed_stat
+        return FileStat.of(os.fstat(self._handle.fileno()))
+
+    def _reopen_path(self) -> Path:
+        """A path that opens the file already open, for ``torch.load(mmap=True)``, which takes only
+        a path. On Linux ``/proc/self/fd/<fd>`` opens the very inode held (even if the path has
+        been swapped to another file or removed since), so the mapping shows the bytes whose stat
+        :attr:`opened_stat` recorded. Where it does not exist the path itself is the fallback; a
+        swap of the path between the open and the first read then goes unnoticed there."""
+        held = Path(f"/proc/self/fd/{self._handle.fileno()}")
+        return held if held.exists() else self.path
 
     def _mmap_piece(self, key: str, index: int) -> torch.Tensor:
         if self._mmapped is None:
-            state = _load_state(self.path, map_location="cpu", mmap=True)
+            state = _load_state(self._reopen_path(), self.path, map_location="cpu", mmap=True)
             self._mmapped = {}
             for k, v in state.items():
                 entry = _parse_entry(self.path, k, v)
@@ -253,6 +291,7 @@ class ShardFile:
             self._hash_pool.shutdown()
             self._hash_pool = None
         if self._handle is not None:
+            self._closed_stat = FileStat.of(os.fstat(self._handle.fileno()))
             self._handle.close()
             self._handle = None
         self._mmapped = None
@@ -262,20 +301,18 @@ class ShardFile:
         # torch.load reports a truncated or foreign file with a raw zip/pickle error; check the
         # container first so the message names the file and says what is wrong with it.
         try:
-            with zipfile.ZipFile(self.path) as archive:
-                infos = archive.infolist()
+            with zipfile.ZipFile(self._handle) as archive:  # the open file; closing leaves it open
+                for info in archive.infolist():
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise CheckpointError(f"{self.path}: record {info.filename} is compressed")
+                    if info.filename.endswith("/byteorder") or info.filename == "byteorder":
+                        order = archive.read(info).decode(errors="replace")
+                        if order != "little":
+                            raise CheckpointError(f"{self.path}: byte order '{order}' is not supported")
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise CheckpointError(
                 f"{self.path} is not a readable torch checkpoint (truncated or corrupt: {exc})"
             ) from None
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"{self.path}: record {info.filename} is compressed")
-            if info.filename.endswith("/byteorder") or info.filename == "byteorder":
-                with zipfile.ZipFile(self.path) as archive:
-                    order = archive.read(info).decode(errors="replace")
-                if order != "little":
-                    raise CheckpointError(f"{self.path}: byte order '{order}' is not supported")
 
 
 def wait_hashed(pending: list[Future[None]], path: Path) -> None:
@@ -291,10 +328,12 @@ def wait_hashed(pending: list[Future[None]], path: Path) -> None:
 # Loading and parsing
 
 
-def _load_state(path: Path, map_location: str, mmap: bool = False) -> dict[str, Any]:
+def _load_state(source: Path | Any, path: Path, map_location: str, mmap: bool = False) -> dict[str, Any]:
+    """Unpickle the state dict of ``source`` (an open binary file, or a path when ``mmap``);
+    errors name ``path``."""
     try:
         with _quiet_device_mesh(), torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
-            state = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+            state = torch.load(source, map_location=map_location, mmap=mmap, weights_only=True)
     except CheckpointError:
         raise
     except Exception as exc:  # pickle, zip, runtime errors from a damaged or foreign file

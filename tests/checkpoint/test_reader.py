@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from fedagent_flwr.checkpoint import (
     SafetensorsReader,
     open_checkpoint,
 )
+from fedagent_flwr.checkpoint.receipts import FileStat
+from fedagent_flwr.checkpoint.shard_file import ShardFile
 
 from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, suite, write_hf_checkpoint  # noqa: F401
 
@@ -118,3 +122,35 @@ def test_reference_roundtrip_through_config(suite: Suite) -> None:
     again = CheckpointRef.from_config(ref.to_config("actor"), "actor")
     assert again == ref
     open_checkpoint(again, root=suite.root, check_hash=True).close()
+
+
+@pytest.mark.parametrize("io", ["pread", "mmap"])
+def test_a_rank_file_reads_the_file_it_opened_after_its_path_is_swapped(
+        suite: Suite, tmp_path: Path, io: str) -> None:
+    """A rank file's blocks and its digest come from the file opened, not from whatever its path
+    leads to later: the mmap mode maps the opened file (through /proc/self/fd), not the path."""
+    directory = suite.copy("qwen_plain", tmp_path)
+    path = directory / "model_world_size_1_rank_0.pt"
+    original = torch.load(path, weights_only=True)
+    original_digest = hashlib.sha256(path.read_bytes()).digest()
+    other = tmp_path / "other" / path.name  # same name: torch.save names the zip's records after it
+    other.parent.mkdir()
+    changed = torch.load(path, weights_only=True)  # the saved OrderedDict, its metadata included
+    for value in changed.values():
+        if value.is_floating_point():
+            value.add_(1)
+    torch.save(changed, other)
+    assert other.stat().st_size == path.stat().st_size
+    shard = ShardFile(path, io=io)  # type: ignore[arg-type]
+    try:
+        assert shard.io == io
+        assert shard.opened_stat == FileStat.of(path.stat())
+        os.replace(other, path)  # the path now leads to the other file; the opened one lives on
+        assert FileStat.of(path.stat()) != shard.opened_stat
+        floats = [k for k, v in original.items() if v.is_floating_point()]
+        assert floats
+        for key in floats:
+            assert torch.equal(shard.read_piece(key, 0), original[key]), key
+        assert shard.content_digest() == original_digest
+    finally:
+        shard.close()

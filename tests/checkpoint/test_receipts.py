@@ -3,7 +3,8 @@ loopback with real FSDP checkpoints: a checkpoint uploaded through the store agg
 its bytes being hashed a second time and gives the identical mean; a file changed after receipt
 (also with its mtime put back) is hashed and refused with the content-hash mismatch; a receipt
 that is corrupt, forged without the store's key or vouching for other content never lets a
-changed file through."""
+changed file through; a rank file's path swapped to another file between the receipt check and the
+reader's open (and back) is refused."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Iterator
+import re
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint, weighted_mean
@@ -27,7 +31,7 @@ from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
 from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
-from testkit.store_harness import RUN, HashCounter, node
+from testkit.store_harness import RUN, SHARD, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"
 
@@ -135,6 +139,76 @@ def test_a_file_changed_while_it_is_read_is_refused(store: HttpServerStore, suit
         flip_byte(Path(ref.path) / SHARD_W2, restore_mtime=True)
         with pytest.raises(CheckpointError, match=f"{SHARD_W2} changed while it was read"):
             reader.verify_content()
+
+
+def same_size_impostor(original: Path, target: Path) -> None:
+    """Write at ``target`` (same file name) a valid plain rank file of other values and exactly
+    ``original``'s size: another file that no size check can tell apart."""
+    state = torch.load(original, weights_only=True)  # the saved OrderedDict, its metadata included
+    for value in state.values():
+        if value.is_floating_point():
+            value.add_(1)
+    torch.save(state, target)
+    assert target.stat().st_size == original.stat().st_size
+    assert target.read_bytes() != original.read_bytes()
+
+
+class SwapAfterCheck(ReceiptCheck):
+    """The store's receipt check, followed by ``swap``: what another writer could do in the moment
+    between the check and the reader's open."""
+
+    def __init__(self, key: bytes, swap: Callable[[], None]) -> None:
+        super().__init__(key)
+        self._swap = swap
+
+    def trusted(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        found = super().trusted(directory)
+        self._swap()
+        return found
+
+
+def test_a_rank_file_swapped_between_receipt_check_and_open_is_refused(
+        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    """The rank file's path leads to another file of the same size when the reader opens it, and to
+    the original again before the content check: every stat taken by path matches the receipt, but
+    the bytes read are the other file's. The reader compares the receipt with the file it opened."""
+    ref = upload(store, suite.copy("qwen_plain", tmp_path / "node0"), tmp_path / "node0", 0)
+    directory = Path(ref.path)
+    # A folder rename leaves its files' stat alone (a file rename would move the file's ctime and
+    # be caught by the stat check after the reads): swap the checkpoint folder.
+    impostor, held = directory.with_name("impostor"), directory.with_name("held")
+    shutil.copytree(directory, impostor)
+    same_size_impostor(directory / SHARD, impostor / SHARD)
+    swaps: list[str] = []
+
+    def swap_in() -> None:
+        directory.rename(held)
+        impostor.rename(directory)
+        swaps.append("in")
+
+    def swap_back() -> None:
+        if swaps == ["in"]:
+            directory.rename(impostor)
+            held.rename(directory)
+            swaps.append("back")
+
+    plain = store.receipt_check()
+    assert plain is not None and SHARD in plain.trusted(directory)  # the receipt vouches for the original...
+    checker = SwapAfterCheck(store.receipt_key(), swap_in)
+    refused = re.escape(f"{directory / SHARD} changed since its receipt was checked") + ".*leaves this checkpoint out"
+    with pytest.raises(CheckpointError, match=refused):
+        try:
+            reader = open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker)
+        finally:
+            swap_back()  # ...which is back in place before the reads end and the content is checked
+        with reader:
+            weighted_mean([(reader, 1.0)], tmp_path / "out")
+    assert swaps == ["in", "back"]
+    assert not (tmp_path / "out").exists()
+    # The original, left alone, still aggregates from its receipt.
+    with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=plain) as reader:
+        assert isinstance(reader, FsdpShardReader) and SHARD in reader.receipt_files
+        weighted_mean([(reader, 1.0)], tmp_path / "out")
 
 
 def _rewrite_receipt(directory: Path, key: bytes | None, change: Any) -> None:
