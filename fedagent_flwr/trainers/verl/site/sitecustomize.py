@@ -1,10 +1,12 @@
 """Put on a verl job's PYTHONPATH by the fedagent-flwr verl backend (``job.job_environment``): arms,
 in every process of the job (driver and Ray workers), the user hooks (plugin modules; the client
 rules, FedProx's among them) when their variables are set, the critic loader fix when
-FEDAGENT_CRITIC_ATTN is set, and the host-wide weight-sync lock when FEDAGENT_WEIGHT_SYNC_LOCK is set."""
+FEDAGENT_CRITIC_ATTN is set, the host-wide weight-sync lock when FEDAGENT_WEIGHT_SYNC_LOCK is set,
+and always GRPO's zero advantage for groups that all scored alike (``flat_groups``)."""
 
-from fedagent_flwr.trainers.verl import critic_attention, user_hooks, weight_sync
+from fedagent_flwr.trainers.verl import critic_attention, flat_groups, user_hooks, weight_sync
 
+flat_groups.install()
 user_hooks.install_from_environment()
 critic_attention.install_from_environment()
 weight_sync.install_from_environment()

@@ -1,0 +1,79 @@
+"""GRPO gives a group whose episodes all scored alike an advantage of exactly zero, in verl too.
+
+verl 0.9.1's ``compute_grpo_outcome_advantage`` computes ``(score - mean) / (std + 1e-6)`` per
+group in float32. When the equal scores are not exact in binary, float32's mean lands one rounding
+step away from them and the std is ~6e-8 instead of 0, so every episode of the group gets the same
+*non-zero* advantage: eight episodes at -0.6 (six invalid turns at -0.1 each) get -0.0560 each.
+That is a uniform push on every sampled response, from a group that carried no information at
+all; it was every gradient of the WebShop run of 2026-12-02 (``actor/pg_loss`` 0.0560341 in every
+client round, docs/results.md batch 6) and it touches any flat group scored with the invalid-action
+penalty. The reference trainer computes in float64 and is not affected in practice.
+
+The job's ``sitecustomize`` therefore wraps verl's function, in every process that imports
+``core_algos``: it calls verl's own computation and then sets the advantages (and returns) of the
+rows of every flat group (two or more episodes whose scores agree within a relative ``1e-6``) to
+zero, the value GRPO's formula has in exact arithmetic. Groups with any spread are left as verl
+computed them. ``ray_trainer`` calls the function through the module attribute and the registry
+serves ``grpo`` by name; both are replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedagent_flwr.trainers.verl.engine_hooks import patch_when_imported
+
+TARGET_MODULE = "verl.trainer.ppo.core_algos"
+FUNCTION = "compute_grpo_outcome_advantage"
+#: Scores within this relative distance of each other count as equal (float32 keeps ~7 digits).
+RELATIVE_TOL = 1e-6
+
+
+def flat_rows(scores: Any, index: Any) -> list[int]:
+    """Row numbers of the episodes whose group (``index``) has two or more members that all scored
+    alike (``scores``: one float per row)."""
+    groups: dict[Any, list[int]] = {}
+    for row, key in enumerate(index):
+        groups.setdefault(key, []).append(row)
+    rows: list[int] = []
+    for members in groups.values():
+        values = [float(scores[row]) for row in members]
+        scale = max(1.0, max(abs(v) for v in values))
+        if len(members) >= 2 and max(values) - min(values) <= RELATIVE_TOL * scale:
+            rows.extend(members)
+    return sorted(rows)
+
+
+def zero_flat_groups(compute: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+    """``compute`` (verl's GRPO advantage), with the rows of flat groups set to exactly zero."""
+
+    def compute_grpo_outcome_advantage(token_level_rewards: Any, response_mask: Any, index: Any,
+                                       *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        advantages, returns = compute(token_level_rewards, response_mask, index, *args, **kwargs)
+        rows = flat_rows(token_level_rewards.sum(dim=-1), index)
+        if rows:
+            advantages[rows] = 0.0
+            returns[rows] = 0.0
+        return advantages, returns
+
+    compute_grpo_outcome_advantage._fedagent_flat_groups = compute  # type: ignore[attr-defined]
+    compute_grpo_outcome_advantage.__doc__ = compute.__doc__
+    return compute_grpo_outcome_advantage
+
+
+def patch_core_algos(module: Any) -> None:
+    """Replace ``module.compute_grpo_outcome_advantage`` and the registry's ``grpo`` entry (once)."""
+    original = getattr(module, FUNCTION)
+    if getattr(original, "_fedagent_flat_groups", None) is not None:
+        return
+    wrapped = zero_flat_groups(original)
+    setattr(module, FUNCTION, wrapped)
+    registry = getattr(module, "ADV_ESTIMATOR_REGISTRY", None)
+    if isinstance(registry, dict) and registry.get("grpo") is original:
+        registry["grpo"] = wrapped
+
+
+def install() -> None:
+    """Arm the patch for every process of the job (always: it is a correctness fix, not an option)."""
+    patch_when_imported(TARGET_MODULE, patch_core_algos)
