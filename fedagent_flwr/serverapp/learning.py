@@ -3,11 +3,14 @@
 Two questions a user asks of every run, answered from what the run already records:
 
 * **Was there anything to learn from?** GRPO's advantage is an episode's reward minus its group's
-  mean, so a round in which every group of every client scored alike (``zero-variance-group-share``
-  1.0 from each client) gave no policy gradient at all: the weights moved only by the KL and
-  entropy terms, which Adam rescales to full step size, so the model drifted instead of learning.
-  A run in which *every* round was like that learned nothing by construction; the recorder marks
-  it ``degraded`` (exit status 3) with this reason, and each such round gets a warning in the log.
+  mean, so a round in which every group of every reporting client scored alike
+  (``zero-variance-group-share`` 1.0 from each) carried no information to learn from: whatever
+  moved the weights (the KL and entropy terms, which Adam rescales to full step size, or before
+  ``trainers.verl.flat_groups`` verl's float32 rounding, which gave every flat episode the same
+  non-zero advantage) was drift, not learning. A GRPO run in which *every* aggregated round was
+  like that learned nothing by construction; the recorder marks it ``degraded`` (exit status 3)
+  with this reason, and each such round gets a warning in the log. Only for ``grpo``: PPO's
+  advantages come from its critic, not from the group mean.
 * **Did the global model get better?** The last evaluated model's validation success against the
   base model's (round 0), each with its 95% Wilson interval. The verdict follows the criterion of
   ``docs/results.md``: ``above`` when the final interval lies wholly above the base interval,
@@ -21,17 +24,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fedagent_flwr.intervals import wilson_interval
 from fedagent_flwr.protocol import ZERO_VARIANCE_GROUP_SHARE
 
 #: A client's share at or above this is "every group flat" (the share is a mean of ratios).
 FLAT_SHARE = 1.0 - 1e-9
 #: A round entry's key for its clients' shares (``{client id: share}``).
 ROUND_SHARES = "zero_variance_group_share"
+#: The one estimator whose advantages come from the group mean alone (the summary's ``adv_estimator``).
+GRPO = "grpo"
 
 
 def round_shares(client_metrics: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
     """Each client's ``zero-variance-group-share`` of one round, keyed by client id (as a string,
-    the summary's JSON keys); clients that did not report it (PPO's groups of one do) are left out."""
+    the summary's JSON keys); clients that did not report it are left out."""
     return {str(client): float(metrics[ZERO_VARIANCE_GROUP_SHARE])
             for client, metrics in sorted(client_metrics.items()) if ZERO_VARIANCE_GROUP_SHARE in metrics}
 
@@ -41,12 +47,14 @@ def is_flat(shares: Mapping[str, float]) -> bool:
     return bool(shares) and all(share >= FLAT_SHARE for share in shares.values())
 
 
-def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The summary's ``learning`` entry from its ``rounds`` and ``val_curve``.
+def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Mapping[str, Any]],
+                    adv_estimator: str = GRPO) -> dict[str, Any]:
+    """The summary's ``learning`` entry from its ``rounds``, ``val_curve`` and advantage estimator.
 
     ``rounds_measured``: the aggregated rounds whose clients reported their zero-variance share;
     ``rounds_without_signal``: those in which every reporting client's share was 1.0;
-    ``no_signal_run``: every aggregated round was measured and flat (nothing could be learned);
+    ``no_signal_run`` (GRPO only; so far, while the run goes on): every aggregated round was
+    measured and flat, so nothing could be learned;
     ``final_vs_base``: the base and last validation points with their intervals and the verdict.
     """
     trained = [entry for entry in rounds if entry.get("aggregated_actor") is not None]
@@ -55,7 +63,8 @@ def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Map
     record: dict[str, Any] = {
         "rounds_measured": [entry["round"] for entry in measured],
         "rounds_without_signal": flat,
-        "no_signal_run": bool(trained) and len(measured) == len(trained) and len(flat) == len(trained),
+        "no_signal_run": (adv_estimator == GRPO and bool(trained) and len(measured) == len(trained)
+                          and len(flat) == len(trained)),
     }
     comparison = final_vs_base(val_curve)
     if comparison is not None:
@@ -69,15 +78,22 @@ def final_vs_base(val_curve: Sequence[Mapping[str, Any]]) -> dict[str, Any] | No
     later = [point for point in val_curve if point.get("model") != "base"]
     if base is None or not later:
         return None
-    final = later[-1]
-    base_low, base_high = base["success_ci95"]
-    low, high = final["success_ci95"]
+    base_point, final_point = _with_interval(base), _with_interval(later[-1])
+    base_low, base_high = base_point["success_ci95"]
+    low, high = final_point["success_ci95"]
     verdict = "above" if low > base_high else "below" if high < base_low else "overlapping"
-    return {
-        "base": {key: base[key] for key in ("round", "n", "success_rate", "success_ci95")},
-        "final": {key: final[key] for key in ("round", "n", "success_rate", "success_ci95")},
-        "verdict": verdict,
-    }
+    return {"base": base_point, "final": final_point, "verdict": verdict}
+
+
+def _with_interval(point: Mapping[str, Any]) -> dict[str, Any]:
+    """A validation point's round, n, rate and 95% interval; summaries written before the
+    interval was recorded (a resumed run's earlier points) get it computed from rate and n."""
+    n, rate = int(point.get("n", 0)), float(point.get("success_rate", 0.0))
+    interval = point.get("success_ci95")
+    if interval is None:
+        low, high = wilson_interval(rate * n, n)
+        interval = [round(low, 4), round(high, 4)]
+    return {"round": point.get("round"), "n": n, "success_rate": rate, "success_ci95": list(interval)}
 
 
 def describe(comparison: Mapping[str, Any]) -> str:
@@ -93,9 +109,9 @@ def describe(comparison: Mapping[str, Any]) -> str:
 def no_signal_reason(record: Mapping[str, Any]) -> str:
     """Why a run whose every round was flat learned nothing, and what to change."""
     return (f"no round had a learning signal (rounds {record['rounds_without_signal']}): in each, every group "
-            "of every client's episodes scored alike (zero-variance-group-share 1.0), so GRPO's advantages "
-            "were all zero and the updates were KL/entropy drift, not learning; make rewards differ within "
-            "a group (an easier task split, more turns, a larger trainer.rollout_n, or a stronger base model)")
+            "of every reporting client's episodes scored alike (zero-variance-group-share 1.0), so GRPO had "
+            "nothing to learn from and the updates were drift; make rewards differ within a group (an "
+            "easier task split, more turns, a larger trainer.rollout_n, or a stronger base model)")
 
 
 def _interval(point: Mapping[str, Any]) -> str:

@@ -156,9 +156,9 @@ class RunRecorder:
         if shares:
             entry[ROUND_SHARES] = shares
             if aggregated is not None and is_flat(shares):
-                log(WARNING, "[fedagent] round %d had no learning signal: every group of every client's episodes "
-                    "scored alike (zero-variance-group-share 1.0 from clients %s), so the update is drift, "
-                    "not learning", server_round, ", ".join(shares))
+                log(WARNING, "[fedagent] round %d had no learning signal: every group of every reporting client's "
+                    "episodes scored alike (zero-variance-group-share 1.0 from clients %s), so the update is "
+                    "drift, not learning", server_round, ", ".join(shares))
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated
@@ -218,6 +218,10 @@ class RunRecorder:
         self.summary["last_completed_round"] = server_round
         self.write(commit_round=server_round)
 
+    def _learning(self) -> dict[str, Any]:
+        return learning_record(self.summary["rounds"], self.summary["val_curve"],
+                               str(self.summary.get("adv_estimator", "grpo")))
+
     def outcome(self) -> tuple[str, str]:
         """The status of a run whose rounds all ran, and why when it is not ``completed``.
 
@@ -230,7 +234,7 @@ class RunRecorder:
         """
         rounds = self.summary["rounds"]
         empty = [entry for entry in rounds if entry.get("aggregated_actor") is None]
-        learning = learning_record(rounds, self.summary["val_curve"])
+        learning = self._learning()
         if not empty:
             if learning["no_signal_run"]:
                 return "degraded", no_signal_reason(learning)
@@ -271,7 +275,7 @@ class RunRecorder:
         ahead of them: a re-run keeps the metrics lines of the rounds the summary committed.
         """
         self.summary["wall_seconds"] = round(self._earlier_seconds + time.time() - self._started, 3)
-        self.summary["learning"] = learning_record(self.summary["rounds"], self.summary["val_curve"])
+        self.summary["learning"] = self._learning()
         lines = "".join(_json_line(event) for event in self.events)
         write_text_atomic(self.run_dir / METRICS_FILE, lines)
         with atomic_path(self.summary_path) as tmp:

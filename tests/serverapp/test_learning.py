@@ -22,10 +22,11 @@ SIGNAL = {0: {ZERO_VARIANCE_GROUP_SHARE: 0.0625, NUM_EXAMPLES: 256, SUCCESS_RATE
           1: {ZERO_VARIANCE_GROUP_SHARE: 0.375, NUM_EXAMPLES: 256, SUCCESS_RATE: 0.066}}
 
 
-def _run(run_dir: Path, rounds: list[dict[int, dict[str, float]]], val: list[tuple[int, int]]) -> RunRecorder:
+def _run(run_dir: Path, rounds: list[dict[int, dict[str, float]]], val: list[tuple[int, int]],
+         adv_estimator: str = "grpo") -> RunRecorder:
     """A recorder fed ``rounds`` (each client's train reply) and validation points (successes, n);
     the first validation point is the base model's."""
-    recorder = RunRecorder(run_dir, {"run_id": 7, "base_model": "/m"})
+    recorder = RunRecorder(run_dir, {"run_id": 7, "base_model": "/m", "adv_estimator": adv_estimator})
     for server_round, (successes, n) in enumerate(val):
         if server_round > 0:
             clients = rounds[server_round - 1]
@@ -44,7 +45,7 @@ def test_a_run_none_of_whose_rounds_had_a_learning_signal_is_degraded_and_says_w
     status, reason = recorder.outcome()
     assert status == "degraded"
     assert reason.startswith("no round had a learning signal (rounds [1, 2, 3, 4]): in each, every group of every "
-                             "client's episodes scored alike (zero-variance-group-share 1.0)")
+                             "reporting client's episodes scored alike (zero-variance-group-share 1.0)")
     # each such round is named in the log as it is recorded
     flagged = [r.getMessage() for r in caplog.records if "had no learning signal" in r.getMessage()]
     assert [m.split(" had")[0] for m in flagged] == [f"[fedagent] round {r}" for r in (1, 2, 3, 4)]
@@ -69,12 +70,29 @@ def test_one_round_with_a_signal_is_enough_for_a_completed_run(tmp_path: Path) -
 
 
 def test_clients_that_do_not_report_the_share_are_never_taken_for_flat(tmp_path: Path) -> None:
-    # PPO's groups of one have no share to report: nothing is known, nothing is claimed
-    ppo = {NUM_EXAMPLES: 64, SUCCESS_RATE: 0.0, REWARD_MEAN: 0.0}
-    recorder = _run(tmp_path / "ppo", [{0: ppo, 1: ppo}] * 2, [(0, 64)] * 3)
+    # a trainer that does not report the share: nothing is known, nothing is claimed
+    silent = {NUM_EXAMPLES: 64, SUCCESS_RATE: 0.0, REWARD_MEAN: 0.0}
+    recorder = _run(tmp_path / "silent", [{0: silent, 1: silent}] * 2, [(0, 64)] * 3)
     assert recorder.outcome() == ("completed", "")
     assert recorder.summary["learning"]["rounds_measured"] == []
     assert "zero_variance_group_share" not in recorder.summary["rounds"][0]
+
+
+def test_flat_groups_do_not_make_a_ppo_run_degraded(tmp_path: Path) -> None:
+    # PPO's advantages come from its critic (GAE), not from a group's mean: its shares are recorded
+    # and reported, but they say nothing about whether it could learn
+    recorder = _run(tmp_path / "ppo", [{0: FLAT, 1: FLAT}] * 2, [(0, 64)] * 3, adv_estimator="gae")
+    assert recorder.outcome() == ("completed", "")
+    assert recorder.summary["learning"]["rounds_without_signal"] == [1, 2]
+    assert recorder.summary["learning"]["no_signal_run"] is False
+
+
+def test_a_validation_point_without_its_interval_gets_it_from_rate_and_n() -> None:
+    # a summary written before success_ci95 was recorded (a resumed run's earlier points)
+    old_base = {"round": 0, "model": "base", "n": 64, "success_rate": 6 / 64}
+    comparison = final_vs_base([old_base, _point(12, 29, 64)])
+    assert comparison is not None and comparison["base"]["success_ci95"] == [0.0437, 0.1898]
+    assert comparison["verdict"] == "above"
 
 
 def test_a_degraded_run_with_empty_rounds_adds_the_missing_signal_to_its_reason(tmp_path: Path) -> None:
