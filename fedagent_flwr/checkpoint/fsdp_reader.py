@@ -119,21 +119,21 @@ class FsdpShardReader(CheckpointReader):
         # Files whose digest a receipt of the store vouches for (.receipts): not hashed while read.
         # The receipt was checked by path; the file opened must be the one it describes (its path
         # may lead elsewhere by the time it is opened), and its stat is checked again in
-        # verify_content.
+        # verify_content. A file whose opened stat differs (swapped, or only touched: a chmod, a
+        # new hard link) loses the receipt's trust and is hashed while read instead, as every
+        # failed receipt check is: the content hash then accepts the original and refuses another.
         self._trusted = {name: t for name, t in (trusted or {}).items() if name in self._hashed_names}
         self._files: list[ShardFile] = []
         try:
             for path in paths:
                 hash_it = expected_sha256 is not None and path.name not in self._trusted
                 file = ShardFile(path, io=io, hash_while_reading=hash_it)
-                self._files.append(file)
                 receipt = self._trusted.get(path.name)
                 if receipt is not None and file.opened_stat != receipt.stat:
-                    raise CheckpointError(
-                        f"{path} changed since its receipt was checked (the file opened has stat "
-                        f"{file.opened_stat}, the store's receipt {receipt.stat}); the round leaves this "
-                        "checkpoint out"
-                    )
+                    del self._trusted[path.name]
+                    file.close()
+                    file = ShardFile(path, io=io, hash_while_reading=True)
+                self._files.append(file)
             self._layouts = self._plan()
         except BaseException:
             self.close()

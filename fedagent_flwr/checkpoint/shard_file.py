@@ -267,13 +267,13 @@ class ShardFile:
         return FileStat.of(os.fstat(self._handle.fileno()))
 
     def _reopen_path(self) -> Path:
-        """A path that opens the file already open, for ``torch.load(mmap=True)``, which takes only
-        a path. On Linux ``/proc/self/fd/<fd>`` opens the very inode held (even if the path has
-        been swapped to another file or removed since), so the mapping shows the bytes whose stat
-        :attr:`opened_stat` recorded. Where it does not exist the path itself is the fallback; a
-        swap of the path between the open and the first read then goes unnoticed there."""
-        held = Path(f"/proc/self/fd/{self._handle.fileno()}")
-        return held if held.exists() else self.path
+        """A path that opens the file already open, for ``torch.load(mmap=True)`` (which takes only a
+        path): ``/proc/self/fd/<fd>`` (Linux) or ``/dev/fd/<fd>`` (macOS) opens the very inode held
+        even if the path was swapped or removed since, so the mapping shows the bytes whose stat
+        :attr:`opened_stat` recorded. Elsewhere the path is the fallback, and a swap of the path
+        between the open and the first read goes unnoticed there."""
+        fd = self._handle.fileno()
+        return next((p for p in (Path(f"/proc/self/fd/{fd}"), Path(f"/dev/fd/{fd}")) if p.exists()), self.path)
 
     def _mmap_piece(self, key: str, index: int) -> torch.Tensor:
         if self._mmapped is None:
@@ -291,9 +291,11 @@ class ShardFile:
             self._hash_pool.shutdown()
             self._hash_pool = None
         if self._handle is not None:
-            self._closed_stat = FileStat.of(os.fstat(self._handle.fileno()))
-            self._handle.close()
-            self._handle = None
+            try:
+                self._closed_stat = FileStat.of(os.fstat(self._handle.fileno()))
+            finally:
+                self._handle.close()
+                self._handle = None
         self._mmapped = None
 
     # -- validation -----------------------------------------------------------------------------

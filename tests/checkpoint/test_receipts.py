@@ -171,7 +171,8 @@ def test_a_rank_file_swapped_between_receipt_check_and_open_is_refused(
         store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
     """The rank file's path leads to another file of the same size when the reader opens it, and to
     the original again before the content check: every stat taken by path matches the receipt, but
-    the bytes read are the other file's. The reader compares the receipt with the file it opened."""
+    the bytes read are the other file's. The reader compares the receipt with the file it opened,
+    drops the receipt's trust for it and hashes it while reading, and the content hash refuses it."""
     ref = upload(store, suite.copy("qwen_plain", tmp_path / "node0"), tmp_path / "node0", 0)
     directory = Path(ref.path)
     # A folder rename leaves its files' stat alone (a file rename would move the file's ctime and
@@ -195,12 +196,13 @@ def test_a_rank_file_swapped_between_receipt_check_and_open_is_refused(
     plain = store.receipt_check()
     assert plain is not None and SHARD in plain.trusted(directory)  # the receipt vouches for the original...
     checker = SwapAfterCheck(store.receipt_key(), swap_in)
-    refused = re.escape(f"{directory / SHARD} changed since its receipt was checked") + ".*leaves this checkpoint out"
+    refused = re.escape(f"content hash of {directory} is ") + r".*\(files changed or incomplete\)"
     with pytest.raises(CheckpointError, match=refused):
         try:
             reader = open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker)
         finally:
             swap_back()  # ...which is back in place before the reads end and the content is checked
+        assert isinstance(reader, FsdpShardReader) and SHARD not in reader.receipt_files  # hashed, not trusted
         with reader:
             weighted_mean([(reader, 1.0)], tmp_path / "out")
     assert swaps == ["in", "back"]
