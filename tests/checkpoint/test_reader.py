@@ -17,8 +17,14 @@ from fedagent_flwr.checkpoint import (
 )
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.shard_file import ShardFile
-
-from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import (  # noqa: F401
+    ModelSpec,
+    Suite,
+    max_abs_diff,
+    same_size_impostor,
+    suite,
+    write_hf_checkpoint,
+)
 
 
 def _fsdp_ref(path: Path) -> CheckpointRef:
@@ -128,19 +134,14 @@ def test_reference_roundtrip_through_config(suite: Suite) -> None:
 def test_a_rank_file_reads_the_file_it_opened_after_its_path_is_swapped(
         suite: Suite, tmp_path: Path, io: str) -> None:
     """A rank file's blocks and its digest come from the file opened, not from whatever its path
-    leads to later: the mmap mode maps the opened file (through /proc/self/fd), not the path."""
+    leads to later: the mmap mode maps the opened file (through /proc/self/fd or /dev/fd), not the path."""
     directory = suite.copy("qwen_plain", tmp_path)
     path = directory / "model_world_size_1_rank_0.pt"
     original = torch.load(path, weights_only=True)
     original_digest = hashlib.sha256(path.read_bytes()).digest()
     other = tmp_path / "other" / path.name  # same name: torch.save names the zip's records after it
     other.parent.mkdir()
-    changed = torch.load(path, weights_only=True)  # the saved OrderedDict, its metadata included
-    for value in changed.values():
-        if value.is_floating_point():
-            value.add_(1)
-    torch.save(changed, other)
-    assert other.stat().st_size == path.stat().st_size
+    same_size_impostor(path, other)
     shard = ShardFile(path, io=io)  # type: ignore[arg-type]
     try:
         assert shard.io == io

@@ -30,7 +30,7 @@ from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_pa
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, same_size_impostor, suite, write_hf_checkpoint  # noqa: F401
 from testkit.store_harness import RUN, SHARD, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"
@@ -139,18 +139,6 @@ def test_a_file_changed_while_it_is_read_is_refused(store: HttpServerStore, suit
         flip_byte(Path(ref.path) / SHARD_W2, restore_mtime=True)
         with pytest.raises(CheckpointError, match=f"{SHARD_W2} changed while it was read"):
             reader.verify_content()
-
-
-def same_size_impostor(original: Path, target: Path) -> None:
-    """Write at ``target`` (same file name) a valid plain rank file of other values and exactly
-    ``original``'s size: another file that no size check can tell apart."""
-    state = torch.load(original, weights_only=True)  # the saved OrderedDict, its metadata included
-    for value in state.values():
-        if value.is_floating_point():
-            value.add_(1)
-    torch.save(state, target)
-    assert target.stat().st_size == original.stat().st_size
-    assert target.read_bytes() != original.read_bytes()
 
 
 class SwapAfterCheck(ReceiptCheck):
