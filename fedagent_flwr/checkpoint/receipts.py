@@ -11,7 +11,8 @@ whose current stat equals its receipt's exactly takes the recorded digest instea
 any other file is hashed while read, as without receipts. The stat is taken by path here, so the
 reader also compares the receipt with the ``fstat`` of the file it opened and reads only through
 that descriptor (:class:`~.shard_file.ShardFile`): a file whose opened stat differs is hashed
-while read instead, so a path swapped to another file around the open cannot pass. The reference's content hash is still checked, from the per-file digests
+while read instead, so a path swapped to another file around the open cannot pass. The
+reference's content hash is still checked, from the per-file digests
 (:func:`~.content_hash.combine_file_digests`), so a receipt of other content can never pass, and
 the stat is checked again after the reads, so a file changed while it was read is refused.
 
