@@ -129,11 +129,10 @@ class FsdpShardReader(CheckpointReader):
                 hash_it = expected_sha256 is not None and path.name not in self._trusted
                 file = ShardFile(path, io=io, hash_while_reading=hash_it)
                 receipt = self._trusted.get(path.name)
+                self._files.append(file)
                 if receipt is not None and file.opened_stat != receipt.stat:
                     del self._trusted[path.name]
-                    file.close()
-                    file = ShardFile(path, io=io, hash_while_reading=True)
-                self._files.append(file)
+                    file.start_hashing()  # nothing has been read from it yet
             self._layouts = self._plan()
         except BaseException:
             self.close()

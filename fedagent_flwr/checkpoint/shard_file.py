@@ -17,10 +17,8 @@ shards through ``mmap`` shows up as a 2 GB process. It also turns a file truncat
 into a clean error instead of a SIGBUS. If a torch version stops exposing the storage offsets the
 file falls back to ``torch.load(mmap=True)`` (same results, higher RSS).
 
-The file is opened once, and its structure, its blocks and its digest all come from that open
-file, never from the path again: :attr:`ShardFile.opened_stat` is the stat of that very file, which
-is what a store's receipt must match (:mod:`.receipts`). A path swapped to another file after the
-open (and back) changes nothing that was read.
+The file is opened once; its structure, blocks and digest come from that open file, never from the
+path again, and :attr:`ShardFile.opened_stat` (its fstat) is what a store's receipt must match.
 """
 
 from __future__ import annotations
@@ -128,7 +126,13 @@ class ShardFile:
                 f"{self.path}: this torch version does not expose storage offsets; use io='mmap'"
             )
         self.io: Literal["pread", "mmap"] = "pread" if io in ("auto", "pread") and has_offsets else "mmap"
-        if hash_while_reading and self.io == "pread":
+        if hash_while_reading:
+            self.start_hashing()
+
+    def start_hashing(self) -> None:
+        """Hash the file from the blocks read (pread mode, before the first read; mmap mode hashes
+        the whole open file in :meth:`content_digest`), e.g. when a receipt no longer vouches for it."""
+        if self.io == "pread" and self.hash_stream is None:
             self.hash_stream = FileHashStream(self._handle.fileno(), self._size)
 
     # -- reading --------------------------------------------------------------------------------
@@ -247,9 +251,8 @@ class ShardFile:
         return self._hash_pool
 
     def content_digest(self) -> bytes:
-        """sha256 of the file opened (raw digest): from the blocks read so far plus the bytes they
-        left out when hashed while reading, else by reading it whole (mmap mode); after close, of
-        the file at the path."""
+        """sha256 of the file opened: the blocks read plus the bytes they left out when hashed while
+        reading, else the whole open file (mmap mode); after close, the file at the path."""
         if self._handle is None:
             return file_digest(self.path)
         if self.hash_stream is not None:
@@ -259,8 +262,7 @@ class ShardFile:
         return FileHashStream(self._handle.fileno(), self._size).finish()
 
     def held_stat(self) -> FileStat:
-        """The stat of the file opened as it is now (or was when closed): a receipt that matched
-        :attr:`opened_stat` must still match it after the reads."""
+        """The open file's stat now (or when closed): a receipt must still match it after the reads."""
         if self._handle is None:
             assert self._closed_stat is not None  # set by close()
             return self._closed_stat
@@ -300,8 +302,7 @@ class ShardFile:
 
     # -- validation -----------------------------------------------------------------------------
     def _check_zip(self) -> None:
-        # torch.load reports a truncated or foreign file with a raw zip/pickle error; check the
-        # container first so the message names the file and says what is wrong with it.
+        # torch.load reports a truncated or foreign file with a raw zip/pickle error: name the file.
         try:
             with zipfile.ZipFile(self._handle) as archive:  # the open file; closing leaves it open
                 for info in archive.infolist():

@@ -11,17 +11,38 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+#: Rewards within this relative distance of each other count as equal: float32 (verl's tensors)
+#: keeps about 7 digits, so one value stored twice may differ in its last bit.
+REL_TOL = 1e-6
 
-def zero_variance_group_share(rewards: Sequence[float], groups: Sequence[Hashable], tol: float = 1e-9) -> float:
-    """Share of groups with at least two episodes whose rewards all lie within ``tol``.
+
+def _sized_groups(rewards: Sequence[float], groups: Sequence[Hashable]) -> list[list[tuple[int, float]]]:
+    """The (row, reward) members of each group of at least two episodes, in first-seen order."""
+    members: dict[Hashable, list[tuple[int, float]]] = {}
+    for row, (reward, group) in enumerate(zip(rewards, groups, strict=True)):
+        members.setdefault(group, []).append((row, float(reward)))
+    return [values for values in members.values() if len(values) >= 2]
+
+
+def _is_flat(values: list[tuple[int, float]], rel_tol: float) -> bool:
+    rewards = [reward for _, reward in values]
+    return max(rewards) - min(rewards) <= rel_tol * max(1.0, max(abs(r) for r in rewards))
+
+
+def flat_group_rows(rewards: Sequence[float], groups: Sequence[Hashable], rel_tol: float = REL_TOL) -> list[int]:
+    """Rows of the episodes whose group (of at least two) all scored alike: the rows GRPO must give
+    exactly zero advantage (``trainers.verl.flat_groups``)."""
+    return sorted(row for values in _sized_groups(rewards, groups) if _is_flat(values, rel_tol)
+                  for row, _ in values)
+
+
+def zero_variance_group_share(rewards: Sequence[float], groups: Sequence[Hashable],
+                              rel_tol: float = REL_TOL) -> float:
+    """Share of groups with at least two episodes whose rewards all agree within ``rel_tol``.
 
     Groups of one episode are left out (they have no spread to measure); 0.0 when none is left.
     """
-    members: dict[Hashable, list[float]] = {}
-    for reward, group in zip(rewards, groups, strict=True):
-        members.setdefault(group, []).append(float(reward))
-    sized = [values for values in members.values() if len(values) >= 2]
+    sized = _sized_groups(rewards, groups)
     if not sized:
         return 0.0
-    flat = sum(1 for values in sized if max(values) - min(values) <= tol)
-    return flat / len(sized)
+    return sum(1 for values in sized if _is_flat(values, rel_tol)) / len(sized)

@@ -11,7 +11,8 @@ penalty. The reference trainer computes in float64 and is not affected in practi
 
 The job's ``sitecustomize`` therefore wraps verl's function, in every process that imports
 ``core_algos``: it calls verl's own computation and then sets the advantages (and returns) of the
-rows of every flat group (two or more episodes whose scores agree within a relative ``1e-6``) to
+rows of every flat group (two or more episodes whose scores agree within a relative ``1e-6``:
+:func:`fedagent_flwr.rollout.groups.flat_group_rows`, the definition the zero-variance share uses) to
 zero, the value GRPO's formula has in exact arithmetic. Groups with any spread are left as verl
 computed them. ``ray_trainer`` calls the function through the module attribute and the registry
 serves ``grpo`` by name; both are replaced.
@@ -26,23 +27,6 @@ from fedagent_flwr.trainers.verl.engine_hooks import patch_when_imported
 
 TARGET_MODULE = "verl.trainer.ppo.core_algos"
 FUNCTION = "compute_grpo_outcome_advantage"
-#: Scores within this relative distance of each other count as equal (float32 keeps ~7 digits).
-RELATIVE_TOL = 1e-6
-
-
-def flat_rows(scores: Any, index: Any) -> list[int]:
-    """Row numbers of the episodes whose group (``index``) has two or more members that all scored
-    alike (``scores``: one float per row)."""
-    groups: dict[Any, list[int]] = {}
-    for row, key in enumerate(index):
-        groups.setdefault(key, []).append(row)
-    rows: list[int] = []
-    for members in groups.values():
-        values = [float(scores[row]) for row in members]
-        scale = max(1.0, max(abs(v) for v in values))
-        if len(members) >= 2 and max(values) - min(values) <= RELATIVE_TOL * scale:
-            rows.extend(members)
-    return sorted(rows)
 
 
 def zero_flat_groups(compute: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
@@ -50,8 +34,11 @@ def zero_flat_groups(compute: Callable[..., tuple[Any, Any]]) -> Callable[..., t
 
     def compute_grpo_outcome_advantage(token_level_rewards: Any, response_mask: Any, index: Any,
                                        *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        # Imported here: the sitecustomize imports this module in every process of the job.
+        from fedagent_flwr.rollout.groups import flat_group_rows
+
         advantages, returns = compute(token_level_rewards, response_mask, index, *args, **kwargs)
-        rows = flat_rows(token_level_rewards.sum(dim=-1), index)
+        rows = flat_group_rows(token_level_rewards.sum(dim=-1).tolist(), list(index))
         if rows:
             advantages[rows] = 0.0
             returns[rows] = 0.0

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedagent_flwr.trainers.verl.flat_groups import flat_rows, patch_core_algos
+from fedagent_flwr.rollout.groups import flat_group_rows
+from fedagent_flwr.trainers.verl.flat_groups import patch_core_algos
 from fedagent_flwr.trainers.verl.job import job_environment
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
@@ -57,8 +58,8 @@ def test_verls_float32_gives_a_flat_group_a_uniform_push_and_the_wrapper_gives_z
 
 
 def test_flat_rows_need_two_members_that_agree_within_float32_precision() -> None:
-    scores = torch.tensor([-0.6, -0.6000001, 0.5, 0.5001, 1.0])
-    assert flat_rows(scores, ["a", "a", "b", "b", "c"]) == [0, 1]
+    scores = torch.tensor([-0.6, -0.6000001, 0.5, 0.5001, 1.0]).tolist()
+    assert flat_group_rows(scores, ["a", "a", "b", "b", "c"]) == [0, 1]
 
 
 _PROBE = r"""
