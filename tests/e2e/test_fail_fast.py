@@ -3,7 +3,7 @@
 start with one line naming the config key and the fix; a round that every client fails the same way
 stops the run, and so do ``max_empty_rounds`` rounds in a row that aggregated nothing; a run with a
 round that aggregated nothing ends ``degraded``, one with no round that aggregated anything
-``failed``; and the exit status says which."""
+``failed``, one in which no round had a learning signal ``degraded``; and the exit status says which."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from testkit.flower_harness import SuperLink
-from testkit.run_end import expected_end, ran_every_round
+from testkit.run_end import NO_SIGNAL, expected_end, ran_every_round
 
 pytestmark = pytest.mark.slow
 
@@ -201,3 +201,52 @@ def test_a_run_whose_every_round_aggregated_nothing_failed(
     assert summary["last_completed_round"] == 1  # every round ran; a re-run has nothing left to redo
     assert returncode == 1
     assert lines[-1].startswith("[fedagent] run failed: no round aggregated any client update")
+
+
+def _most_digits_in_one_token(model_dir: Path) -> int:
+    """The most digits (``\\d``, as TinyGuess reads them) in any one token of ``model_dir``'s
+    tokenizer, decoded alone the way a one-token reply is (``skip_special_tokens=True``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return max((len(run) for i in range(len(tokenizer))
+                for run in re.findall(r"\d+", tokenizer.decode([i], skip_special_tokens=True))), default=0)
+
+
+def test_a_run_in_which_no_round_had_a_learning_signal_is_degraded_and_says_why(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Every GRPO group of every round scores alike, by construction: the secrets are 10..19 (two
+    digits), a reply is one token (trainer.max_new_tokens=1) and no token of the tokenizer holds
+    two digits, so no guess can be right and every episode's reward is 0. The run trains every
+    round yet ends 'degraded' with the no-signal reason (without serverapp.learning's rule it
+    would end 'completed'), exit status 3, and the log says why: once per round and at the end."""
+    assert _most_digits_in_one_token(tiny_model_dir) == 1  # the premise: a one-token reply is one digit at most
+    rounds = 2
+    returncode, lines = _run(
+        superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds={rounds} "
+                   "env.train.envs.0.config.lo=10 env.train.envs.0.config.hi=19 "  # two-digit secrets only
+                   "trainer.max_new_tokens=1 trainer.lr=1e-3 eval.enabled=false trainer.mode=persistent")
+    output = "\n".join(lines)
+    summary = _summary(tmp_path)
+    # Every round trained (aggregated both clients), and every client's groups were all flat.
+    assert [entry["round"] for entry in summary["rounds"]] == list(range(1, rounds + 1)), output[-3000:]
+    assert all(entry["aggregated_actor"] is not None and not entry["rejected"] for entry in summary["rounds"])
+    assert [entry["zero_variance_group_share"] for entry in summary["rounds"]] == [{"0": 1.0, "1": 1.0}] * rounds
+    events = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    trains = [event for event in events if event["event"] == "train"]
+    assert len(trains) == 2 * rounds
+    assert all(event["metrics"]["zero-variance-group-share"] == 1.0 for event in trains), trains
+    assert all(event["metrics"]["success-rate"] == 0.0 == event["metrics"]["reward-mean"] for event in trains), trains
+    # The record, the status and the exit status.
+    assert summary["learning"]["no_signal_run"] is True
+    assert summary["learning"]["rounds_without_signal"] == list(range(1, rounds + 1))
+    assert summary["status"] == "degraded", output[-3000:]
+    assert summary["warning"].startswith(f"{NO_SIGNAL} (rounds {list(range(1, rounds + 1))}): ")
+    assert expected_end(summary) == ("degraded", 3)  # testkit's independent reading agrees
+    assert returncode == 3
+    # The log says why: a warning each round, and the outcome line last.
+    ours = _ours(lines)
+    for r in range(1, rounds + 1):
+        assert any(text.startswith(f"round {r} had no learning signal") for text in ours), ours
+    assert lines[-1].startswith(f"[fedagent] run degraded: {NO_SIGNAL} (rounds {list(range(1, rounds + 1))})")
