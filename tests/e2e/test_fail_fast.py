@@ -221,7 +221,7 @@ def test_a_run_in_which_no_round_had_a_learning_signal_is_degraded_and_says_why(
     two digits, so no guess can be right and every episode's reward is 0. The run trains every
     round yet ends 'degraded' with the no-signal reason (without serverapp.learning's rule it
     would end 'completed'), exit status 3, and the log says why: once per round and at the end."""
-    assert _most_digits_in_one_token(tiny_model_dir) == 1  # the premise: a one-token reply is one digit at most
+    assert _most_digits_in_one_token(tiny_model_dir) <= 1  # the premise: a one-token reply is one digit at most
     rounds = 2
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds={rounds} "
