@@ -31,8 +31,9 @@ from fedagent_flwr.protocol import ZERO_VARIANCE_GROUP_SHARE
 FLAT_SHARE = 1.0 - 1e-9
 #: A round entry's key for its clients' shares (``{client id: share}``).
 ROUND_SHARES = "zero_variance_group_share"
-#: The one estimator whose advantages come from the group mean alone (the summary's ``adv_estimator``).
+#: The estimators whose advantages come from the group mean alone (the summary's ``adv_estimator``).
 GRPO = "grpo"
+GROUP_MEAN_ESTIMATORS = frozenset({GRPO, "grpo_vectorized"})
 
 
 def round_shares(client_metrics: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:
@@ -63,7 +64,7 @@ def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Map
     record: dict[str, Any] = {
         "rounds_measured": [entry["round"] for entry in measured],
         "rounds_without_signal": flat,
-        "no_signal_run": (adv_estimator == GRPO and bool(trained) and len(measured) == len(trained)
+        "no_signal_run": (adv_estimator in GROUP_MEAN_ESTIMATORS and bool(trained) and len(measured) == len(trained)
                           and len(flat) == len(trained)),
     }
     comparison = final_vs_base(val_curve)

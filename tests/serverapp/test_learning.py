@@ -87,6 +87,14 @@ def test_flat_groups_do_not_make_a_ppo_run_degraded(tmp_path: Path) -> None:
     assert recorder.summary["learning"]["no_signal_run"] is False
 
 
+def test_verls_vectorized_grpo_counts_as_grpo_for_a_run_without_signal(tmp_path: Path) -> None:
+    # grpo_vectorized is GRPO's formula computed with scatter operations: flat groups, no signal
+    recorder = _run(tmp_path / "vectorized", [{0: FLAT, 1: FLAT}] * 2, [(0, 64)] * 3,
+                    adv_estimator="grpo_vectorized")
+    assert recorder.summary["learning"]["no_signal_run"] is True
+    assert recorder.outcome()[0] == "degraded"
+
+
 def test_a_validation_point_without_its_interval_gets_it_from_rate_and_n() -> None:
     # a summary written before success_ci95 was recorded (a resumed run's earlier points)
     old_base = {"round": 0, "model": "base", "n": 64, "success_rate": 6 / 64}

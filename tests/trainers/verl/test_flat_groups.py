@@ -1,4 +1,4 @@
-"""GRPO's advantage of a flat group is exactly zero in verl's own computation path.
+"""GRPO's advantage of a flat group is exactly zero in verl's own computation path (grpo and grpo_vectorized).
 
 verl 0.9.1's float32 arithmetic gives eight episodes scored -0.6 (the WebShop run of 2026-12-02:
 six invalid turns at -0.1) an advantage of -0.0560 each instead of 0; the job's ``sitecustomize``
@@ -57,6 +57,27 @@ def test_verls_float32_gives_a_flat_group_a_uniform_push_and_the_wrapper_gives_z
     assert after[8:12, 0].abs().min() > 0.1
 
 
+def test_verls_vectorized_grpo_has_the_same_defect_and_is_wrapped_too() -> None:
+    rewards, mask = _rewards()
+    original = core_algos.compute_grpo_vectorized_outcome_advantage
+    before, _ = original(rewards.clone(), mask, INDEX)
+    assert torch.allclose(before[:8, 0], torch.full((8,), -0.0560341477))
+
+    class Module:  # verl's real functions and registry entries for both group-mean estimators
+        compute_grpo_outcome_advantage = core_algos.compute_grpo_outcome_advantage
+        compute_grpo_vectorized_outcome_advantage = original
+        ADV_ESTIMATOR_REGISTRY = {"grpo": core_algos.compute_grpo_outcome_advantage, "grpo_vectorized": original}
+
+    patch_core_algos(Module)
+    wrapped = Module.compute_grpo_vectorized_outcome_advantage
+    assert Module.ADV_ESTIMATOR_REGISTRY["grpo_vectorized"] is wrapped and wrapped._fedagent_flat_groups is original
+    assert Module.ADV_ESTIMATOR_REGISTRY["grpo"] is Module.compute_grpo_outcome_advantage is not None
+    assert Module.compute_grpo_outcome_advantage._fedagent_flat_groups is core_algos.compute_grpo_outcome_advantage
+    after, returns = wrapped(rewards.clone(), mask, INDEX)
+    assert torch.equal(after[:8], torch.zeros(8, 5)) and torch.equal(returns[:8], torch.zeros(8, 5))
+    assert torch.equal(after[8:], before[8:])
+
+
 def test_flat_rows_need_two_members_that_agree_within_float32_precision() -> None:
     scores = torch.tensor([-0.6, -0.6000001, 0.5, 0.5001, 1.0]).tolist()
     assert flat_group_rows(scores, ["a", "a", "b", "b", "c"]) == [0, 1]
@@ -71,8 +92,9 @@ scores = %s
 rewards = torch.zeros(len(scores), 5); rewards[:, -1] = torch.tensor(scores)
 data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": torch.ones_like(rewards)},
                            non_tensors={"uid": np.array(%s, dtype=object)})
-out = compute_advantage(data, adv_estimator=AdvantageEstimator.GRPO)
-print(json.dumps(out.batch["advantages"][:, 0].tolist()))
+outs = [compute_advantage(data, adv_estimator=e).batch["advantages"][:, 0].tolist()
+        for e in (AdvantageEstimator.GRPO, AdvantageEstimator.GRPO_VECTORIZED)]
+print(json.dumps(outs))
 """
 
 
@@ -81,10 +103,11 @@ def test_the_jobs_environment_arms_the_wrapper_on_the_trainers_call_path() -> No
     env = job_environment(dict(os.environ))
     armed = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
     assert armed.returncode == 0, armed.stderr[-2000:]
-    advantages = json.loads(armed.stdout.strip().splitlines()[-1])
-    assert advantages[:8] == [0.0] * 8 and min(abs(a) for a in advantages[8:12]) > 0.1
+    for advantages in json.loads(armed.stdout.strip().splitlines()[-1]):  # grpo, grpo_vectorized
+        assert advantages[:8] == [0.0] * 8 and min(abs(a) for a in advantages[8:12]) > 0.1
     # without the job's sitecustomize the same call shows verl's own -0.056 per flat row
     bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     plain = subprocess.run([sys.executable, "-c", probe], env=bare, capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-2000:]
-    assert json.loads(plain.stdout.strip().splitlines()[-1])[0] == pytest.approx(-0.0560341, abs=1e-6)
+    for advantages in json.loads(plain.stdout.strip().splitlines()[-1]):
+        assert advantages[0] == pytest.approx(-0.0560341, abs=1e-6)
