@@ -61,6 +61,7 @@ ARMS: dict[str, tuple[str, str, int]] = {
     "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
 }
 MATRIX_FILE = "matrix.json"
+COLLECT_SCRIPT = Path(__file__).resolve().parent / "collect.sh"
 #: ``arms.py wait``'s exit status when its timeout passed with runs still going (not 124, which the
 #: device tool reads as its own time limit).
 STILL_RUNNING = 3
@@ -317,6 +318,23 @@ def wait(outs: list[Path], timeout: float, every: float = 60.0, poll: float = 5.
         time.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
 
 
+def collect_archives(outs: list[Path], into: Path) -> list[Path]:
+    """Pack each matrix's results so far into ``into/<folder name>.tgz`` with ``collect.sh``.
+
+    Called at the end of every ``wait`` when asked: a device machine lost between two calls takes
+    its runs with it (2026-12-03: ten rounds lost at round 8), so each call brings back a snapshot.
+    """
+    into.mkdir(parents=True, exist_ok=True)
+    archives = []
+    for out in outs:
+        archive = into.resolve() / f"{out.resolve().name}.tgz"
+        # collect.sh changes into the checkout, so both paths go absolute
+        subprocess.run(["bash", str(COLLECT_SCRIPT), str(archive)], env={**os.environ, "OUT": str(out.resolve())},
+                       check=False, stdout=sys.stdout, stderr=sys.stderr)
+        archives.append(archive)
+    return archives
+
+
 def collect(out: Path) -> dict[str, Any]:
     """Every run's curve and final point, grouped by arm, with intervals."""
     matrix = json.loads((out / MATRIX_FILE).read_text())
@@ -492,13 +510,19 @@ def main(argv: list[str] | None = None) -> int:
     waiting.add_argument("--out", type=Path, nargs="+", required=True)
     waiting.add_argument("--timeout", type=float, required=True, help="seconds")
     waiting.add_argument("--every", type=float, default=60.0, help="seconds between status prints")
+    waiting.add_argument("--collect", type=Path, default=None, metavar="DIR",
+                         help="then pack each matrix's results so far into DIR/<folder>.tgz (tools/gpu/collect.sh), "
+                         "ended or not: give $OUT, so that every wait call brings back what the runs wrote")
     args = parser.parse_args(argv)
     if args.command == "wait":
         try:
-            return 0 if wait(args.out, args.timeout, args.every) else STILL_RUNNING
+            ended = wait(args.out, args.timeout, args.every)
         except FileNotFoundError as exc:
             print(f"arms.py wait: {exc}", file=sys.stderr)
             return 2
+        if args.collect is not None:
+            collect_archives(args.out, args.collect)
+        return 0 if ended else STILL_RUNNING
     if args.command == "launch":
         try:
             launch(args.out, args.recipe, args.seeds, args.arms, args.extra, args.port, args.max_sessions)

@@ -224,3 +224,35 @@ def test_wait_returns_when_every_launcher_ended_and_false_at_the_timeout(tmp_pat
         long.wait()
     assert arms.main(["wait", "--out", str(tmp_path), "--timeout", "5"]) == 0
     assert arms.main(["wait", "--out", str(tmp_path / "nowhere"), "--timeout", "5"]) == 2
+
+
+def test_wait_collect_brings_back_what_a_still_running_matrix_wrote(tmp_path: Path) -> None:
+    """``arms.py wait --collect DIR`` packs each matrix's results so far into ``DIR/<folder>.tgz``
+    through the real ``collect.sh``, also when the wait timed out with a run still going: a device
+    machine lost between two calls then loses nothing that an earlier call had already brought back."""
+    import subprocess
+    import tarfile
+
+    arms = _arms_module()
+    out, into = tmp_path / "outF", tmp_path / "returned"
+    out.mkdir()
+    (out / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": [
+        {"name": "federated-s3", "arm": "federated", "seed": 3}]}))
+    _run(out, "federated-s3", [0.0625, 0.09375, 0.40625])  # three validated rounds so far
+    (out / "federated-s3.log").write_text("round 2 of 10\n")
+    still = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        (out / "federated-s3.pid").write_text(arms._pid_line(still.pid))
+        code = arms.main(["wait", "--out", str(out), "--timeout", "0.2", "--collect", str(into)])
+    finally:
+        still.kill()
+        still.wait()
+    assert code == arms.STILL_RUNNING
+    with tarfile.open(into / "outF.tgz") as archive:
+        names = set(archive.getnames())
+        metrics = archive.extractfile("results/federated-s3/metrics.jsonl")
+        assert metrics is not None
+        rows = [json.loads(line) for line in metrics.read().decode().splitlines() if line.strip()]
+    assert "results/federated-s3/federated_summary.json" in names
+    assert "results/federated-s3.log.tail" in names
+    assert [r["success_rate"] for r in rows if r.get("event") == "evaluate"] == [0.0625, 0.09375, 0.40625]
