@@ -341,3 +341,33 @@ def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> 
     with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
                                                r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
         eval_round(strategy, 0, [failed(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
+
+
+def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_without_it(tmp_path: Path) -> None:
+    """An evaluating client reports ``score-mean`` only when the env scored every one of its
+    episodes (an episode cut off before its first turn has no score), so one client's reply may
+    carry it and another's not: the round's evaluation is recorded, episode-weighted, without the
+    score (a mean over the scoring clients' share would read low), instead of Flower's
+    all-replies-alike check stopping the run."""
+    from fedagent_flwr.protocol import EvalReply
+
+    def evaluated(client: int, reply: EvalReply) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+        return Message(reply.to_record(), reply_to=instruction)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    replies = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
+               evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0))]
+    eval_round(strategy, 1, replies, sent=[0, 1])
+    (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
+    assert point["n"] == 8 and point["success_rate"] == pytest.approx(0.125)
+    assert point["reward_mean"] == pytest.approx(1.25) and "score_mean" not in point
+    # every client scored: the score is the episode-weighted mean
+    scored = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
+              evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0, score_mean=0.25))]
+    eval_round(strategy, 2, scored, sent=[0, 1])
+    last = json.loads((run_root / "federated_summary.json").read_text())["val_curve"][-1]
+    assert last["n"] == 8 and last["score_mean"] == pytest.approx(0.375)
