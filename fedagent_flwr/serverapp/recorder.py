@@ -67,6 +67,7 @@ class RunRecorder:
             "val_curve": [],
             "client_curve": [],
             "client_val_curve": [],
+            "eval_failures": [],  # evaluations that recorded nothing, with each client's reason
             "rounds": [],
         }
         self.events: list[dict[str, Any]] = []
@@ -79,6 +80,7 @@ class RunRecorder:
                 val_curve=list(previous.val_curve),
                 client_curve=list(previous.client_curve),
                 client_val_curve=list(previous.client_val_curve),
+                eval_failures=list(previous.eval_failures),
                 rounds=list(previous.rounds),
             )
             if previous.last_aggregate is not None:
@@ -188,12 +190,25 @@ class RunRecorder:
         self.summary["client_val_curve"].append(point)
         self._event({"event": "client_val", **point, "client_val/success_rate": point["success_rate"]})
 
-    def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any]) -> None:
-        """One point of the validation curve (round 0 is the base model)."""
+    def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any],
+                    failed: dict[int, str] | None = None) -> None:
+        """One point of the validation curve (round 0 is the base model); ``failed``: the evaluating
+        clients whose episodes it lacks, with why."""
         point = _curve_point(server_round, "model", model, metrics)
+        if failed:
+            point["failed"] = {str(c): reason for c, reason in sorted(failed.items())}
         self.summary["val_curve"].append(point)
         # verl's own name for the validation rate, so tools reading verl's logs find it here too.
         self._event({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
+        self.write()
+
+    def record_eval_failure(self, *, server_round: int, model: str, failed: dict[int, str]) -> None:
+        """An evaluation that recorded nothing (every evaluating client failed, for different reasons):
+        its round has no validation point, and ``eval_failures`` says why."""
+        entry = {"round": server_round, "model": model,
+                 "failed": {str(c): reason for c, reason in sorted(failed.items())}}
+        self.summary["eval_failures"].append(entry)
+        self._event({"event": "evaluate_failed", **entry})
         self.write()
 
     def complete_round(self, server_round: int) -> None:

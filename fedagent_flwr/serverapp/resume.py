@@ -70,6 +70,7 @@ class PreviousRun:
     resumed: list[dict[str, Any]]
     wall_seconds: float
     client_val_curve: list[dict[str, Any]] = field(default_factory=list)  # per-client validation
+    eval_failures: list[dict[str, Any]] = field(default_factory=list)  # evaluations that recorded nothing
 
     @property
     def finished(self) -> bool:
@@ -169,6 +170,7 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         resumed=list(stored.get("resumed", [])),
         wall_seconds=float(stored.get("wall_seconds", 0.0)),
         client_val_curve=kept(stored.get("client_val_curve", [])),
+        eval_failures=kept(stored.get("eval_failures", [])),
     )
 
 

@@ -108,17 +108,28 @@ def aggregate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: i
 def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: int, sent: Sequence[int],
                    replies: Sequence[Message]) -> None:
     """Have the strategy aggregate one evaluation's ``replies`` and record it; stop the run when every
-    evaluating client (``sent``) failed for the same reason."""
+    evaluating client (``sent``) failed for the same reason.
+
+    Clients that failed or did not reply are recorded with their reasons: on the evaluation's point
+    when the others' episodes made one, else (nothing to average) as an evaluation that recorded
+    nothing, so that a round missing from the validation curve says why.
+    """
+    model = "base" if server_round == 0 else "aggregated"
     metrics = strategy.aggregate_evaluate(server_round, replies)
+    failed = {strategy.nodes.client_of(r.metadata.src_node_id): reply_reason(r) for r in replies if r.has_error()}
+    answered = {strategy.nodes.client_of(r.metadata.src_node_id) for r in replies}
+    failed.update({client: NO_REPLY for client in sent if client not in answered})
+    why = "; ".join(f"client {c}: {reason}" for c, reason in sorted(failed.items()))
     if metrics is None:
-        reasons = {strategy.nodes.client_of(r.metadata.src_node_id): reply_reason(r) for r in replies if r.has_error()}
-        for client in sent:
-            reasons.setdefault(client, NO_REPLY)
-        stop_if_all_failed_alike(f"evaluation of round {server_round}", list(sent), reasons)
+        stop_if_all_failed_alike(f"evaluation of round {server_round}", list(sent), failed)
+        if failed:
+            log(WARNING, "round %d: the evaluation of the %s model recorded nothing: %s", server_round, model, why)
+            recorder.record_eval_failure(server_round=server_round, model=model, failed=failed)
         return
     log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
-    recorder.record_eval(server_round=server_round, model="base" if server_round == 0 else "aggregated",
-                         metrics=dict(metrics))
+    if failed:
+        log(WARNING, "round %d: the evaluation of the %s model lacks the episodes of %s", server_round, model, why)
+    recorder.record_eval(server_round=server_round, model=model, metrics=dict(metrics), failed=failed)
 
 
 class RoundLoop:

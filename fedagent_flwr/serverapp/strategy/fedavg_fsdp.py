@@ -59,7 +59,6 @@ from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.protocol import (
     CONFIG,
     PROXIMAL_MU,
-    SCORE_MEAN,
     EvalInstruction,
     TrainInstruction,
     TrainReply,
@@ -69,7 +68,7 @@ from fedagent_flwr.schema.run import Experiment, RunSchema
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
-from fedagent_flwr.serverapp.strategy.replies import read_train_reply, split_replies
+from fedagent_flwr.serverapp.strategy.replies import evaluation_contents, read_train_reply, split_replies
 from fedagent_flwr.serverapp.strategy.sources import reopened
 
 
@@ -473,14 +472,14 @@ class FedAvgFSDP(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Episode-weighted success rate, reward (and score) of the global model, with the episode count."""
-        replies = list(replies)
-        metrics = super().aggregate_evaluate(server_round, replies)
-        if metrics is not None:
-            values = [next(iter(r.content.metric_records.values())) for r in replies if not r.has_error()]
-            if not all(SCORE_MEAN in v for v in values):
-                metrics.pop(SCORE_MEAN, None)  # a mean over the scoring clients' share only would read low
-            # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
-            metrics[self.weighted_by_key] = sum(int(v[self.weighted_by_key]) for v in values)  # type: ignore[arg-type,misc]
+        valid, _ = self._check_and_log_replies(replies, is_train=False, validate=False)
+        if not valid:
+            return None
+        contents = evaluation_contents(valid, self.weighted_by_key)  # score-mean only if every client has it
+        metrics = self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+        # Flower's weighted mean drops the weight key; the episode count belongs in the curve.
+        counts = [next(iter(c.metric_records.values()))[self.weighted_by_key] for c in contents]
+        metrics[self.weighted_by_key] = sum(int(n) for n in counts)  # type: ignore[arg-type,misc]
         return metrics
 
     def _check_and_log_replies(

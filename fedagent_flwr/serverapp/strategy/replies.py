@@ -9,7 +9,7 @@ reason that names the problem; the strategy records it and aggregates the other 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from logging import INFO
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
@@ -17,7 +17,7 @@ from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from fedagent_flwr.checkpoint import CheckpointError
-from fedagent_flwr.protocol import ProtocolError, TrainReply
+from fedagent_flwr.protocol import SCORE_MEAN, ProtocolError, TrainReply
 from fedagent_flwr.serverapp.failures import reply_reason
 
 # A train reply is a client id, a checkpoint reference and a few metrics: well under a KiB.
@@ -95,3 +95,20 @@ def split_replies(replies: Iterable[Message], is_train: bool, validate: bool,
             replies=[msg.content for msg in valid], weighted_by_key=weighted_by_key, check_arrayrecord=is_train,
         )
     return valid, errors
+
+
+def evaluation_contents(replies: Sequence[Message], weighted_by_key: str) -> list[RecordDict]:
+    """The contents of the evaluation ``replies`` (none an error) to average, checked as Flower checks them.
+
+    A client reports ``score-mean`` only when the env scored every one of its episodes (an episode
+    cut off before its first turn has no score), so one reply may carry it and another not. The
+    score is then left out of every reply: a mean over the scoring clients' share would read low,
+    and Flower averages only replies whose metrics have the same keys (it would stop the run).
+    """
+    contents = [reply.content for reply in replies]
+    if not all(SCORE_MEAN in record for c in contents for record in c.metric_records.values()):
+        contents = [RecordDict({name: MetricRecord({k: v for k, v in record.items() if k != SCORE_MEAN})
+                                if isinstance(record, MetricRecord) else record for name, record in c.items()})
+                    for c in contents]
+    validate_message_reply_consistency(replies=contents, weighted_by_key=weighted_by_key, check_arrayrecord=False)
+    return contents

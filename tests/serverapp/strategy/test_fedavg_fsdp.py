@@ -341,3 +341,84 @@ def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> 
     with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
                                                r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
         eval_round(strategy, 0, [failed(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
+
+
+def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_without_it(tmp_path: Path) -> None:
+    """An evaluating client reports ``score-mean`` only when the env scored every one of its
+    episodes (an episode cut off before its first turn has no score), so one client's reply may
+    carry it and another's not: the round's evaluation is recorded, episode-weighted, without the
+    score (a mean over the scoring clients' share would read low), instead of Flower's
+    all-replies-alike check stopping the run."""
+    from fedagent_flwr.protocol import EvalReply
+
+    def evaluated(client: int, reply: EvalReply) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+        return Message(reply.to_record(), reply_to=instruction)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    replies = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
+               evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0))]
+    eval_round(strategy, 1, replies, sent=[0, 1])
+    (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
+    assert point["n"] == 8 and point["success_rate"] == pytest.approx(0.125)
+    assert point["reward_mean"] == pytest.approx(1.25) and "score_mean" not in point
+    # every client scored: the score is the episode-weighted mean
+    scored = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
+              evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0, score_mean=0.25))]
+    eval_round(strategy, 2, scored, sent=[0, 1])
+    last = json.loads((run_root / "federated_summary.json").read_text())["val_curve"][-1]
+    assert last["n"] == 8 and last["score_mean"] == pytest.approx(0.375)
+
+
+def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_and_survive_a_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation that lost clients for different reasons goes on (only a shared reason stops the
+    run), but is not silent: a partial one's point names the clients it lacks, and one that
+    recorded nothing at all (its round has no point in ``val_curve``) is in ``eval_failures``."""
+    from fedagent_flwr.protocol import EvalReply
+    from fedagent_flwr.serverapp.resume import load_previous_run
+
+    def evaluated(client: int) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+        return Message(EvalReply(num_examples=4, success_rate=0.25, reward_mean=2.5).to_record(), reply_to=instruction)
+
+    def failed(client: int, reason: str) -> Message:
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+        return Message(Error(code=0, reason=reason), reply_to=instruction)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    run_root = tmp_path / "run"
+    header = {"base_model": str(model), "total_rounds": 2, "config_sha256": None}
+    recorder = RunRecorder(run_root, header)
+    strategy = FedAvgFSDP(run_root=str(run_root), initial_model=CheckpointRef.for_directory(model), num_clients=2,
+                          clients_per_round=2)
+    connect(strategy, recorder, [0, 1])
+    disk = "client 1 eval round 1: OSError: [Errno 28] No space left on device"
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        eval_round(strategy, 1, [evaluated(0), failed(1, disk)], sent=[0, 1])
+        recorder.complete_round(1)
+        # round 2: client 0 failed, client 1 never answered; different reasons, so the run goes on
+        eval_round(strategy, 2, [failed(0, "client 0 eval round 2: TrainerFailed: killed")], sent=[0, 1])
+        recorder.complete_round(2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("round 1" in w and "client 1" in w and "No space left" in w for w in warnings), warnings
+    assert any("round 2" in w and "recorded nothing" in w and "no reply" in w for w in warnings), warnings
+    summary = json.loads(recorder.summary_path.read_text())
+    (point,) = summary["val_curve"]
+    assert point["round"] == 1 and point["n"] == 4 and point["failed"] == {"1": disk}
+    assert summary["eval_failures"] == [{"round": 2, "model": "aggregated", "failed": {
+        "0": "client 0 eval round 2: TrainerFailed: killed", "1": "no reply within the round timeout"}}]
+    events = [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["round"]) for e in events] == [("evaluate", 1), ("evaluate_failed", 2)]
+    assert events[0]["failed"] == {"1": disk} and events[1]["failed"] == summary["eval_failures"][0]["failed"]
+    # A re-run keeps what the committed rounds recorded.
+    previous = load_previous_run(run_root, header)
+    assert previous is not None
+    again = json.loads(RunRecorder(run_root, header, previous).summary_path.read_text())
+    assert again["eval_failures"] == summary["eval_failures"] and again["val_curve"] == summary["val_curve"]
