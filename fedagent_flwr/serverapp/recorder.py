@@ -243,17 +243,24 @@ class RunRecorder:
         ``degraded``: some round aggregated no client checkpoint (the previous global model went on
         to the next round), so the final model had fewer rounds of training than the run asked for;
         or no round had a learning signal (``serverapp.learning``: every group of every client scored
-        alike), so the run learned nothing.
+        alike), so the run learned nothing; or an evaluation recorded nothing (``eval_failures``), so
+        the validation curve lacks that round and its comparisons with the base model are not the
+        run's.
         ``failed``: no round aggregated anything, so the run trained nothing at all (its final model
         is the one it started from); the reason names the last round's client failures.
         """
         rounds = self.summary["rounds"]
         empty = [entry for entry in rounds if entry.get("aggregated_actor") is None]
         learning = self._learning()
+        lost = self.summary.get("eval_failures") or []
+        unvalidated = (
+            f"the evaluation of round(s) {[entry['round'] for entry in lost]} recorded nothing (round "
+            f"{lost[0]['round']}: " + "; ".join(f"client {c}: {why}" for c, why in lost[0]["failed"].items()) + ")"
+        ) if lost else ""
         if not empty:
-            if learning["no_signal_run"]:
-                return "degraded", no_signal_reason(learning)
-            return "completed", ""
+            reasons = [no_signal_reason(learning)] if learning["no_signal_run"] else []
+            reasons += [unvalidated] if unvalidated else []
+            return ("degraded", "; and ".join(reasons)) if reasons else ("completed", "")
         if len(empty) == len(rounds):
             last = empty[-1]
             why = round_reasons(last)
@@ -268,6 +275,7 @@ class RunRecorder:
             f"round(s) {[entry['round'] for entry in empty]} aggregated no client checkpoint and kept the previous "
             f"global model" + (f" (round {first['round']}: {refused})" if refused else "")
             + (f"; and {no_signal_reason(learning)}" if learning["no_signal_run"] else "")
+            + (f"; and {unvalidated}" if unvalidated else "")
         )
 
     def finish(self, status: str = "completed", error: str = "") -> None:

@@ -417,6 +417,10 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
     events = [json.loads(line) for line in (run_root / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["round"]) for e in events] == [("evaluate", 1), ("evaluate_failed", 2)]
     assert events[0]["failed"] == {"1": disk} and events[1]["failed"] == summary["eval_failures"][0]["failed"]
+    # A round without a validation point makes the run degraded (exit 3), saying which and why.
+    status, why = recorder.outcome()
+    assert status == "degraded", (status, why)
+    assert "the evaluation of round(s) [2] recorded nothing" in why and "TrainerFailed: killed" in why, why
     # A re-run keeps what the committed rounds recorded.
     previous = load_previous_run(run_root, header)
     assert previous is not None
