@@ -2,7 +2,7 @@
 # SmolLM2-135M-Instruct, CPU reference trainer) in Flower's simulation; `make test` runs the tests.
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch. On a GPU node install the CUDA build first (see README) and use
+# The CPU build of torch. On a GPU node install the CUDA build first (docs/gpu.md, "1. Install") and use
 # `make install TORCH_SPEC=`.
 TORCH_SPEC ?= torch==2.13.0
 FLWR_HOME ?= $(CURDIR)/.flwr

@@ -379,6 +379,39 @@ def test_verl_estimator_is_registered_in_a_fresh_job_process_and_verl_computes_w
 
 
 # --------------------------------------------------------------------------------------------
+# A strategy that changes the client rule's arguments per round
+# --------------------------------------------------------------------------------------------
+
+# The guide's expression (section 5), quoted verbatim; "{...}" stands for the new arguments.
+RULE_ARGS_PER_ROUND = ("dataclasses.replace(instruction, trainer=dataclasses.replace(instruction.trainer, "
+                       "client_rule_args={...}))")
+
+
+def test_guide_expression_changes_the_rule_arguments_that_reach_the_client(tmp_path: Path) -> None:
+    """Run as quoted on a real strategy's instruction, the expression yields an instruction whose
+    trainer settings, after the message round trip, carry the new arguments and nothing else new."""
+    import dataclasses
+
+    from flwr.app import ConfigRecord
+
+    from fedagent_flwr.protocol import TrainInstruction
+    from fedagent_flwr.serverapp.app import build_strategy
+
+    assert RULE_ARGS_PER_ROUND in GUIDE.read_text()
+    settings = load_settings("config", RULE_OVERRIDES)
+    base = CheckpointRef(path=str(tmp_path / "base"), kind="actor", format="hf-safetensors", world_size=1,
+                         sha256="0" * 64)
+    instruction = build_strategy(settings, tmp_path / "run", base).train_instruction(2, 0, ConfigRecord({}))
+    new_args = {"mu": 0.05, "freeze": "embed_tokens"}
+    changed = eval(RULE_ARGS_PER_ROUND.replace("{...}", repr(new_args)),  # the guide's own text
+                   {"dataclasses": dataclasses, "instruction": instruction})
+    received = TrainInstruction.from_record(changed.to_record())
+    assert received.trainer.client_rule_args == new_args
+    assert received.trainer == dataclasses.replace(instruction.trainer, client_rule_args=new_args)
+    assert received.trainer.client_rule == "examples.client_rule.ProximalFreeze" and received.server_round == 2
+
+
+# --------------------------------------------------------------------------------------------
 # The guide
 # --------------------------------------------------------------------------------------------
 
