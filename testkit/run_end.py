@@ -16,21 +16,30 @@ from typing import Any
 NO_SIGNAL = "no round had a learning signal"
 
 
-def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
-    """The status and exit status a run that ran every round must have, judged here from its rounds'
-    recorded shares (not from the ``learning`` record the code under test wrote, which must agree)."""
+def _no_signal(summary: dict[str, Any]) -> bool:
+    """Whether no aggregated round had a learning signal, judged from the rounds' recorded shares."""
     rounds = [entry for entry in summary.get("rounds", []) if entry.get("aggregated_actor") is not None]
     shares = [entry.get("zero_variance_group_share") or {} for entry in rounds]
     flat = bool(rounds) and all(s and min(s.values()) >= 1.0 - 1e-9 for s in shares)
-    if summary.get("adv_estimator", "grpo") == "grpo" and flat:
+    return summary.get("adv_estimator", "grpo") == "grpo" and flat
+
+
+def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
+    """The status and exit status a run that ran every round must have, judged here from its rounds'
+    recorded shares and lost evaluations (not from the ``learning`` record the code under test
+    wrote, which must agree)."""
+    if _no_signal(summary) or summary.get("eval_failures"):
         return "degraded", 3
     return "completed", 0
 
 
 def ran_every_round(summary: dict[str, Any]) -> bool:
-    """True when the run ended as a run whose every round aggregated must: ``completed``, or
-    ``degraded`` with the no-signal reason alone when its record says no round had a signal."""
+    """True when the run ended as a run whose every round aggregated and evaluated must: ``completed``,
+    or ``degraded`` with the no-signal reason alone when its record says no round had a signal. A
+    lost evaluation (``eval_failures``) is never fine in a machinery test, whatever the status says."""
     status, _ = expected_end(summary)
-    if summary.get("status") != status or summary.get("learning", {}).get("no_signal_run") != (status == "degraded"):
+    if summary.get("eval_failures") or summary.get("status") != status:
+        return False
+    if summary.get("learning", {}).get("no_signal_run") != _no_signal(summary):
         return False
     return status == "completed" or str(summary.get("warning", "")).startswith(NO_SIGNAL)

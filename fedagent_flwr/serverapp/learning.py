@@ -94,7 +94,10 @@ def _with_interval(point: Mapping[str, Any]) -> dict[str, Any]:
     if interval is None:
         low, high = wilson_interval(rate * n, n)
         interval = [round(low, 4), round(high, 4)]
-    return {"round": point.get("round"), "n": n, "success_rate": rate, "success_ci95": list(interval)}
+    kept = {"round": point.get("round"), "n": n, "success_rate": rate, "success_ci95": list(interval)}
+    if point.get("failed"):  # the point lacks these clients' slices of the validation episodes
+        kept["failed"] = dict(point["failed"])
+    return kept
 
 
 def describe(comparison: Mapping[str, Any]) -> str:
@@ -103,8 +106,13 @@ def describe(comparison: Mapping[str, Any]) -> str:
     meaning = {"above": "the final model's 95% interval lies above the base model's",
                "below": "the final model's 95% interval lies below the base model's: it got worse",
                "overlapping": "the intervals overlap: no clear change at this sample size"}[comparison["verdict"]]
+    lacking = sorted({client for point in (base, final) for client in point.get("failed", {})})
+    # each evaluating client plays its own slice of the episodes, so a point without some is on other episodes
+    caveat = (f" (not on the same episodes: clients {', '.join(lacking)} failed to evaluate; "
+              "see val_curve[].failed)") if lacking else ""
     return (f"validation success {base['success_rate']:.3f} {_interval(base)} (round {base['round']}, n={base['n']}) "
-            f"-> {final['success_rate']:.3f} {_interval(final)} (round {final['round']}, n={final['n']}): {meaning}")
+            f"-> {final['success_rate']:.3f} {_interval(final)} (round {final['round']}, n={final['n']}): "
+            f"{meaning}{caveat}")
 
 
 def no_signal_reason(record: Mapping[str, Any]) -> str:

@@ -131,3 +131,16 @@ def test_the_final_model_is_judged_against_the_base_by_their_95_percent_interval
     assert final_vs_base([high_base, _point(3, 6, 64)])["verdict"] == "below"  # type: ignore[index]
     # a record without validation has no comparison, and still its signal figures
     assert "final_vs_base" not in learning_record([], [])
+
+
+def test_a_comparison_whose_final_point_lacks_clients_says_it_is_not_on_the_same_episodes() -> None:
+    """Each evaluating client plays its own slice of the validation episodes, so a final point that
+    lost a client (``failed``) is on other episodes than the base: the comparison keeps that and the
+    log line says so."""
+    base = _point(0, 6, 64, "base")
+    partial = {**_point(5, 10, 32), "failed": {"1": "client 1 eval round 5: TrainerFailed: killed"}}
+    comparison = final_vs_base([base, partial])
+    assert comparison is not None and comparison["final"]["failed"] == partial["failed"]
+    assert "failed" not in comparison["base"]
+    assert describe(comparison).endswith(
+        "(not on the same episodes: clients 1 failed to evaluate; see val_curve[].failed)")

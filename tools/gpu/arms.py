@@ -323,14 +323,19 @@ def collect_archives(outs: list[Path], into: Path) -> list[Path]:
 
     Called at the end of every ``wait`` when asked: a device machine lost between two calls takes
     its runs with it (2026-12-03: ten rounds lost at round 8), so each call brings back a snapshot.
+    Two folders of the same name would share one archive: give matrices distinct folder names.
     """
     into.mkdir(parents=True, exist_ok=True)
     archives = []
     for out in outs:
         archive = into.resolve() / f"{out.resolve().name}.tgz"
+        sys.stdout.flush()  # the status lines first, then collect.sh's own
         # collect.sh changes into the checkout, so both paths go absolute
-        subprocess.run(["bash", str(COLLECT_SCRIPT), str(archive)], env={**os.environ, "OUT": str(out.resolve())},
-                       check=False, stdout=sys.stdout, stderr=sys.stderr)
+        done = subprocess.run(["bash", str(COLLECT_SCRIPT), str(archive)], env={**os.environ, "OUT": str(out.resolve())},
+                              check=False)
+        if done.returncode != 0 or not archive.is_file():
+            print(f"arms.py wait --collect: packing {out} into {archive} failed (exit {done.returncode})",
+                  file=sys.stderr)
         archives.append(archive)
     return archives
 
