@@ -35,7 +35,7 @@ from fedagent_flwr.schema import declared_default
 from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_rounds, stop_if_all_failed_alike
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
-from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from fedagent_flwr.serverapp.strategy import FedAvgFSDP, TrainAggregation
 
 NO_NODE = "no SuperNode serves this partition now"
 NOT_SENT = "selected but sent no instruction (fewer clients connected than the strategy's minimum)"
@@ -73,19 +73,27 @@ def aggregate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: i
         if reply.has_error():
             rejected[client] = reply_reason(reply)
             log(WARNING, "round %d: client %d failed: %s", server_round, client, rejected[client])
+    before = strategy.global_model
     strategy.last_aggregation = None
     _, metrics = strategy.aggregate_train(server_round, replies)
     if metrics is not None:
         log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
     result = strategy.last_aggregation
+    if result is None:
+        # An aggregate_train of its own that says nothing of what it used: the round is recorded
+        # from what the loop sees, the global model it left, so that a round that produced none
+        # counts as one that aggregated nothing (degraded, or failed if no round did).
+        after = strategy.global_model
+        result = TrainAggregation(started_from=before, actor=after if after != before else None)
+        log(INFO if result.actor is not None else WARNING, "round %d: %s's aggregate_train set no last_aggregation; "
+            "recorded from the global model it left: %s", server_round, type(strategy).__name__,
+            after.path if result.actor is not None else "unchanged (the round aggregated nothing)")
     if result is not None:
         rejected.update(result.refused)
     for client in sent:
         if client not in replied:
             rejected[client] = NO_REPLY
             log(WARNING, "round %d: client %d did not reply in time", server_round, client)
-    if result is None:  # an aggregate_train of its own, which says nothing of what it used
-        return
     recorder.record_round(
         server_round=server_round,
         clients=list(selected),

@@ -223,13 +223,21 @@ def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Pat
     recorder.complete_round(2)  # an earlier attempt got this far
     strategy = _Recording(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2)
     strategy.calls, strategy.recorder = [], recorder
-    RoundLoop(strategy, _TwoNodes(), recorder, timeout=10, last_completed=2).run(4)  # type: ignore[arg-type]
+    # max_empty_rounds=0: this strategy trains nothing, which would otherwise stop the run at round 4
+    RoundLoop(strategy, _TwoNodes(), recorder, timeout=10, last_completed=2,  # type: ignore[arg-type]
+              max_empty_rounds=0).run(4)
     assert strategy.nodes.client_of(101) == 1  # the loop found the partitions before round 3
     assert strategy.calls == [
         (name, r) for r in (3, 4)
         for name in ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate")
     ]
-    assert json.loads(recorder.summary_path.read_text())["last_completed_round"] == 4
+    summary = json.loads(recorder.summary_path.read_text())
+    assert summary["last_completed_round"] == 4
+    # Its aggregate_train set no last_aggregation and left the global model alone: the loop records
+    # each round as one that aggregated nothing, so the run cannot end `completed`.
+    assert [(e["round"], e["aggregated_actor"], e["started_from"]) for e in summary["rounds"]] == [
+        (3, None, base.path), (4, None, base.path)]
+    assert recorder.outcome()[0] == "failed"
 
 
 def test_one_serverapp_at_a_time_per_run_directory(tmp_path: Path) -> None:

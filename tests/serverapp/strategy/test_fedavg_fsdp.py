@@ -8,6 +8,8 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -426,3 +428,33 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
     assert previous is not None
     again = json.loads(RunRecorder(run_root, header, previous).summary_path.read_text())
     assert again["eval_failures"] == summary["eval_failures"] and again["val_curve"] == summary["val_curve"]
+
+
+def test_a_custom_aggregate_train_that_reports_nothing_is_recorded_from_the_global_model_it_left(
+    tmp_path: Path,
+) -> None:
+    """A subclass may replace ``aggregate_train`` without setting ``last_aggregation``. The round is
+    still recorded, from the global model it left: a new one is the round's aggregate (the run can
+    complete), an unchanged one is a round that aggregated nothing (never ``completed``)."""
+    initial = _initial(tmp_path)
+
+    class OwnRule(FedAvgFSDP):
+        def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[None, None]:
+            if server_round == 1:  # a rule of its own that writes a new global model and says nothing
+                target = Path(self.run_root) / "round_1" / "global"
+                shutil.copytree(self.global_model.path, target)
+                self.global_model = CheckpointRef.for_directory(target)
+            return None, None  # round 2: nothing usable, the model stays
+
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    recorder = RunRecorder(run_root, {"base_model": initial.path})
+    strategy = connect(OwnRule(run_root=str(run_root), initial_model=initial, num_clients=2, clients_per_round=2),
+                       recorder, [0, 1])
+    first = train_round(strategy, 1, [_reply(0, initial, 4), _reply(1, initial, 4)])
+    assert first is not None and first["aggregated_actor"] == str(run_root / "round_1" / "global")
+    assert first["started_from"] == initial.path and first["aggregated_sha256"] == strategy.global_model.sha256
+    second = train_round(strategy, 2, [_reply(0, initial, 4), _reply(1, initial, 4)])
+    assert second is not None and second["round"] == 2 and second["aggregated_actor"] is None
+    status, why = recorder.outcome()
+    assert status == "degraded" and "round(s) [2] aggregated no client checkpoint" in why, (status, why)
