@@ -202,11 +202,14 @@ class RunRecorder:
         self._event({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
         self.write()
 
-    def record_eval_failure(self, *, server_round: int, model: str, failed: dict[int, str]) -> None:
-        """An evaluation that recorded nothing (every evaluating client failed, for different reasons):
-        its round has no validation point, and ``eval_failures`` says why."""
-        entry = {"round": server_round, "model": model,
-                 "failed": {str(c): reason for c, reason in sorted(failed.items())}}
+    def record_eval_failure(self, *, server_round: int, model: str, failed: dict[int, str], reason: str = "") -> None:
+        """An evaluation that recorded nothing (every evaluating client failed, for different reasons,
+        or, ``reason``, none could be asked): its round has no validation point, and ``eval_failures``
+        says why."""
+        entry: dict[str, Any] = {"round": server_round, "model": model,
+                                 "failed": {str(c): why for c, why in sorted(failed.items())}}
+        if reason:
+            entry["reason"] = reason
         self.summary["eval_failures"].append(entry)
         self._event({"event": "evaluate_failed", **entry})
         self.write()
@@ -255,7 +258,8 @@ class RunRecorder:
         lost = self.summary.get("eval_failures") or []
         unvalidated = (
             f"the evaluation of round(s) {[entry['round'] for entry in lost]} recorded nothing (round "
-            f"{lost[0]['round']}: " + "; ".join(f"client {c}: {why}" for c, why in lost[0]["failed"].items()) + ")"
+            f"{lost[0]['round']}: " + "; ".join([f"client {c}: {why}" for c, why in lost[0]["failed"].items()]
+                                                + ([lost[0]["reason"]] if lost[0].get("reason") else [])) + ")"
         ) if lost else ""
         if not empty:
             reasons = [no_signal_reason(learning)] if learning["no_signal_run"] else []

@@ -236,6 +236,12 @@ class RoundLoop:
     def evaluate(self, server_round: int) -> None:
         """One evaluation of the global model: configure, send, aggregate, record."""
         messages = list(self.strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), self.grid))
+        skipped = getattr(self.strategy, "evaluation_skipped", "")
+        if not messages and skipped:  # it should have evaluated and could not: the curve lacks this round
+            model = "base" if server_round == 0 else "aggregated"
+            log(WARNING, "round %d: the evaluation of the %s model was skipped: %s", server_round, model, skipped)
+            self.recorder.record_eval_failure(server_round=server_round, model=model, failed={}, reason=skipped)
+            return
         if server_round == 0:
             if not messages:
                 return

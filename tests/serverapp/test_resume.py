@@ -217,6 +217,13 @@ class _TwoNodes:
         return replies
 
 
+class _OneNode(_TwoNodes):
+    """The same federation after node 101 (partition 1) went away."""
+
+    def get_node_ids(self) -> list[int]:
+        return [100]
+
+
 def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Path, base: CheckpointRef) -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     recorder = RunRecorder(tmp_path, {"base_model": base.path})
@@ -238,6 +245,34 @@ def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Pat
     assert [(e["round"], e["aggregated_actor"], e["started_from"]) for e in summary["rounds"]] == [
         (3, None, base.path), (4, None, base.path)]
     assert recorder.outcome()[0] == "failed"
+
+
+def test_an_evaluation_the_strategy_could_not_send_is_recorded_and_makes_the_run_degraded(
+    tmp_path: Path, base: CheckpointRef, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``FedAvgFSDP`` sends no evaluation when fewer nodes are connected than ``min_evaluate_nodes``
+    (Flower's rule; here one of the two SuperNodes is gone). The round then has no validation point: the loop logs it, records it in
+    ``eval_failures`` with the strategy's reason, and the run cannot end ``completed``. An evaluation
+    that is not wanted (no validation episodes) is not a failure."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
+    recorder = RunRecorder(tmp_path, {"base_model": base.path})
+    strategy = FedAvgFSDP(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2,
+                          eval_seeds=[1, 2, 3, 4], min_evaluate_nodes=2)
+    loop = RoundLoop(strategy, _OneNode(), recorder, timeout=10)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        loop.evaluate(1)
+    why = "1 client(s) available, fewer than min_evaluate_nodes = 2"
+    assert any("round 1: the evaluation of the aggregated model was skipped: " + why in r.getMessage()
+               for r in caplog.records)
+    summary = json.loads(recorder.summary_path.read_text())
+    assert summary["val_curve"] == [] and summary["eval_failures"] == [
+        {"round": 1, "model": "aggregated", "failed": {}, "reason": why}]
+    status, reason = recorder.outcome()
+    assert status == "degraded" and f"the evaluation of round(s) [1] recorded nothing (round 1: {why})" in reason
+    unwanted = FedAvgFSDP(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2,
+                          min_evaluate_nodes=2)  # no validation episodes: nothing to evaluate
+    RoundLoop(unwanted, _OneNode(), recorder, timeout=10).evaluate(2)  # type: ignore[arg-type]
+    assert json.loads(recorder.summary_path.read_text())["eval_failures"] == summary["eval_failures"]
 
 
 def test_one_serverapp_at_a_time_per_run_directory(tmp_path: Path) -> None:

@@ -7,25 +7,24 @@ resolves and checks them, averages the weights tensor by tensor in fp32 and send
 the new global model back. No ``ArrayRecord`` ever carries weights.
 
 Like Flower's ``FedAvg`` it only selects, configures and aggregates; the ServerApp runs the rounds
-(:mod:`fedagent_flwr.serverapp.rounds`: the run record, commits, resume) and knows which SuperNode
-serves which client partition (:class:`~fedagent_flwr.serverapp.nodes.NodeRegistry`). Compared with
-``FedAvg`` it
+(:mod:`fedagent_flwr.serverapp.rounds`: the run record, commits, resume, skipped evaluations) and knows
+which SuperNode serves which client partition (:class:`~fedagent_flwr.serverapp.nodes.NodeRegistry`).
+Compared with ``FedAvg`` it
 - selects client partitions with FedAgent's seeded rule (``seeding.select_clients``), so runs are
   reproducible and comparable with FedAgent's; Flower's ``fraction_train`` is refused (set
   ``clients.per_round``), its ``min_*_nodes`` and ``fraction_evaluate`` are honoured;
-- refuses a bad client checkpoint (outside the client's own slot of the round, missing,
-  corrupt, wrong hash, shapes or a ``config.json`` that differ from the global model), a
-  malformed or oversized reply, or a ``num-examples`` beyond the episodes the client was
-  assigned, with a message naming the client, and aggregates the rest;
-- gives the global model the config, generation config, tokenizer and chat template of the
-  run's base model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
-- moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a
-  shared filesystem, or URLs of the ServerApp's HTTP store when the machines share none;
+- refuses a bad client checkpoint (outside the client's own slot of the round, missing, corrupt,
+  wrong hash, shapes or a ``config.json`` that differ from the global model), a malformed or oversized
+  reply, or a ``num-examples`` beyond the episodes the client was assigned, naming the client, and
+  aggregates the rest;
+- gives the global model the config, generation config, tokenizer and chat template of the run's base
+  model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
+- moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a shared
+  filesystem, or URLs of the ServerApp's HTTP store when the machines share none;
 - keeps the previous global model when no client checkpoint is usable.
 
-Subclasses change what is sent by overriding :meth:`train_instruction` / :meth:`eval_instruction`
-and the rule by overriding :meth:`aggregation_weights` (weights per reply) or
-:meth:`aggregate_checkpoints` (the tensor computation).
+Subclasses change what is sent by overriding :meth:`train_instruction` / :meth:`eval_instruction` and
+the rule by overriding :meth:`aggregation_weights` (weights per reply) or :meth:`aggregate_checkpoints`.
 """
 
 from __future__ import annotations
@@ -158,8 +157,10 @@ class FedAvgFSDP(FedAvg):
         # critic): the initial model's, which is the base model or a global model that took them
         # from it. Client configs are checked against them.
         self.model_files: Path | None = model_files_dir(initial_model.path)
-        # What the last aggregate_train did; the ServerApp records it (serverapp.rounds).
+        # What the last aggregate_train did, and why the last configure_evaluate sent nothing when it
+        # should have evaluated ('' otherwise); the ServerApp records both (serverapp.rounds).
         self.last_aggregation: TrainAggregation | None = None
+        self.evaluation_skipped = ""
         self._check_flower_settings()
 
     def _check_flower_settings(self) -> None:
@@ -204,17 +205,16 @@ class FedAvgFSDP(FedAvg):
             needed.update(self.select_clients(server_round))
         return sorted(needed)
 
-    def _enough_nodes(self, online: dict[int, int], wanted: int, setting: str, what: str) -> bool:
-        """Flower's ``min_available_nodes`` and ``min_{train,evaluate}_nodes``: log and say no when short."""
+    def _short_of_nodes(self, online: dict[int, int], wanted: int, setting: str, what: str) -> str:
+        """Flower's ``min_available_nodes`` and ``min_{train,evaluate}_nodes``: why (logged) when short, else ''."""
         if len(online) < self.min_available_nodes:
-            log(WARNING, "%s: %d client node(s) connected, fewer than min_available_nodes = %d; skipped",
-                what, len(online), self.min_available_nodes)
-            return False
-        if wanted < getattr(self, setting):
-            log(WARNING, "%s: %d client(s) available, fewer than %s = %d; skipped", what, wanted, setting,
-                getattr(self, setting))
-            return False
-        return True
+            why = f"{len(online)} client node(s) connected, fewer than min_available_nodes = {self.min_available_nodes}"
+        elif wanted < getattr(self, setting):
+            why = f"{wanted} client(s) available, fewer than {setting} = {getattr(self, setting)}"
+        else:
+            return ""
+        log(WARNING, "%s: %s; skipped", what, why)
+        return why
 
     # ----------------------------------------------------------------------------- train
     def train_instruction(self, server_round: int, client: int, config: ConfigRecord) -> TrainInstruction:
@@ -254,7 +254,7 @@ class FedAvgFSDP(FedAvg):
         absent = sorted(set(clients) - set(present))
         log(INFO, "configure_train: round %d trains clients %s (out of %d)%s", server_round, clients,
             self.num_clients, f"; absent: {absent}" if absent else "")
-        if not self._enough_nodes(nodes, len(present), "min_train_nodes", f"training of round {server_round}"):
+        if self._short_of_nodes(nodes, len(present), "min_train_nodes", f"training of round {server_round}"):
             return []
         return [Message(self.train_instruction(server_round, c, config).to_record(), dst_node_id=nodes[c],
                         message_type=MessageType.TRAIN) for c in present]
@@ -451,14 +451,15 @@ class FedAvgFSDP(FedAvg):
     ) -> Iterable[Message]:
         """Split the validation seeds across ``fraction_evaluate`` of the connected clients (at least
         ``min_evaluate_nodes``; the lowest client ids, so the split is the same in every run)."""
+        self.evaluation_skipped = ""
         if not self.eval_seeds or self.fraction_evaluate == 0.0:
             return []
         nodes = self.nodes.online(grid)
-        if not nodes:
-            log(WARNING, "configure_evaluate: round %d: no client is connected; skipping evaluation", server_round)
-            return []
         wanted = max(self.min_evaluate_nodes, int(len(nodes) * self.fraction_evaluate))
-        if not self._enough_nodes(nodes, len(nodes), "min_evaluate_nodes", f"evaluation of round {server_round}"):
+        what = f"configure_evaluate: evaluation of round {server_round}"
+        self.evaluation_skipped = self._short_of_nodes(nodes, len(nodes), "min_evaluate_nodes", what) or (
+            "" if nodes else "no client node was connected")
+        if self.evaluation_skipped:
             return []
         clients = sorted(nodes)[: max(1, min(wanted, len(self.eval_seeds)))]
         messages = [
