@@ -279,6 +279,17 @@ def test_a_download_is_verified_cached_and_resumed_after_a_cut(
     assert again.fetch(shared) == local and again.report.cache_hit and again.report.bytes_received == 0
 
 
+def test_a_model_with_an_empty_file_is_fetched(store: HttpServerStore, tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "with-empty"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "empty.txt").write_bytes(b"")  # a zero-byte file is a file too: it is hashed and sent
+    shared = store.share(CheckpointRef.for_directory(model))
+    local = node(store, tmp_path / "node0").fetch(shared)
+    assert (local / "empty.txt").read_bytes() == b""
+    assert build_manifest(local) == build_manifest(model) and hash_checkpoint_dir(local) == shared.sha256
+    assert not list((tmp_path / "node0" / "cache").glob(".partial-*"))  # nothing left half-done
+
+
 # Names a hub snapshot or a git clone may hold besides the weights; all must travel byte for byte.
 ODD_NAMES = ("Model Card.md", "notes (v2) + extras & more=1 #5 %20 100%.txt", "résumé.txt")
 
