@@ -80,3 +80,71 @@ class HashCounter:
                 return real.hexdigest()
 
         return Counted()
+
+
+class DropReplyProxy:
+    """A TCP proxy on loopback in front of ``target`` (``host:port``) that relays everything but
+    the reply to the first request whose method is ``method``: the request reaches the server,
+    which acts on it, and then the connection is closed before a byte of its reply comes back
+    (a link that drops at the worst moment). Use as a context manager; ``url`` is the proxy's."""
+
+    def __init__(self, target: str, method: bytes = b"POST") -> None:
+        import socket
+        import threading
+
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._marker = method + b" "
+        self._dropped = threading.Event()
+        self.dropped = False
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[Any] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            self._sockets += [client, server]
+            state = {"drop": False}
+            threading.Thread(target=self._pipe, args=(client, server, state, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, state, False), daemon=True).start()
+
+    def _pipe(self, source: Any, sink: Any, state: dict[str, bool], upstream: bool) -> None:
+        import socket
+
+        try:
+            while data := source.recv(65536):
+                if upstream and not self._dropped.is_set() and data.startswith(self._marker):
+                    self._dropped.set()
+                    state["drop"] = True  # this request goes through; its reply does not
+                if not upstream and state["drop"]:
+                    self.dropped = True
+                    for sock in (source, sink):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    return
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def __enter__(self) -> DropReplyProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()

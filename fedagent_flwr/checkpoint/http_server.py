@@ -1,8 +1,7 @@
 """The ServerApp's checkpoint store over HTTP(S), for federations that share no filesystem.
 
-One uvicorn server runs in a thread of the ServerApp process for the whole run, bound to
-``storage.host`` (loopback unless configured otherwise), with TLS when a certificate is set.
-Everything lives under ``/runs/<run id>/``:
+One uvicorn server runs in a thread of the ServerApp process for the whole run, bound to ``storage.host`` (loopback
+unless configured otherwise), with TLS when a certificate is set. Everything lives under ``/runs/<run id>/``:
 
 ``GET  /runs/<run>/models/<model id>``              manifest of a model the server shared
 ``GET  /runs/<run>/models/<model id>?file=<name>``  one file (HTTP ``Range`` resumes a download)
@@ -13,12 +12,13 @@ Everything lives under ``/runs/<run id>/``:
 
 Reads need the run's read token, uploads and progress reports the token of their (round, client) slot; both are
 HMACs of a random per-run secret and travel only inside Flower instructions. An upload lands in
-``<run root>/round_<r>/client_<c>/.upload-<kind>/`` and becomes ``.../<kind>/`` by one rename at
-commit. A file is kept only once its bytes match the sha256 declared for it; a dropped connection
-keeps the bytes received so far, and the next ``PUT`` continues at that offset. At commit the store
-writes ``.../.receipt-<kind>.json`` beside the checkpoint: the digests it verified with each file's
-stat data, HMAC'd with a key from the run's secret, so the aggregation can skip hashing files that
-have not changed since (:mod:`.receipts`; ``storage.trust_store_receipts``).
+``<run root>/round_<r>/client_<c>/.upload-<kind>/`` and becomes ``.../<kind>/`` by one rename at commit, after
+which the slot is final: only the very same commit again (a retry whose reply was lost) is answered, with the
+same reference. A file is kept only once its bytes match the sha256 declared for it; a dropped connection keeps
+the bytes received so far, and the next ``PUT`` continues at that offset. At commit the store writes
+``.../.receipt-<kind>.json`` beside the checkpoint: the digests it verified with each file's stat data, HMAC'd
+with a key from the run's secret, so the aggregation can skip hashing files that have not changed since
+(:mod:`.receipts`; ``storage.trust_store_receipts``).
 
 A ``PUT`` holds its slot's lock while it reads the body, so a client that stops sending mid-body
 gets HTTP 408 after ``storage.upload_idle_timeout_s`` without a byte and the lock is free again
@@ -105,6 +105,7 @@ class HttpServerStore(ServerStore):
         # Kept in memory only: nothing on disk can add to what the store signs, and a restarted
         # store (a new secret anyway) knows of no file, so the aggregation hashes them itself.
         self._verified: dict[str, dict[str, tuple[str, FileStat]]] = {}
+        self._committed: dict[str, tuple[Manifest, CheckpointRef]] = {}  # per slot: a repeat gets the same reply
         self._ca_pem = Path(settings.ssl_ca_certfile).read_text() if settings.ssl_ca_certfile else ""
         self._sock = bind_socket(settings.host, settings.port)
         bound = socket_url(self._sock)
@@ -342,8 +343,11 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                             sha256=check_sha256(body["sha256"], "commit"))
         ref.check_fields()
         final = store.slot_dir(server_round, client, kind)
+        reply = {"ref": {name: getattr(ref, name) for name in ("path", "kind", "format", "world_size", "sha256")}}
         async with store.lock(slot):
             if final.is_dir():
+                if store._committed.get(slot) == (manifest, ref):  # the same commit again: its reply was lost
+                    return reply
                 raise HTTPException(409, f"upload {slot} is already committed")
             received = _received(staging)
             for entry in manifest.files:
@@ -359,12 +363,12 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                     path.unlink()
             verified = store._verified.pop(slot, {})
             files.replace(final)  # renames the folder: the files' own stat (ctime included) stays
+            store._committed[slot] = (manifest, ref)
             fsync_dir(final.parent)
             if store.settings.trust_store_receipts:
                 await run_in_threadpool(_write_receipt, store, final, manifest, verified)
             shutil.rmtree(staging)
-        return {"ref": {"path": ref.path, "kind": ref.kind, "format": ref.format,
-                        "world_size": ref.world_size, "sha256": ref.sha256}}
+        return reply
 
     @app.put("/runs/{run}/progress/{server_round}/{client}")
     async def progress(run: str, server_round: int, client: int, request: Request) -> dict[str, Any]:
@@ -459,8 +463,7 @@ def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
 
 
 def _write_through(handle: Any, chunk: bytes) -> None:
-    # Flushed per chunk: the size on disk is what the status endpoint reports as received, and
-    # what survives when the connection (or this process) goes away.
+    # Flushed per chunk: the size on disk is what the status endpoint reports, and what survives a dropped link.
     handle.write(chunk)
     handle.flush()
 

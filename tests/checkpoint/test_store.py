@@ -17,13 +17,14 @@ import httpx
 import pytest
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, hash_checkpoint_dir, open_checkpoint
+from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore, upload_url
 from fedagent_flwr.checkpoint.manifest import build_manifest, file_sha256
 from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, StorageSettings
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
-from testkit.store_harness import RUN, SHARD, auth, node, tree, wait_for
+from testkit.store_harness import RUN, SHARD, DropReplyProxy, auth, node, tree, wait_for
 
 
 @pytest.fixture
@@ -92,6 +93,27 @@ def test_an_upload_cut_off_mid_file_resumes_at_the_byte_the_server_holds(
     assert client.report.bytes_sent == build_manifest(source).total_bytes - sent  # the rest, not all
     landed = Path(store.resolve(ref, 1, 0).path)
     assert file_sha256(landed / SHARD) == file_sha256(source / SHARD)
+
+
+def test_a_commit_whose_reply_was_lost_is_retried_and_succeeds(
+        store: HttpServerStore, suite: Suite, tmp_path: Path) -> None:
+    source = suite.copy("qwen_a", tmp_path / "node0")
+    with DropReplyProxy(urlsplit(store.url).netloc, method=b"POST") as proxy:
+        client = HttpClientStore(proxy.url, RUN, store.read_token(), tmp_path / "node0",
+                                 upload_token=store.upload_token(1, 0))
+        ref = client.put(source, "actor", 1, 0)
+        assert proxy.dropped  # the first commit reached the server and its reply was lost
+    # The retried commit of the very same checkpoint gets the reference, not "already committed".
+    assert ref.path == upload_url(store.url, RUN, 1, 0, "actor") and ref.sha256 == hash_checkpoint_dir(source)
+    assert build_manifest(Path(store.resolve(ref, 1, 0).path)) == build_manifest(source)
+    # The slot stays final for anything else: another commit body, or another checkpoint.
+    body = {"manifest": build_manifest(source).to_json(), "format": ref.format, "world_size": ref.world_size,
+            "sha256": "0" * 64}
+    response = httpx.post(ref.path, json=body, headers=auth(store.upload_token(1, 0)))
+    assert response.status_code == 409 and "already committed" in response.json()["detail"]
+    other = suite.copy("qwen_b", tmp_path / "node1")
+    with pytest.raises(CheckpointError, match="already committed"):
+        node(store, tmp_path / "node1").put(other, "actor", 1, 0)
 
 
 def test_bytes_that_do_not_match_their_declared_hash_are_discarded(store: HttpServerStore, tmp_path: Path) -> None:
@@ -277,6 +299,17 @@ def test_a_download_is_verified_cached_and_resumed_after_a_cut(
     # Evaluation, or the next message on this node: served from the cache, nothing downloaded.
     again = node(store, tmp_path / "node0")
     assert again.fetch(shared) == local and again.report.cache_hit and again.report.bytes_received == 0
+
+
+def test_a_model_with_an_empty_file_is_fetched(store: HttpServerStore, tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "with-empty"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "empty.txt").write_bytes(b"")  # a zero-byte file is a file too: it is hashed and sent
+    shared = store.share(CheckpointRef.for_directory(model))
+    local = node(store, tmp_path / "node0").fetch(shared)
+    assert (local / "empty.txt").read_bytes() == b""
+    assert build_manifest(local) == build_manifest(model) and hash_checkpoint_dir(local) == shared.sha256
+    assert not list((tmp_path / "node0" / "cache").glob(".partial-*"))  # nothing left half-done
 
 
 # Names a hub snapshot or a git clone may hold besides the weights; all must travel byte for byte.

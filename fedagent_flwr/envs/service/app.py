@@ -9,7 +9,8 @@ sessions. The wire protocol follows FedAgent's env services:
 * ``POST /create {session_id?}`` - borrow a pooled instance; when the pool is exhausted the
   request waits (asynchronously) for a slot, up to ``create_timeout_s``, then answers 503;
   creating an existing session again is a no-op, so a retried create never leaks a slot;
-* ``POST /reset {session_id, seed}`` - start an episode; step ids restart at 0; the seed must be a
+* ``POST /reset {session_id, seed}`` - start an episode; step ids restart at 0 (the previous
+  episode ends even if the reset fails: a step then gets 409 until a reset succeeds); the seed must be a
   signed 64-bit integer (422 otherwise, naming the seed and the range);
 * ``POST /step {session_id, step_id, action}`` - apply one reply, idempotently: a step id that
   was already applied returns the cached reply without touching the environment (a client that
@@ -334,11 +335,15 @@ class EnvService:
         session = self._session(body.session_id)
         async with session.lock:
             self._still_open(body.session_id, session)
-            obs, info = await session.env.reset(body.seed)
-            session.reset_done = True
+            # The previous episode ends here, before the env is touched: if this reset fails, a
+            # step must get 409 (no episode), not that episode's cached replies or an env left
+            # half reset.
+            session.reset_done = False
             session.done = False
             session.next_step_id = 0
             session.replies.clear()
+            obs, info = await session.env.reset(body.seed)
+            session.reset_done = True
             return {"obs": obs, "info": info}
 
     async def step(self, body: StepRequest) -> dict[str, Any]:

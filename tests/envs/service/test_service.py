@@ -318,6 +318,38 @@ def test_environment_errors_are_500_with_a_message_and_the_service_survives() ->
         svc.stop()
 
 
+class _FailingReset(TinyGuess):
+    """TinyGuess whose reset raises for seed 13 (an environment that cannot start an episode)."""
+
+    async def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
+        if seed == 13:
+            raise RuntimeError("no goal for seed 13")
+        return await super().reset(seed)
+
+
+def test_a_failed_reset_ends_the_previous_episode_instead_of_replaying_it() -> None:
+    settings = ServiceSettings(env_name="TinyGuess", pool_size=1)
+    svc = ThreadedService(settings, factory=lambda _slot: _FailingReset(TINY_CONFIG)).start()
+    try:
+        sid = new_session(svc.url, seed=3)
+        first = post(svc.url, "/step", {"session_id": sid, "step_id": 0, "action": "10"}).json()
+        assert first["done"] is False and first["replayed"] is False
+        reply = post(svc.url, "/reset", {"session_id": sid, "seed": 13})
+        assert reply.status_code == 500 and "no goal for seed 13" in reply.json()["error"]
+        # No episode is in progress now: neither the old episode's step 0 comes back as if it
+        # belonged to this one, nor does its next step act on an env whose reset failed.
+        for step_id in (0, 1):
+            stale = post(svc.url, "/step", {"session_id": sid, "step_id": step_id, "action": "10"})
+            assert stale.status_code == 409, (step_id, stale.json())
+            assert "call /reset before /step" in stale.json()["error"]
+        # A reset that works starts a fresh episode at step 0.
+        assert post(svc.url, "/reset", {"session_id": sid, "seed": 3}).status_code == 200
+        again = post(svc.url, "/step", {"session_id": sid, "step_id": 0, "action": "10"}).json()
+        assert again["replayed"] is False
+    finally:
+        svc.stop()
+
+
 def test_a_pool_that_cannot_be_built_is_reported_not_fatal() -> None:
     def broken(slot: int) -> BaseTextEnv:
         raise RuntimeError(f"no data for slot {slot}")
