@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -341,3 +342,26 @@ def test_a_custom_rule_that_checks_no_hash_still_gets_no_altered_checkpoint(suit
     written_ref = CheckpointRef.for_directory(entry["aggregated_actor"], "actor", "hf-safetensors")
     with open_checkpoint(good) as source, open_checkpoint(written_ref) as written:
         assert all(torch.equal(written.read(key), source.read(key)) for key in source.keys())  # client 1's
+
+
+def test_a_bad_state_file_does_not_keep_the_other_services_running(tmp_path: Path) -> None:
+    """The end-of-run shutdown stops every recorded env service: the hidden temporary file a killed
+    atomic write left behind is not a state file, and an unreadable state file is reported and
+    skipped, not allowed to stop the loop (and the persistent trainer's stop after it)."""
+    from fedagent_flwr.clientapp.services import services_dir
+    from fedagent_flwr.procs import ProcessRef
+
+    settings = load_settings(overrides="env=tinyguess_service")
+    _, managers = serve_env_spec(settings.train_env_spec, split="train", run_root=tmp_path, client_id=0,
+                                 settings=asdict(settings.run.env.service), partition={"strategy": "none"})
+    service = ProcessRef.from_json(json.loads(managers[0].state_file.read_text()))
+    assert service is not None and service.process() is not None
+    folder = services_dir(tmp_path, 0)
+    (folder / ".train_0.json.1a2b3c4d.json").write_text("")  # a killed write's leftover, sorted first
+    (folder / "a_broken.json").write_text("{not json")  # an unreadable one, also before the real one
+    try:
+        assert stop_client_services(tmp_path, 0) == ["train_0.json"]
+        assert not managers[0].state_file.exists()
+        assert service.process() is None, "the service outlived the shutdown"
+    finally:
+        managers[0].stop()

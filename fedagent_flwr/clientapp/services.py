@@ -10,11 +10,14 @@ A final ``shutdown`` query from the ServerApp stops them.
 from __future__ import annotations
 
 import os
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
+from flwr.common import log
+
 from fedagent_flwr.envs.registry import get_env_class
-from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
+from fedagent_flwr.envs.service.manager import EnvServiceError, EnvServiceManager, ServiceLaunch
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.hetero import needs_goal_info, partition_goals
 from fedagent_flwr.hetero.env_level import variant_request
@@ -116,9 +119,20 @@ def serve_env_spec(
 
 
 def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
-    """Stop every service recorded for this client; return the state files handled."""
+    """Stop every service recorded for this client; return the state files handled.
+
+    A state file that cannot be read is reported and skipped, so that one bad file never leaves the
+    client's other services (and, after this, its persistent trainer) running. Hidden names are the
+    temporary files of an atomic write that a killed process left behind, not state files.
+    """
     stopped = []
     for state_file in sorted(services_dir(run_root, client_id).glob("*.json")):
-        EnvServiceManager.attach(state_file).stop()
+        if state_file.name.startswith("."):
+            continue
+        try:
+            EnvServiceManager.attach(state_file).stop()
+        except EnvServiceError as exc:
+            log(WARNING, "client %d: env service not stopped: %s", client_id, exc)
+            continue
         stopped.append(state_file.name)
     return stopped
