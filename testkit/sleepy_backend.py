@@ -4,9 +4,12 @@ The mode (the backend's first argument) is a number of seconds to sleep, ``fail`
 progress watchdog: ``hang`` (one line, then silence), ``warn`` (one line, then only vLLM's stall
 warning, as a stuck verl job prints it), ``tick`` (a progress line every 0.5 s for 4 s, then done)
 or ``bar`` (a tqdm-style progress bar redrawn after ``\r`` every 0.4 s for 4.8 s, no newline until
-it is full: :func:`progress_bar`).
+it is full: :func:`progress_bar`); ``killed``: one line, then SIGKILL, as the out-of-memory killer
+ends a process.
 """
 
+import os
+import signal
 import sys
 import time
 
@@ -33,6 +36,9 @@ STALL_WARNING = ("INFO 12-01 10:00:00 [shm_broadcast.py:582] No available shared
 if __name__ == "__main__":
     mode, job = sys.argv[1], sys.argv[2]
     print(f"sleepy backend {mode} {job}", flush=True)
+    if mode == "killed":  # as the out-of-memory killer ends a process: SIGKILL, no last words
+        print("step 1 done", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "fail":
         print("something went wrong in the trainer", flush=True)
         sys.exit(3)

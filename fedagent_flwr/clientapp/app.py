@@ -61,12 +61,21 @@ T = TypeVar("T")
 def node_partition(context: Context) -> tuple[int, int]:
     """(partition-id, num-partitions) of this node from its node config."""
     config = context.node_config
+    usage = "start it with --node-config 'partition-id=<i> num-partitions=<N>', 0 <= i < N"
     if "partition-id" not in config or "num-partitions" not in config:
-        raise ValueError(
-            "this SuperNode has no partition: start it with "
-            "--node-config 'partition-id=<i> num-partitions=<N>'"
-        )
-    return int(config["partition-id"]), int(config["num-partitions"])
+        raise ValueError(f"this SuperNode has no partition: {usage}")
+    values = {}
+    for key in ("partition-id", "num-partitions"):
+        value = config[key]
+        # Whole numbers only: int() would take 1.5 or true for partition 1 and serve the wrong one.
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+            raise ValueError(f"node config {key!r} = {value!r} is not a whole number >= 0: {usage}")
+        values[key] = int(value)
+    partition, count = values["partition-id"], values["num-partitions"]
+    if not 0 <= partition < count:
+        raise ValueError(f"node config 'partition-id' = {partition} is out of range for "
+                         f"'num-partitions' = {count}: {usage}")
+    return partition, count
 
 
 def node_work_dir(context: Context) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -264,5 +265,22 @@ def run_trainer(
         # output's last lines (a traceback) are.
         own = [line for line in output.recent if re.match(r"^[\w.-]+: error: ", line)]
         last = own[-1] if own else output.last_lines()
-        raise TrainerFailed(f"{label}: {backend} trainer exited with code {code}: {last} (log: {log_path})")
+        raise TrainerFailed(f"{label}: {backend} trainer {exit_reason(code)}: {last} (log: {log_path})")
+
+
+def exit_reason(code: int) -> str:
+    """How a trainer process ended, in words: its exit status, or the signal that killed it (a
+    negative ``returncode``). A SIGKILL that neither the timeout nor the watchdog sent (those are
+    reported as such) came from outside, most often the kernel's out-of-memory killer: its last
+    output lines are then ordinary progress and would not say so."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    reason = f"was killed by {name} (exit code {code})"
+    if -code == signal.SIGKILL:
+        reason += ", not by this ClientApp: most likely the out-of-memory killer (see dmesg or the node's memory)"
+    return reason
 

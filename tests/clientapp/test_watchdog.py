@@ -99,6 +99,19 @@ def test_a_slow_job_that_keeps_printing_is_left_alone(tmp_path: Path, sleepy: No
     assert "tick 7" in (tmp_path / "tick.log").read_text()
 
 
+def test_a_trainer_killed_from_outside_is_reported_as_killed_not_as_an_exit_code(tmp_path: Path, sleepy: None) -> None:
+    """The out-of-memory killer's SIGKILL leaves ordinary progress as the last lines: the error
+    must say the trainer was killed, and by what, rather than "exited with code -9"."""
+    with pytest.raises(TrainerFailed) as info:
+        run_trainer("sleepy", "killed", tmp_path / "job.json", tmp_path / "killed.log", "client 2 round 4",
+                    timeout_s=120, stall_timeout_s=30)
+    assert str(info.value).startswith("client 2 round 4: sleepy trainer was killed by SIGKILL (exit code -9), "
+                                      "not by this ClientApp: most likely the out-of-memory killer")
+    assert str(info.value).endswith(f"step 1 done (log: {tmp_path / 'killed.log'})")
+    with pytest.raises(TrainerFailed, match=r"sleepy trainer exited with code 3: .*something went wrong"):
+        run_trainer("sleepy", "fail", tmp_path / "job.json", tmp_path / "fail.log", "client 2 round 4", timeout_s=120)
+
+
 def _bar_lines(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith("Training Progress:")]
 

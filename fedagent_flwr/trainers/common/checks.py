@@ -19,6 +19,7 @@ from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.envs.spec import EnvSpec, load_env_spec
 from fedagent_flwr.hetero import partition_env_spec
 from fedagent_flwr.models.smollm2 import resolve_model_path
+from fedagent_flwr.rollout.episode import Episode
 from fedagent_flwr.seeding import SEEDS_PER_ENTRY
 from fedagent_flwr.trainers.common.client_rule import RuleChain, job_rule_specs
 
@@ -74,3 +75,19 @@ def check_eval_job(job: EvalJob) -> tuple[EnvSpec, Path]:
     for entry in spec.envs:
         make_env(entry.name, entry.env_config())
     return spec, resolve_model_path(job.model_path)
+
+
+def check_turns_fit(episodes: Sequence[Episode], max_new_tokens: int, max_model_len: int, budget_key: str) -> None:
+    """Refuse a rollout in which no episode could play even its first turn (its prompt plus
+    ``max_new_tokens`` exceeds ``max_model_len``, the token budget the config key ``budget_key``
+    sets): there is nothing to train on or to score, and going on would report a client that
+    played no turn as one that played its episodes and scored 0."""
+    if not episodes or any(e.num_turns > 0 or not e.truncated for e in episodes):
+        return
+    lengths = [len(e.prompt_ids) for e in episodes if e.prompt_ids]  # concat mode: the first prompt
+    prompt = f" (the shortest has {min(lengths)} tokens)" if lengths else ""
+    raise InputError(
+        f"no episode could play a single turn: the first prompt{prompt} plus trainer.max_new_tokens "
+        f"({max_new_tokens}) does not fit in {budget_key} ({max_model_len}); raise {budget_key} or lower "
+        "trainer.max_new_tokens"
+    )

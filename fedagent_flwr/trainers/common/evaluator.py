@@ -18,12 +18,13 @@ from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
 from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
 from fedagent_flwr.schema.trainer import AgentLoopKnobs, EvalKnobs
-from fedagent_flwr.trainers.common.checks import InputError, check_eval_job
+from fedagent_flwr.trainers.common.checks import InputError, check_eval_job, check_turns_fit
 from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
 from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
 
 EVAL_RESULT = "eval_result.json"
+MODEL_LEN_KEY = "trainer.max_model_len"  # the key that sets EvalSettings.max_model_len (reference backend)
 
 
 @dataclass
@@ -56,16 +57,17 @@ def load_model(path: Path, num_threads: int) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def evaluate(job: EvalJob, settings: EvalSettings) -> EvalResult:
-    """Check ``job``, load its model and play the validation episodes; writes ``eval_result.json``."""
+def evaluate(job: EvalJob, settings: EvalSettings, model_len_key: str = MODEL_LEN_KEY) -> EvalResult:
+    """Check ``job``, load its model and play the validation episodes; writes ``eval_result.json``.
+    ``model_len_key`` names the config key(s) that set ``settings.max_model_len``, for errors."""
     spec, model_path = check_eval_job(job)
     started = time.monotonic()
     model, tokenizer = load_model(model_path, settings.num_threads)
-    return evaluate_loaded(job, spec, settings, model, tokenizer, started)
+    return evaluate_loaded(job, spec, settings, model, tokenizer, started, model_len_key)
 
 
 def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: Any, tokenizer: Any,
-                    started: float) -> EvalResult:
+                    started: float, model_len_key: str = MODEL_LEN_KEY) -> EvalResult:
     """Play the validation episodes with ``model`` (fp32, loaded; moved to the device here)."""
     import torch
 
@@ -83,6 +85,7 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
         for index, task in enumerate(tasks)]
     episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generators,
                              settings.rollout_mode, settings.history_length)
+    check_turns_fit(episodes, settings.max_new_tokens, settings.max_model_len, model_len_key)
     metrics = episode_metrics(episodes)
     for j, entry in enumerate(spec.envs):
         mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]

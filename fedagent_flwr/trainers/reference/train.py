@@ -19,7 +19,7 @@ from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.seeding import train_env_seed
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
-from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world
+from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world, check_turns_fit
 from fedagent_flwr.trainers.common.client_rule import RuleChain, without_rule_keys
 from fedagent_flwr.trainers.common.evaluator import episode_metrics, load_model, mean
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
@@ -102,6 +102,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
         generator = torch.Generator().manual_seed(derive_seed("rollout", job.data_seed, update))
         episodes = play_episodes(policy, tokenizer, tasks, sampling, cfg.max_model_len, generator,
                                  cfg.rollout_mode, cfg.history_length)
+        check_turns_fit(episodes, cfg.max_new_tokens, cfg.max_model_len, "trainer.max_model_len")
         rollout_seconds = time.monotonic() - step_started
         groups = [t.group for t in tasks]
         samples: Sequence[TokenSample]

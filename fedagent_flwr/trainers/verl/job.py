@@ -340,4 +340,4 @@ def evaluate(job: EvalJob) -> EvalResult:
         device="auto",
         rollout_mode=settings.rollout_mode,  # scored with the agent loop it was trained with
         history_length=settings.history_length,
-    ))
+    ), model_len_key="trainer.max_prompt_length + trainer.max_response_length")

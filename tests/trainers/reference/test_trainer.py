@@ -203,3 +203,23 @@ def test_seed_rule_and_advantages() -> None:
     assert grpo_advantages([1.0, 0.0, 0.5, 0.5, 2.0], [7, 7, 8, 8, 9]) == pytest.approx(
         [1 / (2**0.5 / 2 + 1e-6) * 0.5, -1 / (2**0.5 / 2 + 1e-6) * 0.5, 0.0, 0.0, 0.0]
     )
+
+
+@pytest.mark.parametrize("mode", ["train", "evaluate"])
+def test_a_budget_no_turn_fits_in_is_refused_naming_the_key(tmp_path: Path, tiny_model_dir: Path, mode: str) -> None:
+    """trainer.max_model_len passes its bound (>= 16) but no first prompt fits in it: the job is
+    refused with the keys to change, not reported as episodes played that all scored 0."""
+    small = {**TRAINER, "max_model_len": 64}
+    if mode == "train":
+        job = train_job(tmp_path, tiny_model_dir, "small", trainer=small)
+    else:
+        job = tmp_path / "small.json"
+        save(EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "small"), env_spec=SPEC, round=1,
+                     seeds=[0, 1], trainer=small), job)
+    proc = run_trainer(mode, job)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert not (tmp_path / "small" / f"{mode}_result.json").exists()
+    error = [line for line in proc.stderr.splitlines() if line.startswith("reference_trainer: error:")]
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no episode could play a single turn" in error[0]
+    assert "trainer.max_model_len (64)" in error[0] and "trainer.max_new_tokens (8)" in error[0]
