@@ -142,7 +142,7 @@ class HttpClientStore(ClientStore):
         part = final.with_name(final.name + ".part")
         part.parent.mkdir(parents=True, exist_ok=True)
         if entry.size == 0:
-            part.touch()  # no bytes to request: an empty file is complete as created, then checked as any
+            part.write_bytes(b"")  # no bytes to request: an empty file (a leftover truncated) is complete
         for attempt in range(self.retries + 1):
             have = part.stat().st_size if part.exists() else 0
             if have > entry.size:

@@ -68,7 +68,8 @@ def node_partition(context: Context) -> tuple[int, int]:
     for key in ("partition-id", "num-partitions"):
         value = config[key]
         # Whole numbers only: int() would take 1.5 or true for partition 1 and serve the wrong one.
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        text = str(value).strip()
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdecimal()):
             raise ValueError(f"node config {key!r} = {value!r} is not a whole number >= 0: {usage}")
         values[key] = int(value)
     partition, count = values["partition-id"], values["num-partitions"]

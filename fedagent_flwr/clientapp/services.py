@@ -131,7 +131,7 @@ def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
             continue
         try:
             EnvServiceManager.attach(state_file).stop()
-        except EnvServiceError as exc:
+        except (EnvServiceError, OSError) as exc:
             log(WARNING, "client %d: env service not stopped: %s", client_id, exc)
             continue
         stopped.append(state_file.name)

@@ -88,8 +88,7 @@ def aggregate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: i
         log(INFO if result.actor is not None else WARNING, "round %d: %s's aggregate_train set no last_aggregation; "
             "recorded from the global model it left: %s", server_round, type(strategy).__name__,
             after.path if result.actor is not None else "unchanged (the round aggregated nothing)")
-    if result is not None:
-        rejected.update(result.refused)
+    rejected.update(result.refused)
     for client in sent:
         if client not in replied:
             rejected[client] = NO_REPLY
@@ -235,8 +234,9 @@ class RoundLoop:
 
     def evaluate(self, server_round: int) -> None:
         """One evaluation of the global model: configure, send, aggregate, record."""
+        self.strategy.evaluation_skipped = ""  # only this round's configure_evaluate may say it could not send
         messages = list(self.strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), self.grid))
-        skipped = getattr(self.strategy, "evaluation_skipped", "")
+        skipped = self.strategy.evaluation_skipped
         if not messages and skipped:  # it should have evaluated and could not: the curve lacks this round
             model = "base" if server_round == 0 else "aggregated"
             log(WARNING, "round %d: the evaluation of the %s model was skipped: %s", server_round, model, skipped)

@@ -27,6 +27,7 @@ def test_a_good_partition_is_read() -> None:
     ({"partition-id": 0, "num-partitions": "two"}, "node config 'num-partitions' = 'two' is not a whole number"),
     ({"partition-id": 2, "num-partitions": 2}, "'partition-id' = 2 is out of range for 'num-partitions' = 2"),
     ({"partition-id": 0, "num-partitions": 0}, "'partition-id' = 0 is out of range for 'num-partitions' = 0"),
+    ({"partition-id": "\u00b2", "num-partitions": 2}, "node config 'partition-id' = '\u00b2' is not a whole number"),
     ({"num-partitions": 2}, "this SuperNode has no partition"),
 ])
 def test_a_bad_partition_is_refused_naming_the_key(config: dict[str, Any], needle: str) -> None:

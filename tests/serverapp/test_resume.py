@@ -274,6 +274,17 @@ def test_an_evaluation_the_strategy_could_not_send_is_recorded_and_makes_the_run
     RoundLoop(unwanted, _OneNode(), recorder, timeout=10).evaluate(2)  # type: ignore[arg-type]
     assert json.loads(recorder.summary_path.read_text())["eval_failures"] == summary["eval_failures"]
 
+    class EveryOtherRound(FedAvgFSDP):  # skips odd rounds by design, without calling super()
+        def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                               grid: Grid) -> Iterable[Message]:
+            return [] if server_round % 2 else super().configure_evaluate(server_round, arrays, config, grid)
+
+    by_design = EveryOtherRound(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2,
+                                eval_seeds=[1, 2, 3, 4], min_evaluate_nodes=2)
+    by_design.evaluation_skipped = "a stale reason from an earlier round"
+    RoundLoop(by_design, _OneNode(), recorder, timeout=10).evaluate(3)  # type: ignore[arg-type]
+    assert json.loads(recorder.summary_path.read_text())["eval_failures"] == summary["eval_failures"]
+
 
 def test_one_serverapp_at_a_time_per_run_directory(tmp_path: Path) -> None:
     with exclusive_run_directory(tmp_path):

@@ -457,8 +457,8 @@ class FedAvgFSDP(FedAvg):
         nodes = self.nodes.online(grid)
         wanted = max(self.min_evaluate_nodes, int(len(nodes) * self.fraction_evaluate))
         what = f"configure_evaluate: evaluation of round {server_round}"
-        self.evaluation_skipped = self._short_of_nodes(nodes, len(nodes), "min_evaluate_nodes", what) or (
-            "" if nodes else "no client node was connected")
+        # min_available_nodes >= 1, so no node connected is a shortage too
+        self.evaluation_skipped = self._short_of_nodes(nodes, len(nodes), "min_evaluate_nodes", what)
         if self.evaluation_skipped:
             return []
         clients = sorted(nodes)[: max(1, min(wanted, len(self.eval_seeds)))]

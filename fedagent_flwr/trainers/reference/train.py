@@ -102,7 +102,6 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
         generator = torch.Generator().manual_seed(derive_seed("rollout", job.data_seed, update))
         episodes = play_episodes(policy, tokenizer, tasks, sampling, cfg.max_model_len, generator,
                                  cfg.rollout_mode, cfg.history_length)
-        check_turns_fit(episodes, cfg.max_new_tokens, cfg.max_model_len, "trainer.max_model_len")
         rollout_seconds = time.monotonic() - step_started
         groups = [t.group for t in tasks]
         samples: Sequence[TokenSample]
@@ -133,6 +132,9 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
         report_step(job.output_dir, StepProgress(update + 1, total_steps, round(time.monotonic() - started, 1),
                                                  mean([float(e.success) for e in episodes])))
 
+    # Over the whole job, not per step: a step that drew only over-long first prompts is a flat
+    # group, but a job in which no episode played a turn has nothing to report.
+    check_turns_fit(all_episodes, cfg.max_new_tokens, cfg.max_model_len, "trainer.max_model_len")
     output_dir = Path(job.output_dir)
     actor_dir = write_fsdp_checkpoint(
         model, tokenizer, output_dir / "checkpoints" / f"global_step_{total_steps}"
