@@ -60,6 +60,20 @@ def _slot(run_root: Path, client: int, server_round: int = 1) -> Path:
     return run_root / f"round_{server_round}" / f"client_{client}"
 
 
+def _failed_eval(client: int, reason: str) -> Message:
+    """An evaluation reply of client ``client``'s node that is an error with ``reason``."""
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+    return Message(Error(code=0, reason=reason), reply_to=instruction)
+
+
+def _stub_model(tmp_path: Path) -> Path:
+    """A model directory with one (unreadable) weight file: enough where no weight is read."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x")
+    return model
+
+
 def _initial(tmp_path: Path) -> CheckpointRef:
     write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
     return CheckpointRef.for_directory(tmp_path / "base")
@@ -328,21 +342,15 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
 def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> None:
     from fedagent_flwr.serverapp.failures import RoundFailedError
 
-    def failed(client: int, reason: str) -> Message:
-        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
-        return Message(Error(code=0, reason=reason), reply_to=instruction)
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model.safetensors").write_bytes(b"x")
+    model = _stub_model(tmp_path)
     strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
     eval_error = "client {c} eval round 0: reference trainer exited with code 2: error: TinyGuess config 'hi' (10) must be >= 'lo' (20)"
     # One client failed, the other never answered: different reasons, the run goes on.
-    assert strategy.aggregate_evaluate(0, [failed(0, eval_error.format(c=0))]) is None
-    eval_round(strategy, 0, [failed(0, eval_error.format(c=0))], sent=[0, 1])
+    assert strategy.aggregate_evaluate(0, [_failed_eval(0, eval_error.format(c=0))]) is None
+    eval_round(strategy, 0, [_failed_eval(0, eval_error.format(c=0))], sent=[0, 1])
     with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
                                                r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
-        eval_round(strategy, 0, [failed(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
+        eval_round(strategy, 0, [_failed_eval(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
 
 
 def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_without_it(tmp_path: Path) -> None:
@@ -357,9 +365,7 @@ def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_withou
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
         return Message(reply.to_record(), reply_to=instruction)
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model.safetensors").write_bytes(b"x")
+    model = _stub_model(tmp_path)
     strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
     replies = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
                evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0))]
@@ -388,13 +394,7 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
         return Message(EvalReply(num_examples=4, success_rate=0.25, reward_mean=2.5).to_record(), reply_to=instruction)
 
-    def failed(client: int, reason: str) -> Message:
-        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
-        return Message(Error(code=0, reason=reason), reply_to=instruction)
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "model.safetensors").write_bytes(b"x")
+    model = _stub_model(tmp_path)
     run_root = tmp_path / "run"
     header = {"base_model": str(model), "total_rounds": 2, "config_sha256": None}
     recorder = RunRecorder(run_root, header)
@@ -403,10 +403,10 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
     connect(strategy, recorder, [0, 1])
     disk = "client 1 eval round 1: OSError: [Errno 28] No space left on device"
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        eval_round(strategy, 1, [evaluated(0), failed(1, disk)], sent=[0, 1])
+        eval_round(strategy, 1, [evaluated(0), _failed_eval(1, disk)], sent=[0, 1])
         recorder.complete_round(1)
         # round 2: client 0 failed, client 1 never answered; different reasons, so the run goes on
-        eval_round(strategy, 2, [failed(0, "client 0 eval round 2: TrainerFailed: killed")], sent=[0, 1])
+        eval_round(strategy, 2, [_failed_eval(0, "client 0 eval round 2: TrainerFailed: killed")], sent=[0, 1])
         recorder.complete_round(2)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("round 1" in w and "client 1" in w and "No space left" in w for w in warnings), warnings
