@@ -56,7 +56,6 @@ from fedagent_flwr.checkpoint.open_ref import content_mismatches
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.protocol import (
-    CONFIG,
     PROXIMAL_MU,
     EvalInstruction,
     TrainInstruction,
@@ -66,6 +65,7 @@ from fedagent_flwr.protocol import (
 from fedagent_flwr.schema.run import Experiment, RunSchema
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
+from fedagent_flwr.serverapp.strategy.flower_settings import check_flower_settings
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
 from fedagent_flwr.serverapp.strategy.replies import evaluation_contents, read_train_reply, split_replies
 from fedagent_flwr.serverapp.strategy.sources import reopened
@@ -161,34 +161,7 @@ class FedAvgFSDP(FedAvg):
         # should have evaluated ('' otherwise); the ServerApp records both (serverapp.rounds).
         self.last_aggregation: TrainAggregation | None = None
         self.evaluation_skipped = ""
-        self._check_flower_settings()
-
-    def _check_flower_settings(self) -> None:
-        """Refuse Flower settings this strategy cannot honour, naming the setting and the fix."""
-        name = type(self).__name__
-        if self.fraction_train != 1.0:
-            raise ValueError(
-                f"{name} does not sample by fraction_train (got {self.fraction_train}): it trains "
-                "clients.per_round of clients.total clients, chosen with FedAgent's seeded rule; set "
-                "clients.per_round instead"
-            )
-        # The built-in rule's count, not an override's: a subclass may not be fully built yet.
-        per_round = len(select_clients(1, self.num_clients, self.clients_per_round, self.base_seed,
-                                       self.local_client_id))
-        if not 1 <= self.min_train_nodes <= per_round:
-            raise ValueError(f"min_train_nodes = {self.min_train_nodes} must be between 1 and the {per_round} "
-                             "client(s) trained per round (clients.per_round)")
-        # Flower sets min_evaluate_nodes to 0 itself when fraction_evaluate is 0 (no evaluation).
-        evaluates = ("min_evaluate_nodes",) if self.fraction_evaluate > 0 else ()
-        for setting in ("min_available_nodes", *evaluates):
-            if not 1 <= getattr(self, setting) <= self.num_clients:
-                raise ValueError(f"{setting} = {getattr(self, setting)} must be between 1 and the "
-                                 f"{self.num_clients} client(s) of the run (clients.total)")
-        if not 0.0 <= self.fraction_evaluate <= 1.0:
-            raise ValueError(f"fraction_evaluate = {self.fraction_evaluate} must be between 0 and 1")
-        if self.configrecord_key != CONFIG or self.arrayrecord_key != "arrays":
-            raise ValueError(f"{name} does not rename message records (configrecord_key, arrayrecord_key): "
-                             f"the ClientApp reads the '{CONFIG}' record and no ArrayRecord travels")
+        check_flower_settings(self)
 
     # ----------------------------------------------------------------------------- selection
     def select_clients(self, server_round: int) -> list[int]:
