@@ -16,7 +16,7 @@ Compared with ``FedAvg`` it
 - refuses a bad client checkpoint (outside the client's own slot of the round, missing, corrupt,
   wrong hash, shapes or a ``config.json`` that differ from the global model), a malformed or oversized
   reply, or a ``num-examples`` beyond the episodes the client was assigned, naming the client, and
-  aggregates the rest;
+  aggregates the rest; a malformed evaluation reply likewise;
 - gives the global model the config, generation config, tokenizer and chat template of the run's base
   model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a shared
@@ -67,7 +67,12 @@ from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 from fedagent_flwr.serverapp.strategy.flower_settings import check_flower_settings
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
-from fedagent_flwr.serverapp.strategy.replies import evaluation_contents, read_train_reply, split_replies
+from fedagent_flwr.serverapp.strategy.replies import (
+    evaluation_contents,
+    read_train_reply,
+    split_replies,
+    usable_evaluations,
+)
 from fedagent_flwr.serverapp.strategy.sources import reopened
 
 
@@ -157,10 +162,12 @@ class FedAvgFSDP(FedAvg):
         # critic): the initial model's, which is the base model or a global model that took them
         # from it. Client configs are checked against them.
         self.model_files: Path | None = model_files_dir(initial_model.path)
-        # What the last aggregate_train did, and why the last configure_evaluate sent nothing when it
-        # should have evaluated ('' otherwise); the ServerApp records both (serverapp.rounds).
+        # What the last aggregate_train did, why the last configure_evaluate sent nothing when it
+        # should have evaluated ('' otherwise), and the clients whose evaluation replies the last
+        # aggregate_evaluate refused (malformed) with why; the ServerApp records them (serverapp.rounds).
         self.last_aggregation: TrainAggregation | None = None
         self.evaluation_skipped = ""
+        self.evaluation_refused: dict[int, str] = {}
         check_flower_settings(self)
 
     # ----------------------------------------------------------------------------- selection
@@ -445,8 +452,11 @@ class FedAvgFSDP(FedAvg):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Episode-weighted success rate, reward (and score) of the global model, with the episode count."""
+        """Episode-weighted success rate, reward (and score) of the global model, with the episode count.
+        A malformed reply is refused naming its client, who is in :attr:`evaluation_refused` with why."""
         valid, _ = self._check_and_log_replies(replies, is_train=False, validate=False)
+        valid, self.evaluation_refused = usable_evaluations(server_round, valid, self.nodes.client_of,
+                                                            self.weighted_by_key)
         if not valid:
             return None
         contents = evaluation_contents(valid, self.weighted_by_key)  # score-mean only if every client has it
