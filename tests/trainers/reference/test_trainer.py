@@ -156,6 +156,26 @@ def test_evaluate_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert result.metrics["num_turns_mean"] > 0
 
 
+def test_entries_of_one_env_keep_their_own_success_rate(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two entries of the same env (here two TinyGuess ranges) each keep their per-env success rate,
+    keyed with the entry's index; one used to overwrite the other under ``success_rate/TinyGuess``.
+    A name that appears once keeps its plain key (``test_evaluate_mode``)."""
+    spec = {"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 50}},
+                     {"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 3}}]}
+    job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "eval"), env_spec=spec,
+                  round=1, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
+    save(job, tmp_path / "eval.json")
+    proc = run_trainer("evaluate", tmp_path / "eval.json")
+    assert proc.returncode == 0, proc.stderr
+    result = load(EvalResult, tmp_path / "eval" / "eval_result.json")
+    assert result.num_episodes == 6
+    per_env = {k: v for k, v in result.metrics.items() if k.startswith("success_rate/")}
+    assert sorted(per_env) == ["success_rate/TinyGuess[0]", "success_rate/TinyGuess[1]"], per_env
+    # three episodes each: the run's rate is the mean of the two entries'
+    assert (per_env["success_rate/TinyGuess[0]"] + per_env["success_rate/TinyGuess[1]"]) / 2 == pytest.approx(
+        result.success_rate)
+
+
 def _bad(tmp: Path, name: str, content: str | dict) -> Path:
     path = tmp / name
     path.write_text(content if isinstance(content, str) else json.dumps(content))
