@@ -9,6 +9,7 @@ pinned client in local mode), and client c trains round r with data seed
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 
 def select_clients(
@@ -42,6 +43,31 @@ def train_env_seed(data_seed: int, spec_index: int, step: int, n_envs: int, i: i
     ``data_seed * 100000 + spec_index * 1000 + step * n_envs + i``: FedAgent's dataset rule
     (``data_seed * 100000 + spec_index * 1000 + i``) with the rows of later local steps following
     those of earlier ones, so each step plays new seeds. Both trainer backends use it, so they
-    play the same environment instances. Valid while ``local_steps * n_envs <= 1000``.
+    play the same environment instances. Valid while ``local_steps * n_envs <= 1000``: past it, an
+    entry plays some of the next entry's seeds (a duplicate instance where both entries are the same
+    env and config), but never shares its GRPO groups (:func:`train_group_ids`).
     """
     return data_seed * 100_000 + spec_index * SEEDS_PER_ENTRY + step * n_envs + i
+
+
+def train_group_ids(seeds: Sequence[int]) -> list[int]:
+    """The GRPO group id of each env instance of one local step, given their env seeds in order.
+
+    An instance's id is its env seed, unique within a step while every entry's rows stay in its
+    block of :data:`SEEDS_PER_ENTRY` seeds. An entry whose rows run past its block plays seeds of
+    the next entry's block, so a seed can repeat within a step (two instances of different entries);
+    the later instance then gets the next free negative id instead, and two instances never share a
+    group. Runs in which no seed repeats keep their ids.
+    """
+    ids: list[int] = []
+    taken: set[int] = set()
+    fresh = -1
+    for seed in seeds:
+        group = seed
+        if group in taken:
+            while fresh in taken:
+                fresh -= 1
+            group = fresh
+        taken.add(group)
+        ids.append(group)
+    return ids

@@ -13,7 +13,8 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
 
 **A re-run** therefore
 1. checks the config fingerprint stored in the summary (a different config is refused);
-2. keeps the summary entries and metrics lines of completed rounds only;
+2. keeps the summary entries and metrics lines of completed rounds only, and the totals they make
+   (``initial_eval_seconds`` once round 0 completed, ``disk_freed_bytes``);
 3. removes the server's uncommitted outputs (global models of later rounds, aggregation
    staging directories, temporary files of interrupted writes);
 4. checks that global model (and PPO critic) against the content hash recorded when its round
@@ -71,6 +72,8 @@ class PreviousRun:
     wall_seconds: float
     client_val_curve: list[dict[str, Any]] = field(default_factory=list)  # per-client validation
     eval_failures: list[dict[str, Any]] = field(default_factory=list)  # evaluations that recorded nothing
+    initial_eval_seconds: float | None = None  # round 0's time, once round 0 was committed
+    disk_freed_bytes: int | None = None  # what retention removed after the completed rounds' commits
 
     @property
     def finished(self) -> bool:
@@ -158,6 +161,7 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
 
     metrics_path = run_dir / METRICS_FILE
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    rounds = kept(stored.get("rounds", []))
     return PreviousRun(
         run_dir=run_dir,
         last_completed_round=last,
@@ -165,12 +169,16 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         total_rounds=int(header["total_rounds"]),
         val_curve=kept(stored.get("val_curve", [])),
         client_curve=kept(stored.get("client_curve", [])),
-        rounds=kept(stored.get("rounds", [])),
+        rounds=rounds,
         events=kept([json.loads(line) for line in lines if line.strip()]),
         resumed=list(stored.get("resumed", [])),
         wall_seconds=float(stored.get("wall_seconds", 0.0)),
         client_val_curve=kept(stored.get("client_val_curve", [])),
         eval_failures=kept(stored.get("eval_failures", [])),
+        initial_eval_seconds=stored.get("initial_eval_seconds") if last is not None else None,
+        # retention's own total over the kept rounds' ``removed`` (it notes committed rounds only)
+        disk_freed_bytes=(sum(sum(e.get("removed", {}).values()) for e in rounds)
+                          if any("removed" in e for e in rounds) else None),
     )
 
 

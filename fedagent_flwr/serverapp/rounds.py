@@ -117,13 +117,16 @@ def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: in
     """Have the strategy aggregate one evaluation's ``replies`` and record it; stop the run when every
     evaluating client (``sent``) failed for the same reason.
 
-    Clients that failed or did not reply are recorded with their reasons: on the evaluation's point
+    Clients that failed, sent a reply the strategy refused (``evaluation_refused``) or did not reply
+    are recorded with their reasons: on the evaluation's point
     when the others' episodes made one, else (nothing to average) as an evaluation that recorded
     nothing, so that a round missing from the validation curve says why.
     """
     model = "base" if server_round == 0 else "aggregated"
+    strategy.evaluation_refused = {}  # an aggregate_evaluate of its own may not set it
     metrics = strategy.aggregate_evaluate(server_round, replies)
     failed = {strategy.nodes.client_of(r.metadata.src_node_id): reply_reason(r) for r in replies if r.has_error()}
+    failed.update(strategy.evaluation_refused)  # replies the strategy refused (malformed), with why
     answered = {strategy.nodes.client_of(r.metadata.src_node_id) for r in replies}
     failed.update({client: NO_REPLY for client in sent if client not in answered})
     why = "; ".join(f"client {c}: {reason}" for c, reason in sorted(failed.items()))

@@ -106,6 +106,45 @@ def test_a_rerun_keeps_the_completed_rounds_only(tmp_path: Path, base: Checkpoin
     assert [p["round"] for p in summary["client_curve"]] == [1, 1, 2, 2]
 
 
+def test_a_rerun_keeps_the_initial_evaluation_time_and_the_disk_freed(tmp_path: Path, base: CheckpointRef) -> None:
+    """``initial_eval_seconds`` (written when round 0 commits) and ``disk_freed_bytes`` (written by
+    retention after a commit) belong to completed rounds: a re-run keeps them, even when it never
+    commits round 0 again nor frees anything more. It used to start the summary without them."""
+    from fedagent_flwr.serverapp.retention import Retention
+
+    run_dir = tmp_path / "job"
+    header = _header(tmp_path, base)
+    recorder = RunRecorder(run_dir, header)
+    recorder.record_eval(server_round=0, model="base", metrics=_metrics(0.0))
+    recorder.complete_round(0)
+    checkpoint = run_dir / "round_1" / "client_0" / "checkpoints" / "global_step_1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.pt").write_bytes(b"w" * 1234)
+    _record_round(recorder, 1, shutil.copytree(base.path, run_dir / "round_1" / "global"), commit=True)
+    assert Retention(run_dir).after_commit(recorder, 1) == 1234
+    _record_round(recorder, 2, shutil.copytree(base.path, run_dir / "round_2" / "global"), commit=False)  # killed
+    before = json.loads(recorder.summary_path.read_text())
+    assert before["disk_freed_bytes"] == 1234 and before["initial_eval_seconds"] >= 0
+
+    for attempt in (2, 3):  # a re-run, and a re-run of that re-run
+        previous = load_previous_run(run_dir, _header(tmp_path, base, run_id=attempt))
+        assert previous is not None
+        again = RunRecorder(run_dir, _header(tmp_path, base, run_id=attempt), previous)
+        if attempt == 2:
+            _record_round(again, 2, run_dir / "round_2" / "global", commit=True)
+            assert Retention(run_dir, keep_client_checkpoints=True).after_commit(again, 2) == 0  # frees nothing
+        summary = json.loads(again.summary_path.read_text())
+        assert summary["initial_eval_seconds"] == before["initial_eval_seconds"], attempt
+        assert summary["disk_freed_bytes"] == 1234, attempt
+    # A run whose round 0 never committed has no initial evaluation time to keep.
+    early = RunRecorder(tmp_path / "early", header)
+    early.record_eval(server_round=0, model="base", metrics=_metrics(0.0))
+    previous = load_previous_run(tmp_path / "early", header)
+    assert previous is not None
+    assert "initial_eval_seconds" not in json.loads(RunRecorder(tmp_path / "early", header, previous)
+                                                    .summary_path.read_text())
+
+
 def test_a_completed_run_has_nothing_left_and_a_crash_before_round_0_keeps_nothing(
     tmp_path: Path, base: CheckpointRef
 ) -> None:

@@ -16,7 +16,7 @@ Compared with ``FedAvg`` it
 - refuses a bad client checkpoint (outside the client's own slot of the round, missing, corrupt,
   wrong hash, shapes or a ``config.json`` that differ from the global model), a malformed or oversized
   reply, or a ``num-examples`` beyond the episodes the client was assigned, naming the client, and
-  aggregates the rest;
+  aggregates the rest; a malformed evaluation reply likewise;
 - gives the global model the config, generation config, tokenizer and chat template of the run's base
   model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a shared
@@ -56,7 +56,6 @@ from fedagent_flwr.checkpoint.open_ref import content_mismatches
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.protocol import (
-    CONFIG,
     PROXIMAL_MU,
     EvalInstruction,
     TrainInstruction,
@@ -66,8 +65,14 @@ from fedagent_flwr.protocol import (
 from fedagent_flwr.schema.run import Experiment, RunSchema
 from fedagent_flwr.seeding import data_seed, select_clients
 from fedagent_flwr.serverapp.nodes import NodeRegistry
+from fedagent_flwr.serverapp.strategy.flower_settings import check_flower_settings
 from fedagent_flwr.serverapp.strategy.plan import RunPlan
-from fedagent_flwr.serverapp.strategy.replies import evaluation_contents, read_train_reply, split_replies
+from fedagent_flwr.serverapp.strategy.replies import (
+    evaluation_contents,
+    read_train_reply,
+    split_replies,
+    usable_evaluations,
+)
 from fedagent_flwr.serverapp.strategy.sources import reopened
 
 
@@ -157,38 +162,13 @@ class FedAvgFSDP(FedAvg):
         # critic): the initial model's, which is the base model or a global model that took them
         # from it. Client configs are checked against them.
         self.model_files: Path | None = model_files_dir(initial_model.path)
-        # What the last aggregate_train did, and why the last configure_evaluate sent nothing when it
-        # should have evaluated ('' otherwise); the ServerApp records both (serverapp.rounds).
+        # What the last aggregate_train did, why the last configure_evaluate sent nothing when it
+        # should have evaluated ('' otherwise), and the clients whose evaluation replies the last
+        # aggregate_evaluate refused (malformed) with why; the ServerApp records them (serverapp.rounds).
         self.last_aggregation: TrainAggregation | None = None
         self.evaluation_skipped = ""
-        self._check_flower_settings()
-
-    def _check_flower_settings(self) -> None:
-        """Refuse Flower settings this strategy cannot honour, naming the setting and the fix."""
-        name = type(self).__name__
-        if self.fraction_train != 1.0:
-            raise ValueError(
-                f"{name} does not sample by fraction_train (got {self.fraction_train}): it trains "
-                "clients.per_round of clients.total clients, chosen with FedAgent's seeded rule; set "
-                "clients.per_round instead"
-            )
-        # The built-in rule's count, not an override's: a subclass may not be fully built yet.
-        per_round = len(select_clients(1, self.num_clients, self.clients_per_round, self.base_seed,
-                                       self.local_client_id))
-        if not 1 <= self.min_train_nodes <= per_round:
-            raise ValueError(f"min_train_nodes = {self.min_train_nodes} must be between 1 and the {per_round} "
-                             "client(s) trained per round (clients.per_round)")
-        # Flower sets min_evaluate_nodes to 0 itself when fraction_evaluate is 0 (no evaluation).
-        evaluates = ("min_evaluate_nodes",) if self.fraction_evaluate > 0 else ()
-        for setting in ("min_available_nodes", *evaluates):
-            if not 1 <= getattr(self, setting) <= self.num_clients:
-                raise ValueError(f"{setting} = {getattr(self, setting)} must be between 1 and the "
-                                 f"{self.num_clients} client(s) of the run (clients.total)")
-        if not 0.0 <= self.fraction_evaluate <= 1.0:
-            raise ValueError(f"fraction_evaluate = {self.fraction_evaluate} must be between 0 and 1")
-        if self.configrecord_key != CONFIG or self.arrayrecord_key != "arrays":
-            raise ValueError(f"{name} does not rename message records (configrecord_key, arrayrecord_key): "
-                             f"the ClientApp reads the '{CONFIG}' record and no ArrayRecord travels")
+        self.evaluation_refused: dict[int, str] = {}
+        check_flower_settings(self)
 
     # ----------------------------------------------------------------------------- selection
     def select_clients(self, server_round: int) -> list[int]:
@@ -472,8 +452,11 @@ class FedAvgFSDP(FedAvg):
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Episode-weighted success rate, reward (and score) of the global model, with the episode count."""
+        """Episode-weighted success rate, reward (and score) of the global model, with the episode count.
+        A malformed reply is refused naming its client, who is in :attr:`evaluation_refused` with why."""
         valid, _ = self._check_and_log_replies(replies, is_train=False, validate=False)
+        valid, self.evaluation_refused = usable_evaluations(server_round, valid, self.nodes.client_of,
+                                                            self.weighted_by_key)
         if not valid:
             return None
         contents = evaluation_contents(valid, self.weighted_by_key)  # score-mean only if every client has it

@@ -1,23 +1,34 @@
-"""Reading a client's train reply: the checks a reply passes before its checkpoint is opened.
+"""Reading a client's reply: the checks a reply passes before it is used.
 
 A train reply is a client id, a checkpoint reference and a few metrics (:class:`TrainReply`).
 A reply far larger than that, one carrying arrays, one claiming another client's id, or one whose
 weight is not a positive number of at most the episodes the client was assigned is refused with a
 reason that names the problem; the strategy records it and aggregates the other clients.
+An evaluation reply (:class:`EvalReply`) that is not one (a metric missing or of the wrong type,
+no episode, a rate outside [0, 1]) is refused the same way, naming the client and its node, and is
+one of the evaluation's failed clients (:func:`usable_evaluations`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from logging import INFO
+from collections.abc import Callable, Iterable, Sequence
+from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from fedagent_flwr.checkpoint import CheckpointError
-from fedagent_flwr.protocol import SCORE_MEAN, ProtocolError, TrainReply
+from fedagent_flwr.protocol import (
+    NUM_EXAMPLES,
+    SCORE_MEAN,
+    SUCCESS_RATE,
+    EvalReply,
+    ProtocolError,
+    TrainReply,
+    single_metrics,
+)
 from fedagent_flwr.serverapp.failures import reply_reason
 
 # A train reply is a client id, a checkpoint reference and a few metrics: well under a KiB.
@@ -37,6 +48,16 @@ def reply_bytes(content: RecordDict) -> int:
     return size
 
 
+def _envelope_problem(reply: Message) -> str:
+    """Why ``reply`` is not a reply this strategy asked for (oversized, carrying arrays), or ''."""
+    size = reply_bytes(reply.content)
+    if size > MAX_REPLY_BYTES:
+        return f"reply of {size} bytes exceeds the limit of {MAX_REPLY_BYTES} (checkpoints travel as references)"
+    if any(len(record) for record in reply.content.array_records.values()):
+        return "reply carries arrays; send a checkpoint reference instead"
+    return ""
+
+
 def read_train_reply(reply: Message, client: int, weighted_by_key: str,
                      assigned: int | None) -> tuple[TrainReply | None, str]:
     """``(TrainReply, "")`` for a usable reply from client ``client``'s node, else ``(None, why)``.
@@ -46,11 +67,9 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
     """
     if client < 0:
         return None, f"reply from unknown node {reply.metadata.src_node_id}"
-    size = reply_bytes(reply.content)
-    if size > MAX_REPLY_BYTES:
-        return None, f"reply of {size} bytes exceeds the limit of {MAX_REPLY_BYTES} (checkpoints travel as references)"
-    if any(len(record) for record in reply.content.array_records.values()):
-        return None, "reply carries arrays; send a checkpoint reference instead"
+    problem = _envelope_problem(reply)
+    if problem:
+        return None, problem
     try:
         parsed = TrainReply.from_record(reply.content)
     except CheckpointError as exc:  # a malformed reference: its own message names the field
@@ -72,6 +91,47 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
         return None, (f"'{weighted_by_key}' = {weight:g} is more than the {assigned} episodes client {client} "
                       "was assigned this round")
     return parsed, ""
+
+
+def eval_reply_problem(reply: Message, weighted_by_key: str) -> str:
+    """Why the evaluation reply ``reply`` (not an error) cannot be averaged, or '' when it can: an
+    :class:`EvalReply` of at least one episode, its success rate in [0, 1], its means finite, and
+    ``weighted_by_key`` (Flower's, ``num-examples`` unless set) a positive number."""
+    problem = _envelope_problem(reply)
+    if problem:
+        return problem
+    try:
+        parsed = EvalReply.from_record(reply.content)
+        weight = single_metrics(reply.content).get(weighted_by_key)
+    except ProtocolError as exc:
+        return str(exc)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        return f"'{weighted_by_key}' = {weight!r} is not a positive number of episodes"
+    if parsed.num_examples < 1:
+        return f"'{NUM_EXAMPLES}' = {parsed.num_examples} is not a positive number of episodes"
+    if not 0.0 <= parsed.success_rate <= 1.0:
+        return f"'{SUCCESS_RATE}' = {parsed.success_rate} is not between 0 and 1"
+    not_finite = [key for key, value in parsed.metrics().items() if not math.isfinite(value)]
+    return f"{', '.join(repr(key) for key in not_finite)} not finite" if not_finite else ""
+
+
+def usable_evaluations(server_round: int, replies: Sequence[Message], client_of: Callable[[int], int],
+                       weighted_by_key: str) -> tuple[list[Message], dict[int, str]]:
+    """The evaluation ``replies`` (none an error) that can be averaged, and the refused clients with
+    why. A refused reply is logged naming its client and node; ``client_of`` maps a node to its client."""
+    usable: list[Message] = []
+    refused: dict[int, str] = {}
+    for reply in replies:
+        node = reply.metadata.src_node_id
+        client = client_of(node)
+        problem = eval_reply_problem(reply, weighted_by_key)
+        if not problem:
+            usable.append(reply)
+            continue
+        who = f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
+        refused[client] = f"malformed evaluation reply from {who}: {problem}"
+        log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[client])
+    return usable, refused
 
 
 def split_replies(replies: Iterable[Message], is_train: bool, validate: bool,

@@ -87,9 +87,9 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
                              settings.rollout_mode, settings.history_length)
     check_turns_fit(episodes, settings.max_new_tokens, settings.max_model_len, model_len_key)
     metrics = episode_metrics(episodes)
-    for j, entry in enumerate(spec.envs):
+    for j, name in enumerate(env_metric_names(spec)):
         mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]
-        metrics[f"success_rate/{entry.name}"] = mean([float(e.success) for e in mine])
+        metrics[f"success_rate/{name}"] = mean([float(e.success) for e in mine])
     metrics["eval_seconds"] = time.monotonic() - started
     score = f" score_mean {metrics['score_mean']:.4f}" if "score_mean" in metrics else ""
     print(f"evaluate: {len(episodes)} episodes on {device}: success_rate {metrics['success_rate']:.4f} "
@@ -102,6 +102,15 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
     )
     save(result, Path(job.output_dir) / EVAL_RESULT)
     return result
+
+
+def env_metric_names(spec: EnvSpec) -> list[str]:
+    """The name each entry's per-env metric carries (``success_rate/<name>``): the env's name, or,
+    where several entries of the spec have that name (one env with different configs; every entry
+    of a spec played through env services is ``Service``), the name with the entry's index
+    (``TinyGuess[1]``, as ``envs[1]``), so that no entry's metric overwrites another's."""
+    names = [entry.name for entry in spec.envs]
+    return [f"{name}[{j}]" if names.count(name) > 1 else name for j, name in enumerate(names)]
 
 
 def mean(values: Sequence[float]) -> float:

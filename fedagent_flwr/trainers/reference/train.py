@@ -16,7 +16,7 @@ from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.progress import StepProgress, report_step
 from fedagent_flwr.rollout.episode import Episode
 from fedagent_flwr.rollout.groups import zero_variance_group_share
-from fedagent_flwr.seeding import train_env_seed
+from fedagent_flwr.seeding import train_env_seed, train_group_ids
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
 from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world, check_turns_fit
@@ -30,6 +30,18 @@ from fedagent_flwr.trainers.reference.grpo import TokenSample, grpo_advantages, 
 
 PROG = "reference_trainer"
 TRAIN_RESULT = "train_result.json"
+
+
+def step_tasks(spec: EnvSpec, data_seed: int, step: int, rollout_n: int) -> list[EpisodeTask]:
+    """The episodes of local step ``step``: ``rollout_n`` rollouts of every env instance of every
+    spec entry (seeded :func:`~fedagent_flwr.seeding.train_env_seed`), one instance's rollouts one
+    GRPO group (:func:`~fedagent_flwr.seeding.train_group_ids`: the env seed, unless another
+    instance of the step has that seed)."""
+    instances = [(entry, train_env_seed(data_seed, j, step, entry.n_envs, i))
+                 for j, entry in enumerate(spec.envs) for i in range(entry.n_envs)]
+    groups = train_group_ids([seed for _, seed in instances])
+    return [EpisodeTask(entry.name, entry.env_config(), seed, entry.max_turns, group)
+            for (entry, seed), group in zip(instances, groups, strict=True) for _ in range(rollout_n)]
 
 
 def _config(job: TrainJob | EvalJob) -> GRPOConfig:
@@ -90,13 +102,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     for update in range(total_steps):
         epoch, step = divmod(update, job.local_steps)
         step_started = time.monotonic()
-        tasks: list[EpisodeTask] = []
-        for j, entry in enumerate(spec.envs):
-            for i in range(entry.n_envs):
-                seed = train_env_seed(job.data_seed, j, step, entry.n_envs, i)
-                # The env seed names the GRPO group: unique within a step by construction.
-                tasks += [EpisodeTask(entry.name, entry.env_config(), seed, entry.max_turns, seed)
-                          for _ in range(cfg.rollout_n)]
+        tasks = step_tasks(spec, job.data_seed, step, cfg.rollout_n)
         # Sampling continues with the optimiser step's own stream (the first epoch's are those of
         # a run without epochs), so a replayed instance gets new rollouts, as in verl.
         generator = torch.Generator().manual_seed(derive_seed("rollout", job.data_seed, update))

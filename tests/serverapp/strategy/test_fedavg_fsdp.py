@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 
@@ -379,6 +379,62 @@ def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_withou
     eval_round(strategy, 2, scored, sent=[0, 1])
     last = json.loads((run_root / "federated_summary.json").read_text())["val_curve"][-1]
     assert last["n"] == 8 and last["score_mean"] == pytest.approx(0.375)
+
+
+def _evaluated(client: int, metrics: dict) -> Message:
+    """An evaluation reply of client ``client``'s node (node 100 + client) carrying ``metrics``."""
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=instruction)
+
+
+def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evaluation reply without a usable ``num-examples`` (missing, a fraction, a list) is refused
+    as a bad train reply is: by the client's and node's name, recorded as that client's failure, the
+    other clients' episodes averaged. It used to stop the run with Flower's 'All MetricRecords must
+    have the same keys', naming nobody, or was silently counted (4.5 episodes read as 4)."""
+    from fedagent_flwr.serverapp.failures import RoundFailedError
+
+    model = _stub_model(tmp_path)
+    strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
+    missing = {"success-rate": 0.5, "reward-mean": 5.0}
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        eval_round(strategy, 1, [_evaluated(0, good), _evaluated(1, missing)], sent=[0, 1])
+        eval_round(strategy, 2, [_evaluated(0, good), _evaluated(1, {**good, "num-examples": 4.5})], sent=[0, 1])
+    summary = json.loads((run_root / "federated_summary.json").read_text())
+    first, second = summary["val_curve"]
+    assert first["n"] == 4 and first["success_rate"] == pytest.approx(0.25), first  # client 0's episodes only
+    assert list(first["failed"]) == ["1"] and "client 1 (node 101)" in first["failed"]["1"]
+    assert "'num-examples' is missing" in first["failed"]["1"], first["failed"]
+    assert second["n"] == 4 and "'num-examples' must be int, got float '4.5'" in second["failed"]["1"], second
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("round 1" in w and "client 1 (node 101)" in w and "num-examples" in w for w in warnings), warnings
+    # Every client's reply malformed in different ways: the evaluation recorded nothing, the run is degraded.
+    eval_round(strategy, 3, [_evaluated(0, missing), _evaluated(1, {**good, "num-examples": [4]})], sent=[0, 1])
+    lost = json.loads((run_root / "federated_summary.json").read_text())["eval_failures"]
+    assert [(e["round"], sorted(e["failed"])) for e in lost] == [(3, ["0", "1"])]
+    assert "client 1 (node 101)" in lost[0]["failed"]["1"] and "'num-examples' must be int" in lost[0]["failed"]["1"]
+    # ... in the same way: the run stops, naming the problem.
+    with pytest.raises(RoundFailedError, match=r"^evaluation of round 4: every client \(2\) failed the same way, "
+                                               r"so the run stops: malformed evaluation reply from client 0 "
+                                               r"\(node 100\): .*'num-examples' is missing"):
+        eval_round(strategy, 4, [_evaluated(0, missing), _evaluated(1, missing)], sent=[0, 1])
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"num-examples": 0}, "'num-examples' = 0 is not a positive number of episodes"),
+    ({"success-rate": 1.5}, "'success-rate' = 1.5 is not between 0 and 1"),
+    ({"reward-mean": float("nan")}, "'reward-mean' not finite"),
+    ({"score-mean": float("inf")}, "'score-mean' not finite"),
+])
+def test_an_evaluation_reply_with_impossible_values_is_refused(tmp_path: Path, change: dict, why: str) -> None:
+    strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(_stub_model(tmp_path)), clients=2)
+    good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
+    metrics = strategy.aggregate_evaluate(1, [_evaluated(0, good), _evaluated(1, {**good, **change})])
+    assert metrics is not None and metrics["num-examples"] == 4
+    assert strategy.evaluation_refused == {1: f"malformed evaluation reply from client 1 (node 101): {why}"}
 
 
 def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_and_survive_a_resume(

@@ -156,6 +156,26 @@ def test_evaluate_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert result.metrics["num_turns_mean"] > 0
 
 
+def test_entries_of_one_env_keep_their_own_success_rate(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two entries of the same env (here two TinyGuess ranges) each keep their per-env success rate,
+    keyed with the entry's index; one used to overwrite the other under ``success_rate/TinyGuess``.
+    A name that appears once keeps its plain key (``test_evaluate_mode``)."""
+    spec = {"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 50}},
+                     {"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 3}}]}
+    job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "eval"), env_spec=spec,
+                  round=1, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
+    save(job, tmp_path / "eval.json")
+    proc = run_trainer("evaluate", tmp_path / "eval.json")
+    assert proc.returncode == 0, proc.stderr
+    result = load(EvalResult, tmp_path / "eval" / "eval_result.json")
+    assert result.num_episodes == 6
+    per_env = {k: v for k, v in result.metrics.items() if k.startswith("success_rate/")}
+    assert sorted(per_env) == ["success_rate/TinyGuess[0]", "success_rate/TinyGuess[1]"], per_env
+    # three episodes each: the run's rate is the mean of the two entries'
+    assert (per_env["success_rate/TinyGuess[0]"] + per_env["success_rate/TinyGuess[1]"]) / 2 == pytest.approx(
+        result.success_rate)
+
+
 def _bad(tmp: Path, name: str, content: str | dict) -> Path:
     path = tmp / name
     path.write_text(content if isinstance(content, str) else json.dumps(content))
@@ -195,6 +215,31 @@ def test_bad_input_exits_2_with_one_line(
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert needle in lines[0] and lines[0].startswith("reference_trainer: error:")
+
+
+def test_grpo_groups_of_different_entries_never_share_an_id() -> None:
+    """An entry whose rows of a step run past its block of 1000 seeds (``n_envs`` x ``local_steps`` >
+    1000) plays seeds of the next entry's block: at step 1, entry 0 (600 instances) plays offsets
+    600-1199, entry 1 (100 instances) 1000 + 100-199. The env seed was the group id, so the 100
+    instances of entry 1 shared GRPO groups with 100 of entry 0 and were scored against them. Each
+    instance now has its own group; where no seed repeats, the id is still the seed."""
+    from fedagent_flwr.envs.spec import load_env_spec
+    from fedagent_flwr.trainers.reference.train import step_tasks
+
+    spec = load_env_spec({"envs": [{"name": "TinyGuess", "n_envs": 600, "config": {"lo": 1, "hi": 50}},
+                                   {"name": "TinyGuess", "n_envs": 100, "config": {"lo": 1, "hi": 5}}]})
+    for step in range(3):
+        tasks = step_tasks(spec, 142, step, rollout_n=2)
+        instances: dict[int, set[tuple[int, int]]] = {}  # group id -> the (entry, seed) instances in it
+        for index, task in enumerate(tasks):
+            instances.setdefault(task.group, set()).add((int(index >= 2 * 600), task.seed))
+        assert len(tasks) == 2 * 700 and len(instances) == 700, (step, len(instances))
+        assert all(len(members) == 1 for members in instances.values()), step  # one instance per group
+        if step == 0:  # no seed repeats: the ids are the env seeds, as before
+            assert [t.group for t in tasks] == [t.seed for t in tasks]
+    one_entry = load_env_spec({"envs": [{"name": "TinyGuess", "n_envs": 2, "config": {}}]})
+    assert [t.group for t in step_tasks(one_entry, 143, 1, 2)] == [train_env_seed(143, 0, 1, 2, i)
+                                                                   for i in range(2) for _ in range(2)]
 
 
 def test_seed_rule_and_advantages() -> None:
