@@ -256,6 +256,33 @@ def test_an_upload_slot_holds_a_bounded_number_of_files(strict_store: HttpServer
     assert sorted(httpx.get(slot, headers=headers).json()["complete"]) == ["f0.json", "f1.json", "partial.json"]
 
 
+@pytest.mark.parametrize(("first", "first_body", "second", "conflict"), [
+    ("huggingface", b"{}", "huggingface/config.json", "needs 'huggingface' to be a folder, but this upload "
+                                                      "already holds a file 'huggingface'"),
+    ("huggingface", b"{", "huggingface/config.json", "already holds a file 'huggingface'"),  # still arriving
+    ("huggingface/config.json", b"{}", "huggingface", "'huggingface' is a folder of this upload"),
+])
+def test_a_file_and_a_folder_of_the_same_name_are_refused_naming_it(
+        store: HttpServerStore, tmp_path: Path, first: str, first_body: bytes, second: str, conflict: str) -> None:
+    slot = upload_url(store.url, RUN, 1, 0, "actor")
+    headers = auth(store.upload_token(1, 0))
+    declared = put_params(first, b"{}")
+    httpx.put(slot, params=declared, headers=headers, content=first_body).raise_for_status()
+    before = tree(tmp_path)
+    refused = httpx.put(slot, params=put_params(second, b"{}"), headers=headers, content=b"{}")
+    assert refused.status_code == 409, refused.text
+    assert conflict in refused.json()["detail"] and "cannot have a file and a folder of the same name" in refused.text
+    assert tree(tmp_path) == before  # refused before anything was written
+    # A manifest listing both is refused as such (400), and nothing is committed.
+    manifest = [{"name": name, "size": 2, "sha256": declared["sha256"]} for name in (first, second)]
+    commit = httpx.post(slot, headers=headers, json={"manifest": manifest, "format": "hf-safetensors",
+                                                     "world_size": 1, "sha256": "1" * 64})
+    assert commit.status_code == 400, commit.text
+    assert "lists 'huggingface' both as a file and as the folder of 'huggingface/config.json'" in commit.text
+    assert tree(tmp_path) == before
+    assert not (store.run_root / "round_1" / "client_0" / "actor").exists()
+
+
 def test_tokens_open_only_their_own_slot_and_run(store: HttpServerStore) -> None:
     slot = upload_url(store.url, RUN, 2, 1, "actor")
     data = b"{}"
