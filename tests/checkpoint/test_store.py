@@ -9,7 +9,7 @@ import hashlib
 import json
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
@@ -24,7 +24,7 @@ from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, Storag
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
-from testkit.store_harness import RUN, SHARD, DropReplyProxy, auth, node, tree, wait_for
+from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, node, tree, wait_for
 
 
 @pytest.fixture
@@ -181,6 +181,55 @@ def test_malformed_commits_are_refused(store: HttpServerStore, body: bytes, stat
                           headers=auth(store.upload_token(1, 0)))
     assert response.status_code == status and message in response.text, response.text
     assert not (store.run_root / "round_1" / "client_0" / "actor").exists()
+
+
+@pytest.mark.parametrize(("body", "content_type", "shown"), [
+    (b'["maintenance", "retry later"]', "application/json", '["maintenance", "retry later"]'),
+    (b'"down for maintenance"', "application/json", '"down for maintenance"'),
+    (b"null", "application/json", "null"),
+    (b'{"detail": ["not", "a", "string"]}', "application/json", '{"detail": ["not", "a", "string"]}'),
+    (b"<html><body>502 Bad Gateway</body></html>", "text/html", "<html><body>502 Bad Gateway</body></html>"),
+    (b"", "text/plain", "(empty body)"),
+])
+def test_an_error_body_that_is_not_a_json_object_is_reported_as_text(
+        suite: Suite, tmp_path: Path, body: bytes, content_type: str, shown: str) -> None:
+    """A gateway in front of the store answers for it: whatever its error body, the client's error
+    is a CheckpointError quoting it (an AttributeError on .get of a list or string before)."""
+    source = suite.copy("qwen_a", tmp_path / "node0")
+    reply = (503, body, content_type)
+    with StubGateway({"GET": reply, "PUT": reply, "POST": reply}) as gateway:
+        client = HttpClientStore(gateway.url, RUN, "read", tmp_path / "node0", upload_token="up", retries=0)
+        model = CheckpointRef(path=f"{gateway.url}/runs/{RUN}/models/round_0/global", sha256="0" * 64)
+        attempts: list[tuple[str, Callable[[], object]]] = [
+            (f"GET {model.path}", lambda: client.fetch(model)),
+            (f"upload status of {upload_url(gateway.url, RUN, 1, 0, 'actor')}",
+             lambda: client.put(source, "actor", 1, 0)),
+            ("progress report to", lambda: client.send_progress(b"{}", 1, 0)),
+        ]
+        for what, attempt in attempts:
+            with pytest.raises(CheckpointError) as refused:
+                attempt()
+            assert f"checkpoint store refused the {what}" in str(refused.value)
+            assert str(refused.value).endswith(f"(HTTP 503): {shown}"), refused.value
+
+
+@pytest.mark.parametrize(("status", "body", "content_type", "message"), [
+    (408, b'["stalled"]', "application/json", 'failed after 1 attempts: HTTP 408: ["stalled"]'),
+    (409, b"<html>conflict</html>", "text/html", "refused the upload of config.json (HTTP 409): <html>conflict</html>"),
+])
+def test_an_upload_refused_with_a_body_that_is_not_a_json_object_is_reported_as_text(
+        tmp_path: Path, status: int, body: bytes, content_type: str, message: str) -> None:
+    source = tmp_path / "node0" / "model"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"")
+    empty_slot = json.dumps({"committed": False, "complete": {}, "partial": {}}).encode()
+    with StubGateway({"GET": (200, empty_slot, "application/json"), "PUT": (status, body, content_type)}) as gateway:
+        client = HttpClientStore(gateway.url, RUN, "read", tmp_path / "node0", upload_token="up", retries=0)
+        with pytest.raises(CheckpointError) as refused:
+            client.put(source, "actor", 1, 0)
+        assert message in str(refused.value)
+        assert "PUT" in gateway.requests
 
 
 def read_response(raw: socket.socket) -> tuple[int, bytes]:
