@@ -160,6 +160,13 @@ def started_with_env(process: psutil.Process, key: str, value: str) -> bool:
         return False
 
 
+def find_with_env(key: str, value: str) -> list[psutil.Process]:
+    """Live processes of this user (this one excepted) started with ``key=value`` in their
+    environment (:func:`started_with_env`): what a starter that set that marker started, found
+    without any record of their pids."""
+    return [p for p in psutil.process_iter() if p.pid != os.getpid() and started_with_env(p, key, value) and _live(p)]
+
+
 def started_since(process: psutil.Process, ref: ProcessRef) -> bool:
     """Whether ``process`` started on ``ref``'s boot no earlier than ``ref`` did (what ``ref``
     started is younger; an older process that got a pid ``ref`` left behind is not)."""
