@@ -21,7 +21,8 @@ the subprocess path uses.
   is handled like a trainer that died during the job (:class:`TrainerStalled`): it runs again in a
   fresh subprocess, with what is left of its time.
 * **Stop** at the end of the run (the server's ``shutdown`` query), on a job timeout, or by itself
-  after ``persistent_idle_s`` without a job or once the node process that started it is gone.
+  after ``persistent_idle_s`` (the latest job's: each job carries it) without a job or once the
+  node process that started it is gone.
   The trainer is started detached (not a child of the ClientApp's process), so that a simulation
   actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
 
@@ -144,7 +145,15 @@ class PersistentTrainer:
 
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
-        or if the one running serves another backend."""
+        or if the one running serves another backend or watches a node process that is gone.
+
+        Nothing else of the ClientApp's settings is fixed in a running trainer: the job timeout and
+        the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every
+        job and is adopted by the server (:meth:`_exchange`), so a change of it takes effect
+        without the cold start of a new trainer. What a backend's session fixes when it starts
+        (verl: the algorithm and every trainer setting) is the backend's to check; verl refuses a
+        job asking for other values, naming them (:mod:`fedagent_flwr.trainers.verl.persistent`).
+        """
         record = self.record()
         pid = self._live_pid(record)
         orphaned = _watch_gone(record)
@@ -242,7 +251,10 @@ class PersistentTrainer:
         offset = log_file.stat().st_size if log_file.exists() else 0
         seq = time.time_ns()
         answer_path = self.channel / OUTBOX / f"{seq}.json"
-        write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path)})
+        # The current trainer.persistent_idle_s travels with every job: a live server adopts it,
+        # so a change of it between jobs needs no new trainer (trainer_server's request format).
+        write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path),
+                                                                 "idle_timeout_s": float(self.idle_timeout_s)})
         watch = ProgressWatch(stall_timeout_s)
         tail = _LogFollower(log_file, offset, own_log, label, watch)
         try:

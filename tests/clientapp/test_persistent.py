@@ -190,6 +190,22 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
         handle.stop(grace_s=10)
 
 
+def test_a_changed_idle_timeout_reaches_the_running_trainer(tmp_path: Path, scripted: PersistentTrainer) -> None:
+    """trainer.persistent_idle_s changed between jobs (a resumed run's new config, say): the next
+    job is served by the same trainer, without a cold start, and the new value applies from then on."""
+    scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)  # idle 600 s
+    pid = scripted.alive_pid()
+    shorter = PersistentTrainer("scripted", scripted.channel, idle_timeout_s=1.0)
+    shorter.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    assert shorter.record()["pid"] == pid and shorter.record()["starts"] == 1  # reused
+    deadline = time.monotonic() + 30  # a hang guard: it exits about 1 s after the job
+    while shorter.alive_pid() == pid and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shorter.alive_pid() is None, "the trainer kept its old idle timeout (600 s)"
+    log = (scripted.channel / "server.log").read_text()
+    assert "idle timeout now 1 s (was 600 s; trainer.persistent_idle_s)" in log and "idle for 1 s, exiting" in log
+
+
 # -- channel semantics, with a scripted session (testkit/scripted_backend.py) ---------------------
 
 
