@@ -160,6 +160,13 @@ def started_with_env(process: psutil.Process, key: str, value: str) -> bool:
         return False
 
 
+def find_with_env(key: str, value: str) -> list[psutil.Process]:
+    """Live processes of this user (this one excepted) started with ``key=value`` in their
+    environment (:func:`started_with_env`): what a starter that set that marker started, found
+    without any record of their pids."""
+    return [p for p in psutil.process_iter() if p.pid != os.getpid() and started_with_env(p, key, value) and _live(p)]
+
+
 def started_since(process: psutil.Process, ref: ProcessRef) -> bool:
     """Whether ``process`` started on ``ref``'s boot no earlier than ``ref`` did (what ``ref``
     started is younger; an older process that got a pid ``ref`` left behind is not)."""
@@ -228,8 +235,17 @@ def stop_each(running: Callable[[], Sequence[psutil.Process]], grace_s: float = 
 # starts the command in a session of its own, reports its pid and waits until the caller has read
 # the command's start time: until this process exits, a command that died at once is its zombie,
 # whose start time can still be read. Then it exits, and init (or a subreaper) adopts the command.
+# With an exit file (argv[1], else ""), it forks first and its child, in a session of its own (so
+# not the caller's child either), does all that and then stays the command's parent: it waits for
+# the command and writes ``{"pid", "returncode"}`` there (atomically), the one way to learn that
+# an orphan was killed by a signal (a SIGKILL, most often the out-of-memory killer).
 _LAUNCHER = """
-import subprocess, sys
+import json, os, subprocess, sys
+exit_file = sys.argv.pop(1)
+if exit_file:
+    if os.fork():
+        os._exit(0)
+    os.setsid()
 try:
     child = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=2, stderr=2)
 except OSError as exc:
@@ -237,19 +253,30 @@ except OSError as exc:
     sys.exit(127)
 print(child.pid, flush=True)
 sys.stdin.read()
+if exit_file:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    code = child.wait()
+    with open(exit_file + ".tmp", "w") as out:
+        json.dump({"pid": child.pid, "returncode": code}, out)
+    os.replace(exit_file + ".tmp", exit_file)
 """
 
 
-def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any]) -> ProcessRef:
+def spawn_detached(command: Sequence[str], env: dict[str, str], stdout: IO[Any],
+                   exit_file: Path | None = None) -> ProcessRef:
     """Start ``command`` as an orphan in a session (and process group) of its own, with stdout and
     stderr to ``stdout``; return it. Raises OSError, naming the command, if it could not start.
+    With ``exit_file``, a small supervisor (in a session of its own as well) writes the command's
+    ``{"pid", "returncode"}`` there once it ends (a negative returncode: killed by that signal).
 
     Not a child of this process: a simulation's ClientApp runs in a Ray actor, and Ray SIGKILLs an
     actor's children when the actor exits (``kill_child_processes_on_worker_exit``), which would
     kill a long-lived helper (the persistent trainer) before it can shut down what it started.
     """
-    launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, *command], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stdout, text=True)
+    launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(exit_file or ""), *command],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stdout, text=True)
     assert launcher.stdin is not None and launcher.stdout is not None
     try:
         reported = launcher.stdout.readline().strip()

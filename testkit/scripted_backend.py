@@ -4,13 +4,15 @@
 Scripts: ``ok``, ``fail``, ``sleep:<s>``; for the progress watchdog ``hang`` (one line, then
 silence), ``warn`` (then only vLLM's stall warning), ``bar`` (a progress bar redrawn after ``\r``
 for 4.8 s, with no newline until it is full) and ``stall_in_session`` (hangs in a
-persistent trainer, trains normally in a fresh subprocess: issue 18's stuck verl session). The
+persistent trainer, trains normally in a fresh subprocess: issue 18's stuck verl session);
+``killed`` (SIGKILL to its own process, no last words, as the out-of-memory killer ends it). The
 subprocess path (``train JOB.json``) runs the same session code.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,8 @@ class ScriptedSession:
         self.close_s = float(job.trainer.get("close_s", 0.0))
         served = bool(os.environ.get(CHANNEL_ENV))
         print(f"scripted train round {job.round}: {script} ({'persistent' if served else 'subprocess'})", flush=True)
+        if script == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         if script == "fail":
             raise RuntimeError(f"scripted failure in round {job.round}")
         if script == "bar":

@@ -148,3 +148,40 @@ class DropReplyProxy:
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+class StubGateway:
+    """A real uvicorn server on loopback that answers every request with the fixed reply of its
+    method (``{"GET": (status, body bytes, content type)}``; 404 for others): what a client of the
+    store meets when a reverse proxy or gateway in front of it answers instead (a maintenance page,
+    a JSON list or string). Use as a context manager; ``url`` is the gateway's."""
+
+    def __init__(self, replies: dict[str, tuple[int, bytes, str]]) -> None:
+        from fedagent_flwr.checkpoint.http_server import _start_uvicorn
+        from fedagent_flwr.checkpoint.store import StorageSettings
+        from fedagent_flwr.envs.service.server import bind_socket, socket_url
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return
+            while (await receive()).get("more_body"):  # drain the request body
+                pass
+            status, body, content_type = replies.get(scope["method"], (404, b"", "text/plain"))
+            self.requests.append(scope["method"])
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", content_type.encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        self.requests: list[str] = []
+        self._sock = bind_socket("127.0.0.1")
+        self.url = socket_url(self._sock)
+        settings = StorageSettings(kind="http")
+        self._server, self._thread = _start_uvicorn(app, self._sock, settings)  # type: ignore[arg-type]
+
+    def __enter__(self) -> StubGateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()

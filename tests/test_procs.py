@@ -75,6 +75,20 @@ def test_a_command_that_dies_at_once_still_gets_a_ref(tmp_path: Path, cleanup: l
     wait_for(lambda: not ref.alive(), "the dead command to be seen as gone")
 
 
+@pytest.mark.parametrize(("script", "returncode"), [("raise SystemExit(3)", 3),
+                                                    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9)])
+def test_an_exit_file_records_how_a_detached_command_ended(
+        tmp_path: Path, cleanup: list[int], script: str, returncode: int) -> None:
+    exit_file = tmp_path / "exit.json"
+    with open(tmp_path / "log.txt", "w") as log:
+        ref = procs.spawn_detached([sys.executable, "-c", f"import time; time.sleep(0.5); {script}"],
+                                   dict(os.environ), log, exit_file=exit_file)
+    cleanup.append(ref.pid)
+    assert psutil.Process(ref.pid).ppid() != os.getpid()  # its supervisor's child, not ours
+    wait_for(exit_file.exists, "the exit file")
+    assert json.loads(exit_file.read_text()) == {"pid": ref.pid, "returncode": returncode}
+
+
 def test_identity_is_pid_and_start_time_so_a_reused_pid_is_another_process() -> None:
     child = subprocess.Popen(SLEEP)
     try:

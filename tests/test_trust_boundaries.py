@@ -7,9 +7,10 @@ bind addresses are checked. Nothing is ever written outside the run root."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Iterator
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -365,3 +366,28 @@ def test_a_bad_state_file_does_not_keep_the_other_services_running(tmp_path: Pat
         assert service.process() is None, "the service outlived the shutdown"
     finally:
         managers[0].stop()
+
+
+def test_the_service_of_an_unreadable_state_file_is_stopped_at_shutdown_all_the_same(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A state file damaged after its service started (here cut short) names no pid any more: the
+    shutdown finds the service by the marker it was started with, stops it and reports the file."""
+    from fedagent_flwr.procs import ProcessRef
+
+    settings = load_settings(overrides="env=tinyguess_service")
+    _, managers = serve_env_spec(settings.train_env_spec, split="train", run_root=tmp_path, client_id=0,
+                                 settings=asdict(settings.run.env.service), partition={"strategy": "none"})
+    state_file = managers[0].state_file
+    service = ProcessRef.from_json(json.loads(state_file.read_text()))
+    assert service is not None and service.process() is not None
+    state_file.write_text(state_file.read_text()[:30])
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert stop_client_services(tmp_path, 0) == []
+        assert service.process() is None, "the service outlived the shutdown"
+        assert f"{state_file} is unreadable" in caplog.text and f"(pid {service.pid}) was stopped" in caplog.text
+        assert not state_file.exists() and state_file.with_name("train_0.json.unreadable").exists()
+    finally:
+        left = service.process()
+        if left is not None:  # the state file cannot stop it any more
+            left.kill()

@@ -32,6 +32,7 @@ from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
 _CHUNK = 1024 * 1024
+_MAX_DETAIL_CHARS = 2000  # of an error body quoted in a CheckpointError (a proxy's HTML page can be long)
 
 
 @dataclass
@@ -225,11 +226,12 @@ class HttpClientStore(ClientStore):
                 _pause(attempt, self.retries, f"upload of {entry.name}", exc)
                 offset = int(self._upload_status(slot)["partial"].get(entry.name, 0))
                 continue
-            if response.status_code == 409 and "received" in response.json():
-                offset = int(response.json()["received"])  # the server holds a different prefix
+            if response.status_code == 409 and "received" in _json_object(response):
+                offset = int(_json_object(response)["received"])  # the server holds a different prefix
                 continue
             if response.status_code == 408:  # the server gave up on a stalled body; it kept the bytes
-                _pause(attempt, self.retries, f"upload of {entry.name}", response.json().get("detail", "HTTP 408"))
+                _pause(attempt, self.retries, f"upload of {entry.name}",
+                       _json_object(response).get("detail") or f"HTTP 408: {response.text[:200]}")
                 offset = int(self._upload_status(slot)["partial"].get(entry.name, 0))
                 continue
             if response.status_code == 422 and not restarted:
@@ -289,11 +291,22 @@ def _pause(attempt: int, retries: int, what: str, problem: object) -> None:
     time.sleep(min(30.0, 0.5 * 2**attempt))
 
 
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    """The response's body if it is a JSON object, else ``{}``: what answers may be a proxy or
+    gateway in front of the store, whose error body can be any JSON (a list, a string) or none."""
+    try:
+        body = response.json()
+    except ValueError:  # not JSON, or not text at all
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def _raise_for_store(response: httpx.Response, what: str) -> None:
+    """CheckpointError with the store's ``detail`` (or the body as text) unless ``response`` succeeded."""
     if response.is_success:
         return
-    try:
-        detail = response.json().get("detail", response.text)
-    except ValueError:
-        detail = response.text
-    raise CheckpointError(f"checkpoint store refused the {what} (HTTP {response.status_code}): {detail}")
+    detail = _json_object(response).get("detail")
+    text = detail if isinstance(detail, str) and detail else response.text.strip() or "(empty body)"
+    if len(text) > _MAX_DETAIL_CHARS:
+        text = text[:_MAX_DETAIL_CHARS] + f"... ({len(text)} characters)"
+    raise CheckpointError(f"checkpoint store refused the {what} (HTTP {response.status_code}): {text}")

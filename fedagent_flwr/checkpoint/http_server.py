@@ -23,7 +23,10 @@ with a key from the run's secret, so the aggregation can skip hashing files that
 A ``PUT`` holds its slot's lock while it reads the body, so a client that stops sending mid-body
 gets HTTP 408 after ``storage.upload_idle_timeout_s`` without a byte and the lock is free again
 (its bytes are kept, as for a dropped connection). A slot holds at most
-``max_files_per_upload`` files (the most a manifest may list); one more is refused with 413.
+``max_files_per_upload`` files (the most a manifest may list); one more is refused with 413. A file
+and a folder of the same name (``huggingface`` beside ``huggingface/x``) are refused with 409 before
+a byte is written, and a manifest listing both with 400. The staging folder's files:
+:mod:`.upload_staging`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import shutil
@@ -47,16 +49,9 @@ from flwr.common.logger import log
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from fedagent_flwr.atomic import fsync_file, write_json_atomic
-from fedagent_flwr.checkpoint.manifest import (
-    HF_SUBDIR,
-    Manifest,
-    build_manifest,
-    check_file_name,
-    check_sha256,
-    file_sha256,
-)
-from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, wait_for_tick, write_receipt
+from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, write_receipt
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
 from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
@@ -72,13 +67,21 @@ from fedagent_flwr.checkpoint.store import (
     require_hash,
     store_ref_parts,
 )
+from fedagent_flwr.checkpoint.upload_staging import (
+    FILES,
+    RECEIVED,
+    hash_and_sync,
+    held_files,
+    name_conflict,
+    partial,
+    received,
+    write_through,
+)
 from fedagent_flwr.envs.service.server import bind_socket, socket_url
 from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES, PROGRESS_FILE
 
 MAX_COMMIT_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
-_RECEIVED = "received.json"
-_FILES = "files"
 
 
 def upload_url(base_url: str, run_key: str, server_round: int, client: int, kind: str) -> str:
@@ -227,13 +230,6 @@ def _slot(store: HttpServerStore, request: Request, run: str, server_round: int,
     return store.staging_dir(server_round, client, kind), f"{server_round}/{client}/{kind}"
 
 
-def _received(staging: Path) -> dict[str, dict[str, Any]]:
-    try:
-        return dict(json.loads((staging / _RECEIVED).read_text()))
-    except FileNotFoundError:
-        return {}
-
-
 async def _read_json_body(request: Request) -> Any:
     body = bytearray()
     async for chunk in request.stream():
@@ -273,11 +269,7 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
     async def upload_status(run: str, server_round: int, client: int, kind: str, request: Request) -> dict[str, Any]:
         staging, _ = _slot(store, request, run, server_round, client, kind)
         committed = store.slot_dir(server_round, client, kind).is_dir()
-        partial = {}
-        if staging.is_dir():
-            partial = {p.relative_to(staging / _FILES).as_posix()[: -len(".part")]: p.stat().st_size
-                       for p in (staging / _FILES).rglob("*.part")}
-        return {"committed": committed, "complete": _received(staging), "partial": partial}
+        return {"committed": committed, "complete": received(staging), "partial": partial(staging)}
 
     @app.put("/runs/{run}/uploads/{server_round}/{client}/{kind}")
     async def upload_file(run: str, server_round: int, client: int, kind: str, request: Request,
@@ -293,15 +285,18 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
         async with store.lock(slot):
             if store.slot_dir(server_round, client, kind).is_dir():
                 raise HTTPException(409, f"upload {slot} is already committed")
-            received = _received(staging)
-            if file in received:
-                if received[file] == {"size": size, "sha256": sha256}:
+            complete = received(staging)
+            if file in complete:
+                if complete[file] == {"size": size, "sha256": sha256}:
                     return {"received": size, "complete": True}
                 raise HTTPException(409, f"{file!r} was already received with another size or sha256")
-            target = staging / _FILES / file
+            conflict = name_conflict(staging, file)
+            if conflict:  # refused before a byte is written
+                raise HTTPException(409, conflict)
+            target = staging / FILES / file
             part = target.with_name(target.name + ".part")
             limit = store.settings.max_files_per_upload
-            if not part.exists() and _held_files(staging) >= limit:
+            if not part.exists() and held_files(staging) >= limit:
                 raise HTTPException(413, f"{file!r}: upload {slot} already holds {limit} files, the most one "
                                     "upload may hold; commit the checkpoint (a manifest lists at most that many)")
             part.parent.mkdir(parents=True, exist_ok=True)
@@ -317,14 +312,14 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
             # Renamed first and hashed under its final name: the stat the receipt records is then
             # the one taken before these very bytes were hashed (a rename moves ctime).
             part.replace(target)
-            actual, checked = await run_in_threadpool(_hash_and_sync, target)
+            actual, checked = await run_in_threadpool(hash_and_sync, target)
             if actual != sha256:
                 target.unlink()
                 raise HTTPException(422, f"{file!r}: received bytes hash to {actual[:16]}..., the upload "
                                     f"declared {sha256[:16]}...; discarded, upload it again")
             if checked is not None:  # the digest matched and the file did not change while hashed
                 store.verified(slot)[file] = (sha256, checked)
-            write_json_atomic(staging / _RECEIVED, {**received, file: {"size": size, "sha256": sha256}})
+            write_json_atomic(staging / RECEIVED, {**complete, file: {"size": size, "sha256": sha256}})
             return {"received": size, "complete": True}
 
     @app.post("/runs/{run}/uploads/{server_round}/{client}/{kind}")
@@ -349,12 +344,12 @@ def create_store_app(store: HttpServerStore) -> FastAPI:
                 if store._committed.get(slot) == (manifest, ref):  # the same commit again: its reply was lost
                     return reply
                 raise HTTPException(409, f"upload {slot} is already committed")
-            received = _received(staging)
+            complete = received(staging)
             for entry in manifest.files:
-                if received.get(entry.name) != {"size": entry.size, "sha256": entry.sha256}:
+                if complete.get(entry.name) != {"size": entry.size, "sha256": entry.sha256}:
                     raise HTTPException(409, f"{entry.name!r} has not been received completely with sha256 "
                                         f"{entry.sha256[:16]}...; upload it before committing")
-            files = staging / _FILES
+            files = staging / FILES
             # Anything received but not in the manifest (a leftover of an earlier attempt) stays out.
             listed = {entry.name for entry in manifest.files}
             for path in sorted(files.rglob("*"), reverse=True):
@@ -416,38 +411,13 @@ async def _append_body(request: Request, part: Path, have: int, size: int, name:
                 part.unlink()
                 raise HTTPException(413, f"{name!r}: the body runs past the declared {size} bytes; "
                                     "partial file discarded")
-            await run_in_threadpool(_write_through, handle, chunk)
+            await run_in_threadpool(write_through, handle, chunk)
             have += len(chunk)
     return have
 
 
-def _held_files(staging: Path) -> int:
-    """Files an upload's staging folder holds, complete or partial (each counts once)."""
-    count = 0
-    for folder in (staging / _FILES, staging / _FILES / HF_SUBDIR):
-        try:
-            with os.scandir(folder) as entries:
-                count += sum(1 for entry in entries if entry.is_file(follow_symlinks=False))
-        except FileNotFoundError:
-            continue
-    return count
 
 
-def _hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
-    """The sha256 (hex) of the received file, and its stat from before it was hashed if nothing
-    can have changed it since without changing that stat (else None).
-
-    The filesystem's clock is let tick past the file's ``ctime`` before hashing starts (as
-    :func:`~.receipts.write_receipt` does for its stamp), so a write during the hashing or after it
-    gives the file a later ``ctime``, even one that puts the size and mtime back; a write before
-    the stat went into the bytes hashed.
-    """
-    fsync_file(path)  # a crash must not leave a short "complete" file
-    before = FileStat.of(os.stat(path))
-    ticked = wait_for_tick(path.parent, before.ctime_ns)
-    digest = file_sha256(path)
-    after = FileStat.of(os.stat(path))
-    return digest, before if ticked and after == before else None
 
 
 def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
@@ -460,12 +430,6 @@ def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
         write_receipt(final, checked, store.receipt_key())
     except OSError as exc:
         log(WARNING, "no receipt for %s (%s): the aggregation will hash its files", final, exc)
-
-
-def _write_through(handle: Any, chunk: bytes) -> None:
-    # Flushed per chunk: the size on disk is what the status endpoint reports, and what survives a dropped link.
-    handle.write(chunk)
-    handle.flush()
 
 
 def _start_uvicorn(app: FastAPI, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:

@@ -83,6 +83,12 @@ class Manifest:
         names = [e.name for e in entries]
         if len(set(names)) != len(names):
             raise CheckpointError("manifest lists a file twice")
+        listed = set(names)
+        for name in names:
+            folder = name.rpartition("/")[0]
+            if folder in listed:
+                raise CheckpointError(f"manifest lists {folder!r} both as a file and as the folder of {name!r}; "
+                                      "a checkpoint cannot have a file and a folder of the same name")
         return cls(tuple(sorted(entries, key=lambda e: e.name)))
 
     def entry(self, name: str) -> FileEntry:

@@ -12,13 +12,17 @@ the subprocess path uses.
   reused pid is never mistaken for it. Every start is appended to ``CHANNEL/starts.jsonl``.
 * **Restart**: if the trainer is gone when a job arrives, a new one starts; if it dies during a
   job, that job is run again in a fresh subprocess (:class:`TrainerDied`, handled by the caller)
-  and the next job starts a new trainer.
+  and the next job starts a new trainer. A small supervisor (:func:`~fedagent_flwr.procs.spawn_detached`)
+  records the trainer's exit status in ``CHANNEL/exit.json``, so the error and the next start's
+  record say how a trainer that left no last words ended, in the subprocess path's words
+  (:func:`.backend.exit_reason`: a SIGKILL from outside is most likely the out-of-memory killer).
 * **Stall**: a job whose output shows no progress for ``stall_timeout_s`` (the watchdog of
   :class:`.backend.ProgressWatch`: new lines other than known stall warnings) stops the trainer and
   is handled like a trainer that died during the job (:class:`TrainerStalled`): it runs again in a
   fresh subprocess, with what is left of its time.
 * **Stop** at the end of the run (the server's ``shutdown`` query), on a job timeout, or by itself
-  after ``persistent_idle_s`` without a job or once the node process that started it is gone.
+  after ``persistent_idle_s`` (the latest job's: each job carries it) without a job or once the
+  node process that started it is gone.
   The trainer is started detached (not a child of the ClientApp's process), so that a simulation
   actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
 
@@ -41,6 +45,7 @@ from fedagent_flwr.clientapp.backend import (
     ProgressWatch,
     TrainerFailed,
     TrainerOutput,
+    exit_reason,
     trainer_environment,
 )
 from fedagent_flwr.clientapp.trainer_server import (
@@ -66,6 +71,7 @@ from fedagent_flwr.procs import (
 PROCESS_FILE = "process.json"
 STARTS_FILE = "starts.jsonl"
 STOPPING_FILE = "stopping.json"  # written by stop(): a trainer that goes now was stopped, not crashed
+EXIT_FILE = "exit.json"  # {"pid", "returncode"} of the last trainer that ended, by its supervisor (procs)
 _POLL_S = 0.2
 
 
@@ -139,7 +145,15 @@ class PersistentTrainer:
 
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
-        or if the one running serves another backend."""
+        or if the one running serves another backend or watches a node process that is gone.
+
+        Nothing else of the ClientApp's settings is fixed in a running trainer: the job timeout and
+        the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every
+        job and is adopted by the server (:meth:`_exchange`), so a change of it takes effect
+        without the cold start of a new trainer. What a backend's session fixes when it starts
+        (verl: the algorithm and every trainer setting) is the backend's to check; verl refuses a
+        job asking for other values, naming them (:mod:`fedagent_flwr.trainers.verl.persistent`).
+        """
         record = self.record()
         pid = self._live_pid(record)
         orphaned = _watch_gone(record)
@@ -160,7 +174,9 @@ class PersistentTrainer:
             stopped = _marker(self.channel / STOPPING_FILE, previous["pid"]) or {}
             closing = _marker(self.channel / CLOSING_FILE, previous["pid"]) or {}
             ended = str(stopped.get("reason") or closing.get("reason") or "")
-            if ended:  # it said why it ended (idle, failure, node gone, stopped) rather than being killed
+            if not ended and not stopped:  # no last words, and no ClientApp stopped it: how it ended
+                ended = self._exit_reason(previous["pid"])
+            if ended:  # it said why it ended (idle, failure, node gone, stopped), or how it was killed
                 reason += f" ({ended})"
         self._stop_leftovers(previous)  # a dead trainer's helpers must not hold the GPU
         for box in (INBOX, OUTBOX):  # requests and answers of a dead trainer mean nothing now
@@ -183,7 +199,7 @@ class PersistentTrainer:
             # simulation actor that runs this ClientApp would SIGKILL it when the actor exits,
             # before it could close its session; it watches the node process instead.
             try:
-                started = spawn_detached(command, env, log)
+                started = spawn_detached(command, env, log, exit_file=self.channel / EXIT_FILE)
             except OSError as exc:
                 raise TrainerFailed(f"could not start the persistent {self.backend} trainer: {exc}") from None
         pid = started.pid
@@ -235,7 +251,10 @@ class PersistentTrainer:
         offset = log_file.stat().st_size if log_file.exists() else 0
         seq = time.time_ns()
         answer_path = self.channel / OUTBOX / f"{seq}.json"
-        write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path)})
+        # The current trainer.persistent_idle_s travels with every job: a live server adopts it,
+        # so a change of it between jobs needs no new trainer (trainer_server's request format).
+        write_json_atomic(self.channel / INBOX / f"{seq}.json", {"seq": seq, "mode": mode, "job": str(job_path),
+                                                                 "idle_timeout_s": float(self.idle_timeout_s)})
         watch = ProgressWatch(stall_timeout_s)
         tail = _LogFollower(log_file, offset, own_log, label, watch)
         try:
@@ -255,8 +274,10 @@ class PersistentTrainer:
                         raise TrainerFailed(f"{label}: the persistent {self.backend} trainer (pid {pid}) was "
                                             f"stopped during the {mode} job (log: {log_file})")
                     self._stop_leftovers(self.record())
+                    how = self._exit_reason(pid, wait_s=2.0)
                     raise TrainerDied(f"{label}: the persistent {self.backend} trainer (pid {pid}) died during "
-                                      f"the {mode} job: {tail.last_lines()} (log: {log_file})")
+                                      f"the {mode} job{f': it {how}' if how else ''}: {tail.last_lines()} "
+                                      f"(log: {log_file})")
                 if time.monotonic() > deadline:
                     self.stop(grace_s=20.0)
                     raise TrainerFailed(f"{label}: trainer killed after the {timeout_s:.0f} s timeout "
@@ -271,6 +292,16 @@ class PersistentTrainer:
                 time.sleep(_POLL_S)
         finally:
             tail.close()
+
+    def _exit_reason(self, pid: int, wait_s: float = 0.0) -> str:
+        """How trainer ``pid`` ended (:func:`.backend.exit_reason`: its exit code, or the signal that
+        killed it), from what its supervisor recorded; waits up to ``wait_s`` for that record
+        (written as soon as the process is gone); "" if there is none."""
+        deadline = time.monotonic() + wait_s
+        while (ended := _marker(self.channel / EXIT_FILE, pid)) is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        code = (ended or {}).get("returncode")
+        return exit_reason(code) if type(code) is int else ""
 
     def _wait_for_exit_of_a_closing_trainer(self, deadline: float) -> None:
         """A trainer that announced it is closing (idle exit, a failure) will serve nothing more:

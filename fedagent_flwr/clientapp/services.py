@@ -121,8 +121,9 @@ def serve_env_spec(
 def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
     """Stop every service recorded for this client; return the state files handled.
 
-    A state file that cannot be read is reported and skipped, so that one bad file never leaves the
-    client's other services (and, after this, its persistent trainer) running. Hidden names are the
+    A state file that cannot be read is reported (its service stopped all the same, found by its
+    marker: :meth:`EnvServiceManager.discard_unreadable`) and skipped, so that one bad file never
+    leaves the client's other services (and, after this, its persistent trainer) running. Hidden names are the
     temporary files of an atomic write that a killed process left behind, not state files.
     """
     stopped = []
@@ -130,7 +131,12 @@ def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
         if state_file.name.startswith("."):
             continue
         try:
-            EnvServiceManager.attach(state_file).stop()
+            try:
+                manager = EnvServiceManager.attach(state_file)
+            except EnvServiceError as exc:  # stops what the file's service left running, then raises
+                EnvServiceManager.discard_unreadable(state_file, exc)
+                continue  # the file went away meanwhile
+            manager.stop()
         except (EnvServiceError, OSError) as exc:
             log(WARNING, "client %d: env service not stopped: %s", client_id, exc)
             continue

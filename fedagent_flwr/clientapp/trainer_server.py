@@ -9,8 +9,11 @@ hosts the node this round:
 
 * ``server.json``: written (atomically) when the server is up: its pid, the process start time
   (a :class:`~fedagent_flwr.procs.ProcessRef`, so a reused pid is never taken for it), the backend.
-* ``inbox/<seq>.json``: one request, ``{"seq", "mode": "train"|"evaluate"|"stop", "job"}``, where
-  ``job`` is the path of the same job file the subprocess path uses. Requests are served one at a
+* ``inbox/<seq>.json``: one request, ``{"seq", "mode": "train"|"evaluate"|"stop", "job",
+  "idle_timeout_s"}``, where ``job`` is the path of the same job file the subprocess path uses and
+  ``idle_timeout_s`` (optional) the sender's ``trainer.persistent_idle_s``, which the server adopts
+  from then on: the one setting of the ClientApp's that the server applies itself, so a change
+  between jobs takes effect without a restart (and its cold start). Requests are served one at a
   time in ``seq`` order.
 * ``outbox/<seq>.json``: the answer, ``{"seq", "ok", "kind", "error"}``; the result itself is the
   job's usual result file. ``kind`` is ``"bad_input"`` (the session is intact and keeps serving)
@@ -137,6 +140,7 @@ def serve(
                 continue
             path, body = request
             seq = int(path.stem)  # the file's name is the request's number
+            idle_timeout_s = _adopt_idle_timeout(body, idle_timeout_s)
             print(f"== request {seq} {body.get('mode')} begin", flush=True)
             answer, keep_serving = _handle(body, session, bad_input, failures, served)
             answer["seq"] = seq
@@ -164,6 +168,17 @@ def serve(
             # "not_served" otherwise (idle exit, a broken session, the node gone: the ClientApp
             # starts a fresh trainer and sends the job again).
             _answer_pending(inbox, outbox, "stopped" if end in ("stopped", "terminated") else "not_served")
+
+
+def _adopt_idle_timeout(body: dict[str, Any], current: float) -> float:
+    """The request's ``idle_timeout_s`` if it carries a valid one (a positive number), else ``current``."""
+    wanted = body.get("idle_timeout_s")
+    if isinstance(wanted, bool) or not isinstance(wanted, (int, float)) or not 0 < wanted < float("inf"):
+        return current
+    if float(wanted) != current:
+        print(f"trainer server: idle timeout now {wanted:g} s (was {current:g} s; trainer.persistent_idle_s)",
+              flush=True)
+    return float(wanted)
 
 
 def _answer_pending(inbox: Path, outbox: Path, kind: str) -> None:

@@ -9,7 +9,7 @@ import hashlib
 import json
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
@@ -24,7 +24,7 @@ from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, Storag
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
 from testkit.ckpt_factory import Suite, suite  # noqa: F401
-from testkit.store_harness import RUN, SHARD, DropReplyProxy, auth, node, tree, wait_for
+from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, node, tree, wait_for
 
 
 @pytest.fixture
@@ -183,6 +183,55 @@ def test_malformed_commits_are_refused(store: HttpServerStore, body: bytes, stat
     assert not (store.run_root / "round_1" / "client_0" / "actor").exists()
 
 
+@pytest.mark.parametrize(("body", "content_type", "shown"), [
+    (b'["maintenance", "retry later"]', "application/json", '["maintenance", "retry later"]'),
+    (b'"down for maintenance"', "application/json", '"down for maintenance"'),
+    (b"null", "application/json", "null"),
+    (b'{"detail": ["not", "a", "string"]}', "application/json", '{"detail": ["not", "a", "string"]}'),
+    (b"<html><body>502 Bad Gateway</body></html>", "text/html", "<html><body>502 Bad Gateway</body></html>"),
+    (b"", "text/plain", "(empty body)"),
+])
+def test_an_error_body_that_is_not_a_json_object_is_reported_as_text(
+        suite: Suite, tmp_path: Path, body: bytes, content_type: str, shown: str) -> None:
+    """A gateway in front of the store answers for it: whatever its error body, the client's error
+    is a CheckpointError quoting it (an AttributeError on .get of a list or string before)."""
+    source = suite.copy("qwen_a", tmp_path / "node0")
+    reply = (503, body, content_type)
+    with StubGateway({"GET": reply, "PUT": reply, "POST": reply}) as gateway:
+        client = HttpClientStore(gateway.url, RUN, "read", tmp_path / "node0", upload_token="up", retries=0)
+        model = CheckpointRef(path=f"{gateway.url}/runs/{RUN}/models/round_0/global", sha256="0" * 64)
+        attempts: list[tuple[str, Callable[[], object]]] = [
+            (f"GET {model.path}", lambda: client.fetch(model)),
+            (f"upload status of {upload_url(gateway.url, RUN, 1, 0, 'actor')}",
+             lambda: client.put(source, "actor", 1, 0)),
+            ("progress report to", lambda: client.send_progress(b"{}", 1, 0)),
+        ]
+        for what, attempt in attempts:
+            with pytest.raises(CheckpointError) as refused:
+                attempt()
+            assert f"checkpoint store refused the {what}" in str(refused.value)
+            assert str(refused.value).endswith(f"(HTTP 503): {shown}"), refused.value
+
+
+@pytest.mark.parametrize(("status", "body", "content_type", "message"), [
+    (408, b'["stalled"]', "application/json", 'failed after 1 attempts: HTTP 408: ["stalled"]'),
+    (409, b"<html>conflict</html>", "text/html", "refused the upload of config.json (HTTP 409): <html>conflict</html>"),
+])
+def test_an_upload_refused_with_a_body_that_is_not_a_json_object_is_reported_as_text(
+        tmp_path: Path, status: int, body: bytes, content_type: str, message: str) -> None:
+    source = tmp_path / "node0" / "model"
+    source.mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "model.safetensors").write_bytes(b"")
+    empty_slot = json.dumps({"committed": False, "complete": {}, "partial": {}}).encode()
+    with StubGateway({"GET": (200, empty_slot, "application/json"), "PUT": (status, body, content_type)}) as gateway:
+        client = HttpClientStore(gateway.url, RUN, "read", tmp_path / "node0", upload_token="up", retries=0)
+        with pytest.raises(CheckpointError) as refused:
+            client.put(source, "actor", 1, 0)
+        assert message in str(refused.value)
+        assert "PUT" in gateway.requests
+
+
 def read_response(raw: socket.socket) -> tuple[int, bytes]:
     """Status and body of one HTTP/1.1 response (with a Content-Length) read from ``raw``."""
     answer = b""
@@ -254,6 +303,33 @@ def test_an_upload_slot_holds_a_bounded_number_of_files(strict_store: HttpServer
     again = httpx.put(slot, params=put_params("f0.json", files["f0.json"]), headers=headers, content=files["f0.json"])
     assert again.json()["complete"]
     assert sorted(httpx.get(slot, headers=headers).json()["complete"]) == ["f0.json", "f1.json", "partial.json"]
+
+
+@pytest.mark.parametrize(("first", "first_body", "second", "conflict"), [
+    ("huggingface", b"{}", "huggingface/config.json", "needs 'huggingface' to be a folder, but this upload "
+                                                      "already holds a file 'huggingface'"),
+    ("huggingface", b"{", "huggingface/config.json", "already holds a file 'huggingface'"),  # still arriving
+    ("huggingface/config.json", b"{}", "huggingface", "'huggingface' is a folder of this upload"),
+])
+def test_a_file_and_a_folder_of_the_same_name_are_refused_naming_it(
+        store: HttpServerStore, tmp_path: Path, first: str, first_body: bytes, second: str, conflict: str) -> None:
+    slot = upload_url(store.url, RUN, 1, 0, "actor")
+    headers = auth(store.upload_token(1, 0))
+    declared = put_params(first, b"{}")
+    httpx.put(slot, params=declared, headers=headers, content=first_body).raise_for_status()
+    before = tree(tmp_path)
+    refused = httpx.put(slot, params=put_params(second, b"{}"), headers=headers, content=b"{}")
+    assert refused.status_code == 409, refused.text
+    assert conflict in refused.json()["detail"] and "cannot have a file and a folder of the same name" in refused.text
+    assert tree(tmp_path) == before  # refused before anything was written
+    # A manifest listing both is refused as such (400), and nothing is committed.
+    manifest = [{"name": name, "size": 2, "sha256": declared["sha256"]} for name in (first, second)]
+    commit = httpx.post(slot, headers=headers, json={"manifest": manifest, "format": "hf-safetensors",
+                                                     "world_size": 1, "sha256": "1" * 64})
+    assert commit.status_code == 400, commit.text
+    assert "lists 'huggingface' both as a file and as the folder of 'huggingface/config.json'" in commit.text
+    assert tree(tmp_path) == before
+    assert not (store.run_root / "round_1" / "client_0" / "actor").exists()
 
 
 def test_tokens_open_only_their_own_slot_and_run(store: HttpServerStore) -> None:

@@ -151,7 +151,7 @@ def test_a_killed_trainer_is_reported_and_the_next_job_restarts_it(
     assert second not in (None, first)
     starts = [json.loads(line) for line in (trainer.channel / STARTS_FILE).read_text().splitlines()]
     assert [s["pid"] for s in starts] == [first, second]
-    assert starts[1]["reason"] == f"restart: trainer pid {first} is gone"
+    assert starts[1]["reason"].startswith(f"restart: trainer pid {first} is gone (was killed by SIGKILL (exit code -9)")
 
 
 def test_timeout_stops_the_trainer_and_stop_is_idempotent(
@@ -188,6 +188,22 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
         assert handle.record()["reason"] == f"restart: trainer pid {pid} is gone (idle for 1 s, trainer.persistent_idle_s)"
     finally:
         handle.stop(grace_s=10)
+
+
+def test_a_changed_idle_timeout_reaches_the_running_trainer(tmp_path: Path, scripted: PersistentTrainer) -> None:
+    """trainer.persistent_idle_s changed between jobs (a resumed run's new config, say): the next
+    job is served by the same trainer, without a cold start, and the new value applies from then on."""
+    scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)  # idle 600 s
+    pid = scripted.alive_pid()
+    shorter = PersistentTrainer("scripted", scripted.channel, idle_timeout_s=1.0)
+    shorter.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    assert shorter.record()["pid"] == pid and shorter.record()["starts"] == 1  # reused
+    deadline = time.monotonic() + 30  # a hang guard: it exits about 1 s after the job
+    while shorter.alive_pid() == pid and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shorter.alive_pid() is None, "the trainer kept its old idle timeout (600 s)"
+    log = (scripted.channel / "server.log").read_text()
+    assert "idle timeout now 1 s (was 600 s; trainer.persistent_idle_s)" in log and "idle for 1 s, exiting" in log
 
 
 # -- channel semantics, with a scripted session (testkit/scripted_backend.py) ---------------------
@@ -250,6 +266,23 @@ def test_a_failed_job_ends_the_trainer_and_the_next_job_gets_a_fresh_one(
     assert scripted.record()["pid"] != first and scripted.record()["starts"] == 2
     assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone (its train job failed)"
     assert (tmp_path / "b" / "train_result.json").exists()
+
+
+def test_a_trainer_killed_from_outside_says_by_which_signal_as_a_subprocess_does(
+    tmp_path: Path, scripted: PersistentTrainer
+) -> None:
+    """The out-of-memory killer's SIGKILL (here the session sends it to its own server) leaves no
+    last words: the error says how the trainer ended, in the subprocess path's words
+    (backend.exit_reason), and so does the next start's record."""
+    with pytest.raises(TrainerDied) as died:
+        scripted.run("train", _scripted_job(tmp_path, "a", "killed"), tmp_path / "a.log", "c0 r1", 60)
+    first = scripted.record()["pid"]
+    killed = backend.exit_reason(-signal.SIGKILL)
+    assert "not by this ClientApp: most likely the out-of-memory killer" in killed
+    assert str(died.value).startswith(f"c0 r1: the persistent scripted trainer (pid {first}) died during the "
+                                      f"train job: it {killed}: "), died.value
+    scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone ({killed})"
 
 
 def _busy_with_a_long_job(handle: PersistentTrainer, tmp: Path) -> tuple[threading.Thread, list[BaseException]]:

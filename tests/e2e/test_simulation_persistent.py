@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from fedagent_flwr.clientapp.backend import exit_reason
 from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE
 from fedagent_flwr.procs import ProcessRef
 from testkit.flower_harness import SuperLink
@@ -119,6 +120,6 @@ def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
     assert f"persistent reference trainer (pid {victim}) died during the train job" in output
     starts = [json.loads(line) for line in (channel / STARTS_FILE).read_text().splitlines()]
     assert len(starts) == 2 and starts[0]["pid"] == victim
-    assert starts[1]["reason"] == f"restart: trainer pid {victim} is gone"
+    assert starts[1]["reason"] == f"restart: trainer pid {victim} is gone ({exit_reason(-signal.SIGKILL)})"
     assert len((run_dir / "trainers" / "client_1" / STARTS_FILE).read_text().splitlines()) == 1
     assert _max_difference(summary, subprocess_run) == 0.0  # bit-identical

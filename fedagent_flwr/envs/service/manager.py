@@ -40,7 +40,15 @@ import httpx
 import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.procs import ProcessRef, group_members, reap, started_with_env, stop_each, stop_group
+from fedagent_flwr.procs import (
+    ProcessRef,
+    find_with_env,
+    group_members,
+    reap,
+    started_with_env,
+    stop_each,
+    stop_group,
+)
 from fedagent_flwr.schema.run import EnvService
 
 logger = logging.getLogger(__name__)
@@ -270,14 +278,17 @@ class EnvServiceManager:
         """Attach to the recorded service if it was launched with ``launch``; else a new manager.
 
         A recorded service with a different launch (another partition, say) is stopped first,
-        so a client never silently trains against a world it did not ask for.
+        so a client never silently trains against a world it did not ask for. A state file that
+        cannot be parsed is no record of what its service serves: that service is stopped, the
+        file moved aside, and EnvServiceError names it (:meth:`discard_unreadable`).
         """
         path = Path(state_file)
         if path.exists():
             try:
                 existing = cls.attach(path, **kwargs)
-            except EnvServiceError:
-                existing = None
+            except EnvServiceError as exc:
+                cls.discard_unreadable(path, exc, stop_grace_s=kwargs.get("stop_grace_s", 10.0))
+                existing = None  # the file went away meanwhile
             # The owner is whoever started the service; another process of the same node may ask
             # for the same service (a simulation node can move between Ray actors).
             if existing is not None and replace(existing.launch, owner_pid=None) == replace(launch, owner_pid=None):
@@ -285,6 +296,39 @@ class EnvServiceManager:
             if existing is not None:
                 existing.stop()
         return cls(launch, path, **kwargs)
+
+    @classmethod
+    def discard_unreadable(cls, state_file: str | os.PathLike[str], problem: Exception, *,
+                           stop_grace_s: float = 10.0) -> None:
+        """Stop the service of a state file that cannot be parsed (``problem`` says why), move the
+        file aside and raise EnvServiceError naming it; returns only if the file is gone.
+
+        Only what is proven ours is stopped: the recorded group if pid and pgid can still be read
+        (:meth:`_terminate_group`), and whatever carries this file's :data:`STATE_ENV` marker
+        (which finds a service whose file is not JSON at all).
+        """
+        manager = cls(ServiceLaunch(env="(unreadable)"), state_file, stop_grace_s=stop_grace_s)  # no launch used
+        path, grace = manager.state_file, stop_grace_s
+        with manager._locked():
+            try:
+                text = path.read_text(errors="replace")
+            except FileNotFoundError:
+                return
+            found = sorted(process.pid for process in find_with_env(STATE_ENV, str(path)))
+            with contextlib.suppress(ValueError):
+                if isinstance(state := json.loads(text), dict) and "pid" in state:
+                    manager._terminate_group(state)
+            survived = not stop_each(lambda: find_with_env(STATE_ENV, str(path)), grace, grace)
+            for pid in found:
+                reap(pid, wait_s=grace)  # a service this very process started
+            aside = path.with_name(path.name + ".unreadable")
+            path.replace(aside)
+            manager._ready_file.unlink(missing_ok=True)
+        stopped = f"its service (pid {', '.join(map(str, found))}) was stopped" if found else "no service of it ran"
+        raise EnvServiceError(
+            f"{problem}; {stopped}{' (some of it survived SIGKILL)' if survived else ''}; the file was moved "
+            f"to {aside.name} beside it, and a new service starts when one is next needed"
+        )
 
     # --- liveness ---------------------------------------------------------------------------
 

@@ -626,6 +626,38 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
         EnvServiceManager.attach_or_create(state_file, launch_b).stop()
 
 
+@pytest.mark.parametrize("damage", ["unknown launch key", "no launch", "not JSON"])
+def test_attach_or_create_stops_the_service_of_a_state_file_it_cannot_parse(tmp_path: Path, damage: str) -> None:
+    state_file = tmp_path / "svc.json"
+    launch = ServiceLaunch(env="TinyGuess", config=TINY_CONFIG, pool_size=1)
+    first = EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
+    try:
+        first.ensure_running()
+        pid = first.pid
+        assert pid is not None
+        service = ProcessRef.of(pid)
+        state = json.loads(state_file.read_text())
+        if damage == "unknown launch key":  # written by another version of the package, say
+            state["launch"]["pool_timeout_s"] = 3.0
+        elif damage == "no launch":
+            del state["launch"]
+        damaged = json.dumps(state) if damage != "not JSON" else state_file.read_text()[:40]
+        state_file.write_text(damaged)
+        with pytest.raises(EnvServiceError) as refused:
+            EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
+        message = str(refused.value)
+        assert f"env service state file {state_file} is unreadable" in message
+        assert f"its service (pid {pid}) was stopped" in message and "svc.json.unreadable" in message
+        assert service is not None and not _proc_exists(service) and group_members(pid) == []
+        assert not state_file.exists() and (tmp_path / "svc.json.unreadable").read_text() == damaged
+        # The next attempt starts a new service.
+        second = EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
+        assert httpx.get(f"{second.ensure_running()}/health").json()["ready"] and second.pid != pid
+    finally:
+        EnvServiceManager.attach_or_create(state_file, launch).stop()
+        first.stop()
+
+
 @contextlib.contextmanager
 def bystander_groups() -> Iterator[dict[str, int]]:
     """Process groups this manager did not start: a live group, and a group whose leader has

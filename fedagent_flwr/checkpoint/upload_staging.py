@@ -1,0 +1,91 @@
+"""The staging folder of one upload slot of the http store (:mod:`.http_server`), on disk.
+
+``<run root>/round_<r>/client_<c>/.upload-<kind>/`` holds ``files/`` (each file as ``<name>.part``
+while it arrives, under its own name once its bytes match their sha256) and ``received.json``
+(``{name: {"size", "sha256"}}`` of the complete files). The http store's routes hold the slot's
+lock around every call here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.atomic import fsync_file
+from fedagent_flwr.checkpoint.manifest import HF_SUBDIR, file_sha256
+from fedagent_flwr.checkpoint.receipts import FileStat, wait_for_tick
+
+RECEIVED = "received.json"
+FILES = "files"
+PART = ".part"
+
+
+def received(staging: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "sha256"}}`` of the files the slot holds complete and verified."""
+    try:
+        return dict(json.loads((staging / RECEIVED).read_text()))
+    except FileNotFoundError:
+        return {}
+
+
+def partial(staging: Path) -> dict[str, int]:
+    """``{name: bytes held}`` of the files still arriving."""
+    files = staging / FILES
+    if not files.is_dir():
+        return {}
+    return {p.relative_to(files).as_posix()[: -len(PART)]: p.stat().st_size for p in files.rglob(f"*{PART}")}
+
+
+def held_files(staging: Path) -> int:
+    """Files an upload's staging folder holds, complete or partial (each counts once)."""
+    count = 0
+    for folder in (staging / FILES, staging / FILES / HF_SUBDIR):
+        try:
+            with os.scandir(folder) as entries:
+                count += sum(1 for entry in entries if entry.is_file(follow_symlinks=False))
+        except FileNotFoundError:
+            continue
+    return count
+
+
+def name_conflict(staging: Path, name: str) -> str:
+    """Why file ``name`` (checked by :func:`~.manifest.check_file_name`) cannot be stored beside
+    what the slot already holds ("" if it can): a file and a folder of the same name.
+
+    ``huggingface/x`` needs ``huggingface`` to be a folder, so a file ``huggingface`` (complete or
+    still arriving) excludes it, and the other way round.
+    """
+    files = staging / FILES
+    folder, _, _ = name.rpartition("/")
+    if folder and ((files / folder).is_file() or (files / (folder + PART)).exists()):
+        return (f"{name!r} needs '{folder}' to be a folder, but this upload already holds a file "
+                f"'{folder}'; a checkpoint cannot have a file and a folder of the same name")
+    if (files / name).is_dir():
+        return (f"{name!r} is a folder of this upload (it holds '{name}/...' files); a checkpoint "
+                "cannot have a file and a folder of the same name")
+    return ""
+
+
+def hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
+    """The sha256 (hex) of the received file, and its stat from before it was hashed if nothing
+    can have changed it since without changing that stat (else None).
+
+    The filesystem's clock is let tick past the file's ``ctime`` before hashing starts (as
+    :func:`~.receipts.write_receipt` does for its stamp), so a write during the hashing or after it
+    gives the file a later ``ctime``, even one that puts the size and mtime back; a write before
+    the stat went into the bytes hashed.
+    """
+    fsync_file(path)  # a crash must not leave a short "complete" file
+    before = FileStat.of(os.stat(path))
+    ticked = wait_for_tick(path.parent, before.ctime_ns)
+    digest = file_sha256(path)
+    after = FileStat.of(os.stat(path))
+    return digest, before if ticked and after == before else None
+
+
+def write_through(handle: Any, chunk: bytes) -> None:
+    # Flushed per chunk: the size on disk is what the status endpoint reports, and what survives a dropped link.
+    handle.write(chunk)
+    handle.flush()
