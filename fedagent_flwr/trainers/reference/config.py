@@ -11,7 +11,7 @@ from fedagent_flwr.schema import SettingError, check
 from fedagent_flwr.schema.trainer import ReferenceKnobs
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
-from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
+from fedagent_flwr.trainers.common.precision import torch_compute_dtype
 
 
 @dataclass
@@ -38,10 +38,6 @@ class GRPOConfig(ReferenceKnobs, EvalSettings):
             return check(cls, raw, "trainer", known_only=True)
         except SettingError as exc:
             raise InputError(str(exc)) from None
-
-    def torch_device(self) -> Any:
-        """The resolved evaluation device."""
-        return torch_device(self.device)
 
     def torch_compute_dtype(self, device: Any = None) -> Any:
         """The resolved compute dtype (``torch.float32`` or ``torch.bfloat16``) on ``device``."""
