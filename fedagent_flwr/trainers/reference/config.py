@@ -43,8 +43,6 @@ class GRPOConfig(ReferenceKnobs, EvalSettings):
         """The resolved compute dtype (``torch.float32`` or ``torch.bfloat16``) on ``device``."""
         return torch_compute_dtype(self.compute_dtype, device)
 
-    def sampling(self, validate: bool = False) -> SamplingParams:
-        """Training sampling parameters (validation ones with ``validate``)."""
-        if validate:
-            return self.val_sampling()
+    def sampling(self) -> SamplingParams:
+        """Training sampling parameters (validation's: :meth:`val_sampling`)."""
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p)
