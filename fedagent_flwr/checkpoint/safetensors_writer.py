@@ -92,7 +92,6 @@ class SafetensorsStreamWriter:
             }
             self._order.append((key, shape, dtype, nbytes))
             offset += nbytes
-        self.data_bytes = offset
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
         self._next = 0

@@ -44,7 +44,6 @@ class TrainJob:
     proximal_mu: float = renamed(Strategy, "proximal_mu")
     critic_path: str = ""
     partition: dict[str, Any] = field(default_factory=dict)
-    service_url: str = ""
     trainer: dict[str, Any] = field(default_factory=dict)  # backend hyper-parameters
     epochs: int = renamed(Train, "epochs")  # E: passes over the round's instances (x local_steps optimiser steps)
 
@@ -75,7 +74,6 @@ class EvalJob:
     env_spec: dict[str, Any]
     round: int
     seeds: list[int]  # one episode per seed
-    service_url: str = ""
     trainer: dict[str, Any] = field(default_factory=dict)
 
 

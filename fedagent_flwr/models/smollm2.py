@@ -171,18 +171,7 @@ def _dequantized_model_from_gguf(gguf: Path) -> Any:
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    except ImportError:  # a transformers without the reader: use its own (quantizer) path
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        # save_pretrained refuses a model that still carries the GGUF quantizer.
-        model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it without None
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
-        return model
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.name_or_path = ""  # the GGUF's internal run name is not a loadable location

@@ -15,18 +15,25 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob
-from fedagent_flwr.envs.registry import make_env
-from fedagent_flwr.envs.spec import EnvSpec, load_env_spec
-from fedagent_flwr.hetero import partition_env_spec
-from fedagent_flwr.models.smollm2 import resolve_model_path
+from fedagent_flwr.envs.base import EnvConfigError
+from fedagent_flwr.envs.registry import UnknownEnvError, make_env
+from fedagent_flwr.envs.spec import EnvSpec, EnvSpecError, load_env_spec
+from fedagent_flwr.hetero import PartitionError, partition_env_spec
+from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
 from fedagent_flwr.rollout.episode import Episode
 from fedagent_flwr.seeding import SEEDS_PER_ENTRY
-from fedagent_flwr.trainers.common.client_rule import RuleChain, job_rule_specs
+from fedagent_flwr.trainers.common.client_rule import ClientRuleError, RuleChain, job_rule_specs
 
 
 class InputError(ValueError):
     """A job a backend cannot run (bad field, setting, env, model): reported as one line on
     stderr with exit status 2."""
+
+
+#: What every backend reports as bad input (exit status 2; a persistent session answers it and keeps
+#: serving): its own checks' and the shared modules' errors (a bad job file is refused as such anyway).
+BAD_INPUT = (InputError, EnvSpecError, UnknownEnvError, PartitionError, EnvConfigError, ModelResolutionError,
+             ClientRuleError)
 
 
 def check_train_header(job: TrainJob, backend: str, algorithms: Sequence[str]) -> None:

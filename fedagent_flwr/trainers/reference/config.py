@@ -11,7 +11,7 @@ from fedagent_flwr.schema import SettingError, check
 from fedagent_flwr.schema.trainer import ReferenceKnobs
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
-from fedagent_flwr.trainers.common.precision import torch_compute_dtype, torch_device
+from fedagent_flwr.trainers.common.precision import torch_compute_dtype
 
 
 @dataclass
@@ -39,16 +39,10 @@ class GRPOConfig(ReferenceKnobs, EvalSettings):
         except SettingError as exc:
             raise InputError(str(exc)) from None
 
-    def torch_device(self) -> Any:
-        """The resolved evaluation device."""
-        return torch_device(self.device)
-
     def torch_compute_dtype(self, device: Any = None) -> Any:
         """The resolved compute dtype (``torch.float32`` or ``torch.bfloat16``) on ``device``."""
         return torch_compute_dtype(self.compute_dtype, device)
 
-    def sampling(self, validate: bool = False) -> SamplingParams:
-        """Training sampling parameters (validation ones with ``validate``)."""
-        if validate:
-            return self.val_sampling()
+    def sampling(self) -> SamplingParams:
+        """Training sampling parameters (validation's: :meth:`val_sampling`)."""
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p)

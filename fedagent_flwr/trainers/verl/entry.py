@@ -38,15 +38,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from fedagent_flwr.clientapp.job import JobFileError, TrainJob, TrainResult, backend_main
-from fedagent_flwr.envs.base import EnvConfigError
-from fedagent_flwr.envs.registry import UnknownEnvError
-from fedagent_flwr.envs.spec import EnvSpecError
-from fedagent_flwr.hetero import PartitionError
-from fedagent_flwr.models.smollm2 import ModelResolutionError
+from fedagent_flwr.clientapp.job import TrainJob, TrainResult, backend_main
+from fedagent_flwr.trainers.common.checks import BAD_INPUT
 from fedagent_flwr.trainers.verl.job import (
     PROG,
-    InputError,
     VerlJobFailed,
     collect_result,
     describe,
@@ -75,8 +70,7 @@ def train(job: TrainJob) -> TrainResult:
 
 
 
-_BAD_INPUT = (InputError, JobFileError, EnvSpecError, UnknownEnvError, PartitionError, EnvConfigError,
-              ModelResolutionError, ValueError)
+_BAD_INPUT = (*BAD_INPUT, ValueError)
 
 
 def session() -> VerlSession:

@@ -89,13 +89,6 @@ class StepFile:
         return new
 
 
-def read_steps(path: Path) -> dict[int, dict[str, float]]:
-    """Every step's metrics in a finished step file ({} if there is none)."""
-    reader = StepFile(path)
-    reader.poll()
-    return reader.steps
-
-
 class StepWatch:
     """Follows a step file in a thread while verl runs (a context manager).
 

@@ -22,7 +22,7 @@ from fedagent_flwr.trainers.verl.job import job_environment, prepare_train, prog
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.runner import run_verl
 from fedagent_flwr.trainers.verl.settings import VERL_LOGGERS, VerlSettings, VerlSettingsError
-from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile, StepWatch, read_steps
+from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile, StepWatch
 
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
 
@@ -37,10 +37,10 @@ def test_verls_own_file_logger_writes_what_the_reader_reads(tmp_path: Path, monk
                   "actor/entropy": float("nan"), "note": "text", "hist": [1, 2]}, step=1)
     tracking.log({"actor/pg_loss": np.float32(-0.5), "timing_s/step": 2.25}, step=2)
     tracking.logger["file"].finish()
-    steps = read_steps(path)
-    assert steps == {1: {"actor/pg_loss": 0.0625, "timing_s/step": 3.5, "training/global_step": 1.0},
-                     2: {"actor/pg_loss": -0.5, "timing_s/step": 2.25}}
-    assert read_steps(tmp_path / "missing.jsonl") == {}
+    reader = StepFile(path)
+    reader.poll()
+    assert reader.steps == {1: {"actor/pg_loss": 0.0625, "timing_s/step": 3.5, "training/global_step": 1.0},
+                            2: {"actor/pg_loss": -0.5, "timing_s/step": 2.25}}
 
 
 def test_the_reader_waits_for_a_whole_line_and_follows_a_file_started_anew(tmp_path: Path) -> None:
