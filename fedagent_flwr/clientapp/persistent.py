@@ -25,6 +25,11 @@ the subprocess path uses.
   node process that started it is gone.
   The trainer is started detached (not a child of the ClientApp's process), so that a simulation
   actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
+* **Code**: a trainer runs the code it imported when it started. Its record keeps the identity of
+  that code (:func:`code_identity`: a hash of the package's ``.py`` files, the interpreter and the
+  ``PYTHONPATH`` it was given); a job whose ClientApp would start a trainer on other code (a
+  resumed run of an updated app on a SuperNode that stayed up) stops the old trainer and starts
+  a new one, the record's reason saying what changed.
 
 The server's output is streamed to the node's log with the client's label and copied into the
 job's own log file, exactly like a subprocess's.
@@ -32,6 +37,7 @@ job's own log file, exactly like a subprocess's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -73,6 +79,8 @@ STARTS_FILE = "starts.jsonl"
 STOPPING_FILE = "stopping.json"  # written by stop(): a trainer that goes now was stopped, not crashed
 EXIT_FILE = "exit.json"  # {"pid", "returncode"} of the last trainer that ended, by its supervisor (procs)
 _POLL_S = 0.2
+# This copy of the package: the one trainer_environment() puts first on a trainer's PYTHONPATH.
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 class TrainerDied(TrainerFailed):
@@ -110,6 +118,42 @@ def node_process() -> ProcessRef | None:
     return recorded
 
 
+def package_digest(package_dir: Path) -> str:
+    """A hash of the code in ``package_dir``: the relative path and content of each ``.py`` file
+    below it (``__pycache__`` left out), in a fixed order. Contents, not modification times: a
+    reinstall of the same code is the same code. About 3 ms of CPU (165 files, 1.2 MB)."""
+    digest = hashlib.sha256()
+    for folder, subfolders, files in os.walk(package_dir):
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = Path(folder) / name
+            data = path.read_bytes()
+            digest.update(f"{path.relative_to(package_dir).as_posix()}\0{len(data)}\0".encode())
+            digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def code_identity(env: dict[str, str]) -> dict[str, str]:
+    """What a trainer started now with environment ``env`` (:func:`.backend.trainer_environment`)
+    would run: this package's code (:func:`package_digest`, computed anew each time: the files on
+    disk are what a new trainer imports), the interpreter and the ``PYTHONPATH`` (which copy of the
+    package, and of anything else found through it, is imported)."""
+    return {"package_sha256": package_digest(_PACKAGE_DIR), "executable": sys.executable,
+            "pythonpath": env.get("PYTHONPATH", "")}
+
+
+def code_change(record: dict[str, Any], identity: dict[str, str]) -> str:
+    """Why the trainer of ``record`` runs other code than ``identity`` ("" if it runs the same)."""
+    ran = record.get("code")
+    if not isinstance(ran, dict):
+        return "code changed: the trainer's code is unknown (started by an older fedagent_flwr)"
+    words = {"package_sha256": "fedagent_flwr's .py files", "executable": "the Python interpreter",
+             "pythonpath": "PYTHONPATH"}
+    changed = [f"{words.get(key, key)} {ran.get(key)!r} -> {value!r}" for key, value in identity.items()
+               if ran.get(key) != value]
+    return f"code changed: {'; '.join(changed)}" if changed else ""
+
+
 def channel_dir(run_root: Path, client_id: int) -> Path:
     """The node-local channel of the trainer that serves ``client_id``."""
     return Path(run_root) / "trainers" / f"client_{client_id}"
@@ -145,7 +189,9 @@ class PersistentTrainer:
 
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
-        or if the one running serves another backend or watches a node process that is gone.
+        or if the one running serves another backend, runs other code than a trainer started now
+        would (:func:`code_change`: the app was updated, or another interpreter or PYTHONPATH) or
+        watches a node process that is gone.
 
         Nothing else of the ClientApp's settings is fixed in a running trainer: the job timeout and
         the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every
@@ -157,15 +203,22 @@ class PersistentTrainer:
         record = self.record()
         pid = self._live_pid(record)
         orphaned = _watch_gone(record)
-        if pid is not None and record.get("backend") == self.backend and not orphaned:
+        env = trainer_environment()
+        identity = code_identity(env)
+        changed = code_change(record, identity) if pid is not None else ""
+        if pid is not None and record.get("backend") == self.backend and not orphaned and not changed:
             return pid
         if self.backend not in BACKEND_MODULES:
             raise TrainerFailed(f"unknown trainer backend {self.backend!r} (known: {sorted(BACKEND_MODULES)})")
         if pid is not None:
-            # A trainer of another backend (the run's config changed on resume), or one left by a
-            # killed run (its node process is gone: it would exit after one more job); the latter
-            # may be busy with a job nobody waits for, so it gets SIGTERM (it closes its session).
-            self.stop(grace_s=0.0 if orphaned else 30.0)
+            # A trainer of another backend (the run's config changed on resume) or on other code
+            # (the app was updated: its results would come from the code it imported at its start),
+            # or one left by a killed run (its node process is gone: it would exit after one more
+            # job); the latter may be busy with a job nobody waits for, so it gets SIGTERM (it
+            # closes its session).
+            if changed and not orphaned:
+                print(f"persistent trainer: stopping trainer pid {pid}: {changed}", flush=True)
+            self.stop(grace_s=0.0 if orphaned else 30.0, reason="" if orphaned else changed)
         previous = self.record()
         reason = "first job"
         if previous.get("pid"):
@@ -187,7 +240,6 @@ class PersistentTrainer:
         # trainer, and a thread still waiting on the stopped one must find it (else the stop reads
         # as a crash, TrainerDied, and the job would be rerun).
         (self.channel / CLOSING_FILE).unlink(missing_ok=True)
-        env = trainer_environment()
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
         watched = node_process()
         if watched is not None:
@@ -205,7 +257,8 @@ class PersistentTrainer:
         pid = started.pid
         starts = int(previous.get("starts", 0)) + 1
         record = {**started.to_json(), "backend": self.backend, "starts": starts, "started_at": time.time(),
-                  "reason": reason, "watch": watched.to_json() if watched is not None else None}
+                  "reason": reason, "watch": watched.to_json() if watched is not None else None,
+                  "code": identity}
         write_json_atomic(self.channel / PROCESS_FILE, record)
         with open(self.channel / STARTS_FILE, "a") as history:
             history.write(json.dumps(record) + "\n")
