@@ -416,10 +416,6 @@ async def _append_body(request: Request, part: Path, have: int, size: int, name:
     return have
 
 
-
-
-
-
 def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
                    verified: dict[str, tuple[str, FileStat]]) -> None:
     """Record what was verified on receipt beside the committed checkpoint (:mod:`.receipts`); a

@@ -240,6 +240,8 @@ class PersistentTrainer:
         # trainer, and a thread still waiting on the stopped one must find it (else the stop reads
         # as a crash, TrainerDied, and the job would be rerun).
         (self.channel / CLOSING_FILE).unlink(missing_ok=True)
+        # Read above; it names a pid only, so it must not outlive its trainer (a new one with that pid).
+        (self.channel / EXIT_FILE).unlink(missing_ok=True)
         env[IDLE_ENV] = repr(float(self.idle_timeout_s))
         watched = node_process()
         if watched is not None:

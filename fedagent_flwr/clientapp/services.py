@@ -133,9 +133,10 @@ def stop_client_services(run_root: str | Path, client_id: int) -> list[str]:
         try:
             try:
                 manager = EnvServiceManager.attach(state_file)
-            except EnvServiceError as exc:  # stops what the file's service left running, then raises
-                EnvServiceManager.discard_unreadable(state_file, exc)
-                continue  # the file went away meanwhile
+            except EnvServiceError as exc:  # its service is stopped all the same, found by its marker
+                if said := EnvServiceManager.discard_unreadable(state_file, exc):
+                    log(WARNING, "client %d: %s", client_id, said)
+                continue
             manager.stop()
         except (EnvServiceError, OSError) as exc:
             log(WARNING, "client %d: env service not stopped: %s", client_id, exc)

@@ -22,6 +22,7 @@ from fedagent_flwr.clientapp import backend
 from fedagent_flwr.clientapp.backend import TrainerFailed
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, load, save
 from fedagent_flwr.clientapp.persistent import (
+    EXIT_FILE,
     PROCESS_FILE,
     STARTS_FILE,
     PersistentTrainer,
@@ -283,6 +284,23 @@ def test_a_trainer_killed_from_outside_says_by_which_signal_as_a_subprocess_does
                                       f"train job: it {killed}: "), died.value
     scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
     assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone ({killed})"
+
+
+def test_a_new_trainer_never_reads_an_earlier_trainers_exit_record(tmp_path: Path, scripted: PersistentTrainer) -> None:
+    """exit.json names a pid only: a record left by an earlier trainer (of this run or of an earlier
+    attempt in the same run folder, its supervisor's last write) would describe a new trainer that
+    got the same pid and died without its own record (its supervisor killed with it), so a start
+    clears it once it has read how the previous trainer ended."""
+    scripted.channel.mkdir(parents=True)
+    (scripted.channel / EXIT_FILE).write_text(json.dumps({"pid": 4242, "returncode": -9}))
+    scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)
+    pid = scripted.alive_pid()
+    assert pid is not None and not (scripted.channel / EXIT_FILE).exists()
+    scripted.stop(grace_s=10)  # its own record, written by its supervisor once it is gone
+    deadline = time.monotonic() + 10
+    while not (scripted.channel / EXIT_FILE).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads((scripted.channel / EXIT_FILE).read_text()) == {"pid": pid, "returncode": 0}
 
 
 def _busy_with_a_long_job(handle: PersistentTrainer, tmp: Path) -> tuple[threading.Thread, list[BaseException]]:

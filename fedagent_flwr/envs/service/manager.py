@@ -279,16 +279,17 @@ class EnvServiceManager:
 
         A recorded service with a different launch (another partition, say) is stopped first,
         so a client never silently trains against a world it did not ask for. A state file that
-        cannot be parsed is no record of what its service serves: that service is stopped, the
-        file moved aside, and EnvServiceError names it (:meth:`discard_unreadable`).
+        cannot be parsed is no record of what its service serves: that service is stopped and the
+        file moved aside, with a warning naming it (:meth:`discard_unreadable`), and a new one starts.
         """
         path = Path(state_file)
         if path.exists():
             try:
                 existing = cls.attach(path, **kwargs)
-            except EnvServiceError as exc:
-                cls.discard_unreadable(path, exc, stop_grace_s=kwargs.get("stop_grace_s", 10.0))
-                existing = None  # the file went away meanwhile
+            except EnvServiceError as exc:  # nothing stands in the way of a new service once it is done
+                if said := cls.discard_unreadable(path, exc, stop_grace_s=kwargs.get("stop_grace_s", 10.0)):
+                    logger.warning("%s", said)
+                existing = None
             # The owner is whoever started the service; another process of the same node may ask
             # for the same service (a simulation node can move between Ray actors).
             if existing is not None and replace(existing.launch, owner_pid=None) == replace(launch, owner_pid=None):
@@ -299,9 +300,10 @@ class EnvServiceManager:
 
     @classmethod
     def discard_unreadable(cls, state_file: str | os.PathLike[str], problem: Exception, *,
-                           stop_grace_s: float = 10.0) -> None:
+                           stop_grace_s: float = 10.0) -> str:
         """Stop the service of a state file that cannot be parsed (``problem`` says why), move the
-        file aside and raise EnvServiceError naming it; returns only if the file is gone.
+        file aside and return a message naming them ("" if the file is gone); EnvServiceError if
+        the recorded group survived SIGKILL (the file then stays).
 
         Only what is proven ours is stopped: the recorded group if pid and pgid can still be read
         (:meth:`_terminate_group`), and whatever carries this file's :data:`STATE_ENV` marker
@@ -313,7 +315,7 @@ class EnvServiceManager:
             try:
                 text = path.read_text(errors="replace")
             except FileNotFoundError:
-                return
+                return ""
             found = sorted(process.pid for process in find_with_env(STATE_ENV, str(path)))
             with contextlib.suppress(ValueError):
                 if isinstance(state := json.loads(text), dict) and "pid" in state:
@@ -325,7 +327,7 @@ class EnvServiceManager:
             path.replace(aside)
             manager._ready_file.unlink(missing_ok=True)
         stopped = f"its service (pid {', '.join(map(str, found))}) was stopped" if found else "no service of it ran"
-        raise EnvServiceError(
+        return (
             f"{problem}; {stopped}{' (some of it survived SIGKILL)' if survived else ''}; the file was moved "
             f"to {aside.name} beside it, and a new service starts when one is next needed"
         )

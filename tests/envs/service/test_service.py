@@ -627,7 +627,11 @@ def test_attach_or_create_replaces_a_service_with_another_partition(tmp_path: Pa
 
 
 @pytest.mark.parametrize("damage", ["unknown launch key", "no launch", "not JSON"])
-def test_attach_or_create_stops_the_service_of_a_state_file_it_cannot_parse(tmp_path: Path, damage: str) -> None:
+def test_attach_or_create_stops_the_service_of_a_state_file_it_cannot_parse(
+        tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The old service is stopped and the file moved aside with a warning naming both; the same call
+    then serves a new service: the job that met the damaged file is not failed for it (after a
+    package upgrade every client meets one at once, and failing them all alike stopped the run)."""
     state_file = tmp_path / "svc.json"
     launch = ServiceLaunch(env="TinyGuess", config=TINY_CONFIG, pool_size=1)
     first = EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
@@ -643,15 +647,14 @@ def test_attach_or_create_stops_the_service_of_a_state_file_it_cannot_parse(tmp_
             del state["launch"]
         damaged = json.dumps(state) if damage != "not JSON" else state_file.read_text()[:40]
         state_file.write_text(damaged)
-        with pytest.raises(EnvServiceError) as refused:
-            EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
-        message = str(refused.value)
+        with caplog.at_level(logging.WARNING, logger="fedagent_flwr.envs.service.manager"):
+            second = EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
+        message = caplog.text
         assert f"env service state file {state_file} is unreadable" in message
         assert f"its service (pid {pid}) was stopped" in message and "svc.json.unreadable" in message
         assert service is not None and not _proc_exists(service) and group_members(pid) == []
         assert not state_file.exists() and (tmp_path / "svc.json.unreadable").read_text() == damaged
-        # The next attempt starts a new service.
-        second = EnvServiceManager.attach_or_create(state_file, launch, stop_grace_s=5.0)
+        # This very call's manager starts a new service.
         assert httpx.get(f"{second.ensure_running()}/health").json()["ready"] and second.pid != pid
     finally:
         EnvServiceManager.attach_or_create(state_file, launch).stop()
