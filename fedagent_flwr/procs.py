@@ -251,16 +251,20 @@ try:
 except OSError as exc:
     print("E:%s" % exc, flush=True)
     sys.exit(127)
-print(child.pid, flush=True)
-sys.stdin.read()
+try:
+    print(child.pid, flush=True)
+    sys.stdin.read()
+except OSError:  # the caller died before reading: still supervise, so the exit is recorded
+    pass
 if exit_file:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
     code = child.wait()
-    with open(exit_file + ".tmp", "w") as out:
+    part = "%s.%d.tmp" % (exit_file, os.getpid())
+    with open(part, "w") as out:
         json.dump({"pid": child.pid, "returncode": code}, out)
-    os.replace(exit_file + ".tmp", exit_file)
+    os.replace(part, exit_file)
 """
 
 

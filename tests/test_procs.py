@@ -89,6 +89,24 @@ def test_an_exit_file_records_how_a_detached_command_ended(
     assert json.loads(exit_file.read_text()) == {"pid": ref.pid, "returncode": returncode}
 
 
+def test_the_exit_is_recorded_even_if_the_caller_died_before_reading_the_pid(tmp_path: Path) -> None:
+    # The launcher as spawn_detached runs it, but its caller closes the pipes at once (as a caller
+    # killed in between would): the supervisor's pid report then meets a closed pipe, and must go
+    # on supervising so the command's end is still recorded.
+    exit_file = tmp_path / "exit.json"
+    launcher = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", procs._LAUNCHER, str(exit_file),
+         sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(4)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert launcher.stdin is not None and launcher.stdout is not None
+    launcher.stdout.close()
+    launcher.stdin.close()
+    launcher.wait(timeout=30)
+    wait_for(exit_file.exists, "the exit file")
+    assert json.loads(exit_file.read_text())["returncode"] == 4
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_identity_is_pid_and_start_time_so_a_reused_pid_is_another_process() -> None:
     child = subprocess.Popen(SLEEP)
     try:

@@ -128,8 +128,8 @@ def serve(
             if request is None:
                 now = time.monotonic()
                 if now - last_request > idle_timeout_s:
-                    print(f"trainer server: idle for {idle_timeout_s:.0f} s, exiting", flush=True)
-                    end = f"idle for {idle_timeout_s:.0f} s, trainer.persistent_idle_s"
+                    print(f"trainer server: idle for {idle_timeout_s:g} s, exiting", flush=True)
+                    end = f"idle for {idle_timeout_s:g} s, trainer.persistent_idle_s"
                     return 0
                 if watched and owner and owner.gone():
                     print(f"trainer server: {watched.describe()}, the node process that "
