@@ -96,6 +96,12 @@ class BaseTextEnv(abc.ABC):
     ) -> None:
         await self.close()
 
+    @classmethod
+    def served_env_name(cls, config: Mapping[str, Any]) -> str | None:
+        """The name of the environment an entry with ``config`` plays on this one's behalf (the
+        env-service client names the served env), or None: the entry plays this environment."""
+        return None
+
     # --- goal pools (for partitioning); environments without a finite pool keep the defaults ---
 
     @classmethod

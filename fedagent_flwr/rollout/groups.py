@@ -4,7 +4,11 @@ GRPO's advantage is an episode's reward minus its group's mean, so a group whose
 scored the same (all failed, or all succeeded) contributes no policy gradient at all. When most
 groups are like that, what is left of the update is the KL and entropy terms, which Adam then
 rescales to full step size: the model drifts instead of learning. Both trainers report this share
-per client round (``zero_variance_group_share``), next to entropy and grad norm.
+per client round (``zero_variance_group_share``), next to entropy and grad norm, over every GRPO
+group of the round: one env instance's rollouts at one optimiser step, as verl's GRPO groups them
+(by the ``uid`` its trainer gives each row of a step; the reference trainer by update and group
+id). An instance replayed in a later epoch, or two spec entries' instances that share an env and a
+seed, are separate groups: merged, two groups flat at different values would look like signal.
 """
 
 from __future__ import annotations

@@ -118,6 +118,12 @@ class ServiceTextEnv(BaseTextEnv):
         self._served_env: str | None = None
         self.step_id = 0
 
+    @classmethod
+    def served_env_name(cls, config: Mapping[str, Any]) -> str | None:
+        """The served env's name (``config["env"]``, which the client's services always set), or None."""
+        remote = config.get("env")
+        return remote.strip() if isinstance(remote, str) and remote.strip() else None
+
     # --- transport -------------------------------------------------------------------------
 
     def _http(self) -> httpx.AsyncClient:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
+from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
 from fedagent_flwr.schema.trainer import AgentLoopKnobs, EvalKnobs
@@ -105,11 +106,12 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
 
 
 def env_metric_names(spec: EnvSpec) -> list[str]:
-    """The name each entry's per-env metric carries (``success_rate/<name>``): the env's name, or,
-    where several entries of the spec have that name (one env with different configs; every entry
-    of a spec played through env services is ``Service``), the name with the entry's index
-    (``TinyGuess[1]``, as ``envs[1]``), so that no entry's metric overwrites another's."""
-    names = [entry.name for entry in spec.envs]
+    """The name each entry's per-env metric carries (``success_rate/<name>``): the env's name (for
+    an entry played through an env service, named ``Service``, the served env's, ``config["env"]``),
+    or, where several entries of the spec have that name (one env with different configs), the name
+    with the entry's index (``TinyGuess[1]``, as ``envs[1]``), so that no entry's metric overwrites
+    another's."""
+    names = [get_env_class(entry.name).served_env_name(entry.config) or entry.name for entry in spec.envs]
     return [f"{name}[{j}]" if names.count(name) > 1 else name for j, name in enumerate(names)]
 
 

@@ -95,7 +95,11 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
 
     all_episodes: list[Episode] = []
     num_samples = 0
-    losses, kls, rule_values, flat_shares = [], [], [], []
+    losses, kls, rule_values = [], [], []
+    # Every GRPO group of the job: one instance's rollouts at one update (a replayed instance of a
+    # later epoch is a group of its own, as in verl, whose trainer gives each step's rows new uids).
+    group_rewards: list[float] = []
+    group_keys: list[tuple[int, int]] = []
     total_steps = job.epochs * job.local_steps
     # FedAgent's E (verl's total_epochs over one round's dataset): every epoch replays the same
     # instances in the same order, with fresh rollouts from the current weights.
@@ -117,7 +121,8 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
         else:
             samples, scores, sample_groups = list(episodes), [e.reward for e in episodes], groups
         advantages = grpo_advantages(scores, sample_groups)
-        flat_shares.append(zero_variance_group_share([e.reward for e in episodes], groups))
+        group_rewards += [e.reward for e in episodes]
+        group_keys += [(update, group) for group in groups]
         stats = grpo_update(model, ref_model, optimizer, samples, advantages, cfg, policy.pad_id, rules)
         num_samples += len(samples)
         if sampler is not model:
@@ -149,7 +154,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     metrics.update(
         loss=mean(losses),
         kl=mean(kls),
-        zero_variance_group_share=mean(flat_shares),
+        zero_variance_group_share=zero_variance_group_share(group_rewards, group_keys),
         num_samples=float(num_samples),
         train_seconds=time.monotonic() - started,
         proximal_mu=float(job.proximal_mu),

@@ -15,7 +15,9 @@ the environment flagged invalid (``info["is_action_valid"] is False``; FedAgent'
 reward workers never score it. Every finished episode is also appended, as one JSON line, to the
 episode log, from which the entry module reports the client's success rate and reward: the row's
 ``episode_log`` (the round's own file; a persistent trainer's loops outlive the round), else the
-one in the agent-loop YAML.
+one in the agent-loop YAML. The record carries the row's ``uid`` (the GRPO group verl's trainer
+gave the row at this step) and, in windowed mode, the score of each turn row, so the share of flat
+groups is measured on the groups and scores verl's GRPO used.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ def reward_extra_info(episode: Any, invalid: int) -> dict[str, Any]:
 def episode_log_path(row: dict[str, Any], default: str) -> str:
     """Where an episode of ``row`` is logged: the row's ``episode_log`` if it names one, else ``default``."""
     return str(row.get("episode_log") or default)
+
+
+def grpo_group(row: dict[str, Any]) -> dict[str, str]:
+    """The episode's GRPO group for its record: ``{"uid": ...}``, the id verl's trainer gives each
+    row of a step before repeating it ``rollout.n`` times (and that its GRPO groups by), or nothing
+    when the row has none (a loop driven outside verl's trainer)."""
+    return {"uid": str(row["uid"])} if row.get("uid") is not None else {}
 
 
 def append_episode_record(path: str, record: dict[str, Any]) -> None:
@@ -157,6 +166,9 @@ class EnvAgentLoop(AgentLoopBase):
                 f"({prompt_length}); raise trainer.max_prompt_length"
             )
         invalid = sum(1 for w in episode.windows if w.invalid)
+        # Each turn row's score: the return, less the penalty on a turn whose own action was invalid.
+        scores = [episode.reward - (0.0 if validate or not w.invalid else self.invalid_action_penalty)
+                  for w in episode.windows]
         episode_log = episode_log_path(kwargs, self.episode_log)
         if episode_log:
             append_episode_record(episode_log, {
@@ -165,16 +177,17 @@ class EnvAgentLoop(AgentLoopBase):
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": episode.trained_tokens,
                 "samples": len(episode.windows), "pid": os.getpid(),
+                # what verl's GRPO groups and scores: the turn rows of this episode, under the row's uid
+                "turn_scores": scores, **grpo_group(kwargs),
             })
         outputs = []
-        for window, logprobs in zip(episode.windows, generate.turn_logprobs, strict=True):
-            penalty = 0.0 if validate or not window.invalid else self.invalid_action_penalty
+        for window, logprobs, score in zip(episode.windows, generate.turn_logprobs, scores, strict=True):
             outputs.append(AgentLoopOutput(
                 prompt_ids=window.prompt_ids,
                 response_ids=window.response_ids,
                 response_mask=window.response_mask,
                 response_logprobs=logprobs,
-                reward_score=episode.reward - penalty,
+                reward_score=score,
                 num_turns=1,
                 metrics=AgentLoopMetrics(generate_sequences=generate.seconds / len(episode.windows)),
                 extra_fields=reward_extra_info(episode, invalid),
@@ -204,7 +217,7 @@ class EnvAgentLoop(AgentLoopBase):
                 "env": env_name, "seed": seed, "reward": episode.reward, "score": score,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": sum(episode.response_mask),
-                "pid": os.getpid(),
+                "pid": os.getpid(), **grpo_group(kwargs),
             })
         return AgentLoopOutput(
             prompt_ids=episode.prompt_ids,

@@ -139,23 +139,45 @@ def checkpoint_dir(root: Path, step: int, role: str) -> Path:
     return directory
 
 
+def flat_group_share(records: Sequence[dict[str, Any]]) -> float | None:
+    """``zero_variance_group_share`` over the GRPO groups verl formed: each step, verl's trainer
+    gives every row a fresh ``uid`` and repeats it ``rollout.n`` times, and its GRPO groups by that
+    uid, so one group is one env instance's rollouts at one step (a replayed instance of a later
+    epoch, or an instance of another spec entry with the same env and seed, is another group).
+    Each group's scores are its rows' (windowed mode: every turn row's, ``turn_scores``).
+
+    None when a record carries no uid: grouping by anything else could merge groups."""
+    if not records or any("uid" not in r for r in records):
+        return None
+    scores: list[float] = []
+    groups: list[str] = []
+    for r in records:
+        rows = [float(s) for s in r.get("turn_scores") or [r["score"]]]
+        scores += rows
+        groups += [str(r["uid"])] * len(rows)
+    return zero_variance_group_share(scores, groups)
+
+
 def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     if not records:
         raise VerlJobFailed(f"verl finished but no episode was recorded in {path}")
     n = len(records)
-    return n, {
+    metrics = {
         "reward_mean": sum(float(r["reward"]) for r in records) / n,
         "score_mean": sum(float(r["score"]) for r in records) / n,
         "success_rate": sum(float(bool(r["success"])) for r in records) / n,
         "num_turns_mean": sum(float(r["num_turns"]) for r in records) / n,
         "truncated_rate": sum(float(bool(r["truncated"])) for r in records) / n,
         "invalid_actions_mean": sum(float(r["invalid"]) for r in records) / n,
-        # verl repeats each row rollout.n times: the episodes of one seed form a GRPO group,
-        # scored by "score" (the reward verl trains on).
-        "zero_variance_group_share": zero_variance_group_share(
-            [float(r["score"]) for r in records], [(r.get("env"), r["seed"]) for r in records]),
     }
+    share = flat_group_share(records)
+    if share is None:
+        print(f"{PROG}: note: episodes in {path} carry no GRPO group id (uid); "
+              "zero_variance_group_share not reported", file=sys.stderr)
+    else:
+        metrics["zero_variance_group_share"] = share
+    return n, metrics
 
 
 # verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).

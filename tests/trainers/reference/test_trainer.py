@@ -176,6 +176,35 @@ def test_entries_of_one_env_keep_their_own_success_rate(tmp_path: Path, tiny_mod
         result.success_rate)
 
 
+def test_entries_played_through_env_services_are_named_by_the_served_env(tmp_path: Path,
+                                                                         tiny_model_dir: Path) -> None:
+    """With env services on, the client's spec names every entry ``Service`` (the served env is in
+    its ``config["env"]``): the per-env keys name the served env, ``success_rate/TinyGuess``, with
+    the entry's index only where two entries serve the same env (as without services)."""
+    from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_services
+
+    entry = {"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 50}}
+    # A slot per episode of an entry: episodes play in lockstep (docs/extending.md, pool_size).
+    settings = {"pool_size": 2, "host": "127.0.0.1", "startup_timeout_s": 60.0}
+    expected = {1: ["success_rate/TinyGuess"], 2: ["success_rate/TinyGuess[0]", "success_rate/TinyGuess[1]"]}
+    try:
+        for count, keys in expected.items():
+            envs = [entry, {**entry, "config": {"lo": 1, "hi": 3}}][:count]
+            served, _ = serve_env_spec({"envs": envs}, split=f"val{count}", run_root=tmp_path, client_id=0,
+                                       settings=settings)
+            assert [e["name"] for e in served["envs"]] == ["Service"] * count
+            job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / f"eval{count}"), env_spec=served,
+                          round=1, seeds=[0, 1], trainer={"max_new_tokens": 8})
+            save(job, tmp_path / f"eval{count}.json")
+            proc = run_trainer("evaluate", tmp_path / f"eval{count}.json")
+            assert proc.returncode == 0, proc.stderr
+            result = load(EvalResult, tmp_path / f"eval{count}" / "eval_result.json")
+            assert result.num_episodes == 2 * count
+            assert sorted(k for k in result.metrics if k.startswith("success_rate/")) == keys, result.metrics
+    finally:
+        stop_client_services(tmp_path, 0)
+
+
 def _bad(tmp: Path, name: str, content: str | dict) -> Path:
     path = tmp / name
     path.write_text(content if isinstance(content, str) else json.dumps(content))

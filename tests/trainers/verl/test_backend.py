@@ -392,11 +392,11 @@ def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path
         episode_metrics(tmp_path / "episodes.jsonl")
     (tmp_path / "episodes.jsonl").write_text(
         json.dumps({"env": "TinyGuess", "seed": 5, "reward": 1.0, "score": 0.9, "success": True, "num_turns": 2,
-                    "truncated": False, "invalid": 1})
+                    "truncated": False, "invalid": 1, "uid": "u5"})
         + "\n" + json.dumps({"env": "TinyGuess", "seed": 5, "reward": 0.0, "score": 0.0, "success": False,
-                             "num_turns": 3, "truncated": True, "invalid": 0}) + "\n")
+                             "num_turns": 3, "truncated": True, "invalid": 0, "uid": "u5"}) + "\n")
     count, metrics = episode_metrics(tmp_path / "episodes.jsonl")
-    assert metrics["zero_variance_group_share"] == 0.0  # one GRPO group (seed 5) whose scores differ
+    assert metrics["zero_variance_group_share"] == 0.0  # one GRPO group (uid u5) whose scores differ
     assert count == 2 and metrics["success_rate"] == 0.5 and metrics["score_mean"] == pytest.approx(0.45)
     assert metrics["truncated_rate"] == 0.5 and metrics["invalid_actions_mean"] == 0.5
 
