@@ -26,10 +26,10 @@ the subprocess path uses.
   The trainer is started detached (not a child of the ClientApp's process), so that a simulation
   actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
 * **Code**: a trainer runs the code it imported when it started. Its record keeps the identity of
-  that code (:func:`code_identity`: a hash of the package's ``.py`` files, the interpreter and the
-  ``PYTHONPATH`` it was given); a job whose ClientApp would start a trainer on other code (a
-  resumed run of an updated app on a SuperNode that stayed up) stops the old trainer and starts
-  a new one, the record's reason saying what changed.
+  that code (:func:`fedagent_flwr.code_identity.code_identity`: a hash of the package's ``.py``
+  files, the interpreter and the ``PYTHONPATH`` it was given); a job whose ClientApp would start
+  a trainer on other code (a resumed run of an updated app on a SuperNode that stayed up) stops
+  the old trainer and starts a new one, the record's reason saying what changed.
 
 The server's output is streamed to the node's log with the client's label and copied into the
 job's own log file, exactly like a subprocess's.
@@ -37,7 +37,6 @@ job's own log file, exactly like a subprocess's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -63,6 +62,7 @@ from fedagent_flwr.clientapp.trainer_server import (
     OUTBOX,
     WATCH_ENV,
 )
+from fedagent_flwr.code_identity import code_change, code_identity
 from fedagent_flwr.procs import (
     ProcessRef,
     boot_id,
@@ -79,8 +79,6 @@ STARTS_FILE = "starts.jsonl"
 STOPPING_FILE = "stopping.json"  # written by stop(): a trainer that goes now was stopped, not crashed
 EXIT_FILE = "exit.json"  # {"pid", "returncode"} of the last trainer that ended, by its supervisor (procs)
 _POLL_S = 0.2
-# This copy of the package: the one trainer_environment() puts first on a trainer's PYTHONPATH.
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 class TrainerDied(TrainerFailed):
@@ -116,42 +114,6 @@ def node_process() -> ProcessRef | None:
         raise TrainerFailed(f"not starting a persistent trainer: {recorded.describe()}, "
                             "the node process of this ClientApp, is gone (the run is ending)")
     return recorded
-
-
-def package_digest(package_dir: Path) -> str:
-    """A hash of the code in ``package_dir``: the relative path and content of each ``.py`` file
-    below it (``__pycache__`` left out), in a fixed order. Contents, not modification times: a
-    reinstall of the same code is the same code. About 3 ms of CPU (165 files, 1.2 MB)."""
-    digest = hashlib.sha256()
-    for folder, subfolders, files in os.walk(package_dir):
-        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = Path(folder) / name
-            data = path.read_bytes()
-            digest.update(f"{path.relative_to(package_dir).as_posix()}\0{len(data)}\0".encode())
-            digest.update(data)
-    return digest.hexdigest()[:16]
-
-
-def code_identity(env: dict[str, str]) -> dict[str, str]:
-    """What a trainer started now with environment ``env`` (:func:`.backend.trainer_environment`)
-    would run: this package's code (:func:`package_digest`, computed anew each time: the files on
-    disk are what a new trainer imports), the interpreter and the ``PYTHONPATH`` (which copy of the
-    package, and of anything else found through it, is imported)."""
-    return {"package_sha256": package_digest(_PACKAGE_DIR), "executable": sys.executable,
-            "pythonpath": env.get("PYTHONPATH", "")}
-
-
-def code_change(record: dict[str, Any], identity: dict[str, str]) -> str:
-    """Why the trainer of ``record`` runs other code than ``identity`` ("" if it runs the same)."""
-    ran = record.get("code")
-    if not isinstance(ran, dict):
-        return "code changed: the trainer's code is unknown (started by an older fedagent_flwr)"
-    words = {"package_sha256": "fedagent_flwr's .py files", "executable": "the Python interpreter",
-             "pythonpath": "PYTHONPATH"}
-    changed = [f"{words.get(key, key)} {ran.get(key)!r} -> {value!r}" for key, value in identity.items()
-               if ran.get(key) != value]
-    return f"code changed: {'; '.join(changed)}" if changed else ""
 
 
 def channel_dir(run_root: Path, client_id: int) -> Path:
@@ -190,8 +152,8 @@ class PersistentTrainer:
     def ensure_started(self) -> int:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
         or if the one running serves another backend, runs other code than a trainer started now
-        would (:func:`code_change`: the app was updated, or another interpreter or PYTHONPATH) or
-        watches a node process that is gone.
+        would (:func:`~fedagent_flwr.code_identity.code_change`: the app was updated, or another
+        interpreter or PYTHONPATH) or watches a node process that is gone.
 
         Nothing else of the ClientApp's settings is fixed in a running trainer: the job timeout and
         the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every
@@ -205,7 +167,7 @@ class PersistentTrainer:
         orphaned = _watch_gone(record)
         env = trainer_environment()
         identity = code_identity(env)
-        changed = code_change(record, identity) if pid is not None else ""
+        changed = code_change(record.get("code"), identity, "the trainer") if pid is not None else ""
         if pid is not None and record.get("backend") == self.backend and not orphaned and not changed:
             return pid
         if self.backend not in BACKEND_MODULES:

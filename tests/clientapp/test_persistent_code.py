@@ -106,7 +106,7 @@ def test_a_job_on_updated_code_gets_a_new_trainer_that_says_why(tmp_path: Path, 
 
 
 def test_the_package_digest_follows_the_code_not_its_location_or_timestamps(tmp_path: Path) -> None:
-    from fedagent_flwr.clientapp.persistent import code_change, code_identity, package_digest
+    from fedagent_flwr.code_identity import code_change, code_identity, package_digest
 
     copy = _copy_package(tmp_path)
     original = package_digest(copy)
@@ -127,8 +127,8 @@ def test_the_package_digest_follows_the_code_not_its_location_or_timestamps(tmp_
 
     identity = code_identity({"PYTHONPATH": "/app"})
     assert identity == {"package_sha256": original, "executable": sys.executable, "pythonpath": "/app"}
-    assert code_change({"code": identity}, identity) == ""
-    assert code_change({"code": {**identity, "executable": "/old/python"}}, identity) == \
+    assert code_change(identity, identity, "the trainer") == ""
+    assert code_change({**identity, "executable": "/old/python"}, identity, "the trainer") == \
         f"code changed: the Python interpreter '/old/python' -> {sys.executable!r}"
     # A trainer started before records had a code identity: what it runs is unknown, so not reused.
-    assert code_change({"pid": 1}, identity).startswith("code changed: the trainer's code is unknown")
+    assert code_change(None, identity, "the trainer").startswith("code changed: the trainer's code is unknown")

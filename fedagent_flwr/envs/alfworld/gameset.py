@@ -203,7 +203,7 @@ def ensure_variant_set(source_trial: str | Path) -> Path:
     """
     from fedagent_flwr.cache import build_once
     from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python, venv_name
-    from fedagent_flwr.envs.service.manager import module_command
+    from fedagent_flwr.envs.service.launch import module_command
 
     source = Path(source_trial).resolve()
     digest = hashlib.sha256(venv_name().encode())

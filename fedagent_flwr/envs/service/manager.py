@@ -4,7 +4,8 @@ A Flower deployment runs every message of a ClientApp in a fresh process, so the
 needs the service in round 5 is not the one that started it in round 1. The manager therefore
 keeps a small JSON state file (pid, process group, the process's kernel start time, URL, log file
 and how to launch it again) and :meth:`EnvServiceManager.attach` rebuilds a manager from it in
-any later process: health-check and reuse the service, restart it if it died, or stop it.
+any later process: health-check and reuse the service, restart it if it died or runs other code
+than a service started now would (an app update: :mod:`.launch`), or stop it.
 
 The service runs in its own session and process group, so :meth:`EnvServiceManager.stop` takes
 down everything it started (SIGTERM, then SIGKILL after a grace period; :mod:`fedagent_flwr.procs`)
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -40,6 +41,11 @@ import httpx
 import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.code_identity import code_change
+from fedagent_flwr.envs.service.launch import CPU_ONLY_ENV as CPU_ONLY_ENV  # re-exported, as before
+from fedagent_flwr.envs.service.launch import ServiceLaunch as ServiceLaunch
+from fedagent_flwr.envs.service.launch import module_command as module_command
+from fedagent_flwr.envs.service.launch import service_code
 from fedagent_flwr.procs import (
     ProcessRef,
     find_with_env,
@@ -59,74 +65,10 @@ logger = logging.getLogger(__name__)
 STATE_ENV = "FEDAGENT_ENV_SERVICE_STATE"
 
 _POLL_S = 0.05  # start-up and shutdown polling interval; short, since start-up is usually ~1 s
-_SERVER_MODULE = "fedagent_flwr.envs.service.server"
-# Runs a module of this package under another interpreter: argv[1] is the directory holding the
-# package (appended, so that interpreter's own packages win), argv[2] the module.
-_FOREIGN_BOOTSTRAP = (
-    "import runpy, sys; sys.path.append(sys.argv.pop(1)); "
-    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
-)
-
-
-#: An env service is a CPU program, started beside the trainers that own the node's GPUs: it sees
-#: none, so no library it imports can take GPU memory. bm25s (WebShop's search) uses JAX where it
-#: is installed, and JAX reserves 75% of a GPU's memory when first used: on an H200 node two
-#: WebShop services took 105 and 33 GiB and the trainers' evaluation ran out of memory
-#: (docs/gpu.md §7). ``JAX_PLATFORMS`` keeps JAX itself on the CPU rather than failing to find CUDA.
-CPU_ONLY_ENV: dict[str, str] = {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
-
-
-def module_command(module: str, interpreter: str) -> list[str]:
-    """``python -m module`` for a module of this package under ``interpreter``, which need not
-    have the package installed (an env's own virtual environment)."""
-    package_root = str(Path(__file__).resolve().parents[3])
-    return [interpreter, "-c", _FOREIGN_BOOTSTRAP, package_root, module]
 
 
 class EnvServiceError(RuntimeError):
     """The env service could not be started, found, or reached."""
-
-
-@dataclass(frozen=True)
-class ServiceLaunch:
-    """Everything needed to (re)start one env service process."""
-
-    env: str
-    config: dict[str, Any] = field(default_factory=dict)
-    pool_size: int = EnvService.pool_size  # the defaults are the env.service group's
-    partition: dict[str, Any] = field(default_factory=dict)
-    variant: dict[str, Any] = field(default_factory=dict)
-    host: str = EnvService.host
-    create_timeout_s: float | None = None
-    max_body_bytes: int | None = None
-    log_level: str = "warning"
-    owner_pid: int | None = None  # the service exits when this process is gone
-    # An interpreter other than the caller's (an env's own virtual environment, e.g. ALFWorld's);
-    # the directory holding this package is appended to its sys.path, after its own packages.
-    interpreter: str | None = None
-
-    def command(self, ready_file: Path, python: str) -> list[str]:
-        """The command line of the server module for this launch."""
-        head = module_command(_SERVER_MODULE, self.interpreter) if self.interpreter else [python, "-m", _SERVER_MODULE]
-        cmd = [
-            *head,
-            "--env", self.env,
-            "--config", json.dumps(self.config, sort_keys=True),
-            "--partition", json.dumps(self.partition, sort_keys=True),
-            "--variant", json.dumps(self.variant, sort_keys=True),
-            "--pool", str(self.pool_size),
-            "--host", self.host,
-            "--port", "0",
-            "--ready-file", str(ready_file),
-            "--log-level", self.log_level,
-        ]
-        if self.create_timeout_s is not None:
-            cmd += ["--create-timeout", str(self.create_timeout_s)]
-        if self.max_body_bytes is not None:
-            cmd += ["--max-body-bytes", str(self.max_body_bytes)]
-        if self.owner_pid is not None:
-            cmd += ["--owner-pid", str(self.owner_pid)]
-        return cmd
 
 
 # --- ownership ----------------------------------------------------------------------------------
@@ -278,9 +220,10 @@ class EnvServiceManager:
         """Attach to the recorded service if it was launched with ``launch``; else a new manager.
 
         A recorded service with a different launch (another partition, say) is stopped first,
-        so a client never silently trains against a world it did not ask for. A state file that
-        cannot be parsed is no record of what its service serves: that service is stopped and the
-        file moved aside, with a warning naming it (:meth:`discard_unreadable`), and a new one starts.
+        so a client never silently trains against a world it did not ask for; one on other code
+        is replaced by :meth:`ensure_running`. A state file that cannot be parsed is no record of
+        what its service serves: that service is stopped and the file moved aside, with a warning
+        naming it (:meth:`discard_unreadable`), and a new one starts.
         """
         path = Path(state_file)
         if path.exists():
@@ -368,25 +311,38 @@ class EnvServiceManager:
     # --- lifecycle --------------------------------------------------------------------------
 
     def ensure_running(self) -> str:
-        """Reuse the recorded service if it is alive and ready; otherwise (re)start it. Returns the URL."""
+        """Reuse the recorded service if it is alive, ready and runs the code a service started now
+        would (:func:`.launch.service_code`: after an app update it runs the old env and reward
+        code); otherwise stop it and start a new one, saying why. Returns the URL."""
+        code = service_code(self.launch, self.python)
         with self._locked():
+            changed = ""
             if self.is_alive():
-                return self.url
+                state = self._load_state() or {}
+                # A state file written before services recorded their code: unknown code, a restart.
+                changed = code_change(state.get("code"), code, "the service")
+                if not changed:
+                    return self.url
+                logger.warning("env service %s (pid %s, %s) runs other code than a new one would (%s); stopping "
+                               "it and starting a new one", self.launch.env, state.get("pid"), self.state_file, changed)
             self._stop_unlocked()
-            return self._start_unlocked()
+            return self._start_unlocked(code, changed)
 
     def start(self) -> str:
         """Start a fresh service (stopping any recorded one first) and return its URL."""
         with self._locked():
             self._stop_unlocked()
-            return self._start_unlocked()
+            return self._start_unlocked(service_code(self.launch, self.python))
 
-    def _start_unlocked(self) -> str:
+    def _start_unlocked(self, code: dict[str, str], reason: str = "") -> str:
+        """Start the service, recording ``code`` (:func:`.launch.service_code`) and why a running one
+        was replaced (``reason``, also in the log)."""
         self._ready_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", STATE_ENV: str(self.state_file), **CPU_ONLY_ENV}
+        env = self.launch.environment({STATE_ENV: str(self.state_file)})
         with open(self.log_file, "ab") as log:
-            log.write(f"\n=== starting env service {self.launch.env} at {time.ctime()} ===\n".encode())
+            why = f" (replacing a running one: {reason})" if reason else ""
+            log.write(f"\n=== starting env service {self.launch.env} at {time.ctime()}{why} ===\n".encode())
             log.flush()
             popen = subprocess.Popen(
                 self.launch.command(self._ready_file, self.python),
@@ -401,6 +357,8 @@ class EnvServiceManager:
             "url": None,
             "log_file": str(self.log_file),
             "launch": asdict(self.launch),
+            "code": code,
+            "reason": reason,
             "started_at": time.time(),
         }
         # Recorded before waiting, so a crash while waiting still leaves a stoppable record.

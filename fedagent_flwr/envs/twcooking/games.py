@@ -113,7 +113,7 @@ def ensure_game_set(levels: Sequence[str | Mapping[str, Any]], per_level: int, s
     if (cache_dir() / name / "games.json").is_file():  # the usual case, and the only one in a service
         return cache_dir() / name
     from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python
-    from fedagent_flwr.envs.service.manager import module_command
+    from fedagent_flwr.envs.service.launch import module_command
 
     python = str(ensure_service_python())
 
