@@ -27,8 +27,9 @@ the subprocess path uses.
   actor's exit does not SIGKILL it before it has closed its session (verl's Ray and vLLM).
 * **Code**: a trainer runs the code it imported when it started. Its record keeps the identity of
   that code (:func:`fedagent_flwr.code_identity.code_identity`: a hash of the package's ``.py``
-  files, the interpreter and the ``PYTHONPATH`` it was given); a job whose ClientApp would start
-  a trainer on other code (a resumed run of an updated app on a SuperNode that stayed up) stops
+  files, the interpreter, the ``PYTHONPATH`` it was given and the installed versions of the
+  libraries it imports); a job whose ClientApp would start a trainer on other code (a resumed run
+  of an updated app on a SuperNode that stayed up, an upgraded torch or verl in its venv) stops
   the old trainer and starts a new one, the record's reason saying what changed.
 
 The server's output is streamed to the node's log with the client's label and copied into the
@@ -153,7 +154,7 @@ class PersistentTrainer:
         """The running trainer's pid; starts one (clearing a dead one's leftovers) if none runs,
         or if the one running serves another backend, runs other code than a trainer started now
         would (:func:`~fedagent_flwr.code_identity.code_change`: the app was updated, or another
-        interpreter or PYTHONPATH) or watches a node process that is gone.
+        interpreter, PYTHONPATH or installed library version) or watches a node process that is gone.
 
         Nothing else of the ClientApp's settings is fixed in a running trainer: the job timeout and
         the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every

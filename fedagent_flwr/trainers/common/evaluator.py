@@ -78,12 +78,8 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
                       tokenizer, settings.gen_batch_size, settings.prefill == "incremental")
     tasks = [EpisodeTask(e.name, e.env_config(), int(s), e.max_turns, k)
              for e in spec.envs for k, s in enumerate(job.seeds)]
-    # One generator per episode, from the round and the episode's own env and seed: an episode
-    # samples the same tokens whichever client evaluates it and whatever else shares its batches,
-    # so the validation score of a model does not depend on how many clients split the episodes.
-    generators = [torch.Generator(device=device).manual_seed(
-        derive_seed("eval", job.round, index // len(job.seeds), task.env_name, task.seed))
-        for index, task in enumerate(tasks)]
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in episode_seeds(job.round, tasks,
+                                                                                            len(job.seeds))]
     episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generators,
                              settings.rollout_mode, settings.history_length)
     check_turns_fit(episodes, settings.max_new_tokens, settings.max_model_len, model_len_key)
@@ -103,6 +99,25 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
     )
     save(result, Path(job.output_dir) / EVAL_RESULT)
     return result
+
+
+def played_env_name(env_name: str, config: dict[str, Any]) -> str:
+    """The registered name of the env an entry named ``env_name`` with ``config`` plays: the served
+    env's for an entry played through an env service (named ``Service``, the served env in
+    ``config["env"]``), the entry's own env's otherwise (also when the entry names it by a dotted
+    path). The same whether env services are on or off."""
+    cls = get_env_class(env_name)
+    return cls.served_env_name(config) or cls.env_name or env_name
+
+
+def episode_seeds(server_round: int, tasks: Sequence[EpisodeTask], seeds_per_entry: int) -> list[int]:
+    """The seed of each validation episode's sampling generator, from the round, the episode's
+    entry index, the env it plays (:func:`played_env_name`, so that env services on or off give the
+    same seeds and samples) and its env seed: an episode samples the same tokens whichever client
+    evaluates it and whatever else shares its batches, so the validation score of a model does not
+    depend on how many clients split the episodes."""
+    return [derive_seed("eval", server_round, index // seeds_per_entry, played_env_name(task.env_name, task.config),
+                        task.seed) for index, task in enumerate(tasks)]
 
 
 def env_metric_names(spec: EnvSpec) -> list[str]:
