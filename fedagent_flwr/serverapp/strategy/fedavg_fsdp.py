@@ -70,6 +70,7 @@ from fedagent_flwr.serverapp.strategy.plan import RunPlan
 from fedagent_flwr.serverapp.strategy.replies import (
     evaluation_contents,
     read_train_reply,
+    refusal_key,
     split_replies,
     usable_evaluations,
 )
@@ -283,7 +284,7 @@ class FedAvgFSDP(FedAvg):
                                                self.assigned_examples(server_round, client))
             if parsed is None:
                 log(WARNING, "round %d: reply of client %d refused: %s", server_round, client, problem)
-                result.refused[client] = problem
+                result.refused[refusal_key(client, reply.metadata.src_node_id)] = problem
             else:
                 candidates.append((reply, parsed))
         # Client-id order, not arrival order: with three or more clients the float sums (and the

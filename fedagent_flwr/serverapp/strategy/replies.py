@@ -7,7 +7,8 @@ reason that names the problem; the strategy records it and aggregates the other 
 An evaluation reply (:class:`EvalReply`) that is not one (a metric missing or of the wrong type,
 no episode, a rate outside [0, 1]) or that counts more episodes than the client was assigned in
 that evaluation is refused the same way, naming the client and its node, and is one of the
-evaluation's failed clients (:func:`usable_evaluations`).
+evaluation's failed clients (:func:`usable_evaluations`). A refused reply from a node the registry
+does not know is recorded under a key of its own (:func:`refusal_key`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def reply_bytes(content: RecordDict) -> int:
             items = value if isinstance(value, list) else [value]
             size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)
     return size
+
+
+def refusal_key(client: int, node: int) -> int:
+    """The key a refused reply is recorded under: its client, or minus its node's id for a node the
+    registry does not know (``client`` -1). Flower's node ids are positive, so such a key is no
+    client's and each unknown node has its own: one -1 for all would keep only the last."""
+    return client if client >= 0 else -node
 
 
 def _envelope_problem(reply: Message) -> str:
@@ -137,8 +145,9 @@ def usable_evaluations(server_round: int, replies: Sequence[Message], client_of:
             usable.append(reply)
             continue
         who = f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
-        refused[client] = f"malformed evaluation reply from {who}: {problem}"
-        log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[client])
+        key = refusal_key(client, node)
+        refused[key] = f"malformed evaluation reply from {who}: {problem}"
+        log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[key])
     return usable, refused
 
 
