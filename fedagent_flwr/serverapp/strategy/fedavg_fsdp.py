@@ -16,7 +16,7 @@ Compared with ``FedAvg`` it
 - refuses a bad client checkpoint (outside the client's own slot of the round, missing, corrupt,
   wrong hash, shapes or a ``config.json`` that differ from the global model), a malformed or oversized
   reply, or a ``num-examples`` beyond the episodes the client was assigned, naming the client, and
-  aggregates the rest; a malformed evaluation reply likewise;
+  aggregates the rest; a malformed evaluation reply, or one beyond the client's share of the seeds, likewise;
 - gives the global model the config, generation config, tokenizer and chat template of the run's base
   model, never a client's (:mod:`fedagent_flwr.checkpoint.model_files`);
 - moves checkpoints through a :class:`~fedagent_flwr.checkpoint.store.ServerStore`: paths on a shared
@@ -70,6 +70,7 @@ from fedagent_flwr.serverapp.strategy.plan import RunPlan
 from fedagent_flwr.serverapp.strategy.replies import (
     evaluation_contents,
     read_train_reply,
+    refusal_key,
     split_replies,
     usable_evaluations,
 )
@@ -168,6 +169,8 @@ class FedAvgFSDP(FedAvg):
         self.last_aggregation: TrainAggregation | None = None
         self.evaluation_skipped = ""
         self.evaluation_refused: dict[int, str] = {}
+        # The validation seeds the last configure_evaluate sent each client: {round: {client: seeds}}.
+        self.evaluation_seeds: dict[int, dict[int, list[int]]] = {}
         check_flower_settings(self)
 
     # ----------------------------------------------------------------------------- selection
@@ -281,7 +284,7 @@ class FedAvgFSDP(FedAvg):
                                                self.assigned_examples(server_round, client))
             if parsed is None:
                 log(WARNING, "round %d: reply of client %d refused: %s", server_round, client, problem)
-                result.refused[client] = problem
+                result.refused[refusal_key(client, reply.metadata.src_node_id)] = problem
             else:
                 candidates.append((reply, parsed))
         # Client-id order, not arrival order: with three or more clients the float sums (and the
@@ -431,7 +434,7 @@ class FedAvgFSDP(FedAvg):
     ) -> Iterable[Message]:
         """Split the validation seeds across ``fraction_evaluate`` of the connected clients (at least
         ``min_evaluate_nodes``; the lowest client ids, so the split is the same in every run)."""
-        self.evaluation_skipped = ""
+        self.evaluation_skipped, self.evaluation_seeds = "", {}
         if not self.eval_seeds or self.fraction_evaluate == 0.0:
             return []
         nodes = self.nodes.online(grid)
@@ -442,21 +445,30 @@ class FedAvgFSDP(FedAvg):
         if self.evaluation_skipped:
             return []
         clients = sorted(nodes)[: max(1, min(wanted, len(self.eval_seeds)))]
-        messages = [
-            Message(self.eval_instruction(server_round, client, self.eval_seeds[index :: len(clients)], config)
-                    .to_record(), dst_node_id=nodes[client], message_type=MessageType.EVALUATE)
-            for index, client in enumerate(clients)
-        ]
+        instructions = {client: self.eval_instruction(server_round, client, self.eval_seeds[index :: len(clients)],
+                                                      config) for index, client in enumerate(clients)}
+        self.evaluation_seeds = {server_round: {c: list(i.eval_seeds) for c, i in instructions.items()}}
+        messages = [Message(instruction.to_record(), dst_node_id=nodes[client], message_type=MessageType.EVALUATE)
+                    for client, instruction in instructions.items()]
         log(INFO, "configure_evaluate: round %d evaluates %s on clients %s (%d episodes)",
             server_round, Path(self.global_model.path).name, clients, len(self.eval_seeds))
         return messages
 
+    def assigned_eval_examples(self, server_round: int, client: int) -> int | None:
+        """The most ``num-examples`` client ``client`` may report for ``server_round``'s evaluation: one
+        episode per seed :meth:`configure_evaluate` sent it in every env of the validation spec (0 when
+        it sent it none); None when it split no seeds for that round or the plan has no validation spec."""
+        split = self.evaluation_seeds.get(server_round)
+        return None if split is None else self.plan.eval_episodes(len(split.get(client, [])))
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Episode-weighted success rate, reward (and score) of the global model, with the episode count.
-        A malformed reply is refused naming its client, who is in :attr:`evaluation_refused` with why."""
+        A malformed reply, or one counting more episodes than :meth:`assigned_eval_examples`, is refused
+        naming its client, who is in :attr:`evaluation_refused` with why."""
         valid, _ = self._check_and_log_replies(replies, is_train=False, validate=False)
-        valid, self.evaluation_refused = usable_evaluations(server_round, valid, self.nodes.client_of,
-                                                            self.weighted_by_key)
+        valid, self.evaluation_refused = usable_evaluations(
+            server_round, valid, self.nodes.client_of, self.weighted_by_key,
+            lambda client: self.assigned_eval_examples(server_round, client))
         if not valid:
             return None
         contents = evaluation_contents(valid, self.weighted_by_key)  # score-mean only if every client has it

@@ -48,3 +48,12 @@ class RunPlan:
             return int(self.epochs) * int(self.local_steps) * int(rollout_n) * instances
         except (KeyError, TypeError, ValueError):
             return None
+
+    def eval_episodes(self, seeds: int) -> int | None:
+        """Episodes a client plays evaluating ``seeds`` validation seeds: one per seed in every env of
+        the validation env spec (the evaluator's rule). None when the plan has no validation env spec."""
+        try:
+            entries = len(self.val_env_spec["envs"])
+        except (KeyError, TypeError):
+            return None
+        return seeds * entries if entries else None

@@ -5,8 +5,10 @@ A reply far larger than that, one carrying arrays, one claiming another client's
 weight is not a positive number of at most the episodes the client was assigned is refused with a
 reason that names the problem; the strategy records it and aggregates the other clients.
 An evaluation reply (:class:`EvalReply`) that is not one (a metric missing or of the wrong type,
-no episode, a rate outside [0, 1]) is refused the same way, naming the client and its node, and is
-one of the evaluation's failed clients (:func:`usable_evaluations`).
+no episode, a rate outside [0, 1]) or that counts more episodes than the client was assigned in
+that evaluation is refused the same way, naming the client and its node, and is one of the
+evaluation's failed clients (:func:`usable_evaluations`). A refused reply from a node the registry
+does not know is recorded under a key of its own (:func:`refusal_key`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ def reply_bytes(content: RecordDict) -> int:
             items = value if isinstance(value, list) else [value]
             size += len(key) + sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in items)
     return size
+
+
+def refusal_key(client: int, node: int) -> int:
+    """The key a refused reply is recorded under: its client, or minus its node's id for a node the
+    registry does not know (``client`` -1). Flower's node ids are positive, so such a key is no
+    client's and each unknown node has its own: one -1 for all would keep only the last."""
+    return client if client >= 0 else -node
 
 
 def _envelope_problem(reply: Message) -> str:
@@ -93,10 +102,12 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
     return parsed, ""
 
 
-def eval_reply_problem(reply: Message, weighted_by_key: str) -> str:
+def eval_reply_problem(reply: Message, weighted_by_key: str, assigned: int | None = None) -> str:
     """Why the evaluation reply ``reply`` (not an error) cannot be averaged, or '' when it can: an
     :class:`EvalReply` of at least one episode, its success rate in [0, 1], its means finite, and
-    ``weighted_by_key`` (Flower's, ``num-examples`` unless set) a positive number."""
+    ``weighted_by_key`` (Flower's, ``num-examples`` unless set) a positive number. ``assigned`` is the
+    most episodes its ``num-examples`` (and weight) may count (None: no limit): a client reporting
+    more would outweigh the others in the episode-weighted mean."""
     problem = _envelope_problem(reply)
     if problem:
         return problem
@@ -109,6 +120,9 @@ def eval_reply_problem(reply: Message, weighted_by_key: str) -> str:
         return f"'{weighted_by_key}' = {weight!r} is not a positive number of episodes"
     if parsed.num_examples < 1:
         return f"'{NUM_EXAMPLES}' = {parsed.num_examples} is not a positive number of episodes"
+    for key, value in ((NUM_EXAMPLES, parsed.num_examples), (weighted_by_key, weight)):
+        if assigned is not None and value > assigned:
+            return f"'{key}' = {value:g} is more than the {assigned} episode(s) it was assigned in this evaluation"
     if not 0.0 <= parsed.success_rate <= 1.0:
         return f"'{SUCCESS_RATE}' = {parsed.success_rate} is not between 0 and 1"
     not_finite = [key for key, value in parsed.metrics().items() if not math.isfinite(value)]
@@ -116,21 +130,24 @@ def eval_reply_problem(reply: Message, weighted_by_key: str) -> str:
 
 
 def usable_evaluations(server_round: int, replies: Sequence[Message], client_of: Callable[[int], int],
-                       weighted_by_key: str) -> tuple[list[Message], dict[int, str]]:
+                       weighted_by_key: str, assigned: Callable[[int], int | None] = lambda client: None,
+                       ) -> tuple[list[Message], dict[int, str]]:
     """The evaluation ``replies`` (none an error) that can be averaged, and the refused clients with
-    why. A refused reply is logged naming its client and node; ``client_of`` maps a node to its client."""
+    why. A refused reply is logged naming its client and node; ``client_of`` maps a node to its client,
+    ``assigned`` a client to the most episodes it may report (:func:`eval_reply_problem`)."""
     usable: list[Message] = []
     refused: dict[int, str] = {}
     for reply in replies:
         node = reply.metadata.src_node_id
         client = client_of(node)
-        problem = eval_reply_problem(reply, weighted_by_key)
+        problem = eval_reply_problem(reply, weighted_by_key, assigned(client))
         if not problem:
             usable.append(reply)
             continue
         who = f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
-        refused[client] = f"malformed evaluation reply from {who}: {problem}"
-        log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[client])
+        key = refusal_key(client, node)
+        refused[key] = f"malformed evaluation reply from {who}: {problem}"
+        log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[key])
     return usable, refused
 
 

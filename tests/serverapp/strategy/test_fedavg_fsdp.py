@@ -423,6 +423,27 @@ def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
         eval_round(strategy, 4, [_evaluated(0, missing), _evaluated(1, missing)], sent=[0, 1])
 
 
+def test_refused_replies_from_nodes_the_registry_does_not_know_are_recorded_one_per_node(tmp_path: Path) -> None:
+    """Replies from nodes that serve no known partition are refused (a train reply at once, an
+    evaluation reply that is malformed), each under its own key, minus its node id: they all used
+    to be keyed -1, so only the last one was recorded and the others' reasons were lost."""
+    model = _initial(tmp_path)
+    strategy, run_root = _strategy(tmp_path, model, clients=2)  # nodes 100 and 101; 200 and 201 are no client's
+    good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
+    replies = [_evaluated(0, good), _evaluated(1, good), _evaluated(100, {"success-rate": 0.5, "reward-mean": 5.0}),
+               _evaluated(101, {**good, "success-rate": 2.0})]
+    eval_round(strategy, 1, replies, sent=[0, 1])
+    assert strategy.evaluation_refused == {
+        -200: "malformed evaluation reply from unknown node 200: reply field 'num-examples' is missing",
+        -201: "malformed evaluation reply from unknown node 201: 'success-rate' = 2.0 is not between 0 and 1",
+    }
+    (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
+    assert point["n"] == 8 and sorted(point["failed"]) == ["-200", "-201"], point
+    assert strategy.aggregate_train(1, [_reply(100, model, 4), _reply(101, model, 4)]) == (None, None)
+    assert strategy.last_aggregation is not None and strategy.last_aggregation.refused == {
+        -200: "reply from unknown node 200", -201: "reply from unknown node 201"}
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ({"num-examples": 0}, "'num-examples' = 0 is not a positive number of episodes"),
     ({"success-rate": 1.5}, "'success-rate' = 1.5 is not between 0 and 1"),

@@ -5,13 +5,16 @@ with another client's checkpoint. Each is refused by name and the round goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -22,12 +25,12 @@ from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.model_files import check_model_config
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore, StorageSettings
 from fedagent_flwr.config import load_settings
-from fedagent_flwr.protocol import TrainReply
+from fedagent_flwr.protocol import EvalInstruction, EvalReply, TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
-from testkit.round_harness import connect, train_round
+from testkit.round_harness import connect, eval_round, train_round
 from testkit.store_harness import RUN, HashCounter, node
 
 BASE_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
@@ -148,6 +151,66 @@ def test_a_weight_that_is_not_a_number_refuses_that_client_only(suite: Suite, tm
     entry = _round(strategy, [_reply(0, refs[0], 8), _reply(1, refs[1], [1.0, 2.0])])
     assert entry["client_actor_ids"] == [0]
     assert entry["rejected"]["1"] == "malformed reply: metric 'num-examples' = [1.0, 2.0] is not a number"
+
+
+class _Connected:
+    """The nodes connected to the SuperLink (``get_node_ids``: all a configure_* asks of a grid once
+    every node is known to the strategy's registry)."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+
+def _evaluation_sent(strategy: FedAvgFSDP, server_round: int, nodes: list[int]) -> list[Message]:
+    """The instructions ``configure_evaluate`` sends while ``nodes`` are connected."""
+    grid = cast(Grid, _Connected(nodes))
+    return list(strategy.configure_evaluate(server_round, ArrayRecord(), ConfigRecord(), grid))
+
+
+def _evaluated(instruction: Message, reply: EvalReply) -> Message:
+    """``reply`` as the node that ``instruction`` went to sends it."""
+    return Message(reply.to_record(), reply_to=instruction)
+
+
+def test_an_evaluation_reply_counting_more_episodes_than_assigned_is_refused(tmp_path: Path) -> None:
+    """The validation seeds are split among the evaluating clients and the evaluation is the
+    episode-weighted mean of their replies: a client reporting more episodes than its share would
+    outweigh the others (here client 1's 300 successes would make the curve read ~0.98). Such a
+    reply is refused naming the client, its node, what it reported and what it was assigned, as an
+    over-counting train reply is; the honest clients' episodes are the evaluation."""
+    strategy = _strategy(tmp_path, _base(tmp_path), clients=3)
+    root = Path(strategy.run_root)
+    sent = _evaluation_sent(strategy, 1, [100, 101, 102])
+    # Default config: 8 validation seeds of one TinyGuess env, split 3/3/2 over the three clients.
+    shares = [len(EvalInstruction.from_record(m.content).eval_seeds) for m in sent]
+    assert [m.metadata.dst_node_id for m in sent] == [100, 101, 102] and shares == [3, 3, 2]
+    replies = [_evaluated(sent[0], EvalReply(num_examples=3, success_rate=1 / 3, reward_mean=1.0)),
+               _evaluated(sent[1], EvalReply(num_examples=300, success_rate=1.0, reward_mean=10.0)),
+               _evaluated(sent[2], EvalReply(num_examples=3, success_rate=1.0, reward_mean=10.0))]
+    eval_round(strategy, 1, replies, sent=[0, 1, 2])
+    (point,) = json.loads((root / "federated_summary.json").read_text())["val_curve"]
+    assert point["n"] == 3 and point["success_rate"] == pytest.approx(1 / 3), point  # client 0's episodes only
+    assert point["failed"] == {
+        "1": "malformed evaluation reply from client 1 (node 101): 'num-examples' = 300 is more than the 3 "
+             "episode(s) it was assigned in this evaluation",
+        "2": "malformed evaluation reply from client 2 (node 102): 'num-examples' = 3 is more than the 2 "
+             "episode(s) it was assigned in this evaluation",
+    }
+    assert [strategy.assigned_eval_examples(1, c) for c in range(3)] == shares
+    # Each round's own split: in round 2 two clients evaluate (4 seeds each), so client 1 may report 4
+    # and client 2, sent nothing, no episode at all.
+    sent = _evaluation_sent(strategy, 2, [100, 101])
+    assert [strategy.assigned_eval_examples(2, c) for c in range(3)] == [4, 4, 0]
+    assert strategy.assigned_eval_examples(1, 1) is None  # the split of round 1 is no longer kept
+    metrics = strategy.aggregate_evaluate(2, [_evaluated(m, EvalReply(num_examples=4, success_rate=0.5,
+                                                                      reward_mean=1.0)) for m in sent])
+    assert metrics is not None and metrics["num-examples"] == 8 and strategy.evaluation_refused == {}
+    # The evaluator plays every seed in every env of the validation spec: two envs, twice the episodes.
+    two_envs = {"envs": [*strategy.plan.val_env_spec["envs"]] * 2}
+    assert dataclasses.replace(strategy.plan, val_env_spec=two_envs).eval_episodes(4) == 8
 
 
 @pytest.fixture(params=["shared-fs", "http"])
