@@ -71,6 +71,7 @@ from fedagent_flwr.serverapp.strategy.replies import (
     evaluation_contents,
     read_train_reply,
     refusal_key,
+    sender,
     split_replies,
     usable_evaluations,
 )
@@ -283,7 +284,8 @@ class FedAvgFSDP(FedAvg):
             parsed, problem = read_train_reply(reply, client, self.weighted_by_key,
                                                self.assigned_examples(server_round, client))
             if parsed is None:
-                log(WARNING, "round %d: reply of client %d refused: %s", server_round, client, problem)
+                log(WARNING, "round %d: reply of %s refused: %s", server_round,
+                    sender(client, reply.metadata.src_node_id), problem)
                 result.refused[refusal_key(client, reply.metadata.src_node_id)] = problem
             else:
                 candidates.append((reply, parsed))

@@ -57,6 +57,11 @@ def refusal_key(client: int, node: int) -> int:
     return client if client >= 0 else -node
 
 
+def sender(client: int, node: int) -> str:
+    """Who sent a reply, for a log line: its client and node, or the node the registry does not know."""
+    return f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
+
+
 def _envelope_problem(reply: Message) -> str:
     """Why ``reply`` is not a reply this strategy asked for (oversized, carrying arrays), or ''."""
     size = reply_bytes(reply.content)
@@ -144,7 +149,7 @@ def usable_evaluations(server_round: int, replies: Sequence[Message], client_of:
         if not problem:
             usable.append(reply)
             continue
-        who = f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
+        who = sender(client, node)
         key = refusal_key(client, node)
         refused[key] = f"malformed evaluation reply from {who}: {problem}"
         log(WARNING, "round %d: evaluation reply refused: %s", server_round, refused[key])

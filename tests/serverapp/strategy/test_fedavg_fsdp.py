@@ -444,6 +444,25 @@ def test_refused_replies_from_nodes_the_registry_does_not_know_are_recorded_one_
         -200: "reply from unknown node 200", -201: "reply from unknown node 201"}
 
 
+def test_error_replies_from_nodes_the_registry_does_not_know_are_recorded_one_per_node(tmp_path: Path) -> None:
+    """Error replies (a failed train or evaluation) of two unknown nodes are both recorded, under
+    minus their node ids: keyed by ``client_of`` (-1 for both), the second one overwrote the first."""
+    model = _initial(tmp_path)
+    strategy, run_root = _strategy(tmp_path, model, clients=2)  # nodes 100 and 101; 200 and 201 are no client's
+    _slot(run_root, 0).mkdir(parents=True)
+    shutil.copytree(model.path, _slot(run_root, 0) / "huggingface")
+    entry = train_round(strategy, 1, [_reply(0, CheckpointRef.for_directory(_slot(run_root, 0) / "huggingface"), 4),
+                                      _error_reply(100), _error_reply(101)], sent=[0, 1])
+    assert entry is not None
+    rejected = entry["rejected"]
+    assert rejected.get("-200") == rejected.get("-201") == "trainer exited with code 1", entry
+    good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
+    eval_round(strategy, 1, [_evaluated(0, good), _evaluated(1, good), _failed_eval(100, "out of memory"),
+                             _failed_eval(101, "env service gone")], sent=[0, 1])
+    (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
+    assert point["failed"] == {"-200": "out of memory", "-201": "env service gone"}, point
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ({"num-examples": 0}, "'num-examples' = 0 is not a positive number of episodes"),
     ({"success-rate": 1.5}, "'success-rate' = 1.5 is not between 0 and 1"),
