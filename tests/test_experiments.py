@@ -19,10 +19,10 @@ import pytest
 
 from fedagent_flwr import experiments
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS
+from fedagent_flwr.config import RunSettings, conf_dir, load_settings, parse_overrides
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from fedagent_flwr.config import RunSettings, conf_dir, load_settings, parse_overrides
 from testkit.flower_harness import REPO
 from testkit.verl_probe import compose_verl_config
 

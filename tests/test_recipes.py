@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS
+from fedagent_flwr.config import conf_dir, load_settings
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from fedagent_flwr.config import conf_dir, load_settings
 from testkit.verl_probe import compose_verl_config
 
 WEBSHOP_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "webshop"

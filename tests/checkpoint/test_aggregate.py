@@ -20,7 +20,6 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.ref import CheckpointError
-
 from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, suite, write_hf_checkpoint  # noqa: F401
 
 

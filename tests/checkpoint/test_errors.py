@@ -17,7 +17,6 @@ from fedagent_flwr.checkpoint import (
     open_checkpoint,
     weighted_mean,
 )
-
 from fedagent_flwr.checkpoint.key_checks import check_finite
 from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 

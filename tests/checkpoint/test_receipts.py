@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint, weighted_mean

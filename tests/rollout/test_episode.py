@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from fedagent_flwr.trainers.common.sampler import HFPolicy
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ChatTemplateError, Episode, SamplingParams, run_episode
+from fedagent_flwr.trainers.common.sampler import HFPolicy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
 

@@ -24,11 +24,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import load_settings
+from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.app import RunSetupError, build_strategy, run_directory, summary_header
 from fedagent_flwr.serverapp.app import main as serverapp_main
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
-from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
     config_fingerprint,

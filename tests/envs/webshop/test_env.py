@@ -19,7 +19,13 @@ from fedagent_flwr.envs.webshop.prompts import (
     project_action,
     windowed_prompt,
 )
-from fedagent_flwr.envs.webshop.search import IN_MEMORY_FIELDS, BM25Search, InMemoryBM25, analyze, in_memory_document_text
+from fedagent_flwr.envs.webshop.search import (
+    IN_MEMORY_FIELDS,
+    BM25Search,
+    InMemoryBM25,
+    analyze,
+    in_memory_document_text,
+)
 from tests.envs.webshop.test_reward import DATA_DIR, golden_world, needs_data
 
 TITLE_A = "SheIn Women's Sexy One Shoulder Sleeveless Cutout Mini Club Pencil Bodycon Dress"

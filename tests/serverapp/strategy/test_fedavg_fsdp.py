@@ -19,8 +19,8 @@ from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_mean
-from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.protocol import TrainReply
+from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
 from testkit.round_harness import connect, eval_round, train_round

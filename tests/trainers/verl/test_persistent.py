@@ -35,8 +35,6 @@ from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.agent_loop import episode_log_path
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset, read_rows
 from fedagent_flwr.trainers.verl.job import InputError
-from fedagent_flwr.trainers.verl.phases import read_phases
-from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.persistent import (
     VerlSession,
     fixed_differences,
@@ -44,6 +42,8 @@ from fedagent_flwr.trainers.verl.persistent import (
     round_plan,
     session_fingerprint,
 )
+from fedagent_flwr.trainers.verl.phases import read_phases
+from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.verl_log import numeric_metrics
 
 REPO = Path(__file__).resolve().parents[3]
