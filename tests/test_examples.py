@@ -33,7 +33,7 @@ from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.hetero import PartitionError, partition_goals
 from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule
 from testkit.audit import audit_run
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 from testkit.flower_harness import REPO, SuperLink
 from testkit.run_end import ran_every_round
 from testkit.verl_probe import ENGINE, compose_verl_config
@@ -223,7 +223,7 @@ def test_faulty_partition_strategies_are_named() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_median_strategy_matches_numpys_median_of_the_client_files(suite: Suite, tmp_path: Path) -> None:  # noqa: F811
+def test_median_strategy_matches_numpys_median_of_the_client_files(suite: Suite, tmp_path: Path) -> None:
     from examples.median_strategy import CoordinateMedian
 
     names = ["qwen_a", "qwen_b", "qwen_plain", "qwen_c"]

@@ -20,7 +20,7 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.ref import CheckpointError
-from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, write_hf_checkpoint
 
 
 def _open_fsdp(suite: Suite, name: str):  # noqa: ANN202 - a CheckpointReader

@@ -18,7 +18,7 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.key_checks import check_finite
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 
 
 def _leftovers(directory: Path) -> list[str]:

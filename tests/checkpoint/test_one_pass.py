@@ -20,7 +20,7 @@ from fedagent_flwr.checkpoint import (
 )
 from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 
 
 def _flip_tensor_byte(shard: Path) -> None:

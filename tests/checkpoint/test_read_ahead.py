@@ -18,7 +18,7 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkp
 from fedagent_flwr.checkpoint.content_hash import FileHashStream
 from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 
 
 def _open(path: Path, check_hash: bool | str = "while-reading") -> CheckpointReader:

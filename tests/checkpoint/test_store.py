@@ -23,7 +23,7 @@ from fedagent_flwr.checkpoint.manifest import build_manifest, file_sha256
 from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, StorageSettings
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, node, tree, wait_for
 
 

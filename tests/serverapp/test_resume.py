@@ -38,7 +38,7 @@ from fedagent_flwr.serverapp.resume import (
 )
 from fedagent_flwr.serverapp.rounds import RoundLoop
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.flower_harness import REPO
 from testkit.round_harness import connect, train_round
 

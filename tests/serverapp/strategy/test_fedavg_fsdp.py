@@ -22,7 +22,7 @@ from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_mean
 from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import connect, eval_round, train_round
 
 

@@ -29,7 +29,7 @@ from fedagent_flwr.protocol import EvalInstruction, EvalReply, TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import connect, eval_round, train_round
 from testkit.store_harness import RUN, HashCounter, node
 
