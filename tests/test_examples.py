@@ -43,7 +43,8 @@ SEARCHPATH = "hydra.searchpath=[pkg://examples.conf]"
 # The overrides the guide quotes, one per extension point (checked by the last test).
 ENV_OVERRIDES = f"{SEARCHPATH} env=unscramble"
 STRATEGY_OVERRIDES = "strategy.class_path=examples.median_strategy.CoordinateMedian strategy.name=median"
-RULE_OVERRIDES = "trainer.client_rule=examples.client_rule.ProximalFreeze trainer.client_rule_args={mu:0.1,freeze:embed_tokens}"
+RULE_OVERRIDES = ("trainer.client_rule=examples.client_rule.ProximalFreeze "
+                  "trainer.client_rule_args={mu:0.1,freeze:embed_tokens}")
 SERVICE_OVERRIDES = f"{SEARCHPATH} env=glossary_service"
 PARTITION_OVERRIDES = f"{SEARCHPATH} partition=round_robin"
 VERL_OVERRIDES = f"{SEARCHPATH} trainer=verl_median_baseline"
@@ -189,7 +190,8 @@ def test_round_robin_partition_is_deterministic_across_processes_and_keeps_the_f
     assert all(len(goals) == 5 for goals in here)  # 4 dealt + 1 from the floor
     assert sorted(set().union(*here)) == list(range(12))  # every goal is dealt to someone
     code = (f"import json; from fedagent_flwr.hetero import partition_goals; "
-            f"print(json.dumps([partition_goals({ROUND_ROBIN!r}, c, 3, 12, {knobs!r}, base_seed=7) for c in range(3)]))")
+            f"print(json.dumps([partition_goals({ROUND_ROBIN!r}, c, 3, 12, {knobs!r}, base_seed=7) "
+            "for c in range(3)]))")
     for hash_seed in ("1", "2"):  # Python's salted hash() would differ between these
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                                env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)

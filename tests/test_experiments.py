@@ -59,7 +59,8 @@ def test_there_is_a_preset_per_environment_and_algorithm() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_passes_verls_validation(preset: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = load_settings("config", f"experiment={preset}")
-    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds, settings.run.seed) == (
+    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds,
+            settings.run.seed) == (
         "federated", experiments.TOTAL, experiments.PER_ROUND, experiments.ROUNDS, experiments.SEED)
     assert settings.partition == {"strategy": "uniform", "min_goals_per_client": experiments.MIN_GOALS}
     assert settings.trainer["n_gpus_per_node"] == experiments.GPUS_PER_CLIENT

@@ -32,7 +32,8 @@ def test_recipe_composes_for_every_arm(recipe: str, arm: str) -> None:
         assert settings.run.clients.total == 1
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if load_settings("config", f"recipe={r}").trainer_backend == "verl"])
+@pytest.mark.parametrize("recipe",
+                         [r for r in RECIPES if load_settings("config", f"recipe={r}").trainer_backend == "verl"])
 def test_verl_recipe_overrides_pass_verls_validation(recipe: str, tmp_path: Path) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

@@ -210,7 +210,8 @@ def test_an_integer_key_stored_as_float_by_one_source_is_refused(
     readers = [_open(directory) for directory in directories]
     out = tmp_path / "out"
     try:
-        with pytest.raises(CheckpointError, match="integer tensor 'step_counter' differs between source 0 and source 1"):
+        with pytest.raises(CheckpointError,
+                           match="integer tensor 'step_counter' differs between source 0 and source 1"):
             weighted_mean([(reader, 1.0) for reader in readers], out, read_ahead=read_ahead)
     finally:
         for reader in readers:

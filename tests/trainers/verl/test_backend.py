@@ -109,7 +109,8 @@ def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_
     assert cfg.actor_rollout_ref.rollout.enforce_eager is False
     with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
         VerlSettings.from_mapping({"cudagraph_capture_sizes": [1, 2]})
-    with pytest.raises(VerlSettingsError, match=r"'trainer\.cudagraph_capture_sizes' entry 0 = 0 is invalid: expected >= 1"):
+    with pytest.raises(VerlSettingsError,
+                       match=r"'trainer\.cudagraph_capture_sizes' entry 0 = 0 is invalid: expected >= 1"):
         VerlSettings.from_mapping({"enforce_eager": False, "cudagraph_capture_sizes": [0, "8"]})
 
 
