@@ -56,10 +56,13 @@ run: install
 	  $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)") $(ARGS); status=$$?; \
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
-# Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) and type-check (mypy) the
-# package with the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
+# Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) all the repository's Python code
+# and type-check (mypy) the package, with the versions pinned in the test extra; settings in
+# pyproject.toml. `make test` runs it first.
+LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
+
 lint: install
-	$(VENV)/bin/ruff check fedagent_flwr
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy fedagent_flwr
 
 test: install alfworld-venv lint

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'round':>5} {'subprocess s':>13} {'persistent s':>13} {'ratio':>6} "
           f"{'cold share sub':>15} {'cold share pers':>16} {'max|diff|':>10}")
     for row in result["rounds"]:
-        print(f"{row['round']:>5} {row['subprocess_s'] or float('nan'):>13.1f} {row['persistent_s'] or float('nan'):>13.1f} "
+        print(f"{row['round']:>5} {row['subprocess_s'] or float('nan'):>13.1f} "
+              f"{row['persistent_s'] or float('nan'):>13.1f} "
               f"{row.get('ratio') or float('nan'):>6.3f} {_fmt(row['subprocess_cold_share']):>15} "
               f"{_fmt(row['persistent_cold_share']):>16} {_fmt(row['max_abs_diff'], '.2e'):>10}")
     print(f"initial eval s: {result['initial_eval_s']}")

@@ -51,7 +51,8 @@ async def play(client: httpx.AsyncClient, url: str, session: int, episodes: int,
     await client.post(f"{url}/create", json={"session_id": sid})
     try:
         for episode in range(episodes):
-            reply = (await client.post(f"{url}/reset", json={"session_id": sid, "seed": 1000 * session + episode})).json()
+            reply = (await client.post(f"{url}/reset",
+                                       json={"session_id": sid, "seed": 1000 * session + episode})).json()
             instruction = reply["obs"].split("Your task is to:", 1)[-1].split("\n", 1)[0]
             words = " ".join(w.strip(".,") for w in instruction.split()[2:8])
             step = 0
@@ -61,7 +62,8 @@ async def play(client: httpx.AsyncClient, url: str, session: int, episodes: int,
                 started = time.perf_counter()
                 # Replies in the format the agent is prompted for (FedAgent's projection).
                 reply_text = f"<think>benchmark</think><action>{action}</action>"
-                response = await client.post(f"{url}/step", json={"session_id": sid, "step_id": step, "action": reply_text})
+                response = await client.post(f"{url}/step",
+                                             json={"session_id": sid, "step_id": step, "action": reply_text})
                 timings[kind].append(time.perf_counter() - started)
                 response.raise_for_status()
                 step += 1
@@ -128,7 +130,8 @@ def main() -> None:
           f"(FedAgent ~{FEDAGENT_RSS_GB:.0f} GB per env instance: ratio {row['rss_ratio_vs_fedagent']})")
     for kind in ("search", "click"):
         if f"{kind}_n" in row:
-            print(f"{kind:6s} steps: n={row[f'{kind}_n']} p50 {row[f'{kind}_p50_ms']} ms, p99 {row[f'{kind}_p99_ms']} ms "
+            print(f"{kind:6s} steps: n={row[f'{kind}_n']} p50 {row[f'{kind}_p50_ms']} ms, "
+                  f"p99 {row[f'{kind}_p99_ms']} ms "
                   f"under {args.sessions} concurrent sessions")
     print(json.dumps(row))
 

@@ -10,7 +10,8 @@ Only the tensor rule changes, so the subclass overrides ``aggregate_checkpoints`
 per-key arithmetic to ``aggregate_by_key``, which keeps FedAvgFSDP's checks, output layout (fp32
 HF safetensors) and atomic write. Loaded by dotted path::
 
-    flwr run . --run-config 'overrides="strategy.class_path=examples.median_strategy.CoordinateMedian strategy.name=median"'
+    flwr run . --run-config \
+        'overrides="strategy.class_path=examples.median_strategy.CoordinateMedian strategy.name=median"'
 """
 
 from __future__ import annotations

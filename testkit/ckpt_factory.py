@@ -278,19 +278,14 @@ _SUITE: Suite | None = None
 
 
 def build_suite(tmp_path_factory: pytest.TempPathFactory) -> Suite:
-    """Build (once per process) every FSDP checkpoint the tests use."""
+    """Build (once per process) every FSDP checkpoint the tests use (the ``suite`` fixture of
+    ``tests/conftest.py``)."""
     global _SUITE
     if _SUITE is None:
         root = tmp_path_factory.mktemp("fsdp_checkpoints")
         write_fsdp_checkpoints(root)
         _SUITE = Suite(root)
     return _SUITE
-
-
-@pytest.fixture(scope="session")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> Suite:
-    """The session's FSDP checkpoints (world sizes 1 and 2)."""
-    return build_suite(tmp_path_factory)
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from fedagent_flwr.deploy import NodeKey, TlsFiles, make_node_key, make_tls_files, write_connection
 from fedagent_flwr.launch import stop_superlink_tree
 from testkit.flower_harness import BIN, REPO, flower_env, free_port, wait_healthy

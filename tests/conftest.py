@@ -20,6 +20,7 @@ from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir as _smollm2_token
 from fedagent_flwr.models.tiny import make_tiny_model
 
 if TYPE_CHECKING:
+    from testkit.ckpt_factory import Suite
     from testkit.flower_harness import SuperLink
 
 # What the whole suite needs free under the temp dir at its peak (checkpoints of several
@@ -101,6 +102,16 @@ def superlink(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuperLink]:
 
     with simulation_superlink(tmp_path_factory.mktemp("superlink"), pythonpath=[REPO]) as link:
         yield link
+
+
+@pytest.fixture(scope="session")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> Suite:
+    """The session's FSDP checkpoints (world sizes 1 and 2), built once per process by
+    ``testkit.ckpt_factory.build_suite``. Defined here, not imported into each test module, so
+    the modules that use it need no import that only shadows this parameter name."""
+    from testkit.ckpt_factory import build_suite
+
+    return build_suite(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

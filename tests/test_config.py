@@ -156,6 +156,7 @@ def test_a_declared_strategy_kwarg_is_set_with_or_without_a_plus() -> None:
     # the ServerApp reads itself are settings: both forms set them, and an unknown key says how.
     for override in ("strategy.kwargs.discovery_timeout=5", "+strategy.kwargs.discovery_timeout=5"):
         assert load_settings(overrides=override).run.strategy.kwargs.discovery_timeout == 5.0
-    with pytest.raises(ConfigError, match=r"unknown config key 'strategy.kwargs.foo': .* with '\+strategy.kwargs.foo=\.\.\.'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'strategy.kwargs.foo': .* with '\+strategy.kwargs.foo=\.\.\.'"):
         load_settings(overrides="strategy.kwargs.foo=1")
     assert load_settings(overrides="+strategy.kwargs.foo=1").raw["strategy"]["kwargs"] == {"foo": 1}

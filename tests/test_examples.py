@@ -33,7 +33,7 @@ from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.hetero import PartitionError, partition_goals
 from fedagent_flwr.trainers.common.client_rule import ClientRuleError, load_client_rule
 from testkit.audit import audit_run
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 from testkit.flower_harness import REPO, SuperLink
 from testkit.run_end import ran_every_round
 from testkit.verl_probe import ENGINE, compose_verl_config
@@ -43,7 +43,8 @@ SEARCHPATH = "hydra.searchpath=[pkg://examples.conf]"
 # The overrides the guide quotes, one per extension point (checked by the last test).
 ENV_OVERRIDES = f"{SEARCHPATH} env=unscramble"
 STRATEGY_OVERRIDES = "strategy.class_path=examples.median_strategy.CoordinateMedian strategy.name=median"
-RULE_OVERRIDES = "trainer.client_rule=examples.client_rule.ProximalFreeze trainer.client_rule_args={mu:0.1,freeze:embed_tokens}"
+RULE_OVERRIDES = ("trainer.client_rule=examples.client_rule.ProximalFreeze "
+                  "trainer.client_rule_args={mu:0.1,freeze:embed_tokens}")
 SERVICE_OVERRIDES = f"{SEARCHPATH} env=glossary_service"
 PARTITION_OVERRIDES = f"{SEARCHPATH} partition=round_robin"
 VERL_OVERRIDES = f"{SEARCHPATH} trainer=verl_median_baseline"
@@ -189,7 +190,8 @@ def test_round_robin_partition_is_deterministic_across_processes_and_keeps_the_f
     assert all(len(goals) == 5 for goals in here)  # 4 dealt + 1 from the floor
     assert sorted(set().union(*here)) == list(range(12))  # every goal is dealt to someone
     code = (f"import json; from fedagent_flwr.hetero import partition_goals; "
-            f"print(json.dumps([partition_goals({ROUND_ROBIN!r}, c, 3, 12, {knobs!r}, base_seed=7) for c in range(3)]))")
+            f"print(json.dumps([partition_goals({ROUND_ROBIN!r}, c, 3, 12, {knobs!r}, base_seed=7) "
+            "for c in range(3)]))")
     for hash_seed in ("1", "2"):  # Python's salted hash() would differ between these
         other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                                env={**os.environ, "PYTHONHASHSEED": hash_seed}, check=True)
@@ -223,7 +225,7 @@ def test_faulty_partition_strategies_are_named() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_median_strategy_matches_numpys_median_of_the_client_files(suite: Suite, tmp_path: Path) -> None:  # noqa: F811
+def test_median_strategy_matches_numpys_median_of_the_client_files(suite: Suite, tmp_path: Path) -> None:
     from examples.median_strategy import CoordinateMedian
 
     names = ["qwen_a", "qwen_b", "qwen_plain", "qwen_c"]

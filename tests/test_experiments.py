@@ -19,10 +19,10 @@ import pytest
 
 from fedagent_flwr import experiments
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS
+from fedagent_flwr.config import RunSettings, conf_dir, load_settings, parse_overrides
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from fedagent_flwr.config import RunSettings, conf_dir, load_settings, parse_overrides
 from testkit.flower_harness import REPO
 from testkit.verl_probe import compose_verl_config
 
@@ -59,7 +59,8 @@ def test_there_is_a_preset_per_environment_and_algorithm() -> None:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_passes_verls_validation(preset: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     settings = load_settings("config", f"experiment={preset}")
-    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds, settings.run.seed) == (
+    assert (settings.mode, settings.run.clients.total, settings.clients_per_round, settings.run.num_rounds,
+            settings.run.seed) == (
         "federated", experiments.TOTAL, experiments.PER_ROUND, experiments.ROUNDS, experiments.SEED)
     assert settings.partition == {"strategy": "uniform", "min_goals_per_client": experiments.MIN_GOALS}
     assert settings.trainer["n_gpus_per_node"] == experiments.GPUS_PER_CLIENT

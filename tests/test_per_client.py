@@ -46,7 +46,8 @@ def test_a_run_without_per_client_values_is_unchanged() -> None:
 @pytest.mark.parametrize(("override", "message"), [
     ("+trainer.per_client={0:{lr:0.1}}", r"'trainer.per_client.0.lr' cannot differ between clients: only resources"),
     ("+trainer.per_client={2:{n_gpus_per_node:2}}", r"names client 2: expected a client id in \[0, 1\]"),
-    ("+trainer.per_client={0:{n_gpus_per_node:0}}", r"'trainer.per_client.0.n_gpus_per_node' = 0 is invalid: expected >= 1"),
+    ("+trainer.per_client={0:{n_gpus_per_node:0}}",
+     r"'trainer.per_client.0.n_gpus_per_node' = 0 is invalid: expected >= 1"),
     ("+trainer.per_client={1:{timeout_s:-1}}", r"'trainer.per_client.1.timeout_s' = -1.0 is invalid: expected > 0"),
     ("+trainer.per_client={0:{}}", r"'trainer.per_client.0' must map trainer keys to values"),
     ("+trainer.per_client=[1]", r"'trainer.per_client' must map client ids to trainer keys"),

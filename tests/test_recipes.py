@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.clientapp.backend import CLIENTAPP_TRAINER_KEYS
+from fedagent_flwr.config import conf_dir, load_settings
 from fedagent_flwr.trainers.common.client_rule import RULE_KEYS
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from fedagent_flwr.config import conf_dir, load_settings
 from testkit.verl_probe import compose_verl_config
 
 WEBSHOP_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "webshop"
@@ -32,7 +32,8 @@ def test_recipe_composes_for_every_arm(recipe: str, arm: str) -> None:
         assert settings.run.clients.total == 1
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if load_settings("config", f"recipe={r}").trainer_backend == "verl"])
+@pytest.mark.parametrize("recipe",
+                         [r for r in RECIPES if load_settings("config", f"recipe={r}").trainer_backend == "verl"])
 def test_verl_recipe_overrides_pass_verls_validation(recipe: str, tmp_path: Path) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

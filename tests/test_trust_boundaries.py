@@ -36,7 +36,7 @@ from fedagent_flwr.config import ConfigError, compose_config, load_settings, val
 from fedagent_flwr.protocol import CLIENT_ID, CONFIG, METRICS, NUM_EXAMPLES
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import connect, train_round
 from testkit.store_harness import RUN, SHARD, node, tree
 

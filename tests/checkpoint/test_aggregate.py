@@ -20,8 +20,7 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.ref import CheckpointError
-
-from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, max_abs_diff, write_hf_checkpoint
 
 
 def _open_fsdp(suite: Suite, name: str):  # noqa: ANN202 - a CheckpointReader
@@ -225,7 +224,8 @@ def test_stream_writer_flushes_in_the_background_and_a_failed_flush_commits_noth
 
     monkeypatch.setattr(os, "fdatasync", failing_fdatasync)
     failed = tmp_path / "failed.safetensors"
-    with pytest.raises(OSError, match=r"failed\.safetensors\.partial-\d+: background fdatasync failed: Input/output error"):
+    with pytest.raises(OSError,
+                       match=r"failed\.safetensors\.partial-\d+: background fdatasync failed: Input/output error"):
         with SafetensorsStreamWriter(failed, [(k, tuple(v.shape)) for k, v in tensors.items()]) as writer:
             for key, value in tensors.items():
                 writer.write(key, value)

@@ -17,9 +17,8 @@ from fedagent_flwr.checkpoint import (
     open_checkpoint,
     weighted_mean,
 )
-
 from fedagent_flwr.checkpoint.key_checks import check_finite
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 
 
 def _leftovers(directory: Path) -> list[str]:
@@ -136,7 +135,8 @@ def test_mismatched_shapes_vs_reference(suite: Suite, tmp_path: Path) -> None:
     good = open_checkpoint(CheckpointRef.for_directory(suite.ckpt("qwen_b")))
     bad = open_checkpoint(CheckpointRef.for_directory(tmp_path / "wider"))
     check_compatible(good, reference)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.\w+_proj.weight' has shape \((100, 64|64, 100)\)") as info:
+    with pytest.raises(CheckpointError,
+                       match=r"'model.layers.0.mlp.\w+_proj.weight' has shape \((100, 64|64, 100)\)") as info:
         check_compatible(bad, reference)
     assert str(tmp_path / "wider") in str(info.value)
 

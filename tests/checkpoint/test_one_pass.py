@@ -10,11 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, hash_checkpoint_dir, open_checkpoint, weighted_mean
-from fedagent_flwr.checkpoint import shard_file
+from fedagent_flwr.checkpoint import (
+    CheckpointError,
+    CheckpointRef,
+    hash_checkpoint_dir,
+    open_checkpoint,
+    shard_file,
+    weighted_mean,
+)
 from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 
 
 def _flip_tensor_byte(shard: Path) -> None:

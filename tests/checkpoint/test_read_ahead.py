@@ -18,7 +18,7 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkp
 from fedagent_flwr.checkpoint.content_hash import FileHashStream
 from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 
 
 def _open(path: Path, check_hash: bool | str = "while-reading") -> CheckpointReader:
@@ -210,7 +210,8 @@ def test_an_integer_key_stored_as_float_by_one_source_is_refused(
     readers = [_open(directory) for directory in directories]
     out = tmp_path / "out"
     try:
-        with pytest.raises(CheckpointError, match="integer tensor 'step_counter' differs between source 0 and source 1"):
+        with pytest.raises(CheckpointError,
+                           match="integer tensor 'step_counter' differs between source 0 and source 1"):
             weighted_mean([(reader, 1.0) for reader in readers], out, read_ahead=read_ahead)
     finally:
         for reader in readers:

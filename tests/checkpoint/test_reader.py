@@ -17,12 +17,10 @@ from fedagent_flwr.checkpoint import (
 )
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.shard_file import ShardFile
-from testkit.ckpt_factory import (  # noqa: F401
+from testkit.ckpt_factory import (
     ModelSpec,
     Suite,
-    max_abs_diff,
     same_size_impostor,
-    suite,
     write_hf_checkpoint,
 )
 

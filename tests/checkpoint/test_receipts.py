@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint, weighted_mean
@@ -30,7 +29,7 @@ from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_pa
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
-from testkit.ckpt_factory import ModelSpec, Suite, same_size_impostor, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, same_size_impostor, write_hf_checkpoint
 from testkit.store_harness import RUN, SHARD, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"

@@ -23,14 +23,15 @@ from fedagent_flwr.checkpoint.manifest import build_manifest, file_sha256
 from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, StorageSettings
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
-from testkit.ckpt_factory import Suite, suite  # noqa: F401
+from testkit.ckpt_factory import Suite
 from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, node, tree, wait_for
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[HttpServerStore]:
     (tmp_path / "run").mkdir()
-    with HttpServerStore(StorageSettings(kind="http", max_file_bytes=64 * 1024 * 1024), tmp_path / "run", RUN) as running:
+    settings = StorageSettings(kind="http", max_file_bytes=64 * 1024 * 1024)
+    with HttpServerStore(settings, tmp_path / "run", RUN) as running:
         yield running  # type: ignore[misc]
 
 
@@ -343,7 +344,8 @@ def test_tokens_open_only_their_own_slot_and_run(store: HttpServerStore) -> None
     response = httpx.put(other_run, params=put_params("config.json", data), headers=auth(store.upload_token(2, 1)),
                          content=data)
     assert response.status_code == 404 and "serves run 11, not run '12'" in response.text
-    assert httpx.get(f"{store.url}/runs/{RUN}/models/round_1/global", headers=auth(store.upload_token(2, 1))).status_code == 403
+    assert httpx.get(f"{store.url}/runs/{RUN}/models/round_1/global",
+                     headers=auth(store.upload_token(2, 1))).status_code == 403
     assert not list(store.run_root.iterdir())
 
 

@@ -90,7 +90,8 @@ def test_known_updates_give_known_norms_and_cosines(base, tmp_path: Path) -> Non
     # Statistics never change the mean: bitwise the same without them, and still exact.
     plain = weighted_mean(list(zip(readers, weights)), tmp_path / "plain", update_stats=False)
     assert plain.update_stats is None
-    a, b = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(tmp_path / "plain" / "model.safetensors"))
+    a, b = (load_file(str(tmp_path / "out" / "model.safetensors")),
+            load_file(str(tmp_path / "plain" / "model.safetensors")))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert verify_mean(list(zip(readers, weights)), tmp_path / "out") < 1e-6
     as_json = json.loads(json.dumps(report.to_dict()))
@@ -129,7 +130,8 @@ def test_a_per_key_rule_gets_the_same_statistics(base, tmp_path: Path) -> None:
     def median(key: str, tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         return torch.stack(tensors).median(dim=0).values
 
-    by_key = aggregate_by_key(sources, tmp_path / "median", median, name="median", reference=_open(base_dir)).update_stats
+    by_key = aggregate_by_key(sources, tmp_path / "median", median, name="median",
+                              reference=_open(base_dir)).update_stats
     assert by_key is not None and mean is not None
     assert by_key.client_update_norm == pytest.approx(mean.client_update_norm, rel=1e-6)
     assert by_key.cosine[0][1] == pytest.approx(mean.cosine[0][1], abs=1e-6)

@@ -97,8 +97,10 @@ def test_one_process_serves_rounds_bit_identically_to_fresh_subprocesses(
     assert len((trainer.channel / STARTS_FILE).read_text().splitlines()) == 1
     _assert_identical(_state(tmp_path / "r1"), _state(tmp_path / "sub_r1"))
     _assert_identical(_state(tmp_path / "r2"), _state(tmp_path / "sub_r2"))
-    ours, fresh = load(EvalResult, tmp_path / "eval" / "eval_result.json"), load(EvalResult, tmp_path / "sub_eval" / "eval_result.json")
-    assert (ours.success_rate, ours.reward_mean, ours.num_episodes) == (fresh.success_rate, fresh.reward_mean, fresh.num_episodes)
+    ours, fresh = (load(EvalResult, tmp_path / "eval" / "eval_result.json"),
+                   load(EvalResult, tmp_path / "sub_eval" / "eval_result.json"))
+    assert (ours.success_rate, ours.reward_mean, ours.num_episodes) == (
+        fresh.success_rate, fresh.reward_mean, fresh.num_episodes)
     # The second job only reloaded weights into the live model; each job's log is its own part.
     assert "1 full loads, 1 reloads" in (tmp_path / "r2.log").read_text()
     assert "step 1/1" in (tmp_path / "r1.log").read_text() and "evaluate:" not in (tmp_path / "r1.log").read_text()
@@ -186,7 +188,8 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
     handle.idle_timeout_s = 600
     try:
         handle.ensure_started()
-        assert handle.record()["reason"] == f"restart: trainer pid {pid} is gone (idle for 1 s, trainer.persistent_idle_s)"
+        assert handle.record()["reason"] == (
+            f"restart: trainer pid {pid} is gone (idle for 1 s, trainer.persistent_idle_s)")
     finally:
         handle.stop(grace_s=10)
 

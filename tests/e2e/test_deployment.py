@@ -70,7 +70,8 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
         # It watched its SuperNode's ClientApp launcher, which outlives each flwr-clientapp (and is
         # still up: the SuperNodes run on), so the trainer would end with the node, not the message.
         watch = json.loads(starts[0])["watch"]
-        assert watch["name"] == "flower-superexe" and ProcessRef(watch["pid"], watch["since_boot"], watch["boot"]).alive(), starts
+        assert watch["name"] == "flower-superexe" and (
+            ProcessRef(watch["pid"], watch["since_boot"], watch["boot"]).alive()), starts
     assert "2 persistent trainer(s) stopped" in output, output[-4000:]
     # Each message ran in a fresh flwr-clientapp process under its SuperNode.
     for node in deployment.supernodes:
@@ -122,7 +123,8 @@ def test_two_supernodes_without_a_shared_filesystem_exchange_checkpoints_through
         expected: dict[str, torch.Tensor] = {}
         total = 0.0
         for node in nodes:
-            local = node.store_dir / f"run-{summary['run_id']}" / f"round_{server_round}" / f"client_{node.partition_id}"
+            local = (node.store_dir / f"run-{summary['run_id']}" / f"round_{server_round}"
+                     / f"client_{node.partition_id}")
             # ... copies of what each client wrote in its own directory, from a model it downloaded
             # into its own cache (never a server path).
             job = json.loads((local / "train_job.json").read_text())

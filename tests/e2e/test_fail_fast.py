@@ -74,7 +74,8 @@ def test_missing_webshop_data_stops_the_run_at_start_naming_env_data_dir(
                    f"env.data_dir=/nonexistent {COMMON}")
     output = "\n".join(lines)
     expected = ("config key 'env.data_dir' = '/nonexistent': WebShop data directory /nonexistent has no "
-                "items_shuffle_1000.json; fetch the data with: python -m fedagent_flwr.envs.webshop.download /nonexistent")
+                "items_shuffle_1000.json; fetch the data with: "
+                "python -m fedagent_flwr.envs.webshop.download /nonexistent")
     _, line = _first(lines, "[fedagent] cannot start the run:")
     assert line.endswith(f"[fedagent] cannot start the run: {expected}")
     assert lines.count(line) == 1  # one line, not one per client
@@ -160,7 +161,8 @@ def test_a_round_that_aggregated_nothing_makes_the_run_degraded(
     first, second = summary["rounds"]
     assert first["aggregated_actor"] is None and second["aggregated_actor"] is not None
     assert "NoSuchEnv" in first["rejected"]["0"] and "NoSuchEnv" not in first["rejected"]["1"]
-    assert summary["warning"].startswith("round(s) [1] aggregated no client checkpoint and kept the previous global model")
+    assert summary["warning"].startswith(
+        "round(s) [1] aggregated no client checkpoint and kept the previous global model")
     assert returncode == 3
     assert lines[-1].startswith("[fedagent] run degraded: round(s) [1]")
 

@@ -187,7 +187,8 @@ def test_killed_while_clients_train(baseline: Path, tmp_path: Path, tiny_model_d
         _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline, extra=PERSISTENT)
         restarted = 0
         for name, pid in gone.items():  # the nodes that work in the re-run start new trainers
-            starts = [json.loads(line) for line in (run_dir / "trainers" / name / "starts.jsonl").read_text().splitlines()]
+            starts = [json.loads(line)
+                      for line in (run_dir / "trainers" / name / "starts.jsonl").read_text().splitlines()]
             if len(starts) > 1:
                 assert starts[-1]["reason"].startswith(f"restart: trainer pid {pid} is gone (raylet (pid "), starts
                 restarted += 1

@@ -19,7 +19,8 @@ from testkit.run_end import ran_every_round
 pytestmark = pytest.mark.slow
 
 # The client checkpoints stay: the tests recompute each round's mean from them.
-COMMON = "num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true"
+COMMON = ("num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3 "
+          "storage.keep_client_checkpoints=true")
 # The node's one long-lived reference trainer instead of a fresh one per job (a 2 x 2 run starts
 # ~10, each ~4.5 s of CPU importing torch and transformers), for the tests that are not about how
 # the trainer is started: test_simulation_persistent checks that it gives the subprocess mode's

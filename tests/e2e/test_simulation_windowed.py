@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_windowed_two_clients_one_round(superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path) -> None:
     summary, run_dir, output = _run(
         superlink, tmp_path,
-        f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 eval.before_train=false trainer.max_new_tokens=8 trainer.lr=1e-3 "
+        f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 eval.before_train=false "
+        "trainer.max_new_tokens=8 trainer.lr=1e-3 "
         "storage.keep_client_checkpoints=true rollout.mode=windowed rollout.history_length=2 "
         "trainer.mode=persistent",  # one trainer per node for the train and evaluate jobs
         supernodes=2,

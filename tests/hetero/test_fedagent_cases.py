@@ -279,7 +279,8 @@ def test_command_takes_fedagent_knob_names(paths_file: Path, capsys: pytest.Capt
     """A case's knobs passed as they are (base_seed, min_goals_per_client included) give the case."""
     (case,) = [c for c in golden()["cases"] if c["id"] == "alfworld-env_disjoint-env_div0.3-fallback_skip-N3"]
     argv = ["--env", "alfworld", "--paths", str(paths_file), "--strategy", "env_disjoint", "--clients", "3",
-            "--knob", "min_goals_per_client=100"] + [a for k, v in case["knobs"].items() for a in ("--knob", f"{k}={v}")]
+            "--knob", "min_goals_per_client=100"] + [
+                a for k, v in case["knobs"].items() for a in ("--knob", f"{k}={v}")]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["clients"] == case["clients"]
     assert main([*argv, "--seed", "43"]) == 2

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from fedagent_flwr.trainers.common.sampler import HFPolicy
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ChatTemplateError, Episode, SamplingParams, run_episode
+from fedagent_flwr.trainers.common.sampler import HFPolicy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
 
@@ -106,7 +106,7 @@ def test_turns_cut_at_max_new_tokens_are_closed_by_the_template(smollm2_tokenize
     assert [len(ids) for ids in sampled] == [8] * episode.num_turns
     assert not any(t.ended_with_eos for t in episode.turns)
     assert sum(generated, []) == sum(sampled, [])
-    for (mask, ids), turn in zip([r for r in runs if r[0] == 0], episode.turns):
+    for (_, ids), turn in zip([r for r in runs if r[0] == 0], episode.turns):
         assert tok.decode(ids) == (
             f"<|im_end|>\n<|im_start|>user\n{turn.observation}<|im_end|>\n<|im_start|>assistant\n"
         )

@@ -126,7 +126,8 @@ def test_partition_knobs_come_from_the_schema() -> None:
         load_settings(overrides="partition=preference partition.omega=1.5")
     with pytest.raises(PartitionError) as library:
         knob({"omega": 1.5}, "omega")
-    assert str(server.value) == str(library.value) == "config key 'partition.omega' = 1.5 is invalid: expected in (0, 1)"
+    assert str(server.value) == str(library.value) == (
+        "config key 'partition.omega' = 1.5 is invalid: expected in (0, 1)")
 
 
 def test_backend_registry_is_the_schema_registry() -> None:
@@ -338,7 +339,8 @@ def test_code_reads_only_settings_the_schema_declares() -> None:
     """Every trainer key and dotted config key the package reads is a schema field."""
     from fedagent_flwr.schema import declared_type
 
-    trainer_keys = {f.name for s in (*TRAINER_GROUPS.values(), *TRAINER_SCHEMAS.values()) for f in dataclasses.fields(s)}
+    trainer_keys = {f.name for s in (*TRAINER_GROUPS.values(), *TRAINER_SCHEMAS.values())
+                    for f in dataclasses.fields(s)}
     undeclared = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())

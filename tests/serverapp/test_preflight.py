@@ -41,9 +41,11 @@ def test_missing_webshop_data_names_env_data_dir_and_the_download_command(
     assert warning.startswith(message) and "every client needs it" in warning
 
 
-@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(), reason=f"no WebShop data at {WEBSHOP_DATA}")
+@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),
+                    reason=f"no WebShop data at {WEBSHOP_DATA}")
 def test_webshop_with_its_data_passes_and_bad_values_are_named() -> None:
-    assert check_env_specs(load_settings(overrides=f"env=webshop env.data_dir={WEBSHOP_DATA}"), data_is_local=True) == []
+    assert check_env_specs(load_settings(overrides=f"env=webshop env.data_dir={WEBSHOP_DATA}"),
+                           data_is_local=True) == []
     bad = load_settings(overrides=f"env=webshop env.data_dir={WEBSHOP_DATA} "
                                   "+env.val.envs.0.config.observation_format=html")
     with pytest.raises(ConfigError, match=r"^config key 'env.val.envs.0.config.observation_format' = 'html': "):

@@ -24,11 +24,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import load_settings
+from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.app import RunSetupError, build_strategy, run_directory, summary_header
 from fedagent_flwr.serverapp.app import main as serverapp_main
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
-from fedagent_flwr.protocol import PartitionReply, TrainReply
 from fedagent_flwr.serverapp.resume import (
     ResumeError,
     config_fingerprint,
@@ -38,7 +38,7 @@ from fedagent_flwr.serverapp.resume import (
 )
 from fedagent_flwr.serverapp.rounds import RoundLoop
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.flower_harness import REPO
 from testkit.round_harness import connect, train_round
 
@@ -166,7 +166,9 @@ def test_a_completed_run_has_nothing_left_and_a_crash_before_round_0_keeps_nothi
 def test_another_config_in_the_same_directory_is_refused_by_name(tmp_path: Path, base: CheckpointRef) -> None:
     run_dir = tmp_path / "job"
     RunRecorder(run_dir, _header(tmp_path, base))
-    with pytest.raises(ResumeError, match=r"another configuration \(config key 'num_rounds' = 2 there, 3 now\); choose another run_name"):
+    with pytest.raises(ResumeError,
+                       match=r"another configuration \(config key 'num_rounds' = 2 there, 3 now\); "
+                             r"choose another run_name"):
         load_previous_run(run_dir, _header(tmp_path, base, "num_rounds=3"))
     with pytest.raises(ResumeError, match=r"config key 'trainer.lr' = .* there, 0.5 now"):
         load_previous_run(run_dir, _header(tmp_path, base, "trainer.lr=0.5"))
@@ -179,7 +181,8 @@ def test_another_config_in_the_same_directory_is_refused_by_name(tmp_path: Path,
     assert stored["content_hash"] == "v2"
     del stored["content_hash"]
     (run_dir / "federated_summary.json").write_text(json.dumps(stored))
-    with pytest.raises(ResumeError, match="recorded with checkpoint content hash v1, and this fedagent-flwr computes v2"):
+    with pytest.raises(ResumeError,
+                       match="recorded with checkpoint content hash v1, and this fedagent-flwr computes v2"):
         load_previous_run(run_dir, _header(tmp_path, base))
     # A summary without a fingerprint (an older version, or not ours) is never resumed.
     (run_dir / "federated_summary.json").write_text(json.dumps({"status": "completed"}))
@@ -290,8 +293,9 @@ def test_an_evaluation_the_strategy_could_not_send_is_recorded_and_makes_the_run
     tmp_path: Path, base: CheckpointRef, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``FedAvgFSDP`` sends no evaluation when fewer nodes are connected than ``min_evaluate_nodes``
-    (Flower's rule; here one of the two SuperNodes is gone). The round then has no validation point: the loop logs it, records it in
-    ``eval_failures`` with the strategy's reason, and the run cannot end ``completed``. An evaluation
+    (Flower's rule; here one of the two SuperNodes is gone). The round then has no validation point:
+    the loop logs it, records it in ``eval_failures`` with the strategy's reason, and the run cannot
+    end ``completed``. An evaluation
     that is not wanted (no validation episodes) is not a failure."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     recorder = RunRecorder(tmp_path, {"base_model": base.path})
@@ -405,7 +409,8 @@ def test_a_resume_checks_the_global_model_against_the_hash_recorded_at_its_commi
     train_round(strategy, 1, replies)
     recorder.complete_round(1)
     weights = run_dir / "round_1" / "global" / "model.safetensors"
-    assert json.loads(recorder.summary_path.read_text())["rounds"][0]["aggregated_sha256"] == strategy.global_model.sha256
+    assert json.loads(recorder.summary_path.read_text())["rounds"][0]["aggregated_sha256"] == (
+        strategy.global_model.sha256)
     os.truncate(weights, weights.stat().st_size // 2)  # a disk that filled up, a careless copy
 
     context = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(), run_config={"overrides": overrides})

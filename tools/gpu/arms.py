@@ -58,7 +58,8 @@ ARMS: dict[str, tuple[str, str, int]] = {
     "fedprox": ("strategy=fedprox strategy.proximal_mu=0.01",
                 "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4", 2),
     "local": ("experiment=local", "num-supernodes=2 client-resources-num-gpus=0.5 client-resources-num-cpus=4", 1),
-    "centralized": ("experiment=centralized", "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
+    "centralized": ("experiment=centralized",
+                    "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
 }
 MATRIX_FILE = "matrix.json"
 COLLECT_SCRIPT = Path(__file__).resolve().parent / "collect.sh"
@@ -331,8 +332,8 @@ def collect_archives(outs: list[Path], into: Path) -> list[Path]:
         archive = into.resolve() / f"{out.resolve().name}.tgz"
         sys.stdout.flush()  # the status lines first, then collect.sh's own
         # collect.sh changes into the checkout, so both paths go absolute
-        done = subprocess.run(["bash", str(COLLECT_SCRIPT), str(archive)], env={**os.environ, "OUT": str(out.resolve())},
-                              check=False)
+        done = subprocess.run(["bash", str(COLLECT_SCRIPT), str(archive)],
+                              env={**os.environ, "OUT": str(out.resolve())}, check=False)
         if done.returncode != 0 or not archive.is_file():
             print(f"arms.py wait --collect: packing {out} into {archive} failed (exit {done.returncode})",
                   file=sys.stderr)
@@ -436,8 +437,10 @@ def report(out: Path) -> str:
     for arm, row in data["arms"].items():
         lines.append(
             f"| {arm} | {len(row['seeds'])} | {','.join(map(str, row['rounds']))} | {row['base_mean']:.3f} | "
-            f"{row['final_mean']:.3f} | [{row['pooled_ci95'][0]:.3f}, {row['pooled_ci95'][1]:.3f}] (n={row['pooled_n']}) | "
-            f"{', '.join(f'{r:.3f}' for r in row['final_per_seed'])} | {row['seed_std'] if row['seed_std'] is not None else '-'} |"
+            f"{row['final_mean']:.3f} | [{row['pooled_ci95'][0]:.3f}, {row['pooled_ci95'][1]:.3f}] "
+            f"(n={row['pooled_n']}) | "
+            f"{', '.join(f'{r:.3f}' for r in row['final_per_seed'])} | "
+            f"{row['seed_std'] if row['seed_std'] is not None else '-'} |"
         )
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:

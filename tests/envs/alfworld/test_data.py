@@ -55,7 +55,8 @@ def layout(tmp_path: Path) -> Path:
         _trial(tmp_path, split, "pick_and_place_simple-Bowl-None-Sink-1", "trial_unchecked", {})
         _trial(tmp_path, split, "pick_and_place_simple-Bowl-None-Sink-1", "trial_nogame", None)
         _trial(tmp_path, split, "pick_and_place_with_movable_recep-Pen-Mug-Desk-3", "trial_m", {"solvable": True})
-        _trial(tmp_path, split, "pick_heat_then_place_in_recep-AppleSliced-None-Fridge-3", "trial_s", {"solvable": True})
+        _trial(tmp_path, split, "pick_heat_then_place_in_recep-AppleSliced-None-Fridge-3", "trial_s",
+               {"solvable": True})
     return tmp_path
 
 

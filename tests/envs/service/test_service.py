@@ -788,7 +788,8 @@ def test_service_exits_with_its_owner_so_a_crash_leaves_no_orphan(tmp_path: Path
         service_pid = manager.pid
         assert service_pid is not None and manager.is_alive()
         # Another process of the same node (new owner pid) reuses the running service.
-        same = EnvServiceManager.attach_or_create(tmp_path / "svc.json", dataclasses.replace(launch, owner_pid=os.getpid()))
+        same = EnvServiceManager.attach_or_create(tmp_path / "svc.json",
+                                                  dataclasses.replace(launch, owner_pid=os.getpid()))
         assert same.pid == service_pid
         owner.kill()
         owner.wait()

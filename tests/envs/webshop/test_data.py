@@ -121,7 +121,8 @@ def test_real_catalogue_loads_and_goal_a_instruction() -> None:
         expected += n
     assert len(world.goals) == expected
     assert world.val_size == 500 and len(world.train_goals) == expected - 500
-    a = next(g for g in world.goals if g["asin"] == "B08ZRR3DZT" and g["goal_options"] == {"color": "red", "size": "x-small"})
+    a = next(g for g in world.goals
+             if g["asin"] == "B08ZRR3DZT" and g["goal_options"] == {"color": "red", "size": "x-small"})
     assert a["instruction_text"] in {
         f"Find me women's dresses with polyester spandex for daily wear with color: red, and size: x-small, "
         f"and price lower than {x} dollars" for x in ("40.00", "50.00", "60.00")
@@ -154,7 +155,8 @@ def test_goal_list_identical_across_processes() -> None:
     code = (
         "import hashlib,json;from fedagent_flwr.envs.webshop.data import load_world,goal_task_id;"
         f"w=load_world({str(DATA_DIR)!r});"
-        "print(hashlib.sha256(json.dumps([[goal_task_id(g),g['instruction_text']] for g in w.goals]).encode()).hexdigest())"
+        "print(hashlib.sha256(json.dumps([[goal_task_id(g),g['instruction_text']] for g in w.goals])"
+        ".encode()).hexdigest())"
     )
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin:/bin"},

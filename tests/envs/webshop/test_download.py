@@ -41,7 +41,9 @@ def mirror(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         server.server_close()
 
 
-def test_fetch_checks_hashes_and_only_refetches_what_is_missing_or_wrong(mirror: tuple[str, Path], tmp_path: Path) -> None:
+def test_fetch_checks_hashes_and_only_refetches_what_is_missing_or_wrong(
+    mirror: tuple[str, Path], tmp_path: Path
+) -> None:
     url, _ = mirror
     data = tmp_path / "data"
     assert len(fetch(data, url)) == len(FILES)

@@ -19,7 +19,13 @@ from fedagent_flwr.envs.webshop.prompts import (
     project_action,
     windowed_prompt,
 )
-from fedagent_flwr.envs.webshop.search import IN_MEMORY_FIELDS, BM25Search, InMemoryBM25, analyze, in_memory_document_text
+from fedagent_flwr.envs.webshop.search import (
+    IN_MEMORY_FIELDS,
+    BM25Search,
+    InMemoryBM25,
+    analyze,
+    in_memory_document_text,
+)
 from tests.envs.webshop.test_reward import DATA_DIR, golden_world, needs_data
 
 TITLE_A = "SheIn Women's Sexy One Shoulder Sleeveless Cutout Mini Club Pencil Bodycon Dress"
@@ -97,9 +103,11 @@ def test_results_page_shape(engine: WebShopEngine) -> None:
     engine.step("search[women's dresses polyester spandex]")
     segs = engine.observation().split(" [SEP] ")
     total = len(engine.results)
-    assert segs[:5] == ["Instruction:", engine.instruction, "Back to Search", f"Page 1 (Total results: {total})", "Next >"]
+    assert segs[:5] == [
+        "Instruction:", engine.instruction, "Back to Search", f"Page 1 (Total results: {total})", "Next >"]
     shown = engine.results[:10]
-    assert segs[5:] == [x for a in shown for x in (a, engine.world.by_asin[a]["Title"], engine.world.by_asin[a]["Price"])]
+    assert segs[5:] == [
+        x for a in shown for x in (a, engine.world.by_asin[a]["Title"], engine.world.by_asin[a]["Price"])]
     assert engine.available_actions() == {
         "has_search_bar": False, "clickables": ["back to search", "next >", *[a.lower() for a in shown]]}
 
@@ -257,7 +265,8 @@ def test_env_episode_buy_target_wins() -> None:
         env = WebShopEnv(_cfg(max_turns=15))
         obs, info = await env.reset(11)
         goal = env.world.goals[info["goal_index"]]
-        assert obs.startswith(f"Your task is to: {goal['instruction_text']}.\nYour current observation is: WebShop [SEP]")
+        assert obs.startswith(
+            f"Your task is to: {goal['instruction_text']}.\nYour current observation is: WebShop [SEP]")
         assert obs.endswith("[\n'search[<your query>]',\n'click[search]',\n].")
         assert await env.system_prompt() == (
             "You are an expert autonomous agent operating in the WebShop e-commerce environment. Each turn, "
@@ -323,7 +332,8 @@ def test_in_memory_backend_document_quirk_and_env_selection(world: WebShopWorld)
     assert isinstance(env.search_index, InMemoryBM25)
     _run(env.reset(0))
     env.engine.step("search[pencil bodycon dress]")
-    assert len(env.engine.results) == 50 and env.engine.observation().split(" [SEP] ")[3] == "Page 1 (Total results: 50)"
+    assert len(env.engine.results) == 50
+    assert env.engine.observation().split(" [SEP] ")[3] == "Page 1 (Total results: 50)"
     assert isinstance(WebShopEnv(_cfg()).search_index, BM25Search)
 
 
@@ -340,7 +350,8 @@ def test_shared_option_value_selects_later_group_and_done_json_escapes() -> None
     eng.step("search[mug]")
     eng.step("click[b000000001]")
     assert eng.available_actions()["clickables"][6:] == ["red", "s | m"]
-    assert "size [SEP] red [SEP] s | m [SEP] color [SEP] red [SEP] Tom & Jerry mug [SEP] Price: $5.0" in eng.observation()
+    assert ("size [SEP] red [SEP] s | m [SEP] color [SEP] red [SEP] Tom & Jerry mug [SEP] Price: $5.0"
+            in eng.observation())
     eng.step("click[red]")
     assert eng.options == {"color": "red"}  # the later group wins
     eng.step("click[description]")

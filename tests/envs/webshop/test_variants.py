@@ -168,7 +168,8 @@ from fedagent_flwr.hetero.env_level import variant_request
 out = []
 for strategy in ("catalog_split", "bm25_field_subset", "bm25_reweight", "rank_wrapper"):
     for c in range(3):
-        req = variant_request(strategy, c, 3, {"env_div": 0.7, "keep_ratio": 0.7, "variant_n": 8 if "bm25" in strategy else 4})
+        req = variant_request(strategy, c, 3,
+                              {"env_div": 0.7, "keep_ratio": 0.7, "variant_n": 8 if "bm25" in strategy else 4})
         out.append(variant_env_config({"data_dir": sys.argv[1]}, req)[1].describe())
 print(json.dumps(out, sort_keys=True))
 """
@@ -256,7 +257,8 @@ def test_rank_wrappers() -> None:
     seq_a = [a.search("q", top_k=10) for _ in range(20)]
     assert seq_a == [b.search("q", top_k=10) for _ in range(20)]
     assert base.asins[:10] in seq_a and any(r != base.asins[:10] for r in seq_a)
-    assert RankWrapperSearch(base, type="bm25_invert", seed=1).search("q", allowed={"P1", "P3"}, top_k=10) == ["P3", "P1"]
+    inverted = RankWrapperSearch(base, type="bm25_invert", seed=1)
+    assert inverted.search("q", allowed={"P1", "P3"}, top_k=10) == ["P3", "P1"]
 
 
 @needs_data

@@ -19,10 +19,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_mean
-from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.protocol import TrainReply
+from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import connect, eval_round, train_round
 
 
@@ -49,14 +49,16 @@ def _strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgFSDP] = Fe
     """All ``clients`` selected every round; node 100 + c serves client c for the first ``served``."""
     run_root = tmp_path / "run"
     run_root.mkdir()
-    recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated", "strategy": "fedavg"})
+    recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated",
+                                      "strategy": "fedavg"})
     strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients)
     connect(strategy, recorder, range(clients if served is None else served))
     return strategy, run_root
 
 
 def _slot(run_root: Path, client: int, server_round: int = 1) -> Path:
-    """Where client ``client`` writes its checkpoints of ``server_round`` (the only place the server takes them from)."""
+    """Where client ``client`` writes its checkpoints of ``server_round`` (the only place the server
+    takes them from)."""
     return run_root / f"round_{server_round}" / f"client_{client}"
 
 
@@ -245,7 +247,8 @@ def test_a_clientapp_error_without_our_label_is_its_own_line_not_flowers_wrapper
     )
     assert readable_reason(simulation) == f"EnvDataError: {message}"
     # Deployment: flwr-clientapp's "<class 'T'>:<'message'>".
-    assert readable_reason(f"<class 'fedagent_flwr.envs.base.EnvDataError'>:<'{message}'>") == f"EnvDataError: {message}"
+    assert readable_reason(f"<class 'fedagent_flwr.envs.base.EnvDataError'>:<'{message}'>") == (
+        f"EnvDataError: {message}")
     assert readable_reason("<class 'fedagent_flwr.clientapp.backend.TrainerFailed'>:<'client 0 round 2: "
                            "reference trainer exited with code 2\nsecond line'>") == (
         "client 0 round 2: reference trainer exited with code 2 second line")
@@ -264,7 +267,8 @@ def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_
 
     strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
     # Different reasons: the round keeps the previous model and the run goes on.
-    train_round(strategy, 1, [failed(0, trainer_error(0, 1, "out of memory")), failed(1, trainer_error(1, 1, "killed"))])
+    train_round(strategy, 1, [failed(0, trainer_error(0, 1, "out of memory")),
+                              failed(1, trainer_error(1, 1, "killed"))])
     # The same reason (up to the client's number): nothing later can go better, so the run stops.
     with pytest.raises(RoundFailedError) as info:
         train_round(strategy, 2, [failed(c, trainer_error(c, 2, "unknown environment 'NoSuchEnv'")) for c in (0, 1)])
@@ -281,7 +285,8 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     episodes = {0: 3, 1: 9}
 
     def ppo_reply(client: int, server_round: int) -> Message:
-        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], _slot(run_root, client, server_round) / "a"))
+        actor = CheckpointRef.for_directory(
+            suite.copy(["qwen_a", "qwen_b"][client], _slot(run_root, client, server_round) / "a"))
         critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], _slot(run_root, client, server_round) / "c")
         critic = CheckpointRef.for_directory(critic_dir, "critic")
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
@@ -292,7 +297,8 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     assert strategy.global_critic is not None
     assert strategy.global_critic.path == str(run_root / "round_1" / "global_critic")
     assert strategy.global_critic.kind == "critic"
-    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(_slot(run_root, c) / "c" / name, "critic"), root=run_root),
+    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(_slot(run_root, c) / "c" / name, "critic"),
+                                       root=run_root),
                        float(episodes[c])) for c, name in enumerate(["qwen_b", "qwen_plain"])]
     assert verify_mean(critic_sources, strategy.global_critic.path) < 1e-6
     entry = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]
@@ -344,12 +350,14 @@ def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> 
 
     model = _stub_model(tmp_path)
     strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
-    eval_error = "client {c} eval round 0: reference trainer exited with code 2: error: TinyGuess config 'hi' (10) must be >= 'lo' (20)"
+    eval_error = ("client {c} eval round 0: reference trainer exited with code 2: "
+                  "error: TinyGuess config 'hi' (10) must be >= 'lo' (20)")
     # One client failed, the other never answered: different reasons, the run goes on.
     assert strategy.aggregate_evaluate(0, [_failed_eval(0, eval_error.format(c=0))]) is None
     eval_round(strategy, 0, [_failed_eval(0, eval_error.format(c=0))], sent=[0, 1])
-    with pytest.raises(RoundFailedError, match=r"^evaluation of round 0: every client \(2\) failed the same way, "
-                                               r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
+    with pytest.raises(RoundFailedError,
+                       match=r"^evaluation of round 0: every client \(2\) failed the same way, "
+                             r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
         eval_round(strategy, 0, [_failed_eval(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
 
 

@@ -29,7 +29,7 @@ from fedagent_flwr.protocol import EvalInstruction, EvalReply, TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, suite, write_hf_checkpoint  # noqa: F401
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import connect, eval_round, train_round
 from testkit.store_harness import RUN, HashCounter, node
 
@@ -41,7 +41,9 @@ def _task_identity() -> None:
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
 
 
-def _reply(client: int, ref: CheckpointRef, episodes: float | list[float], critic: CheckpointRef | None = None) -> Message:
+def _reply(
+    client: int, ref: CheckpointRef, episodes: float | list[float], critic: CheckpointRef | None = None
+) -> Message:
     """A train reply as client ``client``'s node (node 100 + client) sends it."""
     instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
     content = TrainReply(client_id=client, actor=ref, critic=critic,
@@ -105,7 +107,8 @@ def test_global_model_files_come_from_the_base_model_and_a_client_flipping_ties_
     assert "client 2" in entry["rejected"]["2"] and "rope" in entry["rejected"]["2"]
     out = Path(strategy.global_model.path)
     assert (out / "chat_template.jinja").read_text() == BASE_TEMPLATE
-    written, trusted = json.loads((out / "config.json").read_text()), json.loads((tmp_path / "base" / "config.json").read_text())
+    written, trusted = (json.loads((out / "config.json").read_text()),
+                        json.loads((tmp_path / "base" / "config.json").read_text()))
     assert written["tie_word_embeddings"] is False
     assert {k: v for k, v in written.items() if k not in ("dtype", "torch_dtype")} == \
         {k: v for k, v in trusted.items() if k not in ("dtype", "torch_dtype")}
@@ -138,7 +141,8 @@ def test_num_examples_beyond_the_assigned_episodes_is_refused(suite: Suite, tmp_
             for c, name in enumerate(("qwen_a", "qwen_b", "qwen_c"))]
     entry = _round(strategy, [_reply(0, refs[0], 8), _reply(1, refs[1], 1e300), _reply(2, refs[2], 9)])
     assert entry["client_actor_ids"] == [0]
-    assert entry["rejected"]["1"] == "'num-examples' = 1e+300 is more than the 8 episodes client 1 was assigned this round"
+    assert entry["rejected"]["1"] == (
+        "'num-examples' = 1e+300 is more than the 8 episodes client 1 was assigned this round")
     assert "'num-examples' = 9 is more than the 8 episodes client 2" in entry["rejected"]["2"]
 
 

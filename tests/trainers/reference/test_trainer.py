@@ -15,8 +15,8 @@ import torch
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, load, save
-from fedagent_flwr.trainers.reference.grpo import grpo_advantages
 from fedagent_flwr.seeding import train_env_seed
+from fedagent_flwr.trainers.reference.grpo import grpo_advantages
 
 MODULE = "fedagent_flwr.trainers.reference"
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {"lo": 1, "hi": 50}}]}

@@ -25,8 +25,13 @@ from typing import Any
 
 import pytest
 import torch
+from verl.utils.config import omega_conf_to_dataclass
 
 from fedagent_flwr.clientapp.job import TrainJob, save
+from fedagent_flwr.envs.registry import make_env
+from fedagent_flwr.envs.spec import load_env_spec
+from fedagent_flwr.rollout.episode import SamplingParams, run_episode
+from fedagent_flwr.seeding import train_env_seed
 from fedagent_flwr.trainers.common.client_rule import job_rule_specs
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE, FedProx
 from fedagent_flwr.trainers.verl import engine_hooks, user_hooks
@@ -34,12 +39,6 @@ from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, EnvEpisodeDataset, p
 from fedagent_flwr.trainers.verl.job import job_environment
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
-from fedagent_flwr.envs.spec import load_env_spec
-from fedagent_flwr.rollout.episode import SamplingParams, run_episode
-from fedagent_flwr.envs.registry import make_env
-from fedagent_flwr.seeding import train_env_seed
-from verl.utils.config import omega_conf_to_dataclass
-
 from testkit.verl_probe import ENGINE, compose_verl_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -110,7 +109,8 @@ def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_
     assert cfg.actor_rollout_ref.rollout.enforce_eager is False
     with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
         VerlSettings.from_mapping({"cudagraph_capture_sizes": [1, 2]})
-    with pytest.raises(VerlSettingsError, match=r"'trainer\.cudagraph_capture_sizes' entry 0 = 0 is invalid: expected >= 1"):
+    with pytest.raises(VerlSettingsError,
+                       match=r"'trainer\.cudagraph_capture_sizes' entry 0 = 0 is invalid: expected >= 1"):
         VerlSettings.from_mapping({"enforce_eager": False, "cudagraph_capture_sizes": [0, "8"]})
 
 
@@ -402,8 +402,8 @@ def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path
 
 
 def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() -> None:
-    from fedagent_flwr.trainers.verl.agent_loop import count_invalid_actions
     from fedagent_flwr.rollout.episode import Episode, TurnRecord
+    from fedagent_flwr.trainers.verl.agent_loop import count_invalid_actions
 
     def turn(info: dict[str, Any]) -> TurnRecord:
         return TurnRecord("a", "o", 0.0, False, info, 1, True)

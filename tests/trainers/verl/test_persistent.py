@@ -35,8 +35,6 @@ from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.agent_loop import episode_log_path
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset, read_rows
 from fedagent_flwr.trainers.verl.job import InputError
-from fedagent_flwr.trainers.verl.phases import read_phases
-from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.persistent import (
     VerlSession,
     fixed_differences,
@@ -44,6 +42,8 @@ from fedagent_flwr.trainers.verl.persistent import (
     round_plan,
     session_fingerprint,
 )
+from fedagent_flwr.trainers.verl.phases import read_phases
+from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.verl_log import numeric_metrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -130,9 +130,10 @@ def test_verl_internals_the_session_relies_on_exist() -> None:
         assert getattr(cls.fedagent_reload, MAGIC_ATTR)["dispatch_mode"] == Dispatch.ONE_TO_ALL
         holder = type("WorkerDict", (), {})
         _bind_workers_method_to_parent(holder, "actor_rollout_ref", cls)
-        assert hasattr(holder, "actor_rollout_ref_fedagent_reload") and hasattr(holder, "actor_rollout_ref_reset"
-                                                                                if cls is persistent_workers.ReloadableTrainingWorker
-                                                                                else "actor_rollout_ref_init_model")
+        assert hasattr(holder, "actor_rollout_ref_fedagent_reload") and hasattr(
+            holder,
+            "actor_rollout_ref_reset" if cls is persistent_workers.ReloadableTrainingWorker
+            else "actor_rollout_ref_init_model")
     assert issubclass(persistent_runner.PersistentTaskRunner, BaseTaskRunner)
     from verl.single_controller.base.worker_group import WorkerGroup
 
@@ -319,13 +320,21 @@ def test_metrics_and_errors_from_ray_read_as_one_line() -> None:
 
 # What a trainer server's log held when vLLM could not start beside three other sessions on an H200
 # (Ray forwards the worker's lines; the exception the session gets says only "see root cause above").
-_VLLM_REFUSED = """\
-\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] WorkerProc failed to start.
-\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898]     raise ValueError(
-\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] ValueError: Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.
-\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (EngineCore pid=10003) ERROR 12-02 07:50:48 [core.py:1231] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
-[phase] name=session_start t=176.40 dt=167.69 pid=8045 failed=True stage=starting verl's TaskRunner and workers (init_workers)
-"""
+# Each log line is one "..." group below, ending in \n.
+_VLLM_REFUSED = (
+    "\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] "
+    "WorkerProc failed to start.\n"
+    "\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] "
+    "    raise ValueError(\n"
+    "\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (Worker pid=10029) ERROR 12-02 07:50:45 [multiproc_executor.py:898] "
+    "ValueError: Free memory on device cuda:0 (1.54/139.8 GiB) on startup is less than desired GPU memory "
+    "utilization (0.3, 41.94 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.\n"
+    "\x1b[36m(vLLMHttpServer pid=9908)\x1b[0m (EngineCore pid=10003) ERROR 12-02 07:50:48 [core.py:1231] "
+    "Exception: WorkerProc initialization failed due to an exception in a background process. "
+    "See stack trace for root cause.\n"
+    "[phase] name=session_start t=176.40 dt=167.69 pid=8045 failed=True "
+    "stage=starting verl's TaskRunner and workers (init_workers)\n"
+)
 
 
 def test_a_failed_session_start_names_vllms_root_cause_from_the_servers_log(tmp_path: Path) -> None:
@@ -367,7 +376,8 @@ def test_a_root_cause_that_reaches_the_log_after_the_exception_is_waited_for(tmp
     finally:
         assert writer.wait(timeout=60) == 0
     assert reason.startswith("ran out of GPU memory: vLLM could not start (Free memory on device cuda:0 "
-                             "(1.54/139.8 GiB) on startup is less than desired GPU memory utilization (0.3, 41.94 GiB))")
+                             "(1.54/139.8 GiB) on startup is less than desired GPU memory utilization "
+                             "(0.3, 41.94 GiB))")
     # A line that names no known cause does not end the wait early; the wait then ends with what
     # the log holds (the exception's own words).
     writer = subprocess.Popen([sys.executable, "-c", _LATE_WRITER, str(log), "still no cause\n", "0.2"])

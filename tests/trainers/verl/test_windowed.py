@@ -17,9 +17,9 @@ import torch
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset
 from fedagent_flwr.trainers.verl.overrides import WINDOWED_MANAGER, build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from tests.trainers.verl.test_backend import _HFServer, _loop_config
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
 from testkit.verl_probe import compose_verl_config
+from tests.envs.webshop.test_reward import DATA_DIR, needs_data
+from tests.trainers.verl.test_backend import _HFServer, _loop_config
 
 
 def _windowed_cfg(tmp_path: Path, model: str, **extra: Any) -> Any:
