@@ -143,13 +143,18 @@ def test_kl_micro_batches_several_envs_and_steps(tmp_path: Path, tiny_model_dir:
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
 
 
-def test_evaluate_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
-    job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "eval"), env_spec=SPEC,
-                  round=3, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
+def _evaluate(tmp_path: Path, model_dir: Path, spec: dict, server_round: int) -> EvalResult:
+    """The trainer's ``evaluate`` command run on seeds 0-2 of ``spec``; its result."""
+    job = EvalJob(model_path=str(model_dir), output_dir=str(tmp_path / "eval"), env_spec=spec,
+                  round=server_round, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
     save(job, tmp_path / "eval.json")
     proc = run_trainer("evaluate", tmp_path / "eval.json")
     assert proc.returncode == 0, proc.stderr
-    result = load(EvalResult, tmp_path / "eval" / "eval_result.json")
+    return load(EvalResult, tmp_path / "eval" / "eval_result.json")
+
+
+def test_evaluate_mode(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = _evaluate(tmp_path, tiny_model_dir, SPEC, server_round=3)
     assert result.num_episodes == 3
     assert 0.0 <= result.success_rate <= 1.0 and result.reward_mean == pytest.approx(result.success_rate)
     assert result.metrics["success_rate/TinyGuess"] == result.success_rate
@@ -162,12 +167,7 @@ def test_entries_of_one_env_keep_their_own_success_rate(tmp_path: Path, tiny_mod
     A name that appears once keeps its plain key (``test_evaluate_mode``)."""
     spec = {"envs": [{"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 50}},
                      {"name": "TinyGuess", "n_envs": 1, "max_turns": 2, "config": {"lo": 1, "hi": 3}}]}
-    job = EvalJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "eval"), env_spec=spec,
-                  round=1, seeds=[0, 1, 2], trainer={"max_new_tokens": 8})
-    save(job, tmp_path / "eval.json")
-    proc = run_trainer("evaluate", tmp_path / "eval.json")
-    assert proc.returncode == 0, proc.stderr
-    result = load(EvalResult, tmp_path / "eval" / "eval_result.json")
+    result = _evaluate(tmp_path, tiny_model_dir, spec, server_round=1)
     assert result.num_episodes == 6
     per_env = {k: v for k, v in result.metrics.items() if k.startswith("success_rate/")}
     assert sorted(per_env) == ["success_rate/TinyGuess[0]", "success_rate/TinyGuess[1]"], per_env
