@@ -36,7 +36,7 @@ from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_roun
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP, TrainAggregation
-from fedagent_flwr.serverapp.strategy.replies import refusal_key, sender
+from fedagent_flwr.serverapp.strategy.replies import error_reason, refusal_key, sender
 
 NO_NODE = "no SuperNode serves this partition now"
 NOT_SENT = "selected but sent no instruction (fewer clients connected than the strategy's minimum)"
@@ -72,10 +72,10 @@ def aggregate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: i
         client = strategy.nodes.client_of(reply.metadata.src_node_id)
         replied.add(client)
         if reply.has_error():
-            key = refusal_key(client, reply.metadata.src_node_id)  # an unknown node: its own key
-            rejected[key] = reply_reason(reply)
-            log(WARNING, "round %d: %s failed: %s", server_round, sender(client, reply.metadata.src_node_id),
-                rejected[key])
+            node = reply.metadata.src_node_id
+            key = refusal_key(client, node)  # an unknown node: its own key
+            rejected[key] = error_reason(client, node, reply_reason(reply))
+            log(WARNING, "round %d: %s failed: %s", server_round, sender(client, node), reply_reason(reply))
     before = strategy.global_model
     strategy.last_aggregation = None
     _, metrics = strategy.aggregate_train(server_round, replies)
@@ -128,8 +128,11 @@ def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: in
     model = "base" if server_round == 0 else "aggregated"
     strategy.evaluation_refused = {}  # an aggregate_evaluate of its own may not set it
     metrics = strategy.aggregate_evaluate(server_round, replies)
-    failed = {refusal_key(strategy.nodes.client_of(r.metadata.src_node_id), r.metadata.src_node_id): reply_reason(r)
-              for r in replies if r.has_error()}
+    failed = {}
+    for r in replies:
+        if r.has_error():
+            client, node = strategy.nodes.client_of(r.metadata.src_node_id), r.metadata.src_node_id
+            failed[refusal_key(client, node)] = error_reason(client, node, reply_reason(r))
     failed.update(strategy.evaluation_refused)  # replies the strategy refused (malformed), with why
     answered = {strategy.nodes.client_of(r.metadata.src_node_id) for r in replies}
     failed.update({client: NO_REPLY for client in sent if client not in answered})

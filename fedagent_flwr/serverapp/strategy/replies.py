@@ -62,6 +62,12 @@ def sender(client: int, node: int) -> str:
     return f"client {client} (node {node})" if client >= 0 else f"unknown node {node}"
 
 
+def error_reason(client: int, node: int, reason: str) -> str:
+    """The recorded reason of an error reply: ``reason``, prefixed for a node the registry does not
+    know (its key, :func:`refusal_key`, is no client's, and the summary lists it as ``client -N``)."""
+    return reason if client >= 0 else f"error reply from {sender(client, node)}: {reason}"
+
+
 def _envelope_problem(reply: Message) -> str:
     """Why ``reply`` is not a reply this strategy asked for (oversized, carrying arrays), or ''."""
     size = reply_bytes(reply.content)

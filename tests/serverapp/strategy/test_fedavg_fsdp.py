@@ -463,12 +463,15 @@ def test_error_replies_from_nodes_the_registry_does_not_know_are_recorded_one_pe
                                       _error_reply(100), _error_reply(101)], sent=[0, 1])
     assert entry is not None
     rejected = entry["rejected"]
-    assert rejected.get("-200") == rejected.get("-201") == "trainer exited with code 1", entry
+    # the recorded reason names the unknown node (the summary lists its key as "client -200")
+    assert rejected.get("-200") == "error reply from unknown node 200: trainer exited with code 1", entry
+    assert rejected.get("-201") == "error reply from unknown node 201: trainer exited with code 1", entry
     good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
     eval_round(strategy, 1, [_evaluated(0, good), _evaluated(1, good), _failed_eval(100, "out of memory"),
                              _failed_eval(101, "env service gone")], sent=[0, 1])
     (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
-    assert point["failed"] == {"-200": "out of memory", "-201": "env service gone"}, point
+    assert point["failed"] == {"-200": "error reply from unknown node 200: out of memory",
+                               "-201": "error reply from unknown node 201: env service gone"}, point
 
 
 @pytest.mark.parametrize(("change", "why"), [
