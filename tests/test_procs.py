@@ -94,13 +94,15 @@ def test_the_exit_is_recorded_even_if_the_caller_died_before_reading_the_pid(tmp
     # killed in between would): the supervisor's pid report then meets a closed pipe, and must go
     # on supervising so the command's end is still recorded.
     exit_file = tmp_path / "exit.json"
-    launcher = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", procs._LAUNCHER, str(exit_file),
-         sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(4)"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert launcher.stdin is not None and launcher.stdout is not None
-    launcher.stdout.close()
-    launcher.stdin.close()
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before the launcher starts: its pid report always meets a closed pipe
+    try:
+        launcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", procs._LAUNCHER, str(exit_file),
+             sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(4)"],
+            stdin=subprocess.DEVNULL, stdout=write_end, stderr=subprocess.DEVNULL)
+    finally:
+        os.close(write_end)
     launcher.wait(timeout=30)
     wait_for(exit_file.exists, "the exit file")
     assert json.loads(exit_file.read_text())["returncode"] == 4
