@@ -310,11 +310,9 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         raise ConfigError("config key 'eval.per_client' = true validates each trained client on the "
                           "eval.num_episodes validation episodes: set eval.num_episodes >= 1")
     if service.enabled and backend == "reference":
-        _check_pool_fits_training(service.pool_size, specs, int(trainer["rollout_n"]))
-    if service.enabled and (run.eval.enabled or per_client):
-        # both backends validate with the same lockstep evaluator; per-client validation plays
-        # every validation episode on each client
-        _check_pool_fits_validation(service.pool_size, run.eval.num_episodes, 1 if per_client else total)
+        # per-client validation plays every validation episode on each client
+        _check_pool_fits_lockstep(service.pool_size, run.eval.num_episodes, specs,
+                                  int(trainer["rollout_n"]), 1 if per_client else total)
     _path_text(run.output_dir, "output_dir", required=True)
     _path_text(run.model.path, "model.path")
     return RunSettings(config_name=config_name, run=run, mode=mode, clients_per_round=min(run.clients.per_round, total),
@@ -323,13 +321,12 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
                        tracking=_tracking(run.tracking), raw=raw)
 
 
-def _check_pool_fits_training(pool: int, specs: dict[str, Any], rollout_n: int) -> None:
+def _check_pool_fits_lockstep(pool: int, episodes: int, specs: dict[str, Any], rollout_n: int, clients: int) -> None:
     """Refuse an env-service pool smaller than what the reference trainer plays at once.
 
     It samples all episodes of a step in lockstep (one batch waits for every running episode), so
     an episode still waiting for a pool slot would stall the others until the service's create
-    timeout; one service serves each env-spec entry. (verl's agent loop plays its episodes
-    independently: one waiting for a slot gets it when another finishes.)
+    timeout; one service serves each env-spec entry.
     """
     for index, entry in enumerate(specs["train"]["envs"]):
         need = entry["n_envs"] * rollout_n
@@ -339,15 +336,6 @@ def _check_pool_fits_training(pool: int, specs: dict[str, Any], rollout_n: int) 
                 f"trainer plays at once on one service (env.train.envs.{index}.n_envs={entry['n_envs']} x "
                 f"trainer.rollout_n={rollout_n}); set env.service.pool_size={need}"
             )
-
-
-def _check_pool_fits_validation(pool: int, episodes: int, clients: int) -> None:
-    """Refuse an env-service pool smaller than one validation entry's episodes on one client.
-
-    Both backends validate with the Hugging Face evaluator (:mod:`fedagent_flwr.trainers.common.evaluator`),
-    which plays all of a client's validation episodes in lockstep, each entry's on its own
-    service: an episode waiting for a pool slot would stall the others, which hold the slots.
-    """
     per_client = -(-episodes // clients)  # validation episodes are split across the clients
     if per_client > pool:
         split = f"over {clients} clients" if clients > 1 else "on one client"

@@ -135,22 +135,6 @@ def test_service_pool_must_hold_what_the_reference_trainer_plays_at_once() -> No
     assert load_settings(overrides="env=tinyguess_service env.service.pool_size=8 trainer.rollout_n=4")
 
 
-def test_service_pool_must_hold_one_clients_validation_episodes_with_verl_too() -> None:
-    """verl validates with the same lockstep evaluator: a pool smaller than one entry's validation
-    episodes on a client would deadlock it, so the config check refuses it at start, naming the key."""
-    verl = "env=tinyguess_service trainer=verl clients.total=2 clients.per_round=2"
-    with pytest.raises(ConfigError, match=r"config key 'env.service.pool_size' = 4 is smaller than the 8 validation "
-                       r"episodes each client plays at once \(eval.num_episodes=16 over 2 clients\); set "
-                       r"env.service.pool_size=8 or lower eval.num_episodes"):
-        load_settings(overrides=f"{verl} eval.num_episodes=16")
-    with pytest.raises(ConfigError, match="'env.service.pool_size' = 4 .* 16 validation episodes each client"):
-        load_settings(overrides=f"{verl} eval.num_episodes=16 eval.per_client=true")
-    assert load_settings(overrides=f"{verl} eval.num_episodes=16 env.service.pool_size=8")
-    assert load_settings(overrides=f"{verl} eval.num_episodes=16 eval.enabled=false")  # nothing validated
-    # verl's training plays its episodes independently: its n_envs x rollout_n is not bound by the pool
-    assert load_settings(overrides=f"{verl} trainer.rollout_n=8")
-
-
 def test_a_declared_strategy_kwarg_is_set_with_or_without_a_plus() -> None:
     # strategy.kwargs is an open mapping (a custom Strategy's own arguments need "+"), but the keys
     # the ServerApp reads itself are settings: both forms set them, and an unknown key says how.
