@@ -310,9 +310,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
         raise ConfigError("config key 'eval.per_client' = true validates each trained client on the "
                           "eval.num_episodes validation episodes: set eval.num_episodes >= 1")
     if service.enabled and backend == "reference":
-        # per-client validation plays every validation episode on each client
-        _check_pool_fits_lockstep(service.pool_size, run.eval.num_episodes, specs,
-                                  int(trainer["rollout_n"]), 1 if per_client else total)
+        _check_pool_fits_lockstep(service.pool_size, specs, int(trainer["rollout_n"]))
     _path_text(run.output_dir, "output_dir", required=True)
     _path_text(run.model.path, "model.path")
     return RunSettings(config_name=config_name, run=run, mode=mode, clients_per_round=min(run.clients.per_round, total),
@@ -321,12 +319,13 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
                        tracking=_tracking(run.tracking), raw=raw)
 
 
-def _check_pool_fits_lockstep(pool: int, episodes: int, specs: dict[str, Any], rollout_n: int, clients: int) -> None:
+def _check_pool_fits_lockstep(pool: int, specs: dict[str, Any], rollout_n: int) -> None:
     """Refuse an env-service pool smaller than what the reference trainer plays at once.
 
     It samples all episodes of a step in lockstep (one batch waits for every running episode), so
     an episode still waiting for a pool slot would stall the others until the service's create
-    timeout; one service serves each env-spec entry.
+    timeout; one service serves each env-spec entry. (Validation plays each entry in waves of
+    the pool: :func:`fedagent_flwr.trainers.common.evaluator.episode_waves`.)
     """
     for index, entry in enumerate(specs["train"]["envs"]):
         need = entry["n_envs"] * rollout_n
@@ -336,14 +335,6 @@ def _check_pool_fits_lockstep(pool: int, episodes: int, specs: dict[str, Any], r
                 f"trainer plays at once on one service (env.train.envs.{index}.n_envs={entry['n_envs']} x "
                 f"trainer.rollout_n={rollout_n}); set env.service.pool_size={need}"
             )
-    per_client = -(-episodes // clients)  # validation episodes are split across the clients
-    if per_client > pool:
-        split = f"over {clients} clients" if clients > 1 else "on one client"
-        raise ConfigError(
-            f"config key 'env.service.pool_size' = {pool} is smaller than the {per_client} validation episodes "
-            f"each client plays at once (eval.num_episodes={episodes} {split}); set "
-            f"env.service.pool_size={per_client} or lower eval.num_episodes"
-        )
 
 
 def _check_partition_fits_envs(strategy: str, train_spec: dict[str, Any], served: bool) -> None:

@@ -114,7 +114,8 @@ def serve_env_spec(
         managers.append(manager)
         # The service reports the registered name, also for an env named by its dotted path.
         served.append({"name": SERVICE_ENV, "n_envs": entry.n_envs, "max_turns": entry.max_turns,
-                       "config": {"url": url, "env": get_env_class(entry.name).env_name}})
+                       "config": {"url": url, "env": get_env_class(entry.name).env_name,
+                                  "pool_size": launch.pool_size}})
     return {"envs": served}, managers
 
 

@@ -102,6 +102,13 @@ class BaseTextEnv(abc.ABC):
         env-service client names the served env), or None: the entry plays this environment."""
         return None
 
+    @classmethod
+    def max_concurrent(cls, config: Mapping[str, Any]) -> int | None:
+        """How many episodes of an entry with ``config`` can be played at once, or None for no limit.
+        A lockstep player plays the entry's episodes in waves of this many: an episode waiting for
+        a free env would stall all the others (the env-service client is limited by its pool)."""
+        return None
+
     # --- goal pools (for partitioning); environments without a finite pool keep the defaults ---
 
     @classmethod

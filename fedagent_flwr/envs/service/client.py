@@ -90,8 +90,8 @@ class ServiceTextEnv(BaseTextEnv):
     when given), ``timeout_s`` (per request, default 60), ``create_timeout_s`` (how long ``/create``
     may wait for a pool slot; default None = as long as the service lets it, since waiting for a
     slot is normal under load), ``max_retries`` (default 8), ``backoff_base_s`` (0.3),
-    ``backoff_cap_s`` (4.0). Other keys (``max_turns`` from the env spec) are the remote env's
-    business and ignored here.
+    ``backoff_cap_s`` (4.0), ``pool_size`` (the service's pool: :meth:`max_concurrent`). Other keys
+    (``max_turns`` from the env spec) are the remote env's business and ignored here.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -110,6 +110,7 @@ class ServiceTextEnv(BaseTextEnv):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise EnvConfigError(f"Service config 'max_retries' must be an integer >= 0, got {retries!r}")
         self.max_retries = retries
+        self.max_concurrent(self.config)  # a bad pool_size is refused here, when the job is checked
         self.backoff_base_s = _number(self.config, "backoff_base_s", DEFAULT_BACKOFF_BASE_S, minimum=0.0) or 0.0
         self.backoff_cap_s = _number(self.config, "backoff_cap_s", DEFAULT_BACKOFF_CAP_S, minimum=0.0) or 0.0
         self._client: httpx.AsyncClient | None = None
@@ -123,6 +124,17 @@ class ServiceTextEnv(BaseTextEnv):
         """The served env's name (``config["env"]``, which the client's services always set), or None."""
         remote = config.get("env")
         return remote.strip() if isinstance(remote, str) and remote.strip() else None
+
+    @classmethod
+    def max_concurrent(cls, config: Mapping[str, Any]) -> int | None:
+        """The service's pool (``config["pool_size"]``, which the client's services always set), or
+        None when the entry does not say: more sessions than that wait for a slot."""
+        pool = config.get("pool_size")
+        if pool is None:
+            return None
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            raise EnvConfigError(f"Service config 'pool_size' must be an integer >= 1, got {pool!r}")
+        return pool
 
     # --- transport -------------------------------------------------------------------------
 

@@ -80,8 +80,17 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
              for e in spec.envs for k, s in enumerate(job.seeds)]
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in episode_seeds(job.round, tasks,
                                                                                             len(job.seeds))]
-    episodes = play_episodes(policy, tokenizer, tasks, settings.val_sampling(), settings.max_model_len, generators,
-                             settings.rollout_mode, settings.history_length)
+    waves = episode_waves(spec, len(job.seeds))
+    if len(waves) > 1:
+        print(f"evaluate: {len(tasks)} episodes in {len(waves)} waves: an env service's pool "
+              "(env.service.pool_size) is smaller than its entry's episodes", flush=True)
+    played: dict[int, Episode] = {}
+    for wave in waves:
+        episodes = play_episodes(policy, tokenizer, [tasks[i] for i in wave], settings.val_sampling(),
+                                 settings.max_model_len, [generators[i] for i in wave], settings.rollout_mode,
+                                 settings.history_length)
+        played.update(zip(wave, episodes, strict=True))
+    episodes = [played[i] for i in range(len(tasks))]
     check_turns_fit(episodes, settings.max_new_tokens, settings.max_model_len, model_len_key)
     metrics = episode_metrics(episodes)
     for j, name in enumerate(env_metric_names(spec)):
@@ -118,6 +127,22 @@ def episode_seeds(server_round: int, tasks: Sequence[EpisodeTask], seeds_per_ent
     depend on how many clients split the episodes."""
     return [derive_seed("eval", server_round, index // seeds_per_entry, played_env_name(task.env_name, task.config),
                         task.seed) for index, task in enumerate(tasks)]
+
+
+def episode_waves(spec: EnvSpec, seeds_per_entry: int) -> list[list[int]]:
+    """The validation episodes' indices (entry by entry, ``seeds_per_entry`` each, as
+    :func:`evaluate_loaded` lists them) in the waves a lockstep player plays one after another.
+
+    An entry whose env plays at most ``m`` episodes at once (:meth:`BaseTextEnv.max_concurrent`:
+    an env service's pool) has its ``k``-th episode in wave ``k // m``; without a limit all go in
+    one wave. One batch waits for every running episode, so an episode left waiting for a pool
+    slot would stall the rest until the service's create timeout. Each episode keeps its own
+    sampling generator, so a wave changes when an episode is played, not its seed.
+    """
+    limits = [get_env_class(e.name).max_concurrent(e.env_config()) or seeds_per_entry for e in spec.envs]
+    count = max((-(-seeds_per_entry // m) for m in limits), default=1)
+    return [[j * seeds_per_entry + k for j, m in enumerate(limits) for k in range(seeds_per_entry) if k // m == w]
+            for w in range(count)]
 
 
 def env_metric_names(spec: EnvSpec) -> list[str]:
