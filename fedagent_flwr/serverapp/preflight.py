@@ -22,6 +22,7 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
 from fedagent_flwr.config import ConfigError, RunSettings
 from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
 from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
+from fedagent_flwr.envs.service import DEFAULT_CREATE_TIMEOUT_S
 
 SPLITS = ("train", "val")
 
@@ -79,6 +80,31 @@ def check_env_specs(settings: RunSettings, data_is_local: bool) -> list[str]:
                     warnings.append(f"{message} (on the ServerApp's machine)")
                     continue
                 raise ConfigError(message) from None
+    return warnings
+
+
+def service_pool_warnings(settings: RunSettings) -> list[str]:
+    """Warn when a verl step plays more episodes of an env-spec entry than its env service can hold.
+
+    verl's agent loop starts all of a step's episodes at once; past the pool they queue for a slot
+    (the reference trainer, which would stall, is refused by the config check instead). Queueing
+    is allowed, an env may be too big for one instance per episode, but it serializes the step,
+    and an episode that waits longer than the service's create timeout fails the client's job.
+    """
+    service = settings.raw.get("env", {}).get("service", {})
+    if settings.trainer_backend != "verl" or not service.get("enabled"):
+        return []
+    pool, rollout_n = int(service["pool_size"]), int(settings.trainer["rollout_n"])
+    warnings = []
+    for index, entry in enumerate(settings.train_env_spec["envs"]):
+        need = int(entry["n_envs"]) * rollout_n
+        if need > pool:
+            warnings.append(
+                f"config key 'env.service.pool_size' = {pool}: a verl step plays {need} episodes of "
+                f"env.train.envs.{index} at once (n_envs {entry['n_envs']} x trainer.rollout_n {rollout_n}), but "
+                f"only {pool} can hold an env: the rest wait for a slot (a slower step), and one waiting more "
+                f"than {DEFAULT_CREATE_TIMEOUT_S:g} s fails the client's job; set env.service.pool_size={need} "
+                "unless one env per episode does not fit in memory")
     return warnings
 
 

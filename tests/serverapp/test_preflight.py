@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.config import ConfigError, load_settings
-from fedagent_flwr.serverapp.preflight import base_model, check_env_specs
+from fedagent_flwr.serverapp.preflight import base_model, check_env_specs, service_pool_warnings
 
 WEBSHOP_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "webshop"
 WEBSHOP_DOWNLOAD = "python -m fedagent_flwr.envs.webshop.download"
@@ -64,3 +64,19 @@ def test_a_base_model_directory_without_a_model_is_named_as_model_path(tmp_path:
     assert base_model(tiny_model_dir, str(tiny_model_dir)).sha256
     with pytest.raises(ConfigError, match=r"^config key 'model.path' = '/x': .* is not a Hugging Face model directory"):
         base_model(tmp_path, "/x")
+
+
+def test_a_verl_step_larger_than_the_service_pool_is_warned_about_naming_the_key() -> None:
+    # verl's agent loop starts a step's episodes at once: past the pool they queue for a slot, and
+    # one that waits past the service's create timeout fails the job. The reference trainer would
+    # stall instead and is refused by the config check (tests/test_config.py).
+    settings = load_settings(overrides="env=tinyguess_service trainer=verl trainer.rollout_n=4")
+    (warning,) = service_pool_warnings(settings)
+    n_envs = settings.train_env_spec["envs"][0]["n_envs"]
+    assert warning.startswith(f"config key 'env.service.pool_size' = 4: a verl step plays {4 * n_envs} episodes "
+                              "of env.train.envs.0 at once")
+    assert f"set env.service.pool_size={4 * n_envs}" in warning and "300 s" in warning
+    roomy = load_settings(overrides=f"env=tinyguess_service trainer=verl trainer.rollout_n=4 "
+                                    f"env.service.pool_size={4 * n_envs}")
+    assert service_pool_warnings(roomy) == []
+    assert service_pool_warnings(load_settings(overrides="trainer=verl trainer.rollout_n=4")) == []  # no services

@@ -9,3 +9,7 @@
 Modules are imported on demand (not here) so that the client side never pulls in FastAPI and
 uvicorn, and the service side never pulls in the rest of the package.
 """
+
+#: How long a ``/create`` waits for a free env slot before the service answers 503 (its
+#: ``--create-timeout``); the ServerApp's start-up checks quote it.
+DEFAULT_CREATE_TIMEOUT_S = 300.0

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fedagent_flwr.envs.base import BaseTextEnv
+from fedagent_flwr.envs.service import DEFAULT_CREATE_TIMEOUT_S
 from fedagent_flwr.jsonbody import JsonBodyError, loads_bounded
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024
 # larger one would be accepted here and fail, or wrap around, further down.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
-DEFAULT_CREATE_TIMEOUT_S = 300.0
 
 #: Builds the environment instance of pool slot ``i`` (called once per slot at start-up).
 EnvFactory = Callable[[int], BaseTextEnv]
@@ -302,7 +302,8 @@ class EnvService:
             raise HTTPException(
                 503,
                 f"no free env slot within {self.settings.create_timeout_s:g} s "
-                f"(pool of {self.settings.pool_size}, all in use); retry later or close sessions",
+                f"(pool of {self.settings.pool_size}, all in use); retry later, close sessions, or start the "
+                "service with a larger pool (a run's env.service.pool_size)",
             ) from None
         finally:
             self.waiting -= 1

@@ -30,8 +30,8 @@ import uvicorn
 
 from fedagent_flwr.atomic import write_text_atomic
 from fedagent_flwr.envs.registry import get_env_class
+from fedagent_flwr.envs.service import DEFAULT_CREATE_TIMEOUT_S
 from fedagent_flwr.envs.service.app import (
-    DEFAULT_CREATE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     ServiceEnvSetup,
     ServiceSettings,
