@@ -110,7 +110,13 @@ class HttpServerStore(ServerStore):
         self._verified: dict[str, dict[str, tuple[str, FileStat]]] = {}
         self._committed: dict[str, tuple[Manifest, CheckpointRef]] = {}  # per slot: a repeat gets the same reply
         self._ca_pem = Path(settings.ssl_ca_certfile).read_text() if settings.ssl_ca_certfile else ""
-        self._sock = bind_socket(settings.host, settings.port)
+        try:
+            self._sock = bind_socket(settings.host, settings.port)
+        except OSError as exc:  # the port is taken, or the address is not this machine's
+            raise CheckpointError(
+                f"config keys 'storage.host' = {settings.host!r} and 'storage.port' = {settings.port}: cannot "
+                f"listen on {settings.host}:{settings.port} ({exc.strerror or exc}); choose a free port (0 picks one, "
+                "when the clients run on this machine) or an address of this machine") from None
         bound = socket_url(self._sock)
         if settings.tls:
             bound = "https" + bound[len("http"):]

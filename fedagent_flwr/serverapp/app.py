@@ -209,8 +209,9 @@ def summary_header(settings: RunSettings, run_id: int, base_model: CheckpointRef
     }
 
 
-def setup_failed(exc: Exception) -> RunSetupError:
-    """Log why the run cannot start and turn it into Flower's exit for an unmet precondition."""
+def setup_failed(exc: Exception | str) -> RunSetupError:
+    """Log why the run cannot start (an error, or its reason as recorded) and turn it into Flower's
+    exit for an unmet precondition."""
     log(ERROR, "[fedagent] cannot start the run: %s", exc)
     return RunSetupError(str(exc))
 
@@ -317,8 +318,9 @@ def run_rounds(grid: Grid, settings: RunSettings, run_dir: Path, header: dict[st
     try:
         store = open_server_store(settings.storage, run_dir, run_key=str(header["run_id"]))
     except (CheckpointError, OSError) as exc:
-        recorder.finish("failed", f"cannot start the checkpoint store: {exc}")
-        raise setup_failed(exc) from None
+        reason = f"cannot start the checkpoint store: {exc}"  # the same words in the summary and the log
+        recorder.finish("failed", reason)
+        raise setup_failed(reason) from None
     try:
         _run_with_store(grid, settings, run_dir, start_model, recorder, store, last_completed,
                         previous.global_critic() if previous is not None else None)

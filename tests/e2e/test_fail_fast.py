@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,31 @@ def test_missing_webshop_data_stops_the_run_at_start_naming_env_data_dir(
     assert ours[:2] == [f"run directory: {tmp_path / 'job'}", f"cannot start the run: {expected}"], ours
     assert [text.split(";")[0] for text in ours[2:-1]] in ([], ["the run has ended"]) and ours[-1] == final, ours
     assert "Starting FedAvgFSDP strategy" not in output
+
+
+def test_a_checkpoint_store_that_cannot_start_is_named_alike_in_the_log_and_the_summary(
+    superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """storage.kind=http on a port another process listens on: the run fails before round 0, and
+    the log's line says what the summary says (the log used to leave out "cannot start the
+    checkpoint store", so it named a port clash without saying what wanted the port)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        returncode, lines = _run(
+            superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=1 "
+                       f"storage.kind=http storage.port={port} {COMMON}")
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed" and summary["error"].startswith("cannot start the checkpoint store: ")
+    assert summary["error"] == (
+        f"cannot start the checkpoint store: config keys 'storage.host' = '127.0.0.1' and 'storage.port' = {port}: "
+        f"cannot listen on 127.0.0.1:{port} (Address already in use); choose a free port (0 picks one, when the "
+        "clients run on this machine) or an address of this machine")
+    _, line = _first(lines, "[fedagent] cannot start the run:")
+    assert line.endswith(f"[fedagent] cannot start the run: {summary['error']}"), line
+    assert "[ROUND 0]" not in "\n".join(lines)
+    assert returncode == 1
 
 
 def test_too_few_supernodes_are_named_without_waiting_for_them(
