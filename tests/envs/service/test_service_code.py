@@ -23,7 +23,7 @@ from fedagent_flwr.code_identity import package_digest
 from fedagent_flwr.envs.service.client import ServiceTextEnv
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.procs import ProcessRef
-from tests.envs.service.test_service import TINY_CONFIG, play
+from tests.envs.service.conftest import TINY_CONFIG, play
 
 PACKAGE_DIR = Path(fedagent_flwr.__file__).resolve().parent
 MARKER = "tiny_guess of the updated app imported"

@@ -1,0 +1,185 @@
+"""The records side of ``tools/gpu/arms.py``: what its runs wrote, read back into the arms table
+(``arms.py report``: arms.md, arms.json, arms.png) and the verl sessions' phase tables
+(``arms.py phases``: phases.md).
+
+arms.py imports this module from its own folder, as it imports ``gpu_share``, after putting the
+repository on ``sys.path``. Like ``status`` and ``phases``, everything here but the plot (matplotlib)
+runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr.intervals`` only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.intervals import wilson_interval
+
+#: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
+MATRIX_FILE = "matrix.json"
+
+
+def run_summary(out: Path, name: str) -> dict[str, Any] | None:
+    """``name``'s federated_summary.json under ``out``; None while there is none (or it is unreadable)."""
+    path = out / "runs" / name / "federated_summary.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """Every run's curve and final point, grouped by arm, with intervals."""
+    matrix = json.loads((out / MATRIX_FILE).read_text())
+    runs, arms = [], {}
+    for run in matrix["runs"]:
+        summary = run_summary(out, run["name"])
+        curve = (summary or {}).get("val_curve", [])
+        if not curve:
+            runs.append({**run, "status": "no result"})
+            continue
+        base, final = curve[0], curve[-1]
+        entry = {
+            **run,
+            "status": summary.get("status"),
+            "rounds": final["round"],
+            "base": _point(base),
+            "final": _point(final),
+            "curve": [_point(p) for p in curve],
+            "zero_variance_group_share": _client_means(out, run["name"], "zero-variance-group-share"),
+            "entropy": _client_means(out, run["name"], "actor.entropy"),
+            "grad_norm": _client_means(out, run["name"], "actor.grad_norm"),
+            "update_norm_ratio": [r.get("update_stats", {}).get("norm_ratio") for r in summary.get("rounds", [])
+                                  if r.get("update_stats")],
+            "mean_pairwise_cosine": [r.get("update_stats", {}).get("mean_pairwise_cosine")
+                                     for r in summary.get("rounds", []) if r.get("update_stats")],
+            "wall_seconds": summary.get("wall_seconds"),
+        }
+        runs.append(entry)
+        arms.setdefault(run["arm"], []).append(entry)
+    table = {arm: _pool(entries) for arm, entries in arms.items()}
+    return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
+
+
+def _point(point: dict[str, Any]) -> dict[str, Any]:
+    n = int(point.get("n", 0))
+    rate = float(point.get("success_rate", 0.0))
+    low, high = wilson_interval(rate * n, n)
+    return {"round": point["round"], "n": n, "success_rate": rate, "ci95": [round(low, 4), round(high, 4)]}
+
+
+def _client_means(out: Path, name: str, suffix: str) -> list[float | None]:
+    """Per round, the clients' mean of the train metric whose key ends with ``suffix``
+    (read from the run's metrics.jsonl train events)."""
+    path = out / "runs" / name / "metrics.jsonl"
+    by_round: dict[int, list[float]] = {}
+    try:
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+    for event in events:
+        if event.get("event") != "train":
+            continue
+        values = [float(v) for k, v in (event.get("metrics") or {}).items() if k.endswith(suffix)]
+        if values:
+            by_round.setdefault(int(event["round"]), []).append(values[0])
+    return [round(sum(v) / len(v), 4) for _, v in sorted(by_round.items())]
+
+
+def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over seeds of the final success, and the Wilson interval of the pooled episodes."""
+    finals = [e["final"] for e in entries]
+    successes = sum(f["success_rate"] * f["n"] for f in finals)
+    n = sum(f["n"] for f in finals)
+    low, high = wilson_interval(successes, n)
+    rates = [f["success_rate"] for f in finals]
+    mean = sum(rates) / len(rates)
+    spread = math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) if len(rates) > 1 else None
+    base = [e["base"] for e in entries]
+    base_low, base_high = wilson_interval(sum(b["success_rate"] * b["n"] for b in base), sum(b["n"] for b in base))
+    return {
+        "seeds": [e["seed"] for e in entries],
+        "rounds": [e["rounds"] for e in entries],
+        "final_mean": round(mean, 4),
+        "final_per_seed": rates,
+        "seed_std": None if spread is None else round(spread, 4),
+        "pooled_n": n,
+        "pooled_ci95": [round(low, 4), round(high, 4)],
+        "base_mean": round(sum(b["success_rate"] for b in base) / len(base), 4),
+        "base_pooled_ci95": [round(base_low, 4), round(base_high, 4)],
+    }
+
+
+def report(out: Path) -> str:
+    """Write arms.json, arms.md and arms.png under ``out``; return the markdown table."""
+    data = collect(out)
+    (out / "arms.json").write_text(json.dumps(data, indent=2))
+    lines = [
+        f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
+        "pooled episodes; per-seed values)",
+        "",
+        "| arm | seeds | rounds | base (round 0) | final mean | 95% CI (pooled) | per seed | seed std |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, row in data["arms"].items():
+        lines.append(
+            f"| {arm} | {len(row['seeds'])} | {','.join(map(str, row['rounds']))} | {row['base_mean']:.3f} | "
+            f"{row['final_mean']:.3f} | [{row['pooled_ci95'][0]:.3f}, {row['pooled_ci95'][1]:.3f}] "
+            f"(n={row['pooled_n']}) | "
+            f"{', '.join(f'{r:.3f}' for r in row['final_per_seed'])} | "
+            f"{row['seed_std'] if row['seed_std'] is not None else '-'} |"
+        )
+    missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
+    if missing:
+        lines += ["", f"runs without a result: {', '.join(missing)}"]
+    text = "\n".join(lines) + "\n"
+    (out / "arms.md").write_text(text)
+    _plot(data, out / "arms.png")
+    return text
+
+
+def phases_report(out: Path, from_round: int = 2) -> str:
+    """Write phases.md under ``out``: the start-up and round phase tables of every run's persistent
+    verl sessions (``tools/gpu/phases.py`` on ``out/runs``); return the markdown."""
+    spec = importlib.util.spec_from_file_location("fedagent_gpu_phases", Path(__file__).resolve().parent / "phases.py")
+    assert spec is not None and spec.loader is not None  # the file beside this one
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    text = str(tool.tables(tool.find_sessions([out / "runs"]), from_round))
+    (out / "phases.md").write_text(text)
+    return text
+
+
+def _plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4.2))
+    for arm in data["arms"]:
+        entries = [r for r in data["runs"] if r["arm"] == arm and r.get("curve")]
+        rounds = sorted({p["round"] for e in entries for p in e["curve"]})
+        means, lows, highs = [], [], []
+        for r in rounds:
+            points = [p for e in entries for p in e["curve"] if p["round"] == r]
+            successes = sum(p["success_rate"] * p["n"] for p in points)
+            n = sum(p["n"] for p in points)
+            low, high = wilson_interval(successes, n)
+            mean = sum(p["success_rate"] for p in points) / len(points)
+            means.append(mean)
+            lows.append(max(mean - low, 0.0))
+            highs.append(max(high - mean, 0.0))
+        seeds = f"{len(entries)} seed{'s' if len(entries) != 1 else ''}"
+        axis.errorbar(rounds, means, yerr=[lows, highs], fmt="o-", capsize=3, label=f"{arm} ({seeds})")
+    axis.set_xlabel("round")
+    axis.set_ylabel("validation success (95% CI)")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title(f"FedAgent's arms, recipe {data['recipe']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
