@@ -186,20 +186,25 @@ def code_change(ran: object, identity: Mapping[str, str], subject: str = "the pr
     say what it would import now (it crashed or hung when asked), so there is no evidence that the
     running process is out of date, while stopping it would trade a healthy process for a start
     under an interpreter that just failed to run; the caller keeps the process and warns
-    (:func:`versions_unknown`). The reverse is a change: a process whose own record reads
-    :data:`UNKNOWN` (or lacks an entry: an older fedagent_flwr) never said what it imported, so it
-    is replaced once, like one whose code is unknown altogether. A ``files:`` entry is named only
-    when the version stayed the same (a reinstall of other files)."""
+    (:func:`versions_unknown`). A first start goes ahead the same way, its record reading
+    :data:`UNKNOWN`. The reverse is a change: a process whose own record reads :data:`UNKNOWN` (or
+    lacks an entry: an older fedagent_flwr) never said what it imported, so once its interpreter
+    answers it is replaced, like one whose code is unknown altogether. A query that failed only by
+    chance (a timeout on a busy node) thus costs one more start later; keeping the process instead
+    would leave one that was never checked running for the rest of the run. A ``files:`` entry is
+    named only when the version stayed the same (a reinstall of other files)."""
     if not isinstance(ran, dict):
         return f"code changed: {subject}'s code is unknown (started by an older fedagent_flwr)"
     words = {"package_sha256": "fedagent_flwr's .py files", "executable": "the Python interpreter",
              "pythonpath": "PYTHONPATH"}
-    changed, missing = [], []
+    changed, missing, unknown = [], [], False
     for key, value in identity.items():
         if key == UNKNOWN_REASON or value == UNKNOWN or ran.get(key) == value:
             continue
         if key not in ran:
             missing.append(key)
+        elif ran[key] == UNKNOWN:
+            unknown = True  # said once, below, not for each of the distributions
         elif key.startswith("files:"):
             version = f"dist:{key.removeprefix('files:')}"
             if ran.get(version) == identity.get(version):
@@ -207,6 +212,9 @@ def code_change(ran: object, identity: Mapping[str, str], subject: str = "the pr
                                f"{ran[key]!r} -> {value!r}, same version {identity.get(version)!r}")
         else:
             changed.append(f"{words.get(key, _installed(key))} {ran[key]!r} -> {value!r}")
+    if unknown:
+        changed.append(f"the library versions {subject} imported are unknown (when it started: "
+                       f"{ran.get(UNKNOWN_REASON) or 'no reason recorded'})")
     if missing:
         changed.append(f"{subject}'s record lacks {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
                        f"(started by an older fedagent_flwr)")

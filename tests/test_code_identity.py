@@ -195,9 +195,10 @@ def test_an_interpreter_that_cannot_answer_leaves_the_versions_unknown_not_absen
     healed = identity_in_a_new_process(python)
     assert code_change(recorded, healed, "the service") == ""
     # A process that recorded unknown versions never said what it imported: replaced once.
-    change = code_change(now, healed, "the service")
-    assert "the installed textworld 'unknown' -> '1.6.0'" in change
-    assert "the installed torch 'unknown' -> 'absent'" in change and "files" not in change
+    assert code_change(now, healed, "the service") == (
+        "code changed: the library versions the service imported are unknown (when it started: "
+        f"{python} failed to say where its packages are (exit status 1: Fatal Python error: init_import_site: "
+        "Failed to import the site module))")
 
 
 def test_a_hung_or_missing_interpreter_leaves_the_versions_unknown(tmp_path: Path,
@@ -231,3 +232,21 @@ def test_a_py_file_that_cannot_be_read_does_not_break_the_digest(tmp_path: Path)
     assert package_digest(package) not in (original, dangling)
     (package / "gone.py").unlink()
     assert package_digest(package) == original
+
+
+def test_another_interpreter_is_asked_with_the_environment_its_process_gets(tmp_path: Path) -> None:
+    """Where an interpreter outside any venv finds packages depends on the environment it is
+    started with (its user site: ``PYTHONUSERBASE``, ``PYTHONNOUSERSITE``); it used to be asked with
+    this process's environment, and once per interpreter whatever the environment."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    user_site = subprocess.run([str(base), "-c", "import site; print(site.ENABLE_USER_SITE)"],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONUSERBASE": str(tmp_path)})
+    if not base.is_file() or user_site.stdout.strip() != "True":
+        pytest.skip(f"no base interpreter with a user site at {base}")
+    site_dir = tmp_path / "user" / "lib" / base.name / "site-packages"
+    install(site_dir, "textworld", "1.6.0")
+    env = {**os.environ, "PYTHONUSERBASE": str(tmp_path / "user")}
+    assert code_identity(env, executable=str(base))["dist:textworld"] == "1.6.0"
+    assert code_identity({**env, "PYTHONNOUSERSITE": "1"}, executable=str(base))["dist:textworld"] == ABSENT
+    assert code_identity({**env, "PYTHONUSERBASE": str(tmp_path / "other")}, executable=str(base))[
+        "dist:textworld"] == ABSENT
