@@ -115,6 +115,32 @@ def site_dirs(executable: str, env: Mapping[str, str] | None = None) -> tuple[st
     return _SITE_DIRS[key]
 
 
+def with_pth_dirs(dirs: Sequence[str]) -> list[str]:
+    """``dirs`` (site-packages folders), each followed by the folders its ``.pth`` files add, as
+    :mod:`site` adds them to ``sys.path`` at start-up: a legacy editable install (``easy-install.pth``
+    naming a checkout whose ``.egg-info`` holds the version), a venv extended with another's
+    packages. Lines starting with ``import`` run code and are skipped; only existing folders count."""
+    found: list[str] = []
+    for folder in dirs:
+        found.append(folder)
+        try:
+            names = sorted(name for name in os.listdir(folder) if name.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                lines = (Path(folder) / name).read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = line.strip()
+                if line and not line.startswith(("#", "import ", "import\t")):
+                    path = os.path.join(folder, line)
+                    if os.path.isdir(path) and path not in found:
+                        found.append(path)
+    return found
+
+
 def record_digest(found: Distribution) -> str:
     """A hash of the files a distribution installed, as its ``RECORD`` lists them (each one's path
     and sha256), so a reinstall with other files under the same version is seen: a locally built
@@ -155,8 +181,8 @@ def code_identity(env: Mapping[str, str], executable: str = sys.executable) -> d
     package's code (:func:`package_digest`, computed anew each time: the files on disk are what a
     new process imports), the interpreter, the ``PYTHONPATH`` (which copy of the package, and of
     anything else found through it, is imported) and the versions and files of the
-    :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`, from its ``PYTHONPATH`` and
-    its site-packages).
+    :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`, from its ``PYTHONPATH``, its
+    site-packages and the folders their ``.pth`` files add: :func:`with_pth_dirs`).
 
     If ``executable`` cannot say where its site-packages are (:class:`SiteQueryError`), what it
     would import is not known: every ``dist:``/``files:`` entry reads :data:`UNKNOWN` and
@@ -165,7 +191,7 @@ def code_identity(env: Mapping[str, str], executable: str = sys.executable) -> d
     pythonpath = env.get("PYTHONPATH", "")
     identity = {"package_sha256": package_digest(PACKAGE_DIR), "executable": executable, "pythonpath": pythonpath}
     try:
-        search = [p for p in pythonpath.split(os.pathsep) if p] + list(site_dirs(executable, env))
+        search = [p for p in pythonpath.split(os.pathsep) if p] + with_pth_dirs(site_dirs(executable, env))
     except SiteQueryError as exc:
         unknown = {f"{kind}:{name}": UNKNOWN for name in DISTRIBUTIONS for kind in ("dist", "files")}
         return {**identity, **unknown, UNKNOWN_REASON: str(exc)}

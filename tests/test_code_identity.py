@@ -250,3 +250,27 @@ def test_another_interpreter_is_asked_with_the_environment_its_process_gets(tmp_
     assert code_identity({**env, "PYTHONNOUSERSITE": "1"}, executable=str(base))["dist:textworld"] == ABSENT
     assert code_identity({**env, "PYTHONUSERBASE": str(tmp_path / "other")}, executable=str(base))[
         "dist:textworld"] == ABSENT
+
+
+def test_a_distribution_found_through_a_pth_file_is_identified(tmp_path: Path) -> None:
+    """A legacy editable install (``setup.py develop``) in an env's venv: ``easy-install.pth`` names
+    the checkout, whose ``.egg-info`` holds the version; it used to read as not installed."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site_dir = Path(subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    checkout = tmp_path / "textworld-checkout"
+    pkg_info = checkout / "textworld.egg-info" / "PKG-INFO"
+    pkg_info.parent.mkdir(parents=True)
+    pkg_info.write_text("Metadata-Version: 1.2\nName: textworld\nVersion: 1.7.0.dev0\n")
+    (site_dir / "easy-install.pth").write_text(f"import sys; sys.__plen = len(sys.path)\n# a comment\n{checkout}\n"
+                                               f"{tmp_path / 'removed-checkout'}\n")
+    seen = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('textworld'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert seen == "1.7.0.dev0"  # what that venv's processes import
+    identity = code_identity({}, executable=python)
+    assert identity["dist:textworld"] == "1.7.0.dev0" and identity["files:textworld"] == NO_RECORD
+    pkg_info.write_text("Metadata-Version: 1.2\nName: textworld\nVersion: 1.8.0\n")
+    assert code_change(identity, code_identity({}, executable=python), "the service") == (
+        "code changed: the installed textworld '1.7.0.dev0' -> '1.8.0'")
