@@ -65,33 +65,35 @@ def package_digest(package_dir: Path) -> str:
 #: besides ``PYTHONPATH`` (its prefix, its user site); another interpreter is asked anew for each.
 _SITE_ENV = ("PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONPATH", "HOME")
 SITE_QUERY_TIMEOUT_S = 60.0  # the answer takes ~20 ms; an interpreter on a busy network filesystem, seconds
-_SITE_DIRS: dict[tuple[str, ...], tuple[str, ...]] = {}  # another interpreter's answers, kept for this process
+_SITE_DIRS: dict[tuple[str, ...], tuple[str, ...]] = {}  # other interpreters' answers, kept for this process
 
 
 class SiteQueryError(RuntimeError):
     """Another interpreter could not say where its packages are (it crashed, hung or is gone)."""
 
 
-def site_dirs(executable: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The site-packages folders of the interpreter ``executable`` started with environment ``env``
-    (this process's when None): this process's own folders when it is this interpreter; another
-    one, such as an env's own venv, is asked (~20 ms) once per process and environment. Compared
-    as given, not resolved: two venvs' interpreters may link to one binary.
+def interpreter_site(executable: str, env: Mapping[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """The version (``sys.version``) and site-packages folders of the interpreter ``executable``
+    started with environment ``env`` (this process's when None): this process's own when it is this
+    interpreter; another one, such as an env's own venv, is asked (~20 ms) once per process and
+    environment. The interpreter is compared as given, not resolved (two venvs' interpreters may
+    link to one binary), so its version tells when the binary behind a path was replaced (a Python
+    patch release installed in place under a venv).
 
     Raises :class:`SiteQueryError` when another interpreter cannot answer. Its packages are then
     not known, which is not the same as none being installed: reading every version as
     :data:`ABSENT` would make a running service look like it ran other code, and the healthy
     service would be stopped for a restart under an interpreter that had just failed to run
-    (:func:`code_identity`, :func:`code_change`).
-    A failure is not remembered: the next call asks again."""
+    (:func:`code_identity`, :func:`code_change`). A failure is not remembered: the next call asks
+    again."""
     if executable == sys.executable:
         user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
-        return tuple(site.getsitepackages() + user)
+        return sys.version, tuple(site.getsitepackages() + user)
     env = os.environ if env is None else env
     key = (executable, *(f"{name}={env.get(name)}" for name in _SITE_ENV))
     if key not in _SITE_DIRS:
-        ask = "import json, site; print(json.dumps(site.getsitepackages() + ([site.getusersitepackages()] " \
-              "if site.ENABLE_USER_SITE else [])))"
+        ask = "import json, site, sys; print(json.dumps([sys.version] + site.getsitepackages() + " \
+              "([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])))"
         try:
             done = subprocess.run([executable, "-c", ask], capture_output=True, text=True, env=dict(env),
                                   timeout=SITE_QUERY_TIMEOUT_S, check=False)
@@ -105,14 +107,15 @@ def site_dirs(executable: str, env: Mapping[str, str] | None = None) -> tuple[st
             raise SiteQueryError(f"{executable} failed to say where its packages are (exit status "
                                  f"{done.returncode}: {said[0][:300]})")
         try:
-            dirs = json.loads(done.stdout.strip().splitlines()[-1])
-            if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-                raise ValueError("not a list of folders")
+            answer = json.loads(done.stdout.strip().splitlines()[-1])
+            if not isinstance(answer, list) or not answer or not all(isinstance(d, str) for d in answer):
+                raise ValueError("not its version and a list of folders")
         except (ValueError, IndexError) as exc:
             raise SiteQueryError(f"{executable} answered {done.stdout[-300:]!r} when asked where its "
                                  f"packages are ({exc})") from None
-        _SITE_DIRS[key] = tuple(dirs)
-    return _SITE_DIRS[key]
+        _SITE_DIRS[key] = tuple(answer)
+    version, *dirs = _SITE_DIRS[key]
+    return version, tuple(dirs)
 
 
 def with_pth_dirs(dirs: Sequence[str]) -> list[str]:
@@ -179,23 +182,24 @@ def installed_versions(search_path: Sequence[str], names: Sequence[str] = DISTRI
 def code_identity(env: Mapping[str, str], executable: str = sys.executable) -> dict[str, str]:
     """What a process started now by ``executable`` with environment ``env`` would run: this
     package's code (:func:`package_digest`, computed anew each time: the files on disk are what a
-    new process imports), the interpreter, the ``PYTHONPATH`` (which copy of the package, and of
+    new process imports), the interpreter and its version, the ``PYTHONPATH`` (which copy of the package, and of
     anything else found through it, is imported) and the versions and files of the
     :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`, from its ``PYTHONPATH``, its
     site-packages and the folders their ``.pth`` files add: :func:`with_pth_dirs`).
 
     If ``executable`` cannot say where its site-packages are (:class:`SiteQueryError`), what it
-    would import is not known: every ``dist:``/``files:`` entry reads :data:`UNKNOWN` and
+    would import is not known: its version and every ``dist:``/``files:`` entry read :data:`UNKNOWN` and
     :data:`UNKNOWN_REASON` says why (:func:`versions_unknown`). Such an identity neither forces a
     restart nor blocks a start (:func:`code_change`); the caller warns."""
     pythonpath = env.get("PYTHONPATH", "")
     identity = {"package_sha256": package_digest(PACKAGE_DIR), "executable": executable, "pythonpath": pythonpath}
     try:
-        search = [p for p in pythonpath.split(os.pathsep) if p] + with_pth_dirs(site_dirs(executable, env))
+        version, dirs = interpreter_site(executable, env)
     except SiteQueryError as exc:
         unknown = {f"{kind}:{name}": UNKNOWN for name in DISTRIBUTIONS for kind in ("dist", "files")}
-        return {**identity, **unknown, UNKNOWN_REASON: str(exc)}
-    return {**identity, **installed_versions(search)}
+        return {**identity, "python": UNKNOWN, **unknown, UNKNOWN_REASON: str(exc)}
+    search = [p for p in pythonpath.split(os.pathsep) if p] + with_pth_dirs(dirs)
+    return {**identity, "python": version, **installed_versions(search)}
 
 
 def versions_unknown(identity: Mapping[str, str]) -> str:
@@ -222,7 +226,7 @@ def code_change(ran: object, identity: Mapping[str, str], subject: str = "the pr
     if not isinstance(ran, dict):
         return f"code changed: {subject}'s code is unknown (started by an older fedagent_flwr)"
     words = {"package_sha256": "fedagent_flwr's .py files", "executable": "the Python interpreter",
-             "pythonpath": "PYTHONPATH"}
+             "python": "the Python version", "pythonpath": "PYTHONPATH"}
     changed, missing, unknown = [], [], False
     for key, value in identity.items():
         if key == UNKNOWN_REASON or value == UNKNOWN or ran.get(key) == value:

@@ -274,3 +274,26 @@ def test_a_distribution_found_through_a_pth_file_is_identified(tmp_path: Path) -
     pkg_info.write_text("Metadata-Version: 1.2\nName: textworld\nVersion: 1.8.0\n")
     assert code_change(identity, code_identity({}, executable=python), "the service") == (
         "code changed: the installed textworld '1.7.0.dev0' -> '1.8.0'")
+
+
+def test_another_build_of_python_behind_the_same_interpreter_path_is_other_code(tmp_path: Path) -> None:
+    """A venv's ``bin/python`` links to a base interpreter; a patch release installed in place
+    (here: the link pointed at another build of this Python version) leaves the path, the
+    site-packages and every distribution as they were, and changes the standard library."""
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    others = [path for path in (Path("/usr/bin") / minor, Path("/usr/local/bin") / minor) if path.is_file()
+              and subprocess.run([str(path), "-c", "import sys; print(sys.version)"], capture_output=True,
+                                 text=True).stdout.strip() != sys.version]
+    if not others:
+        pytest.skip(f"no other build of {minor} on this machine")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    recorded = identity_in_a_new_process(python)
+    assert recorded["python"] != UNKNOWN
+    python.unlink()
+    python.symlink_to(others[0])
+    now = identity_in_a_new_process(python)
+    assert {k: v for k, v in now.items() if k != "python"} == {k: v for k, v in recorded.items() if k != "python"}
+    assert code_change(recorded, now, "the service") == (
+        f"code changed: the Python version {recorded['python']!r} -> {now['python']!r}")

@@ -147,7 +147,7 @@ def test_the_package_digest_follows_the_code_not_its_location_or_timestamps(tmp_
 
     identity = code_identity({"PYTHONPATH": "/app"})
     assert {k: v for k, v in identity.items() if not k.startswith(("dist:", "files:"))} == {
-        "package_sha256": original, "executable": sys.executable, "pythonpath": "/app"}
+        "package_sha256": original, "executable": sys.executable, "python": sys.version, "pythonpath": "/app"}
     assert code_change(identity, identity, "the trainer") == ""
     assert code_change({**identity, "executable": "/old/python"}, identity, "the trainer") == \
         f"code changed: the Python interpreter '/old/python' -> {sys.executable!r}"
