@@ -136,7 +136,7 @@ def with_pth_dirs(dirs: Sequence[str]) -> list[str]:
             except OSError:
                 continue
             for line in lines:
-                line = line.strip()
+                line = line.rstrip()  # as site reads it
                 if line and not line.startswith(("#", "import ", "import\t")):
                     path = os.path.join(folder, line)
                     if os.path.isdir(path) and path not in found:
@@ -182,15 +182,16 @@ def installed_versions(search_path: Sequence[str], names: Sequence[str] = DISTRI
 def code_identity(env: Mapping[str, str], executable: str = sys.executable) -> dict[str, str]:
     """What a process started now by ``executable`` with environment ``env`` would run: this
     package's code (:func:`package_digest`, computed anew each time: the files on disk are what a
-    new process imports), the interpreter and its version, the ``PYTHONPATH`` (which copy of the package, and of
-    anything else found through it, is imported) and the versions and files of the
-    :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`, from its ``PYTHONPATH``, its
-    site-packages and the folders their ``.pth`` files add: :func:`with_pth_dirs`).
+    new process imports), the interpreter and its version (key ``python``), the ``PYTHONPATH``
+    (which copy of the package, and of anything else found through it, is imported) and the
+    versions and files of the :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`,
+    from its ``PYTHONPATH``, its site-packages and the folders their ``.pth`` files add:
+    :func:`with_pth_dirs`).
 
     If ``executable`` cannot say where its site-packages are (:class:`SiteQueryError`), what it
-    would import is not known: its version and every ``dist:``/``files:`` entry read :data:`UNKNOWN` and
-    :data:`UNKNOWN_REASON` says why (:func:`versions_unknown`). Such an identity neither forces a
-    restart nor blocks a start (:func:`code_change`); the caller warns."""
+    would import is not known: its version and every ``dist:``/``files:`` entry read
+    :data:`UNKNOWN` and :data:`UNKNOWN_REASON` says why (:func:`versions_unknown`). Such an
+    identity neither forces a restart nor blocks a start (:func:`code_change`); the caller warns."""
     pythonpath = env.get("PYTHONPATH", "")
     identity = {"package_sha256": package_digest(PACKAGE_DIR), "executable": executable, "pythonpath": pythonpath}
     try:
