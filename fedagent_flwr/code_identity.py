@@ -5,8 +5,11 @@ A persistent trainer (:mod:`fedagent_flwr.clientapp.persistent`) and an env serv
 run the code they imported at their start. When the app is updated (a resumed run on a SuperNode
 that stayed up, or a ``pip install -U`` of torch or verl in the same venv), a process started now
 would import other code; each start therefore records :func:`code_identity`, and whoever would
-reuse the process compares it with the identity a new one would have (:func:`code_change`). Lives
-outside ``clientapp`` and ``envs`` so both can use it.
+reuse the process compares it with the identity a new one would have (:func:`code_change`). A
+reinstall of a library with other files under the same version (a locally built wheel) is other
+code too (:func:`record_digest`). What cannot be determined now (an env's interpreter that cannot
+say where its packages are) reads :data:`UNKNOWN` and is no reason to replace a running process
+(:func:`code_change` says why). Lives outside ``clientapp`` and ``envs`` so both can use it.
 """
 
 from __future__ import annotations
@@ -27,80 +30,225 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 #: The installed distributions whose version shapes what a trainer or an env service does (the
 #: trainers' numerics, the federation, the env services and the envs they serve); their versions
-#: are part of the identity (key ``dist:<name>``), ``absent`` where one is not installed.
+#: (key ``dist:<name>``) and installed files (key ``files:<name>``, :func:`record_digest`) are part
+#: of the identity, ``absent`` where one is not installed.
 DISTRIBUTIONS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "flwr", "verl", "vllm", "ray",
                  "fastapi", "uvicorn", "httpx", "alfworld", "textworld", "bm25s", "spacy")
 ABSENT = "absent"
+UNKNOWN = "unknown"  # could not be determined (the interpreter could not say where its packages are)
+NO_RECORD = "no RECORD"
+#: The key of an identity whose distributions read :data:`UNKNOWN`, saying why; never compared.
+UNKNOWN_REASON = "versions_unknown"
 
 
 def package_digest(package_dir: Path) -> str:
     """A hash of the code in ``package_dir``: the relative path and content of each ``.py`` file
     below it (``__pycache__`` left out), in a fixed order. Contents, not modification times: a
-    reinstall of the same code is the same code. About 3 ms of CPU (165 files, 1.2 MB)."""
+    reinstall of the same code is the same code. A ``.py`` entry that cannot be read (a dangling
+    symlink, a file removed while this runs) counts as such, by name: no process can import it,
+    and a start must not fail on it. About 3 ms of CPU (165 files, 1.2 MB)."""
     digest = hashlib.sha256()
     for folder, subfolders, files in os.walk(package_dir):
         subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
         for name in sorted(f for f in files if f.endswith(".py")):
             path = Path(folder) / name
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError:
+                data = b"\0unreadable"
             digest.update(f"{path.relative_to(package_dir).as_posix()}\0{len(data)}\0".encode())
             digest.update(data)
     return digest.hexdigest()[:16]
 
 
-_SITE_DIRS: dict[str, tuple[str, ...]] = {}  # another interpreter's site-packages, asked once per process
+#: The variables of a process's environment that decide where its interpreter looks for packages
+#: besides ``PYTHONPATH`` (its prefix, its user site); another interpreter is asked anew for each.
+_SITE_ENV = ("PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "PYTHONPLATLIBDIR", "PYTHONPATH", "HOME")
+SITE_QUERY_TIMEOUT_S = 60.0  # the answer takes ~20 ms; an interpreter on a busy network filesystem, seconds
+_SITE_DIRS: dict[tuple[str, ...], tuple[str, ...]] = {}  # other interpreters' answers, kept for this process
 
 
-def site_dirs(executable: str) -> tuple[str, ...]:
-    """The site-packages folders of the interpreter ``executable`` (this process's own when it is
-    this interpreter; another one, such as an env's own venv, is asked once per process, ~20 ms).
-    Compared as given, not resolved: two venvs' interpreters may link to one binary."""
+class SiteQueryError(RuntimeError):
+    """Another interpreter could not say where its packages are (it crashed, hung or is gone)."""
+
+
+def interpreter_site(executable: str, env: Mapping[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """The version (``sys.version``) and site-packages folders of the interpreter ``executable``
+    started with environment ``env`` (this process's when None): this process's own when it is this
+    interpreter; another one, such as an env's own venv, is asked (~20 ms) once per process and
+    environment. The interpreter is compared as given, not resolved (two venvs' interpreters may
+    link to one binary), so its version tells when the binary behind a path was replaced (a Python
+    patch release installed in place under a venv).
+
+    Raises :class:`SiteQueryError` when another interpreter cannot answer. Its packages are then
+    not known, which is not the same as none being installed: reading every version as
+    :data:`ABSENT` would make a running service look like it ran other code, and the healthy
+    service would be stopped for a restart under an interpreter that had just failed to run
+    (:func:`code_identity`, :func:`code_change`). A failure is not remembered: the next call asks
+    again."""
     if executable == sys.executable:
         user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
-        return tuple(site.getsitepackages() + user)
-    if executable not in _SITE_DIRS:
-        ask = "import json, site; print(json.dumps(site.getsitepackages() + ([site.getusersitepackages()] " \
-              "if site.ENABLE_USER_SITE else [])))"
+        return sys.version, tuple(site.getsitepackages() + user)
+    env = os.environ if env is None else env
+    key = (executable, *(f"{name}={env.get(name)}" for name in _SITE_ENV))
+    if key not in _SITE_DIRS:
+        ask = "import json, site, sys; print(json.dumps([sys.version] + site.getsitepackages() + " \
+              "([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])))"
         try:
-            done = subprocess.run([executable, "-c", ask], capture_output=True, text=True, timeout=60, check=True)
-            _SITE_DIRS[executable] = tuple(str(p) for p in json.loads(done.stdout.strip().splitlines()[-1]))
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return ()  # cannot run now (not remembered): every version reads absent, as nothing would start
-    return _SITE_DIRS[executable]
+            done = subprocess.run([executable, "-c", ask], capture_output=True, text=True, env=dict(env),
+                                  timeout=SITE_QUERY_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise SiteQueryError(f"{executable} did not say where its packages are within "
+                                 f"{SITE_QUERY_TIMEOUT_S:g} s") from None
+        except OSError as exc:
+            raise SiteQueryError(f"{executable} could not be run: {exc}") from None
+        if done.returncode != 0:
+            said = done.stderr.strip().splitlines()[-1:] or ["no error output"]
+            raise SiteQueryError(f"{executable} failed to say where its packages are (exit status "
+                                 f"{done.returncode}: {said[0][:300]})")
+        try:
+            answer = json.loads(done.stdout.strip().splitlines()[-1])
+            if not isinstance(answer, list) or not answer or not all(isinstance(d, str) for d in answer):
+                raise ValueError("not its version and a list of folders")
+        except (ValueError, IndexError) as exc:
+            raise SiteQueryError(f"{executable} answered {done.stdout[-300:]!r} when asked where its "
+                                 f"packages are ({exc})") from None
+        _SITE_DIRS[key] = tuple(answer)
+    version, *dirs = _SITE_DIRS[key]
+    return version, tuple(dirs)
+
+
+def with_pth_dirs(dirs: Sequence[str]) -> list[str]:
+    """``dirs`` (site-packages folders), each followed by the folders its ``.pth`` files add, as
+    :mod:`site` adds them to ``sys.path`` at start-up: a legacy editable install (``easy-install.pth``
+    naming a checkout whose ``.egg-info`` holds the version), a venv extended with another's
+    packages. Lines starting with ``import`` run code and are skipped; only existing folders count."""
+    found: list[str] = []
+    for folder in dirs:
+        found.append(folder)
+        try:
+            names = sorted(name for name in os.listdir(folder) if name.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                lines = (Path(folder) / name).read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                line = line.rstrip()  # as site reads it
+                if line and not line.startswith(("#", "import ", "import\t")):
+                    path = os.path.join(folder, line)
+                    if os.path.isdir(path) and path not in found:
+                        found.append(path)
+    return found
+
+
+def record_digest(found: Distribution) -> str:
+    """A hash of the files a distribution installed, as its ``RECORD`` lists them (each one's path
+    and sha256), so a reinstall with other files under the same version is seen: a locally built
+    torch or verl wheel, an editable install of verl from another checkout (its ``.pth`` file or
+    finder module names the checkout). Only rows with a hash outside the top-level ``.dist-info``
+    folder count, so a reinstall of the same files is the same code whoever installed them
+    (``INSTALLER``, ``REQUESTED``, ``direct_url.json``: the wheel's path; unhashed ``.pyc`` rows:
+    pip compiles, uv does not), in the order the installer wrote them. ``no RECORD`` for a
+    distribution installed without one (conda, ``setup.py develop``): only its version tells.
+    Edits inside an editable install's checkout are not seen."""
+    try:
+        text = found.read_text("RECORD")
+    except ValueError:  # not UTF-8
+        return "unreadable RECORD"
+    if text is None:
+        return NO_RECORD
+    rows = [row for row in text.splitlines()
+            if not row.endswith(",,") and not row.partition("/")[0].endswith(".dist-info")]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
 def installed_versions(search_path: Sequence[str], names: Sequence[str] = DISTRIBUTIONS) -> dict[str, str]:
-    """The version of each distribution in ``names`` (``absent`` if none) that a process importing
-    from ``search_path`` finds first (:mod:`importlib.metadata`, which reads each one's metadata
-    anew: an in-place upgrade shows at once). About 4-9 ms of CPU for the 16 :data:`DISTRIBUTIONS`."""
+    """The version (key ``dist:<name>``) and :func:`record_digest` (key ``files:<name>``) of each
+    distribution in ``names`` (:data:`ABSENT` if none) that a process importing from
+    ``search_path`` finds first (:mod:`importlib.metadata`, which reads each one's metadata anew:
+    an in-place upgrade shows at once). About 20 ms of CPU for the 16 :data:`DISTRIBUTIONS`, 14 of
+    them installed (the test venv: 2.8 MB of ``RECORD``, 20,000 rows), 14 ms of it the digests."""
     versions = {}
     for name in names:
         found = next(iter(Distribution.discover(name=name, path=list(search_path))), None)
         versions[f"dist:{name}"] = str(found.version) if found is not None else ABSENT
+        versions[f"files:{name}"] = record_digest(found) if found is not None else ABSENT
     return versions
 
 
 def code_identity(env: Mapping[str, str], executable: str = sys.executable) -> dict[str, str]:
     """What a process started now by ``executable`` with environment ``env`` would run: this
     package's code (:func:`package_digest`, computed anew each time: the files on disk are what a
-    new process imports), the interpreter, the ``PYTHONPATH`` (which copy of the package, and of
-    anything else found through it, is imported) and the versions of the :data:`DISTRIBUTIONS` it
-    would import (:func:`installed_versions`, from its ``PYTHONPATH`` and its site-packages)."""
+    new process imports), the interpreter and its version (key ``python``), the ``PYTHONPATH``
+    (which copy of the package, and of anything else found through it, is imported) and the
+    versions and files of the :data:`DISTRIBUTIONS` it would import (:func:`installed_versions`,
+    from its ``PYTHONPATH``, its site-packages and the folders their ``.pth`` files add:
+    :func:`with_pth_dirs`).
+
+    If ``executable`` cannot say where its site-packages are (:class:`SiteQueryError`), what it
+    would import is not known: its version and every ``dist:``/``files:`` entry read
+    :data:`UNKNOWN` and :data:`UNKNOWN_REASON` says why (:func:`versions_unknown`). Such an
+    identity neither forces a restart nor blocks a start (:func:`code_change`); the caller warns."""
     pythonpath = env.get("PYTHONPATH", "")
-    search = [p for p in pythonpath.split(os.pathsep) if p] + list(site_dirs(executable))
-    return {"package_sha256": package_digest(PACKAGE_DIR), "executable": executable, "pythonpath": pythonpath,
-            **installed_versions(search)}
+    identity = {"package_sha256": package_digest(PACKAGE_DIR), "executable": executable, "pythonpath": pythonpath}
+    try:
+        version, dirs = interpreter_site(executable, env)
+    except SiteQueryError as exc:
+        unknown = {f"{kind}:{name}": UNKNOWN for name in DISTRIBUTIONS for kind in ("dist", "files")}
+        return {**identity, "python": UNKNOWN, **unknown, UNKNOWN_REASON: str(exc)}
+    search = [p for p in pythonpath.split(os.pathsep) if p] + with_pth_dirs(dirs)
+    return {**identity, "python": version, **installed_versions(search)}
+
+
+def versions_unknown(identity: Mapping[str, str]) -> str:
+    """Why the installed versions in ``identity`` are :data:`UNKNOWN` ("" when they are known)."""
+    why = identity.get(UNKNOWN_REASON)
+    return f"the installed library versions are unknown: {why}" if why else ""
 
 
 def code_change(ran: object, identity: Mapping[str, str], subject: str = "the process") -> str:
     """Why a process that recorded ``ran`` (its :func:`code_identity`, or None for a record written
-    before identities were kept) runs other code than ``identity`` ("" if it runs the same)."""
+    before identities were kept) runs other code than ``identity`` ("" if it runs the same).
+
+    An entry of ``identity`` that reads :data:`UNKNOWN` is no change: that interpreter could not
+    say what it would import now (it crashed or hung when asked), so there is no evidence that the
+    running process is out of date, while stopping it would trade a healthy process for a start
+    under an interpreter that just failed to run; the caller keeps the process and warns
+    (:func:`versions_unknown`). A first start goes ahead the same way, its record reading
+    :data:`UNKNOWN`. The reverse is a change: a process whose own record reads :data:`UNKNOWN` (or
+    lacks an entry: an older fedagent_flwr) never said what it imported, so once its interpreter
+    answers it is replaced, like one whose code is unknown altogether. A query that failed only by
+    chance (a timeout on a busy node) thus costs one more start later; keeping the process instead
+    would leave one that was never checked running for the rest of the run. A ``files:`` entry is
+    named only when the version stayed the same (a reinstall of other files)."""
     if not isinstance(ran, dict):
         return f"code changed: {subject}'s code is unknown (started by an older fedagent_flwr)"
     words = {"package_sha256": "fedagent_flwr's .py files", "executable": "the Python interpreter",
-             "pythonpath": "PYTHONPATH"}
-    changed = [f"{words.get(key, _installed(key))} {ran.get(key)!r} -> {value!r}" for key, value in identity.items()
-               if ran.get(key) != value]
+             "python": "the Python version", "pythonpath": "PYTHONPATH"}
+    changed, missing, unknown = [], [], False
+    for key, value in identity.items():
+        if key == UNKNOWN_REASON or value == UNKNOWN or ran.get(key) == value:
+            continue
+        if key not in ran:
+            missing.append(key)
+        elif ran[key] == UNKNOWN:
+            unknown = True  # said once, below, not for each of the distributions
+        elif key.startswith("files:"):
+            version = f"dist:{key.removeprefix('files:')}"
+            if ran.get(version) == identity.get(version):
+                changed.append(f"the installed {key.removeprefix('files:')}'s files (RECORD digest) "
+                               f"{ran[key]!r} -> {value!r}, same version {identity.get(version)!r}")
+        else:
+            changed.append(f"{words.get(key, _installed(key))} {ran[key]!r} -> {value!r}")
+    if unknown:
+        changed.append(f"the library versions {subject} imported are unknown (when it started: "
+                       f"{ran.get(UNKNOWN_REASON) or 'no reason recorded'})")
+    if missing:
+        changed.append(f"{subject}'s record lacks {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
+                       f"(started by an older fedagent_flwr)")
     return f"code changed: {'; '.join(changed)}" if changed else ""
 
 

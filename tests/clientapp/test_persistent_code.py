@@ -18,6 +18,7 @@ import fedagent_flwr
 from fedagent_flwr.clientapp.job import TrainJob, save
 from fedagent_flwr.clientapp.persistent import PersistentTrainer
 from fedagent_flwr.procs import ProcessRef
+from tests.test_code_identity import build_wheel, pip_install
 
 PACKAGE_DIR = Path(fedagent_flwr.__file__).resolve().parent
 REPO_ROOT = Path(__file__).resolve().parents[2]  # for testkit (the scripted backend)
@@ -105,6 +106,25 @@ def test_a_job_on_updated_code_gets_a_new_trainer_that_says_why(tmp_path: Path, 
     assert [h["pid"] for h in history] == [first["pid"], updated["pid"], moved["pid"]]
 
 
+def test_a_same_version_reinstall_of_other_files_gets_a_new_trainer(tmp_path: Path, channel: Path) -> None:
+    """verl rebuilt locally and pip-installed over the same version: the running trainer imported
+    the old files, so the next job gets a new trainer; the same files reinstalled keep it."""
+    site_dir = tmp_path / "site"
+    pip_install(build_wheel(tmp_path / "build1", "verl", "0.9.1", "ANSWER = 1\n"), site_dir)
+    pythonpath = os.pathsep.join([str(REPO_ROOT), str(site_dir)])
+    first = _clientapp_job(tmp_path, channel, "a", pythonpath)
+    assert first["code"]["dist:verl"] == "0.9.1"
+    pip_install(build_wheel(tmp_path / "build2", "verl", "0.9.1", "ANSWER = 1\n"), site_dir)  # same files
+    assert _clientapp_job(tmp_path, channel, "b", pythonpath)["pid"] == first["pid"]
+
+    pip_install(build_wheel(tmp_path / "build3", "verl", "0.9.1", "ANSWER = 2\n"), site_dir)
+    rebuilt = _clientapp_job(tmp_path, channel, "c", pythonpath)
+    assert rebuilt["pid"] != first["pid"] and rebuilt["starts"] == 2 and not ProcessRef.from_json(first).alive()
+    old, new = first["code"]["files:verl"], rebuilt["code"]["files:verl"]
+    assert rebuilt["reason"] == (f"restart: trainer pid {first['pid']} is gone (code changed: the installed "
+                                 f"verl's files (RECORD digest) {old!r} -> {new!r}, same version '0.9.1')")
+
+
 def test_the_package_digest_follows_the_code_not_its_location_or_timestamps(tmp_path: Path) -> None:
     from fedagent_flwr.code_identity import code_change, code_identity, package_digest
 
@@ -126,8 +146,8 @@ def test_the_package_digest_follows_the_code_not_its_location_or_timestamps(tmp_
     assert package_digest(copy) not in (original, changed)
 
     identity = code_identity({"PYTHONPATH": "/app"})
-    assert {k: v for k, v in identity.items() if not k.startswith("dist:")} == {
-        "package_sha256": original, "executable": sys.executable, "pythonpath": "/app"}
+    assert {k: v for k, v in identity.items() if not k.startswith(("dist:", "files:"))} == {
+        "package_sha256": original, "executable": sys.executable, "python": sys.version, "pythonpath": "/app"}
     assert code_change(identity, identity, "the trainer") == ""
     assert code_change({**identity, "executable": "/old/python"}, identity, "the trainer") == \
         f"code changed: the Python interpreter '/old/python' -> {sys.executable!r}"

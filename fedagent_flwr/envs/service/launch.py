@@ -3,8 +3,8 @@ its environment and the identity of the code it would run (:func:`service_code`)
 
 A running service is reused only while all of these match what a service started now would get
 (:meth:`.manager.EnvServiceManager.ensure_running`): the settings decide which world it serves,
-the code (the package's ``.py`` files, the interpreter, the ``PYTHONPATH``) how it serves it,
-its env and reward code included.
+the code (the package's ``.py`` files, the interpreter, the ``PYTHONPATH``, the installed
+libraries) how it serves it, its env and reward code included.
 """
 
 from __future__ import annotations

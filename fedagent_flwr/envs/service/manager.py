@@ -41,7 +41,7 @@ import httpx
 import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
-from fedagent_flwr.code_identity import code_change
+from fedagent_flwr.code_identity import code_change, versions_unknown
 from fedagent_flwr.envs.service.launch import CPU_ONLY_ENV as CPU_ONLY_ENV  # re-exported, as before
 from fedagent_flwr.envs.service.launch import ServiceLaunch as ServiceLaunch
 from fedagent_flwr.envs.service.launch import module_command as module_command
@@ -313,7 +313,10 @@ class EnvServiceManager:
     def ensure_running(self) -> str:
         """Reuse the recorded service if it is alive, ready and runs the code a service started now
         would (:func:`.launch.service_code`: after an app update it runs the old env and reward
-        code); otherwise stop it and start a new one, saying why. Returns the URL."""
+        code); otherwise stop it and start a new one, saying why. Returns the URL. Library versions
+        that cannot be determined now (the env's interpreter could not say where its packages are:
+        :func:`~fedagent_flwr.code_identity.code_change`) do not replace a running service; a
+        warning names the interpreter and its error."""
         code = service_code(self.launch, self.python)
         with self._locked():
             changed = ""
@@ -322,6 +325,9 @@ class EnvServiceManager:
                 # A state file written before services recorded their code: unknown code, a restart.
                 changed = code_change(state.get("code"), code, "the service")
                 if not changed:
+                    if unknown := versions_unknown(code):  # kept: no evidence it is out of date
+                        logger.warning("env service %s (pid %s, %s): %s; keeping the running service",
+                                       self.launch.env, state.get("pid"), self.state_file, unknown)
                     return self.url
                 logger.warning("env service %s (pid %s, %s) runs other code than a new one would (%s); stopping "
                                "it and starting a new one", self.launch.env, state.get("pid"), self.state_file, changed)
@@ -337,6 +343,9 @@ class EnvServiceManager:
     def _start_unlocked(self, code: dict[str, str], reason: str = "") -> str:
         """Start the service, recording ``code`` (:func:`.launch.service_code`) and why a running one
         was replaced (``reason``, also in the log)."""
+        if unknown := versions_unknown(code):  # recorded as such: the next caller that can tell replaces it
+            logger.warning("env service %s (%s): %s; starting it all the same", self.launch.env, self.state_file,
+                           unknown)
         self._ready_file.unlink(missing_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         env = self.launch.environment({STATE_ENV: str(self.state_file)})

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import site
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,8 +25,10 @@ from fedagent_flwr.envs.service.client import ServiceTextEnv
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.procs import ProcessRef
 from tests.envs.service.conftest import TINY_CONFIG, play
+from tests.test_code_identity import BROKEN, install, make_interpreter
 
 PACKAGE_DIR = Path(fedagent_flwr.__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MARKER = "tiny_guess of the updated app imported"
 
 # One message of a ClientApp (a fresh process, as a SuperNode's flwr-clientapp): imports the package
@@ -132,3 +135,79 @@ def test_a_service_recorded_without_its_code_is_replaced(tmp_path: Path, state_f
     assert second["reason"] == "code changed: the service's code is unknown (started by an older fedagent_flwr)"
     assert second["reason"] in caplog.text
     assert _reward_of_a_solved_episode(second) == 1.0
+
+
+# One message of a ClientApp whose env service runs under the env's own interpreter (argv[2], as
+# ALFWorld's does); argv[3] bounds how long that interpreter may take to say where its packages are.
+_FOREIGN_CLIENTAPP = """
+import json, sys
+from fedagent_flwr import code_identity
+from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
+code_identity.SITE_QUERY_TIMEOUT_S = float(sys.argv[3])
+launch = ServiceLaunch(env="TinyGuess", config=json.loads(sys.argv[4]), pool_size=1, interpreter=sys.argv[2])
+EnvServiceManager.attach_or_create(sys.argv[1], launch, stop_grace_s=5.0).ensure_running()
+print("STATE " + open(sys.argv[1]).read().replace("\\n", " "), flush=True)
+"""
+
+
+def _foreign_clientapp(tmp: Path, state_file: Path, python: Path, query_timeout_s: float = 60.0) -> tuple[
+        dict[str, Any], str]:
+    """Run one ClientApp message (this checkout's package) whose service runs under ``python``."""
+    done = subprocess.run([sys.executable, "-c", _FOREIGN_CLIENTAPP, str(state_file), str(python),
+                           str(query_timeout_s), json.dumps(TINY_CONFIG)],
+                          cwd=tmp, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = [line for line in done.stdout.splitlines() if line.startswith("STATE ")][-1]
+    return dict(json.loads(line.removeprefix("STATE "))), done.stderr
+
+
+def _env_venv(tmp: Path) -> Path:
+    """A venv of its own for the env (as ALFWorld's), with textworld 1.6.0 installed (its metadata)
+    and this venv's packages reachable through a ``.pth`` file (the service needs uvicorn); its python."""
+    venv = tmp / "env-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site_dir = Path(subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    (site_dir / "trainer-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    install(site_dir, "textworld", "1.6.0")
+    return python
+
+
+def test_a_service_whose_interpreter_cannot_say_what_it_imports_is_kept(tmp_path: Path, state_file: Path) -> None:
+    """The env's interpreter could not say where its packages are: at the first start (it took
+    too long) the service starts all the same; while it cannot, a running service is kept (it used
+    to read as "nothing installed": the healthy service was stopped and the restart under the
+    broken interpreter failed); each time the caller warns, naming the interpreter and its error."""
+    real = _env_venv(tmp_path)
+    python = make_interpreter(tmp_path / "env-python", f'exec {real} "$@"')  # as a launch may name it
+
+    first, stderr = _foreign_clientapp(tmp_path, state_file, python, query_timeout_s=0.001)
+    timed_out = f"{python} did not say where its packages are within 0.001 s"
+    assert first["code"]["executable"] == str(python) and first["launch"]["interpreter"] == str(python)
+    assert first["code"]["dist:textworld"] == "unknown" and first["reason"] == ""
+    assert first["code"]["versions_unknown"] == timed_out
+    assert f"the installed library versions are unknown: {timed_out}; starting it all the same" in stderr
+    assert _reward_of_a_solved_episode(first) == 1.0
+    again, stderr = _foreign_clientapp(tmp_path, state_file, python, query_timeout_s=0.001)
+    assert again["pid"] == first["pid"] and again["started_at"] == first["started_at"]
+    assert f"the installed library versions are unknown: {timed_out}; keeping the running service" in stderr
+
+    # It answers again: the service that never said what it imported is replaced, once.
+    known, _ = _foreign_clientapp(tmp_path, state_file, python)
+    assert known["pid"] != first["pid"] and not ProcessRef.from_json(first).alive()
+    assert known["reason"] == ("code changed: the library versions the service imported are unknown (when it "
+                               f"started: {timed_out})")
+    assert known["code"]["dist:textworld"] == "1.6.0" and "versions_unknown" not in known["code"]
+    assert _foreign_clientapp(tmp_path, state_file, python)[0]["pid"] == known["pid"]
+
+    # The interpreter breaks while its service runs: the service is kept and still serves.
+    make_interpreter(python, BROKEN)
+    kept, stderr = _foreign_clientapp(tmp_path, state_file, python)
+    assert kept["pid"] == known["pid"] and kept["started_at"] == known["started_at"]
+    assert (f"the installed library versions are unknown: {python} failed to say where its packages are (exit "
+            "status 1: Fatal Python error: init_import_site: Failed to import the site module); keeping the "
+            "running service") in stderr
+    assert "runs other code" not in stderr
+    assert _reward_of_a_solved_episode(kept) == 1.0
