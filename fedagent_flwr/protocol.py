@@ -47,6 +47,7 @@ __all__ = [
     "REWARD_MEAN",
     "SUCCESS_RATE",
     "TRAIN_SECONDS",
+    "TRUNCATED_RATE",
     "ZERO_VARIANCE_GROUP_SHARE",
     "EvalInstruction",
     "EvalReply",
@@ -81,6 +82,9 @@ SCORE_MEAN = "score-mean"
 # A train reply's per-client validation metrics: an EvalReply's keys behind this prefix.
 CLIENT_VAL_PREFIX = "client-val-"
 TRAIN_SECONDS = "train-seconds"
+# the share of a reply's episodes that ran out of the context budget before they ended (a turn
+# that would not fit was not started): they count as played, with the reward they had by then
+TRUNCATED_RATE = "truncated-rate"
 ZERO_VARIANCE_GROUP_SHARE = "zero-variance-group-share"
 STORE_FIELDS = (KIND_FIELD, RUN_ROOT_FIELD, URL_FIELD, RUN_FIELD, READ_TOKEN_FIELD, UPLOAD_TOKEN_FIELD, CA_FIELD)
 
@@ -339,7 +343,8 @@ class EvalInstruction(_Message):
 class TrainReply(_Message):
     """A client's answer to a :class:`TrainInstruction`: references to the checkpoints it wrote
     (the actor; the critic too under PPO) and its metrics (``num-examples``: the episodes played,
-    the FedAvg weight; ``reward-mean``, ``success-rate``, ``train-seconds``, backend timings)."""
+    the FedAvg weight; ``reward-mean``, ``success-rate``, ``truncated-rate``, ``train-seconds``,
+    backend timings)."""
 
     client_id: Annotated[int, Wire(CLIENT_ID)]
     actor: Annotated[CheckpointRef, Wire("actor", "ref", check_kind=True)]
@@ -356,6 +361,8 @@ class EvalReply(_Message):
     reward_mean: Annotated[float, Wire(REWARD_MEAN, record=METRICS)]
     # only for envs that score episodes (WebShop's task_score)
     score_mean: Annotated[float | None, Wire(SCORE_MEAN, record=METRICS)] = None
+    # absent from an older client's reply
+    truncated_rate: Annotated[float | None, Wire(TRUNCATED_RATE, record=METRICS)] = None
 
     @classmethod
     def from_metrics(cls, metrics: Mapping[str, Any], prefix: str = "") -> EvalReply:

@@ -43,6 +43,7 @@ from fedagent_flwr.protocol import (
     REWARD_MEAN,
     SUCCESS_RATE,
     TRAIN_SECONDS,
+    TRUNCATED_RATE,
     ZERO_VARIANCE_GROUP_SHARE,
     EvalInstruction,
     PartitionReply,
@@ -255,6 +256,8 @@ def train_metrics(result: jobs.TrainResult, seconds: float) -> dict[str, float |
     }
     if "zero_variance_group_share" in result.metrics:  # share of GRPO groups that gave no gradient
         metrics[ZERO_VARIANCE_GROUP_SHARE] = float(result.metrics["zero_variance_group_share"])
+    if "truncated_rate" in result.metrics:  # episodes that ran out of the context budget (the server warns)
+        metrics[TRUNCATED_RATE] = float(result.metrics["truncated_rate"])
     # Backend timings and losses (verl: cold start, per-phase step times) travel as metrics too.
     metrics.update({_metric_key(k): float(v) for k, v in result.metrics.items()
                     if k.startswith(("verl/", "fedprox/"))})

@@ -44,9 +44,10 @@ def trained_model_dir(result: TrainResult, model_files: Path, out_dir: Path) -> 
 
 def eval_reply(result: EvalResult) -> EvalReply:
     """The evaluation reply of a validation result (global or per-client alike)."""
-    score = result.metrics.get("score_mean")
+    score, truncated = result.metrics.get("score_mean"), result.metrics.get("truncated_rate")
     return EvalReply(num_examples=int(result.num_episodes), success_rate=float(result.success_rate),
-                     reward_mean=float(result.reward_mean), score_mean=None if score is None else float(score))
+                     reward_mean=float(result.reward_mean), score_mean=None if score is None else float(score),
+                     truncated_rate=None if truncated is None else float(truncated))
 
 
 def client_val_metrics(result: EvalResult) -> dict[str, int | float]:

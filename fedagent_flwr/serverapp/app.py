@@ -369,6 +369,9 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         raise run_failed(RunFailedError(reason))
     if reason:
         log(WARNING, "[fedagent] run %s: %s", status, reason)
+    truncation = recorder.summary.get("truncation")
+    if truncation:  # reported, not an exit status: the run did what it was configured to (serverapp.truncation)
+        log(WARNING, "[fedagent] run %s, but %s", status, truncation["note"])
     comparison = recorder.summary["learning"].get("final_vs_base")
     if comparison is not None:
         log(INFO, "[fedagent] %s", describe(comparison))

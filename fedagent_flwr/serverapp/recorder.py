@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from logging import WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,7 @@ from fedagent_flwr.protocol import (
     REWARD_MEAN,
     SCORE_MEAN,
     SUCCESS_RATE,
+    TRUNCATED_RATE,
     EvalReply,
     ProtocolError,
 )
@@ -34,6 +35,13 @@ from fedagent_flwr.serverapp.crashpoint import crash_point
 from fedagent_flwr.serverapp.failures import round_reasons
 from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_record, no_signal_reason, round_shares
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
+from fedagent_flwr.serverapp.truncation import (
+    TRUNCATED_BY_CLIENT,
+    TRUNCATED_SHARE,
+    truncated_share,
+    truncation_record,
+    warning_line,
+)
 
 if TYPE_CHECKING:
     from fedagent_flwr.serverapp.resume import PreviousRun
@@ -173,6 +181,7 @@ class RunRecorder:
             metrics = {k: v for k, v in reply_metrics.items() if not k.startswith(CLIENT_VAL_PREFIX)}
             point = _curve_point(server_round, "client", client, metrics)
             self.summary["client_curve"].append(point)
+            self._warn_truncated(server_round, client, "training", truncated_share(point), point["n"])
             self._event({"event": "train", **point, "metrics": metrics})
             if len(metrics) < len(reply_metrics):
                 self._record_client_val(server_round, client, reply_metrics)
@@ -192,19 +201,38 @@ class RunRecorder:
             return
         point = _curve_point(server_round, "client", client, val.metrics())
         self.summary["client_val_curve"].append(point)
+        self._warn_truncated(server_round, client, "per-client validation", truncated_share(point), point["n"])
         self._event({"event": "client_val", **point, "client_val/success_rate": point["success_rate"]})
 
     def record_eval(self, *, server_round: int, model: str, metrics: dict[str, Any],
-                    failed: dict[int, str] | None = None) -> None:
+                    failed: dict[int, str] | None = None,
+                    truncated: Mapping[int, tuple[float, int]] | None = None) -> None:
         """One point of the validation curve (round 0 is the base model); ``failed``: the evaluating
-        clients whose episodes it lacks, with why."""
+        clients whose episodes it lacks, with why; ``truncated``: each evaluating client's share of
+        truncated episodes and its episode count, as it reported them (a warning for each above 0)."""
         point = _curve_point(server_round, "model", model, metrics)
+        if truncated:
+            if TRUNCATED_SHARE not in point and sum(n for _, n in truncated.values()) > 0:
+                # a strategy's own aggregate without the share: the episode-weighted mean of the clients'
+                point[TRUNCATED_SHARE] = (sum(share * n for share, n in truncated.values())
+                                          / sum(n for _, n in truncated.values()))
+            cut = {c: (share, n) for c, (share, n) in sorted(truncated.items()) if share > 0}
+            if cut:
+                point[TRUNCATED_BY_CLIENT] = {str(c): share for c, (share, _) in cut.items()}
+            for client, (share, n) in cut.items():
+                self._warn_truncated(server_round, client, "validation", share, n)
         if failed:
             point["failed"] = {str(c): reason for c, reason in sorted(failed.items())}
         self.summary["val_curve"].append(point)
         # verl's own name for the validation rate, so tools reading verl's logs find it here too.
         self._event({"event": "evaluate", **point, "val/success_rate": point["success_rate"]})
         self.write()
+
+    def _warn_truncated(self, server_round: int, client: int, phase: str, share: float, episodes: int) -> None:
+        """Warn that ``share`` of client ``client``'s ``phase`` episodes of ``server_round`` were truncated."""
+        if share > 0:
+            log(WARNING, "[fedagent] %s", warning_line(server_round, client, phase, share, episodes,
+                                                      str(self.summary.get("trainer_backend", ""))))
 
     def record_eval_failure(self, *, server_round: int, model: str, failed: dict[int, str], reason: str = "") -> None:
         """An evaluation that recorded nothing (every evaluating client failed, for different reasons,
@@ -307,6 +335,12 @@ class RunRecorder:
         """
         self.summary["wall_seconds"] = round(self._earlier_seconds + time.time() - self._started, 3)
         self.summary["learning"] = self._learning()
+        truncation = truncation_record(self.summary["client_curve"], self.summary["val_curve"],
+                                       self.summary["client_val_curve"], str(self.summary.get("trainer_backend", "")))
+        if truncation is None:
+            self.summary.pop("truncation", None)
+        else:
+            self.summary["truncation"] = truncation
         lines = "".join(_json_line(event) for event in self.events)
         write_text_atomic(self.run_dir / METRICS_FILE, lines)
         with atomic_path(self.summary_path) as tmp:
@@ -336,6 +370,8 @@ def _curve_point(server_round: int, label: str, value: Any, metrics: dict[str, A
     }
     if SCORE_MEAN in metrics:  # envs that score episodes (WebShop): the validation score
         point["score_mean"] = float(metrics[SCORE_MEAN])
+    if TRUNCATED_RATE in metrics:  # episodes cut short by the context budget (serverapp.truncation)
+        point[TRUNCATED_SHARE] = float(metrics[TRUNCATED_RATE])
     return point
 
 

@@ -36,7 +36,7 @@ from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_roun
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP, TrainAggregation
-from fedagent_flwr.serverapp.strategy.replies import error_reason, refusal_key, sender
+from fedagent_flwr.serverapp.strategy.replies import error_reason, refusal_key, sender, truncated_shares
 
 NO_NODE = "no SuperNode serves this partition now"
 NOT_SENT = "selected but sent no instruction (fewer clients connected than the strategy's minimum)"
@@ -123,7 +123,8 @@ def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: in
     Clients that failed, sent a reply the strategy refused (``evaluation_refused``) or did not reply
     are recorded with their reasons: on the evaluation's point
     when the others' episodes made one, else (nothing to average) as an evaluation that recorded
-    nothing, so that a round missing from the validation curve says why.
+    nothing, so that a round missing from the validation curve says why. The point also records
+    each averaged client's share of truncated episodes (a warning for each above 0).
     """
     model = "base" if server_round == 0 else "aggregated"
     strategy.evaluation_refused = {}  # an aggregate_evaluate of its own may not set it
@@ -146,7 +147,10 @@ def evaluate_round(strategy: FedAvgFSDP, recorder: RunRecorder, server_round: in
     log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
     if failed:
         log(WARNING, "round %d: the evaluation of the %s model lacks the episodes of %s", server_round, model, why)
-    recorder.record_eval(server_round=server_round, model=model, metrics=dict(metrics), failed=failed)
+    used = [r for r in replies if not r.has_error()
+            and refusal_key(strategy.nodes.client_of(r.metadata.src_node_id), r.metadata.src_node_id) not in failed]
+    recorder.record_eval(server_round=server_round, model=model, metrics=dict(metrics), failed=failed,
+                         truncated=truncated_shares(used, strategy.nodes.client_of))
 
 
 class RoundLoop:

@@ -58,7 +58,7 @@ def scalars_of(event: dict[str, Any]) -> dict[str, float]:
     kind = event.get("event")
     out: dict[str, float] = {}
     if kind == "evaluate":
-        for key in ("success_rate", "reward_mean", "score_mean"):
+        for key in ("success_rate", "reward_mean", "score_mean", "truncated_rate"):
             if (value := _number(event.get(key))) is not None:
                 out[f"val/{key}"] = value
         low_high = event.get("success_ci95") or []
@@ -68,7 +68,7 @@ def scalars_of(event: dict[str, Any]) -> dict[str, float]:
             out["val/episodes"] = n
     elif kind == "client_val":  # a trained client's own model on the validation episodes
         client = event.get("client")
-        for key in ("success_rate", "reward_mean", "score_mean", "n"):
+        for key in ("success_rate", "reward_mean", "score_mean", "truncated_rate", "n"):
             if (value := _number(event.get(key))) is not None:
                 out[f"client_{client}/val_{'episodes' if key == 'n' else key}"] = value
     elif kind == "train":

@@ -26,6 +26,7 @@ from fedagent_flwr.protocol import (
     NUM_EXAMPLES,
     SCORE_MEAN,
     SUCCESS_RATE,
+    TRUNCATED_RATE,
     EvalReply,
     ProtocolError,
     TrainReply,
@@ -134,8 +135,9 @@ def eval_reply_problem(reply: Message, weighted_by_key: str, assigned: int | Non
     for key, value in ((NUM_EXAMPLES, parsed.num_examples), (weighted_by_key, weight)):
         if assigned is not None and value > assigned:
             return f"'{key}' = {value:g} is more than the {assigned} episode(s) it was assigned in this evaluation"
-    if not 0.0 <= parsed.success_rate <= 1.0:
-        return f"'{SUCCESS_RATE}' = {parsed.success_rate} is not between 0 and 1"
+    for key, rate in ((SUCCESS_RATE, parsed.success_rate), (TRUNCATED_RATE, parsed.truncated_rate)):
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            return f"'{key}' = {rate} is not between 0 and 1"
     not_finite = [key for key, value in parsed.metrics().items() if not math.isfinite(value)]
     return f"{', '.join(repr(key) for key in not_finite)} not finite" if not_finite else ""
 
@@ -192,11 +194,29 @@ def evaluation_contents(replies: Sequence[Message], weighted_by_key: str) -> lis
     cut off before its first turn has no score), so one reply may carry it and another not. The
     score is then left out of every reply: a mean over the scoring clients' share would read low,
     and Flower averages only replies whose metrics have the same keys (it would stop the run).
+    ``truncated-rate`` is left out the same way when an older client's reply lacks it.
     """
     contents = [reply.content for reply in replies]
-    if not all(SCORE_MEAN in record for c in contents for record in c.metric_records.values()):
-        contents = [RecordDict({name: MetricRecord({k: v for k, v in record.items() if k != SCORE_MEAN})
+    partial = {key for key in (SCORE_MEAN, TRUNCATED_RATE)
+               if not all(key in record for c in contents for record in c.metric_records.values())}
+    if partial:
+        contents = [RecordDict({name: MetricRecord({k: v for k, v in record.items() if k not in partial})
                                 if isinstance(record, MetricRecord) else record for name, record in c.items()})
                     for c in contents]
     validate_message_reply_consistency(replies=contents, weighted_by_key=weighted_by_key, check_arrayrecord=False)
     return contents
+
+
+def truncated_shares(replies: Sequence[Message], client_of: Callable[[int], int]) -> dict[int, tuple[float, int]]:
+    """Each evaluating client's ``(truncated-rate, num-examples)`` from its usable ``replies``: the
+    share of its validation episodes that ran out of the context budget; clients whose reply does
+    not report it (an older client) are left out."""
+    shares: dict[int, tuple[float, int]] = {}
+    for reply in replies:
+        try:
+            parsed = EvalReply.from_record(reply.content)
+        except ProtocolError:
+            continue
+        if parsed.truncated_rate is not None:
+            shares[client_of(reply.metadata.src_node_id)] = (float(parsed.truncated_rate), parsed.num_examples)
+    return shares
