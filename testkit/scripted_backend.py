@@ -5,8 +5,11 @@ Scripts: ``ok``, ``fail``, ``sleep:<s>``; for the progress watchdog ``hang`` (on
 silence), ``warn`` (then only vLLM's stall warning), ``bar`` (a progress bar redrawn after ``\r``
 for 4.8 s, with no newline until it is full) and ``stall_in_session`` (hangs in a
 persistent trainer, trains normally in a fresh subprocess: issue 18's stuck verl session);
-``killed`` (SIGKILL to its own process, no last words, as the out-of-memory killer ends it). The
-subprocess path (``train JOB.json``) runs the same session code.
+``killed`` (SIGKILL to its own process, no last words, as the out-of-memory killer ends it);
+``refuse_settings`` (every session, a fresh one too, refuses the job for its fixed settings).
+``trainer.fixed`` is a setting the session fixes with its first train job, as a verl session
+fixes its own: a later job asking for another value is refused (:class:`SessionSettingsFixed`,
+naming ``trainer.fixed``). The subprocess path (``train JOB.json``) runs the same session code.
 """
 
 from __future__ import annotations
@@ -18,18 +21,24 @@ import time
 from pathlib import Path
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, backend_main, save
-from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV
+from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, SessionSettingsFixed
 from testkit.sleepy_backend import STALL_WARNING, progress_bar
 
 
 class ScriptedSession:
     def __init__(self) -> None:
         self.close_s = 0.0
+        self.fixed: dict[str, object] | None = None  # {"trainer.fixed": value} once a job fixed it
 
     def train(self, job: TrainJob) -> TrainResult:
         script = str(job.trainer.get("script", "ok"))
         self.close_s = float(job.trainer.get("close_s", 0.0))
         served = bool(os.environ.get(CHANNEL_ENV))
+        wanted = {"trainer.fixed": job.trainer.get("fixed")}
+        if script == "refuse_settings" or (self.fixed is not None and self.fixed != wanted):
+            raise SessionSettingsFixed(f"this job needs trainer.fixed={wanted['trainer.fixed']!r}, the scripted "
+                                       f"session started with {self.fixed!r}", ["trainer.fixed"])
+        self.fixed = wanted
         print(f"scripted train round {job.round}: {script} ({'persistent' if served else 'subprocess'})", flush=True)
         if script == "killed":
             os.kill(os.getpid(), signal.SIGKILL)

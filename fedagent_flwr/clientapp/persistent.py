@@ -31,6 +31,11 @@ the subprocess path uses.
   libraries it imports); a job whose ClientApp would start a trainer on other code (a resumed run
   of an updated app on a SuperNode that stayed up, an upgraded torch or verl in its venv) stops
   the old trainer and starts a new one, the record's reason saying what changed.
+* **Session settings**: a backend's session may fix settings when it starts (verl: the algorithm
+  and every ``trainer.*`` key). A job asking it for other values is answered ``settings_fixed``
+  (:class:`.trainer_server.SessionSettingsFixed`, naming them), and the trainer is replaced as
+  for a code change (stopped, a new one started, the record's reason naming the settings), once
+  per job: a fresh trainer refusing the job as well fails it as bad input.
 
 The server's output is streamed to the node's log with the client's label and copied into the
 job's own log file, exactly like a subprocess's.
@@ -61,6 +66,7 @@ from fedagent_flwr.clientapp.trainer_server import (
     LEFTOVERS_FILE,
     LOG_FILE,
     OUTBOX,
+    SETTINGS_FIXED,
     WATCH_ENV,
 )
 from fedagent_flwr.code_identity import code_change, code_identity
@@ -160,8 +166,8 @@ class PersistentTrainer:
         the stall watchdog are applied here, and ``trainer.persistent_idle_s`` travels with every
         job and is adopted by the server (:meth:`_exchange`), so a change of it takes effect
         without the cold start of a new trainer. What a backend's session fixes when it starts
-        (verl: the algorithm and every trainer setting) is the backend's to check; verl refuses a
-        job asking for other values, naming them (:mod:`fedagent_flwr.trainers.verl.persistent`).
+        (verl: the algorithm and every trainer setting) is the backend's to check; a session
+        refuses a job asking for other values, naming them, and :meth:`run` then replaces it.
         """
         record = self.record()
         pid = self._live_pid(record)
@@ -238,26 +244,47 @@ class PersistentTrainer:
         """Have the trainer run one job (``mode`` train|evaluate); return when its result is written.
 
         A trainer that exits without serving the job (idle exit, a broken session) gets it again
-        once, from a fresh trainer. Raises TrainerDied if the trainer process disappears in the
-        middle of the job, or (TrainerStalled) if the job shows no progress for ``stall_timeout_s``
-        (0: never) and the trainer is stopped for it; the caller falls back to a subprocess.
+        once, from a fresh trainer; so does one whose session refuses the job for settings it fixed
+        at its start (answer kind ``settings_fixed``), after it is stopped (:meth:`_replace`).
+        Raises TrainerDied if the trainer process disappears in the middle of the job, or
+        (TrainerStalled) if the job shows no progress for ``stall_timeout_s`` (0: never) and the
+        trainer is stopped for it; the caller falls back to a subprocess.
         Raises TrainerFailed if the job failed, was rejected, timed out or the trainer was stopped
         on purpose (the run is over).
         """
         deadline = time.monotonic() + timeout_s
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as own_log:
-            for attempt in (1, 2):
+            resent: set[str] = set()  # each of these answers gets the job sent again once
+            while True:
                 answer = self._exchange(mode, job_path, own_log, label, timeout_s, deadline, stall_timeout_s)
-                if answer.get("kind") != "not_served" or attempt == 2:
+                kind = str(answer.get("kind"))
+                if kind not in ("not_served", SETTINGS_FIXED) or kind in resent:
                     break
-                print(f"[{label}] the trainer exited before serving the {mode} job; starting a fresh one",
-                      flush=True)
+                resent.add(kind)
+                if kind == SETTINGS_FIXED:
+                    self._replace(answer, mode, own_log, label)
+                else:
+                    print(f"[{label}] the trainer exited before serving the {mode} job; starting a fresh one",
+                          flush=True)
         if not answer.get("ok"):
-            kind = answer.get("kind")
-            what = {"bad_input": "rejected the job", "stopped": "was stopped before finishing the job",
-                    "not_served": "exited twice before serving the job"}.get(str(kind), "failed")
+            what = {"bad_input": "rejected the job", SETTINGS_FIXED: "rejected the job (a fresh trainer too)",
+                    "stopped": "was stopped before finishing the job",
+                    "not_served": "exited twice before serving the job"}.get(kind, "failed")
             raise TrainerFailed(f"{label}: {self.backend} trainer {what}: {answer.get('error')} (log: {log_path})")
+
+    def _replace(self, answer: dict[str, Any], mode: str, own_log: Any, label: str) -> None:
+        """Stop the trainer whose session refused a ``mode`` job for settings it fixed at its start
+        (``answer``, kind ``settings_fixed``); the next exchange starts a fresh one, whose record
+        gives the settings as its predecessor's end (as :meth:`ensure_started` does for code)."""
+        names = [str(name) for name in answer.get("settings") or []]
+        reason = (f"a {mode} job needs other values of settings fixed for its session's life: "
+                  f"{', '.join(names) or 'unnamed'}")
+        line = f"[{label}] replacing the persistent trainer (pid {self.alive_pid()}): {answer.get('error')}"
+        print(line, flush=True)
+        own_log.write(line + "\n")
+        own_log.flush()
+        self.stop(grace_s=30.0, reason=reason)
 
     def _exchange(self, mode: str, job_path: Path, own_log: Any, label: str, timeout_s: float,
                   deadline: float, stall_timeout_s: float = 0.0) -> dict[str, Any]:

@@ -16,9 +16,12 @@ hosts the node this round:
   between jobs takes effect without a restart (and its cold start). Requests are served one at a
   time in ``seq`` order.
 * ``outbox/<seq>.json``: the answer, ``{"seq", "ok", "kind", "error"}``; the result itself is the
-  job's usual result file. ``kind`` is ``"bad_input"`` (the session is intact and keeps serving)
-  or ``"failed"`` (the session may be broken: the server answers, then exits, and the ClientApp
-  starts a fresh one for the next job).
+  job's usual result file. ``kind`` is ``"bad_input"`` (the session is intact and keeps serving),
+  ``"failed"`` (the session may be broken: the server answers, then exits, and the ClientApp
+  starts a fresh one for the next job) or ``"settings_fixed"`` (:data:`SETTINGS_FIXED`: the
+  session cannot take this job because settings it fixed when it started differ, as the session
+  said by raising :class:`SessionSettingsFixed`; the answer's ``"settings"`` lists their names;
+  the session is intact, and the ClientApp replaces the trainer and sends the job to the fresh one).
 * ``server.log``: the server's output; every request's part is framed by ``== request <seq>``
   lines so the ClientApp can copy it into the round's own log.
 * ``closing.json``: ``{"pid", "reason"}`` once the server will serve nothing more (stop, idle,
@@ -44,7 +47,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,6 +70,18 @@ WATCH_ENV = "FEDAGENT_TRAINER_WATCH"
 LEFTOVERS_FILE = "leftovers.json"
 CLOSING_FILE = "closing.json"  # {"pid", "reason"}: this server serves nothing more and is about to exit
 _POLL_S = 0.1
+SETTINGS_FIXED = "settings_fixed"  # the answer's kind for a SessionSettingsFixed refusal
+
+
+class SessionSettingsFixed(Exception):
+    """Raised by a session that cannot take a job because settings it fixed when it started (a
+    verl session: the algorithm, every ``trainer.*`` key) differ from the job's. Answered with kind
+    :data:`SETTINGS_FIXED` and the names in ``settings``; the session stays intact (it may serve
+    on), but a fresh trainer would take the job, so the ClientApp replaces it."""
+
+    def __init__(self, message: str, settings: Sequence[str]) -> None:
+        super().__init__(message)
+        self.settings = [str(name) for name in settings]
 
 
 class TrainerSession(Protocol):
@@ -237,6 +252,9 @@ def _handle(body: dict[str, Any], session: TrainerSession, bad_input: tuple[type
             session.train(load(TrainJob, str(body["job"])))
         else:
             session.evaluate(load(EvalJob, str(body["job"])))
+    except SessionSettingsFixed as exc:  # before bad_input: a backend may make it one of those too
+        return {"ok": False, "kind": SETTINGS_FIXED, "error": " ".join(str(exc).split()),
+                "settings": exc.settings}, True
     except (JobFileError, SettingError, *bad_input) as exc:  # type: ignore[misc]  # mypy cannot type a starred except tuple
         return {"ok": False, "kind": "bad_input", "error": " ".join(str(exc).split())}, True
     except failures as exc:  # the backend explains itself

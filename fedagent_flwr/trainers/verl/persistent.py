@@ -25,9 +25,11 @@ in the log and ``phases.jsonl`` in the trainer's channel directory, where
 
 What verl fixed when the session started (the algorithm, every ``trainer`` setting, the step
 budget and batch size, FedProx's ``mu``, the client rule) cannot change under a live session: a
-job asking for other values is refused as bad input (:class:`.job.InputError`, the session keeps
-serving) with the differences named, rather than trained with stale settings or silently
-restarted (a restart would pay the cold start this mode exists to avoid, unannounced).
+job asking for other values is refused (:class:`SettingsChanged`, the trainer server's typed
+:class:`~fedagent_flwr.clientapp.trainer_server.SessionSettingsFixed`, with the differences
+named), never trained with stale settings. The ClientApp then replaces the trainer, saying why
+(the cold start this mode exists to avoid is paid once more, announced), and the fresh session
+starts with the job's settings (:mod:`fedagent_flwr.clientapp.persistent`).
 
 Evaluation runs here with Hugging Face generation, exactly as the subprocess path does
 (:func:`.job.evaluate`); the vLLM replicas sleep between rounds, so the GPU has room for it.
@@ -45,7 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, TrainJob, TrainResult
-from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, LOG_FILE, record_leftover_markers
+from fedagent_flwr.clientapp.trainer_server import (
+    CHANNEL_ENV,
+    LOG_FILE,
+    SessionSettingsFixed,
+    record_leftover_markers,
+)
 from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl import phases
 from fedagent_flwr.trainers.verl.job import InputError, PreparedTrain, VerlJobFailed
@@ -85,10 +92,23 @@ def session_fingerprint(job: TrainJob, settings: VerlSettings, rule: dict[str, A
     return fixed
 
 
+class SettingsChanged(InputError, SessionSettingsFixed):
+    """A job asks a live session for other values of what it fixed at its start (bad input to
+    this session; the trainer server answers it as ``settings_fixed``, and the ClientApp replaces
+    the trainer)."""
+
+    def __init__(self, message: str, settings: list[str]) -> None:
+        SessionSettingsFixed.__init__(self, message, settings)  # ValueError's comes first in the MRO
+
+
+def changed_keys(session: dict[str, Any], job: dict[str, Any]) -> list[str]:
+    """The fixed settings whose values the job would change, sorted."""
+    return [key for key in sorted(set(session) | set(job)) if session.get(key) != job.get(key)]
+
+
 def fixed_differences(session: dict[str, Any], job: dict[str, Any]) -> list[str]:
     """``key: session X, job Y`` for every fixed value the job would change (sorted by key)."""
-    return [f"{key}: session {session.get(key)!r}, job {job.get(key)!r}"
-            for key in sorted(set(session) | set(job)) if session.get(key) != job.get(key)]
+    return [f"{key}: session {session.get(key)!r}, job {job.get(key)!r}" for key in changed_keys(session, job)]
 
 
 def round_plan(job: TrainJob, prep: PreparedTrain, *, reload: bool) -> dict[str, Any]:
@@ -191,10 +211,11 @@ class VerlSession:
         if self.fixed is not None:
             differences = fixed_differences(self.fixed, fingerprint)
             if differences:
-                raise InputError(
+                raise SettingsChanged(
                     "this job needs settings other than those the persistent verl session started with "
-                    f"({'; '.join(differences)}); they are fixed for the session's life: run the job in "
-                    "subprocess mode or restart the trainer server"
+                    f"({'; '.join(differences)}); they are fixed for the session's life, so the job needs "
+                    "a new session (the ClientApp replaces the trainer)",
+                    changed_keys(self.fixed, fingerprint),
                 )
         prep = verl_job.prepare_train(job, shared_dir=self._session_dir(), checked=checked)
         in_round.record("prepare", started_at)

@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ import pytest
 import torch
 import yaml
 
-from fedagent_flwr.clientapp.job import TrainJob
+from fedagent_flwr.clientapp.job import TrainJob, save
+from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, SETTINGS_FIXED, SessionSettingsFixed, serve
 from fedagent_flwr.trainers.common.client_rule import job_rule_specs
 from fedagent_flwr.trainers.verl import engine_hooks, entry, user_hooks
 from fedagent_flwr.trainers.verl import job as verl_job
@@ -193,7 +195,8 @@ def test_two_jobs_of_one_session_differ_in_paths_seed_rows_and_episode_log(tiny_
     assert yaml.safe_load(Path(alone.paths.agent_loop_file).read_text())[0]["episode_log"] == str(alone.episode_log)
 
 
-def test_a_live_session_refuses_jobs_that_change_what_it_fixed(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_live_session_refuses_jobs_that_change_what_it_fixed(tiny_model_dir: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     def fingerprint(job: TrainJob) -> dict[str, Any]:
         settings, spec, _, rule = verl_job.check_train_job(job)
         return session_fingerprint(job, settings, rule, sum(e.n_envs for e in spec.envs))
@@ -201,6 +204,10 @@ def test_a_live_session_refuses_jobs_that_change_what_it_fixed(tiny_model_dir: P
     base = _job(tiny_model_dir, tmp_path / "a", 1)
     same = _job(tiny_model_dir, tmp_path / "b", 2, data_seed=7, client_id=1, model_path=str(tmp_path))
     assert fixed_differences(fingerprint(base), fingerprint(same)) == []
+    # The ClientApp's own keys are no session settings (app.py does not even send them): a live server adopts them.
+    clientapp_keys = {"timeout_s": 60.0, "persistent_idle_s": 5.0, "stall_timeout_s": 0.0, "mode": "persistent"}
+    kept = _job(tiny_model_dir, tmp_path / "e", 2, trainer={**base.trainer, **clientapp_keys})
+    assert fixed_differences(fingerprint(base), fingerprint(kept)) == []
     two_envs = {"envs": [{**SPEC["envs"][0], "n_envs": 4}]}
     cases = {
         "algorithm": {"algorithm": "ppo"},
@@ -220,9 +227,24 @@ def test_a_live_session_refuses_jobs_that_change_what_it_fixed(tiny_model_dir: P
     session = VerlSession(work_dir=str(tmp_path / "session"))
     session.fixed = fingerprint(base)  # as after a first job; no Ray is started below
     job = _job(tiny_model_dir, tmp_path / "d", 2, trainer={**base.trainer, "lr": 3e-6})
-    with pytest.raises(InputError, match=r"trainer.lr: session 1e-06, job 3e-06"):
+    with pytest.raises(InputError, match=r"trainer.lr: session 1e-06, job 3e-06") as refused:
         session.train(job)
+    # typed for the trainer server, which answers it with its own kind (the ClientApp replaces the trainer)
+    assert isinstance(refused.value, SessionSettingsFixed) and refused.value.settings == ["trainer.lr"]
     assert not (tmp_path / "d" / "verl").exists()  # refused before anything was written
+    channel = tmp_path / "channel"
+    save(job, tmp_path / "d.json")
+    (channel / "inbox").mkdir(parents=True)
+    (channel / "inbox" / "1.json").write_text(json.dumps({"seq": 1, "mode": "train", "job": str(tmp_path / "d.json")}))
+    (channel / "inbox" / "2.json").write_text(json.dumps({"seq": 2, "mode": "stop"}))
+    monkeypatch.delenv(CHANNEL_ENV, raising=False)  # serve() sets it for its session
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert serve(channel, lambda: session, "verl", entry._BAD_INPUT, (verl_job.VerlJobFailed,), 60) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    answer = json.loads((channel / "outbox" / "1.json").read_text())
+    assert (answer["ok"], answer["kind"], answer["settings"]) == (False, SETTINGS_FIXED, ["trainer.lr"])
     session.close()
 
 
