@@ -21,3 +21,48 @@ def wilson_interval(successes: float, n: int, z: float = Z_95) -> tuple[float, f
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# Two-sided 95% quantiles of Student's t for 1-30 degrees of freedom (t_{0.975, df}).
+_T_975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+          2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+          2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+
+
+def t_quantile_95(df: float) -> float:
+    """Student's t two-sided 95% quantile for ``df`` degrees of freedom, rounded down to a whole
+    number of them (a wider interval, never a narrower one); the normal's past 30."""
+    whole = math.floor(df)
+    if whole < 1:
+        raise ValueError(f"need at least 1 degree of freedom, got {df}")
+    return _T_975[whole - 1] if whole <= len(_T_975) else Z_95
+
+
+def seed_difference_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Mean of ``a`` minus mean of ``b`` (one value per seed, e.g. final success rates) with its 95%
+    Welch interval: the spread between seeds, which includes how differently two runs of one
+    config end on a GPU, not only the episodes' binomial noise that a pooled Wilson interval counts.
+    Needs at least two values on each side."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"need at least 2 values per side, got {len(a)} and {len(b)}")
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    var_a = sum((x - mean_a) ** 2 for x in a) / (len(a) - 1) / len(a)
+    var_b = sum((x - mean_b) ** 2 for x in b) / (len(b) - 1) / len(b)
+    diff, se2 = mean_a - mean_b, var_a + var_b
+    if se2 == 0:
+        return diff, diff, diff
+    # Welch-Satterthwaite degrees of freedom; a side without spread contributes none.
+    df = se2 ** 2 / sum(v ** 2 / (n - 1) for v, n in ((var_a, len(a)), (var_b, len(b))) if v > 0)
+    half = t_quantile_95(df) * math.sqrt(se2)
+    return diff, diff - half, diff + half
+
+
+def pooled_difference_interval(successes_a: float, n_a: int, successes_b: float, n_b: int,
+                               z: float = Z_95) -> tuple[float, float, float]:
+    """Difference of two pooled success rates with its 95% normal-approximation interval (the
+    episodes' binomial noise only)."""
+    if n_a <= 0 or n_b <= 0:
+        raise ValueError(f"need episodes on both sides, got {n_a} and {n_b}")
+    p_a, p_b = successes_a / n_a, successes_b / n_b
+    half = z * math.sqrt(p_a * (1 - p_a) / n_a + p_b * (1 - p_b) / n_b)
+    return p_a - p_b, p_a - p_b - half, p_a - p_b + half

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from fedagent_flwr.intervals import wilson_interval
+from fedagent_flwr.intervals import (
+    pooled_difference_interval,
+    seed_difference_interval,
+    t_quantile_95,
+    wilson_interval,
+)
 from fedagent_flwr.rollout.groups import zero_variance_group_share
 
 
@@ -28,3 +33,40 @@ def test_zero_variance_group_share_counts_groups_that_give_no_gradient() -> None
     assert zero_variance_group_share([1.0], [0]) == 0.0
     with pytest.raises(ValueError):
         zero_variance_group_share([1.0, 2.0], [0])
+
+
+def _t_cdf(x: float, df: int, steps: int = 20000) -> float:
+    """Student's t CDF at ``x`` > 0 by Simpson's rule over its density (an oracle independent of the table)."""
+    import math
+
+    const = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    h = x / steps
+    density = [const * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+    area = h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+    return 0.5 + area
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+def test_t_quantiles_leave_2_5_percent_in_each_tail(df: int) -> None:
+    assert _t_cdf(t_quantile_95(df), df) == pytest.approx(0.975, abs=2e-6)
+
+
+def test_t_quantile_rounds_the_degrees_of_freedom_down_and_is_the_normal_past_30() -> None:
+    assert t_quantile_95(2.9) == t_quantile_95(2) > t_quantile_95(3)
+    assert t_quantile_95(31) == pytest.approx(1.959964)
+    with pytest.raises(ValueError):
+        t_quantile_95(0.5)
+
+
+def test_seed_and_pooled_differences_match_hand_computations() -> None:
+    # The GPU batches' three seeds at round 10 (docs/results.md): federated 0.484, 0.328, 0.281 and
+    # local 0.266, 0.281, 0.281 (n = 64 each). Welch: se = sqrt(0.01128/3 + 0.0000750/3) = 0.06143,
+    # df = 2.03 -> 2, t = 4.3027: +0.0883 +/- 0.2643.
+    diff, low, high = seed_difference_interval([0.484, 0.328, 0.281], [0.266, 0.281, 0.281])
+    assert (diff, low, high) == pytest.approx((0.08833, -0.17652, 0.35319), abs=1e-4)
+    # Pooled 70/192 against 53/192: +0.0885, normal approximation +/- 0.0929.
+    assert pooled_difference_interval(70, 192, 53, 192) == pytest.approx((0.08854, -0.00437, 0.18146), abs=1e-4)
+    # No spread on either side: the interval is the point.
+    assert seed_difference_interval([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.25, 0.25)
+    with pytest.raises(ValueError):
+        seed_difference_interval([0.5], [0.25, 0.3])

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.intervals import wilson_interval
+from fedagent_flwr.intervals import pooled_difference_interval, seed_difference_interval, wilson_interval
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
@@ -106,15 +106,35 @@ def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "final_per_seed": rates,
         "seed_std": None if spread is None else round(spread, 4),
         "pooled_n": n,
+        "pooled_successes": round(successes, 4),
         "pooled_ci95": [round(low, 4), round(high, 4)],
         "base_mean": round(sum(b["success_rate"] for b in base) / len(base), 4),
         "base_pooled_ci95": [round(base_low, 4), round(base_high, 4)],
     }
 
 
+def differences(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each pair of arms (in the order given, earlier minus later): the difference of their final
+    means with its 95% interval over seeds (Welch; None with fewer than 2 seeds on a side) and over
+    the pooled episodes (normal approximation)."""
+    names, pairs = list(arms), []
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            a, b = arms[first], arms[second]
+            seeds = None
+            if len(a["final_per_seed"]) > 1 and len(b["final_per_seed"]) > 1:
+                seeds = [round(x, 4) for x in seed_difference_interval(a["final_per_seed"], b["final_per_seed"])[1:]]
+            _, low, high = pooled_difference_interval(a["pooled_successes"], a["pooled_n"], b["pooled_successes"],
+                                                      b["pooled_n"])
+            pairs.append({"arms": [first, second], "difference": round(a["final_mean"] - b["final_mean"], 4),
+                          "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)]})
+    return pairs
+
+
 def report(out: Path) -> str:
     """Write arms.json, arms.md and arms.png under ``out``; return the markdown table."""
     data = collect(out)
+    data["differences"] = differences(data["arms"])
     (out / "arms.json").write_text(json.dumps(data, indent=2))
     lines = [
         f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
@@ -131,6 +151,15 @@ def report(out: Path) -> str:
             f"{', '.join(f'{r:.3f}' for r in row['final_per_seed'])} | "
             f"{row['seed_std'] if row['seed_std'] is not None else '-'} |"
         )
+    if data["differences"]:
+        lines += ["", "Differences of the final means (95% intervals: over seeds, Welch's t, which counts how "
+                  "differently runs end, GPU run-to-run variation included; over the pooled episodes, the "
+                  "episodes' binomial noise only):", ""]
+        lines += [f"- {d['arms'][0]} − {d['arms'][1]}: {d['difference']:+.3f}; over seeds "
+                  + (f"[{d['seeds_ci95'][0]:+.3f}, {d['seeds_ci95'][1]:+.3f}]" if d["seeds_ci95"] else
+                     "(needs 2 or more seeds per arm)")
+                  + f"; over pooled episodes [{d['pooled_ci95'][0]:+.3f}, {d['pooled_ci95'][1]:+.3f}]"
+                  for d in data["differences"]]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]

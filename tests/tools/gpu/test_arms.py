@@ -47,6 +47,14 @@ def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
     assert data["arms"]["local"]["rounds"] == [1, 1]
     assert "| federated | 2 | 2,2 |" in text and "runs without a result: centralized-s1" in text
     assert (tmp_path / "arms.png").stat().st_size > 1000
+    # federated - local: 0.453125 - 0.21875; pooled 58/128 - 28/128 by the normal approximation
+    # (+/- 1.96 * 0.0572);
+    # over seeds by Welch with sds 0.0663 and 0.0442 (df 1.75 -> 1, t 12.706): +/- 12.706 * 0.0563
+    (diff,) = [d for d in data["differences"] if d["arms"] == ["federated", "local"]]
+    assert diff["difference"] == pytest.approx(0.2344, abs=1e-4)
+    assert diff["pooled_ci95"] == pytest.approx([0.1223, 0.3465], abs=1e-4)
+    assert diff["seeds_ci95"] == pytest.approx([-0.4814, 0.9502], abs=1e-4)
+    assert "- federated − local: +0.234; over seeds [-0.481, +0.950]; over pooled episodes [+0.122, +0.346]" in text
     # metrics.jsonl carries verl's name for the validation rate as well.
     events = [json.loads(line) for line in (tmp_path / "runs" / "local-s2" / "metrics.jsonl").read_text().splitlines()]
     assert [e["val/success_rate"] for e in events if e["event"] == "evaluate"] == [0.125, 0.1875]
