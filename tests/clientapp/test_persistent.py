@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from fedagent_flwr.clientapp import backend
 from fedagent_flwr.clientapp.backend import TrainerFailed
-from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, load, save
+from fedagent_flwr.clientapp.job import EvalJob, EvalResult, load, save
 from fedagent_flwr.clientapp.persistent import (
     EXIT_FILE,
     PROCESS_FILE,
@@ -31,6 +31,7 @@ from fedagent_flwr.clientapp.persistent import (
 )
 from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, serve
 from fedagent_flwr.procs import ProcessRef, boot_id
+from tests.clientapp.conftest import scripted_job
 from tests.trainers.reference.test_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
@@ -197,10 +198,10 @@ def test_idle_trainer_exits_by_itself(tmp_path: Path) -> None:
 def test_a_changed_idle_timeout_reaches_the_running_trainer(tmp_path: Path, scripted: PersistentTrainer) -> None:
     """trainer.persistent_idle_s changed between jobs (a resumed run's new config, say): the next
     job is served by the same trainer, without a cold start, and the new value applies from then on."""
-    scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)  # idle 600 s
+    scripted.run("train", scripted_job(tmp_path, "a", script="ok"), tmp_path / "a.log", "c0 r1", 60)  # idle 600 s
     pid = scripted.alive_pid()
     shorter = PersistentTrainer("scripted", scripted.channel, idle_timeout_s=1.0)
-    shorter.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    shorter.run("train", scripted_job(tmp_path, "b", script="ok"), tmp_path / "b.log", "c0 r2", 60)
     assert shorter.record()["pid"] == pid and shorter.record()["starts"] == 1  # reused
     deadline = time.monotonic() + 30  # a hang guard: it exits about 1 s after the job
     while shorter.alive_pid() == pid and time.monotonic() < deadline:
@@ -211,14 +212,6 @@ def test_a_changed_idle_timeout_reaches_the_running_trainer(tmp_path: Path, scri
 
 
 # -- channel semantics, with a scripted session (testkit/scripted_backend.py) ---------------------
-
-
-def _scripted_job(tmp: Path, name: str, script: str, close_s: float = 0.0) -> Path:
-    job = TrainJob(model_path="unused", output_dir=str(tmp / name), env_spec={}, round=1, client_id=0,
-                   num_clients=1, data_seed=1, trainer={"script": script, "close_s": close_s})
-    path = tmp / f"{name}.json"
-    save(job, path)
-    return path
 
 
 @pytest.fixture()
@@ -242,9 +235,9 @@ def test_requests_left_when_a_server_ends_are_answered_not_lost(tmp_path: Path) 
             (channel / "inbox" / "1.json").write_text(json.dumps({"seq": 1, "mode": "stop"}))
         else:
             (channel / "inbox" / "1.json").write_text(json.dumps(
-                {"seq": 1, "mode": "train", "job": str(_scripted_job(tmp_path, "a", "fail"))}))
+                {"seq": 1, "mode": "train", "job": str(scripted_job(tmp_path, "a", script="fail"))}))
         (channel / "inbox" / "2.json").write_text(json.dumps(
-            {"seq": 2, "mode": "train", "job": str(_scripted_job(tmp_path, "b", "ok"))}))
+            {"seq": 2, "mode": "train", "job": str(scripted_job(tmp_path, "b", script="ok"))}))
         previous = signal.getsignal(signal.SIGTERM)
         try:
             code = serve(channel, ScriptedSession, "scripted", (ValueError,), (), idle_timeout_s=60)
@@ -263,10 +256,10 @@ def test_a_failed_job_ends_the_trainer_and_the_next_job_gets_a_fresh_one(
     tmp_path: Path, scripted: PersistentTrainer
 ) -> None:
     with pytest.raises(TrainerFailed, match=r"scripted trainer failed: RuntimeError: scripted failure"):
-        scripted.run("train", _scripted_job(tmp_path, "a", "fail", close_s=3), tmp_path / "a.log", "c0 r1", 60)
+        scripted.run("train", scripted_job(tmp_path, "a", script="fail", close_s=3), tmp_path / "a.log", "c0 r1", 60)
     first = scripted.record()["pid"]
     # Sent while the failed trainer still closes (3 s): it waits for it, then a fresh one serves it.
-    scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    scripted.run("train", scripted_job(tmp_path, "b", script="ok"), tmp_path / "b.log", "c0 r2", 60)
     assert scripted.record()["pid"] != first and scripted.record()["starts"] == 2
     assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone (its train job failed)"
     assert (tmp_path / "b" / "train_result.json").exists()
@@ -279,13 +272,13 @@ def test_a_trainer_killed_from_outside_says_by_which_signal_as_a_subprocess_does
     last words: the error says how the trainer ended, in the subprocess path's words
     (backend.exit_reason), and so does the next start's record."""
     with pytest.raises(TrainerDied) as died:
-        scripted.run("train", _scripted_job(tmp_path, "a", "killed"), tmp_path / "a.log", "c0 r1", 60)
+        scripted.run("train", scripted_job(tmp_path, "a", script="killed"), tmp_path / "a.log", "c0 r1", 60)
     first = scripted.record()["pid"]
     killed = backend.exit_reason(-signal.SIGKILL)
     assert "not by this ClientApp: most likely the out-of-memory killer" in killed
     assert str(died.value).startswith(f"c0 r1: the persistent scripted trainer (pid {first}) died during the "
                                       f"train job: it {killed}: "), died.value
-    scripted.run("train", _scripted_job(tmp_path, "b", "ok"), tmp_path / "b.log", "c0 r2", 60)
+    scripted.run("train", scripted_job(tmp_path, "b", script="ok"), tmp_path / "b.log", "c0 r2", 60)
     assert scripted.record()["reason"] == f"restart: trainer pid {first} is gone ({killed})"
 
 
@@ -296,7 +289,7 @@ def test_a_new_trainer_never_reads_an_earlier_trainers_exit_record(tmp_path: Pat
     clears it once it has read how the previous trainer ended."""
     scripted.channel.mkdir(parents=True)
     (scripted.channel / EXIT_FILE).write_text(json.dumps({"pid": 4242, "returncode": -9}))
-    scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)
+    scripted.run("train", scripted_job(tmp_path, "a", script="ok"), tmp_path / "a.log", "c0 r1", 60)
     pid = scripted.alive_pid()
     assert pid is not None and not (scripted.channel / EXIT_FILE).exists()
     scripted.stop(grace_s=10)  # its own record, written by its supervisor once it is gone
@@ -313,7 +306,7 @@ def _busy_with_a_long_job(handle: PersistentTrainer, tmp: Path) -> tuple[threadi
 
     def run() -> None:
         try:
-            handle.run("train", _scripted_job(tmp, "long", "sleep:60"), tmp / "long.log", "c0", 120)
+            handle.run("train", scripted_job(tmp, "long", script="sleep:60"), tmp / "long.log", "c0", 120)
         except BaseException as exc:  # noqa: BLE001 - inspected by the caller
             errors.append(exc)
 
@@ -372,7 +365,7 @@ def test_the_trainer_outlives_its_clientapp_but_not_its_node(tmp_path: Path, scr
         assert record["watch"]["pid"] == node.pid and record["watch"]["name"].startswith("python")
         first = scripted.alive_pid()
         assert first == record["pid"]
-        scripted.run("train", _scripted_job(tmp_path, "a", "ok"), tmp_path / "a.log", "c0 r1", 60)
+        scripted.run("train", scripted_job(tmp_path, "a", script="ok"), tmp_path / "a.log", "c0 r1", 60)
         assert scripted.alive_pid() == first and (tmp_path / "a" / "train_result.json").exists()
         node.kill()
         node.wait(timeout=30)

@@ -14,20 +14,12 @@ import pytest
 
 from fedagent_flwr.clientapp import backend
 from fedagent_flwr.clientapp.backend import TrainerFailed
-from fedagent_flwr.clientapp.job import TrainJob, save
 from fedagent_flwr.clientapp.persistent import STARTS_FILE, PersistentTrainer
 from fedagent_flwr.clientapp.trainer_server import SETTINGS_FIXED, serve
 from fedagent_flwr.procs import ProcessRef
+from tests.clientapp.conftest import scripted_job
 
 NEEDS = "a train job needs other values of settings fixed for its session's life: trainer.fixed"
-
-
-def _job(tmp: Path, name: str, fixed: str, script: str = "ok") -> Path:
-    job = TrainJob(model_path="unused", output_dir=str(tmp / name), env_spec={}, round=1, client_id=0,
-                   num_clients=1, data_seed=1, trainer={"script": script, "fixed": fixed})
-    path = tmp / f"{name}.json"
-    save(job, path)
-    return path
 
 
 @pytest.fixture()
@@ -40,16 +32,16 @@ def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_job_needing_other_session_settings_gets_a_new_trainer_that_says_why(tmp_path: Path, channel: Path) -> None:
     first_run = PersistentTrainer("scripted", channel, idle_timeout_s=600)
-    first_run.run("train", _job(tmp_path, "a", "x"), tmp_path / "a.log", "c0 r1", 60)
+    first_run.run("train", scripted_job(tmp_path, "a", script="ok", fixed="x"), tmp_path / "a.log", "c0 r1", 60)
     first = first_run.record()
     # Another job timeout and persistent_idle_s are no session settings: the same trainer serves.
     second_run = PersistentTrainer("scripted", channel, idle_timeout_s=300)
-    second_run.run("train", _job(tmp_path, "b", "x"), tmp_path / "b.log", "c0 r2", 90)
+    second_run.run("train", scripted_job(tmp_path, "b", script="ok", fixed="x"), tmp_path / "b.log", "c0 r2", 90)
     assert second_run.record()["pid"] == first["pid"] and second_run.record()["starts"] == 1
     assert "idle timeout now 300 s (was 600 s; trainer.persistent_idle_s)" in (channel / "server.log").read_text()
 
     # A job the live session refuses for its fixed settings is run by a new trainer, once.
-    second_run.run("train", _job(tmp_path, "c", "y"), tmp_path / "c.log", "c0 r3", 60)
+    second_run.run("train", scripted_job(tmp_path, "c", script="ok", fixed="y"), tmp_path / "c.log", "c0 r3", 60)
     replaced = second_run.record()
     assert replaced["pid"] != first["pid"] and replaced["starts"] == 2
     old = ProcessRef.from_json(first)
@@ -63,17 +55,18 @@ def test_a_job_needing_other_session_settings_gets_a_new_trainer_that_says_why(t
     assert [h["pid"] for h in history] == [first["pid"], replaced["pid"]]
 
     # The new session fixed the new value: the next such job needs no new trainer.
-    second_run.run("train", _job(tmp_path, "d", "y"), tmp_path / "d.log", "c0 r4", 60)
+    second_run.run("train", scripted_job(tmp_path, "d", script="ok", fixed="y"), tmp_path / "d.log", "c0 r4", 60)
     assert second_run.record()["pid"] == replaced["pid"] and second_run.record()["starts"] == 2
 
 
 def test_a_fresh_trainer_refusing_the_job_too_fails_it(tmp_path: Path, channel: Path) -> None:
     trainer = PersistentTrainer("scripted", channel, idle_timeout_s=600)
-    trainer.run("train", _job(tmp_path, "a", "x"), tmp_path / "a.log", "c0 r1", 60)
+    trainer.run("train", scripted_job(tmp_path, "a", script="ok", fixed="x"), tmp_path / "a.log", "c0 r1", 60)
     with pytest.raises(TrainerFailed, match=r"c0 r2: scripted trainer rejected the job \(a fresh trainer too\): "
                                             r"this job needs trainer.fixed='x', the scripted session started with "
                                             r"None"):
-        trainer.run("train", _job(tmp_path, "b", "x", script="refuse_settings"), tmp_path / "b.log", "c0 r2", 60)
+        trainer.run("train", scripted_job(tmp_path, "b", script="refuse_settings", fixed="x"), tmp_path / "b.log",
+                    "c0 r2", 60)
     assert trainer.record()["starts"] == 2  # replaced once, not again
     assert trainer.alive_pid() == trainer.record()["pid"]  # a refusal leaves the session serving
     assert not (tmp_path / "b" / "train_result.json").exists()
@@ -92,7 +85,8 @@ def test_the_server_answers_a_refusal_for_fixed_settings_with_its_own_kind(
     inbox.mkdir(parents=True)
     for seq, fixed in ((1, "x"), (2, "y"), (3, "x")):
         (inbox / f"{seq}.json").write_text(json.dumps({"seq": seq, "mode": "train",
-                                                       "job": str(_job(tmp_path, str(seq), fixed))}))
+                                                       "job": str(scripted_job(tmp_path, str(seq), script="ok",
+                                                                               fixed=fixed))}))
     (inbox / "4.json").write_text(json.dumps({"seq": 4, "mode": "stop"}))
     previous = signal.getsignal(signal.SIGTERM)
     try:

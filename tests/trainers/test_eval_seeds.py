@@ -55,17 +55,10 @@ def test_episode_seeds_are_the_same_with_services_on_and_off(served: dict[str, A
 
 
 def test_validation_samples_are_the_same_with_services_on_and_off(
-    served: dict[str, Any], tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    served: dict[str, Any], tmp_path: Path, tiny_model_dir: Path, played_batches: list[list[Episode]]
 ) -> None:
     """The tiny model's sampled tokens, replies and scores of every validation episode are equal."""
-    played: list[list[Episode]] = []
-    play = evaluator.play_episodes
-
-    def recording(*args: Any, **kwargs: Any) -> list[Episode]:
-        played.append(play(*args, **kwargs))
-        return played[-1]
-
-    monkeypatch.setattr(evaluator, "play_episodes", recording)
+    played = played_batches
     settings = EvalSettings(max_new_tokens=8, num_threads=1, device="cpu", val_temperature=1.0)
     results = []
     for name, spec in [("off", {"envs": ENTRIES}), ("on", served)]:

@@ -66,19 +66,12 @@ def test_a_bad_pool_size_is_refused_naming_the_key(pool: Any) -> None:
 
 
 def test_validation_plays_in_waves_of_the_pool_and_samples_as_without_services(
-    small_pool: dict[str, Any], tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    small_pool: dict[str, Any], tmp_path: Path, tiny_model_dir: Path, played_batches: list[list[Episode]],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Before the waves, the third episode of an entry waited for a slot that the lockstep batch
     never gave back, and the service refused it after its create timeout: the evaluation failed."""
-    played: list[list[Episode]] = []
-    play = evaluator.play_episodes
-
-    def recording(*args: Any, **kwargs: Any) -> list[Episode]:
-        played.append(play(*args, **kwargs))
-        return played[-1]
-
-    monkeypatch.setattr(evaluator, "play_episodes", recording)
+    played = played_batches
     settings = EvalSettings(max_new_tokens=8, num_threads=1, device="cpu", val_temperature=1.0)
     results = {}
     for name, spec in [("off", {"envs": ENTRIES}), ("pool", small_pool)]:
