@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import site
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from importlib.metadata import Distribution
 from pathlib import Path
+from typing import Any
 
 #: This copy of the package: the one a trainer or service started by this process imports (each
 #: puts the folder holding it first on its PYTHONPATH).
@@ -72,6 +72,30 @@ class SiteQueryError(RuntimeError):
     """Another interpreter could not say where its packages are (it crashed, hung or is gone)."""
 
 
+#: Run by :func:`interpreter_site` in another interpreter (standard library only) and, for this one,
+#: by :func:`_site_dirs_in_path_order`: its version, then its site-packages folders (the user site
+#: among them when enabled) in ``sys.path`` order, which :mod:`site` builds as user site first, then
+#: the others; folders not on ``sys.path`` (not existing) last, in the order ``site`` lists them.
+_SITE_QUERY = """
+import json, os, site, sys
+def site_dirs():
+    dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    where = {}
+    for index, entry in enumerate(sys.path):
+        where.setdefault(os.path.normcase(os.path.abspath(entry)), index)
+    return sorted(dirs, key=lambda d: where.get(os.path.normcase(os.path.abspath(d)), len(sys.path)))
+if __name__ == "__main__":
+    print(json.dumps([sys.version] + site_dirs()))
+"""
+
+
+def _site_dirs_in_path_order() -> list[str]:
+    """This interpreter's site-packages folders in the order it searches them (:data:`_SITE_QUERY`)."""
+    namespace: dict[str, Any] = {"__name__": "_site_query"}
+    exec(_SITE_QUERY, namespace)  # our own constant: one definition for both interpreters
+    return list(namespace["site_dirs"]())
+
+
 def interpreter_site(executable: str, env: Mapping[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
     """The version (``sys.version``) and site-packages folders of the interpreter ``executable``
     started with environment ``env`` (this process's when None): this process's own when it is this
@@ -85,17 +109,18 @@ def interpreter_site(executable: str, env: Mapping[str, str] | None = None) -> t
     :data:`ABSENT` would make a running service look like it ran other code, and the healthy
     service would be stopped for a restart under an interpreter that had just failed to run
     (:func:`code_identity`, :func:`code_change`). A failure is not remembered: the next call asks
-    again."""
+    again.
+
+    The folders come in the order the interpreter searches them (:data:`_SITE_QUERY`): a user site
+    precedes the system's site-packages (a venv's own folder precedes both), so a library installed
+    in both is found where that interpreter imports it from."""
     if executable == sys.executable:
-        user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
-        return sys.version, tuple(site.getsitepackages() + user)
+        return sys.version, tuple(_site_dirs_in_path_order())
     env = os.environ if env is None else env
     key = (executable, *(f"{name}={env.get(name)}" for name in _SITE_ENV))
     if key not in _SITE_DIRS:
-        ask = "import json, site, sys; print(json.dumps([sys.version] + site.getsitepackages() + " \
-              "([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])))"
         try:
-            done = subprocess.run([executable, "-c", ask], capture_output=True, text=True, env=dict(env),
+            done = subprocess.run([executable, "-c", _SITE_QUERY], capture_output=True, text=True, env=dict(env),
                                   timeout=SITE_QUERY_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
             raise SiteQueryError(f"{executable} did not say where its packages are within "

@@ -234,15 +234,23 @@ def test_a_py_file_that_cannot_be_read_does_not_break_the_digest(tmp_path: Path)
     assert package_digest(package) == original
 
 
+def base_interpreter_with_a_user_site(tmp_path: Path) -> Path:
+    """The interpreter this venv was made from, if it enables a user site (else the test skips)."""
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if not base.is_file():  # checked first: running a missing interpreter raises instead of skipping
+        pytest.skip(f"no base interpreter at {base}")
+    user_site = subprocess.run([str(base), "-c", "import site; print(site.ENABLE_USER_SITE)"],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONUSERBASE": str(tmp_path)})
+    if user_site.stdout.strip() != "True":
+        pytest.skip(f"the base interpreter at {base} has no user site")
+    return base
+
+
 def test_another_interpreter_is_asked_with_the_environment_its_process_gets(tmp_path: Path) -> None:
     """Where an interpreter outside any venv finds packages depends on the environment it is
     started with (its user site: ``PYTHONUSERBASE``, ``PYTHONNOUSERSITE``); it used to be asked with
     this process's environment, and once per interpreter whatever the environment."""
-    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    user_site = subprocess.run([str(base), "-c", "import site; print(site.ENABLE_USER_SITE)"],
-                               capture_output=True, text=True, env={**os.environ, "PYTHONUSERBASE": str(tmp_path)})
-    if not base.is_file() or user_site.stdout.strip() != "True":
-        pytest.skip(f"no base interpreter with a user site at {base}")
+    base = base_interpreter_with_a_user_site(tmp_path)
     site_dir = tmp_path / "user" / "lib" / base.name / "site-packages"
     install(site_dir, "textworld", "1.6.0")
     env = {**os.environ, "PYTHONUSERBASE": str(tmp_path / "user")}
@@ -297,3 +305,26 @@ def test_another_build_of_python_behind_the_same_interpreter_path_is_other_code(
     assert {k: v for k, v in now.items() if k != "python"} == {k: v for k, v in recorded.items() if k != "python"}
     assert code_change(recorded, now, "the service") == (
         f"code changed: the Python version {recorded['python']!r} -> {now['python']!r}")
+
+
+def test_a_user_site_is_searched_before_the_system_site_packages(tmp_path: Path) -> None:
+    """:mod:`site` puts the user site on ``sys.path`` before the system's site-packages, so a
+    library installed in both (``pip install --user numpy`` over a system numpy) is imported from
+    the user site. The identity listed the user site last and read the system's copy: an upgrade
+    with ``pip install --user`` went unseen."""
+    base = base_interpreter_with_a_user_site(tmp_path)
+    user_site = tmp_path / "user" / "lib" / base.name / "site-packages"
+    install(user_site, "numpy", "99.0")
+    env = {**os.environ, "PYTHONUSERBASE": str(tmp_path / "user")}
+    env.pop("PYTHONPATH", None)
+    asked = ("import json, sys\nfrom importlib.metadata import PackageNotFoundError, version\n"
+             "try:\n    found = version('numpy')\nexcept PackageNotFoundError:\n    found = None\n"
+             "print(json.dumps([sys.path, found]))")
+    done = subprocess.run([str(base), "-c", asked], capture_output=True, text=True, env=env, check=True, timeout=60)
+    path, imported = json.loads(done.stdout)
+    _, dirs = code_identity_module.interpreter_site(str(base), env)
+    assert str(user_site) in dirs and str(user_site) in path
+    # the folders in the order that interpreter searches them, the user site first
+    assert [d for d in dirs if d in path] == [d for d in path if d in dirs]
+    assert dirs[0] == str(user_site)
+    assert imported == "99.0" and code_identity(env, executable=str(base))["dist:numpy"] == "99.0"

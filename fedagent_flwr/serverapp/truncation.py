@@ -76,8 +76,9 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
 
     ``training`` / ``per_client_validation``: each client and round with a truncated share above 0;
     ``validation``: each evaluation (``model``: base or aggregated) with its episode-weighted share and
-    the clients' own; ``max_share``: the largest share of any of them; ``note``: what it means and
-    the keys to change.
+    the clients' own; ``max_share``: the largest share of any of them, an evaluating client's own
+    included (the note says "at most that of a client's or an evaluation's episodes"); ``note``: what
+    it means and the keys to change.
     """
     training = [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
                 for p in client_curve if truncated_share(p) > 0]
@@ -89,6 +90,7 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
     if not (training or validation or per_client):
         return None
     shares = [entry[TRUNCATED_SHARE] for entry in (*training, *validation, *per_client)]
+    shares += [float(share) for entry in validation for share in entry["clients"].values()]
     where = [f"{name} in round(s) {sorted({entry['round'] for entry in entries})}"
              for name, entries in (("training", training), ("validation", validation),
                                    ("per-client validation", per_client)) if entries]

@@ -82,6 +82,20 @@ def test_an_evaluation_records_and_warns_about_each_clients_truncated_episodes(
     assert last["truncated_rate"] == 0.0 and "truncated" not in last and not _warnings(caplog)
 
 
+def test_the_notes_largest_share_counts_an_evaluating_clients_own(tmp_path: Path) -> None:
+    """Client 0 had 3 of its 4 validation episodes cut short, client 1 none of its 12: the
+    evaluation's share is 3/16, but the note's "at most ... of a client's or an evaluation's
+    episodes" must say 75%, client 0's (it said 19%, the evaluation's, hiding client 0's)."""
+    strategy, run_root = _strategy(tmp_path, "reference")
+    replies = [_evaluated(c, EvalReply(num_examples=n, success_rate=0.0, reward_mean=0.0, truncated_rate=share)
+                          .to_record()) for c, n, share in ((0, 4, 0.75), (1, 12, 0.0))]
+    eval_round(strategy, 1, replies, sent=[0, 1])
+    truncation = json.loads((run_root / SUMMARY_FILE).read_text())["truncation"]
+    assert truncation["validation"][0]["truncated_rate"] == pytest.approx(3 / 16)
+    assert truncation["max_share"] == 0.75
+    assert "at most 75% of a client's or an evaluation's episodes" in truncation["note"]
+
+
 def test_a_truncated_share_outside_0_1_is_a_malformed_reply(tmp_path: Path) -> None:
     strategy, run_root = _strategy(tmp_path, "reference")
     good = {NUM_EXAMPLES: 2, SUCCESS_RATE: 0.5, REWARD_MEAN: 0.5, TRUNCATED_RATE: 0.0}
