@@ -51,8 +51,9 @@ def budget_advice(backend: str) -> str:
 
 
 def percent(share: float) -> str:
-    """``share`` as a percentage, with a decimal below 1% (a few episodes in a thousand are not 0%)."""
-    return f"{share:.1%}" if 0 < share < 0.01 else f"{share:.0%}"
+    """``share`` as a percentage, with a decimal within 1% of either end (a few episodes in a
+    thousand are not 0%, and all but a few are not 100%)."""
+    return f"{share:.1%}" if 0 < share < 0.01 or 0.99 < share < 1 else f"{share:.0%}"
 
 
 def warning_line(server_round: int, client: int, phase: str, share: float, episodes: int, backend: str) -> str:

@@ -131,3 +131,9 @@ def test_truncated_training_episodes_warn_but_leave_a_completed_run_completed(
     assert summary["truncation"]["max_share"] == 0.375
     assert summary["truncation"]["note"].startswith(
         "some episodes were truncated (training in round(s) [1]; at most 38%")
+
+
+def test_a_share_near_either_end_keeps_a_decimal() -> None:
+    from fedagent_flwr.serverapp.truncation import percent
+
+    assert [percent(s) for s in (0.0, 0.004, 0.5, 0.995, 1.0)] == ["0%", "0.4%", "50%", "99.5%", "100%"]

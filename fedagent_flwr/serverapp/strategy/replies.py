@@ -23,6 +23,7 @@ from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consis
 
 from fedagent_flwr.checkpoint import CheckpointError
 from fedagent_flwr.protocol import (
+    CLIENT_VAL_PREFIX,
     NUM_EXAMPLES,
     SCORE_MEAN,
     SUCCESS_RATE,
@@ -111,6 +112,11 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
     if assigned is not None and weight > assigned:
         return None, (f"'{weighted_by_key}' = {weight:g} is more than the {assigned} episodes client {client} "
                       "was assigned this round")
+    # Shares of episodes, its own and its per-client validation's: 1.5 would be recorded as 150%.
+    for key in (SUCCESS_RATE, TRUNCATED_RATE, CLIENT_VAL_PREFIX + SUCCESS_RATE, CLIENT_VAL_PREFIX + TRUNCATED_RATE):
+        rate = parsed.metrics.get(key)
+        if rate is not None and (not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0):
+            return None, f"malformed reply: metric '{key}' = {rate!r} is not between 0 and 1"
     return parsed, ""
 
 

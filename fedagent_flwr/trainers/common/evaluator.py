@@ -82,8 +82,8 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
                                                                                             len(job.seeds))]
     waves = episode_waves(spec, len(job.seeds))
     if len(waves) > 1:
-        print(f"evaluate: {len(tasks)} episodes in {len(waves)} waves: an env service's pool "
-              "(env.service.pool_size) is smaller than its entry's episodes", flush=True)
+        print(f"evaluate: {len(tasks)} episodes in {len(waves)} waves: an entry has more episodes than its env "
+              "plays at once (max_concurrent; for an env service, env.service.pool_size)", flush=True)
     played: dict[int, Episode] = {}
     for wave in waves:
         episodes = play_episodes(policy, tokenizer, [tasks[i] for i in wave], settings.val_sampling(),

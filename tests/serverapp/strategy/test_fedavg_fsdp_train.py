@@ -111,6 +111,25 @@ def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: 
     assert rejected["5"] == "no SuperNode serves this partition now"
 
 
+def test_a_train_reply_with_a_share_outside_0_1_is_refused_naming_the_metric(suite: Suite, tmp_path: Path) -> None:
+    # A share of episodes above 1 (or NaN) would be recorded as is ("150%"), and its success rate
+    # would enter the client curve and the learning checks.
+    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=5)
+    ref = {c: CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in
+           [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain"), (4, "qwen_a")]}
+    bad = {1: {"success-rate": 1.5}, 2: {"truncated-rate": float("nan")}, 3: {"client-val-success-rate": -0.1},
+           4: {"truncated-rate": [0.5]}}
+    replies = [_reply(0, ref[0], 4)] + [_reply(c, ref[c], 4, {"num-examples": 4, "reward-mean": 0.5,
+                                                              "success-rate": 0.25, **m}) for c, m in bad.items()]
+    entry = train_round(strategy, 1, replies)
+    assert entry is not None and entry["client_actor_ids"] == [0]
+    assert entry["rejected"]["1"] == "malformed reply: metric 'success-rate' = 1.5 is not between 0 and 1"
+    assert entry["rejected"]["2"] == "malformed reply: metric 'truncated-rate' = nan is not between 0 and 1"
+    assert "'client-val-success-rate' = -0.1" in entry["rejected"]["3"]
+    # a list is a MetricRecord value too
+    assert "'truncated-rate' = [0.5] is not between 0 and 1" in entry["rejected"]["4"]
+
+
 class _DamageWhileStreaming(FedAvgFSDP):
     """Damages client 1's shard after every check passed, as a failing disk would."""
 
