@@ -37,6 +37,7 @@ from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_rec
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 from fedagent_flwr.serverapp.truncation import (
     TRUNCATED_BY_CLIENT,
+    TRUNCATED_EPISODES,
     TRUNCATED_SHARE,
     truncated_share,
     truncation_record,
@@ -209,13 +210,17 @@ class RunRecorder:
                     truncated: Mapping[int, tuple[float, int]] | None = None) -> None:
         """One point of the validation curve (round 0 is the base model); ``failed``: the evaluating
         clients whose episodes it lacks, with why; ``truncated``: each evaluating client's share of
-        truncated episodes and its episode count, as it reported them (a warning for each above 0)."""
+        truncated episodes and its episode count, as it reported them (a warning for each above 0; an
+        older client reports none, and the point's share then covers ``truncated_n`` of its ``n`` episodes)."""
         point = _curve_point(server_round, "model", model, metrics)
         if truncated:
-            if TRUNCATED_SHARE not in point and sum(n for _, n in truncated.values()) > 0:
-                # a strategy's own aggregate without the share: the episode-weighted mean of the clients'
-                point[TRUNCATED_SHARE] = (sum(share * n for share, n in truncated.values())
-                                          / sum(n for _, n in truncated.values()))
+            covered = sum(n for _, n in truncated.values())
+            if TRUNCATED_SHARE not in point and covered > 0:
+                # an aggregate without the share (an older client reported none, or a strategy's own):
+                # the episode-weighted mean of the reporting clients', over their episodes only
+                point[TRUNCATED_SHARE] = sum(share * n for share, n in truncated.values()) / covered
+                if covered != point["n"]:
+                    point[TRUNCATED_EPISODES] = covered
             cut = {c: (share, n) for c, (share, n) in sorted(truncated.items()) if share > 0}
             if cut:
                 point[TRUNCATED_BY_CLIENT] = {str(c): share for c, (share, _) in cut.items()}

@@ -10,7 +10,9 @@ the validation success rate read low because of a budget setting, not because of
 Every client reports the share of its episodes that were truncated (``truncated-rate``) with its
 training metrics, its validation reply and its per-client validation; the recorder keeps each share
 on its curve point (``client_curve``, ``val_curve``: the evaluating clients' episode-weighted share
-and, where some were cut short, each client's, ``client_val_curve``), logs a warning for every
+and, where some were cut short, each client's, ``client_val_curve``; where an older evaluating client
+reported none, the share covers the reporting clients' episodes only, and ``truncated_n`` says how
+many of the point's ``n`` those are), logs a warning for every
 client and round with a share above 0, and derives the summary's top-level ``truncation`` entry
 (:func:`truncation_record`) from those points, so a resumed run's earlier rounds count too.
 
@@ -28,6 +30,9 @@ from typing import Any
 TRUNCATED_SHARE = "truncated_rate"
 #: A validation point's key for each evaluating client's share, where some client's was above 0.
 TRUNCATED_BY_CLIENT = "truncated"
+#: A validation point's key for the episodes its share covers, where fewer than its ``n`` (an older
+#: evaluating client reports no share, so the share is the reporting clients' only).
+TRUNCATED_EPISODES = "truncated_n"
 
 #: What to change, per trainer backend (the keys of ``fedagent_flwr/schema/trainer.py``).
 BUDGET_ADVICE = {
@@ -77,21 +82,27 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
 
     ``training`` / ``per_client_validation``: each client and round with a truncated share above 0;
     ``validation``: each evaluation (``model``: base or aggregated) with its episode-weighted share and
-    the clients' own; ``max_share``: the largest share of any of them, an evaluating client's own
-    included (the note says "at most that of a client's or an evaluation's episodes"); ``note``: what
-    it means and the keys to change.
+    the clients' own (and, where the share covers fewer episodes than the point's ``n``, both counts);
+    ``max_share``: the largest share of any of them, an evaluating client's own included (the note
+    says "at most that of a client's or an evaluation's episodes"); ``note``: what it means, which
+    validation shares cover only some of their episodes, and the keys to change.
     """
     training = [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
                 for p in client_curve if truncated_share(p) > 0]
     per_client = [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
                   for p in client_val_curve if truncated_share(p) > 0]
     validation = [{"round": p["round"], "model": p.get("model"), TRUNCATED_SHARE: truncated_share(p),
-                   "clients": dict(p.get(TRUNCATED_BY_CLIENT) or {})}
+                   "clients": dict(p.get(TRUNCATED_BY_CLIENT) or {}),
+                   **({"n": p.get("n"), TRUNCATED_EPISODES: p[TRUNCATED_EPISODES]} if TRUNCATED_EPISODES in p else {})}
                   for p in val_curve if truncated_share(p) > 0]
     if not (training or validation or per_client):
         return None
     shares = [entry[TRUNCATED_SHARE] for entry in (*training, *validation, *per_client)]
     shares += [float(share) for entry in validation for share in entry["clients"].values()]
+    partial = [f"round {entry['round']}: {entry[TRUNCATED_EPISODES]} of {entry['n']}"
+               for entry in validation if TRUNCATED_EPISODES in entry]
+    covers = (f"; a validation share covers only the episodes of the clients that reported one ("
+              f"{', '.join(partial)}: older clients report none)" if partial else "")
     where = [f"{name} in round(s) {sorted({entry['round'] for entry in entries})}"
              for name, entries in (("training", training), ("validation", validation),
                                    ("per-client validation", per_client)) if entries]
@@ -100,7 +111,7 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
         "note": (f"some episodes were truncated ({'; '.join(where)}; at most {percent(max(shares))} of a client's "
                  "or an evaluation's episodes): they ran out of the context budget before they ended and count as "
                  "played, with the reward they had, so the success rates and rewards recorded there read low "
-                 f"by a budget setting, not only by the model; {budget_advice(backend)}"),
+                 f"by a budget setting, not only by the model{covers}; {budget_advice(backend)}"),
     }
     for name, entries in (("training", training), ("validation", validation), ("per_client_validation", per_client)):
         if entries:

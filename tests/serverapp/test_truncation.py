@@ -54,7 +54,8 @@ def test_an_evaluation_records_and_warns_about_each_clients_truncated_episodes(
     """Client 0 had 1 of its 2 validation episodes cut short, client 1 none of its 6, and client 2 is
     an older client whose reply does not report the share: the evaluation is recorded (Flower's
     all-replies-alike check would otherwise stop the run) with the reporting clients' episode-weighted
-    share, client 0's own, and one warning naming client 0, the phase and verl's budget keys."""
+    share, client 0's own, the 8 of its 10 episodes that share covers (``truncated_n``, which the
+    note repeats), and one warning naming client 0, the phase and verl's budget keys."""
     strategy, run_root = _strategy(tmp_path, "verl")
     replies = [_evaluated(c, EvalReply(num_examples=n, success_rate=0.0, reward_mean=0.0, truncated_rate=share)
                           .to_record()) for c, n, share in ((0, 2, 0.5), (1, 6, 0.0), (2, 2, None))]
@@ -64,13 +65,18 @@ def test_an_evaluation_records_and_warns_about_each_clients_truncated_episodes(
     (point,) = summary["val_curve"]
     assert point["n"] == 10 and "failed" not in point
     assert point["truncated_rate"] == pytest.approx(1 / 8) and point["truncated"] == {"0": 0.5}
+    # the share is over the 8 episodes of the clients that reported one, not the point's 10
+    assert point["truncated_n"] == 8
     (warning,) = _warnings(caplog)
     assert warning.startswith("[fedagent] round 1: 50% of client 0's validation episodes (1 of 2) were truncated: ")
     assert "trainer.max_response_length" in warning and "trainer.max_prompt_length" in warning
     assert "lower trainer.max_new_tokens" in warning and "trainer.max_model_len" not in warning
     (entry,) = summary["truncation"]["validation"]
-    assert entry == {"round": 1, "model": "aggregated", "truncated_rate": pytest.approx(1 / 8), "clients": {"0": 0.5}}
-    assert "training" not in summary["truncation"] and "trainer.max_response_length" in summary["truncation"]["note"]
+    assert entry == {"round": 1, "model": "aggregated", "truncated_rate": pytest.approx(1 / 8), "clients": {"0": 0.5},
+                     "n": 10, "truncated_n": 8}
+    note = summary["truncation"]["note"]
+    assert "training" not in summary["truncation"] and "trainer.max_response_length" in note
+    assert "covers only the episodes of the clients that reported one (round 1: 8 of 10" in note
 
     # Every client reports it: Flower's episode-weighted mean; nobody truncated: no warning, no note.
     caplog.clear()
@@ -80,6 +86,7 @@ def test_an_evaluation_records_and_warns_about_each_clients_truncated_episodes(
         eval_round(strategy, 2, clean, sent=[0, 1, 2])
     last = json.loads((run_root / SUMMARY_FILE).read_text())["val_curve"][-1]
     assert last["truncated_rate"] == 0.0 and "truncated" not in last and not _warnings(caplog)
+    assert "truncated_n" not in last  # the share covers all of n
 
 
 def test_the_notes_largest_share_counts_an_evaluating_clients_own(tmp_path: Path) -> None:

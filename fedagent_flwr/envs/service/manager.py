@@ -108,6 +108,11 @@ def _log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+#: The state file's key for the reason last warned about when a running service was kept though the
+#: library versions could not be determined (:meth:`EnvServiceManager.ensure_running`).
+KEPT_WARNED = "versions_unknown_warned"
+
+
 class EnvServiceManager:
     """Owns one env service process, across processes, through its state file.
 
@@ -316,7 +321,7 @@ class EnvServiceManager:
         code); otherwise stop it and start a new one, saying why. Returns the URL. Library versions
         that cannot be determined now (the env's interpreter could not say where its packages are:
         :func:`~fedagent_flwr.code_identity.code_change`) do not replace a running service; a
-        warning names the interpreter and its error."""
+        warning names the interpreter and its error, once per service while the error stays the same."""
         code = service_code(self.launch, self.python)
         with self._locked():
             changed = ""
@@ -326,13 +331,26 @@ class EnvServiceManager:
                 changed = code_change(state.get("code"), code, "the service")
                 if not changed:
                     if unknown := versions_unknown(code):  # kept: no evidence it is out of date
-                        logger.warning("env service %s (pid %s, %s): %s; keeping the running service",
-                                       self.launch.env, state.get("pid"), self.state_file, unknown)
+                        self._warn_kept(state, unknown)
                     return self.url
                 logger.warning("env service %s (pid %s, %s) runs other code than a new one would (%s); stopping "
                                "it and starting a new one", self.launch.env, state.get("pid"), self.state_file, changed)
             self._stop_unlocked()
             return self._start_unlocked(code, changed)
+
+    def _warn_kept(self, state: dict[str, Any], unknown: str) -> None:
+        """Warn that the running service is kept though the versions are unknown (``unknown``: why),
+        once per service and reason: every job of every round asks, each in a fresh process, so the
+        reason last warned about is kept in the state file (a new service's file has none); a
+        different reason warns again. The caller holds the lock."""
+        if state.get(KEPT_WARNED) == unknown:
+            return
+        logger.warning("env service %s (pid %s, %s): %s; keeping the running service",
+                       self.launch.env, state.get("pid"), self.state_file, unknown)
+        try:
+            write_json_atomic(self.state_file, {**state, KEPT_WARNED: unknown})
+        except OSError:  # only the next job's warning is at stake
+            pass
 
     def start(self) -> str:
         """Start a fresh service (stopping any recorded one first) and return its URL."""

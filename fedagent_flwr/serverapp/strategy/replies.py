@@ -216,7 +216,8 @@ def evaluation_contents(replies: Sequence[Message], weighted_by_key: str) -> lis
 def truncated_shares(replies: Sequence[Message], client_of: Callable[[int], int]) -> dict[int, tuple[float, int]]:
     """Each evaluating client's ``(truncated-rate, num-examples)`` from its usable ``replies``: the
     share of its validation episodes that ran out of the context budget; clients whose reply does
-    not report it (an older client) are left out."""
+    not report it (an older client) are left out, so the shares may cover fewer episodes than the
+    evaluation (the recorder's point then says how many, ``truncated_n``)."""
     shares: dict[int, tuple[float, int]] = {}
     for reply in replies:
         try:

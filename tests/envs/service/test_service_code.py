@@ -179,7 +179,8 @@ def test_a_service_whose_interpreter_cannot_say_what_it_imports_is_kept(tmp_path
     """The env's interpreter could not say where its packages are: at the first start (it took
     too long) the service starts all the same; while it cannot, a running service is kept (it used
     to read as "nothing installed": the healthy service was stopped and the restart under the
-    broken interpreter failed); each time the caller warns, naming the interpreter and its error."""
+    broken interpreter failed); the caller warns, naming the interpreter and its error, once per
+    service and error (it warned on every job of every round)."""
     real = _env_venv(tmp_path)
     python = make_interpreter(tmp_path / "env-python", f'exec {real} "$@"')  # as a launch may name it
 
@@ -193,6 +194,10 @@ def test_a_service_whose_interpreter_cannot_say_what_it_imports_is_kept(tmp_path
     again, stderr = _foreign_clientapp(tmp_path, state_file, python, query_timeout_s=0.001)
     assert again["pid"] == first["pid"] and again["started_at"] == first["started_at"]
     assert f"the installed library versions are unknown: {timed_out}; keeping the running service" in stderr
+    # Every job of every round asks, each in a fresh process: the same reason is not warned again.
+    later = [_foreign_clientapp(tmp_path, state_file, python, query_timeout_s=0.001) for _ in range(2)]
+    assert {state["pid"] for state, _ in later} == {first["pid"]}
+    assert sum(err.count("keeping the running service") for _, err in later) == 0
 
     # It answers again: the service that never said what it imported is replaced, once.
     known, _ = _foreign_clientapp(tmp_path, state_file, python)
@@ -211,3 +216,10 @@ def test_a_service_whose_interpreter_cannot_say_what_it_imports_is_kept(tmp_path
             "running service") in stderr
     assert "runs other code" not in stderr
     assert _reward_of_a_solved_episode(kept) == 1.0
+    still, stderr = _foreign_clientapp(tmp_path, state_file, python)
+    assert still["pid"] == known["pid"] and "keeping the running service" not in stderr
+    # It fails another way: the new reason is warned about, once.
+    make_interpreter(python, "echo 'no such venv' >&2; exit 2")
+    other = [_foreign_clientapp(tmp_path, state_file, python)[1] for _ in range(2)]
+    assert [err.count("keeping the running service") for err in other] == [1, 0]
+    assert "(exit status 2: no such venv); keeping the running service" in other[0]
