@@ -12,14 +12,10 @@ interpreters (and scripts standing in for one that cannot answer); nothing is mo
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
-import stat
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,19 +32,9 @@ from fedagent_flwr.code_identity import (
     package_digest,
     versions_unknown,
 )
+from testkit.installs import BROKEN, build_wheel, install, make_interpreter, pip_install
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def install(site_dir: Path, name: str, version: str) -> None:
-    """Install (metadata only) ``name`` ``version`` in ``site_dir`` as pip does, replacing another version."""
-    for old in site_dir.glob(f"{name}-*.dist-info"):
-        for file in old.iterdir():
-            file.unlink()
-        old.rmdir()
-    info = site_dir / f"{name}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
 def test_an_in_place_upgrade_changes_the_identity_and_is_named(tmp_path: Path) -> None:
@@ -94,30 +80,6 @@ def test_another_interpreter_is_read_from_its_own_site_packages(tmp_path: Path) 
         "code changed: the installed textworld '1.6.0' -> '1.7.0'")
 
 
-def build_wheel(folder: Path, name: str, version: str, code: str) -> Path:
-    """A wheel of ``name`` ``version`` whose one module holds ``code``, as a local build makes it."""
-    info = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": code,
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    rows = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-            f"{len(text.encode())}" for path, text in files.items()]
-    files[f"{info}/RECORD"] = "\n".join([*rows, f"{info}/RECORD,,"]) + "\n"
-    folder.mkdir(parents=True)
-    wheel = folder / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        for path, text in files.items():
-            archive.writestr(path, text)
-    return wheel
-
-
-def pip_install(wheel: Path, target: Path) -> None:
-    """``pip install`` ``wheel`` into the folder ``target``, replacing what is there (pip, for real)."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
-                    "--no-input", "--quiet", "--upgrade", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
-
-
 def test_a_reinstall_of_other_files_under_the_same_version_is_other_code(tmp_path: Path) -> None:
     """A locally built verl wheel installed over one of the same version: only its files tell."""
     target = tmp_path / "site"
@@ -156,16 +118,6 @@ def identity_in_a_new_process(python: Path) -> dict[str, str]:
     done = subprocess.run([sys.executable, "-c", _IDENTITY, str(python)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, check=True, timeout=120)
     return dict(json.loads(done.stdout))
-
-
-def make_interpreter(path: Path, script: str) -> Path:
-    """An executable shell script at ``path`` (the interpreter a launch names)."""
-    path.write_text(f"#!/bin/sh\n{script}\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
-BROKEN = "echo 'Fatal Python error: init_import_site: Failed to import the site module' >&2; exit 1"
 
 
 def test_an_interpreter_that_cannot_answer_leaves_the_versions_unknown_not_absent(tmp_path: Path) -> None:

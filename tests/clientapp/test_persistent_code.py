@@ -18,7 +18,7 @@ import fedagent_flwr
 from fedagent_flwr.clientapp.job import TrainJob, save
 from fedagent_flwr.clientapp.persistent import PersistentTrainer
 from fedagent_flwr.procs import ProcessRef
-from tests.test_code_identity import build_wheel, pip_install
+from testkit.installs import build_wheel, pip_install
 
 PACKAGE_DIR = Path(fedagent_flwr.__file__).resolve().parent
 REPO_ROOT = Path(__file__).resolve().parents[2]  # for testkit (the scripted backend)
