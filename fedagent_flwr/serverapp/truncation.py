@@ -87,10 +87,7 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
     says "at most that of a client's or an evaluation's episodes"); ``note``: what it means, which
     validation shares cover only some of their episodes, and the keys to change.
     """
-    training = [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
-                for p in client_curve if truncated_share(p) > 0]
-    per_client = [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
-                  for p in client_val_curve if truncated_share(p) > 0]
+    training, per_client = _client_entries(client_curve), _client_entries(client_val_curve)
     validation = [{"round": p["round"], "model": p.get("model"), TRUNCATED_SHARE: truncated_share(p),
                    "clients": dict(p.get(TRUNCATED_BY_CLIENT) or {}),
                    **({"n": p.get("n"), TRUNCATED_EPISODES: p[TRUNCATED_EPISODES]} if TRUNCATED_EPISODES in p else {})}
@@ -117,3 +114,9 @@ def truncation_record(client_curve: Sequence[Mapping[str, Any]], val_curve: Sequ
         if entries:
             record[name] = entries
     return record
+
+
+def _client_entries(curve: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The points of a per-client curve with a truncated share above 0: round, client and share."""
+    return [{"round": p["round"], "client": p["client"], TRUNCATED_SHARE: truncated_share(p)}
+            for p in curve if truncated_share(p) > 0]

@@ -114,10 +114,17 @@ def read_train_reply(reply: Message, client: int, weighted_by_key: str,
                       "was assigned this round")
     # Shares of episodes, its own and its per-client validation's: 1.5 would be recorded as 150%.
     for key in (SUCCESS_RATE, TRUNCATED_RATE, CLIENT_VAL_PREFIX + SUCCESS_RATE, CLIENT_VAL_PREFIX + TRUNCATED_RATE):
-        rate = parsed.metrics.get(key)
-        if rate is not None and (not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0):
-            return None, f"malformed reply: metric '{key}' = {rate!r} is not between 0 and 1"
+        if problem := share_problem(key, parsed.metrics.get(key)):
+            return None, f"malformed reply: metric {problem}"
     return parsed, ""
+
+
+def share_problem(key: str, rate: object) -> str:
+    """Why metric ``key`` = ``rate`` is no share of episodes (not a number in [0, 1]; NaN is not),
+    or "" when it is one or is absent (None)."""
+    if rate is None or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0.0 <= rate <= 1.0):
+        return ""
+    return f"'{key}' = {rate!r} is not between 0 and 1"
 
 
 def eval_reply_problem(reply: Message, weighted_by_key: str, assigned: int | None = None) -> str:
@@ -142,8 +149,8 @@ def eval_reply_problem(reply: Message, weighted_by_key: str, assigned: int | Non
         if assigned is not None and value > assigned:
             return f"'{key}' = {value:g} is more than the {assigned} episode(s) it was assigned in this evaluation"
     for key, rate in ((SUCCESS_RATE, parsed.success_rate), (TRUNCATED_RATE, parsed.truncated_rate)):
-        if rate is not None and not 0.0 <= rate <= 1.0:
-            return f"'{key}' = {rate} is not between 0 and 1"
+        if problem := share_problem(key, rate):
+            return problem
     not_finite = [key for key, value in parsed.metrics().items() if not math.isfinite(value)]
     return f"{', '.join(repr(key) for key in not_finite)} not finite" if not_finite else ""
 
