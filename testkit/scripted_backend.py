@@ -10,6 +10,7 @@ persistent trainer, trains normally in a fresh subprocess: issue 18's stuck verl
 ``trainer.fixed`` is a setting the session fixes with its first train job, as a verl session
 fixes its own: a later job asking for another value is refused (:class:`SessionSettingsFixed`,
 naming ``trainer.fixed``). The subprocess path (``train JOB.json``) runs the same session code.
+:func:`scripted_job` writes the train job that tells a session what to do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, backend_main, save
 from fedagent_flwr.clientapp.trainer_server import CHANNEL_ENV, SessionSettingsFixed
@@ -64,6 +66,16 @@ class ScriptedSession:
 
     def close(self) -> None:
         time.sleep(self.close_s)  # a verl session needs seconds to stop Ray
+
+
+def scripted_job(tmp: Path, name: str, **trainer: Any) -> Path:
+    """Write (to ``tmp/<name>.json``) a train job for this backend, whose ``trainer`` settings
+    (``script``, ``close_s``, ``fixed``, ...) say what its session does; it writes to ``tmp/<name>``."""
+    job = TrainJob(model_path="unused", output_dir=str(tmp / name), env_spec={}, round=1, client_id=0,
+                   num_clients=1, data_seed=1, trainer=trainer)
+    path = tmp / f"{name}.json"
+    save(job, path)
+    return path
 
 
 if __name__ == "__main__":

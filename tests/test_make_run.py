@@ -18,7 +18,7 @@ from flwr.common.config import parse_config_args
 
 from fedagent_flwr.config import load_settings
 from fedagent_flwr.run_config import hydra_arguments
-from tests.test_run_config import _declared
+from testkit.app_config import declared_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def _flwr_run_arguments(*make_args: str) -> list[str]:
 def _run_config(arguments: list[str]) -> dict[str, object]:
     """What the ServerApp's run config holds for these `flwr run` arguments."""
     values = [arguments[i + 1] for i, word in enumerate(arguments) if word == "--run-config"]
-    return {**_declared(), **parse_config_args(values)}
+    return {**declared_run_config(), **parse_config_args(values)}
 
 
 def test_make_run_uses_the_persistent_reference_trainer() -> None:

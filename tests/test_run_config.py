@@ -3,7 +3,6 @@ app's declared keys in pyproject.toml, Flower's own parser and the real Hydra co
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,22 +10,19 @@ from flwr.common.config import parse_config_args
 
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.run_config import PASSTHROUGH_KEYS, RUN_CONFIG_KEYS, hydra_arguments
+from testkit.app_config import declared_run_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _declared() -> dict[str, object]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
 def _flower_run_config(*pairs: str) -> dict[str, object]:
     """What the ServerApp's ``context.run_config`` holds: the declared defaults fused with the
     command line, parsed by Flower's own parser (values are TOML)."""
-    return {**_declared(), **parse_config_args(list(pairs))}
+    return {**declared_run_config(), **parse_config_args(list(pairs))}
 
 
 def test_pyproject_declares_exactly_the_mapped_keys_all_unset() -> None:
-    declared = _declared()
+    declared = declared_run_config()
     assert set(declared) == set(RUN_CONFIG_KEYS) | set(PASSTHROUGH_KEYS)
     assert all(declared[key] == "" for key in RUN_CONFIG_KEYS)  # conf/ keeps the one default
     name, overrides = hydra_arguments(declared)
@@ -69,7 +65,7 @@ def test_values_flower_cannot_type_and_unmapped_keys_are_refused() -> None:
 
 
 def test_the_example_run_config_file_composes() -> None:
-    run_config = {**_declared(), **parse_config_args([str(REPO / "examples" / "run-config.toml")])}
+    run_config = {**declared_run_config(), **parse_config_args([str(REPO / "examples" / "run-config.toml")])}
     settings = load_settings(*hydra_arguments(run_config))
     assert (settings.run.num_rounds, settings.run.clients.total, settings.clients_per_round) == (3, 4, 2)
     assert settings.run.strategy.name == "fedprox" and settings.run.strategy.proximal_mu == 0.05

@@ -31,8 +31,8 @@ from fedagent_flwr.clientapp.persistent import (
 )
 from fedagent_flwr.clientapp.trainer_server import LEFTOVERS_FILE, serve
 from fedagent_flwr.procs import ProcessRef, boot_id
-from tests.clientapp.conftest import scripted_job
-from tests.trainers.reference.test_trainer import SPEC, TRAINER, run_trainer, train_job
+from testkit.reference_trainer import SPEC, TRAINER, run_trainer, train_job
+from testkit.scripted_backend import scripted_job
 
 
 def _state(output: Path) -> dict[str, torch.Tensor]:

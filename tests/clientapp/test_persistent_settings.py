@@ -17,7 +17,7 @@ from fedagent_flwr.clientapp.backend import TrainerFailed
 from fedagent_flwr.clientapp.persistent import STARTS_FILE, PersistentTrainer
 from fedagent_flwr.clientapp.trainer_server import SETTINGS_FIXED, serve
 from fedagent_flwr.procs import ProcessRef
-from tests.clientapp.conftest import scripted_job
+from testkit.scripted_backend import scripted_job
 
 NEEDS = "a train job needs other values of settings fixed for its session's life: trainer.fixed"
 

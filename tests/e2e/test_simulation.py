@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from fedagent_flwr.seeding import select_clients
 from testkit.flower_harness import REPO, SuperLink
 from testkit.run_end import ran_every_round
+from testkit.simulation_runs import check_round_mean, client_state, run_job
+from testkit.tensorboard_events import read_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +31,6 @@ COMMON = ("num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=
 PERSISTENT = "trainer.mode=persistent"
 
 
-def _client_state(client_dir: Path) -> dict[str, torch.Tensor]:
-    result = json.loads((client_dir / "train_result.json").read_text())
-    shard = Path(result["actor_dir"]) / "model_world_size_1_rank_0.pt"
-    return torch.load(shard, map_location="cpu", weights_only=True)
-
-
-def _check_round_mean(run_dir: Path, entry: dict, weights: dict[int, float]) -> float:
-    """Max abs error between the written aggregate and the mean recomputed from client files."""
-    states = {c: _client_state(run_dir / f"round_{entry['round']}" / f"client_{c}") for c in weights}
-    total = sum(weights.values())
-    aggregate = load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors"))
-    worst = 0.0
-    for key, tensor in aggregate.items():
-        expected = sum(states[c][key].double() * (w / total) for c, w in weights.items())
-        worst = max(worst, (tensor.double() - expected).abs().max().item())
-    # The tiny model ties lm_head to the embeddings: the HF output leaves the tied copy out.
-    assert set(aggregate) == set(next(iter(states.values()))) - {"lm_head.weight"}
-    return worst
-
-
 def _check_update_stats(run_dir: Path, entry: dict, aggregate_event: dict) -> None:
     """The round's update statistics equal an independent float64 recomputation from the files:
     client checkpoints minus the model the round started from."""
@@ -58,7 +40,7 @@ def _check_update_stats(run_dir: Path, entry: dict, aggregate_event: dict) -> No
     keys = sorted(load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors")))
     deltas = {}
     for c in stats["clients"]:
-        state = _client_state(run_dir / f"round_{entry['round']}" / f"client_{c}")
+        state = client_state(run_dir / f"round_{entry['round']}" / f"client_{c}")
         deltas[c] = torch.cat([(state[k].double() - start[k].double()).flatten() for k in keys])
     weights = stats["weights"]
     mean = sum(w * deltas[c] for w, c in zip(weights, stats["clients"]))
@@ -82,17 +64,9 @@ def _service_health(run_dir: Path, env: str, rounds: int = 2) -> dict[int, list[
     return found
 
 
-def _run(superlink: SuperLink, tmp_path: Path, overrides: str, supernodes: int) -> tuple[dict, Path, str]:
-    proc = superlink.run(f"output_dir={tmp_path} run_name=job {overrides}", supernodes=supernodes)
-    output = proc.stdout + proc.stderr
-    summary_path = tmp_path / "job" / "federated_summary.json"
-    assert summary_path.exists(), output[-4000:]
-    return json.loads(summary_path.read_text()), tmp_path / "job", output
-
-
 def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path) -> None:
     mu = 0.05
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} clients.total=3 clients.per_round=2 strategy=fedprox "
         f"strategy.proximal_mu={mu} tracking=[tensorboard,jsonl] {COMMON} {PERSISTENT}",
@@ -100,8 +74,6 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
     )
     assert ran_every_round(summary), output[-4000:]
     # tracking=[tensorboard]: the validation curve, read back from the event files
-    from tests.serverapp.test_tracking import read_scalars
-
     scalars = read_scalars(run_dir / "tensorboard")
     assert scalars["val/success_rate"] == [(p["round"], pytest.approx(p["success_rate"])) for p in summary["val_curve"]]
     assert [step for step, _ in scalars["aggregate/norm_ratio"]] == [1, 2]
@@ -122,7 +94,7 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
             assert job["proximal_mu"] == mu and result["metrics"]["proximal_mu"] == mu
             assert job["data_seed"] == 42 + 100 * r + c
             episodes[c] = float(result["num_episodes"])
-        assert _check_round_mean(run_dir, entry, episodes) < 1e-6
+        assert check_round_mean(run_dir, entry, episodes) < 1e-6
         previous = entry["aggregated_actor"]
     assert summary["final_model"] == previous
     assert (run_dir / "learning_curve.png").stat().st_size > 1000
@@ -145,7 +117,7 @@ def test_fedprox_three_clients_two_rounds(superlink: SuperLink, tmp_path: Path, 
 def test_custom_strategy_by_dotted_path_and_a_crashing_client(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} strategy.class_path=testkit.strategies.ClientIdWeighted "
         f"strategy.name=client-id-weighted {COMMON}",
@@ -157,10 +129,10 @@ def test_custom_strategy_by_dotted_path_and_a_crashing_client(
     assert "1" in first["rejected"] and "exited with code" in first["rejected"]["1"]
     assert "NoSuchEnv" in first["rejected"]["1"]
     assert first["client_actor_ids"] == [0]
-    assert _check_round_mean(run_dir, first, {0: 1.0}) < 1e-6
+    assert check_round_mean(run_dir, first, {0: 1.0}) < 1e-6
     # Round 2: both clients, weighted 1:2 by the custom rule rather than by episode counts.
     assert second["client_actor_ids"] == [0, 1] and second["started_from"] == first["aggregated_actor"]
-    assert _check_round_mean(run_dir, second, {0: 1.0, 1: 2.0}) < 1e-6
+    assert check_round_mean(run_dir, second, {0: 1.0, 1: 2.0}) < 1e-6
     # Round 1's outputs were not touched by round 2.
     assert (Path(first["aggregated_actor"]) / "model.safetensors").exists()
 
@@ -221,7 +193,7 @@ WEBSHOP_DATA = REPO.parent / "shared" / "data" / "webshop"
 def test_webshop_two_clients_on_their_own_partitioned_services(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} "
         "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=3 env.val.envs.0.max_turns=3 "
@@ -243,7 +215,7 @@ def test_webshop_two_clients_on_their_own_partitioned_services(
 def test_webshop_catalog_split_gives_each_client_its_own_catalogue(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=webshop env.data_dir={WEBSHOP_DATA} partition=catalog_split "
         "num_rounds=1 env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "
@@ -267,7 +239,7 @@ def test_verl_backend_without_a_gpu_fails_every_client_alike_and_the_run_stops_w
     verl backend uses) at round 0, each client's failure reaches the server as one line naming
     verl's error, and since every client failed the same way the run stops after round 1 with that
     line as its reason instead of running on without training."""
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} trainer=verl num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
         "trainer.ray_num_cpus=2 trainer.rollout_n=2",
@@ -291,7 +263,7 @@ def test_alfworld_two_clients_two_rounds_on_their_own_partitioned_services(
 ) -> None:
     """2 clients x 2 rounds on the real ALFWorld engine: each client's service runs under the
     ALFWorld service venv on its own uniform slice of the games built from the shared trial."""
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} env=alfworld env.data_dir={alfworld_data} "
         "env.train.envs.0.n_envs=1 env.train.envs.0.max_turns=2 env.val.envs.0.max_turns=2 "

@@ -11,13 +11,13 @@ import pytest
 
 from testkit.flower_harness import SuperLink
 from testkit.run_end import ran_every_round
-from tests.e2e.test_simulation import _check_round_mean, _run
+from testkit.simulation_runs import check_round_mean, run_job
 
 pytestmark = pytest.mark.slow
 
 
 def test_windowed_two_clients_one_round(superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path) -> None:
-    summary, run_dir, output = _run(
+    summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 eval.before_train=false "
         "trainer.max_new_tokens=8 trainer.lr=1e-3 "
@@ -39,7 +39,7 @@ def test_windowed_two_clients_one_round(superlink: SuperLink, tmp_path: Path, ti
         assert metrics["num_samples"] == pytest.approx(metrics["num_turns_mean"] * 4)
         assert metrics["num_samples"] > result["num_episodes"]
         episodes[c] = float(result["num_episodes"])
-    assert _check_round_mean(run_dir, entry, episodes) < 1e-6  # FedAvg of the windowed clients' checkpoints
+    assert check_round_mean(run_dir, entry, episodes) < 1e-6  # FedAvg of the windowed clients' checkpoints
     assert [p["round"] for p in summary["val_curve"]] == [1]
     for r in (1,):
         eval_dirs = sorted((run_dir / f"round_{r}" / "eval").glob("client_*"))

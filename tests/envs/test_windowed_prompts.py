@@ -23,8 +23,8 @@ from fedagent_flwr.envs.service.manager import EnvServiceManager
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
 from fedagent_flwr.rollout.windowed import run_windowed_episode
-from tests.envs.alfworld.test_service import TRIAL_TASK, _launch, _seed_of, _walkthrough
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
+from testkit.alfworld_service import TRIAL_TASK, seed_of, service_launch, walkthrough
+from testkit.webshop_data import DATA_DIR, needs_data
 
 # --- FedAgent's templates, spelled out (U+2011 in "e‑commerce" and the trailing spaces are upstream's)
 
@@ -158,17 +158,17 @@ def test_webshop_history_length_zero_and_the_13000_character_fallback(smollm2_to
 def alfworld_service(tmp_path_factory: pytest.TempPathFactory, alfworld_python: Path,
                      alfworld_data: Path) -> Iterator[str]:
     state = tmp_path_factory.mktemp("alfworld-windowed") / "svc.json"
-    with EnvServiceManager(_launch(alfworld_python, alfworld_data, pool=2, engine_workers=1), state,
+    with EnvServiceManager(service_launch(alfworld_python, alfworld_data, pool=2, engine_workers=1), state,
                            startup_timeout_s=180) as manager:
         yield manager.ensure_running()
 
 
 def test_alfworld_turns_follow_fedagents_windowed_template(alfworld_service: str, alfworld_data: Path,
                                                            smollm2_tokenizer: Any) -> None:
-    seed = _seed_of(alfworld_data, TRIAL_TASK)
+    seed = seed_of(alfworld_data, TRIAL_TASK)
     env = ServiceTextEnv({"url": alfworld_service, "env": "ALFWorld"})
     game = next(g for g in load_games(alfworld_data, "train") if g.task_dir == TRIAL_TASK)
-    commands = _walkthrough(str(game.game_file))[:3]
+    commands = walkthrough(str(game.game_file))[:3]
     replies = [f"<think>step</think><action>{c}</action>" for c in commands] + ["I give up"]
     episode = asyncio.run(run_windowed_episode(
         env, seed, smollm2_tokenizer, _scripted(smollm2_tokenizer, replies), SamplingParams(64), 4, 16384,

@@ -1,16 +1,12 @@
-"""ALFWorld partitions (reference/fedagent.md §4.3) on the real train pool's metadata.
-
-The official games cannot be downloaded here, but FedAgent's hardness label file names all 3,553
-train games (``alfworld_<task dir>_<trial>_game``), which is exactly the metadata the partitions
-read: task type, scene, spec and task id. The pool below is that list in FedAgent's order
-(sorted by path, then ``random.Random(42)``-shuffled, as :func:`load_games` orders real data).
+"""ALFWorld partitions (reference/fedagent.md §4.3) on the real train pool's metadata: the 3,553
+official train games named by FedAgent's hardness label file, in FedAgent's order
+(:data:`testkit.alfworld_partitions.POOL`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 import subprocess
 import sys
 from collections import Counter
@@ -23,39 +19,10 @@ from fedagent_flwr.hetero import GoalInfo, PartitionError, partition_goals
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition
 from fedagent_flwr.hetero.task import coverage_assignment, hardness_sizes, load_hardness_labels
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS
+from testkit.alfworld_partitions import HOLDOUT, LABELS, POOL, STRATEGIES, partition
 from testkit.flower_harness import REPO
 
-SHARED = REPO.parent / "shared" / "data"
-LABELS = SHARED / "hardness" / "qwen2.5-1.5b_alfworld_trajectories.json"
-HOLDOUT = SHARED / "holdout" / "holdout_alfworld_v1.json"
-
 pytestmark = pytest.mark.skipif(not LABELS.is_file(), reason=f"ALFWorld hardness labels not found at {LABELS}")
-
-STRATEGIES = ("uniform", "preference", "coverage", "hardness", "env_disjoint")
-
-
-def train_pool() -> list[GoalInfo]:
-    """GoalInfo of the 3,553 official train games, in FedAgent's seed-42 order."""
-    ids = sorted(str(t["task_info"]["task_id"]) for t in json.loads(LABELS.read_text())["trajectories"])
-    random.Random(42).shuffle(ids)
-    pool = []
-    for task_id in ids:
-        task_dir, trial = task_id.removeprefix("alfworld_").removesuffix("_game").split("_trial_")
-        pool.append(GoalInfo(category=task_dir.split("-", 1)[0], task_id=task_id,
-                             scene=task_dir.rsplit("-", 1)[1], group=task_dir.rsplit("-", 1)[0]))
-    return pool
-
-
-POOL = train_pool() if LABELS.is_file() else []
-
-
-def knobs(strategy: str) -> dict:
-    return {"min_goals_per_client": 100, "omega": 0.5, "size_std": 1.0, "success_std": 1.0,
-            "trajectories_file": str(LABELS), "env_div": 0.7, "holdout_file": str(HOLDOUT)}
-
-
-def partition(strategy: str, client: int, clients: int, **extra: object) -> list[int]:
-    return partition_goals(strategy, client, clients, len(POOL), {**knobs(strategy), **extra}, 42, POOL)
 
 
 def test_pool_is_the_official_train_split() -> None:
@@ -66,7 +33,7 @@ def test_pool_is_the_official_train_split() -> None:
 def test_every_strategy_is_deterministic_across_processes() -> None:
     script = (
         "import json, sys; sys.path.insert(0, sys.argv[1]);"
-        "from tests.hetero.test_alfworld import STRATEGIES, partition;"
+        "from testkit.alfworld_partitions import STRATEGIES, partition;"
         "print(json.dumps({s: [partition(s, c, 4) for c in range(4)] for s in STRATEGIES}))"
     )
     outputs = [

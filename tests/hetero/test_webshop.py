@@ -34,7 +34,7 @@ from fedagent_flwr.hetero.task import (
     hardness_partition,
     hardness_sizes,
 )
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
+from testkit.webshop_data import DATA_DIR, needs_data
 
 HARDNESS_FILE = DATA_DIR.parent / "hardness" / "qwen2.5-1.5b_webshop_trajectories.json"
 needs_labels = pytest.mark.skipif(not HARDNESS_FILE.is_file(), reason=f"hardness labels not found at {HARDNESS_FILE}")

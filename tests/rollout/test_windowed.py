@@ -22,7 +22,7 @@ from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_ep
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.reference.grpo import grpo_advantages, windowed_samples
 from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
-from tests.trainers.reference.test_trainer import run_trainer, train_job
+from testkit.reference_trainer import run_trainer, train_job
 
 WINDOWED = {"rollout_n": 2, "max_new_tokens": 8, "lr": 1e-2, "num_threads": 2, "rollout_mode": "windowed",
             "history_length": 2}

@@ -9,15 +9,7 @@ import pytest
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.tracking import TENSORBOARD_DIR, scalars_of
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series in the TensorBoard event files under ``log_dir``, as (step, value)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+from testkit.tensorboard_events import read_scalars
 
 
 def test_the_record_reaches_tensorboard(tmp_path: Path) -> None:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -17,32 +15,16 @@ import pytest
 from fedagent_flwr.envs.alfworld.data import load_games
 from fedagent_flwr.envs.alfworld.env import SYSTEM_PROMPT, WIN_REWARD
 from fedagent_flwr.envs.service.client import ServiceTextEnv
-from fedagent_flwr.envs.service.manager import EnvServiceError, EnvServiceManager, ServiceLaunch
-
-TRIAL_TASK = "pick_heat_then_place_in_recep-Potato-None-SinkBasin-14"  # the shared trial's own goal
-
-
-def _launch(python: Path, data: Path, pool: int = 4, **config: Any) -> ServiceLaunch:
-    return ServiceLaunch(env="ALFWorld", config={"data_dir": str(data), "split": "train", **config},
-                         pool_size=pool, interpreter=str(python))
+from fedagent_flwr.envs.service.manager import EnvServiceError, EnvServiceManager
+from testkit.alfworld_service import TRIAL_TASK, seed_of, service_launch, walkthrough
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, alfworld_python: Path, alfworld_data: Path) -> Iterator[str]:
     state = tmp_path_factory.mktemp("alfworld-service") / "svc.json"
-    with EnvServiceManager(_launch(alfworld_python, alfworld_data, engine_workers=2), state,
+    with EnvServiceManager(service_launch(alfworld_python, alfworld_data, engine_workers=2), state,
                            startup_timeout_s=180) as manager:
         yield manager.ensure_running()
-
-
-def _seed_of(data: Path, task_dir: str) -> int:
-    """The seed whose episode (``seed % pool``) plays ``task_dir``'s game."""
-    games = load_games(data, "train")
-    return next(i for i, g in enumerate(games) if g.task_dir == task_dir)
-
-
-def _walkthrough(game_file: str) -> list[str]:
-    return json.loads((Path(game_file).parent / "walkthrough.json").read_text())
 
 
 def _reply(command: str) -> str:
@@ -61,14 +43,14 @@ def test_shared_trial_is_won_by_its_walkthrough_over_http(service: str, alfworld
         env = ServiceTextEnv({"url": service, "env": "ALFWorld"})
         try:
             assert await env.system_prompt() == SYSTEM_PROMPT
-            obs, info = await env.reset(_seed_of(alfworld_data, TRIAL_TASK))
+            obs, info = await env.reset(seed_of(alfworld_data, TRIAL_TASK))
             assert info["task_type"] == "pick_heat_then_place_in_recep"
             assert "Your task is to: heat some potato and put it in sinkbasin." in obs
             assert obs.startswith("Your current observation is: -= Welcome to TextWorld, ALFRED! =-")
             commands = info["admissible_commands"]
             assert "go to microwave 1" in commands and "help" not in commands
             assert "'go to microwave 1'" in obs  # the admissible list is part of the observation
-            steps = _walkthrough(info["game"])
+            steps = walkthrough(info["game"])
             for i, command in enumerate(steps):
                 obs, reward, done, info = await env.step(_reply(command))
                 assert info["action"] == command and info["is_action_valid"] == 1
@@ -129,7 +111,7 @@ def test_concurrent_episodes_on_different_workers_all_win(service: str, alfworld
         try:
             _obs, info = await env.reset(seed)
             assert info["game"] == games[seed % len(games)].game_file
-            for command in _walkthrough(info["game"]):
+            for command in walkthrough(info["game"]):
                 _obs, reward, done, info = await env.step(_reply(command))
             return reward, info["success"]
         finally:
@@ -143,7 +125,7 @@ def test_concurrent_episodes_on_different_workers_all_win(service: str, alfworld
 
 def test_partitioned_service_plays_only_its_goals(tmp_path: Path, alfworld_python: Path, alfworld_data: Path) -> None:
     games = load_games(alfworld_data, "train")
-    launch = _launch(alfworld_python, alfworld_data, engine_workers=1, pool=1)
+    launch = service_launch(alfworld_python, alfworld_data, engine_workers=1, pool=1)
     launch = dataclasses.replace(launch, partition={"strategy": "uniform", "goal_indices": [4, 5]})
     with EnvServiceManager(launch, tmp_path / "svc.json", startup_timeout_s=180) as manager:
         url = manager.ensure_running()
@@ -164,7 +146,7 @@ def test_partitioned_service_plays_only_its_goals(tmp_path: Path, alfworld_pytho
 
 
 def test_bad_data_dir_fails_the_start_with_the_reason(tmp_path: Path, alfworld_python: Path) -> None:
-    launch = _launch(alfworld_python, tmp_path / "nowhere")
+    launch = service_launch(alfworld_python, tmp_path / "nowhere")
     with EnvServiceManager(launch, tmp_path / "svc.json", startup_timeout_s=60) as manager:
         with pytest.raises(EnvServiceError, match="has no json_2.1.1"):
             manager.ensure_running()

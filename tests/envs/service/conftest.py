@@ -1,87 +1,13 @@
-"""Shared helpers of the HTTP env service's tests (test_service_*.py, test_service_code.py): a real
-uvicorn server for the service app in a background thread, request helpers, a scripted episode
-player, and one module-scoped service for the tests that do not care about pool pressure.
-
-Everything runs for real: uvicorn on loopback and httpx clients; nothing is mocked.
-"""
+"""The HTTP env service's tests' shared fixture: one module-scoped service for the tests that do not
+care about pool pressure. The service itself and the request helpers are :mod:`testkit.env_service`."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-import socket
-import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import httpx
 import pytest
-import uvicorn
 
-from fedagent_flwr.envs.base import BaseTextEnv
-from fedagent_flwr.envs.service.app import ServiceSettings, create_service_app
-from fedagent_flwr.envs.service.server import bind_socket, build_env_setup, socket_url
-from fedagent_flwr.envs.tiny_guess import HIGHER_OBS
-
-TINY_CONFIG = {"lo": 1, "hi": 20, "max_turns": 6}
-HANG_GUARD_S = 30.0  # only bounds a broken test; no assertion depends on speed
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` until true; fail (not hang) if it never becomes true."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.01)
-
-
-async def async_wait_until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-class ThreadedService:
-    """A real uvicorn server for the service app, on a loopback socket, in a background thread."""
-
-    def __init__(self, settings: ServiceSettings, sock: socket.socket | None = None,
-                 factory: Callable[[int], BaseTextEnv] | None = None) -> None:
-        if factory is None:
-            setup = build_env_setup(settings.env_name, TINY_CONFIG, settings.partition)
-            factory, settings = setup.factory, dataclasses.replace(settings, info=setup.info)
-        self.app = create_service_app(factory, settings)
-        self.sock = sock or bind_socket("127.0.0.1", 0)
-        self.url = socket_url(self.sock)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on", ws="none")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
-
-    def start(self, wait_ready: bool = True) -> ThreadedService:
-        self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn to start")
-        if wait_ready:
-            wait_until(lambda: httpx.get(f"{self.url}/health").json()["ready"], "the pool to be ready")
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG_GUARD_S)
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def service(pool_size: int = 2, **settings: Any) -> Iterator[ThreadedService]:
-    svc = ThreadedService(ServiceSettings(env_name="TinyGuess", pool_size=pool_size, **settings)).start()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+from testkit.env_service import ThreadedService, service
 
 
 @pytest.fixture(scope="module")
@@ -90,36 +16,3 @@ def shared_service() -> Iterator[ThreadedService]:
     with service(pool_size=4, partition={"name": "uniform", "client": 1}, variant={},
                  max_body_bytes=4096) as svc:
         yield svc
-
-
-def post(url: str, path: str, payload: Any = None, **kwargs: Any) -> httpx.Response:
-    if payload is not None:
-        kwargs["json"] = payload
-    return httpx.post(f"{url}{path}", **kwargs)
-
-
-def new_session(url: str, seed: int = 3) -> str:
-    session_id = post(url, "/create", {}).json()["session_id"]
-    assert post(url, "/reset", {"session_id": session_id, "seed": seed}).status_code == 200
-    return session_id
-
-
-async def play(env: BaseTextEnv, seed: int, actions: list[str] | None = None) -> list[Any]:
-    """Play one episode: scripted ``actions``, else a binary search driven by the feedback."""
-    transcript: list[Any] = [await env.system_prompt(), await env.reset(seed)]
-    low, high = TINY_CONFIG["lo"], TINY_CONFIG["hi"]
-    try:
-        for turn in range(TINY_CONFIG["max_turns"]):
-            guess = (low + high) // 2
-            action = actions[turn] if actions else f"I think <answer>{guess}</answer>"
-            obs, reward, done, info = await env.step(action)
-            transcript.append((obs, reward, done, info))
-            if done:
-                break
-            if obs == HIGHER_OBS:
-                low = guess + 1
-            elif obs != "Invalid response. Reply as <answer>N</answer>.":
-                high = guess - 1
-    finally:
-        await env.close()
-    return transcript

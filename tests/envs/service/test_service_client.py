@@ -22,7 +22,7 @@ from fedagent_flwr.envs.service.client import ServiceError, ServiceTextEnv, back
 from fedagent_flwr.envs.service.server import socket_url
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.envs.tiny_guess import HIGHER_OBS, TinyGuess
-from tests.envs.service.conftest import HANG_GUARD_S, TINY_CONFIG, ThreadedService, play, service
+from testkit.env_service import HANG_GUARD_S, TINY_CONFIG, ThreadedService, play, service
 
 
 def test_service_episode_matches_in_process_episode(shared_service: ThreadedService) -> None:

@@ -24,8 +24,8 @@ from fedagent_flwr.code_identity import package_digest
 from fedagent_flwr.envs.service.client import ServiceTextEnv
 from fedagent_flwr.envs.service.manager import EnvServiceManager, ServiceLaunch
 from fedagent_flwr.procs import ProcessRef
+from testkit.env_service import TINY_CONFIG, play
 from testkit.installs import BROKEN, install, make_interpreter
-from tests.envs.service.conftest import TINY_CONFIG, play
 
 PACKAGE_DIR = Path(fedagent_flwr.__file__).resolve().parent
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -15,7 +15,7 @@ import pytest
 from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.service.app import ServiceSettings
 from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, INVALID_OBS, TinyGuess
-from tests.envs.service.conftest import TINY_CONFIG, ThreadedService, new_session, post, service, wait_until
+from testkit.env_service import TINY_CONFIG, ThreadedService, new_session, post, service, wait_until
 
 
 @pytest.mark.parametrize(

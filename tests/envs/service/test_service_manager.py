@@ -31,7 +31,7 @@ from fedagent_flwr.envs.service.manager import (
     ServiceLaunch,
 )
 from fedagent_flwr.procs import ProcessRef, group_members
-from tests.envs.service.conftest import HANG_GUARD_S, TINY_CONFIG, play, wait_until
+from testkit.env_service import HANG_GUARD_S, TINY_CONFIG, play, wait_until
 
 
 def _proc_exists(process: ProcessRef | None) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from fedagent_flwr.envs.tiny_guess import CORRECT_OBS, HIGHER_OBS
-from tests.envs.service.conftest import HANG_GUARD_S, ThreadedService, async_wait_until, new_session, post, service
+from testkit.env_service import HANG_GUARD_S, ThreadedService, async_wait_until, new_session, post, service
 
 
 def test_health_echoes_settings(shared_service: ThreadedService) -> None:

@@ -23,7 +23,7 @@ from fedagent_flwr.envs.webshop.data import (
     read_raw_products,
     resolve_data_dir,
 )
-from tests.envs.webshop.test_reward import DATA_DIR, golden_world, needs_data
+from testkit.webshop_data import DATA_DIR, golden_world, needs_data
 
 HARDNESS_FILE = DATA_DIR.parent / "hardness" / "qwen2.5-1.5b_webshop_trajectories.json"
 

@@ -26,7 +26,7 @@ from fedagent_flwr.envs.webshop.search import (
     analyze,
     in_memory_document_text,
 )
-from tests.envs.webshop.test_reward import DATA_DIR, golden_world, needs_data
+from testkit.webshop_data import DATA_DIR, golden_world, needs_data
 
 TITLE_A = "SheIn Women's Sexy One Shoulder Sleeveless Cutout Mini Club Pencil Bodycon Dress"
 A_VALUES = ["x-small", "small", "medium", "large", "x-large", "black", "light blue", "pink", "plain black",

@@ -1,19 +1,17 @@
 """WebShop reward: the golden cases of shared/specs/webshop.md §9 (table 1–12, cases 13–17).
 
 The spec computed them on 160 products rebuilt from the look-alike files (its §9 "Fixture"), so
-these tests rebuild exactly that fixture from the shared data; the real (partial) catalogue is
-checked to agree with it for the products both hold.
+these tests rebuild exactly that fixture from the shared data (:func:`testkit.webshop_data.golden_world`);
+the real (partial) catalogue is checked to agree with it for the products both hold.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fedagent_flwr.envs.webshop.data import WebShopWorld, build_world, read_attributes, read_raw_products
+from fedagent_flwr.envs.webshop.data import WebShopWorld, read_raw_products
 from fedagent_flwr.envs.webshop.reward import (
     get_reward,
     match_options,
@@ -21,40 +19,7 @@ from fedagent_flwr.envs.webshop.reward import (
     service_reward,
     token_set_ratio,
 )
-
-DATA_DIR = Path(__file__).resolve().parents[4] / "shared" / "data" / "webshop"
-LOOKALIKE_DIR = DATA_DIR / "lookalike"
-
-needs_data = pytest.mark.skipif(
-    not (LOOKALIKE_DIR / "lookalike_v_size.json").is_file(),
-    reason=f"WebShop data not found at {DATA_DIR} (shared/data/webshop with its lookalike/ folder)",
-)
-
-
-def rebuild_golden_products() -> list[dict[str, Any]]:
-    """The spec's §9 fixture: v_color records of ASINs in both v_color and v_size, colours from v_size."""
-    color = read_raw_products(LOOKALIKE_DIR / "lookalike_v_color.json")
-    size = {r["asin"].removeprefix("LK_SIZE_"): r for r in read_raw_products(LOOKALIKE_DIR / "lookalike_v_size.json")}
-    products = []
-    for record in color:
-        base = record["asin"].removeprefix("LK_COLOR_")
-        if base not in size:
-            continue
-        rebuilt = json.loads(json.dumps(record))
-        rebuilt["asin"] = base
-        rebuilt["customization_options"]["Color"] = size[base]["customization_options"]["Color"]
-        products.append(rebuilt)
-    return products
-
-
-def golden_world(with_lookalikes: bool = False) -> WebShopWorld:
-    """A world over the rebuilt fixture (optionally with the three look-alike files appended)."""
-    extras: list[dict[str, Any]] = []
-    if with_lookalikes:
-        for name in ("v_color", "v_size", "v_price_color"):
-            extras += read_raw_products(LOOKALIKE_DIR / f"lookalike_{name}.json")
-    return build_world(rebuild_golden_products(), read_attributes(DATA_DIR / "items_ins_v2_1000.json"),
-                       extra_products=extras)
+from testkit.webshop_data import DATA_DIR, golden_world, needs_data, rebuild_golden_products
 
 
 def make_goal(world: WebShopWorld, asin: str, goal_options: dict[str, str], price_upper: float,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
+from testkit.webshop_data import DATA_DIR, needs_data
 
 _COUNT_GOALS = """
 import json, os, sys

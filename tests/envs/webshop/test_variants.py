@@ -26,7 +26,7 @@ from fedagent_flwr.hetero.env_level import (
     variant_request,
 )
 from fedagent_flwr.hetero.uniform import PartitionError
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
+from testkit.webshop_data import DATA_DIR, needs_data
 
 CONFIG = {"data_dir": str(DATA_DIR)}
 HOLDOUT = DATA_DIR.parent / "holdout" / "holdout_webshop_v1.json"

@@ -14,8 +14,9 @@ from flwr.app import Message, RecordDict
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
+from testkit.client_replies import eval_reply, failed_eval_reply
 from testkit.round_harness import connect, eval_round
-from tests.serverapp.strategy.conftest import _evaluated, _failed_eval, _strategy, _stub_model
+from testkit.strategy_setup import connected_strategy, stub_model
 
 
 def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_without_it(tmp_path: Path) -> None:
@@ -30,8 +31,8 @@ def test_an_evaluation_where_only_some_clients_report_a_score_is_recorded_withou
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
         return Message(reply.to_record(), reply_to=instruction)
 
-    model = _stub_model(tmp_path)
-    strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    model = stub_model(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
     replies = [evaluated(0, EvalReply(num_examples=2, success_rate=0.5, reward_mean=5.0, score_mean=0.75)),
                evaluated(1, EvalReply(num_examples=6, success_rate=0.0, reward_mean=0.0))]
     eval_round(strategy, 1, replies, sent=[0, 1])
@@ -55,13 +56,13 @@ def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
     have the same keys', naming nobody, or was silently counted (4.5 episodes read as 4)."""
     from fedagent_flwr.serverapp.failures import RoundFailedError
 
-    model = _stub_model(tmp_path)
-    strategy, run_root = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    model = stub_model(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
     good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
     missing = {"success-rate": 0.5, "reward-mean": 5.0}
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        eval_round(strategy, 1, [_evaluated(0, good), _evaluated(1, missing)], sent=[0, 1])
-        eval_round(strategy, 2, [_evaluated(0, good), _evaluated(1, {**good, "num-examples": 4.5})], sent=[0, 1])
+        eval_round(strategy, 1, [eval_reply(0, good), eval_reply(1, missing)], sent=[0, 1])
+        eval_round(strategy, 2, [eval_reply(0, good), eval_reply(1, {**good, "num-examples": 4.5})], sent=[0, 1])
     summary = json.loads((run_root / "federated_summary.json").read_text())
     first, second = summary["val_curve"]
     assert first["n"] == 4 and first["success_rate"] == pytest.approx(0.25), first  # client 0's episodes only
@@ -71,7 +72,7 @@ def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("round 1" in w and "client 1 (node 101)" in w and "num-examples" in w for w in warnings), warnings
     # Every client's reply malformed in different ways: the evaluation recorded nothing, the run is degraded.
-    eval_round(strategy, 3, [_evaluated(0, missing), _evaluated(1, {**good, "num-examples": [4]})], sent=[0, 1])
+    eval_round(strategy, 3, [eval_reply(0, missing), eval_reply(1, {**good, "num-examples": [4]})], sent=[0, 1])
     lost = json.loads((run_root / "federated_summary.json").read_text())["eval_failures"]
     assert [(e["round"], sorted(e["failed"])) for e in lost] == [(3, ["0", "1"])]
     assert "client 1 (node 101)" in lost[0]["failed"]["1"] and "'num-examples' must be int" in lost[0]["failed"]["1"]
@@ -79,7 +80,7 @@ def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
     with pytest.raises(RoundFailedError, match=r"^evaluation of round 4: every client \(2\) failed the same way, "
                                                r"so the run stops: malformed evaluation reply from client 0 "
                                                r"\(node 100\): .*'num-examples' is missing"):
-        eval_round(strategy, 4, [_evaluated(0, missing), _evaluated(1, missing)], sent=[0, 1])
+        eval_round(strategy, 4, [eval_reply(0, missing), eval_reply(1, missing)], sent=[0, 1])
 
 
 @pytest.mark.parametrize(("change", "why"), [
@@ -89,9 +90,9 @@ def test_a_malformed_evaluation_reply_is_a_failure_of_the_client_that_sent_it(
     ({"score-mean": float("inf")}, "'score-mean' not finite"),
 ])
 def test_an_evaluation_reply_with_impossible_values_is_refused(tmp_path: Path, change: dict, why: str) -> None:
-    strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(_stub_model(tmp_path)), clients=2)
+    strategy, _ = connected_strategy(tmp_path, CheckpointRef.for_directory(stub_model(tmp_path)), clients=2)
     good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
-    metrics = strategy.aggregate_evaluate(1, [_evaluated(0, good), _evaluated(1, {**good, **change})])
+    metrics = strategy.aggregate_evaluate(1, [eval_reply(0, good), eval_reply(1, {**good, **change})])
     assert metrics is not None and metrics["num-examples"] == 4
     assert strategy.evaluation_refused == {1: f"malformed evaluation reply from client 1 (node 101): {why}"}
 
@@ -109,7 +110,7 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="evaluate")
         return Message(EvalReply(num_examples=4, success_rate=0.25, reward_mean=2.5).to_record(), reply_to=instruction)
 
-    model = _stub_model(tmp_path)
+    model = stub_model(tmp_path)
     run_root = tmp_path / "run"
     header = {"base_model": str(model), "total_rounds": 2, "config_sha256": None}
     recorder = RunRecorder(run_root, header)
@@ -118,10 +119,10 @@ def test_evaluating_clients_that_failed_are_in_the_log_the_summary_and_metrics_a
     connect(strategy, recorder, [0, 1])
     disk = "client 1 eval round 1: OSError: [Errno 28] No space left on device"
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        eval_round(strategy, 1, [evaluated(0), _failed_eval(1, disk)], sent=[0, 1])
+        eval_round(strategy, 1, [evaluated(0), failed_eval_reply(1, disk)], sent=[0, 1])
         recorder.complete_round(1)
         # round 2: client 0 failed, client 1 never answered; different reasons, so the run goes on
-        eval_round(strategy, 2, [_failed_eval(0, "client 0 eval round 2: TrainerFailed: killed")], sent=[0, 1])
+        eval_round(strategy, 2, [failed_eval_reply(0, "client 0 eval round 2: TrainerFailed: killed")], sent=[0, 1])
         recorder.complete_round(2)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("round 1" in w and "client 1" in w and "No space left" in w for w in warnings), warnings

@@ -12,17 +12,9 @@ import pytest
 from flwr.app import Error, Message, RecordDict
 
 from fedagent_flwr.checkpoint import CheckpointRef
+from testkit.client_replies import eval_reply, failed_eval_reply, failed_train_reply, train_reply
 from testkit.round_harness import eval_round, train_round
-from tests.serverapp.strategy.conftest import (
-    _error_reply,
-    _evaluated,
-    _failed_eval,
-    _initial,
-    _reply,
-    _slot,
-    _strategy,
-    _stub_model,
-)
+from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint, stub_model
 
 
 def test_client_failures_are_recorded_as_the_clientapp_worded_them() -> None:
@@ -83,7 +75,7 @@ def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_
         return (f"client {client} round {server_round}: reference trainer exited with code 2: reference_trainer: "
                 f"error: {problem} (log: /r/round_{server_round}/client_{client}/train.log)")
 
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
     # Different reasons: the round keeps the previous model and the run goes on.
     train_round(strategy, 1, [failed(0, trainer_error(0, 1, "out of memory")),
                               failed(1, trainer_error(1, 1, "killed"))])
@@ -101,28 +93,29 @@ def test_every_client_failing_alike_stops_the_run_after_recording_the_round(tmp_
 def test_every_evaluating_client_failing_alike_stops_the_run(tmp_path: Path) -> None:
     from fedagent_flwr.serverapp.failures import RoundFailedError
 
-    model = _stub_model(tmp_path)
-    strategy, _ = _strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
+    model = stub_model(tmp_path)
+    strategy, _ = connected_strategy(tmp_path, CheckpointRef.for_directory(model), clients=2)
     eval_error = ("client {c} eval round 0: reference trainer exited with code 2: "
                   "error: TinyGuess config 'hi' (10) must be >= 'lo' (20)")
     # One client failed, the other never answered: different reasons, the run goes on.
-    assert strategy.aggregate_evaluate(0, [_failed_eval(0, eval_error.format(c=0))]) is None
-    eval_round(strategy, 0, [_failed_eval(0, eval_error.format(c=0))], sent=[0, 1])
+    assert strategy.aggregate_evaluate(0, [failed_eval_reply(0, eval_error.format(c=0))]) is None
+    eval_round(strategy, 0, [failed_eval_reply(0, eval_error.format(c=0))], sent=[0, 1])
     with pytest.raises(RoundFailedError,
                        match=r"^evaluation of round 0: every client \(2\) failed the same way, "
                              r"so the run stops: client 0 eval round 0: .*'hi' \(10\) must be >= 'lo'"):
-        eval_round(strategy, 0, [_failed_eval(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
+        eval_round(strategy, 0, [failed_eval_reply(c, eval_error.format(c=c)) for c in (0, 1)], sent=[0, 1])
 
 
 def test_refused_replies_from_nodes_the_registry_does_not_know_are_recorded_one_per_node(tmp_path: Path) -> None:
     """Replies from nodes that serve no known partition are refused (a train reply at once, an
     evaluation reply that is malformed), each under its own key, minus its node id: they all used
     to be keyed -1, so only the last one was recorded and the others' reasons were lost."""
-    model = _initial(tmp_path)
-    strategy, run_root = _strategy(tmp_path, model, clients=2)  # nodes 100 and 101; 200 and 201 are no client's
+    model = initial_checkpoint(tmp_path)
+    # nodes 100 and 101; 200 and 201 are no client's
+    strategy, run_root = connected_strategy(tmp_path, model, clients=2)
     good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
-    replies = [_evaluated(0, good), _evaluated(1, good), _evaluated(100, {"success-rate": 0.5, "reward-mean": 5.0}),
-               _evaluated(101, {**good, "success-rate": 2.0})]
+    replies = [eval_reply(0, good), eval_reply(1, good), eval_reply(100, {"success-rate": 0.5, "reward-mean": 5.0}),
+               eval_reply(101, {**good, "success-rate": 2.0})]
     eval_round(strategy, 1, replies, sent=[0, 1])
     assert strategy.evaluation_refused == {
         -200: "malformed evaluation reply from unknown node 200: reply field 'num-examples' is missing",
@@ -130,7 +123,7 @@ def test_refused_replies_from_nodes_the_registry_does_not_know_are_recorded_one_
     }
     (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
     assert point["n"] == 8 and sorted(point["failed"]) == ["-200", "-201"], point
-    assert strategy.aggregate_train(1, [_reply(100, model, 4), _reply(101, model, 4)]) == (None, None)
+    assert strategy.aggregate_train(1, [train_reply(100, model, 4), train_reply(101, model, 4)]) == (None, None)
     assert strategy.last_aggregation is not None and strategy.last_aggregation.refused == {
         -200: "reply from unknown node 200", -201: "reply from unknown node 201"}
 
@@ -138,20 +131,22 @@ def test_refused_replies_from_nodes_the_registry_does_not_know_are_recorded_one_
 def test_error_replies_from_nodes_the_registry_does_not_know_are_recorded_one_per_node(tmp_path: Path) -> None:
     """Error replies (a failed train or evaluation) of two unknown nodes are both recorded, under
     minus their node ids: keyed by ``client_of`` (-1 for both), the second one overwrote the first."""
-    model = _initial(tmp_path)
-    strategy, run_root = _strategy(tmp_path, model, clients=2)  # nodes 100 and 101; 200 and 201 are no client's
-    _slot(run_root, 0).mkdir(parents=True)
-    shutil.copytree(model.path, _slot(run_root, 0) / "huggingface")
-    entry = train_round(strategy, 1, [_reply(0, CheckpointRef.for_directory(_slot(run_root, 0) / "huggingface"), 4),
-                                      _error_reply(100), _error_reply(101)], sent=[0, 1])
+    model = initial_checkpoint(tmp_path)
+    # nodes 100 and 101; 200 and 201 are no client's
+    strategy, run_root = connected_strategy(tmp_path, model, clients=2)
+    client_slot(run_root, 0).mkdir(parents=True)
+    shutil.copytree(model.path, client_slot(run_root, 0) / "huggingface")
+    ref = CheckpointRef.for_directory(client_slot(run_root, 0) / "huggingface")
+    entry = train_round(strategy, 1, [train_reply(0, ref, 4), failed_train_reply(100), failed_train_reply(101)],
+                        sent=[0, 1])
     assert entry is not None
     rejected = entry["rejected"]
     # the recorded reason names the unknown node (the summary lists its key as "client -200")
     assert rejected.get("-200") == "error reply from unknown node 200: trainer exited with code 1", entry
     assert rejected.get("-201") == "error reply from unknown node 201: trainer exited with code 1", entry
     good = {"num-examples": 4, "success-rate": 0.25, "reward-mean": 2.5}
-    eval_round(strategy, 1, [_evaluated(0, good), _evaluated(1, good), _failed_eval(100, "out of memory"),
-                             _failed_eval(101, "env service gone")], sent=[0, 1])
+    eval_round(strategy, 1, [eval_reply(0, good), eval_reply(1, good), failed_eval_reply(100, "out of memory"),
+                             failed_eval_reply(101, "env service gone")], sent=[0, 1])
     (point,) = json.loads((run_root / "federated_summary.json").read_text())["val_curve"]
     assert point["failed"] == {"-200": "error reply from unknown node 200: out of memory",
                                "-201": "error reply from unknown node 201: env service gone"}, point

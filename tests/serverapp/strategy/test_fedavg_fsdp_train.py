@@ -23,16 +23,17 @@ from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 from testkit.ckpt_factory import Suite
+from testkit.client_replies import failed_train_reply, train_reply
 from testkit.round_harness import connect, train_round
-from tests.serverapp.strategy.conftest import _error_reply, _initial, _reply, _slot, _strategy
+from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint
 
 
 def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=3)
-    refs = {c: CheckpointRef.for_directory(suite.copy(name, _slot(run_root, c))) for c, name in
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=3)
+    refs = {c: CheckpointRef.for_directory(suite.copy(name, client_slot(run_root, c))) for c, name in
             enumerate(["qwen_a", "qwen_b", "qwen_plain"])}
     episodes = {0: 4, 1: 8, 2: 12}
-    arrays, metrics = strategy.aggregate_train(1, [_reply(c, refs[c], episodes[c]) for c in refs])
+    arrays, metrics = strategy.aggregate_train(1, [train_reply(c, refs[c], episodes[c]) for c in refs])
     assert arrays is None  # no weights travel: the new global model is a reference
     assert metrics is not None and metrics["reward-mean"] == pytest.approx(0.5)
     assert strategy.global_model.path == str(run_root / "round_1" / "global")
@@ -44,18 +45,18 @@ def test_good_clients_of_any_world_size_are_averaged_by_num_examples(suite: Suit
 
 def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
-    good = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path))
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", client_slot(run_root, 0)))
     outside = CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path))
-    wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", _slot(run_root, 2)))
+    wrong_hash = CheckpointRef.for_directory(suite.copy("qwen_c", client_slot(run_root, 2)))
     wrong_hash = CheckpointRef(**{**wrong_hash.__dict__, "sha256": "0" * 64})
-    truncated_dir = suite.copy("qwen_plain", _slot(run_root, 3))
+    truncated_dir = suite.copy("qwen_plain", client_slot(run_root, 3))
     shard = truncated_dir / "model_world_size_1_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     truncated = CheckpointRef.for_directory(truncated_dir)  # hashed as truncated: the reader must catch it
-    other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", _slot(run_root, 4)))
-    replies = [_reply(0, good, 4), _reply(1, outside, 4), _reply(2, wrong_hash, 4), _reply(3, truncated, 4),
-               _reply(4, other_shapes, 4), _error_reply(5)]
+    other_shapes = CheckpointRef.for_directory(suite.copy("llama_tied_a", client_slot(run_root, 4)))
+    replies = [train_reply(0, good, 4), train_reply(1, outside, 4), train_reply(2, wrong_hash, 4),
+               train_reply(3, truncated, 4), train_reply(4, other_shapes, 4), failed_train_reply(5)]
     with caplog.at_level(logging.WARNING):
         entry = train_round(strategy, 1, replies)
     assert entry is not None and entry["client_actor_ids"] == [0]
@@ -74,15 +75,15 @@ def test_bad_clients_are_refused_by_name_and_the_round_goes_on(suite: Suite, tmp
 def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouched(
     suite: Suite, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path))
-    first = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
-    train_round(strategy, 1, [_reply(0, first, 4)], sent=[0])
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path))
+    first = CheckpointRef.for_directory(suite.copy("qwen_a", client_slot(run_root, 0)))
+    train_round(strategy, 1, [train_reply(0, first, 4)], sent=[0])
     round_one = strategy.global_model
     digest = hashlib.sha256((Path(round_one.path) / "model.safetensors").read_bytes()).hexdigest()
 
     broken = CheckpointRef(**{**CheckpointRef.for_directory(suite.copy("qwen_b", tmp_path / "x")).__dict__})
     with caplog.at_level(logging.WARNING):
-        train_round(strategy, 2, [_reply(0, broken, 4), _error_reply(1)], sent=[0, 1])
+        train_round(strategy, 2, [train_reply(0, broken, 4), failed_train_reply(1)], sent=[0, 1])
     assert strategy.global_model == round_one
     assert "no valid client checkpoint; keeping the previous global model" in caplog.text
     assert not (run_root / "round_2" / "global").exists()
@@ -94,13 +95,14 @@ def test_no_valid_client_keeps_the_previous_model_and_earlier_rounds_are_untouch
 
 
 def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), served=5)  # no node serves client 5
-    ref = {c: CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), served=5)  # no node serves client 5
+    ref = {c: CheckpointRef.for_directory(suite.copy(n, client_slot(run_root, c))) for c, n in
            [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain")]}
     instruction = Message(RecordDict(), dst_node_id=103, message_type="train")
     spoofed = Message(TrainReply(client_id=0, actor=ref[3], metrics={"num-examples": 4}).to_record(),
                       reply_to=instruction)  # node of client 3 claims to be client 0
-    replies = [_reply(0, ref[0], 4), _reply(1, ref[1], 0), _reply(2, ref[2], 4, {"reward-mean": 1.0}), spoofed]
+    replies = [train_reply(0, ref[0], 4), train_reply(1, ref[1], 0), train_reply(2, ref[2], 4, {"reward-mean": 1.0}),
+               spoofed]
     entry = train_round(strategy, 1, replies)  # client 4 never answers, client 5 was absent
     assert entry is not None and entry["client_actor_ids"] == [0]
     rejected = entry["rejected"]
@@ -114,12 +116,12 @@ def test_bad_weights_missing_metrics_silence_and_spoofed_ids_are_refused(suite: 
 def test_a_train_reply_with_a_share_outside_0_1_is_refused_naming_the_metric(suite: Suite, tmp_path: Path) -> None:
     # A share of episodes above 1 (or NaN) would be recorded as is ("150%"), and its success rate
     # would enter the client curve and the learning checks.
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=5)
-    ref = {c: CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=5)
+    ref = {c: CheckpointRef.for_directory(suite.copy(n, client_slot(run_root, c))) for c, n in
            [(0, "qwen_a"), (1, "qwen_b"), (2, "qwen_c"), (3, "qwen_plain"), (4, "qwen_a")]}
     bad = {1: {"success-rate": 1.5}, 2: {"truncated-rate": float("nan")}, 3: {"client-val-success-rate": -0.1},
            4: {"truncated-rate": [0.5]}}
-    replies = [_reply(0, ref[0], 4)] + [_reply(c, ref[c], 4, {"num-examples": 4, "reward-mean": 0.5,
+    replies = [train_reply(0, ref[0], 4)] + [train_reply(c, ref[c], 4, {"num-examples": 4, "reward-mean": 0.5,
                                                               "success-rate": 0.25, **m}) for c, m in bad.items()]
     entry = train_round(strategy, 1, replies)
     assert entry is not None and entry["client_actor_ids"] == [0]
@@ -141,10 +143,11 @@ class _DamageWhileStreaming(FedAvgFSDP):
 
 
 def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), cls=_DamageWhileStreaming, clients=2)
-    good = CheckpointRef.for_directory(suite.copy("qwen_a", _slot(run_root, 0)))
-    damaged = CheckpointRef.for_directory(suite.copy("qwen_b", _slot(run_root, 1)))  # world size 2
-    entry = train_round(strategy, 1, [_reply(0, good, 4), _reply(1, damaged, 4)])
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), cls=_DamageWhileStreaming,
+                                            clients=2)
+    good = CheckpointRef.for_directory(suite.copy("qwen_a", client_slot(run_root, 0)))
+    damaged = CheckpointRef.for_directory(suite.copy("qwen_b", client_slot(run_root, 1)))  # world size 2
+    entry = train_round(strategy, 1, [train_reply(0, good, 4), train_reply(1, damaged, 4)])
     assert entry is not None and entry["client_actor_ids"] == [0]
     assert "model_world_size_2_rank_1.pt" in entry["rejected"]["1"]
     aggregate = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
@@ -156,9 +159,10 @@ def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suit
 def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tmp_path: Path) -> None:
     from fedagent_flwr.checkpoint.verify import main as verify
 
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
-    refs = [CheckpointRef.for_directory(suite.copy(n, _slot(run_root, c))) for c, n in enumerate(("qwen_a", "qwen_b"))]
-    train_round(strategy, 1, [_reply(0, refs[0], 3), _reply(1, refs[1], 5)])
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
+    refs = [CheckpointRef.for_directory(suite.copy(n, client_slot(run_root, c)))
+            for c, n in enumerate(("qwen_a", "qwen_b"))]
+    train_round(strategy, 1, [train_reply(0, refs[0], 3), train_reply(1, refs[1], 5)])
     assert verify([str(run_root)]) == 0
     summary_path = run_root / "federated_summary.json"
     summary = json.loads(summary_path.read_text())
@@ -173,13 +177,13 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
 
 
 def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(suite: Suite, tmp_path: Path) -> None:
-    strategy, run_root = _strategy(tmp_path, _initial(tmp_path), clients=2)
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
     episodes = {0: 3, 1: 9}
 
     def ppo_reply(client: int, server_round: int) -> Message:
         actor = CheckpointRef.for_directory(
-            suite.copy(["qwen_a", "qwen_b"][client], _slot(run_root, client, server_round) / "a"))
-        critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], _slot(run_root, client, server_round) / "c")
+            suite.copy(["qwen_a", "qwen_b"][client], client_slot(run_root, client, server_round) / "a"))
+        critic_dir = suite.copy(["qwen_b", "qwen_plain"][client], client_slot(run_root, client, server_round) / "c")
         critic = CheckpointRef.for_directory(critic_dir, "critic")
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
         content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": episodes[client]})
@@ -189,7 +193,7 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
     assert strategy.global_critic is not None
     assert strategy.global_critic.path == str(run_root / "round_1" / "global_critic")
     assert strategy.global_critic.kind == "critic"
-    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(_slot(run_root, c) / "c" / name, "critic"),
+    critic_sources = [(open_checkpoint(CheckpointRef.for_directory(client_slot(run_root, c) / "c" / name, "critic"),
                                        root=run_root),
                        float(episodes[c])) for c, name in enumerate(["qwen_b", "qwen_plain"])]
     assert verify_mean(critic_sources, strategy.global_critic.path) < 1e-6
@@ -207,12 +211,12 @@ def test_ppo_critics_are_averaged_like_the_actors_and_sent_with_the_next_round(s
 def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    initial = _initial(tmp_path)
-    strategy, run_root = _strategy(tmp_path, initial, clients=3)
+    initial = initial_checkpoint(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, initial, clients=3)
     start = load_file(str(Path(initial.path) / "model.safetensors"))
     refs = {}
     for client, scale in ((0, 1.0), (1, -1.0), (2, 0.5)):
-        directory = _slot(run_root, client) / "actor"
+        directory = client_slot(run_root, client) / "actor"
         directory.mkdir(parents=True)
         for item in Path(initial.path).iterdir():
             if item.name != "model.safetensors":
@@ -222,7 +226,7 @@ def test_a_client_with_nan_weights_is_refused_by_name_and_updates_are_measured(t
             state[sorted(state)[0]].view(-1)[0] = float("nan")
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         refs[client] = CheckpointRef.for_directory(directory)
-    entry = train_round(strategy, 1, [_reply(c, refs[c], 4) for c in refs])
+    entry = train_round(strategy, 1, [train_reply(c, refs[c], 4) for c in refs])
     assert entry is not None and entry["client_actor_ids"] == [0, 1]
     assert "non-finite" in entry["rejected"]["2"] and "client_2" in entry["rejected"]["2"]
     stats = entry["update_stats"]
@@ -243,7 +247,7 @@ def test_a_custom_aggregate_train_that_reports_nothing_is_recorded_from_the_glob
     """A subclass may replace ``aggregate_train`` without setting ``last_aggregation``. The round is
     still recorded, from the global model it left: a new one is the round's aggregate (the run can
     complete), an unchanged one is a round that aggregated nothing (never ``completed``)."""
-    initial = _initial(tmp_path)
+    initial = initial_checkpoint(tmp_path)
 
     class OwnRule(FedAvgFSDP):
         def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[None, None]:
@@ -258,10 +262,10 @@ def test_a_custom_aggregate_train_that_reports_nothing_is_recorded_from_the_glob
     recorder = RunRecorder(run_root, {"base_model": initial.path})
     strategy = connect(OwnRule(run_root=str(run_root), initial_model=initial, num_clients=2, clients_per_round=2),
                        recorder, [0, 1])
-    first = train_round(strategy, 1, [_reply(0, initial, 4), _reply(1, initial, 4)])
+    first = train_round(strategy, 1, [train_reply(0, initial, 4), train_reply(1, initial, 4)])
     assert first is not None and first["aggregated_actor"] == str(run_root / "round_1" / "global")
     assert first["started_from"] == initial.path and first["aggregated_sha256"] == strategy.global_model.sha256
-    second = train_round(strategy, 2, [_reply(0, initial, 4), _reply(1, initial, 4)])
+    second = train_round(strategy, 2, [train_reply(0, initial, 4), train_reply(1, initial, 4)])
     assert second is not None and second["round"] == 2 and second["aggregated_actor"] is None
     status, why = recorder.outcome()
     assert status == "degraded" and "round(s) [2] aggregated no client checkpoint" in why, (status, why)

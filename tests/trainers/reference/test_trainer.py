@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,31 +14,7 @@ from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, load, save
 from fedagent_flwr.seeding import train_env_seed
 from fedagent_flwr.trainers.reference.grpo import grpo_advantages
-
-MODULE = "fedagent_flwr.trainers.reference"
-SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {"lo": 1, "hi": 50}}]}
-# A learning rate this high moves the tiny model's weights measurably in two optimiser steps. The
-# large entropy bonus gives every weight a gradient well above Adam's epsilon in the first step:
-# with FedAgent's 0.001 most embedding rows barely move at first, and Adam's normalised step on
-# the proximal gradient then overshoots the start by ~lr, so FedProx would not look "closer".
-TRAINER = {"rollout_n": 2, "max_new_tokens": 8, "lr": 1e-2, "ppo_epochs": 2, "entropy_coeff": 0.1,
-           "num_threads": 2}
-
-
-def run_trainer(mode: str, job_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", MODULE, mode, str(job_path)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ))
-
-
-def train_job(tmp: Path, model: Path, name: str, **overrides: Any) -> Path:
-    job = TrainJob(model_path=str(model), output_dir=str(tmp / name), env_spec=SPEC, round=1,
-                   client_id=1, num_clients=2, data_seed=42 + 100 + 1, local_steps=1,
-                   partition={"strategy": "uniform", "min_goals_per_client": 10}, trainer=dict(TRAINER))
-    for key, value in overrides.items():
-        setattr(job, key, value)
-    path = tmp / f"{name}.json"
-    save(job, path)
-    return path
+from testkit.reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
 def trained(tmp: Path, model: Path, name: str, **overrides: Any) -> tuple[TrainResult, dict[str, torch.Tensor], str]:

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -39,6 +38,7 @@ from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, EnvEpisodeDataset, p
 from fedagent_flwr.trainers.verl.job import job_environment
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+from testkit.verl_agent_loop import HFServer, loop_config
 from testkit.verl_probe import ENGINE, compose_verl_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -134,37 +134,6 @@ def test_dataset_rows_follow_the_seed_rule_and_collate_with_verl(tmp_path: Path)
         EnvEpisodeDataset(data_files=str(tmp_path / "bad.json"))
 
 
-class _HFServer:
-    """verl's ``server_manager`` contract (token in, token out) over a real HF model, greedy."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.calls: list[dict[str, Any]] = []
-        self.generated: list[int] = []  # tokens returned per call
-
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
-                       **_: Any) -> Any:
-        self.calls.append({"request_id": request_id, **sampling_params})
-        with torch.no_grad():
-            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=sampling_params["max_tokens"],
-                                      do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                      pad_token_id=0)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
-        logprobs = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, tokens)]
-        self.generated.append(len(tokens))
-        return SimpleNamespace(token_ids=tokens, log_probs=logprobs)
-
-
-def _loop_config(prompt_length: int, response_length: int) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"prompt_length": prompt_length, "response_length": response_length,
-                                          "calculate_log_probs": True}},
-        "data": {"apply_chat_template_kwargs": {}},
-    })
-
-
 def test_agent_loop_returns_the_episode_and_verl_pads_it(tiny_model_dir: Path, smollm2_tokenizer: Any,
                                                          tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -173,8 +142,8 @@ def test_agent_loop_returns_the_episode_and_verl_pads_it(tiny_model_dir: Path, s
     from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    server = _HFServer(model)
-    cfg = _loop_config(prompt_length=256, response_length=96)
+    server = HFServer(model)
+    cfg = loop_config(prompt_length=256, response_length=96)
     episode_log = tmp_path / "episodes.jsonl"
     loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=smollm2_tokenizer,
                         processor=None, dataset_cls=EnvEpisodeDataset, data_config=DictConfigWrap(cfg.data),
@@ -184,7 +153,7 @@ def test_agent_loop_returns_the_episode_and_verl_pads_it(tiny_model_dir: Path, s
     output = asyncio.run(loop.run({"temperature": 0.0, "top_p": 1.0, "logprobs": True}, **row))
 
     async def greedy(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
-        result = await _HFServer(model).generate("r", prompt_ids=prompt_ids,
+        result = await HFServer(model).generate("r", prompt_ids=prompt_ids,
                                                  sampling_params={"max_tokens": sampling.max_new_tokens})
         return result.token_ids
 
@@ -226,8 +195,8 @@ def test_agent_loop_refuses_a_prompt_longer_than_the_budget(tiny_model_dir: Path
     from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop, PromptTooLongError
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    cfg = _loop_config(prompt_length=16, response_length=64)
-    loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=_HFServer(model),
+    cfg = loop_config(prompt_length=16, response_length=64)
+    loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=HFServer(model),
                         tokenizer=smollm2_tokenizer, processor=None, dataset_cls=EnvEpisodeDataset,
                         data_config=DictConfigWrap(cfg.data), max_new_tokens=4)
     with pytest.raises(PromptTooLongError, match="max_prompt_length is 16"):

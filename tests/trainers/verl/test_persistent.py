@@ -254,14 +254,14 @@ def test_episodes_land_in_the_log_their_row_names(tiny_model_dir: Path, smollm2_
     from verl.experimental.agent_loop.agent_loop import DictConfigWrap
 
     from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
-    from tests.trainers.verl.test_backend import _HFServer, _loop_config
+    from testkit.verl_agent_loop import HFServer, loop_config
 
     assert episode_log_path({"episode_log": "/r2.jsonl"}, "/yaml.jsonl") == "/r2.jsonl"
     assert episode_log_path({"episode_log": ""}, "/yaml.jsonl") == "/yaml.jsonl"
     assert episode_log_path({}, "") == ""
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    cfg = _loop_config(prompt_length=256, response_length=64)
-    loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=_HFServer(model),
+    cfg = loop_config(prompt_length=256, response_length=64)
+    loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=HFServer(model),
                         tokenizer=smollm2_tokenizer, processor=None, dataset_cls=EnvEpisodeDataset,
                         data_config=DictConfigWrap(cfg.data), max_new_tokens=4, episode_log="")
     for round_ in (1, 2):

@@ -17,9 +17,9 @@ import torch
 from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset
 from fedagent_flwr.trainers.verl.overrides import WINDOWED_MANAGER, build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
+from testkit.verl_agent_loop import HFServer, loop_config
 from testkit.verl_probe import compose_verl_config
-from tests.envs.webshop.test_reward import DATA_DIR, needs_data
-from tests.trainers.verl.test_backend import _HFServer, _loop_config
+from testkit.webshop_data import DATA_DIR, needs_data
 
 
 def _windowed_cfg(tmp_path: Path, model: str, **extra: Any) -> Any:
@@ -59,8 +59,8 @@ def _loop(model_dir: Path, tokenizer: Any, **kwargs: Any) -> Any:
     from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    cfg = _loop_config(prompt_length=1024, response_length=64)
-    return EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=_HFServer(model), tokenizer=tokenizer,
+    cfg = loop_config(prompt_length=1024, response_length=64)
+    return EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=HFServer(model), tokenizer=tokenizer,
                         processor=None, dataset_cls=EnvEpisodeDataset, data_config=DictConfigWrap(cfg.data),
                         max_new_tokens=8, invalid_action_penalty=0.1, history_length=2, **kwargs), cfg
 
