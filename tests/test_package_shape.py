@@ -167,3 +167,37 @@ def test_no_module_over_the_size_limit() -> None:
              for path, _ in _modules().values()}
     too_big = {path: lines for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
     assert not too_big, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {too_big}"
+
+
+TESTS_DIR = PACKAGE_DIR.parent / "tests"
+
+
+def test_imports_between_test_modules(tmp_path: Path) -> None:
+    """Issue 14 item 7: helpers that several test modules share live in ``testkit/``; a test module never
+    imports another test module or a conftest (including through a string run in a subprocess), so moving
+    or deleting one test file cannot break another."""
+    def offending(root: Path) -> list[str]:
+        found = []
+        for path in sorted(root.rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue  # this file names the forms it looks for
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names: list[str] = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names = [line.split()[1] for line in node.value.replace(";", "\n").splitlines()
+                             if line.strip().startswith(("from tests", "import tests")) and len(line.split()) > 1]
+                found += [f"{path.relative_to(root.parent)}:{node.lineno}: {name}" for name in names
+                          if name == root.name or name.startswith(root.name + ".")]
+        return found
+
+    # The check itself sees both forms (not a vacuous pass).
+    planted = tmp_path / "tests"
+    (planted / "sub").mkdir(parents=True)
+    (planted / "sub" / "test_a.py").write_text("from tests.sub.conftest import helper\n")
+    (planted / "test_b.py").write_text("import subprocess\nCODE = 'from tests.sub.test_a import x; print(x)'\n")
+    assert len(offending(planted)) == 2
+    assert offending(TESTS_DIR) == [], "move the shared helper into testkit/ and import it from there"
