@@ -29,13 +29,33 @@ _T_975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624,
           2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
 
 
-def t_quantile_95(df: float) -> float:
-    """Student's t two-sided 95% quantile for ``df`` degrees of freedom, rounded down to a whole
-    number of them (a wider interval, never a narrower one); the normal's past 30."""
+# One-sided 80% quantiles of Student's t for 1-30 degrees of freedom (t_{0.80, df}): the power term
+# of a sample-size plan; the normal's past 30.
+_T_80 = (1.376382, 1.060660, 0.978472, 0.940965, 0.919544, 0.905703, 0.896030, 0.888890, 0.883404, 0.879058,
+         0.875530, 0.872609, 0.870152, 0.868055, 0.866245, 0.864667, 0.863279, 0.862049, 0.860951, 0.859964,
+         0.859074, 0.858266, 0.857530, 0.856855, 0.856236, 0.855665, 0.855137, 0.854647, 0.854192, 0.853767)
+Z_80 = 0.8416212335729143
+
+
+def _t_quantile(table: tuple[float, ...], normal: float, df: float) -> float:
+    """A quantile from ``table`` at ``df`` rounded down to a whole number (a larger quantile, never a
+    smaller one); the normal's past the table."""
     whole = math.floor(df)
     if whole < 1:
         raise ValueError(f"need at least 1 degree of freedom, got {df}")
-    return _T_975[whole - 1] if whole <= len(_T_975) else Z_95
+    return table[whole - 1] if whole <= len(table) else normal
+
+
+def t_quantile_95(df: float) -> float:
+    """Student's t two-sided 95% quantile for ``df`` degrees of freedom, rounded down to a whole
+    number of them (a wider interval, never a narrower one); the normal's past 30."""
+    return _t_quantile(_T_975, Z_95, df)
+
+
+def t_quantile_80(df: float) -> float:
+    """Student's t one-sided 80% quantile for ``df`` degrees of freedom (rounded down, as
+    :func:`t_quantile_95`); the normal's past 30."""
+    return _t_quantile(_T_80, Z_80, df)
 
 
 def seed_difference_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -66,3 +86,23 @@ def pooled_difference_interval(successes_a: float, n_a: int, successes_b: float,
     p_a, p_b = successes_a / n_a, successes_b / n_b
     half = z * math.sqrt(p_a * (1 - p_a) / n_a + p_b * (1 - p_b) / n_b)
     return p_a - p_b, p_a - p_b - half, p_a - p_b + half
+
+
+def seeds_for_difference(sd_a: float, sd_b: float, difference: float, most: int = 200) -> int | None:
+    """Seeds per arm (as many on each side) for the Welch 95% interval of :func:`seed_difference_interval`
+    to exclude 0 with 80% power, if the arms' true difference and spreads between seeds were the ones
+    given (usually those observed: a planning figure, as uncertain as the spreads it starts from).
+
+    The smallest n >= 2 with (t_0.975 + t_0.80) * sqrt((sd_a² + sd_b²) / n) <= |difference|, the
+    t quantiles at Welch's degrees of freedom for n seeds a side. None when no n up to ``most`` is
+    enough (a difference of 0 never is)."""
+    if sd_a < 0 or sd_b < 0:
+        raise ValueError(f"spreads must not be negative, got {sd_a} and {sd_b}")
+    var = sd_a ** 2 + sd_b ** 2
+    if var == 0:
+        return 2 if difference != 0 else None
+    for n in range(2, most + 1):
+        df = var ** 2 * (n - 1) / (sd_a ** 4 + sd_b ** 4)
+        if (t_quantile_95(df) + t_quantile_80(df)) * math.sqrt(var / n) <= abs(difference):
+            return n
+    return None

@@ -7,6 +7,8 @@ import pytest
 from fedagent_flwr.intervals import (
     pooled_difference_interval,
     seed_difference_interval,
+    seeds_for_difference,
+    t_quantile_80,
     t_quantile_95,
     wilson_interval,
 )
@@ -49,6 +51,28 @@ def _t_cdf(x: float, df: int, steps: int = 20000) -> float:
 @pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
 def test_t_quantiles_leave_2_5_percent_in_each_tail(df: int) -> None:
     assert _t_cdf(t_quantile_95(df), df) == pytest.approx(0.975, abs=2e-6)
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+def test_t_80_quantiles_leave_20_percent_above(df: int) -> None:
+    assert _t_cdf(t_quantile_80(df), df) == pytest.approx(0.80, abs=2e-6)
+
+
+def test_seeds_for_difference_matches_the_normal_plan_and_its_t_correction() -> None:
+    # Normal approximation: n = (1.96 + 0.8416)^2 * (0.1^2 + 0.1^2) / 0.1^2 = 15.7 seeds a side; the t
+    # quantiles at n = 16 (df 30: 2.0423 + 0.8538 = 2.8961, half-width 2.8961 * sqrt(0.02 / 16) = 0.1024)
+    # are not yet enough, at n = 17 (df 32, normal: 2.8016 * 0.0343 = 0.0961) they are.
+    assert seeds_for_difference(0.1, 0.1, 0.1) == 17
+    # The batches' round-10 spreads (federated 0.1064, local 0.009) at their difference 0.0883: 14 a side;
+    # half the difference needs about four times the seeds.
+    assert seeds_for_difference(0.1064, 0.009, 0.0883) == 14
+    assert seeds_for_difference(0.1064, 0.009, 0.0883 / 2) == 46
+    assert seeds_for_difference(0.1, 0.1, -0.1) == 17  # the sign does not matter
+    assert seeds_for_difference(0.0, 0.0, 0.1) == 2  # no spread: any two seeds show it
+    assert seeds_for_difference(0.1, 0.1, 0.0) is None
+    assert seeds_for_difference(0.3, 0.3, 0.01, most=50) is None
+    with pytest.raises(ValueError):
+        seeds_for_difference(-0.1, 0.1, 0.1)
 
 
 def test_t_quantile_rounds_the_degrees_of_freedom_down_and_is_the_normal_past_30() -> None:

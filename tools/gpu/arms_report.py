@@ -15,7 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.intervals import pooled_difference_interval, seed_difference_interval, wilson_interval
+from fedagent_flwr.intervals import (
+    pooled_difference_interval,
+    seed_difference_interval,
+    seeds_for_difference,
+    wilson_interval,
+)
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
@@ -116,19 +121,30 @@ def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
 def differences(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each pair of arms (in the order given, earlier minus later): the difference of their final
     means with its 95% interval over seeds (Welch; None with fewer than 2 seeds on a side) and over
-    the pooled episodes (normal approximation)."""
+    the pooled episodes (normal approximation), and the seeds per arm that would show a difference of
+    that size at 80% power if the arms' spreads between seeds were the ones seen (``seeds_needed``;
+    None with fewer than 2 seeds on a side, or beyond 200 seeds)."""
     names, pairs = list(arms), []
     for i, first in enumerate(names):
         for second in names[i + 1:]:
             a, b = arms[first], arms[second]
-            seeds = None
+            seeds = needed = None
             if len(a["final_per_seed"]) > 1 and len(b["final_per_seed"]) > 1:
                 seeds = [round(x, 4) for x in seed_difference_interval(a["final_per_seed"], b["final_per_seed"])[1:]]
+                needed = seeds_for_difference(a["seed_std"], b["seed_std"], a["final_mean"] - b["final_mean"])
             _, low, high = pooled_difference_interval(a["pooled_successes"], a["pooled_n"], b["pooled_successes"],
                                                       b["pooled_n"])
             pairs.append({"arms": [first, second], "difference": round(a["final_mean"] - b["final_mean"], 4),
-                          "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)]})
+                          "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)],
+                          "seeds_needed": needed})
     return pairs
+
+
+def _seeds_needed(difference: dict[str, Any]) -> str:
+    if difference["seeds_ci95"] is None:
+        return ""
+    needed = difference["seeds_needed"]
+    return f"; seeds needed: {needed if needed is not None else 'over 200'}"
 
 
 def report(out: Path) -> str:
@@ -159,7 +175,10 @@ def report(out: Path) -> str:
                   + (f"[{d['seeds_ci95'][0]:+.3f}, {d['seeds_ci95'][1]:+.3f}]" if d["seeds_ci95"] else
                      "(needs 2 or more seeds per arm)")
                   + f"; over pooled episodes [{d['pooled_ci95'][0]:+.3f}, {d['pooled_ci95'][1]:+.3f}]"
-                  for d in data["differences"]]
+                  + _seeds_needed(d) for d in data["differences"]]
+        lines += ["", "Seeds needed: per arm, for the interval over seeds to exclude 0 with 80% power if the "
+                  "difference and the seeds' spreads were the ones seen here (a plan, as uncertain as those "
+                  "spreads; `intervals.seeds_for_difference`)."]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]

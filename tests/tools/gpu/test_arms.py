@@ -54,7 +54,11 @@ def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
     assert diff["difference"] == pytest.approx(0.2344, abs=1e-4)
     assert diff["pooled_ci95"] == pytest.approx([0.1223, 0.3465], abs=1e-4)
     assert diff["seeds_ci95"] == pytest.approx([-0.4814, 0.9502], abs=1e-4)
-    assert "- federated − local: +0.234; over seeds [-0.481, +0.950]; over pooled episodes [+0.122, +0.346]" in text
+    # Seeds needed (80% power at these spreads): 2 a side give (12.706 + 1.376) * 0.0563 = 0.79 > 0.234;
+    # 3 a side (df 3.5 -> 3) give (3.182 + 0.978) * 0.0460 = 0.19 <= 0.234.
+    assert diff["seeds_needed"] == 3
+    assert ("- federated − local: +0.234; over seeds [-0.481, +0.950]; over pooled episodes [+0.122, +0.346]; "
+            "seeds needed: 3") in text
     # metrics.jsonl carries verl's name for the validation rate as well.
     events = [json.loads(line) for line in (tmp_path / "runs" / "local-s2" / "metrics.jsonl").read_text().splitlines()]
     assert [e["val/success_rate"] for e in events if e["event"] == "evaluate"] == [0.125, 0.1875]
