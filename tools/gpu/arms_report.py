@@ -24,6 +24,10 @@ from fedagent_flwr.intervals import (
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
+#: The last-rounds window: each run's mean validation success over its last this-many rounds. A
+#: single round's 64 episodes swing by ±0.1 from one round to the next; the window's mean varies
+#: far less between seeds (docs/results.md, section 4), so it needs far fewer seeds to compare arms.
+WINDOW = 3
 
 
 def run_summary(out: Path, name: str) -> dict[str, Any] | None:
@@ -53,6 +57,7 @@ def collect(out: Path) -> dict[str, Any]:
             "base": _point(base),
             "final": _point(final),
             "curve": [_point(p) for p in curve],
+            "window_mean": window_mean(curve),
             "zero_variance_group_share": _client_means(out, run["name"], "zero-variance-group-share"),
             "entropy": _client_means(out, run["name"], "actor.entropy"),
             "grad_norm": _client_means(out, run["name"], "actor.grad_norm"),
@@ -66,6 +71,13 @@ def collect(out: Path) -> dict[str, Any]:
         arms.setdefault(run["arm"], []).append(entry)
     table = {arm: _pool(entries) for arm, entries in arms.items()}
     return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
+
+
+def window_mean(curve: list[dict[str, Any]], window: int = WINDOW) -> float | None:
+    """Mean validation success over the last ``window`` trained rounds of ``curve`` (round 0, the
+    base model, never counts); None when the run has fewer trained rounds."""
+    trained = [float(p.get("success_rate", 0.0)) for p in curve if int(p["round"]) >= 1]
+    return round(sum(trained[-window:]) / window, 4) if len(trained) >= window else None
 
 
 def _point(point: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +114,10 @@ def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [f["success_rate"] for f in finals]
     mean = sum(rates) / len(rates)
     spread = math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) if len(rates) > 1 else None
+    windows = [e["window_mean"] for e in entries if e.get("window_mean") is not None]
+    w_mean = sum(windows) / len(windows) if windows else None
+    window_std = (math.sqrt(sum((w - w_mean) ** 2 for w in windows) / (len(windows) - 1))
+                  if w_mean is not None and len(windows) > 1 else None)
     base = [e["base"] for e in entries]
     base_low, base_high = wilson_interval(sum(b["success_rate"] * b["n"] for b in base), sum(b["n"] for b in base))
     return {
@@ -113,6 +129,9 @@ def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
         "pooled_n": n,
         "pooled_successes": round(successes, 4),
         "pooled_ci95": [round(low, 4), round(high, 4)],
+        "window_per_seed": windows,
+        "window_mean": None if w_mean is None else round(w_mean, 4),
+        "window_std": None if window_std is None else round(window_std, 4),
         "base_mean": round(sum(b["success_rate"] for b in base) / len(base), 4),
         "base_pooled_ci95": [round(base_low, 4), round(base_high, 4)],
     }
@@ -134,9 +153,14 @@ def differences(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 needed = seeds_for_difference(a["seed_std"], b["seed_std"], a["final_mean"] - b["final_mean"])
             _, low, high = pooled_difference_interval(a["pooled_successes"], a["pooled_n"], b["pooled_successes"],
                                                       b["pooled_n"])
+            window = None
+            if len(a["window_per_seed"]) > 1 and len(b["window_per_seed"]) > 1:
+                w_diff, w_low, w_high = seed_difference_interval(a["window_per_seed"], b["window_per_seed"])
+                window = {"difference": round(w_diff, 4), "seeds_ci95": [round(w_low, 4), round(w_high, 4)],
+                          "seeds_needed": seeds_for_difference(a["window_std"], b["window_std"], w_diff)}
             pairs.append({"arms": [first, second], "difference": round(a["final_mean"] - b["final_mean"], 4),
                           "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)],
-                          "seeds_needed": needed})
+                          "seeds_needed": needed, "window": window})
     return pairs
 
 
@@ -176,6 +200,15 @@ def report(out: Path) -> str:
                      "(needs 2 or more seeds per arm)")
                   + f"; over pooled episodes [{d['pooled_ci95'][0]:+.3f}, {d['pooled_ci95'][1]:+.3f}]"
                   + _seeds_needed(d) for d in data["differences"]]
+        windowed = [d for d in data["differences"] if d["window"] is not None]
+        if windowed:
+            lines += ["", f"Differences of the mean over each run's last {WINDOW} rounds (per seed: "
+                      + "; ".join(f"{arm} " + ", ".join(f"{w:.3f}" for w in row["window_per_seed"])
+                                  for arm, row in data["arms"].items())
+                      + "), 95% intervals over seeds (Welch's t):", ""]
+            lines += [f"- {d['arms'][0]} − {d['arms'][1]}: {d['window']['difference']:+.3f}; over seeds "
+                      f"[{d['window']['seeds_ci95'][0]:+.3f}, {d['window']['seeds_ci95'][1]:+.3f}]"
+                      + _seeds_needed(d["window"]) for d in windowed]
         lines += ["", "Seeds needed: per arm, for the interval over seeds to exclude 0 with 80% power if the "
                   "difference and the seeds' spreads were the ones seen here (a plan, as uncertain as those "
                   "spreads; `intervals.seeds_for_difference`)."]

@@ -64,6 +64,31 @@ def test_report_pools_seeds_with_wilson_intervals(tmp_path: Path) -> None:
     assert [e["val/success_rate"] for e in events if e["event"] == "evaluate"] == [0.125, 0.1875]
 
 
+def test_report_compares_the_mean_of_the_last_rounds_over_seeds(tmp_path: Path) -> None:
+    arms = _arms_module()
+    runs = [{"name": arms.run_name(arm, seed), "arm": arm, "seed": seed}
+            for arm in ("federated", "local") for seed in (1, 2, 3)]
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
+    # Round 0 (the base model) never counts; each run's last 3 rounds do.
+    _run(tmp_path, "federated-s1", [0.9, 0.1, 0.2, 0.4, 0.3, 0.5])  # 0.4
+    _run(tmp_path, "federated-s2", [0.1, 0.1, 0.3, 0.35, 0.4])  # 0.35
+    _run(tmp_path, "federated-s3", [0.1, 0.6, 0.6])  # 2 trained rounds: no window
+    _run(tmp_path, "local-s1", [0.1, 0.2, 0.2, 0.25, 0.15])  # 0.2
+    _run(tmp_path, "local-s2", [0.1, 0.1, 0.3, 0.2, 0.25])  # 0.25
+    _run(tmp_path, "local-s3", [0.1, 0.2, 0.25, 0.2])  # 0.2167: round 0 left out, not a 4th round
+    text = arms.report(tmp_path)
+    data = json.loads((tmp_path / "arms.json").read_text())
+    assert data["arms"]["federated"]["window_per_seed"] == pytest.approx([0.4, 0.35])
+    assert data["arms"]["local"]["window_per_seed"] == pytest.approx([0.2, 0.25, 0.2167], abs=1e-4)
+    (diff,) = [d["window"] for d in data["differences"] if d["arms"] == ["federated", "local"]]
+    # 0.375 - 0.2222; Welch: se^2 = 0.00125/2 + 0.000648/3 = 0.000841, df = 1.7 -> 1 (t 12.706): +/- 0.3685
+    assert diff["difference"] == pytest.approx(0.1528, abs=1e-4)
+    assert diff["seeds_ci95"] == pytest.approx([-0.2157, 0.5212], abs=1e-3)
+    assert diff["seeds_needed"] == 3
+    assert "Differences of the mean over each run's last 3 rounds" in text
+    assert "- federated − local: +0.153; over seeds [-0.216, +0.521]; seeds needed: 3" in text
+
+
 def test_waves_keep_the_sessions_within_the_budget() -> None:
     arms = _arms_module()
     runs = arms.plan("tinyguess_verl", [1, 2], ["federated", "local", "centralized", "fedprox"], "num_rounds=3", 39400)
