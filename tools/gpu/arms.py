@@ -61,6 +61,7 @@ ARMS: dict[str, tuple[str, str, int]] = {
                     "num-supernodes=1 client-resources-num-gpus=1 client-resources-num-cpus=4", 1),
 }
 COLLECT_SCRIPT = Path(__file__).resolve().parent / "collect.sh"
+HOSTMEM_SCRIPT = Path(__file__).resolve().parent / "hostmem.py"
 #: ``arms.py wait``'s exit status when its timeout passed with runs still going (not 124, which the
 #: device tool reads as its own time limit).
 STILL_RUNNING = 3
@@ -235,7 +236,16 @@ def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str
         print(f"{len(runs)} runs in {len(groups)} waves of at most {max_sessions} sessions: "
               + " | ".join(", ".join(r["name"] for r in g) for g in groups) + f" (progress in {out / 'schedule.log'})")
     gpu_share.register(out, gpu["sessions"], max_sessions, pids, gpu["gpu_memory_utilization"], live_dir)
+    _sample_memory(out, pids)
     return runs
+
+
+def _sample_memory(out: Path, pids: list[int]) -> None:
+    """Sample the node's host and GPU memory into ``out/hostmem.jsonl`` while ``pids`` run (detached)."""
+    with open(out / "hostmem.log", "ab") as log:
+        subprocess.Popen([sys.executable, str(HOSTMEM_SCRIPT), "--out", str(out), "--pids", *map(str, pids)],
+                         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
 
 
 def schedule(out: Path) -> None:

@@ -175,6 +175,7 @@ def report(out: Path) -> str:
     """Write arms.json, arms.md and arms.png under ``out``; return the markdown table."""
     data = collect(out)
     data["differences"] = differences(data["arms"])
+    data["memory_peak"] = _memory_peak(out)
     (out / "arms.json").write_text(json.dumps(data, indent=2))
     lines = [
         f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
@@ -212,6 +213,11 @@ def report(out: Path) -> str:
         lines += ["", "Seeds needed: per arm, for the interval over seeds to exclude 0 with 80% power if the "
                   "difference and the seeds' spreads were the ones seen here (a plan, as uncertain as those "
                   "spreads; `intervals.seeds_for_difference`)."]
+    memory = data["memory_peak"]
+    if memory is not None:
+        gpu = f", GPU {memory['gpu_used_mib'] / 1024:.1f} GiB" if memory["gpu_used_mib"] is not None else ""
+        lines += ["", f"Node memory at its peak over {memory['samples']} samples (hostmem.jsonl): host "
+                  f"{memory['host_used_mib'] / 1024:.1f} of {memory['host_total_mib'] / 1024:.1f} GiB{gpu}."]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]
@@ -221,13 +227,26 @@ def report(out: Path) -> str:
     return text
 
 
-def phases_report(out: Path, from_round: int = 2) -> str:
-    """Write phases.md under ``out``: the start-up and round phase tables of every run's persistent
-    verl sessions (``tools/gpu/phases.py`` on ``out/runs``); return the markdown."""
-    spec = importlib.util.spec_from_file_location("fedagent_gpu_phases", Path(__file__).resolve().parent / "phases.py")
+def _sibling(file: str) -> Any:
+    """The tool ``file`` beside this one, loaded by path (tools/gpu is not a package)."""
+    path = Path(__file__).resolve().parent / file
+    spec = importlib.util.spec_from_file_location(f"fedagent_gpu_{path.stem}", path)
     assert spec is not None and spec.loader is not None  # the file beside this one
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def _memory_peak(out: Path) -> dict[str, Any] | None:
+    """The peak of ``out``'s node memory samples (``hostmem.py``), or None when there are none."""
+    peak: dict[str, Any] | None = _sibling("hostmem.py").peak(out)
+    return peak
+
+
+def phases_report(out: Path, from_round: int = 2) -> str:
+    """Write phases.md under ``out``: the start-up and round phase tables of every run's persistent
+    verl sessions (``tools/gpu/phases.py`` on ``out/runs``); return the markdown."""
+    tool = _sibling("phases.py")
     text = str(tool.tables(tool.find_sessions([out / "runs"]), from_round))
     (out / "phases.md").write_text(text)
     return text

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Pack what a GPU session must keep (the device machine keeps nothing) into one archive under
 # $OUT: every run's summary, metrics, curve, the arms report, the verl sessions' phases
-# (phases.md, and each phases.jsonl), and the tail of each log.
+# (phases.md, and each phases.jsonl), the node's memory samples (hostmem.jsonl), and the tail of each log.
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -11,7 +11,7 @@ python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
 python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/results"
-cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$STAGE/results/" 2>/dev/null
+cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$OUT"/hostmem.jsonl "$STAGE/results/" 2>/dev/null
 for run in "$OUT"/runs/*/; do
   name=$(basename "$run")
   mkdir -p "$STAGE/results/$name"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,11 @@ def test_launch_counts_the_sessions_of_other_live_matrices_and_passes_each_run_i
         first = arms.launch(tmp_path / "ws", "webshop_verl", [1], ["federated"], "env.data_dir=/d", 39400,
                             max_sessions=2, live_dir=live)
         assert first[0]["overrides"].endswith("env.data_dir=/d trainer.gpu_memory_utilization=0.3")
+        # and a detached sampler records the node's memory while the matrix runs (tools/gpu/hostmem.py)
+        deadline = time.monotonic() + 60  # a hang guard, not a timing check
+        while not (tmp_path / "ws" / "hostmem.jsonl").exists():
+            assert time.monotonic() < deadline, (tmp_path / "ws" / "hostmem.log").read_text()
+            time.sleep(0.1)
         assert not share.entry_path(tmp_path / "old", live).exists()
         second = arms.launch(tmp_path / "w", "tinyguess_verl", [1], ["federated"], "num_rounds=3", 39500,
                              max_sessions=2, live_dir=live)

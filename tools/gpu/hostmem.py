@@ -1,0 +1,109 @@
+"""Host and GPU memory of a GPU node while a matrix runs, sampled into ``OUT/hostmem.jsonl``.
+
+Host memory, not the GPU's, caps how many verl sessions one node runs (docs/results.md, batch 11:
+five sessions and three simulations held 86 GB of 126 GB at round 2, the GPU 49.5 GB of 141 GB).
+``arms.py launch`` starts this detached beside each matrix, so every batch records the figure that
+decides ``--max-sessions``. Standard library only: it runs on the node's bare ``python3``.
+
+    python3 tools/gpu/hostmem.py --out /tmp/out --pids 123 456 [--every 30]
+
+Samples until none of ``--pids`` (the matrix's launchers) runs. One JSON line a sample:
+``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib"}`` (``gpu_used_mib`` None
+without ``nvidia-smi``). Lines are appended and flushed one by one, so a sample is whole or absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+SAMPLES_FILE = "hostmem.jsonl"
+
+
+def host_mib(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int]:
+    """(used, total) host memory in MiB; used = MemTotal - MemAvailable, as ``free`` counts it."""
+    fields = {}
+    for line in meminfo.read_text().splitlines():
+        name, _, rest = line.partition(":")
+        fields[name] = int(rest.split()[0])  # kB
+    total = fields["MemTotal"]
+    return (total - fields["MemAvailable"]) // 1024, total // 1024
+
+
+def gpu_used_mib() -> int | None:
+    """GPU memory in use over all GPUs (MiB), or None when ``nvidia-smi`` is missing or fails."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    values = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not values or not all(v.isdigit() for v in values):
+        return None
+    return sum(int(v) for v in values)
+
+
+def sample() -> dict[str, Any]:
+    used, total = host_mib()
+    return {"t": round(time.time(), 1), "host_used_mib": used, "host_total_mib": total, "gpu_used_mib": gpu_used_mib()}
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch(out: Path, pids: list[int], every: float) -> int:
+    """Append a sample to ``out/hostmem.jsonl`` every ``every`` seconds, and a last one once none of
+    ``pids`` runs (checked each second, so the sampler does not outlive the matrix by long); return
+    how many samples were written."""
+    count = 0
+    with open(out / SAMPLES_FILE, "a") as samples:
+        while True:
+            samples.write(json.dumps(sample()) + "\n")
+            samples.flush()
+            count += 1
+            due = time.monotonic() + every
+            while time.monotonic() < due:
+                if not any(_running(pid) for pid in pids):
+                    samples.write(json.dumps(sample()) + "\n")
+                    return count + 1
+                time.sleep(min(1.0, max(due - time.monotonic(), 0.0)))
+
+
+def peak(out: Path) -> dict[str, Any] | None:
+    """The largest host and GPU memory of ``out``'s samples, or None when there are none."""
+    try:
+        rows = [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    if not rows:
+        return None
+    gpu = [r["gpu_used_mib"] for r in rows if r.get("gpu_used_mib") is not None]
+    return {"samples": len(rows), "host_used_mib": max(r["host_used_mib"] for r in rows),
+            "host_total_mib": rows[-1]["host_total_mib"], "gpu_used_mib": max(gpu) if gpu else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pids", type=int, nargs="+", required=True)
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    watch(args.out, args.pids, args.every)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
