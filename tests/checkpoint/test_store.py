@@ -20,7 +20,7 @@ from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, hash_checkp
 from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore, upload_url
 from fedagent_flwr.checkpoint.manifest import build_manifest, file_sha256
-from fedagent_flwr.checkpoint.store import DEFAULT_UPLOAD_IDLE_TIMEOUT_S, StorageSettings
+from fedagent_flwr.checkpoint.store import StorageSettings
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
 from testkit.ckpt_factory import Suite
@@ -279,7 +279,7 @@ def test_a_stalled_upload_loses_its_slot_lock_and_keeps_its_bytes(
 
 
 def test_the_upload_idle_timeout_is_a_checked_config_key() -> None:
-    assert load_settings().storage.upload_idle_timeout_s == DEFAULT_UPLOAD_IDLE_TIMEOUT_S
+    assert load_settings().storage.upload_idle_timeout_s == StorageSettings.upload_idle_timeout_s
     assert load_settings(overrides="storage.upload_idle_timeout_s=5").storage.upload_idle_timeout_s == 5.0
     for bad in ("0", "-1", "inf", "soon"):
         with pytest.raises(ConfigError, match="config key 'storage.upload_idle_timeout_s'"):

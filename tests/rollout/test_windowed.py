@@ -16,12 +16,13 @@ from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout.episode import SamplingParams
 from fedagent_flwr.rollout.windowed import run_windowed_episode
+from fedagent_flwr.schema import SettingError
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.evaluator import load_model
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.reference.grpo import grpo_advantages, windowed_samples
-from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+from fedagent_flwr.trainers.verl.settings import VerlSettings
 from testkit.reference_trainer import run_trainer, train_job
 
 WINDOWED = {"rollout_n": 2, "max_new_tokens": 8, "lr": 1e-2, "num_threads": 2, "rollout_mode": "windowed",
@@ -48,7 +49,7 @@ def test_the_setting_defaults_to_concat_travels_as_trainer_keys_and_bad_values_n
     # The trainers' own checks of a job file name the trainer key.
     with pytest.raises(InputError, match="trainer.rollout_mode"):
         GRPOConfig.from_mapping({"rollout_mode": "sliding"})
-    with pytest.raises(VerlSettingsError, match="trainer.history_length"):
+    with pytest.raises(SettingError, match="trainer.history_length"):
         VerlSettings.from_mapping({"history_length": -2})
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # The projection is shared with ALFWorld; WebShop code and tests import it from here too.
-from fedagent_flwr.envs.projection import CJK_RE, project_action  # noqa: F401
+from fedagent_flwr.envs.projection import project_action  # noqa: F401
 from fedagent_flwr.envs.window import Window, action_history
 
 SEP = " [SEP] "

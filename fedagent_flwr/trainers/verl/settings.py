@@ -11,11 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedagent_flwr.schema import SettingError, check
+from fedagent_flwr.schema import check
 from fedagent_flwr.schema.trainer import VERL_LOGGERS, AgentLoopKnobs, VerlKnobs  # noqa: F401  # VERL_LOGGERS: re-exported
-
-#: a bad verl setting (the message names the key); the schema's error
-VerlSettingsError = SettingError
 
 
 @dataclass

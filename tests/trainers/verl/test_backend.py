@@ -30,6 +30,7 @@ from fedagent_flwr.clientapp.job import TrainJob, save
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.envs.spec import load_env_spec
 from fedagent_flwr.rollout.episode import SamplingParams, run_episode
+from fedagent_flwr.schema import SettingError
 from fedagent_flwr.seeding import train_env_seed
 from fedagent_flwr.trainers.common.client_rule import job_rule_specs
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE, FedProx
@@ -37,7 +38,7 @@ from fedagent_flwr.trainers.verl import engine_hooks, user_hooks
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, EnvEpisodeDataset, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.job import job_environment
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
-from fedagent_flwr.trainers.verl.settings import VerlSettings, VerlSettingsError
+from fedagent_flwr.trainers.verl.settings import VerlSettings
 from testkit.verl_agent_loop import HFServer, loop_config
 from testkit.verl_probe import ENGINE, compose_verl_config
 
@@ -81,7 +82,7 @@ def test_extra_overrides_come_last_and_bad_settings_name_the_key() -> None:
                      ({"enforce_eager": 1}, "trainer.enforce_eager"),
                      ({"extra_overrides": ["no-equals-sign"]}, "trainer.extra_overrides"),
                      ({"max_new_tokens": 600, "max_response_length": 512}, "trainer.max_new_tokens")]:
-        with pytest.raises(VerlSettingsError, match=key.replace(".", r"\.")):
+        with pytest.raises(SettingError, match=key.replace(".", r"\.")):
             VerlSettings.from_mapping(raw)
 
 
@@ -107,9 +108,9 @@ def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_
     assert omega_conf_to_dataclass(default_cfg.actor_rollout_ref.actor).engine.use_torch_compile is True
     assert list(cfg.actor_rollout_ref.rollout.cudagraph_capture_sizes) == [1, 2, 4, 8]
     assert cfg.actor_rollout_ref.rollout.enforce_eager is False
-    with pytest.raises(VerlSettingsError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
+    with pytest.raises(SettingError, match=r"trainer\.cudagraph_capture_sizes needs trainer\.enforce_eager=false"):
         VerlSettings.from_mapping({"cudagraph_capture_sizes": [1, 2]})
-    with pytest.raises(VerlSettingsError,
+    with pytest.raises(SettingError,
                        match=r"'trainer\.cudagraph_capture_sizes' entry 0 = 0 is invalid: expected >= 1"):
         VerlSettings.from_mapping({"enforce_eager": False, "cudagraph_capture_sizes": [0, "8"]})
 

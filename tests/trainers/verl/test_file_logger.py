@@ -18,10 +18,11 @@ import pytest
 
 from fedagent_flwr.clientapp.job import TrainJob
 from fedagent_flwr.progress import PROGRESS_FILE, read_progress
+from fedagent_flwr.schema import SettingError
 from fedagent_flwr.trainers.verl.job import job_environment, prepare_train, progress_reporter
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.runner import run_verl
-from fedagent_flwr.trainers.verl.settings import VERL_LOGGERS, VerlSettings, VerlSettingsError
+from fedagent_flwr.trainers.verl.settings import VERL_LOGGERS, VerlSettings
 from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile, StepWatch
 
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
@@ -123,9 +124,9 @@ def test_the_loggers_are_console_file_and_the_users_and_compose_with_verls_schem
     assert "trainer.logger=[console,file,tensorboard]" in overrides
     assert list(compose_verl_config(overrides).trainer.logger) == ["console", "file", "tensorboard"]
     assert VerlSettings.from_mapping({})[0].loggers == ["console", "file"]
-    with pytest.raises(VerlSettingsError, match=r"trainer\.verl_logger entry 'tensorbord' is not one of verl's"):
+    with pytest.raises(SettingError, match=r"trainer\.verl_logger entry 'tensorbord' is not one of verl's"):
         VerlSettings.from_mapping({"verl_logger": ["tensorbord"]})
-    with pytest.raises(VerlSettingsError, match=r"'trainer\.verl_logger' must be a list of str"):
+    with pytest.raises(SettingError, match=r"'trainer\.verl_logger' must be a list of str"):
         VerlSettings.from_mapping({"verl_logger": "wandb"})
 
 
