@@ -1,4 +1,5 @@
-"""Confidence intervals for success rates: every learning claim carries its uncertainty.
+"""Confidence intervals for success rates, and the seeds a comparison needs: every learning claim
+carries its uncertainty, and a planned experiment its sample size.
 
 Validation success is a binomial proportion over ``n`` episodes; with the small ``n`` of agent
 evaluations (tens of episodes) and rates near 0, the normal approximation gives intervals that

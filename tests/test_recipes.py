@@ -13,8 +13,8 @@ from fedagent_flwr.trainers.common.client_rule import RULE_KEYS
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 from testkit.verl_probe import compose_verl_config
+from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
-WEBSHOP_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "webshop"
 RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
 ARMS = ["", "experiment=local", "experiment=centralized", "strategy=fedprox"]
 

@@ -279,7 +279,7 @@ def test_a_stalled_upload_loses_its_slot_lock_and_keeps_its_bytes(
 
 
 def test_the_upload_idle_timeout_is_a_checked_config_key() -> None:
-    assert load_settings().storage.upload_idle_timeout_s == StorageSettings.upload_idle_timeout_s
+    assert load_settings().storage.upload_idle_timeout_s == StorageSettings.upload_idle_timeout_s == 60.0
     assert load_settings(overrides="storage.upload_idle_timeout_s=5").storage.upload_idle_timeout_s == 5.0
     for bad in ("0", "-1", "inf", "soon"):
         with pytest.raises(ConfigError, match="config key 'storage.upload_idle_timeout_s'"):

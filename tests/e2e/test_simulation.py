@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from fedagent_flwr.seeding import select_clients
-from testkit.flower_harness import REPO, SuperLink
+from testkit.flower_harness import SuperLink
 from testkit.run_end import ran_every_round
 from testkit.simulation_runs import check_round_mean, client_state, run_job
 from testkit.tensorboard_events import read_scalars
+from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +186,6 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
     assert pids_with_cmdline(str(run_dir / "services")) == []  # no service outlives the run
 
 
-WEBSHOP_DATA = REPO.parent / "shared" / "data" / "webshop"
 
 
 @pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),

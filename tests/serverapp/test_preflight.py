@@ -10,8 +10,8 @@ import pytest
 
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.serverapp.preflight import base_model, check_env_specs, service_pool_warnings
+from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
-WEBSHOP_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "webshop"
 WEBSHOP_DOWNLOAD = "python -m fedagent_flwr.envs.webshop.download"
 
 

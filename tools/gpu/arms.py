@@ -243,7 +243,8 @@ def launch(out: Path, recipe: str, seeds: list[int], arms: list[str], extra: str
 def _sample_memory(out: Path, pids: list[int]) -> None:
     """Sample the node's host and GPU memory into ``out/hostmem.jsonl`` while ``pids`` run (detached)."""
     with open(out / "hostmem.log", "ab") as log:
-        subprocess.Popen([sys.executable, str(HOSTMEM_SCRIPT), "--out", str(out), "--pids", *map(str, pids)],
+        named = [f"{pid}:{gpu_share.start_ticks(pid) or ''}" for pid in pids]  # by start time too: pids get reused
+        subprocess.Popen([sys.executable, str(HOSTMEM_SCRIPT), "--out", str(out), "--pids", *named],
                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True)
 

@@ -24,9 +24,10 @@ from fedagent_flwr.intervals import (
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
-#: The last-rounds window: each run's mean validation success over its last this-many rounds. A
-#: single round's 64 episodes swing by ±0.1 from one round to the next; the window's mean varies
-#: far less between seeds (docs/results.md, section 4), so it needs far fewer seeds to compare arms.
+#: The last-rounds window: each run's mean validation success over the last this-many rounds it was
+#: planned to run (rounds 8-10 of the 10-round recipe), the statistic that docs/results.md §4
+#: declares for comparing arms from batch 12 on (one round's 64 episodes swing by about ±0.06 from
+#: one round to the next, so a mean over 3 rounds is less noisy than the last round alone).
 WINDOW = 3
 
 
@@ -57,7 +58,7 @@ def collect(out: Path) -> dict[str, Any]:
             "base": _point(base),
             "final": _point(final),
             "curve": [_point(p) for p in curve],
-            "window_mean": window_mean(curve),
+            "window_mean": window_mean(curve, int(summary.get("total_rounds") or 0)),
             "zero_variance_group_share": _client_means(out, run["name"], "zero-variance-group-share"),
             "entropy": _client_means(out, run["name"], "actor.entropy"),
             "grad_norm": _client_means(out, run["name"], "actor.grad_norm"),
@@ -73,11 +74,18 @@ def collect(out: Path) -> dict[str, Any]:
     return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
 
 
-def window_mean(curve: list[dict[str, Any]], window: int = WINDOW) -> float | None:
-    """Mean validation success over the last ``window`` trained rounds of ``curve`` (round 0, the
-    base model, never counts); None when the run has fewer trained rounds."""
-    trained = [float(p.get("success_rate", 0.0)) for p in curve if int(p["round"]) >= 1]
-    return round(sum(trained[-window:]) / window, 4) if len(trained) >= window else None
+def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WINDOW) -> float | None:
+    """Mean validation success over rounds ``total_rounds - window + 1 .. total_rounds`` (the last
+    ``window`` rounds the run was planned to run); None unless the curve has every one of them (a run
+    lost before its end, or a round whose evaluation recorded nothing, has no window rather than
+    another one)."""
+    if total_rounds < window:
+        return None
+    by_round = {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+    rounds = range(total_rounds - window + 1, total_rounds + 1)
+    if any(r not in by_round for r in rounds):
+        return None
+    return round(sum(by_round[r] for r in rounds) / window, 4)
 
 
 def _point(point: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +211,8 @@ def report(out: Path) -> str:
                   + _seeds_needed(d) for d in data["differences"]]
         windowed = [d for d in data["differences"] if d["window"] is not None]
         if windowed:
-            lines += ["", f"Differences of the mean over each run's last {WINDOW} rounds (per seed: "
+            lines += ["", f"Differences of the mean over each run's last {WINDOW} planned rounds (runs without all "
+                      "of them have none; per seed: "
                       + "; ".join(f"{arm} " + ", ".join(f"{w:.3f}" for w in row["window_per_seed"])
                                   for arm, row in data["arms"].items())
                       + "), 95% intervals over seeds (Welch's t):", ""]
@@ -215,7 +224,7 @@ def report(out: Path) -> str:
                   "spreads; `intervals.seeds_for_difference`)."]
     memory = data["memory_peak"]
     if memory is not None:
-        gpu = f", GPU {memory['gpu_used_mib'] / 1024:.1f} GiB" if memory["gpu_used_mib"] is not None else ""
+        gpu = f", GPUs {memory['gpu_used_mib'] / 1024:.1f} GiB (summed)" if memory["gpu_used_mib"] is not None else ""
         lines += ["", f"Node memory at its peak over {memory['samples']} samples (hostmem.jsonl): host "
                   f"{memory['host_used_mib'] / 1024:.1f} of {memory['host_total_mib'] / 1024:.1f} GiB{gpu}."]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]

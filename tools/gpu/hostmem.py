@@ -1,26 +1,34 @@
 """Host and GPU memory of a GPU node while a matrix runs, sampled into ``OUT/hostmem.jsonl``.
 
 Host memory, not the GPU's, caps how many verl sessions one node runs (docs/results.md, batch 11:
-five sessions and three simulations held 86 GB of 126 GB at round 2, the GPU 49.5 GB of 141 GB).
-``arms.py launch`` starts this detached beside each matrix, so every batch records the figure that
-decides ``--max-sessions``. Standard library only: it runs on the node's bare ``python3``.
+five sessions and three simulations held 84.1 of 125.8 GiB of host memory at round 2, the GPU
+48.4 of 140.4 GiB). ``arms.py launch`` starts this detached beside each matrix, so every batch
+records the figure that decides ``--max-sessions``. Standard library only: it runs on the node's
+bare ``python3``.
 
-    python3 tools/gpu/hostmem.py --out /tmp/out --pids 123 456 [--every 30]
+    python3 tools/gpu/hostmem.py --out /tmp/out --pids 123:4567 456 [--every 30]
 
-Samples until none of ``--pids`` (the matrix's launchers) runs. One JSON line a sample:
-``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib"}`` (``gpu_used_mib`` None
-without ``nvidia-smi``). Lines are appended and flushed one by one, so a sample is whole or absent.
+Samples until none of ``--pids`` (the matrix's launchers; ``pid:ticks`` names the process by its
+start time as well, as ``gpu_share`` records it, else the start time is read now) runs: an ended
+process that nobody reaped, or a pid taken by a later process, counts as ended. One JSON line a
+sample: ``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib"}`` (``gpu_used_mib``
+is the sum over the node's GPUs, None without ``nvidia-smi``). Lines are appended and flushed one
+by one; a line cut short (a full disk) is skipped when read back.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_share  # noqa: E402  (beside this file; standard library only)
 
 SAMPLES_FILE = "hostmem.jsonl"
 
@@ -49,21 +57,21 @@ def gpu_used_mib() -> int | None:
 
 
 def sample() -> dict[str, Any]:
+    """One sample of the node's memory, stamped with the time."""
     used, total = host_mib()
     return {"t": round(time.time(), 1), "host_used_mib": used, "host_total_mib": total, "gpu_used_mib": gpu_used_mib()}
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def watched(specs: list[str]) -> list[tuple[int, str | None]]:
+    """``pid`` or ``pid:ticks`` -> (pid, start ticks); a bare pid's ticks are read now (None: gone)."""
+    found = []
+    for spec in specs:
+        pid, named, ticks = spec.partition(":")
+        found.append((int(pid), (ticks or None) if named else gpu_share.start_ticks(int(pid))))
+    return found
 
 
-def watch(out: Path, pids: list[int], every: float) -> int:
+def watch(out: Path, pids: list[tuple[int, str | None]], every: float) -> int:
     """Append a sample to ``out/hostmem.jsonl`` every ``every`` seconds, and a last one once none of
     ``pids`` runs (checked each second, so the sampler does not outlive the matrix by long); return
     how many samples were written."""
@@ -75,7 +83,7 @@ def watch(out: Path, pids: list[int], every: float) -> int:
             count += 1
             due = time.monotonic() + every
             while time.monotonic() < due:
-                if not any(_running(pid) for pid in pids):
+                if not any(gpu_share.is_running(pid, ticks) for pid, ticks in pids):
                     samples.write(json.dumps(sample()) + "\n")
                     return count + 1
                 time.sleep(min(1.0, max(due - time.monotonic(), 0.0)))
@@ -84,9 +92,17 @@ def watch(out: Path, pids: list[int], every: float) -> int:
 def peak(out: Path) -> dict[str, Any] | None:
     """The largest host and GPU memory of ``out``'s samples, or None when there are none."""
     try:
-        rows = [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        lines = (out / SAMPLES_FILE).read_text().splitlines()
+    except OSError:
         return None
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short
+        if isinstance(row, dict) and isinstance(row.get("host_used_mib"), int):
+            rows.append(row)
     if not rows:
         return None
     gpu = [r["gpu_used_mib"] for r in rows if r.get("gpu_used_mib") is not None]
@@ -97,11 +113,13 @@ def peak(out: Path) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--pids", type=int, nargs="+", required=True)
-    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples")
+    parser.add_argument("--pids", nargs="+", required=True, help="pid or pid:ticks of each process to outlive")
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between samples (> 0)")
     args = parser.parse_args(argv)
+    if not args.every > 0:
+        parser.error(f"--every must be above 0, got {args.every}")
     args.out.mkdir(parents=True, exist_ok=True)
-    watch(args.out, args.pids, args.every)
+    watch(args.out, watched(args.pids), args.every)
     return 0
 
 

@@ -22,10 +22,15 @@ def _arms_module():  # noqa: ANN202 - the tools/gpu/arms.py module
     return module
 
 
-def _run(out: Path, name: str, rates: list[float], n: int = 64) -> None:
-    recorder = RunRecorder(out / "runs" / name, {"base_model": "/m", "env_kind": "tinyguess", "mode": "federated"})
+def _run(out: Path, name: str, rates: list[float | None], n: int = 64, total_rounds: int | None = None) -> None:
+    """A run record with these validation rates from round 0 on (None: that round's evaluation recorded
+    nothing), planned for ``total_rounds`` (default: the rounds given)."""
+    total = len(rates) - 1 if total_rounds is None else total_rounds
+    recorder = RunRecorder(out / "runs" / name, {"base_model": "/m", "env_kind": "tinyguess", "mode": "federated",
+                                                 "total_rounds": total})
     for r, rate in enumerate(rates):
-        recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
+        if rate is not None:
+            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
     recorder.finish()
 
 
@@ -70,13 +75,16 @@ def test_report_compares_the_mean_of_the_last_rounds_over_seeds(tmp_path: Path) 
     runs = [{"name": arms.run_name(arm, seed), "arm": arm, "seed": seed}
             for arm in ("federated", "local") for seed in (1, 2, 3)]
     (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
-    # Round 0 (the base model) never counts; each run's last 3 rounds do.
+    # Each run's last 3 planned rounds count, and only when it has all of them.
     _run(tmp_path, "federated-s1", [0.9, 0.1, 0.2, 0.4, 0.3, 0.5])  # 0.4
     _run(tmp_path, "federated-s2", [0.1, 0.1, 0.3, 0.35, 0.4])  # 0.35
-    _run(tmp_path, "federated-s3", [0.1, 0.6, 0.6])  # 2 trained rounds: no window
+    _run(tmp_path, "federated-s3", [0.1, 0.6, 0.6, 0.6], total_rounds=5)  # lost at round 3 of 5: no window
     _run(tmp_path, "local-s1", [0.1, 0.2, 0.2, 0.25, 0.15])  # 0.2
     _run(tmp_path, "local-s2", [0.1, 0.1, 0.3, 0.2, 0.25])  # 0.25
-    _run(tmp_path, "local-s3", [0.1, 0.2, 0.25, 0.2])  # 0.2167: round 0 left out, not a 4th round
+    _run(tmp_path, "local-s3", [0.1, 0.2, 0.25, 0.2])  # 0.2167: rounds 1-3, round 0 (the base) never counts
+    _run(tmp_path, "local-s4", [0.1, 0.2, 0.9, None, 0.9, 0.9])  # round 3's evaluation recorded nothing: no window
+    runs.append({"name": "local-s4", "arm": "local", "seed": 4})
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
     text = arms.report(tmp_path)
     data = json.loads((tmp_path / "arms.json").read_text())
     assert data["arms"]["federated"]["window_per_seed"] == pytest.approx([0.4, 0.35])
@@ -86,7 +94,7 @@ def test_report_compares_the_mean_of_the_last_rounds_over_seeds(tmp_path: Path) 
     assert diff["difference"] == pytest.approx(0.1528, abs=1e-4)
     assert diff["seeds_ci95"] == pytest.approx([-0.2157, 0.5212], abs=1e-3)
     assert diff["seeds_needed"] == 3
-    assert "Differences of the mean over each run's last 3 rounds" in text
+    assert "Differences of the mean over each run's last 3 planned rounds" in text
     assert "- federated − local: +0.153; over seeds [-0.216, +0.521]; seeds needed: 3" in text
 
 
