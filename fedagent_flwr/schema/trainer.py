@@ -150,6 +150,10 @@ class VerlKnobs:
     # skips its first-step compile at the price of an eager kernel.
     torch_compile: bool = setting(True)
     agent_workers: int = setting(2, ge=1)  # Ray agent-loop workers (rollout.agent.num_workers)
+    # true: every vLLM request gets a seed derived from its rollout (env seed, step, row, place in the
+    # GRPO group) and turn, distinct within a group, the same in two runs (trainers/verl/request_seeds.py);
+    # needs agent_workers to divide the env instances of a step. false: vLLM samples unseeded, as before.
+    request_seeds: bool = setting(False)
     ray_num_cpus: int = setting(8, ge=1)  # logical CPUs of the job's private Ray cluster
     use_v1: bool = setting(False)  # verl's legacy trainer reaches the first step ~35 s sooner than V1
     # sdpa: no flash-attn wheel for torch 2.11/CUDA 13
@@ -174,6 +178,10 @@ class VerlKnobs:
             raise SettingError(
                 f"config key '{prefix}.use_v1' = true does not support rollout.mode=windowed (its per-turn rows are "
                 "built for verl's classic PPO trainer): set trainer.use_v1=false or rollout.mode=concat")
+        if self.request_seeds and self.use_v1:
+            raise SettingError(
+                f"config key '{prefix}.use_v1' = true does not support {prefix}.request_seeds=true (its seeded "
+                "workers are built for verl's classic PPO trainer): set trainer.use_v1=false or request_seeds=false")
         for name in self.verl_logger:
             if name not in VERL_LOGGERS:
                 raise SettingError(f"{prefix}.verl_logger entry {name!r} is not one of verl's loggers; choose from "

@@ -257,6 +257,7 @@ def start_run(grid: Grid, settings: RunSettings, run_dir: Path, run_id: int) -> 
     try:
         warnings = preflight.check_env_specs(settings, data_is_local=is_simulation(grid))
         warnings += preflight.service_pool_warnings(settings)
+        preflight.check_request_seed_groups(settings)
         try:
             base = preflight.base_model(resolve_model_path(settings.run.model.path), settings.run.model.path)
         except (ModelResolutionError, OSError) as exc:

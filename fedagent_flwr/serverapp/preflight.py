@@ -23,6 +23,8 @@ from fedagent_flwr.config import ConfigError, RunSettings
 from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
 from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
 from fedagent_flwr.envs.service import DEFAULT_CREATE_TIMEOUT_S
+from fedagent_flwr.per_client import PER_CLIENT_KEY
+from fedagent_flwr.trainers.verl.overrides import split_group_error
 
 SPLITS = ("train", "val")
 
@@ -106,6 +108,27 @@ def service_pool_warnings(settings: RunSettings) -> list[str]:
                 f"than {DEFAULT_CREATE_TIMEOUT_S:g} s fails the client's job; set env.service.pool_size={need} "
                 "unless one env per episode does not fit in memory")
     return warnings
+
+
+def check_request_seed_groups(settings: RunSettings) -> None:
+    """Refuse ``trainer.request_seeds`` with a client whose agent-loop workers would split a GRPO group.
+
+    verl hands each agent-loop worker an equal chunk of a step's rows; a group split over two
+    chunks restarts its rollout index and two of its rollouts would share their seeds
+    (:func:`~fedagent_flwr.trainers.verl.overrides.split_group_error`). Checked for the run's
+    ``trainer.agent_workers`` and every client's own (``trainer.per_client``); the job checks again.
+    """
+    trainer = settings.trainer
+    if settings.trainer_backend != "verl" or not trainer.get("request_seeds"):
+        return
+    batch_size = sum(int(entry["n_envs"]) for entry in settings.train_env_spec["envs"])
+    workers = {"trainer.agent_workers": int(trainer["agent_workers"])}
+    for client, values in sorted((trainer.get(PER_CLIENT_KEY) or {}).items()):
+        if "agent_workers" in values:
+            workers[f"trainer.{PER_CLIENT_KEY}.{client}.agent_workers"] = int(values["agent_workers"])
+    for key, count in workers.items():
+        if error := split_group_error(batch_size, count, key):
+            raise ConfigError(error)
 
 
 def base_model(model_dir: Path, configured: str) -> CheckpointRef:

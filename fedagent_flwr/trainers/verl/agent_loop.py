@@ -34,6 +34,7 @@ from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
+from fedagent_flwr.trainers.verl.request_seeds import SEED_BASE_KEY, request_seed
 
 
 class PromptTooLongError(ValueError):
@@ -91,19 +92,26 @@ class ServerGenerate:
     so a sticky id lets the server's prefix cache serve each turn), or None for a fresh id per
     call (windowed mode: each turn's prompt is new, there is no prefix to share). Each call's
     sampled-token log-probs (0.0 where the server returned none) are kept per turn in
-    ``turn_logprobs`` and the time spent waiting for the server in ``seconds``.
+    ``turn_logprobs`` and the time spent waiting for the server in ``seconds``. ``seed_base``: the
+    rollout's seed base when ``trainer.request_seeds`` is on (the row's ``request_seed_base``), and
+    then each call carries ``seed`` = :func:`~.request_seeds.request_seed` (base, turn); None sends no
+    seed (vLLM samples unseeded).
     """
 
-    def __init__(self, server_manager: Any, sampling_params: dict[str, Any], request_id: str | None) -> None:
+    def __init__(self, server_manager: Any, sampling_params: dict[str, Any], request_id: str | None,
+                 seed_base: int | None = None) -> None:
         self.server_manager = server_manager
         self.sampling_params = sampling_params
         self.request_id = request_id
+        self.seed_base = seed_base
         self.turn_logprobs: list[list[float]] = []
         self.seconds = 0.0
 
     async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
         params = dict(self.sampling_params)
         params["max_tokens"] = sampling.max_new_tokens
+        if self.seed_base is not None:
+            params["seed"] = request_seed(self.seed_base, len(self.turn_logprobs))  # this turn's own seed
         started = time.monotonic()
         output = await self.server_manager.generate(request_id=self.request_id or uuid4().hex,
                                                     prompt_ids=prompt_ids, sampling_params=params)
@@ -153,7 +161,8 @@ class EnvAgentLoop(AgentLoopBase):
         every turn (:mod:`.windowed`), so GRPO groups the turns of all rollouts of one env instance.
         """
         env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
-        generate = ServerGenerate(self.server_manager, sampling_params, request_id=None)  # a fresh id per turn
+        generate = ServerGenerate(self.server_manager, sampling_params, request_id=None,  # a fresh id per turn
+                                  seed_base=kwargs.get(SEED_BASE_KEY))
         sampling = self._sampling(sampling_params, min(self.max_new_tokens, response_length))
         episode = await run_windowed_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), prompt_length + response_length,
@@ -196,7 +205,8 @@ class EnvAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
-        generate = ServerGenerate(self.server_manager, sampling_params, request_id=uuid4().hex)  # sticky
+        generate = ServerGenerate(self.server_manager, sampling_params, request_id=uuid4().hex,  # sticky
+                                  seed_base=kwargs.get(SEED_BASE_KEY))
         sampling = self._sampling(sampling_params, self.max_new_tokens)
         episode = await run_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]),

@@ -31,7 +31,13 @@ from fedagent_flwr.trainers.common.evaluator import EvalSettings
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hooks, weight_sync
 from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
-from fedagent_flwr.trainers.verl.overrides import AGENT_LOOP_MODULE, JobPaths, build_overrides, job_paths
+from fedagent_flwr.trainers.verl.overrides import (
+    AGENT_LOOP_MODULE,
+    JobPaths,
+    build_overrides,
+    job_paths,
+    split_group_error,
+)
 from fedagent_flwr.trainers.verl.runner import ray_temp_dir
 from fedagent_flwr.trainers.verl.settings import VerlSettings
 from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepCallback
@@ -120,6 +126,9 @@ def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, A
                 f"trainer.plugin_modules: module {name!r} is not importable (install it or put it on PYTHONPATH)"
             )
     world = check_train_world(job, PROG)  # the rule is built once there: a bad one fails before verl starts
+    if settings.request_seeds and (split := split_group_error(sum(e.n_envs for e in world.spec.envs),
+                                                              settings.agent_workers)):
+        raise InputError(split)
     rule = {key: job.trainer.get(key) for key in RULE_KEYS} if world.user_rule else None
     return settings, world.spec, world.model_path, rule
 

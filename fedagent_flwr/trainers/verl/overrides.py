@@ -36,6 +36,8 @@ from fedagent_flwr.trainers.verl.settings import VerlSettings
 AGENT_LOOP_MODULE = "fedagent_flwr.trainers.verl.agent_loop"
 DATASET_MODULE = "fedagent_flwr.trainers.verl.dataset"
 WINDOWED_MANAGER = "fedagent_flwr.trainers.verl.windowed.WindowedAgentLoopManager"
+SEEDED_MANAGER = "fedagent_flwr.trainers.verl.request_seeds.SeededAgentLoopManager"
+SEEDED_WINDOWED_MANAGER = "fedagent_flwr.trainers.verl.windowed.SeededWindowedAgentLoopManager"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,31 @@ class JobPaths:
     agent_loop_file: str  # agent-loop registry YAML
     checkpoint_dir: str  # trainer.default_local_dir
     ray_temp_dir: str  # the job's private Ray temp dir (keep it short: Unix socket paths)
+
+
+def agent_loop_manager(settings: VerlSettings) -> str | None:
+    """The agent-loop manager class the job names (``agent_loop_manager_class``), or None for
+    verl's own: windowed mode's, with a seed per request when ``request_seeds`` is on
+    (:mod:`.request_seeds`)."""
+    if settings.rollout_mode == "windowed":
+        return SEEDED_WINDOWED_MANAGER if settings.request_seeds else WINDOWED_MANAGER
+    return SEEDED_MANAGER if settings.request_seeds else None
+
+
+def split_group_error(batch_size: int, agent_workers: int, workers_key: str = "trainer.agent_workers") -> str | None:
+    """Why seeded requests (``trainer.request_seeds``) would repeat a seed, or None.
+
+    verl's ``AgentLoopManager.generate_sequences`` splits a step's ``batch_size x rollout.n`` rows
+    (groups of ``rollout.n`` consecutive rows) into ``agent_workers`` equal chunks
+    (``DataProto.chunk``); every chunk holds whole groups exactly when ``agent_workers`` divides
+    ``batch_size``. Otherwise a group spans two chunks, its ``rollout_n`` restarts at 0 in the
+    second, and two of its rollouts would get the same seeds."""
+    if batch_size % agent_workers == 0:
+        return None
+    return (f"config key '{workers_key}' = {agent_workers} with trainer.request_seeds=true must divide the env "
+            f"instances a verl step plays (the sum of env.train.envs.*.n_envs = {batch_size}): verl gives each "
+            "agent-loop worker an equal chunk of the step's rows, and a GRPO group split over two chunks would "
+            "reuse its seeds; set agent_workers to a divisor of it (1 always works)")
 
 
 def build_overrides(
@@ -73,6 +100,8 @@ def build_overrides(
     if batch_size < 1 or local_steps < 1 or epochs < 1:
         raise ValueError(f"batch_size, local_steps and epochs must be >= 1, got {batch_size}, {local_steps} "
                          f"and {epochs}")
+    if settings.request_seeds and (split := split_group_error(batch_size, settings.agent_workers)):
+        raise ValueError(split)
     total_steps = epochs * local_steps
     s = settings
     mini_batch = min(s.ppo_mini_batch_size, batch_size)
@@ -122,9 +151,10 @@ def build_overrides(
         f"actor_rollout_ref.rollout.agent.num_workers={s.agent_workers}",
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={paths.agent_loop_file}",
         "actor_rollout_ref.rollout.agent.default_agent_loop=fedagent_env",
-        # windowed mode (rollout.mode): one training row per turn (trainers/verl/windowed.py)
-        *([f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={WINDOWED_MANAGER}"]
-          if s.rollout_mode == "windowed" else []),
+        # windowed mode (rollout.mode): one training row per turn (trainers/verl/windowed.py); a seed
+        # per vLLM request (request_seeds, trainers/verl/request_seeds.py)
+        *([f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={manager}"]
+          if (manager := agent_loop_manager(s)) else []),
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         # the loop sets reward_score itself; reward workers only idle
         "reward.num_workers=1",

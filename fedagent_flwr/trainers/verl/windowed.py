@@ -9,7 +9,9 @@ windowed mode, followed here, changes three things:
   groups the turns of all rollouts of one env instance. In validation it keeps each episode's last
   turn, one row per prompt, as verl expects there. The output is tagged with the row-count divisor.
 * :class:`WindowedAgentLoopManager` is verl's manager with that worker
-  (``actor_rollout_ref.rollout.agent.agent_loop_manager_class``).
+  (``actor_rollout_ref.rollout.agent.agent_loop_manager_class``);
+  :class:`SeededWindowedAgentLoopManager` runs it with a seed per request (``trainer.request_seeds``,
+  :mod:`.request_seeds`).
 * Importing this module patches :class:`verl.DataProto` once, for tagged batches only:
   ``slice(0, k)`` is a no-op (verl cuts the rollout output back to the prompt count), and
   ``prompts.union(output)`` with a tagged output adopts the output (its rows are turns), padded to a
@@ -33,6 +35,8 @@ from verl.experimental.agent_loop.agent_loop import (
     ToolListWrap,
     _agent_loop_registry,
 )
+
+from fedagent_flwr.trainers.verl.request_seeds import RequestSeedMixin
 
 #: ``meta_info`` key of a windowed rollout output; its value is the row-count divisor.
 TAG = "fedagent_windowed_divisor"
@@ -113,6 +117,20 @@ class WindowedAgentLoopManager(AgentLoopManager):
         import ray
 
         self.agent_loop_workers_class = ray.remote(WindowedAgentLoopWorker)
+        super().__init__(*args, **kwargs)
+
+
+class SeededWindowedAgentLoopWorker(RequestSeedMixin, WindowedAgentLoopWorker):
+    """:class:`WindowedAgentLoopWorker` with a seed base per row (``trainer.request_seeds``)."""
+
+
+class SeededWindowedAgentLoopManager(AgentLoopManager):
+    """verl's agent-loop manager running :class:`SeededWindowedAgentLoopWorker` workers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import ray
+
+        self.agent_loop_workers_class = ray.remote(SeededWindowedAgentLoopWorker)
         super().__init__(*args, **kwargs)
 
 
