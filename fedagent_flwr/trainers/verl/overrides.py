@@ -100,8 +100,6 @@ def build_overrides(
     if batch_size < 1 or local_steps < 1 or epochs < 1:
         raise ValueError(f"batch_size, local_steps and epochs must be >= 1, got {batch_size}, {local_steps} "
                          f"and {epochs}")
-    if settings.request_seeds and (split := split_group_error(batch_size, settings.agent_workers)):
-        raise ValueError(split)
     total_steps = epochs * local_steps
     s = settings
     mini_batch = min(s.ppo_mini_batch_size, batch_size)

@@ -27,7 +27,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopWorker
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+from fedagent_flwr.trainers.verl.manager import WorkerManager
 
 #: the agent loop's keyword argument (a row column added by the worker) carrying a rollout's seed base
 SEED_BASE_KEY = "request_seed_base"
@@ -69,11 +71,7 @@ class SeededAgentLoopWorker(RequestSeedMixin, AgentLoopWorker):
     """verl's agent-loop worker with a seed base per row (concat mode)."""
 
 
-class SeededAgentLoopManager(AgentLoopManager):
+class SeededAgentLoopManager(WorkerManager):
     """verl's agent-loop manager running :class:`SeededAgentLoopWorker` workers."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import ray
-
-        self.agent_loop_workers_class = ray.remote(SeededAgentLoopWorker)
-        super().__init__(*args, **kwargs)
+    worker = SeededAgentLoopWorker

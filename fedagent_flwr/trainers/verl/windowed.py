@@ -29,13 +29,13 @@ import hydra
 import numpy as np
 from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import (
-    AgentLoopManager,
     AgentLoopWorker,
     DictConfigWrap,
     ToolListWrap,
     _agent_loop_registry,
 )
 
+from fedagent_flwr.trainers.verl.manager import WorkerManager
 from fedagent_flwr.trainers.verl.request_seeds import RequestSeedMixin
 
 #: ``meta_info`` key of a windowed rollout output; its value is the row-count divisor.
@@ -110,28 +110,20 @@ class WindowedAgentLoopWorker(AgentLoopWorker):
         return output
 
 
-class WindowedAgentLoopManager(AgentLoopManager):
+class WindowedAgentLoopManager(WorkerManager):
     """verl's agent-loop manager running :class:`WindowedAgentLoopWorker` workers."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import ray
-
-        self.agent_loop_workers_class = ray.remote(WindowedAgentLoopWorker)
-        super().__init__(*args, **kwargs)
+    worker = WindowedAgentLoopWorker
 
 
 class SeededWindowedAgentLoopWorker(RequestSeedMixin, WindowedAgentLoopWorker):
     """:class:`WindowedAgentLoopWorker` with a seed base per row (``trainer.request_seeds``)."""
 
 
-class SeededWindowedAgentLoopManager(AgentLoopManager):
+class SeededWindowedAgentLoopManager(WorkerManager):
     """verl's agent-loop manager running :class:`SeededWindowedAgentLoopWorker` workers."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import ray
-
-        self.agent_loop_workers_class = ray.remote(SeededWindowedAgentLoopWorker)
-        super().__init__(*args, **kwargs)
+    worker = SeededWindowedAgentLoopWorker
 
 
 def tagged(data: Any) -> bool:

@@ -115,7 +115,11 @@ def test_seed_base_is_a_stable_digest_of_the_rollout() -> None:
 def test_the_job_names_the_seeded_managers(tmp_path: Path) -> None:
     from verl.utils.import_utils import load_class_from_fqn
 
-    from fedagent_flwr.trainers.verl.request_seeds import RequestSeedMixin, SeededAgentLoopManager
+    from fedagent_flwr.trainers.verl.request_seeds import (
+        RequestSeedMixin,
+        SeededAgentLoopManager,
+        SeededAgentLoopWorker,
+    )
     from fedagent_flwr.trainers.verl.windowed import (
         SeededWindowedAgentLoopManager,
         SeededWindowedAgentLoopWorker,
@@ -135,10 +139,11 @@ def test_the_job_names_the_seeded_managers(tmp_path: Path) -> None:
     assert manager(rollout_mode="windowed", request_seeds=True) == [SEEDED_WINDOWED_MANAGER]
     assert load_class_from_fqn(SEEDED_MANAGER, "AgentLoopManager") is SeededAgentLoopManager
     assert load_class_from_fqn(SEEDED_WINDOWED_MANAGER, "AgentLoopManager") is SeededWindowedAgentLoopManager
+    # each manager runs its own worker class as verl's Ray workers (manager.WorkerManager)
+    assert SeededAgentLoopManager.worker is SeededAgentLoopWorker
+    assert SeededWindowedAgentLoopManager.worker is SeededWindowedAgentLoopWorker
     assert issubclass(SeededWindowedAgentLoopWorker, RequestSeedMixin)
     assert issubclass(SeededWindowedAgentLoopWorker, WindowedAgentLoopWorker)
-    with pytest.raises(ValueError, match="trainer.agent_workers' = 3 with trainer.request_seeds=true"):
-        manager(request_seeds=True, agent_workers=3)  # 4 env instances a step, 3 workers
     with pytest.raises(ValueError, match="trainer.use_v1"):
         VerlSettings.from_mapping({"request_seeds": True, "use_v1": True})
 
