@@ -110,8 +110,18 @@ GPU_MEMORY_HINT = ("the GPU has too little free memory for the clients' trainers
                    "round has been committed")
 
 
+#: :func:`reason_key` of Ray's memory monitor killing workers: the machine's memory, not the GPU's.
+OUT_OF_HOST_MEMORY = "out of host memory"
+HOST_MEMORY_HINT = ("the machine's memory (RAM) ran low and Ray's memory monitor killed workers: run fewer "
+                    "verl sessions on the machine at once (other runs on it count; tools/gpu/arms.py "
+                    "--max-sessions), with a new run_name once a round has been committed")
+
+
 def is_gpu_memory_shortage(reason: str) -> bool:
-    """Whether ``reason`` says a GPU had too little free memory (any of the wordings above)."""
+    """Whether ``reason`` says a GPU had too little free memory (any of the wordings above), and not
+    the machine's memory (Ray's error of that kind is also called ``OutOfMemoryError``)."""
+    if gpu_memory.is_host_memory_shortage(reason):
+        return False
     return any(pattern.search(reason) for pattern in _GPU_MEMORY)
 
 
@@ -119,6 +129,8 @@ def reason_key(reason: str) -> str:
     """``reason`` with what differs between clients failing the same way blanked out: the leading
     ``client <c> round <r>:`` label, client/round/node numbers and process ids (in paths and text).
     A GPU-memory shortage is one reason however it is worded (:data:`OUT_OF_GPU_MEMORY`)."""
+    if gpu_memory.is_host_memory_shortage(reason):
+        return OUT_OF_HOST_MEMORY
     if is_gpu_memory_shortage(reason):
         return OUT_OF_GPU_MEMORY
     text = _CLIENT_LABEL.sub("", reason, count=1) if _CLIENT_LABEL.match(reason) else reason
@@ -140,6 +152,9 @@ def stop_if_all_failed_alike(what: str, clients: Sequence[int], reasons: dict[in
     if reason_key(reasons[first]) == OUT_OF_GPU_MEMORY:
         raise RoundFailedError(f"{what}: every client ({len(clients)}) ran out of GPU memory, so the run stops; "
                                f"{GPU_MEMORY_HINT}: {reasons[first]}")
+    if reason_key(reasons[first]) == OUT_OF_HOST_MEMORY:
+        raise RoundFailedError(f"{what}: every client ({len(clients)}) was stopped because the machine ran low on "
+                               f"memory, so the run stops; {HOST_MEMORY_HINT}: {reasons[first]}")
     raise RoundFailedError(
         f"{what}: every client ({len(clients)}) failed the same way, so the run stops: {reasons[first]}"
     )
@@ -152,6 +167,8 @@ def round_reasons(entry: Mapping[str, Any]) -> str:
     text = "; ".join(f"client {c}: {reason}" for c, reason in rejected.items())
     if any(is_gpu_memory_shortage(str(reason)) for reason in rejected.values()):
         text += f" ({GPU_MEMORY_HINT})"
+    if any(gpu_memory.is_host_memory_shortage(str(reason)) for reason in rejected.values()):
+        text += f" ({HOST_MEMORY_HINT})"
     return text
 
 

@@ -11,10 +11,14 @@ import pytest
 
 from fedagent_flwr.serverapp.failures import (
     GPU_MEMORY_HINT,
+    HOST_MEMORY_HINT,
     OUT_OF_GPU_MEMORY,
+    OUT_OF_HOST_MEMORY,
     EmptyRoundsError,
     RoundFailedError,
+    is_gpu_memory_shortage,
     reason_key,
+    round_reasons,
     stop_after_empty_rounds,
     stop_if_all_failed_alike,
 )
@@ -49,6 +53,12 @@ NO_SUCH_ENV = "client 0 round 1: reference trainer exited with code 2: UnknownEn
 # Ray killing a worker because the host's memory ran low: not the GPU's.
 RAY_HOST_OOM = ("client 1 round 2: ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on "
                 "memory. Memory on the node was 120.50GB / 126.00GB (0.956), which exceeds the memory usage threshold")
+# What a GPU batch's client reported (2026-12-03, batch 12, shortened): Ray's memory monitor killing
+# Flower's simulation actors, in words without the ``ray.exceptions.`` prefix.
+RAY_NODE_OOM = ("OutOfMemoryError: 2 worker(s) were killed due to the node running low on memory. Memory on the "
+                "node (IP: 192.0.2.2, ID: ca059e68) was 120.78GB used / 125.85GB limit (0.959746) OOM kill "
+                "reason: Memory usage 128427753472B exceeded threshold of 128372506624B (95.0% of 135128952832B "
+                "limit) Ray killed 2 worker(s) based on the killing policy")
 # vLLM sizing its KV cache next to another process on the GPU.
 VLLM_KV = ("client 0 round 2: verl trainer failed: ValueError: No available memory for the cache blocks. Try "
            "increasing `gpu_memory_utilization` when initializing the engine.")
@@ -59,6 +69,25 @@ def test_a_gpu_memory_shortage_is_one_reason_in_every_wording() -> None:
     assert reason_key(RAY_HOST_OOM) != OUT_OF_GPU_MEMORY  # the host's memory: another cause, another fix
     # an engine failure that does not say why is not taken for a memory shortage, nor is another error
     assert reason_key(ENGINE) != OUT_OF_GPU_MEMORY and reason_key(NO_SUCH_ENV) != OUT_OF_GPU_MEMORY
+
+
+def test_the_machines_memory_running_low_is_not_taken_for_the_gpus() -> None:
+    from fedagent_flwr.trainers.verl.runner import known_cause
+
+    assert reason_key(RAY_NODE_OOM) == reason_key(RAY_HOST_OOM) == OUT_OF_HOST_MEMORY
+    assert not is_gpu_memory_shortage(RAY_NODE_OOM) and is_gpu_memory_shortage(TORCH_OOM)
+    with pytest.raises(RoundFailedError) as stopped:
+        stop_if_all_failed_alike("round 8", [0], {0: RAY_NODE_OOM})
+    message = str(stopped.value)
+    assert message.startswith("round 8: every client (1) was stopped because the machine ran low on memory, ")
+    assert HOST_MEMORY_HINT in message and GPU_MEMORY_HINT not in message and "GPU memory" not in message
+    # the trainer's own phrasing of the same log says the machine, and the server keeps it apart
+    cause = known_cause(RAY_NODE_OOM)
+    assert cause is not None and "RAM, not the GPU" in cause and "GPU memory" not in cause
+    assert reason_key(f"client 0 round 8: {cause}") == OUT_OF_HOST_MEMORY
+    assert known_cause(TORCH_OOM) == "ran out of GPU memory (CUDA out of memory)"
+    assert HOST_MEMORY_HINT in round_reasons({"rejected": {"0": RAY_NODE_OOM}})
+    assert GPU_MEMORY_HINT not in round_reasons({"rejected": {"0": RAY_NODE_OOM}})
 
 
 def test_clients_short_of_gpu_memory_in_different_words_stop_the_run_at_once_saying_what_to_do() -> None:

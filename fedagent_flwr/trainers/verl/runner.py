@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.gpu_memory import RAN_OUT, TORCH_OOM, VLLM_KV_CACHE, VLLM_STARTUP
+from fedagent_flwr.gpu_memory import (
+    HOST_RAN_OUT,
+    RAN_OUT,
+    TORCH_OOM,
+    VLLM_KV_CACHE,
+    VLLM_STARTUP,
+    is_host_memory_shortage,
+)
 from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 
@@ -87,7 +94,10 @@ def run_verl(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
 
 
 def known_cause(text: str) -> str | None:
-    """A root cause recognised in verl's output (GPU memory), phrased for the operator; else None."""
+    """A root cause recognised in verl's output (GPU or host memory), phrased for the operator; else None."""
+    if is_host_memory_shortage(text):  # Ray's error is an OutOfMemoryError too: tell it apart first
+        return (f"{HOST_RAN_OUT}: Ray's memory monitor killed the trainer's workers; run fewer sessions on "
+                "the machine at once")
     startup = VLLM_STARTUP.search(text)
     if startup is not None:
         return (f"{RAN_OUT}: vLLM could not start ({startup.group(0)}); run fewer sessions on "
