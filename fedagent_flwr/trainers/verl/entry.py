@@ -42,7 +42,9 @@ from fedagent_flwr.clientapp.job import TrainJob, TrainResult, backend_main
 from fedagent_flwr.trainers.common.checks import BAD_INPUT
 from fedagent_flwr.trainers.verl.job import (
     PROG,
+    InputError,
     VerlJobFailed,
+    check_train_job,
     collect_result,
     describe,
     evaluate,
@@ -56,7 +58,12 @@ from fedagent_flwr.trainers.verl.runner import failure_reason, run_verl
 def train(job: TrainJob) -> TrainResult:
     """Run one verl job for ``job`` and write ``train_result.json``."""
     started = time.monotonic()
-    prep = prepare_train(job)
+    checked = check_train_job(job)
+    if checked[0].optimizer_state == "keep":  # the server refuses it before round 0; a job file may not
+        raise InputError("trainer.optimizer_state=keep needs trainer.mode=persistent: this subprocess trainer "
+                         "runs one client-round and exits, so no optimiser state is left to keep; set "
+                         "trainer.mode=persistent or trainer.optimizer_state=reset")
+    prep = prepare_train(job, checked=checked)
     work = prep.work
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *prep.overrides]
     (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")

@@ -1,0 +1,114 @@
+"""``trainer.optimizer_state``: keep a client's AdamW and LR-scheduler state across the persistent
+trainer's reloads (weights replaced, moments kept), or reset it (FedAgent's behaviour, the default).
+
+The reload is driven on verl's own FSDP engine at world size 2 on CPU (:mod:`testkit.verl_optimizer`);
+the state check, the session's metric and the refusals before round 0 are tested here directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.models.tiny import make_tiny_model
+from fedagent_flwr.trainers.verl import optimizer_state
+from fedagent_flwr.trainers.verl.persistent_runner import optimizer_kept
+from testkit import verl_optimizer
+
+Reports = list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_model_dir: Path, smollm2_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reports:
+    """Each rank's report of a live world-size-2 actor reloaded with keep, then reset."""
+    root = tmp_path_factory.mktemp("optimizer_state")
+    model_b = make_tiny_model(root / "model_b", seed=1, tokenizer_dir=smollm2_tokenizer_dir)
+    return verl_optimizer.run(root / "ranks", tiny_model_dir, model_b)
+
+
+def test_keep_replaces_the_weights_and_keeps_every_shards_adamw_state(reports: Reports) -> None:
+    for report in reports:
+        rank = report["rank"]
+        assert report["before_reload"]["from_b"] > 1e-3  # model A, trained: far from model B
+        assert report["keep"]["actor"]["optimizer_state"] == "kept" and report["keep"]["rank"] == rank
+        weights = report["keep_weights"]
+        assert weights["missing"] == [] and weights["max_abs_error"] == 0.0, f"rank {rank}: {weights}"
+        state = report["keep_state"]
+        assert state["keys"] == ["exp_avg", "exp_avg_sq", "step"] and state["params"] > 0
+        assert state["params_after"] == state["params"] and state["unequal"] == [], f"rank {rank}: {state}"
+        assert state["steps_after"] == [2.0] and state["last_epoch"] == [2, 2] and state["lr"][0] == state["lr"][1]
+        assert report["keep_bound"]  # on the new module's parameters, not the dropped ones
+        after = report["keep_next_step"]  # the kept state drives the next update: step 3, moments moved
+        assert after["steps_after"] == [3.0] and after["last_epoch"] == [2, 3] and after["unequal"]
+
+
+def test_reset_gives_new_weights_a_fresh_optimiser_and_schedule(reports: Reports) -> None:
+    for report in reports:
+        assert report["reset"]["actor"]["optimizer_state"] == "fresh"
+        assert report["reset_weights"]["max_abs_error"] == 0.0
+        assert report["reset_state"] == {"params_with_state": 0, "last_epoch": 0}
+
+
+def test_the_forward_only_reference_engine_has_no_optimiser_to_keep(reports: Reports) -> None:
+    for report in reports:
+        assert report["ref"]["optimizer_state"] == "none" and report["ref"]["path"].endswith("model_b")
+
+
+def _engine(shape: tuple[int, int], steps: int) -> Any:
+    """An engine as far as the state code reads it: a module, AdamW and LambdaLR, ``steps`` taken."""
+    module = torch.nn.Linear(*shape)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for _ in range(steps):
+        module(torch.ones(1, shape[0])).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=scheduler)
+
+
+def test_state_that_does_not_fit_the_rebuilt_parameters_is_refused_not_loaded() -> None:
+    kept = optimizer_state.take(_engine((4, 3), steps=1))
+    assert kept is not None and kept.has_moments()
+    other = _engine((4, 2), steps=0)  # another model: same parameter count, other shapes
+    with pytest.raises(optimizer_state.OptimizerStateMismatch, match=r"rank 0: parameter 0 is \(2, 4\)"):
+        optimizer_state.restore(other, kept, "rank 0")
+    assert not other.optimizer.state  # nothing was loaded
+    kept.shapes = optimizer_state.local_shapes(other.optimizer)  # shapes recorded wrongly: the tensors still tell
+    with pytest.raises(optimizer_state.OptimizerStateMismatch, match=r"kept 'exp_avg' of parameter 0 is \(3, 4\)"):
+        optimizer_state.restore(other, kept, "rank 0")
+    assert optimizer_state.restore(_engine((4, 3), steps=0), optimizer_state.take(_engine((4, 3), steps=1)),
+                                   "rank 0") == "kept"
+
+
+def test_a_round_reports_kept_only_when_every_rank_of_every_engine_kept() -> None:
+    def answers(role: str, *states: str) -> list[dict[str, Any]]:
+        return [{"rank": rank, role: {"optimizer_state": state}} for rank, state in enumerate(states)]
+
+    assert optimizer_kept({"actor": answers("actor", "kept", "kept")})
+    assert not optimizer_kept({"actor": answers("actor", "kept", "fresh")})
+    assert not optimizer_kept({"actor": answers("actor", "kept"), "critic": answers("critic", "fresh")})
+    assert optimizer_kept({"actor": answers("actor", "kept"), "critic": answers("critic", "kept")})
+    assert not optimizer_kept({})  # a session's first round: no reload, nothing kept
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    ("trainer=verl trainer.optimizer_state=keep",
+     "config key 'trainer.optimizer_state' = 'keep' needs trainer.mode=persistent"),
+    ("trainer.mode=persistent trainer.optimizer_state=keep",
+     "config key 'trainer.optimizer_state' = 'keep' is built for the verl backend only"),
+    ("trainer=verl trainer.optimizer_state=later", "config key 'trainer.optimizer_state'"),
+])
+def test_keep_is_refused_before_round_0_where_nothing_can_be_kept(overrides: str, words: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_settings(overrides=overrides)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_keep_with_a_persistent_verl_trainer_is_accepted_and_reset_is_the_default() -> None:
+    settings = load_settings(overrides="trainer=verl trainer.mode=persistent trainer.optimizer_state=keep")
+    assert settings.trainer_settings.optimizer_state == "keep"  # type: ignore[attr-defined]  # VerlTrainer's
+    assert load_settings(overrides="trainer=verl").trainer_settings.optimizer_state == "reset"  # type: ignore[attr-defined]
