@@ -112,3 +112,48 @@ def test_keep_with_a_persistent_verl_trainer_is_accepted_and_reset_is_the_defaul
     settings = load_settings(overrides="trainer=verl trainer.mode=persistent trainer.optimizer_state=keep")
     assert settings.trainer_settings.optimizer_state == "keep"  # type: ignore[attr-defined]  # VerlTrainer's
     assert load_settings(overrides="trainer=verl").trainer_settings.optimizer_state == "reset"  # type: ignore[attr-defined]
+
+
+def test_only_the_same_clients_next_round_keeps_its_state() -> None:
+    from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner
+
+    runner = PersistentTaskRunner()  # the Ray actor's class, outside Ray: no workers needed for this
+    plan = {"client_id": 3, "reload": True, "optimizer_state": "keep"}
+    assert not runner._keeps_optimizer({**plan, "reload": False}, "r1")  # a session's first round: built fresh
+    assert runner._keeps_optimizer(plan, "r2")
+    assert not runner._keeps_optimizer({**plan, "optimizer_state": "reset"}, "r2")
+    runner._last_client = 4  # the engines' state is another client's
+    assert not runner._keeps_optimizer(plan, "r2")
+
+
+@pytest.mark.parametrize(("setting", "kept", "metric"), [("keep", True, 1.0), ("keep", False, 0.0),
+                                                         ("reset", False, 0.0)])
+def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, kept: bool,
+        metric: float) -> None:
+    from fedagent_flwr.clientapp.job import TrainJob
+    from fedagent_flwr.trainers.verl import job as verl_job
+    from fedagent_flwr.trainers.verl.persistent import VerlSession, session_fingerprint
+
+    job = TrainJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "r2"), round=2, client_id=0,
+                   num_clients=2, data_seed=7, local_steps=1, partition={"strategy": "none"},
+                   env_spec={"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {}}]},
+                   trainer={"rollout_n": 2, "max_prompt_length": 256, "max_response_length": 128,
+                            "optimizer_state": setting})
+    plans: list[dict[str, Any]] = []
+
+    class Runner:  # the TaskRunner actor as the session calls it (Ray left out)
+        class train_round:  # noqa: N801  # ray's actor-method shape: runner.train_round.remote(plan)
+            @staticmethod
+            def remote(plan: dict[str, Any]) -> dict[str, Any]:
+                plans.append(plan)
+                return {"records": [], "reload_s": 0.5, "optimizer_state_kept": kept}
+
+    session = VerlSession(work_dir=str(tmp_path / "session"))
+    settings, spec, _, rule = verl_job.check_train_job(job)
+    session.runner, session.fixed = Runner(), session_fingerprint(job, settings, rule, 2)  # a second round
+    monkeypatch.setattr(session, "_get", lambda ref, what: ref)
+    monkeypatch.setattr(verl_job, "collect_result", lambda *args, extra_metrics: extra_metrics)
+    metrics: Any = session.train(job)
+    assert plans[0]["reload"] and plans[0]["optimizer_state"] == setting
+    assert metrics["verl/optimizer_state_kept"] == metric and metrics["verl/persistent_round"] == 1.0
