@@ -140,10 +140,7 @@ class ReferenceKnobs(EvalKnobs, OptimizerStateKeys):
 
     def check_together(self, prefix: str) -> None:
         """Settings that constrain each other."""
-        if self.optimizer_state == "keep":
-            raise SettingError(
-                f"config key '{prefix}.optimizer_state' = 'keep' is built for the verl backend only (the reference "
-                f"trainer starts a fresh AdamW every client-round); set {prefix}.optimizer_state=reset")
+        self.check_optimizer_state(prefix, "reference")
 
 
 @dataclass

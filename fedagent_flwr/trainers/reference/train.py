@@ -18,8 +18,8 @@ from fedagent_flwr.rollout.episode import Episode
 from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.seeding import train_env_seed, train_group_ids
 from fedagent_flwr.trainers.common import evaluator
+from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world, check_turns_fit
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
-from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world, check_turns_fit
 from fedagent_flwr.trainers.common.client_rule import RuleChain, without_rule_keys
 from fedagent_flwr.trainers.common.evaluator import episode_metrics, load_model, mean
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
@@ -63,17 +63,32 @@ def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, RuleChain
 def train(job: TrainJob) -> TrainResult:
     """Run ``job.epochs`` x ``job.local_steps`` GRPO steps and write the checkpoint and ``train_result.json``."""
     spec, cfg, model_path, rules = check_train_job(job)  # before importing torch: bad input fails fast
+    if cfg.optimizer_state == "keep":  # the server refuses it before round 0; a job file may not
+        raise InputError("trainer.optimizer_state=keep needs trainer.mode=persistent: this reference trainer "
+                         "process runs one client-round and exits, so no optimiser state is left to keep; set "
+                         "trainer.mode=persistent or trainer.optimizer_state=reset")
     started = time.monotonic()
     model, tokenizer = load_model(model_path, cfg.num_threads)
     return train_loaded(job, spec, cfg, rules, model, tokenizer, started)
 
 
+def make_optimizer(model: Any, cfg: GRPOConfig) -> Any:
+    """The job's AdamW over ``model``'s trainable parameters (a persistent session may load the
+    client's previous round's state into it before :func:`train_loaded` runs)."""
+    import torch
+
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay)
+
+
 def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any,
-                 tokenizer: Any, started: float) -> TrainResult:
+                 tokenizer: Any, started: float, optimizer: Any = None,
+                 extra_metrics: dict[str, float] | None = None) -> TrainResult:
     """Train ``model`` (the job's starting weights, loaded) in place; the rest of :func:`train`.
 
     Seeded here, after loading, so a fresh process and a persistent session that only reloaded
-    the weights train bit-identically.
+    the weights train bit-identically. ``optimizer``: :func:`make_optimizer`'s (a new one when
+    None); ``extra_metrics`` join the result's metrics.
     """
     import torch
 
@@ -88,9 +103,8 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
+    if optimizer is None:
+        optimizer = make_optimizer(model, cfg)
     sampling = cfg.sampling()
 
     all_episodes: list[Episode] = []
@@ -161,6 +175,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     )
     if job.trainer.get("client_rule"):  # the user's rule (trainer.client_rule), not FedProx's
         metrics["client_rule_value"] = mean(rule_values)
+    metrics.update(extra_metrics or {})
     result = TrainResult(
         actor_dir=str(actor_dir.resolve()),
         actor_format="fsdp-shards",

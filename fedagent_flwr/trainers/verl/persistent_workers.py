@@ -33,7 +33,8 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from fedagent_flwr.trainers.verl import engine_hooks, optimizer_state, phases
+from fedagent_flwr.trainers.common import optimizer_state
+from fedagent_flwr.trainers.verl import engine_hooks, phases
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
 _ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")

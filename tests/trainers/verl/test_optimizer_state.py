@@ -1,8 +1,9 @@
 """``trainer.optimizer_state``: keep a client's AdamW and LR-scheduler state across the persistent
-trainer's reloads (weights replaced, moments kept), or reset it (FedAgent's behaviour, the default).
+verl trainer's reloads (weights replaced, moments kept), or reset it (FedAgent's behaviour, the default).
 
 The reload is driven on verl's own FSDP engine at world size 2 on CPU (:mod:`testkit.verl_optimizer`);
-the state check, the session's metric and the refusals before round 0 are tested here directly."""
+the state check, the session's metric and the refusals before round 0 (both backends) are tested
+here directly. The reference trainer's session: ``tests/trainers/reference/test_session_optimizer.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.models.tiny import make_tiny_model
-from fedagent_flwr.trainers.verl import optimizer_state
+from fedagent_flwr.trainers.common import optimizer_state
 from fedagent_flwr.trainers.verl.persistent_runner import optimizer_kept
 from testkit import verl_optimizer
 
@@ -97,9 +98,11 @@ def test_a_round_reports_kept_only_when_every_rank_of_every_engine_kept() -> Non
 
 @pytest.mark.parametrize(("overrides", "words"), [
     ("trainer=verl trainer.optimizer_state=keep",
-     "config key 'trainer.optimizer_state' = 'keep' needs trainer.mode=persistent"),
-    ("trainer.mode=persistent trainer.optimizer_state=keep",
-     "config key 'trainer.optimizer_state' = 'keep' is built for the verl backend only"),
+     "config key 'trainer.optimizer_state' = 'keep' needs trainer.mode=persistent: with trainer.mode=subprocess "
+     "every client-round runs in a new verl process"),
+    ("trainer.optimizer_state=keep",  # the reference backend
+     "config key 'trainer.optimizer_state' = 'keep' needs trainer.mode=persistent: with trainer.mode=subprocess "
+     "every client-round runs in a new reference process"),
     ("trainer=verl trainer.optimizer_state=later", "config key 'trainer.optimizer_state'"),
 ])
 def test_keep_is_refused_before_round_0_where_nothing_can_be_kept(overrides: str, words: str) -> None:
@@ -108,10 +111,11 @@ def test_keep_is_refused_before_round_0_where_nothing_can_be_kept(overrides: str
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_keep_with_a_persistent_verl_trainer_is_accepted_and_reset_is_the_default() -> None:
-    settings = load_settings(overrides="trainer=verl trainer.mode=persistent trainer.optimizer_state=keep")
-    assert settings.trainer_settings.optimizer_state == "keep"  # type: ignore[attr-defined]  # VerlTrainer's
-    assert load_settings(overrides="trainer=verl").trainer_settings.optimizer_state == "reset"  # type: ignore[attr-defined]
+@pytest.mark.parametrize("backend", ["trainer=verl", "trainer=reference"])
+def test_keep_with_a_persistent_trainer_is_accepted_and_reset_is_the_default(backend: str) -> None:
+    settings = load_settings(overrides=f"{backend} trainer.mode=persistent trainer.optimizer_state=keep")
+    assert settings.trainer_settings.optimizer_state == "keep"  # type: ignore[attr-defined]  # the backend's
+    assert load_settings(overrides=backend).trainer_settings.optimizer_state == "reset"  # type: ignore[attr-defined]
 
 
 def test_only_the_same_clients_next_round_keeps_its_state() -> None:

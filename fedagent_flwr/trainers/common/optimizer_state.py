@@ -1,12 +1,14 @@
-"""A client's optimiser state carried across a reload of its verl engine (``trainer.optimizer_state: keep``).
+"""A client's optimiser state carried from one of its rounds to the next (``trainer.optimizer_state: keep``).
 
-A persistent trainer reloads each round's global model with ``FSDPEngine.initialize()``
-(:func:`.persistent_workers.reload_training_worker`), which builds a new AdamW and LR scheduler
-as well as the new weights: every round's first steps are then bias-corrected, sign-like steps
-from zero moments. With ``keep`` the reload takes the engine's optimiser and scheduler state
-before the old engine is dropped and loads it into the new ones afterwards, so the weights are
-the round's global model and the moments, step counts and LR schedule continue from the client's
-previous round.
+Each client-round starts from the round's global model, and by default (``reset``, FedAgent's
+behaviour) from a new AdamW and LR scheduler too: its first steps are then bias-corrected,
+sign-like steps from zero moments. With ``keep`` a persistent trainer takes the optimiser's and
+scheduler's state at the end of a client's round and loads it into the next round's new ones, so
+the weights are the round's global model and the moments, step counts and LR schedule continue
+from the client's previous round. Both backends use this module on an object with ``optimizer``
+and ``lr_scheduler`` attributes: verl's FSDP engine, whose reload (``FSDPEngine.initialize()``,
+:func:`fedagent_flwr.trainers.verl.persistent_workers.reload_training_worker`) rebuilds both, and
+the reference trainer's persistent session (:mod:`fedagent_flwr.trainers.reference.session`).
 
 Everything here works on the rank's own shard: the optimiser of an FSDP engine holds the state of
 the parameters this rank owns (FSDP1's flat shards, FSDP2's DTensor shards), and the rebuilt
