@@ -10,7 +10,8 @@ workers (FedAgent's persistent task runner, reference/fedagent.md §1.9):
    ``trainer.experiment_name``;
 2. except right after ``start`` (the workers were just built from this round's paths), load the
    round's global model into the actor and reference engines and the critic's start into the
-   critic (new optimiser and LR scheduler, FedProx / client-rule state forgotten);
+   critic (new optimiser and LR scheduler, unless ``trainer.optimizer_state: keep`` carries the
+   same client's previous state over; FedProx / client-rule state forgotten);
 3. rebuild the train dataloader from the round's rows (``RayPPOTrainer._create_dataloader``);
 4. reseed ``random`` / NumPy / torch with the data seed and run the stock ``fit()``: it resets
    ``global_steps`` to 0, loads no checkpoint (``resume_mode=disable``), pushes the actor's

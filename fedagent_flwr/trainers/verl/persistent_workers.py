@@ -4,7 +4,9 @@ A persistent trainer (:mod:`.persistent`) keeps verl's worker processes alive ac
 each round's global model must go into the running engines. verl 0.9.1 already has the primitive:
 ``TrainingWorker.reset()`` calls ``FSDPEngine.initialize()``, which builds the model from
 ``engine.model_config.local_path`` and a new optimiser and LR scheduler (FedAgent's
-``reload_client_model`` does exactly this). The subclasses here add a ``fedagent_reload``
+``reload_client_model`` does exactly this; ``trainer.optimizer_state: keep`` carries the old
+optimiser's and scheduler's state into the new ones, :mod:`~fedagent_flwr.trainers.common.optimizer_state`).
+The subclasses here add a ``fedagent_reload``
 method registered with verl's ``@register(dispatch_mode=Dispatch.ONE_TO_ALL)``, so the trainer's
 worker groups bind it like ``init_model``: one call, run on every rank, a list of per-rank answers.
 
