@@ -19,7 +19,7 @@ instead of loading state onto the wrong tensors.
 
 GPU memory: :func:`take` moves the state tensors to CPU in the old optimiser itself, so the GPU
 copies are freed with the old engine and the GPU never holds two copies; :func:`restore` puts them
-where the new optimiser keeps its state (next to the parameters, or on CPU when verl offloads the
+where the new optimiser keeps its state (on the training device, or on CPU when verl offloads the
 optimiser), which is where they were during the previous round's later steps.
 """
 
@@ -64,13 +64,19 @@ def local_shapes(optimizer: Any) -> list[list[tuple[int, ...]]]:
 
 
 @torch.no_grad()
-def _to_cpu(optimizer: Any) -> None:
-    """Replace every state tensor of ``optimizer`` by its CPU copy (in place: the device copies are
-    freed as soon as nothing else holds them), as verl's ``offload_fsdp_optimizer`` does."""
+def _move(optimizer: Any, device: str, steps_too: bool = True) -> None:
+    """Replace every state tensor of ``optimizer`` by its copy on ``device`` (in place: the old
+    copies are freed as soon as nothing else holds them), as verl's ``offload_fsdp_optimizer`` /
+    ``load_fsdp_optimizer`` do; ``steps_too=False`` leaves AdamW's ``step`` counters where torch
+    keeps them for a new optimiser (on CPU, unless capturable or fused)."""
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to("cpu")
+            if isinstance(value, torch.Tensor) and (steps_too or key != "step"):
+                state[key] = value.to(device)
+
+
+def _to_cpu(optimizer: Any) -> None:
+    _move(optimizer, "cpu")
 
 
 def take(engine: Any) -> KeptState | None:
@@ -114,9 +120,14 @@ def check_fits(kept: KeptState, optimizer: Any, where: str) -> None:
                     f"is {flat_new[index]}")
 
 
-def restore(engine: Any, kept: KeptState, where: str) -> str:
+def restore(engine: Any, kept: KeptState, where: str, device: str | None = None) -> str:
     """Load ``kept`` into ``engine``'s new optimiser and scheduler; returns :data:`KEPT`, or
-    :data:`FRESH` when the old optimiser had not stepped yet (nothing to carry)."""
+    :data:`FRESH` when the old optimiser had not stepped yet (nothing to carry).
+
+    torch puts each state tensor next to its parameter. ``device`` is where the engine trains
+    (verl's device name): a new engine's parameters may sit on CPU between steps (verl's
+    ``param_offload``) while its optimiser state lives on the device (created there at the first
+    step), so the state goes to ``device``, or to CPU when verl offloads the optimiser itself."""
     optimizer = getattr(engine, "optimizer", None)
     scheduler = getattr(engine, "lr_scheduler", None)
     if optimizer is None:
@@ -132,4 +143,6 @@ def restore(engine: Any, kept: KeptState, where: str) -> str:
         scheduler.load_state_dict(dict(kept.lr_scheduler))  # LambdaLR pops from what it is given
     if getattr(engine, "_is_offload_optimizer", False):
         _to_cpu(optimizer)  # where verl keeps an offloaded optimiser between its steps
+    elif device is not None:
+        _move(optimizer, device, steps_too=False)
     return KEPT if kept.has_moments() else FRESH

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils.device import get_device_name
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
@@ -71,7 +72,8 @@ def reload_training_worker(worker: Any, model_path: str, keep_optimizer: bool = 
     if getattr(engine, "module", None) is None:
         raise RuntimeError(f"FSDPEngine.initialize() left no module after loading {model_path}")
     if kept is not None:
-        state = optimizer_state.restore(engine, kept, f"rank {_rank(worker)} reloading {model_path}")
+        state = optimizer_state.restore(engine, kept, f"rank {_rank(worker)} reloading {model_path}",
+                                        device=get_device_name())
     elif getattr(engine, "optimizer", None) is not None:
         state = optimizer_state.FRESH
     else:

@@ -85,6 +85,18 @@ def test_state_that_does_not_fit_the_rebuilt_parameters_is_refused_not_loaded() 
                                    "rank 0") == "kept"
 
 
+def test_restored_moments_go_where_the_engine_trains_and_the_step_counters_stay_where_torch_keeps_them() -> None:
+    """verl's param_offload leaves a rebuilt engine's parameters on CPU between steps while its
+    optimiser state lives on the device: the moments follow the device named, not the parameters."""
+    engine = _engine((4, 3), steps=0)
+    assert optimizer_state.restore(engine, optimizer_state.take(_engine((4, 3), steps=2)), "rank 0",
+                                   device="meta") == "kept"
+    for state in engine.optimizer.state.values():
+        assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == "cpu" and float(state["step"]) == 2.0
+    assert engine.lr_scheduler.last_epoch == 2  # the schedule goes on from the kept one
+
+
 def test_a_round_reports_kept_only_when_every_rank_of_every_engine_kept() -> None:
     def answers(role: str, *states: str) -> list[dict[str, Any]]:
         return [{"rank": rank, role: {"optimizer_state": state}} for rank, state in enumerate(states)]
