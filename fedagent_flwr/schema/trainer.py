@@ -72,8 +72,10 @@ class OptimizerStateKeys:
 
     def check_optimizer_state(self, prefix: str, backend: str) -> None:
         """Refuse ``keep`` where nothing outlives a client-round: the subprocess mode starts every
-        client-round in a new process (``mode`` is known on the server, which checks the whole group
-        before round 0; a job's own settings do not carry it, and the trainer refuses there)."""
+        client-round in a new process. ``mode`` is known on the server, which checks the whole group
+        before round 0; a job's own settings do not carry it, and a fresh trainer process given a
+        ``keep`` job (a persistent trainer's job, rerun after that trainer died) trains from a new
+        optimiser and reports ``optimizer_state_kept`` 0.0."""
         if self.optimizer_state == "keep" and getattr(self, "mode", None) == "subprocess":
             raise SettingError(
                 f"config key '{prefix}.optimizer_state' = 'keep' needs {prefix}.mode=persistent: with "

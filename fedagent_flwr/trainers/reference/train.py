@@ -18,8 +18,8 @@ from fedagent_flwr.rollout.episode import Episode
 from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.seeding import train_env_seed, train_group_ids
 from fedagent_flwr.trainers.common import evaluator
-from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world, check_turns_fit
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
+from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world, check_turns_fit
 from fedagent_flwr.trainers.common.client_rule import RuleChain, without_rule_keys
 from fedagent_flwr.trainers.common.evaluator import episode_metrics, load_model, mean
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
@@ -63,13 +63,13 @@ def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, RuleChain
 def train(job: TrainJob) -> TrainResult:
     """Run ``job.epochs`` x ``job.local_steps`` GRPO steps and write the checkpoint and ``train_result.json``."""
     spec, cfg, model_path, rules = check_train_job(job)  # before importing torch: bad input fails fast
-    if cfg.optimizer_state == "keep":  # the server refuses it before round 0; a job file may not
-        raise InputError("trainer.optimizer_state=keep needs trainer.mode=persistent: this reference trainer "
-                         "process runs one client-round and exits, so no optimiser state is left to keep; set "
-                         "trainer.mode=persistent or trainer.optimizer_state=reset")
     started = time.monotonic()
     model, tokenizer = load_model(model_path, cfg.num_threads)
-    return train_loaded(job, spec, cfg, rules, model, tokenizer, started)
+    # keep: a persistent session's job, rerun in this fresh process after its trainer died or
+    # stalled (the ClientApp's fallback; the server refuses keep with trainer.mode=subprocess): it
+    # trains from a new AdamW and says so.
+    fresh = {"optimizer_state_kept": 0.0} if cfg.optimizer_state == "keep" else None
+    return train_loaded(job, spec, cfg, rules, model, tokenizer, started, extra_metrics=fresh)
 
 
 def make_optimizer(model: Any, cfg: GRPOConfig) -> Any:

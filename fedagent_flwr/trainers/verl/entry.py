@@ -42,9 +42,7 @@ from fedagent_flwr.clientapp.job import TrainJob, TrainResult, backend_main
 from fedagent_flwr.trainers.common.checks import BAD_INPUT
 from fedagent_flwr.trainers.verl.job import (
     PROG,
-    InputError,
     VerlJobFailed,
-    check_train_job,
     collect_result,
     describe,
     evaluate,
@@ -58,12 +56,7 @@ from fedagent_flwr.trainers.verl.runner import failure_reason, run_verl
 def train(job: TrainJob) -> TrainResult:
     """Run one verl job for ``job`` and write ``train_result.json``."""
     started = time.monotonic()
-    checked = check_train_job(job)
-    if checked[0].optimizer_state == "keep":  # the server refuses it before round 0; a job file may not
-        raise InputError("trainer.optimizer_state=keep needs trainer.mode=persistent: this subprocess trainer "
-                         "runs one client-round and exits, so no optimiser state is left to keep; set "
-                         "trainer.mode=persistent or trainer.optimizer_state=reset")
-    prep = prepare_train(job, checked=checked)
+    prep = prepare_train(job)
     work = prep.work
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *prep.overrides]
     (work / "command.txt").write_text(" \\\n  ".join(command) + "\n")
@@ -72,7 +65,16 @@ def train(job: TrainJob) -> TrainResult:
                                              prep.step_file, progress_reporter(job, prep, started))
     if code != 0:
         raise VerlJobFailed(f"verl {failure_reason(code, tail, work / 'verl.log')} (log: {work / 'verl.log'})")
-    return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"))
+    return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"),
+                          extra_metrics=fresh_optimizer_metric(prep.settings.optimizer_state))
+
+
+def fresh_optimizer_metric(setting: str) -> dict[str, float]:
+    """``verl/optimizer_state_kept`` = 0.0 for a job that asked to keep its optimiser state: a fresh
+    process has none to keep. The server refuses ``keep`` with ``trainer.mode=subprocess``, so such
+    a job is a persistent trainer's, rerun here after that trainer died or stalled (the ClientApp's
+    fallback): it trains, from a new optimiser, and says so rather than failing the round."""
+    return {"verl/optimizer_state_kept": 0.0} if setting == "keep" else {}
 
 
 

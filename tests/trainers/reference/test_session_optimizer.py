@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedagent_flwr.clientapp.job import TrainJob
+from fedagent_flwr.clientapp.job import TrainJob, TrainResult, load
 from fedagent_flwr.models.tiny import make_tiny_model
 from fedagent_flwr.trainers.common import optimizer_state
-from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.reference import train as rt
 from fedagent_flwr.trainers.reference.session import ReferenceSession
-from testkit.reference_trainer import SPEC, TRAINER
+from testkit.reference_trainer import SPEC, TRAINER, run_trainer, train_job
 
 
 def _job(model: Path, out: Path, round_: int, setting: str, client_id: int = 1) -> TrainJob:
@@ -88,7 +87,16 @@ def test_another_clients_state_is_not_loaded(tiny_model_dir: Path, tmp_path: Pat
     assert other.metrics["optimizer_state_kept"] == 0.0 and session.kept_client == 0
 
 
-def test_a_trainer_process_refuses_keep(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The subprocess mode's trainer runs one client-round: a job asking to keep state is refused."""
-    with pytest.raises(InputError, match="trainer.optimizer_state=keep needs trainer.mode=persistent"):
-        rt.train(_job(tiny_model_dir, tmp_path / "s", 1, "keep"))
+def test_a_fresh_trainer_process_trains_a_keep_job_from_a_new_adamw_and_says_so(tiny_model_dir: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The ClientApp reruns a persistent trainer's job in a fresh subprocess when that trainer died
+    (the server refuses keep with trainer.mode=subprocess, so that is the only way one gets there):
+    the job trains, with nothing to keep, and its metrics say so."""
+    job = train_job(tmp_path, tiny_model_dir, "fallback", trainer={**TRAINER, "optimizer_state": "keep"})
+    proc = run_trainer("train", job)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = load(TrainResult, tmp_path / "fallback" / rt.TRAIN_RESULT)
+    assert result.metrics["optimizer_state_kept"] == 0.0
+    proc = run_trainer("train", train_job(tmp_path, tiny_model_dir, "plain"))
+    assert proc.returncode == 0 and "optimizer_state_kept" not in load(
+        TrainResult, tmp_path / "plain" / rt.TRAIN_RESULT).metrics  # reset, subprocess mode: as before

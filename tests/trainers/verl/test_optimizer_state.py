@@ -173,3 +173,22 @@ def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
     metrics: Any = session.train(job)
     assert plans[0]["reload"] and plans[0]["optimizer_state"] == setting
     assert metrics["verl/optimizer_state_kept"] == metric and metrics["verl/persistent_round"] == 1.0
+
+
+@pytest.mark.parametrize(("setting", "metrics"), [("keep", {"verl/optimizer_state_kept": 0.0}), ("reset", {})])
+def test_a_subprocess_verl_job_asked_to_keep_trains_from_a_new_optimiser_and_says_so(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str,
+        metrics: dict[str, float]) -> None:
+    """The ClientApp reruns a persistent trainer's job in a fresh subprocess when that trainer died:
+    a keep job then has nothing to keep, trains anyway, and reports it (verl itself left out)."""
+    from fedagent_flwr.clientapp.job import TrainJob
+    from fedagent_flwr.trainers.verl import entry
+
+    job = TrainJob(model_path=str(tiny_model_dir), output_dir=str(tmp_path / "r2"), round=2, client_id=0,
+                   num_clients=2, data_seed=7, local_steps=1, partition={"strategy": "none"},
+                   env_spec={"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 2, "config": {}}]},
+                   trainer={"rollout_n": 2, "max_prompt_length": 256, "max_response_length": 128,
+                            "optimizer_state": setting})
+    monkeypatch.setattr(entry, "run_verl", lambda *args: (0, 1.0, "", {}))
+    monkeypatch.setattr(entry, "collect_result", lambda *args, extra_metrics: extra_metrics)
+    assert entry.train(job) == metrics  # type: ignore[comparison-overlap]  # collect_result stands in
