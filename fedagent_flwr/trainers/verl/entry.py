@@ -70,11 +70,11 @@ def train(job: TrainJob) -> TrainResult:
 
 
 def fresh_optimizer_metric(setting: str) -> dict[str, float]:
-    """``verl/optimizer_state_kept`` = 0.0 for a job that asked to keep its optimiser state: a fresh
+    """``optimizer_state_kept`` = 0.0 for a job that asked to keep its optimiser state: a fresh
     process has none to keep. The server refuses ``keep`` with ``trainer.mode=subprocess``, so such
     a job is a persistent trainer's, rerun here after that trainer died or stalled (the ClientApp's
     fallback): it trains, from a new optimiser, and says so rather than failing the round."""
-    return {"verl/optimizer_state_kept": 0.0} if setting == "keep" else {}
+    return {"optimizer_state_kept": 0.0} if setting == "keep" else {}
 
 
 
