@@ -82,7 +82,7 @@ class ReferenceSession:
     def __init__(self) -> None:
         self.cache = ModelCache()
         self.kept: optimizer_state.KeptState | None = None  # the AdamW state of ...
-        self.kept_client: int | None = None  # ... this client's latest round
+        self.kept_from: tuple[int, int] | None = None  # ... this (client, round), completed
 
     def train(self, job: TrainJob) -> TrainResult:
         """Same checks, training and result file as :func:`.train.train`; only the load differs
@@ -100,15 +100,19 @@ class ReferenceSession:
         self.kept = None  # a round that fails part-way leaves no state to the next
         result = rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
                                  {"optimizer_state_kept": 1.0 if kept else 0.0})
-        self.kept, self.kept_client = optimizer_state.take(_Holder(optimizer)), job.client_id
+        self.kept, self.kept_from = optimizer_state.take(_Holder(optimizer)), (job.client_id, job.round)
         return result
 
     def _restore(self, optimizer: Any, job: TrainJob) -> bool:
-        """Load the state the same client's previous round left into ``optimizer``; False (and
-        said) when there is none: the session's first round, or another client's state."""
-        if self.kept is None or self.kept_client != job.client_id:
-            reason = "the session's first round" if self.kept is None else f"client {self.kept_client}'s state"
-            print(f"{rt.PROG}: optimiser state: fresh ({reason})", flush=True)
+        """Load the state the same client's earlier round left into ``optimizer``; False (and
+        said) when there is none: the session's first round (or one after a failed round), another
+        client's state, or a round run again (a resumed run whose trainer outlived the server)."""
+        if self.kept is None or self.kept_from is None or self.kept_from[0] != job.client_id \
+                or self.kept_from[1] >= job.round:
+            reason = ("no completed round" if self.kept is None or self.kept_from is None
+                      else f"client {self.kept_from[0]}'s round {self.kept_from[1]}")
+            print(f"{rt.PROG}: optimiser state: fresh (the state is from {reason}, not from an earlier round "
+                  "of this client)", flush=True)
             return False
         where = f"round {job.round} client {job.client_id}"
         kept = optimizer_state.restore(_Holder(optimizer), self.kept, where) == optimizer_state.KEPT
@@ -126,7 +130,7 @@ class ReferenceSession:
     def close(self) -> None:
         """Drop the model and any kept optimiser state (the process exits right after)."""
         self.cache = ModelCache()
-        self.kept = self.kept_client = None
+        self.kept = self.kept_from = None
 
 
 class _Holder:

@@ -92,7 +92,9 @@ class PersistentTaskRunner(BaseTaskRunner):
         phases.record_process_start(self.recorder, "task_runner_spawn")
         # the session's first weight sync and generation are start-up phases (named first_*)
         self._syncs, self._generations = phases.CallLog(), phases.CallLog()
-        self._last_client: int | None = None  # whose round the engines' optimiser state is from
+        # (client, round) of the completed client-round the engines' optimiser state is from (None:
+        # a new session, or a round that failed part-way and left a state that belongs to no round)
+        self._state_from: tuple[int, int] | None = None
 
     def add_actor_rollout_worker(self, config: DictConfig) -> tuple[type, type]:
         _, worker_group_cls = super().add_actor_rollout_worker(config)
@@ -198,6 +200,7 @@ class PersistentTaskRunner(BaseTaskRunner):
         reloaded: dict[str, Any] = {}
         keep = self._keeps_optimizer(plan, label)
         kept = False
+        self._state_from = None  # until this round completes
         if plan["reload"]:
             reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]), keep)
             ranks = trainer.actor_rollout_wg.world_size
@@ -243,19 +246,24 @@ class PersistentTaskRunner(BaseTaskRunner):
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
         rec.record("train_round", t0_at)
-        self._last_client = int(plan["client_id"])
+        self._state_from = (int(plan["client_id"]), int(plan["round"]))
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
                 "reloaded": reloaded, "optimizer_state_kept": kept}
 
     def _keeps_optimizer(self, plan: dict[str, Any], label: str) -> bool:
         """Whether this round's reload keeps the engines' optimiser state (``trainer.optimizer_state:
-        keep``): only the state the same client's previous round left (a node trains one client;
-        should a job of another client arrive, its round starts with a fresh optimiser, said here)."""
+        keep``): only a state the same client's earlier, completed round left. A node trains one
+        client, but should a job of another client arrive, or a round run again (a resumed run
+        whose trainer outlived the server), or follow a round that failed part-way, it starts
+        with a fresh optimiser, said here."""
         if plan.get("optimizer_state") != "keep" or not plan["reload"]:
             return False
-        if self._last_client is not None and self._last_client != int(plan["client_id"]):
-            print(f"{label}: the optimiser state is client {self._last_client}'s, not this client's: "
-                  "starting with a fresh optimiser", flush=True)
+        client, round_ = int(plan["client_id"]), int(plan["round"])
+        if self._state_from is None or self._state_from[0] != client or self._state_from[1] >= round_:
+            source = ("no completed round" if self._state_from is None
+                      else f"client {self._state_from[0]}'s round {self._state_from[1]}")
+            print(f"{label}: the engines' optimiser state is from {source}, not from an earlier round of "
+                  "this client: starting with a fresh optimiser", flush=True)
             return False
         return True
 

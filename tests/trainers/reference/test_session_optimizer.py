@@ -80,11 +80,15 @@ def test_reset_keeps_nothing_and_reports_it(tiny_model_dir: Path, tmp_path: Path
         assert result.metrics["optimizer_state_kept"] == 0.0 and session.kept is None
 
 
-def test_another_clients_state_is_not_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_only_an_earlier_round_of_the_same_client_is_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:
     session = ReferenceSession()
     session.train(_job(tiny_model_dir, tmp_path / "c1", 1, "keep", client_id=1))
     other = session.train(_job(tiny_model_dir, tmp_path / "c0", 2, "keep", client_id=0))
-    assert other.metrics["optimizer_state_kept"] == 0.0 and session.kept_client == 0
+    assert other.metrics["optimizer_state_kept"] == 0.0 and session.kept_from == (0, 2)
+    again = session.train(_job(tiny_model_dir, tmp_path / "c0again", 2, "keep", client_id=0))
+    assert again.metrics["optimizer_state_kept"] == 0.0  # round 2 again (a resumed run): not its own rerun's state
+    third = session.train(_job(tiny_model_dir, tmp_path / "c0next", 3, "keep", client_id=0))
+    assert third.metrics["optimizer_state_kept"] == 1.0
 
 
 def test_a_fresh_trainer_process_trains_a_keep_job_from_a_new_adamw_and_says_so(tiny_model_dir: Path,

@@ -134,11 +134,14 @@ def test_only_the_same_clients_next_round_keeps_its_state() -> None:
     from fedagent_flwr.trainers.verl.persistent_runner import PersistentTaskRunner
 
     runner = PersistentTaskRunner()  # the Ray actor's class, outside Ray: no workers needed for this
-    plan = {"client_id": 3, "reload": True, "optimizer_state": "keep"}
+    plan = {"client_id": 3, "round": 2, "reload": True, "optimizer_state": "keep"}
     assert not runner._keeps_optimizer({**plan, "reload": False}, "r1")  # a session's first round: built fresh
+    assert not runner._keeps_optimizer(plan, "r2")  # no completed round (a new session, or one that failed)
+    runner._state_from = (3, 1)  # as train_round leaves it after client 3's round 1 completed
     assert runner._keeps_optimizer(plan, "r2")
     assert not runner._keeps_optimizer({**plan, "optimizer_state": "reset"}, "r2")
-    runner._last_client = 4  # the engines' state is another client's
+    assert not runner._keeps_optimizer({**plan, "round": 1}, "r1")  # round 1 again (a resumed run): fresh
+    runner._state_from = (4, 1)  # the engines' state is another client's
     assert not runner._keeps_optimizer(plan, "r2")
 
 
