@@ -41,6 +41,7 @@ __all__ = [
     "CONFIG",
     "METRICS",
     "NUM_EXAMPLES",
+    "OPTIMIZER_STATE_KEPT",
     "PROXIMAL_MU",
     "QUERY_PARTITION",
     "QUERY_SHUTDOWN",
@@ -86,6 +87,10 @@ TRAIN_SECONDS = "train-seconds"
 # that would not fit was not started): they count as played, with the reward they had by then
 TRUNCATED_RATE = "truncated-rate"
 ZERO_VARIANCE_GROUP_SHARE = "zero-variance-group-share"
+# 1.0 when a client-round continued from the client's previous round's optimiser state
+# (trainer.optimizer_state: keep), 0.0 when it started fresh; sent by persistent trainers, and by a
+# fresh trainer process rerunning a keep job (a subprocess trainer's reset rounds do not send it)
+OPTIMIZER_STATE_KEPT = "optimizer-state-kept"
 STORE_FIELDS = (KIND_FIELD, RUN_ROOT_FIELD, URL_FIELD, RUN_FIELD, READ_TOKEN_FIELD, UPLOAD_TOKEN_FIELD, CA_FIELD)
 
 

@@ -40,6 +40,7 @@ from fedagent_flwr.clientapp.services import serve_env_spec, stop_client_service
 from fedagent_flwr.progress import PROGRESS_FILE
 from fedagent_flwr.protocol import (
     NUM_EXAMPLES,
+    OPTIMIZER_STATE_KEPT,
     REWARD_MEAN,
     SUCCESS_RATE,
     TRAIN_SECONDS,
@@ -258,6 +259,8 @@ def train_metrics(result: jobs.TrainResult, seconds: float) -> dict[str, float |
         metrics[ZERO_VARIANCE_GROUP_SHARE] = float(result.metrics["zero_variance_group_share"])
     if "truncated_rate" in result.metrics:  # episodes that ran out of the context budget (the server warns)
         metrics[TRUNCATED_RATE] = float(result.metrics["truncated_rate"])
+    if "optimizer_state_kept" in result.metrics:  # trainer.optimizer_state: was this round's state kept?
+        metrics[OPTIMIZER_STATE_KEPT] = float(result.metrics["optimizer_state_kept"])
     # Backend timings and losses (verl: cold start, per-phase step times) travel as metrics too.
     metrics.update({_metric_key(k): float(v) for k, v in result.metrics.items()
                     if k.startswith(("verl/", "fedprox/"))})

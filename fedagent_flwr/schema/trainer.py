@@ -21,6 +21,7 @@ ROLLOUT_MODES = ("concat", "windowed")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 PREFILL_MODES = ("incremental", "full")  # EvalKnobs.prefill
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZER_STATES = ("reset", "keep")  # OptimizerStateKeys.optimizer_state
 _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
 # verl/utils/tracking.py); a test checks this list against the installed verl.
@@ -57,6 +58,29 @@ TrainerSettings = ClientAppKeys
 CLIENTAPP_TRAINER_KEYS = tuple(f.name for f in dataclasses.fields(ClientAppKeys))
 #: the client-rule keys, which a backend hands to the rule rather than to its own settings
 RULE_KEYS = tuple(f.name for f in dataclasses.fields(ClientRuleKeys))
+
+
+@dataclass
+class OptimizerStateKeys:
+    """What a client's optimiser carries from one of its rounds to the next (a trainer backend's key)."""
+
+    # reset: every client-round starts a fresh AdamW and LR schedule (FedAgent's reload_client_model), so
+    # its first steps are bias-corrected sign-like steps; keep: a persistent trainer replaces the weights
+    # with the round's global model but keeps the client's AdamW moments, step counts and LR schedule from
+    # its previous round (needs trainer.mode=persistent; docs/gpu.md "Optimiser state across rounds")
+    optimizer_state: str = setting("reset", choices=OPTIMIZER_STATES)
+
+    def check_optimizer_state(self, prefix: str, backend: str) -> None:
+        """Refuse ``keep`` where nothing outlives a client-round: the subprocess mode starts every
+        client-round in a new process. ``mode`` is known on the server, which checks the whole group
+        before round 0; a job's own settings do not carry it, and a fresh trainer process given a
+        ``keep`` job (a persistent trainer's job, rerun after that trainer died) trains from a new
+        optimiser and reports ``optimizer_state_kept`` 0.0."""
+        if self.optimizer_state == "keep" and getattr(self, "mode", None) == "subprocess":
+            raise SettingError(
+                f"config key '{prefix}.optimizer_state' = 'keep' needs {prefix}.mode=persistent: with "
+                f"{prefix}.mode=subprocess every client-round runs in a new {backend} process, so no optimiser "
+                f"state is left to keep; set {prefix}.mode=persistent or {prefix}.optimizer_state=reset")
 
 
 @dataclass
@@ -101,7 +125,7 @@ class EvalKnobs:
 
 
 @dataclass
-class ReferenceKnobs(EvalKnobs):
+class ReferenceKnobs(EvalKnobs, OptimizerStateKeys):
     """The CPU reference trainer's GRPO hyper-parameters (defaults follow FedAgent/verl)."""
 
     rollout_n: int = setting(2, ge=1)  # GRPO group size G (episodes per env seed)
@@ -116,9 +140,13 @@ class ReferenceKnobs(EvalKnobs):
     top_p: float = setting(1.0, gt=0, le=1)
     micro_batch_size: int = setting(8, ge=1)  # episodes per forward/backward in the update
 
+    def check_together(self, prefix: str) -> None:
+        """Settings that constrain each other."""
+        self.check_optimizer_state(prefix, "reference")
+
 
 @dataclass
-class VerlKnobs:
+class VerlKnobs(OptimizerStateKeys):
     """Hyper-parameters and resources of one client's verl job."""
 
     rollout_n: int = setting(4, ge=1)  # GRPO group size G (rollout.n)
@@ -169,6 +197,7 @@ class VerlKnobs:
 
     def check_together(self, prefix: str) -> None:
         """Settings that constrain each other."""
+        self.check_optimizer_state(prefix, "verl")
         if self.max_new_tokens > self.max_response_length:
             raise SettingError(
                 f"config key '{prefix}.max_new_tokens' ({self.max_new_tokens}) exceeds {prefix}.max_response_length "

@@ -4,7 +4,9 @@ One process per node serves every (round, client) job of the run (:mod:`.trainer
 interpreter, torch, transformers and the tokenizer are loaded once, and each job only loads its
 starting weights into the model already in memory. Training and evaluation then run the very
 same code as a fresh reference-trainer process (:mod:`.train`), seeded after the weights are in place, so the
-two modes give bit-identical checkpoints: CI checks the persistent mechanism with it.
+two modes give bit-identical checkpoints: CI checks the persistent mechanism with it. The one
+difference a setting can ask for: ``trainer.optimizer_state: keep`` carries each client's AdamW
+state across its rounds (the subprocess mode has no process to keep it in).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult
+from fedagent_flwr.trainers.common import optimizer_state
 from fedagent_flwr.trainers.common.evaluator import load_model
 from fedagent_flwr.trainers.reference import train as rt
 
@@ -68,19 +71,53 @@ class ModelCache:
 
 
 class ReferenceSession:
-    """:class:`~fedagent_flwr.clientapp.trainer_server.TrainerSession` for the reference trainer."""
+    """:class:`~fedagent_flwr.clientapp.trainer_server.TrainerSession` for the reference trainer.
+
+    With ``trainer.optimizer_state: keep`` it also keeps the AdamW state a client's round ends
+    with (:mod:`~fedagent_flwr.trainers.common.optimizer_state`) and loads it into the next
+    round's optimiser, whose parameters then hold that round's global model; each result's
+    ``optimizer_state_kept`` says whether it did (0.0 with ``reset`` and in the session's first round).
+    """
 
     def __init__(self) -> None:
         self.cache = ModelCache()
+        self.kept: optimizer_state.KeptState | None = None  # the AdamW state of ...
+        self.kept_from: tuple[int, int] | None = None  # ... this (client, round), completed
 
     def train(self, job: TrainJob) -> TrainResult:
-        """Same checks, training and result file as :func:`.train.train`; only the load differs."""
+        """Same checks, training and result file as :func:`.train.train`; only the load differs
+        (and, with ``keep``, the optimiser's starting state)."""
         spec, cfg, model_path, rules = rt.check_train_job(job)
         started = time.monotonic()
         model, tokenizer = self.cache.get(model_path, cfg.num_threads)
         print(f"{rt.PROG}: persistent session: weights of {model_path} loaded into the live model "
               f"({self.cache.loads} full loads, {self.cache.reloads} reloads)", flush=True)
-        return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started)
+        optimizer = rt.make_optimizer(model, cfg)
+        if cfg.optimizer_state != "keep":
+            return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
+                                   {"optimizer_state_kept": 0.0})
+        kept = self._restore(optimizer, job)
+        self.kept = None  # a round that fails part-way leaves no state to the next
+        result = rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
+                                 {"optimizer_state_kept": 1.0 if kept else 0.0})
+        self.kept, self.kept_from = optimizer_state.take(_Holder(optimizer)), (job.client_id, job.round)
+        return result
+
+    def _restore(self, optimizer: Any, job: TrainJob) -> bool:
+        """Load the state the same client's earlier round left into ``optimizer``; False (and
+        said) when there is none: the session's first round (or one after a failed round), another
+        client's state, or a round run again (a resumed run whose trainer outlived the server)."""
+        if self.kept is None or self.kept_from is None or self.kept_from[0] != job.client_id \
+                or self.kept_from[1] >= job.round:
+            reason = ("no completed round" if self.kept is None or self.kept_from is None
+                      else f"client {self.kept_from[0]}'s round {self.kept_from[1]}")
+            print(f"{rt.PROG}: optimiser state: fresh (the state is from {reason}, not from an earlier round "
+                  "of this client)", flush=True)
+            return False
+        where = f"round {job.round} client {job.client_id}"
+        kept = optimizer_state.restore(_Holder(optimizer), self.kept, where) == optimizer_state.KEPT
+        print(f"{rt.PROG}: optimiser state: {'kept from the previous round' if kept else 'fresh'}", flush=True)
+        return kept
 
     def evaluate(self, job: EvalJob) -> EvalResult:
         """Same as :func:`.train.evaluate`, on a copy of the live model (evaluation moves
@@ -91,5 +128,15 @@ class ReferenceSession:
         return rt.evaluate_loaded(job, spec, cfg, copy.deepcopy(model), tokenizer, started)
 
     def close(self) -> None:
-        """Drop the model (the process exits right after)."""
+        """Drop the model and any kept optimiser state (the process exits right after)."""
         self.cache = ModelCache()
+        self.kept = self.kept_from = None
+
+
+class _Holder:
+    """The reference trainer's optimiser as :mod:`~fedagent_flwr.trainers.common.optimizer_state`
+    reads an engine (no LR scheduler: the reference trainer's learning rate is constant)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.lr_scheduler = None

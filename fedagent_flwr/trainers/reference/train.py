@@ -65,15 +65,30 @@ def train(job: TrainJob) -> TrainResult:
     spec, cfg, model_path, rules = check_train_job(job)  # before importing torch: bad input fails fast
     started = time.monotonic()
     model, tokenizer = load_model(model_path, cfg.num_threads)
-    return train_loaded(job, spec, cfg, rules, model, tokenizer, started)
+    # keep: a persistent session's job, rerun in this fresh process after its trainer died or
+    # stalled (the ClientApp's fallback; the server refuses keep with trainer.mode=subprocess): it
+    # trains from a new AdamW and says so.
+    fresh = {"optimizer_state_kept": 0.0} if cfg.optimizer_state == "keep" else None
+    return train_loaded(job, spec, cfg, rules, model, tokenizer, started, extra_metrics=fresh)
+
+
+def make_optimizer(model: Any, cfg: GRPOConfig) -> Any:
+    """The job's AdamW over ``model``'s trainable parameters (a persistent session may load the
+    client's previous round's state into it before :func:`train_loaded` runs)."""
+    import torch
+
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay)
 
 
 def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any,
-                 tokenizer: Any, started: float) -> TrainResult:
+                 tokenizer: Any, started: float, optimizer: Any = None,
+                 extra_metrics: dict[str, float] | None = None) -> TrainResult:
     """Train ``model`` (the job's starting weights, loaded) in place; the rest of :func:`train`.
 
     Seeded here, after loading, so a fresh process and a persistent session that only reloaded
-    the weights train bit-identically.
+    the weights train bit-identically. ``optimizer``: :func:`make_optimizer`'s (a new one when
+    None); ``extra_metrics`` join the result's metrics.
     """
     import torch
 
@@ -88,9 +103,8 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
+    if optimizer is None:
+        optimizer = make_optimizer(model, cfg)
     sampling = cfg.sampling()
 
     all_episodes: list[Episode] = []
@@ -161,6 +175,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     )
     if job.trainer.get("client_rule"):  # the user's rule (trainer.client_rule), not FedProx's
         metrics["client_rule_value"] = mean(rule_values)
+    metrics.update(extra_metrics or {})
     result = TrainResult(
         actor_dir=str(actor_dir.resolve()),
         actor_format="fsdp-shards",

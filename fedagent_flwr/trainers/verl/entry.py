@@ -65,7 +65,16 @@ def train(job: TrainJob) -> TrainResult:
                                              prep.step_file, progress_reporter(job, prep, started))
     if code != 0:
         raise VerlJobFailed(f"verl {failure_reason(code, tail, work / 'verl.log')} (log: {work / 'verl.log'})")
-    return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"))
+    return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"),
+                          extra_metrics=fresh_optimizer_metric(prep.settings.optimizer_state))
+
+
+def fresh_optimizer_metric(setting: str) -> dict[str, float]:
+    """``optimizer_state_kept`` = 0.0 for a job that asked to keep its optimiser state: a fresh
+    process has none to keep. The server refuses ``keep`` with ``trainer.mode=subprocess``, so such
+    a job is a persistent trainer's, rerun here after that trainer died or stalled (the ClientApp's
+    fallback): it trains, from a new optimiser, and says so rather than failing the round."""
+    return {"optimizer_state_kept": 0.0} if setting == "keep" else {}
 
 
 

@@ -10,7 +10,8 @@ workers (FedAgent's persistent task runner, reference/fedagent.md §1.9):
    ``trainer.experiment_name``;
 2. except right after ``start`` (the workers were just built from this round's paths), load the
    round's global model into the actor and reference engines and the critic's start into the
-   critic (new optimiser and LR scheduler, FedProx / client-rule state forgotten);
+   critic (new optimiser and LR scheduler, unless ``trainer.optimizer_state: keep`` carries the
+   same client's previous state over; FedProx / client-rule state forgotten);
 3. rebuild the train dataloader from the round's rows (``RayPPOTrainer._create_dataloader``);
 4. reseed ``random`` / NumPy / torch with the data seed and run the stock ``fit()``: it resets
    ``global_steps`` to 0, loads no checkpoint (``resume_mode=disable``), pushes the actor's
@@ -91,6 +92,9 @@ class PersistentTaskRunner(BaseTaskRunner):
         phases.record_process_start(self.recorder, "task_runner_spawn")
         # the session's first weight sync and generation are start-up phases (named first_*)
         self._syncs, self._generations = phases.CallLog(), phases.CallLog()
+        # (client, round) of the completed client-round the engines' optimiser state is from (None:
+        # a new session, or a round that failed part-way and left a state that belongs to no round)
+        self._state_from: tuple[int, int] | None = None
 
     def add_actor_rollout_worker(self, config: DictConfig) -> tuple[type, type]:
         _, worker_group_cls = super().add_actor_rollout_worker(config)
@@ -194,20 +198,24 @@ class PersistentTaskRunner(BaseTaskRunner):
             config.trainer.experiment_name = plan["experiment_name"]
 
         reloaded: dict[str, Any] = {}
+        keep = self._keeps_optimizer(plan, label)
+        kept = False
+        self._state_from = None  # until this round completes
         if plan["reload"]:
-            reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]))
+            reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]), keep)
             ranks = trainer.actor_rollout_wg.world_size
             _check_reload(reloaded["actor"], "actor", plan["model_path"], ranks)
             if trainer.use_reference_policy:
                 _check_reload(reloaded["actor"], "ref", plan["model_path"], ranks)
             if trainer.use_critic:
-                reloaded["critic"] = trainer.critic_wg.fedagent_reload(plan["critic_path"], int(plan["seed"]))
+                reloaded["critic"] = trainer.critic_wg.fedagent_reload(plan["critic_path"], int(plan["seed"]), keep)
                 _check_reload(reloaded["critic"], "critic", plan["critic_path"], trainer.critic_wg.world_size)
             hooks = sorted({tag for rank in reloaded["actor"] for tag in rank["actor"]["hooks_reset"]})
+            kept = optimizer_kept(reloaded)
             print(f"{label}: reloaded actor{'+ref' if trainer.use_reference_policy else ''} from "
                   f"{plan['model_path']}{' and critic from ' + plan['critic_path'] if trainer.use_critic else ''} "
-                  f"on {len(reloaded['actor'])} rank(s) in {time.monotonic() - t0:.2f} s; hooks reset: {hooks}",
-                  flush=True)
+                  f"on {len(reloaded['actor'])} rank(s) in {time.monotonic() - t0:.2f} s; hooks reset: {hooks}; "
+                  f"optimiser state {'kept from the previous round' if kept else 'fresh'}", flush=True)
             rec.record("reload", t0_at)
             for role, answers in (("actor", reloaded["actor"]), ("ref", reloaded["actor"]),
                                   ("critic", reloaded.get("critic") or [])):
@@ -238,8 +246,26 @@ class PersistentTaskRunner(BaseTaskRunner):
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
         rec.record("train_round", t0_at)
+        self._state_from = (int(plan["client_id"]), int(plan["round"]))
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
-                "reloaded": reloaded}
+                "reloaded": reloaded, "optimizer_state_kept": kept}
+
+    def _keeps_optimizer(self, plan: dict[str, Any], label: str) -> bool:
+        """Whether this round's reload keeps the engines' optimiser state (``trainer.optimizer_state:
+        keep``): only a state the same client's earlier, completed round left. A node trains one
+        client, but should a job of another client arrive, or a round run again (a resumed run
+        whose trainer outlived the server), or follow a round that failed part-way, it starts
+        with a fresh optimiser, said here."""
+        if plan.get("optimizer_state") != "keep" or not plan["reload"]:
+            return False
+        client, round_ = int(plan["client_id"]), int(plan["round"])
+        if self._state_from is None or self._state_from[0] != client or self._state_from[1] >= round_:
+            source = ("no completed round" if self._state_from is None
+                      else f"client {self._state_from[0]}'s round {self._state_from[1]}")
+            print(f"{label}: the engines' optimiser state is from {source}, not from an earlier round of "
+                  "this client: starting with a fresh optimiser", flush=True)
+            return False
+        return True
 
     @contextmanager
     def _timed_fit(self, trainer: RayPPOTrainer, rec: phases.PhaseRecorder) -> Iterator[None]:
@@ -258,6 +284,14 @@ class PersistentTaskRunner(BaseTaskRunner):
             for owner, attribute, name, first, calls in timed:
                 stack.enter_context(phases.timed_calls(owner, attribute, rec, name, first, calls))
             yield
+
+
+def optimizer_kept(reloaded: dict[str, Any]) -> bool:
+    """Whether every rank of the actor (and of the critic, with PPO) loaded its previous round's
+    optimiser state (:func:`.persistent_workers.reload_training_worker`'s ``optimizer_state``)."""
+    states = [(answer.get("actor") or {}).get("optimizer_state") for answer in reloaded.get("actor") or []]
+    states += [(answer.get("critic") or {}).get("optimizer_state") for answer in reloaded.get("critic") or []]
+    return bool(states) and all(state == "kept" for state in states)
 
 
 def _check_reload(answers: Any, role: str, path: str, world_size: int) -> None:

@@ -4,7 +4,9 @@ A persistent trainer (:mod:`.persistent`) keeps verl's worker processes alive ac
 each round's global model must go into the running engines. verl 0.9.1 already has the primitive:
 ``TrainingWorker.reset()`` calls ``FSDPEngine.initialize()``, which builds the model from
 ``engine.model_config.local_path`` and a new optimiser and LR scheduler (FedAgent's
-``reload_client_model`` does exactly this). The subclasses here add a ``fedagent_reload``
+``reload_client_model`` does exactly this; ``trainer.optimizer_state: keep`` carries the old
+optimiser's and scheduler's state into the new ones, :mod:`~fedagent_flwr.trainers.common.optimizer_state`).
+The subclasses here add a ``fedagent_reload``
 method registered with verl's ``@register(dispatch_mode=Dispatch.ONE_TO_ALL)``, so the trainer's
 worker groups bind it like ``init_model``: one call, run on every rank, a list of per-rank answers.
 
@@ -30,9 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils.device import get_device_name
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from fedagent_flwr.trainers.common import optimizer_state
 from fedagent_flwr.trainers.verl import engine_hooks, phases
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
@@ -46,13 +50,18 @@ def reseed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def reload_training_worker(worker: Any, model_path: str) -> dict[str, Any]:
-    """Rebuild ``worker``'s engine from the HF directory ``model_path``: new weights, new optimiser
-    and LR scheduler (none for a forward-only reference engine), and a fresh FedProx / client-rule
-    state, so the hooks anchor on these weights at the round's first optimiser step."""
+def reload_training_worker(worker: Any, model_path: str, keep_optimizer: bool = False) -> dict[str, Any]:
+    """Rebuild ``worker``'s engine from the HF directory ``model_path``: new weights and a fresh
+    FedProx / client-rule state, so the hooks anchor on these weights at the round's first
+    optimiser step. The optimiser and LR scheduler are new too, unless ``keep_optimizer``
+    (``trainer.optimizer_state: keep``): then the old ones' state (moved to CPU before the old
+    engine goes) is loaded into the new ones (:mod:`.optimizer_state`). A forward-only engine (the
+    reference policy's) has neither. The answer's ``optimizer_state`` says which happened:
+    ``kept``, ``fresh`` or ``none``."""
     started = time.monotonic()
     engine = worker.engine
     hooks = engine_hooks.reset_hook_state(engine)
+    kept = optimizer_state.take(engine) if keep_optimizer else None
     engine.model_config.local_path = model_path
     for name in _ENGINE_STATE:
         if hasattr(engine, name):
@@ -62,7 +71,15 @@ def reload_training_worker(worker: Any, model_path: str) -> dict[str, Any]:
     worker.reset()  # TrainingWorker.reset -> FSDPEngine.initialize()
     if getattr(engine, "module", None) is None:
         raise RuntimeError(f"FSDPEngine.initialize() left no module after loading {model_path}")
-    return {"path": model_path, "hooks_reset": hooks, "seconds": round(time.monotonic() - started, 2)}
+    if kept is not None:
+        state = optimizer_state.restore(engine, kept, f"rank {_rank(worker)} reloading {model_path}",
+                                        device=get_device_name())
+    elif getattr(engine, "optimizer", None) is not None:
+        state = optimizer_state.FRESH
+    else:
+        state = optimizer_state.NO_OPTIMIZER
+    return {"path": model_path, "hooks_reset": hooks, "optimizer_state": state,
+            "seconds": round(time.monotonic() - started, 2)}
 
 
 def _rank(worker: Any) -> int:
@@ -111,15 +128,16 @@ class ReloadableActorRolloutRefWorker(ActorRolloutRefWorker):
             super().init_model()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
-    def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
+    def fedagent_reload(self, model_path: str, seed: int, keep_optimizer: bool = False) -> dict[str, Any]:
         """Load ``model_path`` into the actor engine and, when there is one, the reference engine
         (the reference policy of a round is its global model). The vLLM replicas get the weights at
-        the next ``checkpoint_manager.update_weights``, which ``fit()`` calls before step 1."""
+        the next ``checkpoint_manager.update_weights``, which ``fit()`` calls before step 1.
+        ``keep_optimizer``: the actor keeps its optimiser state (the forward-only reference has none)."""
         reseed(seed)
         answer: dict[str, Any] = {"rank": _rank(self), "pid": os.getpid(), "actor": None, "ref": None}
         if self.actor is None:
             raise RuntimeError(f"fedagent_reload: worker role {self.role!r} has no actor engine")
-        answer["actor"] = reload_training_worker(self.actor, model_path)
+        answer["actor"] = reload_training_worker(self.actor, model_path, keep_optimizer)
         if self.ref is not None:
             answer["ref"] = reload_training_worker(self.ref, model_path)
         aggressive_empty_cache(force_sync=True)  # as init_model ends: let vLLM see the freed memory
@@ -140,9 +158,11 @@ class ReloadableTrainingWorker(TrainingWorker):
         _timed_first_reset(self, "critic_init", super().reset)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # verl builds Dispatch at runtime
-    def fedagent_reload(self, model_path: str, seed: int) -> dict[str, Any]:
-        """Load the critic's start for the round (the aggregated critic, or the model in round 1)."""
+    def fedagent_reload(self, model_path: str, seed: int, keep_optimizer: bool = False) -> dict[str, Any]:
+        """Load the critic's start for the round (the aggregated critic, or the model in round 1);
+        ``keep_optimizer``: keep its optimiser state, as the actor does."""
         reseed(seed)
-        answer = {"rank": _rank(self), "pid": os.getpid(), "critic": reload_training_worker(self, model_path)}
+        answer = {"rank": _rank(self), "pid": os.getpid(),
+                  "critic": reload_training_worker(self, model_path, keep_optimizer)}
         aggressive_empty_cache(force_sync=True)
         return answer
