@@ -65,9 +65,10 @@ HOSTMEM_SCRIPT = Path(__file__).resolve().parent / "hostmem.py"
 #: ``arms.py wait``'s exit status when its timeout passed with runs still going (not 124, which the
 #: device tool reads as its own time limit).
 STILL_RUNNING = 3
-#: verl sessions one node runs at once by default: each persistent session holds about 15 GB of
-#: host memory, and eight of them with their simulations exhausted a 126 GB H200 node (docs/gpu.md §6).
-DEFAULT_MAX_SESSIONS = 5
+#: verl sessions one node runs at once by default: a persistent session's host memory grows about
+#: 1.3 GiB a round, and five of them reached Ray's kill line on a 126 GB H200 node at round 8 of 10
+#: (docs/results.md, batch 12); four fit 10 rounds. Other matrices on the node count too.
+DEFAULT_MAX_SESSIONS = 4
 
 
 def run_name(arm: str, seed: int) -> str:
