@@ -184,6 +184,7 @@ def report(out: Path) -> str:
     data = collect(out)
     data["differences"] = differences(data["arms"])
     data["memory_peak"] = _memory_peak(out)
+    data["process_growth"] = _sibling("hostmem.py").growth(out)
     (out / "arms.json").write_text(json.dumps(data, indent=2))
     lines = [
         f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
@@ -227,6 +228,11 @@ def report(out: Path) -> str:
         gpu = f", GPUs {memory['gpu_used_mib'] / 1024:.1f} GiB (summed)" if memory["gpu_used_mib"] is not None else ""
         lines += ["", f"Node memory at its peak over {memory['samples']} samples (hostmem.jsonl): host "
                   f"{memory['host_used_mib'] / 1024:.1f} of {memory['host_total_mib'] / 1024:.1f} GiB{gpu}."]
+    if data["process_growth"]:
+        lines += ["", "Resident memory per kind of process, from each process's first to its last sample among the "
+                  "largest (hostmem.jsonl `top`):", ""]
+        lines += [f"- `{k['kind']}` ({k['processes']} processes): {k['first_mib'] / 1024:.1f} -> "
+                  f"{k['last_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})" for k in data["process_growth"][:10]]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]

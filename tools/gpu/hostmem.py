@@ -11,8 +11,10 @@ bare ``python3``.
 Samples until none of ``--pids`` (the matrix's launchers; ``pid:ticks`` names the process by its
 start time as well, as ``gpu_share`` records it, else the start time is read now) runs: an ended
 process that nobody reaped, or a pid taken by a later process, counts as ended. One JSON line a
-sample: ``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib"}`` (``gpu_used_mib``
-is the sum over the node's GPUs, None without ``nvidia-smi``). Lines are appended and flushed one
+sample: ``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib", "top"}`` (``gpu_used_mib``
+is the sum over the node's GPUs, None without ``nvidia-smi``; ``top`` the ``--top`` largest processes
+by resident memory, ``[pid, command, rss_mib]`` each, so that a batch whose host memory grows round
+by round says which processes grow: batch 12 did not). Lines are appended and flushed one
 by one; a line cut short (a full disk) is skipped when read back.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_share  # noqa: E402  (beside this file; standard library only)
 
 SAMPLES_FILE = "hostmem.jsonl"
+TOP = 12  # processes recorded per sample
+COMMAND_CHARS = 80
 
 
 def host_mib(meminfo: Path = Path("/proc/meminfo")) -> tuple[int, int]:
@@ -56,10 +61,33 @@ def gpu_used_mib() -> int | None:
     return sum(int(v) for v in values)
 
 
-def sample() -> dict[str, Any]:
-    """One sample of the node's memory, stamped with the time."""
+def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any]]:
+    """The ``count`` processes with the most resident memory, largest first: ``[pid, command,
+    rss_mib]`` each, the command being the first ``COMMAND_CHARS`` characters of the command line
+    (Ray's workers rename theirs, e.g. ``ray::WorkerDict``). Processes that end while being read,
+    and kernel threads (no command line), are left out."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            resident_pages = int((entry / "statm").read_text().split()[1])
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile, or not ours to read
+        command = " ".join(w.decode("utf-8", "replace") for w in words if w).strip()
+        if command:
+            found.append([int(entry.name), command[:COMMAND_CHARS], resident_pages * page // (1024 * 1024)])
+    found.sort(key=lambda row: (-row[2], row[0]))
+    return found[:count]
+
+
+def sample(top: int = TOP) -> dict[str, Any]:
+    """One sample of the node's memory and its ``top`` largest processes, stamped with the time."""
     used, total = host_mib()
-    return {"t": round(time.time(), 1), "host_used_mib": used, "host_total_mib": total, "gpu_used_mib": gpu_used_mib()}
+    return {"t": round(time.time(), 1), "host_used_mib": used, "host_total_mib": total, "gpu_used_mib": gpu_used_mib(),
+            "top": top_processes(top)}
 
 
 def watched(specs: list[str]) -> list[tuple[int, str | None]]:
@@ -71,30 +99,30 @@ def watched(specs: list[str]) -> list[tuple[int, str | None]]:
     return found
 
 
-def watch(out: Path, pids: list[tuple[int, str | None]], every: float) -> int:
+def watch(out: Path, pids: list[tuple[int, str | None]], every: float, top: int = TOP) -> int:
     """Append a sample to ``out/hostmem.jsonl`` every ``every`` seconds, and a last one once none of
     ``pids`` runs (checked each second, so the sampler does not outlive the matrix by long); return
     how many samples were written."""
     count = 0
     with open(out / SAMPLES_FILE, "a") as samples:
         while True:
-            samples.write(json.dumps(sample()) + "\n")
+            samples.write(json.dumps(sample(top)) + "\n")
             samples.flush()
             count += 1
             due = time.monotonic() + every
             while time.monotonic() < due:
                 if not any(gpu_share.is_running(pid, ticks) for pid, ticks in pids):
-                    samples.write(json.dumps(sample()) + "\n")
+                    samples.write(json.dumps(sample(top)) + "\n")
                     return count + 1
                 time.sleep(min(1.0, max(due - time.monotonic(), 0.0)))
 
 
-def peak(out: Path) -> dict[str, Any] | None:
-    """The largest host and GPU memory of ``out``'s samples, or None when there are none."""
+def _rows(out: Path) -> list[dict[str, Any]]:
+    """``out``'s samples in order, lines cut short skipped."""
     try:
         lines = (out / SAMPLES_FILE).read_text().splitlines()
     except OSError:
-        return None
+        return []
     rows = []
     for line in lines:
         try:
@@ -103,6 +131,12 @@ def peak(out: Path) -> dict[str, Any] | None:
             continue  # a line cut short
         if isinstance(row, dict) and isinstance(row.get("host_used_mib"), int):
             rows.append(row)
+    return rows
+
+
+def peak(out: Path) -> dict[str, Any] | None:
+    """The largest host and GPU memory of ``out``'s samples, or None when there are none."""
+    rows = _rows(out)
     if not rows:
         return None
     gpu = [r["gpu_used_mib"] for r in rows if r.get("gpu_used_mib") is not None]
@@ -110,16 +144,57 @@ def peak(out: Path) -> dict[str, Any] | None:
             "host_total_mib": rows[-1]["host_total_mib"], "gpu_used_mib": max(gpu) if gpu else None}
 
 
+def kind(command: str) -> str:
+    """The kind of process a command line names, so that like processes sum: a Ray worker's title up
+    to its method (``ray::WorkerDict.update_actor`` -> ``ray::WorkerDict``), else the program's name
+    and its words before the first ``--`` option (which tend to differ per process), four at most."""
+    words = command.split()
+    if not words:
+        return ""
+    if words[0].startswith("ray::"):
+        return words[0].split(".", 1)[0]
+    head = [words[0].rsplit("/", 1)[-1]]
+    for word in words[1:4]:
+        if word.startswith("--"):
+            break
+        head.append(word)
+    return " ".join(head)
+
+
+def growth(out: Path) -> list[dict[str, Any]]:
+    """How much each kind of process grew while sampled: per process (pid and kind: a Ray worker's
+    title changes with the method it runs), its resident
+    memory at the last sample it was among the largest minus that at the first, summed per ``kind``;
+    largest growth first. ``first_mib``/``last_mib`` sum the same processes; processes seen in one
+    sample only count with a growth of 0. Samples without ``top`` (before it was recorded) give none."""
+    first: dict[tuple[int, str], int] = {}
+    last: dict[tuple[int, str], int] = {}
+    for row in _rows(out):
+        for pid, command, rss in row.get("top") or []:
+            first.setdefault((pid, kind(command)), rss)
+            last[(pid, kind(command))] = rss
+    kinds: dict[str, dict[str, Any]] = {}
+    for key, rss in first.items():
+        total = kinds.setdefault(key[1], {"kind": key[1], "processes": 0, "first_mib": 0, "last_mib": 0})
+        total["processes"] += 1
+        total["first_mib"] += rss
+        total["last_mib"] += last[key]
+    for total in kinds.values():
+        total["grew_mib"] = total["last_mib"] - total["first_mib"]
+    return sorted(kinds.values(), key=lambda k: (-k["grew_mib"], k["kind"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pids", nargs="+", required=True, help="pid or pid:ticks of each process to outlive")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between samples (> 0)")
+    parser.add_argument("--top", type=int, default=TOP, help="largest processes recorded per sample")
     args = parser.parse_args(argv)
     if not args.every > 0:
         parser.error(f"--every must be above 0, got {args.every}")
     args.out.mkdir(parents=True, exist_ok=True)
-    watch(args.out, watched(args.pids), args.every)
+    watch(args.out, watched(args.pids), args.every, args.top)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,3 +112,92 @@ def test_the_arms_report_gives_the_peak(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "arms.json").read_text())
     assert data["memory_peak"] == {"samples": 3, "host_used_mib": 86126, "host_total_mib": 128869,
                                    "gpu_used_mib": 49530}
+
+
+_GROWER = """# grower-{marker}
+import sys
+held = [b"\\x01" * (64 << 20)]  # touched, so resident
+print("ready", flush=True)
+sys.stdin.readline()
+held.append(b"\\x01" * (256 << 20))
+print("grown", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_each_sample_names_the_largest_processes_and_the_report_says_which_kind_grew(tmp_path: Path) -> None:
+    """Two real processes of one kind that each grow by 256 MiB while the real sampler (bare
+    interpreter) reads /proc: the report sums them under their kind."""
+    grower_code = _GROWER.replace("{marker}", str(os.getpid()))  # its own kind: not other processes like it
+    growers = [subprocess.Popen([sys.executable, "-c", grower_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True) for _ in range(2)]
+    sampler = None
+    samples = tmp_path / "hostmem.jsonl"
+    try:
+        for grower in growers:
+            assert grower.stdout is not None and grower.stdout.readline() == "ready\n"
+        sampler = subprocess.Popen([sys.executable, "-S", str(TOOL), "--out", str(tmp_path), "--pids",
+                                    *(str(g.pid) for g in growers), "--every", "0.2", "--top", "100000"])
+        while not samples.exists() or not samples.read_text().endswith("\n"):
+            assert sampler.poll() is None, "the sampler stopped while its processes ran"
+            time.sleep(0.1)
+        for grower in growers:
+            assert grower.stdin is not None and grower.stdout is not None
+            grower.stdin.write("\n")
+            grower.stdin.flush()
+            assert grower.stdout.readline() == "grown\n"
+        count = len(samples.read_text().splitlines())
+        while len(samples.read_text().splitlines()) < count + 2:  # a full sample after both grew
+            assert sampler.poll() is None, "the sampler stopped while its processes ran"
+            time.sleep(0.1)
+        for grower in growers:
+            assert grower.stdin is not None
+            grower.stdin.close()
+            grower.wait(timeout=60)
+        assert sampler.wait(timeout=60) == 0
+    finally:
+        for process in [*growers, *([sampler] if sampler else [])]:
+            process.kill()
+            process.wait()
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    first = {pid: (command, rss) for pid, command, rss in rows[0]["top"]}
+    assert all(first[g.pid][0].startswith(f"{sys.executable} -c ") for g in growers)
+    assert all(first[g.pid][1] >= 64 for g in growers)
+    assert all(len(command) <= 80 for row in rows for _, command, _ in row["top"])
+    tool = _tool()
+    assert rows[0]["top"] == sorted(rows[0]["top"], key=lambda r: (-r[2], r[0]))  # largest first
+    kinds = {k["kind"]: k for k in tool.growth(tmp_path)}
+    mine = kinds[tool.kind(first[growers[0].pid][0])]
+    assert mine["kind"] == f"{Path(sys.executable).name} -c # grower-{os.getpid()}"
+    assert mine["processes"] == 2  # both growers, under one kind
+    assert mine["grew_mib"] > 300  # more than one grower could (256 MiB each)
+    # only the largest are kept
+    assert len(_tool().top_processes(3)) == 3
+
+
+def test_kinds_sum_ray_workers_and_drop_per_process_options() -> None:
+    kind = _tool().kind
+    assert kind("ray::WorkerDict.actor_rollout_update_actor") == kind("ray::WorkerDict") == "ray::WorkerDict"
+    assert (kind("/usr/bin/python -m fedagent_flwr.trainers.verl.entry serve --session /tmp/a")
+            == kind("python -m fedagent_flwr.trainers.verl.entry serve --session /tmp/b")
+            == "python -m fedagent_flwr.trainers.verl.entry serve")
+
+
+def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
+    assert spec is not None and spec.loader is not None
+    arms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arms)
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": []}))
+    base = {"host_total_mib": 128869, "gpu_used_mib": None}
+    (tmp_path / "hostmem.jsonl").write_text(
+        json.dumps({**base, "t": 1.0, "host_used_mib": 50000,
+                    "top": [[11, "ray::WorkerDict", 9000], [12, "ray::WorkerDict.update_actor", 8000],
+                            [20, "python -m fedagent_flwr.trainers.verl.entry serve --s a", 1600]]}) + "\n"
+        + json.dumps({**base, "t": 31.0, "host_used_mib": 60000,
+                      "top": [[11, "ray::WorkerDict.generate", 13000], [12, "ray::WorkerDict", 12096],
+                              [20, "python -m fedagent_flwr.trainers.verl.entry serve --s a", 1900]]}) + "\n")
+    text = arms.report(tmp_path)
+    assert "- `ray::WorkerDict` (2 processes): 16.6 -> 24.5 GiB (+7.9)" in text
+    assert "- `python -m fedagent_flwr.trainers.verl.entry serve` (1 processes): 1.6 -> 1.9 GiB (+0.3)" in text
+    assert json.loads((tmp_path / "arms.json").read_text())["process_growth"][0]["grew_mib"] == 8096
