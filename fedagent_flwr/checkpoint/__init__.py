@@ -10,21 +10,18 @@ shared checks and the float64 audit), measuring the clients' updates on the way 
 ``safetensors_writer`` streams that file to disk one tensor at a time. ``store`` moves
 references between machines (a shared filesystem, or the ServerApp's HTTP store in
 ``http_server``/``http_client``, with per-file ``manifest`` hashes).
+
+Only ``ref`` (torch-free) is imported with the package; the names from the torch-based modules
+load on first use (:func:`__getattr__`), so a process that needs only references and stores, the
+ClientApp above all (one fresh ``flwr-clientapp`` per message in a deployment, one Ray actor per
+simulated node), does not import torch (about 5-8 CPU-seconds) to start.
 """
 
-from fedagent_flwr.checkpoint.aggregate import (
-    AggregateReport,
-    KeyRule,
-    aggregate_by_key,
-    check_compatible,
-    normalise_weights,
-    tied_weight_keys,
-    verify_mean,
-    weighted_mean,
-)
-from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
-from fedagent_flwr.checkpoint.open_ref import open_checkpoint
-from fedagent_flwr.checkpoint.reader import CheckpointReader
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointFormat,
@@ -34,9 +31,47 @@ from fedagent_flwr.checkpoint.ref import (
     hashed_files,
     resolve_inside,
 )
-from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
-from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
-from fedagent_flwr.checkpoint.update_stats import UpdateStats
+
+if TYPE_CHECKING:
+    from fedagent_flwr.checkpoint.aggregate import (
+        AggregateReport,
+        KeyRule,
+        aggregate_by_key,
+        check_compatible,
+        normalise_weights,
+        tied_weight_keys,
+        verify_mean,
+        weighted_mean,
+    )
+    from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
+    from fedagent_flwr.checkpoint.open_ref import open_checkpoint
+    from fedagent_flwr.checkpoint.reader import CheckpointReader
+    from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
+    from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
+    from fedagent_flwr.checkpoint.update_stats import UpdateStats
+
+#: name -> the submodule (torch-based) that defines it, imported when the name is first used
+_LAZY = {
+    **dict.fromkeys(("AggregateReport", "KeyRule", "aggregate_by_key", "check_compatible", "normalise_weights",
+                     "tied_weight_keys", "verify_mean", "weighted_mean"), "aggregate"),
+    "FsdpShardReader": "fsdp_reader",
+    "open_checkpoint": "open_ref",
+    "CheckpointReader": "reader",
+    "SafetensorsReader": "safetensors_reader",
+    "SafetensorsStreamWriter": "safetensors_writer",
+    "UpdateStats": "update_stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a torch-based name's module on first use (PEP 562) and cache the name here."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AggregateReport",

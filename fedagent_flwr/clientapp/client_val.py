@@ -20,7 +20,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, weighted_mean
+from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.clientapp.job import EvalResult, TrainResult
 from fedagent_flwr.protocol import CLIENT_VAL_PREFIX, EvalReply
 
@@ -34,6 +34,9 @@ def trained_model_dir(result: TrainResult, model_files: Path, out_dir: Path) -> 
     """
     if result.actor_format == "hf-safetensors":
         return Path(result.actor_dir)
+    # Imported here: they import torch, which the ClientApp needs for this merge only.
+    from fedagent_flwr.checkpoint import open_checkpoint, weighted_mean
+
     shutil.rmtree(out_dir, ignore_errors=True)
     ref = CheckpointRef(path=str(Path(result.actor_dir).resolve()), kind="actor", format="fsdp-shards",
                         world_size=int(result.world_size))

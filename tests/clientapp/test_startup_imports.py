@@ -1,0 +1,41 @@
+"""What a ClientApp process imports to start.
+
+Flower loads ``fedagent_flwr.clientapp.app:app`` (pyproject's ``clientapp`` component) in every
+ClientApp process: one fresh ``flwr-clientapp`` per message in a deployment, one Ray actor per
+simulated node. The ClientApp only writes job files, starts trainers and moves checkpoint
+references, so it must start without torch (5-8 CPU-seconds to import on a CI core); only the
+per-client validation merge needs torch, and imports it when it runs. The checkpoint package
+therefore loads its torch-based names on first use; every name it exports still resolves.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import json, sys
+import fedagent_flwr.clientapp.app
+print(json.dumps({name: name in sys.modules for name in ("torch", "transformers", "safetensors")}))
+"""
+
+
+def test_the_clientapp_module_starts_without_torch() -> None:
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    loaded = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert loaded == {"torch": False, "transformers": False, "safetensors": False}, loaded
+
+
+def test_every_exported_checkpoint_name_resolves() -> None:
+    import fedagent_flwr.checkpoint as checkpoint
+    from fedagent_flwr.checkpoint import aggregate, open_ref
+
+    assert all(getattr(checkpoint, name) is not None for name in checkpoint.__all__)
+    assert checkpoint.weighted_mean is aggregate.weighted_mean
+    assert checkpoint.open_checkpoint is open_ref.open_checkpoint
+    assert not hasattr(checkpoint, "no_such_name")
