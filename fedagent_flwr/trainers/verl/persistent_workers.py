@@ -89,7 +89,8 @@ def release_flat_parameters(module: Any) -> int:
     Each FSDP1 ``FlatParameter`` keeps its original submodules in Python attributes (``_modules``,
     ``_param_infos``, ...), and those submodules hold views of it, whose base the view keeps in C++:
     a cycle Python's collector cannot see through, so without this every reload left the old weights
-    and their gradients alive (twice the model per reload, batch 12's host memory growing each round).
+    and their gradients alive (twice the model per reload, measured on CPU; on a GPU they are GPU
+    tensors, so how much of batch 12's host-memory growth per round this was is still to be measured).
     Dropping the gradient and the attributes breaks the cycle; the module is not used again."""
     if module is None:
         return 0
