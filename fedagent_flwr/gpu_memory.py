@@ -11,8 +11,10 @@ import re
 #: Ray's memory monitor killing workers because the machine's memory (RAM) passed its threshold. Its
 #: error is also called ``OutOfMemoryError``, with or without the ``ray.exceptions.`` prefix, so
 #: :data:`TORCH_OOM` alone would take it for the GPU's: check this first (:func:`is_host_memory_shortage`).
+#: When a text holds both (a CUDA error in a log that also shows a kill), the host's memory is taken.
 HOST_OOM = re.compile(r"killed due to the node running low on memory|Memory on the node \(|"
-                      r"ray\.exceptions\.OutOfMemoryError")
+                      r"ray\.exceptions\.OutOfMemoryError|killed due to memory pressure \(OOM\)|"
+                      r"NODE_OUT_OF_MEMORY")
 #: torch's GPU out-of-memory (its ``torch.OutOfMemoryError``); a text that :data:`HOST_OOM` matches is not.
 TORCH_OOM = re.compile(r"CUDA out of memory|(?<!exceptions\.)OutOfMemoryError")
 #: vLLM could not size its KV cache: another process on the GPU changed its memory use meanwhile.

@@ -31,6 +31,16 @@ def test_the_clientapp_module_starts_without_torch() -> None:
     assert loaded == {"torch": False, "transformers": False, "safetensors": False}, loaded
 
 
+def test_the_reference_trainer_reads_its_job_before_torch_loads() -> None:
+    # train.py checks the job before it imports torch, so bad input fails fast; its command module
+    # (and the persistent session it names) must not load torch first
+    probe = subprocess.run([sys.executable, "-c", _PROBE.replace("fedagent_flwr.clientapp.app",
+                                                                  "fedagent_flwr.trainers.reference.cli")],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout.strip().splitlines()[-1])["torch"] is False
+
+
 def test_every_exported_checkpoint_name_resolves() -> None:
     import fedagent_flwr.checkpoint as checkpoint
     from fedagent_flwr.checkpoint import aggregate, open_ref

@@ -86,6 +86,10 @@ def test_the_machines_memory_running_low_is_not_taken_for_the_gpus() -> None:
     assert cause is not None and "RAM, not the GPU" in cause and "GPU memory" not in cause
     assert reason_key(f"client 0 round 8: {cause}") == OUT_OF_HOST_MEMORY
     assert known_cause(TORCH_OOM) == "ran out of GPU memory (CUDA out of memory)"
+    # Ray's other wordings of the same kill: the raylet's summary and a worker's exit type
+    for text in ("(raylet) 2 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers crashed",
+                 "ActorDiedError: The actor died unexpectedly. Worker exit type: NODE_OUT_OF_MEMORY"):
+        assert reason_key(text) == OUT_OF_HOST_MEMORY and "RAM, not the GPU" in (known_cause(text) or "")
     assert HOST_MEMORY_HINT in round_reasons({"rejected": {"0": RAY_NODE_OOM}})
     assert GPU_MEMORY_HINT not in round_reasons({"rejected": {"0": RAY_NODE_OOM}})
 

@@ -137,12 +137,23 @@ def restore(engine: Any, kept: KeptState, where: str, device: str | None = None)
                                      "scheduler state, the rebuilt engine " + ("lacks" if scheduler is None else "has")
                                      + " a scheduler")
     check_fits(kept, optimizer, where)
+    # torch's load_state_dict also replaces the groups' hyper-parameters (lr, betas, weight decay)
+    # with the kept ones: this round's job sets them, so they are put back after the load
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     # torch moves each state tensor to its parameter's device and dtype (the step stays on CPU)
     optimizer.load_state_dict(kept.optimizer)
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
     if scheduler is not None and kept.lr_scheduler is not None:
         scheduler.load_state_dict(dict(kept.lr_scheduler))  # LambdaLR pops from what it is given
+        scheduler.base_lrs = [own.get("initial_lr", own["lr"]) for own in settings]  # the job's lr, as above
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs,
+                                       getattr(scheduler, "lr_lambdas", ()), strict=False):
+            group["lr"] = base * factor(scheduler.last_epoch)  # where the kept schedule has got to (LambdaLR)
     if getattr(engine, "_is_offload_optimizer", False):
         _to_cpu(optimizer)  # where verl keeps an offloaded optimiser between its steps
+    elif getattr(engine, "_uses_fsdp2_cpu_offload_policy", False):
+        pass  # FSDP2's CPU offload policy steps on CPU: the state stays by its parameters, where torch put it
     elif device is not None:
         _move(optimizer, device, steps_too=False)
     return KEPT if kept.has_moments() else FRESH

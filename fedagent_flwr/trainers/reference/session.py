@@ -14,12 +14,14 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult
-from fedagent_flwr.trainers.common import optimizer_state
 from fedagent_flwr.trainers.common.evaluator import load_model
 from fedagent_flwr.trainers.reference import train as rt
+
+if TYPE_CHECKING:  # imports torch: loaded in train(), so the CLI checks its input before torch loads
+    from fedagent_flwr.trainers.common import optimizer_state
 
 
 class ModelCache:
@@ -92,30 +94,39 @@ class ReferenceSession:
         model, tokenizer = self.cache.get(model_path, cfg.num_threads)
         print(f"{rt.PROG}: persistent session: weights of {model_path} loaded into the live model "
               f"({self.cache.loads} full loads, {self.cache.reloads} reloads)", flush=True)
+        from fedagent_flwr.trainers.common import optimizer_state
+
         optimizer = rt.make_optimizer(model, cfg)
         if cfg.optimizer_state != "keep":
+            self.kept = self.kept_from = None  # a later keep round must not revive a state from before this one
             return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
                                    {"optimizer_state_kept": 0.0})
-        kept = self._restore(optimizer, job)
-        self.kept = None  # a round that fails part-way leaves no state to the next
+        # taken before loading: a round that fails part-way (a refused restore included) leaves no state
+        kept_state, kept_from = self.kept, self.kept_from
+        self.kept = self.kept_from = None
+        kept = self._restore(optimizer, job, kept_state, kept_from)
         result = rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
                                  {"optimizer_state_kept": 1.0 if kept else 0.0})
         self.kept, self.kept_from = optimizer_state.take(_Holder(optimizer)), (job.client_id, job.round)
         return result
 
-    def _restore(self, optimizer: Any, job: TrainJob) -> bool:
-        """Load the state the same client's earlier round left into ``optimizer``; False (and
-        said) when there is none: the session's first round (or one after a failed round), another
-        client's state, or a round run again (a resumed run whose trainer outlived the server)."""
-        if self.kept is None or self.kept_from is None or self.kept_from[0] != job.client_id \
-                or self.kept_from[1] >= job.round:
-            reason = ("no completed round" if self.kept is None or self.kept_from is None
-                      else f"client {self.kept_from[0]}'s round {self.kept_from[1]}")
+    @staticmethod
+    def _restore(optimizer: Any, job: TrainJob, kept_state: optimizer_state.KeptState | None,
+                 kept_from: tuple[int, int] | None) -> bool:
+        """Load the state the same client's earlier round left (``kept_state``, from ``kept_from``)
+        into ``optimizer``; False (and said) when there is none: the session's first round (or one
+        after a failed round), another client's state, or a round run again (a resumed run whose
+        trainer outlived the server)."""
+        from fedagent_flwr.trainers.common import optimizer_state
+
+        if kept_state is None or kept_from is None or kept_from[0] != job.client_id or kept_from[1] >= job.round:
+            reason = ("no completed round" if kept_state is None or kept_from is None
+                      else f"client {kept_from[0]}'s round {kept_from[1]}")
             print(f"{rt.PROG}: optimiser state: fresh (the state is from {reason}, not from an earlier round "
                   "of this client)", flush=True)
             return False
         where = f"round {job.round} client {job.client_id}"
-        kept = optimizer_state.restore(_Holder(optimizer), self.kept, where) == optimizer_state.KEPT
+        kept = optimizer_state.restore(_Holder(optimizer), kept_state, where) == optimizer_state.KEPT
         print(f"{rt.PROG}: optimiser state: {'kept from the previous round' if kept else 'fresh'}", flush=True)
         return kept
 

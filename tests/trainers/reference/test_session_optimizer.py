@@ -52,7 +52,7 @@ def test_keep_starts_the_next_round_from_the_global_model_with_the_previous_adam
     # what round 2 starts from: the global model's weights, round 1's moments and step counts
     model, _ = session.cache.get(global_model, 0)
     optimizer = rt.make_optimizer(model, rt.GRPOConfig())
-    assert session._restore(optimizer, _job(global_model, tmp_path / "x", 2, "keep"))
+    assert session._restore(optimizer, _job(global_model, tmp_path / "x", 2, "keep"), session.kept, session.kept_from)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     assert all(torch.equal(optimizer.state[params[i]]["exp_avg"], m) for i, m in moments.items())
     expected = load_file(str(global_model / "model.safetensors"))
@@ -89,6 +89,27 @@ def test_only_an_earlier_round_of_the_same_client_is_loaded(tiny_model_dir: Path
     assert again.metrics["optimizer_state_kept"] == 0.0  # round 2 again (a resumed run): not its own rerun's state
     third = session.train(_job(tiny_model_dir, tmp_path / "c0next", 3, "keep", client_id=0))
     assert third.metrics["optimizer_state_kept"] == 1.0
+
+
+def test_a_reset_round_between_keep_rounds_drops_the_state(tiny_model_dir: Path, tmp_path: Path) -> None:
+    session = ReferenceSession()
+    session.train(_job(tiny_model_dir, tmp_path / "k1", 1, "keep"))
+    session.train(_job(tiny_model_dir, tmp_path / "r2", 2, "reset"))
+    assert session.kept is None  # else round 3 would start from round 1's moments, skipping round 2's
+    third = session.train(_job(tiny_model_dir, tmp_path / "k3", 3, "keep"))
+    assert third.metrics["optimizer_state_kept"] == 0.0
+
+
+def test_a_refused_restore_leaves_no_state_to_the_next_round(tiny_model_dir: Path, tmp_path: Path) -> None:
+    session = ReferenceSession()
+    session.train(_job(tiny_model_dir, tmp_path / "k1", 1, "keep"))
+    assert session.kept is not None
+    session.kept.shapes = [[(1,)] * len(group) for group in session.kept.shapes]  # as if another model's
+    with pytest.raises(optimizer_state.OptimizerStateMismatch):
+        session.train(_job(tiny_model_dir, tmp_path / "k2", 2, "keep"))
+    assert session.kept is None and session.kept_from is None  # not refused again in every later round
+    third = session.train(_job(tiny_model_dir, tmp_path / "k3", 3, "keep"))
+    assert third.metrics["optimizer_state_kept"] == 0.0
 
 
 def test_a_fresh_trainer_process_trains_a_keep_job_from_a_new_adamw_and_says_so(tiny_model_dir: Path,

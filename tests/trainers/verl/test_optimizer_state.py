@@ -97,6 +97,27 @@ def test_restored_moments_go_where_the_engine_trains_and_the_step_counters_stay_
     assert engine.lr_scheduler.last_epoch == 2  # the schedule goes on from the kept one
 
 
+def test_the_jobs_hyper_parameters_win_over_the_kept_ones_and_the_schedule_goes_on() -> None:
+    """torch's load_state_dict would put the previous round's lr, betas and weight decay back; a
+    round's job sets them (a changed trainer.lr with a trainer that outlived a resumed server)."""
+    def engine(lr: float, weight_decay: float, steps: int) -> Any:
+        module = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))  # warm-up
+        for _ in range(steps):
+            module(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return SimpleNamespace(module=module, optimizer=optimizer, lr_scheduler=scheduler)
+
+    new = engine(lr=5e-2, weight_decay=0.0, steps=0)
+    assert optimizer_state.restore(new, optimizer_state.take(engine(lr=1e-3, weight_decay=0.1, steps=3)),
+                                   "rank 0") == "kept"
+    (group,) = new.optimizer.param_groups
+    assert (group["weight_decay"], group["initial_lr"]) == (0.0, 5e-2) and new.lr_scheduler.base_lrs == [5e-2]
+    assert new.lr_scheduler.last_epoch == 3 and group["lr"] == pytest.approx(5e-2 * 0.4)  # warm-up step 3 of 10
+
+
 def test_a_round_reports_kept_only_when_every_rank_of_every_engine_kept() -> None:
     def answers(role: str, *states: str) -> list[dict[str, Any]]:
         return [{"rank": rank, role: {"optimizer_state": state}} for rank, state in enumerate(states)]
