@@ -1,7 +1,7 @@
 """FedAgent's arms side by side on one GPU node: launch them, watch them, and report the table.
 
     PYTHONPATH=/tmp/site python3 tools/gpu/arms.py launch --out /tmp/out --recipe tinyguess_verl --seeds 1 2 \\
-        --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 5]
+        --arms federated local centralized fedprox [--extra "num_rounds=10"] [--max-sessions 4]
     python3 tools/gpu/arms.py status --out /tmp/out
     python3 tools/gpu/arms.py wait --out /tmp/out /tmp/out2 --timeout 540   # until every run ended (exit 0; 3: timeout)
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
@@ -67,7 +67,8 @@ HOSTMEM_SCRIPT = Path(__file__).resolve().parent / "hostmem.py"
 STILL_RUNNING = 3
 #: verl sessions one node runs at once by default: a persistent session's host memory grows about
 #: 1.3 GiB a round, and five of them reached Ray's kill line on a 126 GB H200 node at round 8 of 10
-#: (docs/results.md, batch 12); four fit 10 rounds. Other matrices on the node count too.
+#: (docs/results.md, batch 12); four should fit 10 rounds (projected ~102 GiB, not yet run). Other
+#: matrices on the node count too.
 DEFAULT_MAX_SESSIONS = 4
 
 

@@ -231,8 +231,9 @@ def report(out: Path) -> str:
     if data["process_growth"]:
         lines += ["", "Resident memory per kind of process, from each process's first to its last sample among the "
                   "largest (hostmem.jsonl `top`):", ""]
-        lines += [f"- `{k['kind']}` ({k['processes']} processes): {k['first_mib'] / 1024:.1f} -> "
-                  f"{k['last_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})" for k in data["process_growth"][:10]]
+        lines += [f"- `{k['kind']}` ({k['processes']} process{'es' if k['processes'] != 1 else ''}): "
+                  f"{k['first_mib'] / 1024:.1f} -> {k['last_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"
+                  for k in data["process_growth"][:10]]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]

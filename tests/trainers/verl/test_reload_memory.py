@@ -1,6 +1,6 @@
 """A persistent verl session reloads its training engine every round (``reload_training_worker``):
 the old engine's FSDP flat parameters and their gradients must be freed, not kept alive by the
-cycle through their original submodules (batch 12: host memory grew ~8 GiB a round until Ray's
+cycle through their original submodules (batch 12: host memory grew ~6.6 GiB a round until Ray's
 memory monitor killed a run). verl's real FSDP1 engine on gloo, world size 1, on the CPU."""
 
 from __future__ import annotations
