@@ -229,10 +229,10 @@ def report(out: Path) -> str:
         lines += ["", f"Node memory at its peak over {memory['samples']} samples (hostmem.jsonl): host "
                   f"{memory['host_used_mib'] / 1024:.1f} of {memory['host_total_mib'] / 1024:.1f} GiB{gpu}."]
     if data["process_growth"]:
-        lines += ["", "Resident memory per kind of process, from each process's first to its last sample among the "
+        lines += ["", "Resident memory per kind of process, from each process's first sample to its peak among the "
                   "largest (hostmem.jsonl `top`):", ""]
         lines += [f"- `{k['kind']}` ({k['processes']} process{'es' if k['processes'] != 1 else ''}): "
-                  f"{k['first_mib'] / 1024:.1f} -> {k['last_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"
+                  f"{k['first_mib'] / 1024:.1f} -> {k['peak_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"
                   for k in data["process_growth"][:10]]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:

@@ -163,24 +163,26 @@ def kind(command: str) -> str:
 
 def growth(out: Path) -> list[dict[str, Any]]:
     """How much each kind of process grew while sampled: per process (pid and kind: a Ray worker's
-    title changes with the method it runs), its resident
-    memory at the last sample it was among the largest minus that at the first, summed per ``kind``;
-    largest growth first. ``first_mib``/``last_mib`` sum the same processes; processes seen in one
-    sample only count with a growth of 0. Samples without ``top`` (before it was recorded) give none."""
+    title changes with the method it runs), its largest resident memory among the samples it was
+    among the largest in, minus that at the first, summed per ``kind``; largest growth first. The
+    peak, not the last sample: a process's last sample may catch it tearing down. ``first_mib``/
+    ``peak_mib`` sum the same processes; processes seen in one sample only count with a growth of 0.
+    Samples without ``top`` (before it was recorded) give none."""
     first: dict[tuple[int, str], int] = {}
-    last: dict[tuple[int, str], int] = {}
+    peak: dict[tuple[int, str], int] = {}
     for row in _rows(out):
         for pid, command, rss in row.get("top") or []:
-            first.setdefault((pid, kind(command)), rss)
-            last[(pid, kind(command))] = rss
+            key = (pid, kind(command))
+            first.setdefault(key, rss)
+            peak[key] = max(peak.get(key, rss), rss)
     kinds: dict[str, dict[str, Any]] = {}
     for key, rss in first.items():
-        total = kinds.setdefault(key[1], {"kind": key[1], "processes": 0, "first_mib": 0, "last_mib": 0})
+        total = kinds.setdefault(key[1], {"kind": key[1], "processes": 0, "first_mib": 0, "peak_mib": 0})
         total["processes"] += 1
         total["first_mib"] += rss
-        total["last_mib"] += last[key]
+        total["peak_mib"] += peak[key]
     for total in kinds.values():
-        total["grew_mib"] = total["last_mib"] - total["first_mib"]
+        total["grew_mib"] = total["peak_mib"] - total["first_mib"]
     return sorted(kinds.values(), key=lambda k: (-k["grew_mib"], k["kind"]))
 
 

@@ -201,8 +201,10 @@ def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None
                             [20, "python -m fedagent_flwr.trainers.verl.entry serve --s a", 1600]]}) + "\n"
         + json.dumps({**base, "t": 31.0, "host_used_mib": 60000,
                       "top": [[11, "ray::WorkerDict.generate", 13000], [12, "ray::WorkerDict", 12096],
-                              [20, "python -m fedagent_flwr.trainers.verl.entry serve --s a", 1900]]}) + "\n")
+                              [20, "python -m fedagent_flwr.trainers.verl.entry serve --s a", 1900]]}) + "\n"
+        # a worker tearing down at the end: its peak, not this last sample, is what it grew to
+        + json.dumps({**base, "t": 61.0, "host_used_mib": 45000, "top": [[11, "ray::WorkerDict", 3000]]}) + "\n")
     text = arms.report(tmp_path)
     assert "- `ray::WorkerDict` (2 processes): 16.6 -> 24.5 GiB (+7.9)" in text
-    assert "- `python -m fedagent_flwr.trainers.verl.entry serve` (1 processes): 1.6 -> 1.9 GiB (+0.3)" in text
+    assert "- `python -m fedagent_flwr.trainers.verl.entry serve` (1 process): 1.6 -> 1.9 GiB (+0.3)" in text
     assert json.loads((tmp_path / "arms.json").read_text())["process_growth"][0]["grew_mib"] == 8096
