@@ -78,7 +78,7 @@ class ReferenceSession:
     With ``trainer.optimizer_state: keep`` it also keeps the AdamW state a client's round ends
     with (:mod:`~fedagent_flwr.trainers.common.optimizer_state`) and loads it into the next
     round's optimiser, whose parameters then hold that round's global model; each result's
-    ``optimizer_state_kept`` says whether it did (0.0 with ``reset`` and in the session's first round).
+    ``optimizer_state_kept`` says whether it did (0.0 in the session's first round; absent with ``reset``).
     """
 
     def __init__(self) -> None:
@@ -99,8 +99,8 @@ class ReferenceSession:
         optimizer = rt.make_optimizer(model, cfg)
         if cfg.optimizer_state != "keep":
             self.kept = self.kept_from = None  # a later keep round must not revive a state from before this one
-            return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer,
-                                   {"optimizer_state_kept": 0.0})
+            # no optimizer_state_kept with reset: the metrics stay a subprocess-mode run's, which must be equal
+            return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, optimizer)
         # taken before loading: a round that fails part-way (a refused restore included) leaves no state
         kept_state, kept_from = self.kept, self.kept_from
         self.kept = self.kept_from = None

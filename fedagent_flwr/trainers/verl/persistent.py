@@ -17,8 +17,8 @@ job starts the session:
 Every train job then runs one client-round in that actor (``train_round``: new global weights
 into the actor, reference and critic engines, this round's rows and seed, the stock ``fit()``) and
 reports the same :class:`TrainResult` as the subprocess path, plus ``verl/persistent_round``,
-``verl/reload_s``, ``optimizer_state_kept`` (1.0 when ``trainer.optimizer_state: keep``
-carried the client's AdamW and LR-scheduler state over from its previous round, else 0.0: the
+``verl/reload_s``, with ``trainer.optimizer_state: keep`` ``optimizer_state_kept`` (1.0 when
+the client's AdamW and LR-scheduler state was carried over from its previous round, else 0.0: the
 session's first round has nothing to keep) and, once, ``verl/session_start_s``. ``verl/cold_start_s`` keeps its meaning,
 the time before step 1: Ray and worker start-up in the first round, the reload afterwards.
 The start-up and every round are also timed phase by phase (:mod:`.phases`): ``[phase]`` lines
@@ -241,9 +241,12 @@ class VerlSession:
         first_step = called_at + float(records[0]["t"]) if records else None
         extra["verl/persistent_round"] = float(self.rounds)
         extra["verl/reload_s"] = float(out.get("reload_s", 0.0))
-        # 1.0: this round's optimisers continued from the client's previous round; 0.0: they started
-        # fresh (trainer.optimizer_state=reset, or a session's first round: nothing to keep yet)
-        extra["optimizer_state_kept"] = 1.0 if out.get("optimizer_state_kept") else 0.0
+        # with trainer.optimizer_state=keep only (as the subprocess path): 1.0 when this round's
+        # optimisers continued from the client's previous round, 0.0 when they started fresh (a
+        # session's first round: nothing to keep yet). A reset run's metrics stay those of a
+        # subprocess-mode run, which the persistent mode must equal.
+        if job.trainer.get("optimizer_state") == "keep":
+            extra["optimizer_state_kept"] = 1.0 if out.get("optimizer_state_kept") else 0.0
         with in_round.phase("collect_result"):
             result = verl_job.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
         in_round.record("round_total", started_at)

@@ -77,7 +77,8 @@ def test_reset_keeps_nothing_and_reports_it(tiny_model_dir: Path, tmp_path: Path
     session = ReferenceSession()
     for round_ in (1, 2):
         result = session.train(_job(tiny_model_dir, tmp_path / f"r{round_}", round_, "reset"))
-        assert result.metrics["optimizer_state_kept"] == 0.0 and session.kept is None
+        # no metric at all, as a fresh trainer process reports none with reset: the modes' results are equal
+        assert "optimizer_state_kept" not in result.metrics and session.kept is None
 
 
 def test_only_an_earlier_round_of_the_same_client_is_loaded(tiny_model_dir: Path, tmp_path: Path) -> None:

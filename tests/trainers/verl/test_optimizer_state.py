@@ -167,10 +167,10 @@ def test_only_the_same_clients_next_round_keeps_its_state() -> None:
 
 
 @pytest.mark.parametrize(("setting", "kept", "metric"), [("keep", True, 1.0), ("keep", False, 0.0),
-                                                         ("reset", False, 0.0)])
+                                                         ("reset", False, None)])
 def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, kept: bool,
-        metric: float) -> None:
+        metric: float | None) -> None:
     from fedagent_flwr.clientapp.job import TrainJob
     from fedagent_flwr.trainers.verl import job as verl_job
     from fedagent_flwr.trainers.verl.persistent import VerlSession, session_fingerprint
@@ -196,7 +196,8 @@ def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
     monkeypatch.setattr(verl_job, "collect_result", lambda *args, extra_metrics: extra_metrics)
     metrics: Any = session.train(job)
     assert plans[0]["reload"] and plans[0]["optimizer_state"] == setting
-    assert metrics["optimizer_state_kept"] == metric and metrics["verl/persistent_round"] == 1.0
+    # reset: no such metric, as a subprocess-mode run reports none (the two modes' results must be equal)
+    assert metrics.get("optimizer_state_kept") == metric and metrics["verl/persistent_round"] == 1.0
 
 
 @pytest.mark.parametrize(("setting", "metrics"), [("keep", {"optimizer_state_kept": 0.0}), ("reset", {})])
