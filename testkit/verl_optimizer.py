@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from testkit.verl_world import HANG_GUARD_S, _config, _join, _leave, _shard_errors, _step
+from testkit import verl_world
+from testkit.verl_world import _config, _join, _leave, _shard_errors, _step
 
 SEED = 11
 
@@ -109,15 +109,4 @@ def rank_main(rank: int, root_text: str, model_a: str, model_b: str) -> None:
 
 def run(root: Path, model_a: Path, model_b: Path) -> list[dict[str, Any]]:
     """Spawn the two processes and return their reports (rank order)."""
-    import torch.multiprocessing as mp
-
-    root.mkdir(parents=True, exist_ok=True)
-    ranks = mp.start_processes(rank_main, args=(str(root), str(model_a), str(model_b)), nprocs=2, join=False,
-                               start_method="spawn")
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not ranks.join(timeout=5.0):  # raises if a rank failed
-        if time.monotonic() > deadline:
-            for process in ranks.processes:
-                process.kill()
-            raise TimeoutError(f"the two ranks did not finish within {HANG_GUARD_S} s (a hung collective?)")
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return verl_world.spawn_ranks(rank_main, (str(root), str(model_a), str(model_b)), root)

@@ -271,11 +271,15 @@ HANG_GUARD_S = 600
 
 def run(root: Path, base: Path, job_env: dict[str, str]) -> list[dict[str, Any]]:
     """Spawn the two processes and return their reports (rank order)."""
+    return spawn_ranks(rank_main, (str(root), str(base), job_env), root)
+
+
+def spawn_ranks(main: Any, args: tuple[Any, ...], root: Path) -> list[dict[str, Any]]:
+    """Run ``main(rank, *args)`` in two spawned processes; return their ``root/rank<R>.json`` reports."""
     import torch.multiprocessing as mp
 
     root.mkdir(parents=True, exist_ok=True)
-    ranks = mp.start_processes(rank_main, args=(str(root), str(base), job_env), nprocs=2, join=False,
-                               start_method="spawn")
+    ranks = mp.start_processes(main, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + HANG_GUARD_S
     while not ranks.join(timeout=5.0):  # raises if a rank failed
         if time.monotonic() > deadline:
