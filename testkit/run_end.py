@@ -24,11 +24,18 @@ def _no_signal(summary: dict[str, Any]) -> bool:
     return summary.get("adv_estimator", "grpo") == "grpo" and flat
 
 
+def _lost_clients(summary: dict[str, Any]) -> bool:
+    """Whether some round aggregated a model but recorded a selected client as rejected."""
+    return any(entry.get("aggregated_actor") is not None
+               and {str(c) for c in entry.get("clients", [])} & set(entry.get("rejected", {}))
+               for entry in summary.get("rounds", []))
+
+
 def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
     """The status and exit status a run that ran every round must have, judged here from its rounds'
-    recorded shares and lost evaluations (not from the ``learning`` record the code under test
+    recorded shares, lost clients and lost evaluations (not from the ``learning`` record the code under test
     wrote, which must agree)."""
-    if _no_signal(summary) or summary.get("eval_failures"):
+    if _no_signal(summary) or summary.get("eval_failures") or _lost_clients(summary):
         return "degraded", 3
     return "completed", 0
 

@@ -199,3 +199,34 @@ def stop_after_empty_rounds(rounds: Sequence[Mapping[str, Any]], limit: int) -> 
         f"round(s) {streak} aggregated no client update, {len(streak)} in a row (max_empty_rounds={limit}), "
         f"so the run stops instead of training nothing" + (f"; round {streak[-1]}: {why}" if why else "")
     )
+
+
+def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
+    """Why a run whose rounds all aggregated something still lacks clients, or ``""``.
+
+    A round that aggregated some clients but not every client it selected (one failed, timed out,
+    was refused by the strategy, or had no SuperNode) trained a model on part of the federation:
+    the run's result is not the one it asked for, so its status must say so (``degraded``) and not
+    only ``rounds[].rejected``. Clients the strategy did not select (``fraction_train`` below 1)
+    were never part of the round and do not count.
+    """
+    partial: list[tuple[int, dict[str, str]]] = []
+    for entry in rounds:
+        if entry.get("aggregated_actor") is None:
+            continue  # an empty round has its own reason (RunRecorder.outcome)
+        # The selected clients the round recorded a reason for (failed, no reply, refused, no node):
+        # what the loop knows was lost, also for an aggregate_train of a user's own that names no
+        # client checkpoints (its round's client_actor_ids are empty, its losses still recorded).
+        rejected = {str(c): str(r) for c, r in (entry.get("rejected") or {}).items()}
+        lost = {str(c): rejected[str(c)] for c in entry.get("clients") or [] if str(c) in rejected}
+        if lost:
+            partial.append((int(entry["round"]), lost))
+    if not partial:
+        return ""
+    first_round, first_lost = partial[0]
+    clients = sorted({c for _, lost in partial for c in lost}, key=int)
+    return (
+        f"round(s) {[r for r, _ in partial]} aggregated without client(s) {[int(c) for c in clients]} that they "
+        f"selected, so the final model was trained on part of the federation (round {first_round}: "
+        + round_reasons({"rejected": first_lost}) + ")"
+    )

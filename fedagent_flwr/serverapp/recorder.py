@@ -32,7 +32,7 @@ from fedagent_flwr.protocol import (
     ProtocolError,
 )
 from fedagent_flwr.serverapp.crashpoint import crash_point
-from fedagent_flwr.serverapp.failures import round_reasons
+from fedagent_flwr.serverapp.failures import partial_rounds_reason, round_reasons
 from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_record, no_signal_reason, round_shares
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 from fedagent_flwr.serverapp.truncation import (
@@ -282,10 +282,11 @@ class RunRecorder:
 
         ``degraded``: some round aggregated no client checkpoint (the previous global model went on
         to the next round), so the final model had fewer rounds of training than the run asked for;
-        or no round had a learning signal (``serverapp.learning``: every group of every client scored
-        alike), so the run learned nothing; or an evaluation recorded nothing (``eval_failures``), so
-        the validation curve lacks that round and its comparisons with the base model are not the
-        run's.
+        or some round aggregated without a client it selected (``failures.partial_rounds_reason``),
+        so the final model was trained on part of the federation; or no round had a learning signal
+        (``serverapp.learning``: every group of every client scored alike), so the run learned nothing;
+        or an evaluation recorded nothing (``eval_failures``), so the validation curve lacks that round
+        and its comparisons with the base model are not the run's.
         ``failed``: no round aggregated anything, so the run trained nothing at all (its final model
         is the one it started from); the reason names the last round's client failures.
         """
@@ -298,11 +299,7 @@ class RunRecorder:
             f"{lost[0]['round']}: " + "; ".join([f"client {c}: {why}" for c, why in lost[0]["failed"].items()]
                                                 + ([lost[0]["reason"]] if lost[0].get("reason") else [])) + ")"
         ) if lost else ""
-        if not empty:
-            reasons = [no_signal_reason(learning)] if learning["no_signal_run"] else []
-            reasons += [unvalidated] if unvalidated else []
-            return ("degraded", "; and ".join(reasons)) if reasons else ("completed", "")
-        if len(empty) == len(rounds):
+        if empty and len(empty) == len(rounds):
             last = empty[-1]
             why = round_reasons(last)
             return "failed", (
@@ -310,14 +307,18 @@ class RunRecorder:
                 f"trained nothing and its final model is the one it started from"
                 + (f" (last round, {last['round']}: {why})" if why else "")
             )
-        first = empty[0]
-        refused = "; ".join(f"client {c}: {reason}" for c, reason in (first.get("rejected") or {}).items())
-        return "degraded", (
-            f"round(s) {[entry['round'] for entry in empty]} aggregated no client checkpoint and kept the previous "
-            f"global model" + (f" (round {first['round']}: {refused})" if refused else "")
-            + (f"; and {no_signal_reason(learning)}" if learning["no_signal_run"] else "")
-            + (f"; and {unvalidated}" if unvalidated else "")
-        )
+        reasons: list[str] = []
+        if empty:
+            first = empty[0]
+            refused = "; ".join(f"client {c}: {reason}" for c, reason in (first.get("rejected") or {}).items())
+            reasons.append(
+                f"round(s) {[entry['round'] for entry in empty]} aggregated no client checkpoint and kept the "
+                f"previous global model" + (f" (round {first['round']}: {refused})" if refused else ""))
+        partial = partial_rounds_reason(rounds)
+        reasons += [partial] if partial else []
+        reasons += [no_signal_reason(learning)] if learning["no_signal_run"] else []
+        reasons += [unvalidated] if unvalidated else []
+        return ("degraded", "; and ".join(reasons)) if reasons else ("completed", "")
 
     def finish(self, status: str = "completed", error: str = "") -> None:
         """Mark the run ``completed``, ``degraded`` or ``failed`` and write everything once more.

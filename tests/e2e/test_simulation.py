@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from fedagent_flwr.seeding import select_clients
 from testkit.flower_harness import SuperLink
-from testkit.run_end import ran_every_round
+from testkit.run_end import expected_end, ran_every_round
 from testkit.simulation_runs import check_round_mean, client_state, run_job
 from testkit.tensorboard_events import read_scalars
 from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
@@ -124,7 +124,13 @@ def test_custom_strategy_by_dotted_path_and_a_crashing_client(
         f"strategy.name=client-id-weighted {COMMON}",
         supernodes=2,
     )
-    assert ran_every_round(summary), output[-4000:]
+    # A round that lost a client trained on part of the federation: the run says so in its status
+    # (degraded, exit status 3 through outcome.py) and its warning, not only in rounds[].rejected.
+    assert expected_end(summary) == ("degraded", 3) and summary["status"] == "degraded", output[-4000:]
+    assert summary["warning"].startswith(
+        "round(s) [1] aggregated without client(s) [1] that they selected, so the final model was trained on "
+        "part of the federation (round 1: client 1: "), summary["warning"]
+    assert not summary.get("eval_failures")
     first, second = summary["rounds"]
     # Round 1: client 1's trainer crashed (unknown env); the round went on with client 0 alone.
     assert "1" in first["rejected"] and "exited with code" in first["rejected"]["1"]

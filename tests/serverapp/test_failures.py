@@ -129,7 +129,8 @@ def test_empty_rounds_in_a_row_stop_the_run_after_max_empty_rounds() -> None:
 def _recorded(run_dir: Path, aggregated: list[str | None]) -> RunRecorder:
     recorder = RunRecorder(run_dir, {"run_id": 1, "base_model": "/m"})
     for server_round, actor in enumerate(aggregated, start=1):
-        recorder.record_round(server_round=server_round, clients=[0, 1], started_from="/m", client_actors={},
+        recorder.record_round(server_round=server_round, clients=[0, 1], started_from="/m",
+                              client_actors={0: "/c0", 1: "/c1"} if actor else {},
                               aggregated=actor, rejected={} if actor else {0: RAN_OUT, 1: ENGINE}, client_metrics={})
     return recorder
 
@@ -144,3 +145,39 @@ def test_a_run_no_round_of_which_aggregated_anything_failed(tmp_path: Path) -> N
     status, reason = _recorded(tmp_path / "some", [None, "/g2", None]).outcome()
     assert status == "degraded" and reason.startswith("round(s) [1, 3] aggregated no client checkpoint")
     assert _recorded(tmp_path / "all", ["/g1", "/g2"]).outcome() == ("completed", "")
+
+
+def _partial(run_dir: Path, rounds: list[tuple[list[int], dict[int, str], dict[int, str]]]) -> RunRecorder:
+    """A run whose every round aggregated something: (selected clients, their checkpoints, rejected)."""
+    recorder = RunRecorder(run_dir, {"run_id": 1, "base_model": "/m"})
+    for server_round, (clients, actors, rejected) in enumerate(rounds, start=1):
+        recorder.record_round(server_round=server_round, clients=clients, started_from="/m", client_actors=actors,
+                              aggregated=f"/g{server_round}", rejected=rejected, client_metrics={})
+    return recorder
+
+
+def test_a_round_that_lost_a_selected_client_makes_the_run_degraded(tmp_path: Path) -> None:
+    """Batch 12's federated seed 4: client 1 was killed by the node's memory in round 9 and round 9
+    aggregated client 0 alone; the run ended 'completed' (exit 0). It is now 'degraded' and says which
+    rounds lost which clients, and why (the first such round)."""
+    both, alone = {0: "/c0", 1: "/c1"}, {0: "/c0"}
+    status, reason = _partial(tmp_path / "lost", [([0, 1], both, {}), ([0, 1], alone, {1: RAY_HOST_OOM}),
+                                                   ([0, 1], both, {}), ([0, 1], alone, {1: "no reply within the "
+                                                                                        "round timeout"})]).outcome()
+    assert status == "degraded"
+    assert reason == (
+        "round(s) [2, 4] aggregated without client(s) [1] that they selected, so the final model was trained on "
+        f"part of the federation (round 2: client 1: {RAY_HOST_OOM} ({HOST_MEMORY_HINT}))")
+    # Clients the strategy did not select (fraction_train < 1) were never part of the round; an
+    # error reply from a node no client is on (its own negative key) lost no selected client.
+    status, reason = _partial(tmp_path / "sampled", [([1], {1: "/c1"}, {}),
+                                                     ([0], {0: "/c0"}, {-200: "error reply from unknown node"})]
+                              ).outcome()
+    assert (status, reason) == ("completed", "")
+    # An empty round and a partial one: both named, the empty one first.
+    recorder = _recorded(tmp_path / "both", [None])
+    recorder.record_round(server_round=2, clients=[0, 1], started_from="/m", client_actors={1: "/c1"},
+                          aggregated="/g2", rejected={0: "no SuperNode serves this partition now"}, client_metrics={})
+    status, reason = recorder.outcome()
+    assert status == "degraded" and reason.startswith("round(s) [1] aggregated no client checkpoint")
+    assert "; and round(s) [2] aggregated without client(s) [0] that they selected" in reason
