@@ -31,11 +31,16 @@ def _lost_clients(summary: dict[str, Any]) -> bool:
                for entry in summary.get("rounds", []))
 
 
+def _partial_eval(summary: dict[str, Any]) -> bool:
+    """Whether some validation point lacks a client's episodes (a failed client, not an unknown node)."""
+    return any(int(c) >= 0 for point in summary.get("val_curve", []) for c in point.get("failed", {}))
+
+
 def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
     """The status and exit status a run that ran every round must have, judged here from its rounds'
-    recorded shares, lost clients and lost evaluations (not from the ``learning`` record the code under test
+    recorded shares, lost clients, lost or partial evaluations (not from the ``learning`` record the code under test
     wrote, which must agree)."""
-    if _no_signal(summary) or summary.get("eval_failures") or _lost_clients(summary):
+    if _no_signal(summary) or summary.get("eval_failures") or _lost_clients(summary) or _partial_eval(summary):
         return "degraded", 3
     return "completed", 0
 

@@ -230,3 +230,24 @@ def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
         f"selected, so the final model was trained on part of the federation (round {first_round}: "
         + round_reasons({"rejected": first_lost}) + ")"
     )
+
+
+def partial_evaluations_reason(val_curve: Sequence[Mapping[str, Any]]) -> str:
+    """Why a run's validation curve has points that lack some evaluating clients, or ``""``.
+
+    Each evaluating client plays its own slice of the validation episodes, so a point that lost one
+    (``val_curve[].failed``) is on other episodes than the rest of the curve, and its comparisons
+    with the base model are not like for like. A failed reply from a node no client is on (its
+    negative key) lost no client's slice and does not count.
+    """
+    partial = [(point, {c: why for c, why in (point.get("failed") or {}).items() if int(c) >= 0})
+               for point in val_curve]
+    partial = [(point, lost) for point, lost in partial if lost]
+    if not partial:
+        return ""
+    first, lost = partial[0]
+    return (
+        f"the evaluation of round(s) {[point['round'] for point, _ in partial]} lacks some clients' validation "
+        f"episodes, so those points are on other episodes than the rest of the curve (round {first['round']}: "
+        + round_reasons({"rejected": lost}) + ")"
+    )

@@ -32,7 +32,7 @@ from fedagent_flwr.protocol import (
     ProtocolError,
 )
 from fedagent_flwr.serverapp.crashpoint import crash_point
-from fedagent_flwr.serverapp.failures import partial_rounds_reason, round_reasons
+from fedagent_flwr.serverapp.failures import partial_evaluations_reason, partial_rounds_reason, round_reasons
 from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_record, no_signal_reason, round_shares
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 from fedagent_flwr.serverapp.truncation import (
@@ -286,7 +286,8 @@ class RunRecorder:
         so the final model was trained on part of the federation; or no round had a learning signal
         (``serverapp.learning``: every group of every client scored alike), so the run learned nothing;
         or an evaluation recorded nothing (``eval_failures``), so the validation curve lacks that round
-        and its comparisons with the base model are not the run's.
+        and its comparisons with the base model are not the run's; or an evaluation lacks some
+        clients' episodes (``val_curve[].failed``), so its point is on other episodes.
         ``failed``: no round aggregated anything, so the run trained nothing at all (its final model
         is the one it started from); the reason names the last round's client failures.
         """
@@ -318,6 +319,8 @@ class RunRecorder:
         reasons += [partial] if partial else []
         reasons += [no_signal_reason(learning)] if learning["no_signal_run"] else []
         reasons += [unvalidated] if unvalidated else []
+        partial_eval = partial_evaluations_reason(self.summary["val_curve"])
+        reasons += [partial_eval] if partial_eval else []
         return ("degraded", "; and ".join(reasons)) if reasons else ("completed", "")
 
     def finish(self, status: str = "completed", error: str = "") -> None:

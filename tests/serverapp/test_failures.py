@@ -181,3 +181,21 @@ def test_a_round_that_lost_a_selected_client_makes_the_run_degraded(tmp_path: Pa
     status, reason = recorder.outcome()
     assert status == "degraded" and reason.startswith("round(s) [1] aggregated no client checkpoint")
     assert "; and round(s) [2] aggregated without client(s) [0] that they selected" in reason
+
+
+def test_an_evaluation_that_lacks_a_client_makes_the_run_degraded(tmp_path: Path) -> None:
+    """Each evaluating client plays its own slice of the validation episodes: a point that lost one
+    is on other episodes than the rest of the curve, so the run says so in its status, not only in
+    ``val_curve[].failed`` (before: 'completed'). An unknown node's failed reply lost no slice."""
+    recorder = _recorded(tmp_path / "eval", ["/g1", "/g2"])
+    recorder.record_eval(server_round=0, model="base", metrics={"success-rate": 0.1, "num-examples": 64})
+    recorder.record_eval(server_round=1, model="/g1", metrics={"success-rate": 0.2, "num-examples": 64},
+                         failed={-200: "error reply from unknown node 200: out of memory"})
+    assert recorder.outcome() == ("completed", "")
+    recorder.record_eval(server_round=2, model="/g2", metrics={"success-rate": 0.3, "num-examples": 32},
+                         failed={1: RAY_HOST_OOM})
+    status, reason = recorder.outcome()
+    assert status == "degraded"
+    assert reason == (
+        "the evaluation of round(s) [2] lacks some clients' validation episodes, so those points are on other "
+        f"episodes than the rest of the curve (round 2: client 1: {RAY_HOST_OOM} ({HOST_MEMORY_HINT}))")
