@@ -11,10 +11,10 @@ turns that into an exit status::
                                                                      # exit with the run's status
 
 Exit status: 0 completed, 3 degraded (some round aggregated nothing or lost a selected client, no
-round had a learning signal, or an evaluation recorded nothing or lacked a client), 1 failed, still running or no record found; ``run``
-returns flwr's own status when flwr itself failed. ``run`` finds the run directory in the
-ServerApp's ``[fedagent] run directory:`` log line; a run refused before it had one (an unknown
-config key) is failed by its ``[fedagent] cannot start the run:`` line.
+round had a learning signal, or an evaluation recorded nothing or lacked a client), 1 failed, still
+running or no record found; ``run`` returns flwr's own status when flwr itself failed. ``run``
+finds the run directory in the ServerApp's ``[fedagent] run directory:`` log line; a run refused
+before it had one (an unknown config key) is failed by its ``[fedagent] cannot start the run:`` line.
 """
 
 from __future__ import annotations
