@@ -67,11 +67,32 @@ def collect(out: Path) -> dict[str, Any]:
             "mean_pairwise_cosine": [r.get("update_stats", {}).get("mean_pairwise_cosine")
                                      for r in summary.get("rounds", []) if r.get("update_stats")],
             "wall_seconds": summary.get("wall_seconds"),
+            "deviations": deviations(summary),
         }
         runs.append(entry)
         arms.setdefault(run["arm"], []).append(entry)
     table = {arm: _pool(entries) for arm, entries in arms.items()}
     return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
+
+
+def deviations(summary: dict[str, Any]) -> list[str]:
+    """Where a run did not run as planned though it may have ended: each round that aggregated
+    without a client it selected (``rounds[].rejected``), each validation point that lacks a
+    client's episodes (``val_curve[].failed``; an unknown node's negative key is no client), and a
+    status other than ``completed``. A run's window and final value then rest on a partial round or
+    point, which a comparison should say (batch 12's federated seed 4 lost a client in round 9)."""
+    found = []
+    for entry in summary.get("rounds", []):
+        lost = sorted(int(c) for c in entry.get("clients", []) if str(c) in (entry.get("rejected") or {}))
+        if lost:
+            found.append(f"round {entry['round']} trained without client(s) {lost}")
+    for point in summary.get("val_curve", []):
+        lost = sorted(int(c) for c in point.get("failed") or {} if int(c) >= 0)
+        if lost:
+            found.append(f"round {point['round']}'s evaluation lacks client(s) {lost}")
+    if summary.get("status") not in (None, "completed"):
+        found.append(f"status {summary.get('status')}")
+    return found
 
 
 def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WINDOW) -> float | None:
@@ -234,6 +255,10 @@ def report(out: Path) -> str:
         lines += [f"- `{k['kind']}` ({k['processes']} process{'es' if k['processes'] != 1 else ''}): "
                   f"{k['first_mib'] / 1024:.1f} -> {k['peak_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"
                   for k in data["process_growth"][:10]]
+    deviating = [f"{r['name']} ({'; '.join(r['deviations'])})" for r in data["runs"] if r.get("deviations")]
+    if deviating:
+        lines += ["", "Runs that did not run as planned (their values above include these rounds): "
+                  + ", ".join(deviating)]
     missing = [r["name"] for r in data["runs"] if r.get("status") == "no result"]
     if missing:
         lines += ["", f"runs without a result: {', '.join(missing)}"]

@@ -98,6 +98,30 @@ def test_report_compares_the_mean_of_the_last_rounds_over_seeds(tmp_path: Path) 
     assert "- federated − local: +0.153; over seeds [-0.216, +0.521]; seeds needed: 3" in text
 
 
+def test_report_names_the_runs_that_lost_a_client(tmp_path: Path) -> None:
+    """A run can end with every round aggregated and still have trained one round without a client,
+    or have evaluated without one (batch 12's federated seed 4): the report says which runs, rounds
+    and clients, since their windows rest on partial rounds."""
+    arms = _arms_module()
+    runs = [{"name": arms.run_name("federated", seed), "arm": "federated", "seed": seed} for seed in (1, 2)]
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
+    _run(tmp_path, "federated-s1", [0.1, 0.2, 0.3])
+    recorder = RunRecorder(tmp_path / "runs" / "federated-s2", {"base_model": "/m", "total_rounds": 2})
+    recorder.record_eval(server_round=0, model="/m", metrics={"num-examples": 64, "success-rate": 0.1})
+    for r, actors, rejected in ((1, {0: "/c0", 1: "/c1"}, {}), (2, {0: "/c0"}, {1: "killed", -200: "stranger"})):
+        recorder.record_round(server_round=r, clients=[0, 1], started_from="/m", client_actors=actors,
+                              aggregated=f"/g{r}", rejected=rejected, client_metrics={})
+        recorder.record_eval(server_round=r, model=f"/g{r}", metrics={"num-examples": 32, "success-rate": 0.25},
+                             failed={1: "killed"} if r == 2 else {-201: "stranger"})
+    recorder.finish(*recorder.outcome())
+    text = arms.report(tmp_path)
+    data = json.loads((tmp_path / "arms.json").read_text())
+    assert [r["deviations"] for r in data["runs"]] == [[], [
+        "round 2 trained without client(s) [1]", "round 2's evaluation lacks client(s) [1]", "status degraded"]]
+    assert ("Runs that did not run as planned (their values above include these rounds): federated-s2 (round 2 "
+            "trained without client(s) [1]; round 2's evaluation lacks client(s) [1]; status degraded)") in text
+
+
 def test_waves_keep_the_sessions_within_the_budget() -> None:
     arms = _arms_module()
     runs = arms.plan("tinyguess_verl", [1, 2], ["federated", "local", "centralized", "fedprox"], "num_rounds=3", 39400)
