@@ -128,7 +128,8 @@ def is_gpu_memory_shortage(reason: str) -> bool:
 def reason_key(reason: str) -> str:
     """``reason`` with what differs between clients failing the same way blanked out: the leading
     ``client <c> round <r>:`` label, client/round/node numbers and process ids (in paths and text).
-    A GPU-memory shortage is one reason however it is worded (:data:`OUT_OF_GPU_MEMORY`)."""
+    A GPU-memory shortage is one reason however it is worded (:data:`OUT_OF_GPU_MEMORY`), and so is
+    a kill for the machine's own memory (:data:`OUT_OF_HOST_MEMORY`: Ray's memory monitor)."""
     if gpu_memory.is_host_memory_shortage(reason):
         return OUT_OF_HOST_MEMORY
     if is_gpu_memory_shortage(reason):

@@ -13,9 +13,10 @@ start time as well, as ``gpu_share`` records it, else the start time is read now
 process that nobody reaped, or a pid taken by a later process, counts as ended. One JSON line a
 sample: ``{"t": unix time, "host_used_mib", "host_total_mib", "gpu_used_mib", "top"}`` (``gpu_used_mib``
 is the sum over the node's GPUs, None without ``nvidia-smi``; ``top`` the ``--top`` largest processes
-by resident memory, ``[pid, command, rss_mib]`` each, so that a batch whose host memory grows round
-by round says which processes grow: batch 12 did not). Lines are appended and flushed one
-by one; a line cut short (a full disk) is skipped when read back.
+by memory, ``[pid, command, mib]`` each, ``mib`` the proportional set size (shared pages divided among
+their processes; the resident size where the kernel gives none, and in batches 12 and 13), so that a
+batch whose host memory grows round by round says which processes grow: batch 12 did not). Lines
+are appended and flushed one by one; a line cut short (a full disk) is skipped when read back.
 """
 
 from __future__ import annotations
@@ -61,11 +62,27 @@ def gpu_used_mib() -> int | None:
     return sum(int(v) for v in values)
 
 
+def proportional_mib(entry: Path) -> int | None:
+    """The process's proportional set size (``Pss`` of ``smaps_rollup``) in MiB: its resident pages,
+    each shared page divided among the processes that map it. Resident size (``statm``) counts a
+    page shared by N processes N times, so verl's workers and vLLM's, which share model weights and
+    CUDA mappings, would add up to more than the node holds. None where the kernel offers no
+    ``smaps_rollup`` (before Linux 4.14) or it cannot be read."""
+    try:
+        for line in (entry / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
 def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any]]:
-    """The ``count`` processes with the most resident memory, largest first: ``[pid, command,
-    rss_mib]`` each, the command being the first ``COMMAND_CHARS`` characters of the command line
-    (Ray's workers rename theirs, e.g. ``ray::WorkerDict``). Processes that end while being read,
-    and kernel threads (no command line), are left out."""
+    """The ``count`` processes with the most memory, largest first: ``[pid, command, mib]`` each,
+    ``mib`` the proportional set size (:func:`proportional_mib`; the resident size where that cannot
+    be read), the command being the first ``COMMAND_CHARS`` characters of the command line (Ray's
+    workers rename theirs, e.g. ``ray::WorkerDict``). Processes that end while being read, and
+    kernel threads (no command line), are left out."""
     page = os.sysconf("SC_PAGE_SIZE")
     found = []
     for entry in proc.iterdir():
@@ -79,6 +96,14 @@ def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any
         command = " ".join(w.decode("utf-8", "replace") for w in words if w).strip()
         if command:
             found.append([int(entry.name), command[:COMMAND_CHARS], resident_pages * page // (1024 * 1024)])
+    # Pss is at most the resident size, so the largest by Pss are among the largest by resident
+    # size: read smaps_rollup (a page-table walk) for those only, twice as many as kept.
+    found.sort(key=lambda row: (-row[2], row[0]))
+    found = found[:2 * count]
+    for row in found:
+        proportional = proportional_mib(proc / str(row[0]))
+        if proportional is not None:
+            row[2] = proportional
     found.sort(key=lambda row: (-row[2], row[0]))
     return found[:count]
 

@@ -208,3 +208,36 @@ def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None
     assert "- `ray::WorkerDict` (2 processes): 16.6 -> 24.5 GiB (+7.9)" in text
     assert "- `python -m fedagent_flwr.trainers.verl.entry serve` (1 process): 1.6 -> 1.9 GiB (+0.3)" in text
     assert json.loads((tmp_path / "arms.json").read_text())["process_growth"][0]["grew_mib"] == 8096
+
+
+_SHARER = """
+import mmap, os, sys
+shared = mmap.mmap(-1, 256 << 20)  # anonymous and shared: a fork maps the same pages
+shared.write(b"\\x01" * (256 << 20))
+child = os.fork()
+sum(shared[i] for i in range(0, 256 << 20, 4096))  # map every page into this process too
+print("ready", os.getpid(), flush=True)
+sys.stdin.read() if child else os.read(0, 1)
+"""
+
+
+def test_pages_two_processes_share_count_half_to_each() -> None:
+    """A parent and its fork share 256 MiB: each one's resident size counts all of it (512 MiB
+    for the two, more than they hold), their proportional sizes about half each."""
+    tool = _tool()
+    sharer = subprocess.Popen([sys.executable, "-c", _SHARER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert sharer.stdout is not None
+        pids = sorted(int(sharer.stdout.readline().split()[1]) for _ in range(2))
+        assert sharer.pid in pids
+        rows = {pid: mib for pid, _, mib in tool.top_processes(100000) if pid in pids}
+        resident = {pid: int((Path("/proc") / str(pid) / "statm").read_text().split()[1]) * os.sysconf(
+            "SC_PAGE_SIZE") >> 20 for pid in pids}
+    finally:
+        sharer.kill()
+        sharer.wait()
+        assert sharer.stdin is not None
+        sharer.stdin.close()  # the fork's read of stdin ends, and so does the fork
+    assert all(resident[pid] >= 256 for pid in pids), resident
+    assert sorted(rows) == pids and all(120 <= rows[pid] <= 200 for pid in pids), rows
