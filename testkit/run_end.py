@@ -1,5 +1,6 @@
 """How a test run that ran every round must end: ``completed``, or ``degraded`` for the one reason a
-machinery test's tiny model gives (no round had a learning signal).
+machinery test's tiny model gives (no round had a learning signal); and, judged independently of the
+code under test, the end a run with lost clients or evaluations must have (``degraded``).
 
 The suite's simulations use tiny models that rarely or never win an episode, so every GRPO group of
 theirs may score alike; such a run learned nothing and says so (``serverapp.learning``). Whether a
@@ -33,13 +34,13 @@ def _lost_clients(summary: dict[str, Any]) -> bool:
 
 def _partial_eval(summary: dict[str, Any]) -> bool:
     """Whether some validation point lacks a client's episodes (a failed client, not an unknown node)."""
-    return any(int(c) >= 0 for point in summary.get("val_curve", []) for c in point.get("failed", {}))
+    return any(str(c).isdigit() for point in summary.get("val_curve", []) for c in point.get("failed", {}))
 
 
 def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
     """The status and exit status a run that ran every round must have, judged here from its rounds'
-    recorded shares, lost clients, lost or partial evaluations (not from the ``learning`` record the code under test
-    wrote, which must agree)."""
+    recorded shares, lost clients, and lost or partial evaluations (not from the ``learning`` record
+    the code under test wrote, which must agree)."""
     if _no_signal(summary) or summary.get("eval_failures") or _lost_clients(summary) or _partial_eval(summary):
         return "degraded", 3
     return "completed", 0
@@ -48,9 +49,12 @@ def expected_end(summary: dict[str, Any]) -> tuple[str, int]:
 def ran_every_round(summary: dict[str, Any]) -> bool:
     """True when the run ended as a run whose every round aggregated and evaluated must: ``completed``,
     or ``degraded`` with the no-signal reason alone when its record says no round had a signal. A
-    lost evaluation (``eval_failures``) is never fine in a machinery test, whatever the status says."""
+    lost or partial evaluation, or a round without a selected client, is never fine in a machinery
+    test, whatever the status says or in which order the warning names the reasons."""
     status, _ = expected_end(summary)
-    if summary.get("eval_failures") or summary.get("status") != status:
+    if summary.get("eval_failures") or _lost_clients(summary) or _partial_eval(summary):
+        return False
+    if summary.get("status") != status:
         return False
     if summary.get("learning", {}).get("no_signal_run") != _no_signal(summary):
         return False

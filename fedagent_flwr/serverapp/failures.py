@@ -202,6 +202,13 @@ def stop_after_empty_rounds(rounds: Sequence[Mapping[str, Any]], limit: int) -> 
     )
 
 
+def _client_key(key: object) -> int | None:
+    """A recorded client key as a client number; None for an unknown node's negative key or a key
+    that names no client (a user strategy's own)."""
+    text = str(key)
+    return int(text) if text.isdigit() else None
+
+
 def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
     """Why a run whose rounds all aggregated something still lacks clients, or ``""``.
 
@@ -209,9 +216,12 @@ def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
     was refused by the strategy, or had no SuperNode) trained a model on part of the federation:
     the run's result is not the one it asked for, so its status must say so (``degraded``) and not
     only ``rounds[].rejected``. Clients the strategy did not select (``fraction_train`` below 1)
-    were never part of the round and do not count.
+    were never part of the round and do not count. A PPO client whose actor was averaged but whose
+    critic was refused (it is in ``client_actor_ids`` and in ``rejected``) lost the round's critic
+    only, and is named as such.
     """
-    partial: list[tuple[int, dict[str, str]]] = []
+    actors: list[tuple[int, dict[str, str]]] = []
+    critics: list[tuple[int, dict[str, str]]] = []
     for entry in rounds:
         if entry.get("aggregated_actor") is None:
             continue  # an empty round has its own reason (RunRecorder.outcome)
@@ -219,18 +229,24 @@ def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
         # what the loop knows was lost, also for an aggregate_train of a user's own that names no
         # client checkpoints (its round's client_actor_ids are empty, its losses still recorded).
         rejected = {str(c): str(r) for c, r in (entry.get("rejected") or {}).items()}
+        averaged = {str(c) for c in entry.get("client_actor_ids") or []}
         lost = {str(c): rejected[str(c)] for c in entry.get("clients") or [] if str(c) in rejected}
-        if lost:
-            partial.append((int(entry["round"]), lost))
-    if not partial:
-        return ""
-    first_round, first_lost = partial[0]
-    clients = sorted({c for _, lost in partial for c in lost}, key=int)
-    return (
-        f"round(s) {[r for r, _ in partial]} aggregated without client(s) {[int(c) for c in clients]} that they "
-        f"selected, so the final model was trained on part of the federation (round {first_round}: "
-        + round_reasons({"rejected": first_lost}) + ")"
-    )
+        gone = {c: why for c, why in lost.items() if c not in averaged}
+        critic_only = {c: why for c, why in lost.items() if c in averaged}
+        if gone:
+            actors.append((int(entry["round"]), gone))
+        if critic_only:
+            critics.append((int(entry["round"]), critic_only))
+    reasons = []
+    for partial, what in ((actors, "aggregated without client(s) {clients} that they selected, so the final model "
+                                   "was trained on part of the federation"),
+                          (critics, "averaged the actors of client(s) {clients} but not their critics")):
+        if partial:
+            first_round, first_lost = partial[0]
+            clients = sorted({int(c) for _, lost in partial for c in lost})
+            reasons.append(f"round(s) {[r for r, _ in partial]} " + what.format(clients=clients)
+                           + f" (round {first_round}: " + round_reasons({"rejected": first_lost}) + ")")
+    return "; and ".join(reasons)
 
 
 def partial_evaluations_reason(val_curve: Sequence[Mapping[str, Any]]) -> str:
@@ -241,7 +257,7 @@ def partial_evaluations_reason(val_curve: Sequence[Mapping[str, Any]]) -> str:
     with the base model are not like for like. A failed reply from a node no client is on (its
     negative key) lost no client's slice and does not count.
     """
-    partial = [(point, {c: why for c, why in (point.get("failed") or {}).items() if int(c) >= 0})
+    partial = [(point, {c: why for c, why in (point.get("failed") or {}).items() if _client_key(c) is not None})
                for point in val_curve]
     partial = [(point, lost) for point, lost in partial if lost]
     if not partial:

@@ -125,7 +125,8 @@ def test_custom_strategy_by_dotted_path_and_a_crashing_client(
         supernodes=2,
     )
     # A round that lost a client trained on part of the federation: the run says so in its status
-    # (degraded, exit status 3 through outcome.py) and its warning, not only in rounds[].rejected.
+    # (degraded; outcome.py maps it to exit status 3, tests/test_outcome.py) and its warning, not
+    # only in rounds[].rejected.
     assert expected_end(summary) == ("degraded", 3) and summary["status"] == "degraded", output[-4000:]
     assert summary["warning"].startswith(
         "round(s) [1] aggregated without client(s) [1] that they selected, so the final model was trained on "

@@ -170,10 +170,14 @@ def test_a_round_that_lost_a_selected_client_makes_the_run_degraded(tmp_path: Pa
         f"part of the federation (round 2: client 1: {RAY_HOST_OOM} ({HOST_MEMORY_HINT}))")
     # Clients the strategy did not select (fraction_train < 1) were never part of the round; an
     # error reply from a node no client is on (its own negative key) lost no selected client.
-    status, reason = _partial(tmp_path / "sampled", [([1], {1: "/c1"}, {}),
+    status, reason = _partial(tmp_path / "sampled", [([1], {1: "/c1"}, {0: "not selected, yet recorded"}),
                                                      ([0], {0: "/c0"}, {-200: "error reply from unknown node"})]
                               ).outcome()
     assert (status, reason) == ("completed", "")
+    # PPO: client 1's actor was averaged, its critic refused: the round lost a critic, not a client.
+    status, reason = _partial(tmp_path / "critic", [([0, 1], both, {1: "critic checkpoint: bad shape"})]).outcome()
+    assert (status, reason) == ("degraded", "round(s) [1] averaged the actors of client(s) [1] but not their critics "
+                                            "(round 1: client 1: critic checkpoint: bad shape)")
     # An empty round and a partial one: both named, the empty one first.
     recorder = _recorded(tmp_path / "both", [None])
     recorder.record_round(server_round=2, clients=[0, 1], started_from="/m", client_actors={1: "/c1"},

@@ -77,17 +77,23 @@ def collect(out: Path) -> dict[str, Any]:
 
 def deviations(summary: dict[str, Any]) -> list[str]:
     """Where a run did not run as planned though it may have ended: each round that aggregated
-    without a client it selected (``rounds[].rejected``), each validation point that lacks a
+    nothing, or without a client it selected (``rounds[].rejected``), each validation point that lacks a
     client's episodes (``val_curve[].failed``; an unknown node's negative key is no client), and a
     status other than ``completed``. A run's window and final value then rest on a partial round or
     point, which a comparison should say (batch 12's federated seed 4 lost a client in round 9)."""
     found = []
     for entry in summary.get("rounds", []):
-        lost = sorted(int(c) for c in entry.get("clients", []) if str(c) in (entry.get("rejected") or {}))
-        if lost:
-            found.append(f"round {entry['round']} trained without client(s) {lost}")
+        lost = [int(c) for c in entry.get("clients", []) if str(c) in (entry.get("rejected") or {})]
+        averaged = set(entry.get("client_actor_ids") or [])
+        if entry.get("aggregated_actor") is None:
+            found.append(f"round {entry['round']} aggregated nothing")
+            continue
+        if set(lost) - averaged:
+            found.append(f"round {entry['round']} trained without client(s) {sorted(set(lost) - averaged)}")
+        if set(lost) & averaged:  # PPO: the actor averaged, the critic refused
+            found.append(f"round {entry['round']}'s critic lacks client(s) {sorted(set(lost) & averaged)}")
     for point in summary.get("val_curve", []):
-        lost = sorted(int(c) for c in point.get("failed") or {} if int(c) >= 0)
+        lost = sorted(int(c) for c in point.get("failed") or {} if str(c).isdigit())
         if lost:
             found.append(f"round {point['round']}'s evaluation lacks client(s) {lost}")
     if summary.get("status") not in (None, "completed"):

@@ -15,7 +15,11 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _arms_module():  # noqa: ANN202 - the tools/gpu/arms.py module
-    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
+    return _tool_module("arms")
+
+
+def _tool_module(name: str):  # noqa: ANN202 - a module of tools/gpu, loaded by path (not a package)
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "gpu" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
@@ -120,6 +124,13 @@ def test_report_names_the_runs_that_lost_a_client(tmp_path: Path) -> None:
         "round 2 trained without client(s) [1]", "round 2's evaluation lacks client(s) [1]", "status degraded"]]
     assert ("Runs that did not run as planned (their values above include these rounds): federated-s2 (round 2 "
             "trained without client(s) [1]; round 2's evaluation lacks client(s) [1]; status degraded)") in text
+    # An empty round, and a PPO round whose actor averaged both clients but whose critic lacks one.
+    report_tool = _tool_module("arms_report")
+    assert report_tool.deviations({"status": "degraded", "rounds": [
+        {"round": 1, "clients": [0, 1], "aggregated_actor": None, "client_actor_ids": [], "rejected": {"0": "x"}},
+        {"round": 2, "clients": [0, 1], "aggregated_actor": "/g2", "client_actor_ids": [0, 1], "rejected": {"1": "y"}},
+    ], "val_curve": [{"round": 2, "failed": {"user-key": "z"}}]}) == [
+        "round 1 aggregated nothing", "round 2's critic lacks client(s) [1]", "status degraded"]
 
 
 def test_waves_keep_the_sessions_within_the_budget() -> None:
