@@ -28,6 +28,10 @@ from fedagent_flwr.procs import kill_matching, stop_group
 from fedagent_flwr.trainers.verl.verl_log import StepCallback, StepWatch
 
 _ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): ")
+#: The prefix Ray puts on a line it forwards from one of its processes (``(TaskRunner pid=11744)``,
+#: coloured on a terminal, ``, ip=...`` on a cluster). verl's stdout and stderr share verl.log, so
+#: such a line can land in the middle of an error line that had not ended yet.
+_RAY_FORWARDED = re.compile(r"(?:\x1b\[[0-9;]*m)?\([\w:.-]+ pid=\d+(?:, ip=[\w.:-]+)?\)")
 #: How much of a log's end :func:`logged_cause` reads (vLLM's traceback precedes the failure by a few hundred lines).
 LOG_SCAN_BYTES = 4 * 2**20
 #: How long :func:`logged_cause` may wait for a root cause to reach a log that Ray writes into: Ray's
@@ -149,5 +153,9 @@ def failure_reason(code: int, tail: Sequence[str], log_path: Path | None = None)
     errors = [line for line in tail if _ERROR_LINE.search(line)]
     line = (errors[:1] or [line for line in tail if line.strip()][-1:] or ["no output"])[0]
     match = _ERROR_LINE.search(line)
-    return f"exited with code {code}: {(line[match.start():] if match else line).strip()[:400]}"
+    text = line[match.start():] if match else line
+    # Another process's line written into this one: cut it off, so that clients failing the same
+    # way give the same reason (the server stops a run on that), whatever the interleaving.
+    interleaved = _RAY_FORWARDED.search(text, 1)
+    return f"exited with code {code}: {(text[:interleaved.start()] if interleaved else text).strip()[:400]}"
 

@@ -329,6 +329,16 @@ def test_failure_reasons_name_the_root_cause() -> None:
                                            "toggled on, but it cannot be used")
     assert failure_reason(-9, ["Training Progress: 0/2"]) == "was killed by signal 9"
     assert failure_reason(3, ["", "last words"]) == "exited with code 3: last words"
+    # CI, 2026-12-03: verl.log holds stdout and stderr, and Ray's forwarded line landed inside the
+    # error line of one client only, so two clients failing alike gave two reasons and the run did
+    # not stop (tests/e2e/test_simulation.py's verl-without-a-GPU run went on to round 2).
+    alike = "ValueError: Total available GPUs 0 is less than total desired GPUs 1"
+    for interleaved in (alike + "\x1b[36m(TaskRunner pid=11744)\x1b[0m Using dataset class: EnvEpisodeDataset",
+                        alike + "(TaskRunner pid=11744, ip=10.0.0.2) Using dataset class: EnvEpisodeDataset"):
+        assert failure_reason(1, [interleaved]) == failure_reason(1, [alike]) == f"exited with code 1: {alike}"
+    # a forwarded line that begins with Ray's prefix keeps its error (the prefix is before the error)
+    forwarded = ["\x1b[36m(Worker pid=5)\x1b[0m RuntimeError: boom"]
+    assert failure_reason(1, forwarded) == "exited with code 1: RuntimeError: boom"
 
 
 
