@@ -18,6 +18,7 @@ from typing import Any
 from flwr.app import Message
 
 from fedagent_flwr import gpu_memory
+from fedagent_flwr.losses import evaluation_losses, round_losses
 
 
 class RunFailedError(RuntimeError):
@@ -202,45 +203,22 @@ def stop_after_empty_rounds(rounds: Sequence[Mapping[str, Any]], limit: int) -> 
     )
 
 
-def _client_key(key: object) -> int | None:
-    """A recorded client key as a client number; None for an unknown node's negative key or a key
-    that names no client (a user strategy's own)."""
-    text = str(key)
-    return int(text) if text.isdigit() else None
-
-
 def partial_rounds_reason(rounds: Sequence[Mapping[str, Any]]) -> str:
     """Why a run whose rounds all aggregated something still lacks clients, or ``""``.
 
     A round that aggregated some clients but not every client it selected (one failed, timed out,
     was refused by the strategy, or had no SuperNode) trained a model on part of the federation:
     the run's result is not the one it asked for, so its status must say so (``degraded``) and not
-    only ``rounds[].rejected``. Clients the strategy did not select (``fraction_train`` below 1)
-    were never part of the round and do not count. A PPO client whose actor was averaged but whose
-    critic was refused (it is in ``client_actor_ids`` and in ``rejected``) lost the round's critic
-    only, and is named as such.
+    only ``rounds[].rejected``. Which clients count: :func:`fedagent_flwr.losses.round_losses`; a PPO
+    client whose actor was averaged but whose critic was refused lost the round's critic only, and
+    is named as such.
     """
-    actors: list[tuple[int, dict[str, str]]] = []
-    critics: list[tuple[int, dict[str, str]]] = []
-    for entry in rounds:
-        if entry.get("aggregated_actor") is None:
-            continue  # an empty round has its own reason (RunRecorder.outcome)
-        # The selected clients the round recorded a reason for (failed, no reply, refused, no node):
-        # what the loop knows was lost, also for an aggregate_train of a user's own that names no
-        # client checkpoints (its round's client_actor_ids are empty, its losses still recorded).
-        rejected = {str(c): str(r) for c, r in (entry.get("rejected") or {}).items()}
-        averaged = {str(c) for c in entry.get("client_actor_ids") or []}
-        lost = {str(c): rejected[str(c)] for c in entry.get("clients") or [] if str(c) in rejected}
-        gone = {c: why for c, why in lost.items() if c not in averaged}
-        critic_only = {c: why for c, why in lost.items() if c in averaged}
-        if gone:
-            actors.append((int(entry["round"]), gone))
-        if critic_only:
-            critics.append((int(entry["round"]), critic_only))
+    losses = [(int(entry["round"]), round_losses(entry)) for entry in rounds]
     reasons = []
-    for partial, what in ((actors, "aggregated without client(s) {clients} that they selected, so the final model "
-                                   "was trained on part of the federation"),
-                          (critics, "averaged the actors of client(s) {clients} but not their critics")):
+    for kind, what in ((0, "aggregated without client(s) {clients} that they selected, so the final model was "
+                           "trained on part of the federation"),
+                       (1, "averaged the actors of client(s) {clients} but not their critics")):
+        partial = [(r, lost[kind]) for r, lost in losses if lost[kind]]
         if partial:
             first_round, first_lost = partial[0]
             clients = sorted({int(c) for _, lost in partial for c in lost})
@@ -257,8 +235,7 @@ def partial_evaluations_reason(val_curve: Sequence[Mapping[str, Any]]) -> str:
     with the base model are not like for like. A failed reply from a node no client is on (its
     negative key) lost no client's slice and does not count.
     """
-    partial = [(point, {c: why for c, why in (point.get("failed") or {}).items() if _client_key(c) is not None})
-               for point in val_curve]
+    partial = [(point, evaluation_losses(point)) for point in val_curve]
     partial = [(point, lost) for point, lost in partial if lost]
     if not partial:
         return ""

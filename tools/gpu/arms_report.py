@@ -4,7 +4,8 @@
 
 arms.py imports this module from its own folder, as it imports ``gpu_share``, after putting the
 repository on ``sys.path``. Like ``status`` and ``phases``, everything here but the plot (matplotlib)
-runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr.intervals`` only.
+runs on a GPU node's bare ``python3``: the standard library, ``fedagent_flwr.intervals`` and
+``fedagent_flwr.losses`` only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fedagent_flwr.intervals import (
     seeds_for_difference,
     wilson_interval,
 )
+from fedagent_flwr.losses import evaluation_losses, round_losses
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
@@ -83,19 +85,18 @@ def deviations(summary: dict[str, Any]) -> list[str]:
     point, which a comparison should say (batch 12's federated seed 4 lost a client in round 9)."""
     found = []
     for entry in summary.get("rounds", []):
-        lost = [int(c) for c in entry.get("clients", []) if str(c) in (entry.get("rejected") or {})]
-        averaged = set(entry.get("client_actor_ids") or [])
         if entry.get("aggregated_actor") is None:
             found.append(f"round {entry['round']} aggregated nothing")
             continue
-        if set(lost) - averaged:
-            found.append(f"round {entry['round']} trained without client(s) {sorted(set(lost) - averaged)}")
-        if set(lost) & averaged:  # PPO: the actor averaged, the critic refused
-            found.append(f"round {entry['round']}'s critic lacks client(s) {sorted(set(lost) & averaged)}")
+        gone, critic_only = round_losses(entry)
+        if gone:
+            found.append(f"round {entry['round']} trained without client(s) {sorted(map(int, gone))}")
+        if critic_only:  # PPO: the actor averaged, the critic refused
+            found.append(f"round {entry['round']}'s critic lacks client(s) {sorted(map(int, critic_only))}")
     for point in summary.get("val_curve", []):
-        lost = sorted(int(c) for c in point.get("failed") or {} if str(c).isdigit())
+        lost = evaluation_losses(point)
         if lost:
-            found.append(f"round {point['round']}'s evaluation lacks client(s) {lost}")
+            found.append(f"round {point['round']}'s evaluation lacks client(s) {sorted(map(int, lost))}")
     if summary.get("status") not in (None, "completed"):
         found.append(f"status {summary.get('status')}")
     return found

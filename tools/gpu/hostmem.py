@@ -95,15 +95,9 @@ def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any
             continue  # ended meanwhile, or not ours to read
         command = " ".join(w.decode("utf-8", "replace") for w in words if w).strip()
         if command:
-            found.append([int(entry.name), command[:COMMAND_CHARS], resident_pages * page // (1024 * 1024)])
-    # Pss is at most the resident size, so the largest by Pss are among the largest by resident
-    # size: read smaps_rollup (a page-table walk) for those only, twice as many as kept.
-    found.sort(key=lambda row: (-row[2], row[0]))
-    found = found[:2 * count]
-    for row in found:
-        proportional = proportional_mib(proc / str(row[0]))
-        if proportional is not None:
-            row[2] = proportional
+            proportional = proportional_mib(entry)
+            mib = proportional if proportional is not None else resident_pages * page // (1024 * 1024)
+            found.append([int(entry.name), command[:COMMAND_CHARS], mib])
     found.sort(key=lambda row: (-row[2], row[0]))
     return found[:count]
 
