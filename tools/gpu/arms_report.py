@@ -212,7 +212,9 @@ def report(out: Path) -> str:
     data = collect(out)
     data["differences"] = differences(data["arms"])
     data["memory_peak"] = _memory_peak(out)
-    data["process_growth"] = _sibling("hostmem.py").growth(out)
+    hostmem = _sibling("hostmem.py")
+    data["process_growth"] = hostmem.growth(out)
+    data["process_growth_measure"] = hostmem.top_measure(out)
     (out / "arms.json").write_text(json.dumps(data, indent=2))
     lines = [
         f"recipe `{data['recipe']}`: final validation success per arm (mean over seeds; 95% Wilson interval of the "
@@ -257,7 +259,10 @@ def report(out: Path) -> str:
         lines += ["", f"Node memory at its peak over {memory['samples']} samples (hostmem.jsonl): host "
                   f"{memory['host_used_mib'] / 1024:.1f} of {memory['host_total_mib'] / 1024:.1f} GiB{gpu}."]
     if data["process_growth"]:
-        lines += ["", "Resident memory per kind of process, from each process's first sample to its peak among the "
+        measure = ("Proportional set size (Pss: a page shared by N processes counts 1/N to each)"
+                   if data["process_growth_measure"] == "pss" else
+                   "Resident size (a page shared by N processes counts N times: these samples predate Pss)")
+        lines += ["", f"{measure} per kind of process, from each process's first sample to its peak among the "
                   "largest (hostmem.jsonl `top`):", ""]
         lines += [f"- `{k['kind']}` ({k['processes']} process{'es' if k['processes'] != 1 else ''}): "
                   f"{k['first_mib'] / 1024:.1f} -> {k['peak_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"

@@ -77,6 +77,11 @@ def proportional_mib(entry: Path) -> int | None:
     return None
 
 
+#: What ``top``'s sizes are, recorded in every sample since 2026-12-04: samples without it (batches 12
+#: and 13) hold resident sizes, which count a page shared by N processes N times.
+TOP_MEASURE = "pss"
+
+
 def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any]]:
     """The ``count`` processes with the most memory, largest first: ``[pid, command, mib]`` each,
     ``mib`` the proportional set size (:func:`proportional_mib`; the resident size where that cannot
@@ -106,7 +111,7 @@ def sample(top: int = TOP) -> dict[str, Any]:
     """One sample of the node's memory and its ``top`` largest processes, stamped with the time."""
     used, total = host_mib()
     return {"t": round(time.time(), 1), "host_used_mib": used, "host_total_mib": total, "gpu_used_mib": gpu_used_mib(),
-            "top": top_processes(top)}
+            "top": top_processes(top), "top_measure": TOP_MEASURE}
 
 
 def watched(specs: list[str]) -> list[tuple[int, str | None]]:
@@ -178,6 +183,13 @@ def kind(command: str) -> str:
             break
         head.append(word)
     return " ".join(head)
+
+
+def top_measure(out: Path) -> str:
+    """What the ``top`` sizes of ``out``'s samples are: ``"pss"`` when every sample says so, else
+    ``"resident"`` (samples from before :data:`TOP_MEASURE` was recorded held resident sizes)."""
+    measures = {row.get("top_measure", "resident") for row in _rows(out) if row.get("top")}
+    return "pss" if measures == {"pss"} else "resident"
 
 
 def growth(out: Path) -> list[dict[str, Any]]:

@@ -170,6 +170,7 @@ def test_each_sample_names_the_largest_processes_and_the_report_says_which_kind_
     assert all(first[g.pid][1] >= 64 for g in growers)
     assert all(len(command) <= 80 for row in rows for _, command, _ in row["top"])
     tool = _tool()
+    assert {row["top_measure"] for row in rows} == {"pss"} and tool.top_measure(tmp_path) == "pss"
     assert rows[0]["top"] == sorted(rows[0]["top"], key=lambda r: (-r[2], r[0]))  # largest first
     kinds = {k["kind"]: k for k in tool.growth(tmp_path)}
     mine = kinds[tool.kind(first[growers[0].pid][0])]
@@ -208,6 +209,12 @@ def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None
     assert "- `ray::WorkerDict` (2 processes): 16.6 -> 24.5 GiB (+7.9)" in text
     assert "- `python -m fedagent_flwr.trainers.verl.entry serve` (1 process): 1.6 -> 1.9 GiB (+0.3)" in text
     assert json.loads((tmp_path / "arms.json").read_text())["process_growth"][0]["grew_mib"] == 8096
+    # these samples say nothing of their measure, as batches 12 and 13 wrote them: resident sizes
+    assert "Resident size (a page shared by N processes counts N times" in text and "Proportional" not in text
+    samples = (tmp_path / "hostmem.jsonl").read_text().splitlines()
+    rows = [{**json.loads(line), "top_measure": "pss"} for line in samples]
+    (tmp_path / "hostmem.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert "Proportional set size (Pss" in arms.report(tmp_path)
 
 
 _SHARER = """
