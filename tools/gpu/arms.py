@@ -6,6 +6,8 @@
     python3 tools/gpu/arms.py wait --out /tmp/out /tmp/out2 --timeout 540   # until every run ended (exit 0; 3: timeout)
     python3 tools/gpu/arms.py report --out /tmp/out      # arms.md, arms.json, arms.png
     python3 tools/gpu/arms.py phases --out /tmp/out      # phases.md: the verl sessions' phase tables
+    python3 tools/gpu/arms.py pool --from docs/gpu-runs --out /tmp/declared --arms federated local --min-seed 4
+                                                         # committed runs as one matrix, then its report
 
 Every arm runs the same recipe with the same per-client step budget (``train.local_steps`` per
 round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eval.seed``):
@@ -47,6 +49,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_share  # noqa: E402
+from arms_pool import DEFAULT_PREFIX, PoolError, pool  # noqa: E402
 from arms_report import MATRIX_FILE, phases_report, report, run_summary  # noqa: E402
 
 #: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
@@ -65,10 +68,10 @@ HOSTMEM_SCRIPT = Path(__file__).resolve().parent / "hostmem.py"
 #: ``arms.py wait``'s exit status when its timeout passed with runs still going (not 124, which the
 #: device tool reads as its own time limit).
 STILL_RUNNING = 3
-#: verl sessions one node runs at once by default: a persistent session's host memory grows about
-#: 1.3 GiB a round, and five of them reached Ray's kill line on a 126 GB H200 node at round 8 of 10
-#: (docs/results.md, batch 12); four should fit 10 rounds (projected ~102 GiB, not yet run). Other
-#: matrices on the node count too.
+#: verl sessions one node runs at once by default: before the per-reload leak fix a persistent
+#: session's host memory grew about 1.3 GiB a round, and five of them reached Ray's kill line on a
+#: 126 GB H200 node at round 8 of 10 (docs/results.md, batch 12); since, four peak at ~61 GiB over 10
+#: rounds (batches 13 and 14). Other matrices on the node count too.
 DEFAULT_MAX_SESSIONS = 4
 
 
@@ -370,7 +373,22 @@ def main(argv: list[str] | None = None) -> int:
     waiting.add_argument("--collect", type=Path, default=None, metavar="DIR",
                          help="then pack each matrix's results so far into DIR/<folder>.tgz (tools/gpu/collect.sh), "
                          "ended or not: give $OUT, so that every wait call brings back what the runs wrote")
+    pooling = sub.add_parser("pool", help="committed runs (docs/gpu-runs) as one matrix folder, then its report")
+    pooling.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
+    pooling.add_argument("--out", type=Path, required=True, help="an empty folder")
+    pooling.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    pooling.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
+    pooling.add_argument("--recipe", default="tinyguess_verl")
+    pooling.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
     args = parser.parse_args(argv)
+    if args.command == "pool":
+        try:
+            pool(args.source, args.out, args.arms, args.min_seed, args.recipe, args.prefix)
+        except PoolError as exc:
+            print(f"arms.py pool: {exc}", file=sys.stderr)
+            return 2
+        print(report(args.out), end="")
+        return 0
     if args.command == "wait":
         try:
             ended = wait(args.out, args.timeout, args.every)

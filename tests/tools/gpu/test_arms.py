@@ -342,3 +342,42 @@ def test_wait_collect_brings_back_what_a_still_running_matrix_wrote(tmp_path: Pa
     assert "results/federated-s3/federated_summary.json" in names
     assert "results/federated-s3.log.tail" in names
     assert [r["success_rate"] for r in rows if r.get("event") == "evaluate"] == [0.0625, 0.09375, 0.40625]
+
+
+def test_pool_lays_out_the_committed_declared_runs_and_reports_them(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The declared comparison from the committed summaries, as results.md §4 reads it: seeds from 4,
+    the recipe's runs only (a lost run's snapshot, ``lost-r9-federated-s7``, stays out)."""
+    arms = _arms_module()
+    out = tmp_path / "declared"
+    assert arms.main(["pool", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(out),
+                      "--arms", "federated", "local", "--min-seed", "4"]) == 0
+    matrix = json.loads((out / "matrix.json").read_text())
+    names = {run["name"] for run in matrix["runs"]}
+    assert {"federated-s4", "federated-s5", "federated-s6", "local-s4", "local-s5"} <= names
+    assert not {"federated-s1", "federated-s3", "local-s3", "centralized-s1", "fedprox-s1"} & names
+    assert all(Path(run["source"]).name.startswith("recipe10r-") for run in matrix["runs"])
+    assert (out / "runs" / "federated-s4" / "metrics.jsonl").is_file()
+    report = json.loads((out / "arms.json").read_text())
+    s4 = next(run for run in report["runs"] if run["name"] == "federated-s4")
+    assert s4["window_mean"] == 0.5312  # rounds 8-10 of the committed run: 0.531 in results.md
+    assert s4["deviations"] == ["round 9 trained without client(s) [1]"]
+    assert "federated − local" in capsys.readouterr().out
+
+
+def test_pool_refuses_one_arm_and_seed_committed_twice_and_an_occupied_folder(tmp_path: Path) -> None:
+    pooling = _tool_module("arms_pool")
+    source = tmp_path / "gpu-runs"
+    committed = REPO / "docs" / "gpu-runs" / "2026-12-03" / "recipe10r-local-s5-summary.json"
+    for day in ("2026-12-03", "2026-12-05"):
+        (source / day).mkdir(parents=True)
+        (source / day / committed.name).write_bytes(committed.read_bytes())
+    with pytest.raises(pooling.PoolError, match="local seed 5 is committed twice: .*2026-12-03.*2026-12-05"):
+        pooling.pool(source, tmp_path / "a", ["local"], 4)
+    with pytest.raises(pooling.PoolError, match="no recipe10r-<arm>-s<seed>-summary.json"):
+        pooling.pool(source, tmp_path / "b", ["federated"], 4)
+    (source / "2026-12-05" / committed.name).unlink()
+    pooling.pool(source, tmp_path / "c", ["local"], 4)
+    assert json.loads((tmp_path / "c" / "matrix.json").read_text())["runs"][0]["name"] == "local-s5"
+    assert not (tmp_path / "c" / "runs" / "local-s5" / "metrics.jsonl").exists()  # none committed beside it
+    with pytest.raises(pooling.PoolError, match="exists: pool into an empty folder"):
+        pooling.pool(source, tmp_path / "c", ["local"], 4)

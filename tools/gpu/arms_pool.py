@@ -1,0 +1,85 @@
+"""Gather committed GPU runs into one matrix folder, so that ``arms.py report`` compares them.
+
+    python3 tools/gpu/arms.py pool --from docs/gpu-runs --out /tmp/declared --arms federated local --min-seed 4
+
+The runs of the declared comparison (docs/results.md §4) come from several GPU sessions, each
+committed as ``docs/gpu-runs/<date>/<prefix>-<arm>-s<seed>-summary.json`` with its metrics in
+``<date>/metrics/<prefix>-<arm>-s<seed>[.metrics].jsonl``. This lays the chosen ones out as a
+launched matrix would be (``matrix.json``, ``runs/<arm>-s<seed>/``), from the named prefix only:
+runs committed under another prefix (``lost-r9-...``, ``repro-A-...``) are not the recipe's runs
+of record and stay out. Two committed runs of one arm and seed are refused, naming both files:
+which one counts is the caller's decision, not this tool's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report reads fedagent_flwr
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
+
+from arms_report import MATRIX_FILE  # noqa: E402
+
+#: The prefix of the 10-round recipe's committed runs (``recipe10r-federated-s4-summary.json``).
+DEFAULT_PREFIX = "recipe10r"
+
+
+class PoolError(ValueError):
+    """The committed runs cannot be pooled as asked (none found, or one arm and seed twice)."""
+
+
+def find_runs(source: Path, prefix: str, arms: list[str], min_seed: int) -> dict[tuple[str, int], Path]:
+    """``(arm, seed) -> summary file`` of every committed run under ``source`` (its dated folders)
+    named ``<prefix>-<arm>-s<seed>-summary.json`` with ``arm`` in ``arms`` and ``seed >= min_seed``."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-({'|'.join(map(re.escape, arms))})-s(\d+)-summary\.json$")
+    found: dict[tuple[str, int], Path] = {}
+    for path in sorted(source.glob("*/*-summary.json")):
+        match = pattern.match(path.name)
+        if match is None or int(match.group(2)) < min_seed:
+            continue
+        key = (match.group(1), int(match.group(2)))
+        if key in found:
+            raise PoolError(f"{key[0]} seed {key[1]} is committed twice: {found[key]} and {path}; "
+                            "rename the one that does not count (e.g. lost-...) and pool again")
+        found[key] = path
+    if not found:
+        raise PoolError(f"no {prefix}-<arm>-s<seed>-summary.json under {source}/*/ for arms {arms} "
+                        f"and seeds from {min_seed}")
+    return found
+
+
+def _metrics_file(summary: Path) -> Path | None:
+    """The metrics committed beside ``summary`` (both spellings the dated folders use), or None."""
+    stem = summary.name.removesuffix("-summary.json")
+    for name in (f"{stem}.jsonl", f"{stem}.metrics.jsonl"):
+        if (summary.parent / "metrics" / name).is_file():
+            return summary.parent / "metrics" / name
+    return None
+
+
+def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = "tinyguess_verl",
+         prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+    """Write ``out/matrix.json`` and ``out/runs/<arm>-s<seed>/`` (summary, and metrics where
+    committed) for the runs :func:`find_runs` picks; return the matrix. ``out`` must hold no
+    matrix yet: pooling into a launched matrix's folder would mix its runs with these."""
+    if (out / MATRIX_FILE).exists():
+        raise PoolError(f"{out / MATRIX_FILE} exists: pool into an empty folder")
+    found = find_runs(source, prefix, arms, min_seed)
+    runs = []
+    for (arm, seed), summary in sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1])):
+        name = f"{arm}-s{seed}"
+        folder = out / "runs" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(summary, folder / "federated_summary.json")
+        metrics = _metrics_file(summary)
+        if metrics is not None:
+            shutil.copyfile(metrics, folder / "metrics.jsonl")
+        runs.append({"name": name, "arm": arm, "seed": seed, "source": str(summary)})
+    matrix = {"recipe": recipe, "runs": runs}
+    (out / MATRIX_FILE).write_text(json.dumps(matrix, indent=1) + "\n")
+    return matrix
