@@ -71,7 +71,7 @@ STILL_RUNNING = 3
 #: verl sessions one node runs at once by default: before the per-reload leak fix a persistent
 #: session's host memory grew about 1.3 GiB a round, and five of them reached Ray's kill line on a
 #: 126 GB H200 node at round 8 of 10 (docs/results.md, batch 12); since, four peak at ~61 GiB over 10
-#: rounds (batches 13 and 14). Other matrices on the node count too.
+#: rounds (batch 13; batch 14 61.4 GiB to round 9). Other matrices on the node count too.
 DEFAULT_MAX_SESSIONS = 4
 
 

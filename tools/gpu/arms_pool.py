@@ -13,7 +13,6 @@ which one counts is the caller's decision, not this tool's.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -24,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report read
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
 from arms_report import MATRIX_FILE  # noqa: E402
+
+from fedagent_flwr.atomic import write_json_atomic  # noqa: E402
 
 #: The prefix of the 10-round recipe's committed runs (``recipe10r-federated-s4-summary.json``).
 DEFAULT_PREFIX = "recipe10r"
@@ -65,10 +66,11 @@ def _metrics_file(summary: Path) -> Path | None:
 def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = "tinyguess_verl",
          prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
     """Write ``out/matrix.json`` and ``out/runs/<arm>-s<seed>/`` (summary, and metrics where
-    committed) for the runs :func:`find_runs` picks; return the matrix. ``out`` must hold no
-    matrix yet: pooling into a launched matrix's folder would mix its runs with these."""
-    if (out / MATRIX_FILE).exists():
-        raise PoolError(f"{out / MATRIX_FILE} exists: pool into an empty folder")
+    committed) for the runs :func:`find_runs` picks; return the matrix. ``out`` must be new or
+    empty: pooling into a used folder would mix what it holds with these runs."""
+    if out.exists() and any(out.iterdir()):
+        raise PoolError(f"{out} is not empty: pool into a new or empty folder (a run's old metrics or a "
+                        "hostmem.jsonl left there would enter the report)")
     found = find_runs(source, prefix, arms, min_seed)
     runs = []
     for (arm, seed), summary in sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1])):
@@ -80,6 +82,7 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
         if metrics is not None:
             shutil.copyfile(metrics, folder / "metrics.jsonl")
         runs.append({"name": name, "arm": arm, "seed": seed, "source": str(summary)})
-    matrix = {"recipe": recipe, "runs": runs}
-    (out / MATRIX_FILE).write_text(json.dumps(matrix, indent=1) + "\n")
+    # no waves: nothing to schedule or wait for; the folder is for ``report`` (and ``phases``)
+    matrix = {"recipe": recipe, "runs": runs, "waves": [], "pooled": True}
+    write_json_atomic(out / MATRIX_FILE, matrix)
     return matrix

@@ -77,9 +77,13 @@ def proportional_mib(entry: Path) -> int | None:
     return None
 
 
-#: What ``top``'s sizes are, recorded in every sample since 2026-12-04: samples without it (batches 12
-#: and 13) hold resident sizes, which count a page shared by N processes N times.
+#: What ``top``'s sizes are (Pss; the resident size for a process whose ``smaps_rollup`` cannot be
+#: read), recorded in every sample since 2026-12-04.
 TOP_MEASURE = "pss"
+#: When the sampler switched from resident sizes to Pss (commit 59033fd, 2026-12-03 21:11 UTC): a
+#: sample without ``top_measure`` taken before it (batches 12 and 13) holds resident sizes, which count
+#: a page shared by N processes N times; one taken after it (batch 14) holds Pss.
+PSS_SINCE = 1796332270.0
 
 
 def top_processes(count: int = TOP, proc: Path = Path("/proc")) -> list[list[Any]]:
@@ -187,8 +191,9 @@ def kind(command: str) -> str:
 
 def top_measure(out: Path) -> str:
     """What the ``top`` sizes of ``out``'s samples are: ``"pss"`` when every sample says so, else
-    ``"resident"`` (samples from before :data:`TOP_MEASURE` was recorded held resident sizes)."""
-    measures = {row.get("top_measure", "resident") for row in _rows(out) if row.get("top")}
+    ``"resident"`` (samples from before :data:`PSS_SINCE` held resident sizes)."""
+    measures = {row.get("top_measure", "pss" if float(row.get("t", 0)) >= PSS_SINCE else "resident")
+                for row in _rows(out) if row.get("top")}
     return "pss" if measures == {"pss"} else "resident"
 
 

@@ -379,5 +379,9 @@ def test_pool_refuses_one_arm_and_seed_committed_twice_and_an_occupied_folder(tm
     pooling.pool(source, tmp_path / "c", ["local"], 4)
     assert json.loads((tmp_path / "c" / "matrix.json").read_text())["runs"][0]["name"] == "local-s5"
     assert not (tmp_path / "c" / "runs" / "local-s5" / "metrics.jsonl").exists()  # none committed beside it
-    with pytest.raises(pooling.PoolError, match="exists: pool into an empty folder"):
+    with pytest.raises(pooling.PoolError, match="is not empty: pool into a new or empty folder"):
         pooling.pool(source, tmp_path / "c", ["local"], 4)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "hostmem.jsonl").write_text("")  # an earlier matrix's samples: not this pool's
+    with pytest.raises(pooling.PoolError, match="is not empty"):
+        pooling.pool(source, tmp_path / "d", ["local"], 4)

@@ -215,6 +215,12 @@ def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None
     rows = [{**json.loads(line), "top_measure": "pss"} for line in samples]
     (tmp_path / "hostmem.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert "Proportional set size (Pss" in arms.report(tmp_path)
+    # batch 14 recorded Pss before samples named their measure: told apart by when they were taken
+    tool = _tool()
+    rows = [{k: v for k, v in row.items() if k != "top_measure"} for row in rows]
+    (tmp_path / "hostmem.jsonl").write_text("".join(json.dumps({**row, "t": tool.PSS_SINCE + row["t"]}) + "\n"
+                                                    for row in rows))
+    assert tool.top_measure(tmp_path) == "pss"
 
 
 _SHARER = """
