@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fedagent_flwr.deploy import NodeKey, TlsFiles, make_node_key, make_tls_files, write_connection
 from fedagent_flwr.launch import stop_superlink_tree
-from testkit.flower_harness import BIN, REPO, flower_env, free_port, wait_healthy
+from testkit.flower_harness import BIN, app_dir, flower_env, free_port, wait_healthy
 
 CONNECTION = "tls-deploy"
 
@@ -103,8 +103,9 @@ class Deployment:
         return node
 
     def run(self, overrides: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
-        """``flwr run <repo> <connection> --stream`` with the given Hydra overrides."""
-        return self.flwr("run", str(REPO), CONNECTION, "--stream",
+        """``flwr run <app> <connection> --stream`` (the repository's app, :func:`app_dir`) with the
+        given Hydra overrides."""
+        return self.flwr("run", str(app_dir()), CONNECTION, "--stream",
                          "--run-config", f'overrides="{overrides}"', timeout=timeout)
 
     def logs(self) -> str:

@@ -7,12 +7,19 @@ is off (it would re-resolve torch for every run).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import io
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +28,7 @@ from typing import Any
 
 import httpx
 import psutil
+from flwr.cli.build import build_fab_from_disk
 
 from fedagent_flwr.deploy import write_connection
 from fedagent_flwr.launch import stop_superlink_tree
@@ -28,6 +36,26 @@ from fedagent_flwr.procs import ProcessRef, pids_with_cmdline, signal_each
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+
+@functools.cache
+def app_dir() -> Path:
+    """The app directory the tests hand to ``flwr run``: the files of the FAB that ``flwr run``
+    builds from the repository, unpacked once per test process into a temporary directory.
+
+    Why not the repository itself: to build a FAB, Flower walks and resolves every file under the
+    app directory before it applies ``fab-include``, the ~63k files of the repository's ``.venv``
+    included, which took ~6 s of every ``flwr run`` on a 2-core machine. The unpacked FAB holds
+    exactly what Flower ships (its own builder picks the files), so a run of it is a run of the
+    repository's app; only ``pyproject.toml`` is Flower's rewrite of ours, as in every FAB."""
+    root = Path(tempfile.mkdtemp(prefix="fedagent-app-"))
+    atexit.register(shutil.rmtree, root, True)
+    with warnings.catch_warnings():  # pathspec's deprecation of a pattern class Flower uses, not ours
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fab_bytes = build_fab_from_disk(REPO)
+    with zipfile.ZipFile(io.BytesIO(fab_bytes)) as fab:
+        fab.extractall(root, [name for name in fab.namelist() if not name.startswith(".info/")])
+    return root
 
 
 def free_port() -> int:
@@ -87,22 +115,23 @@ class SuperLink:
     #: (pid, start time) of each run's flwr-simulation -> when stop_runaway_runs first saw it
     first_seen: dict[tuple[int, float], float] = field(default_factory=dict)
 
-    def command(self, overrides: str = "", supernodes: int = 2, app: Path = REPO,
+    def command(self, overrides: str = "", supernodes: int = 2, app: Path | None = None,
                 extra_run_config: str = "", run_config_file: Path | None = None) -> list[str]:
-        """``flwr run <app> <connection> --stream`` with the given Hydra overrides (or, when
-        ``run_config_file`` is given, that TOML file alone: Flower does not mix the two)."""
+        """``flwr run <app> <connection> --stream`` (``app`` by default the repository's app,
+        :func:`app_dir`) with the given Hydra overrides (or, when ``run_config_file`` is given, that
+        TOML file alone: Flower does not mix the two)."""
         run_config = f'overrides="{overrides}"'
         if extra_run_config:
             run_config += f" {extra_run_config}"
         if run_config_file is not None:
             run_config = str(run_config_file)
         return [
-            str(BIN / "flwr"), "run", str(app), self.connection, "--stream",
+            str(BIN / "flwr"), "run", str(app or app_dir()), self.connection, "--stream",
             "--run-config", run_config,
             "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus={CLIENT_CPUS}",
         ]
 
-    def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path = REPO,
+    def run(self, overrides: str = "", supernodes: int = 2, timeout: float = 900, app: Path | None = None,
             extra_run_config: str = "", run_config_file: Path | None = None) -> subprocess.CompletedProcess[str]:
         """Run a job to its end and capture its output."""
         return subprocess.run(self.command(overrides, supernodes, app, extra_run_config, run_config_file),
