@@ -249,6 +249,9 @@ class VerlSession:
             extra["optimizer_state_kept"] = 1.0 if out.get("optimizer_state_kept") else 0.0
         with in_round.phase("collect_result"):
             result = verl_job.collect_result(job, prep, steps, first_step, started, LOG_HINT, extra_metrics=extra)
+        if job.trainer.get("optimizer_state") == "keep":  # the round completed: a next one may keep its state
+            self._get(self.runner.round_collected.remote(job.client_id, job.round),
+                      f"round {job.round} client {job.client_id}")
         in_round.record("round_total", started_at)
         return result
 

@@ -95,6 +95,8 @@ class PersistentTaskRunner(BaseTaskRunner):
         # (client, round) of the completed client-round the engines' optimiser state is from (None:
         # a new session, or a round that failed part-way and left a state that belongs to no round)
         self._state_from: tuple[int, int] | None = None
+        # (client, round) whose fit() finished, until the session says its result was collected
+        self._fitted: tuple[int, int] | None = None
 
     def add_actor_rollout_worker(self, config: DictConfig) -> tuple[type, type]:
         _, worker_group_cls = super().add_actor_rollout_worker(config)
@@ -200,7 +202,7 @@ class PersistentTaskRunner(BaseTaskRunner):
         reloaded: dict[str, Any] = {}
         keep = self._keeps_optimizer(plan, label)
         kept = False
-        self._state_from = None  # until this round completes
+        self._state_from = self._fitted = None  # until this round completes
         if plan["reload"]:
             reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]), keep)
             ranks = trainer.actor_rollout_wg.world_size
@@ -246,9 +248,18 @@ class PersistentTaskRunner(BaseTaskRunner):
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
         rec.record("train_round", t0_at)
-        self._state_from = (int(plan["client_id"]), int(plan["round"]))
+        self._fitted = (int(plan["client_id"]), int(plan["round"]))
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
                 "reloaded": reloaded, "optimizer_state_kept": kept}
+
+    def round_collected(self, client_id: int, round_: int) -> None:
+        """The session collected this client-round's result (its checkpoint found, its result
+        file written): only now is the engines' optimiser state a completed round's, one that a
+        next round may keep. A round whose result could not be collected leaves none, as the
+        reference trainer's session, which takes its state at the same point."""
+        if self._fitted == (client_id, round_):
+            self._state_from = self._fitted
+        self._fitted = None
 
     def _keeps_optimizer(self, plan: dict[str, Any], label: str) -> bool:
         """Whether this round's reload keeps the engines' optimiser state (``trainer.optimizer_state:

@@ -158,7 +158,12 @@ def test_only_the_same_clients_next_round_keeps_its_state() -> None:
     plan = {"client_id": 3, "round": 2, "reload": True, "optimizer_state": "keep"}
     assert not runner._keeps_optimizer({**plan, "reload": False}, "r1")  # a session's first round: built fresh
     assert not runner._keeps_optimizer(plan, "r2")  # no completed round (a new session, or one that failed)
-    runner._state_from = (3, 1)  # as train_round leaves it after client 3's round 1 completed
+    runner._fitted = (3, 1)  # as train_round leaves it once client 3's round 1 fit() finished ...
+    assert not runner._keeps_optimizer(plan, "r2")  # ... its result not collected (it may have failed)
+    runner.round_collected(4, 1)  # another client-round's confirmation does not complete this one
+    assert not runner._keeps_optimizer(plan, "r2")
+    runner._fitted = (3, 1)
+    runner.round_collected(3, 1)  # the session collected round 1's result: completed
     assert runner._keeps_optimizer(plan, "r2")
     assert not runner._keeps_optimizer({**plan, "optimizer_state": "reset"}, "r2")
     assert not runner._keeps_optimizer({**plan, "round": 1}, "r1")  # round 1 again (a resumed run): fresh
@@ -166,11 +171,12 @@ def test_only_the_same_clients_next_round_keeps_its_state() -> None:
     assert not runner._keeps_optimizer(plan, "r2")
 
 
-@pytest.mark.parametrize(("setting", "kept", "metric"), [("keep", True, 1.0), ("keep", False, 0.0),
-                                                         ("reset", False, None)])
+@pytest.mark.parametrize(("setting", "kept", "metric", "collects"),
+                         [("keep", True, 1.0, True), ("keep", False, 0.0, True), ("reset", False, None, True),
+                          ("keep", True, None, False)])  # the last: its result cannot be collected
 def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, kept: bool,
-        metric: float | None) -> None:
+        metric: float | None, collects: bool) -> None:
     from fedagent_flwr.clientapp.job import TrainJob
     from fedagent_flwr.trainers.verl import job as verl_job
     from fedagent_flwr.trainers.verl.persistent import VerlSession, session_fingerprint
@@ -181,6 +187,7 @@ def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
                    trainer={"rollout_n": 2, "max_prompt_length": 256, "max_response_length": 128,
                             "optimizer_state": setting})
     plans: list[dict[str, Any]] = []
+    collected: list[tuple[int, int]] = []
 
     class Runner:  # the TaskRunner actor as the session calls it (Ray left out)
         class train_round:  # noqa: N801  # ray's actor-method shape: runner.train_round.remote(plan)
@@ -189,15 +196,32 @@ def test_each_round_of_a_session_reports_whether_its_optimiser_state_was_kept(
                 plans.append(plan)
                 return {"records": [], "reload_s": 0.5, "optimizer_state_kept": kept}
 
+        class round_collected:  # noqa: N801
+            @staticmethod
+            def remote(client_id: int, round_: int) -> None:
+                collected.append((client_id, round_))
+
     session = VerlSession(work_dir=str(tmp_path / "session"))
     settings, spec, _, rule = verl_job.check_train_job(job)
     session.runner, session.fixed = Runner(), session_fingerprint(job, settings, rule, 2)  # a second round
     monkeypatch.setattr(session, "_get", lambda ref, what: ref)
-    monkeypatch.setattr(verl_job, "collect_result", lambda *args, extra_metrics: extra_metrics)
+    def collect_result(*args: Any, extra_metrics: dict[str, float]) -> dict[str, float]:
+        if not collects:
+            raise RuntimeError("no checkpoint")  # as collect_result does when verl saved none
+        return extra_metrics
+
+    monkeypatch.setattr(verl_job, "collect_result", collect_result)
+    if not collects:  # the round failed after fit(): its optimiser state is not a completed round's
+        with pytest.raises(RuntimeError, match="no checkpoint"):
+            session.train(job)
+        assert collected == []
+        return
     metrics: Any = session.train(job)
     assert plans[0]["reload"] and plans[0]["optimizer_state"] == setting
     # reset: no such metric, as a subprocess-mode run reports none (the two modes' results must be equal)
     assert metrics.get("optimizer_state_kept") == metric and metrics["verl/persistent_round"] == 1.0
+    # with keep, the round is confirmed complete once its result is collected (its state then keepable)
+    assert collected == ([(0, 2)] if setting == "keep" else [])
 
 
 @pytest.mark.parametrize(("setting", "metrics"), [("keep", {"optimizer_state_kept": 0.0}), ("reset", {})])
