@@ -202,7 +202,7 @@ class PersistentTaskRunner(BaseTaskRunner):
         reloaded: dict[str, Any] = {}
         keep = self._keeps_optimizer(plan, label)
         kept = False
-        self._state_from = self._fitted = None  # until this round completes
+        self._round_started()
         if plan["reload"]:
             reloaded["actor"] = trainer.actor_rollout_wg.fedagent_reload(plan["model_path"], int(plan["seed"]), keep)
             ranks = trainer.actor_rollout_wg.world_size
@@ -248,9 +248,19 @@ class PersistentTaskRunner(BaseTaskRunner):
         print(f"{label}: fit() done in {fit_s:.2f} s ({len(records)} steps logged), vLLM replicas asleep",
               flush=True)
         rec.record("train_round", t0_at)
-        self._fitted = (int(plan["client_id"]), int(plan["round"]))
+        self._round_fitted(plan)
         return {"records": records, "reload_s": round(reload_s, 2), "fit_s": round(fit_s, 2),
                 "reloaded": reloaded, "optimizer_state_kept": kept}
+
+    def _round_started(self) -> None:
+        """A round begins reloading the engines: whatever state they held belongs to no completed
+        round until this one completes."""
+        self._state_from = self._fitted = None
+
+    def _round_fitted(self, plan: dict[str, Any]) -> None:
+        """The round's ``fit()`` returned: its state is keepable only once the session confirms
+        that the result was collected (:meth:`round_collected`)."""
+        self._fitted = (int(plan["client_id"]), int(plan["round"]))
 
     def round_collected(self, client_id: int, round_: int) -> None:
         """The session collected this client-round's result (its checkpoint found, its result

@@ -158,13 +158,19 @@ def test_only_the_same_clients_next_round_keeps_its_state() -> None:
     plan = {"client_id": 3, "round": 2, "reload": True, "optimizer_state": "keep"}
     assert not runner._keeps_optimizer({**plan, "reload": False}, "r1")  # a session's first round: built fresh
     assert not runner._keeps_optimizer(plan, "r2")  # no completed round (a new session, or one that failed)
-    runner._fitted = (3, 1)  # as train_round leaves it once client 3's round 1 fit() finished ...
-    assert not runner._keeps_optimizer(plan, "r2")  # ... its result not collected (it may have failed)
+    first = {**plan, "round": 1}
+    runner._round_started()  # train_round's bookkeeping for client 3's round 1 ...
+    runner._round_fitted(first)  # ... whose fit() returned ...
+    assert not runner._keeps_optimizer(plan, "r2")  # ... its result not collected yet (it may fail)
     runner.round_collected(4, 1)  # another client-round's confirmation does not complete this one
     assert not runner._keeps_optimizer(plan, "r2")
-    runner._fitted = (3, 1)
+    runner._round_fitted(first)
     runner.round_collected(3, 1)  # the session collected round 1's result: completed
     assert runner._keeps_optimizer(plan, "r2")
+    runner._round_started()  # round 2 begins: should it fail, round 1's state is not kept into round 3
+    assert not runner._keeps_optimizer({**plan, "round": 3}, "r3")
+    runner._round_fitted(first)
+    runner.round_collected(3, 1)
     assert not runner._keeps_optimizer({**plan, "optimizer_state": "reset"}, "r2")
     assert not runner._keeps_optimizer({**plan, "round": 1}, "r1")  # round 1 again (a resumed run): fresh
     runner._state_from = (4, 1)  # the engines' state is another client's
