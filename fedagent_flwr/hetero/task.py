@@ -170,11 +170,17 @@ def _coverage_setup(num_clients: int, num_goals: int, min_goals_per_client: int,
     if low > COVERAGE_CENTER:
         raise PartitionError(f"coverage needs min_goals_per_client <= {COVERAGE_CENTER} (FedAgent's centre size), "
                              f"got {low}")
-    rng = np.random.default_rng(int(base_seed))
-    r = default_r(num_goals, num_clients, low, COVERAGE_CENTER, COVERAGE_HIGH)
-    total = int(round(r * num_goals))
-    sizes = generate_client_sizes(num_clients, low, COVERAGE_CENTER, COVERAGE_HIGH, size_std, total, rng)
+    rng, r, _, sizes = _beta_sizes(num_clients, num_goals, low, COVERAGE_CENTER, COVERAGE_HIGH, size_std, base_seed)
     return rng, r, sizes
+
+
+def _beta_sizes(num_clients: int, num_goals: int, low: int, center: int, high: int, std: float,
+                base_seed: int) -> tuple[np.random.Generator, float, int, list[int]]:
+    """The Beta client sizes both coverage and hardness start from, and the ``default_rng(S)`` drawn on."""
+    rng = np.random.default_rng(int(base_seed))
+    r = default_r(num_goals, num_clients, low, center, high)
+    total = int(round(r * num_goals))
+    return rng, r, total, generate_client_sizes(num_clients, low, center, high, std, total, rng)
 
 
 def coverage_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
@@ -251,11 +257,7 @@ def _hardness_setup(num_clients: int, num_goals: int, min_goals_per_client: int,
     check_int("num_clients", num_clients, 1)
     check_int("num_goals", num_goals, 1)
     L = check_int("min_goals_per_client", min_goals_per_client, 0)
-    rng = np.random.default_rng(int(base_seed))
-    center = L // 2
-    r = default_r(num_goals, num_clients, 0, center, L)
-    total = int(round(r * num_goals))
-    quotas = generate_client_sizes(num_clients, 0, center, L, success_std, total, rng)
+    rng, _, total, quotas = _beta_sizes(num_clients, num_goals, 0, L // 2, L, success_std, base_seed)
     return rng, total, quotas
 
 
@@ -348,6 +350,13 @@ def _min_goals(knobs: Mapping[str, Any]) -> int:
     return int(knob(knobs, "min_goals_per_client"))
 
 
+def _hardness_knobs(knobs: Mapping[str, Any]) -> tuple[float, dict[str, bool] | None]:
+    """``(success_std, labels)``, the labels read from ``trajectories_file`` if it is set."""
+    success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
+    path = knobs.get("trajectories_file")
+    return success_std, load_hardness_labels(path) if path else None
+
+
 def task_disjoint_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                            base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
     return task_disjoint_partition(client_id, num_clients, num_goals, _min_goals(knobs))
@@ -369,9 +378,7 @@ def coverage_strategy(client_id: int, num_clients: int, num_goals: int, knobs: M
 
 def hardness_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
-    path = knobs.get("trajectories_file")
-    labels = load_hardness_labels(path) if path else None
+    success_std, labels = _hardness_knobs(knobs)
     return hardness_partition(client_id, num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),
                               _min_goals(knobs), success_std, base_seed, labels)
 
@@ -384,9 +391,7 @@ def all_clients(strategy: str, num_clients: int, num_goals: int, knobs: Mapping[
         size_std = first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
         return coverage_assignment(num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
     if strategy == "hardness":
-        success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
-        path = knobs.get("trajectories_file")
-        labels = load_hardness_labels(path) if path else None
+        success_std, labels = _hardness_knobs(knobs)
         parts = hardness_assignment(num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),
                                     _min_goals(knobs), success_std, base_seed, labels)
         return [parts[c] for c in range(num_clients)]
