@@ -55,6 +55,21 @@ class SamplingParams:
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[list[int]]]
 
 
+async def generate_turn(generate: GenerateFn, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+    """One turn's new token ids from ``generate``; ValueError if it broke its bound (``max_new_tokens``)."""
+    new_ids = [int(i) for i in await generate(list(prompt_ids), sampling)]
+    if len(new_ids) > sampling.max_new_tokens:
+        raise ValueError(f"generate returned {len(new_ids)} tokens for max_new_tokens={sampling.max_new_tokens}")
+    return new_ids
+
+
+def stop_token_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> set[int]:
+    """The ids that end a turn: ``eos_token_ids``, by default the tokenizer's EOS (left out if it has none)."""
+    stop_ids = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
+    stop_ids.discard(None)
+    return stop_ids
+
+
 @dataclass
 class TurnRecord:
     """What happened in one turn (kept for logs and debugging; not used for training)."""
@@ -206,8 +221,7 @@ async def run_episode(
     response_budget = max_model_len if max_response_len is None else max_response_len
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    stop_ids = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
-    stop_ids.discard(None)
+    stop_ids = stop_token_ids(tokenizer, eos_token_ids)
     eos_texts = [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
     renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     try:
@@ -230,11 +244,7 @@ async def run_episode(
                     or len(response_ids) + sampling.max_new_tokens > response_budget):
                 truncated = True
                 break
-            new_ids = [int(i) for i in await generate(list(context), sampling)]
-            if len(new_ids) > sampling.max_new_tokens:
-                raise ValueError(
-                    f"generate returned {len(new_ids)} tokens for max_new_tokens={sampling.max_new_tokens}"
-                )
+            new_ids = await generate_turn(generate, context, sampling)
             ended_with_eos = bool(new_ids) and new_ids[-1] in stop_ids
             response_ids += new_ids
             response_mask += [1] * len(new_ids)

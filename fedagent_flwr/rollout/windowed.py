@@ -24,7 +24,16 @@ from typing import Any
 
 from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.window import Window, WindowStep
-from fedagent_flwr.rollout.episode import ChatRenderer, Episode, GenerateFn, SamplingParams, TurnRecord, WindowSample
+from fedagent_flwr.rollout.episode import (
+    ChatRenderer,
+    Episode,
+    GenerateFn,
+    SamplingParams,
+    TurnRecord,
+    WindowSample,
+    generate_turn,
+    stop_token_ids,
+)
 from fedagent_flwr.schema.trainer import ROLLOUT_MODES, Rollout  # noqa: F401  # ROLLOUT_MODES: re-exported
 
 # FedAgent's windowed_history_length (verl-agent's env.history_length); both declared with the setting
@@ -60,8 +69,7 @@ async def run_windowed_episode(
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if history_length < 0:
         raise ValueError(f"history_length must be >= 0, got {history_length}")
-    stop_ids = set(eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id])
-    stop_ids.discard(None)
+    stop_ids = stop_token_ids(tokenizer, eos_token_ids)
     renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     try:
         system = await env.system_prompt()
@@ -82,11 +90,7 @@ async def run_windowed_episode(
                     or (max_prompt_len is not None and len(prompt_ids) > max_prompt_len)):
                 truncated = True
                 break
-            new_ids = [int(i) for i in await generate(list(prompt_ids), sampling)]
-            if len(new_ids) > sampling.max_new_tokens:
-                raise ValueError(
-                    f"generate returned {len(new_ids)} tokens for max_new_tokens={sampling.max_new_tokens}"
-                )
+            new_ids = await generate_turn(generate, prompt_ids, sampling)
             reply = tokenizer.decode(new_ids, skip_special_tokens=True)
             messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
             next_observation, step_reward, done, step_info = await env.step(reply)

@@ -12,6 +12,7 @@ import pytest
 
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ChatTemplateError, Episode, SamplingParams, run_episode
+from fedagent_flwr.rollout.windowed import run_windowed_episode
 from fedagent_flwr.trainers.common.sampler import HFPolicy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
@@ -127,6 +128,17 @@ def test_no_silent_truncation(smollm2_tokenizer: Any) -> None:
     generate, _ = scripted_policy(tok, [])
     short = asyncio.run(run_episode(TinyGuess({}), 1, tok, generate, SAMPLING, 5, prompt_len + 4))
     assert short.truncated and short.num_turns == 0 and short.response_ids == []
+
+
+def test_both_runners_refuse_a_generate_that_returns_more_than_max_new_tokens(smollm2_tokenizer: Any) -> None:
+    async def overrun(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+        return smollm2_tokenizer.encode("<answer>1</answer>", add_special_tokens=False) * sampling.max_new_tokens
+
+    for runner in (run_episode, run_windowed_episode):
+        env = ClosingGuess({})
+        with pytest.raises(ValueError, match=r"generate returned \d+ tokens for max_new_tokens=32"):
+            asyncio.run(runner(env, 1, smollm2_tokenizer, overrun, SAMPLING, 5, 4096))
+        assert env.closed  # the runner closed it on the error too
 
 
 async def _prompt_ids(tok: Any) -> list[int]:
