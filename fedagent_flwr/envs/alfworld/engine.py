@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedagent_flwr.envs.textworld_session import TextWorldSession
+
 HIDDEN_COMMANDS = frozenset({"help"})
 
 
@@ -23,12 +25,8 @@ def admissible(state: Any) -> list[str]:
     return [c for c in (state.get("admissible_commands") or []) if c not in HIDDEN_COMMANDS]
 
 
-class GameSession:
-    """A reusable player: ``reset(game_file)`` starts an episode, ``step(command)`` plays one command."""
-
-    def __init__(self) -> None:
-        self._env: Any = None
-        self.game_file: str | None = None
+class GameSession(TextWorldSession):
+    """A reusable ALFWorld player: ``reset(game_file)`` starts an episode, ``step(command)`` plays one command."""
 
     @staticmethod
     def warm_up() -> str:
@@ -47,28 +45,15 @@ class GameSession:
 
     def reset(self, game_file: str) -> dict[str, Any]:
         """Load ``game_file`` (a ``game.tw-pddl``) and start it; the initial observation and commands."""
-        if self._env is None or self.game_file != game_file:
-            self.close()
-            self._env = self._start(game_file)
-            self.game_file = game_file
-        state = self._env.reset()
+        state = self._load(game_file)
         return {"obs": str(state["feedback"]), "admissible_commands": admissible(state), "won": bool(state["won"])}
 
     def step(self, command: str) -> dict[str, Any]:
         """Apply one text command (anything: the engine answers "Nothing happens." to non-commands)."""
-        if self._env is None:
-            raise RuntimeError("GameSession.step called before reset")
-        state, _score, done = self._env.step(command)
+        state, done = self._play(command)
         return {
             "obs": str(state["feedback"]),
             "admissible_commands": admissible(state),
             "won": bool(state["won"]),
             "engine_done": bool(done),
         }
-
-    def close(self) -> None:
-        """Release the loaded game."""
-        env, self._env = self._env, None
-        self.game_file = None
-        if env is not None:
-            env.close()

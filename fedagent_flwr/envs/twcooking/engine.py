@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fedagent_flwr.envs.textworld_session import TextWorldSession
 
-class CookingSession:
-    """A reusable player: ``reset(game_file)`` starts an episode, ``step(command)`` plays one command."""
 
-    def __init__(self) -> None:
-        self._env: Any = None
-        self.game_file: str | None = None
+class CookingSession(TextWorldSession):
+    """A reusable cooking-game player: ``reset(game_file)`` starts an episode, ``step(command)`` plays one command."""
 
     @staticmethod
     def warm_up() -> str:
@@ -28,27 +26,16 @@ class CookingSession:
         return {"obs": str(state["feedback"]).strip(), "admissible_commands": list(state["admissible_commands"] or []),
                 "won": bool(state["won"]), "lost": bool(state["lost"]), "score": int(state["score"] or 0)}
 
-    def reset(self, game_file: str) -> dict[str, Any]:
-        """Load ``game_file`` (a ``.z8``) if it is not loaded, and start it."""
+    def _start(self, game_file: str) -> Any:
         import textworld
 
-        if self._env is None or self.game_file != game_file:
-            self.close()
-            infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True)
-            self._env = textworld.start(game_file, infos)
-            self.game_file = game_file
-        return self._state(self._env.reset())
+        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True)
+        return textworld.start(game_file, infos)
+
+    def reset(self, game_file: str) -> dict[str, Any]:
+        """Load ``game_file`` (a ``.z8``) if it is not loaded, and start it."""
+        return self._state(self._load(game_file))
 
     def step(self, command: str) -> dict[str, Any]:
         """Apply one text command."""
-        if self._env is None:
-            raise RuntimeError("CookingSession.step called before reset")
-        state, _score, _done = self._env.step(command)
-        return self._state(state)
-
-    def close(self) -> None:
-        """Release the loaded game."""
-        env, self._env = self._env, None
-        self.game_file = None
-        if env is not None:
-            env.close()
+        return self._state(self._play(command)[0])
