@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,23 +109,17 @@ def smollm2_tokenizer_dir() -> Path:
     Built once from the GGUF (a 10-20 s parse) and then loaded from the cache in milliseconds.
     """
     gguf = smollm2_gguf_path()
-    with _locked(_TOKENIZER_DIR) as root:
-        final_dir = root / _TOKENIZER_DIR
-        if (final_dir / "tokenizer_config.json").is_file():
-            return final_dir
+
+    def build(work: Path, final_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        progress("building the SmolLM2 tokenizer from the GGUF (once)")
-        work = fresh_tmp_dir(root, _TOKENIZER_DIR)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            for name, token in _SPECIAL_TOKENS.items():
-                setattr(tokenizer, name, token)
-            tokenizer.save_pretrained(str(work))
-            _replace_dir(work, final_dir)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        return final_dir
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        for name, token in _SPECIAL_TOKENS.items():
+            setattr(tokenizer, name, token)
+        tokenizer.save_pretrained(str(work))
+
+    return _convert_once(_TOKENIZER_DIR, "tokenizer_config.json", "building the SmolLM2 tokenizer from the GGUF (once)",
+                         build)
 
 
 def default_model_dir() -> Path:
@@ -136,30 +131,24 @@ def default_model_dir() -> Path:
     """
     gguf = smollm2_gguf_path()
     tokenizer_dir = smollm2_tokenizer_dir()
-    with _locked(_MODEL_DIR) as root:
-        final_dir = root / _MODEL_DIR
-        if (final_dir / "config.json").is_file():
-            return final_dir
+
+    def build(work: Path, final_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        progress("converting the SmolLM2 GGUF to a Hugging Face checkpoint (once, ~1 min)")
         started = time.monotonic()
-        work = fresh_tmp_dir(root, _MODEL_DIR)
-        try:
-            model = _dequantized_model_from_gguf(gguf)
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-            # Generation (HF and vLLM) stops at the same EOS the tokenizer names.
-            for config in (model.config, model.generation_config):
-                config.bos_token_id = tokenizer.bos_token_id
-                config.eos_token_id = tokenizer.eos_token_id
-                config.pad_token_id = tokenizer.pad_token_id
-            model.save_pretrained(str(work))
-            tokenizer.save_pretrained(str(work))
-            _replace_dir(work, final_dir)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        model = _dequantized_model_from_gguf(gguf)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        # Generation (HF and vLLM) stops at the same EOS the tokenizer names.
+        for config in (model.config, model.generation_config):
+            config.bos_token_id = tokenizer.bos_token_id
+            config.eos_token_id = tokenizer.eos_token_id
+            config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(str(work))
+        tokenizer.save_pretrained(str(work))
         progress(f"converted in {time.monotonic() - started:.0f} s: {final_dir}")
-        return final_dir
+
+    return _convert_once(_MODEL_DIR, "config.json",
+                         "converting the SmolLM2 GGUF to a Hugging Face checkpoint (once, ~1 min)", build)
 
 
 def _dequantized_model_from_gguf(gguf: Path) -> Any:
@@ -191,6 +180,24 @@ def _dequantized_model_from_gguf(gguf: Path) -> Any:
         )
     model.eval()
     return model
+
+
+def _convert_once(name: str, complete: str, message: str, build: Callable[[Path, Path], None]) -> Path:
+    """The cache entry ``name``, built by ``build(work_dir, final_dir)`` under its lock unless it holds the file
+    ``complete``; ``message`` says it is being built. Unlike :func:`fedagent_flwr.cache.build_once`, an
+    entry without ``complete`` is replaced, and every file is made readable to all (``_replace_dir``)."""
+    with _locked(name) as root:
+        final_dir = root / name
+        if (final_dir / complete).is_file():
+            return final_dir
+        progress(message)
+        work = fresh_tmp_dir(root, name)
+        try:
+            build(work, final_dir)
+            _replace_dir(work, final_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return final_dir
 
 
 def _replace_dir(staged: Path, final: Path) -> None:
