@@ -380,10 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     pooling.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
     pooling.add_argument("--recipe", default="tinyguess_verl")
     pooling.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
+    pooling.add_argument("--leave-out", nargs="+", default=[], metavar="ARM-sSEED",
+                         help="runs to leave out, e.g. federated-s4 (a sensitivity check; the report names them)")
     args = parser.parse_args(argv)
     if args.command == "pool":
         try:
-            pool(args.source, args.out, args.arms, args.min_seed, args.recipe, args.prefix)
+            pool(args.source, args.out, args.arms, args.min_seed, args.recipe, args.prefix, args.leave_out)
         except PoolError as exc:
             print(f"arms.py pool: {exc}", file=sys.stderr)
             return 2

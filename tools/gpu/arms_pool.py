@@ -1,6 +1,7 @@
 """Gather committed GPU runs into one matrix folder, so that ``arms.py report`` compares them.
 
     python3 tools/gpu/arms.py pool --from docs/gpu-runs --out /tmp/declared --arms federated local --min-seed 4
+    python3 tools/gpu/arms.py pool ... --leave-out federated-s4      # a sensitivity check
 
 The runs of the declared comparison (docs/results.md §4) come from several GPU sessions, each
 committed as ``docs/gpu-runs/<date>/<prefix>-<arm>-s<seed>-summary.json`` with its metrics in
@@ -54,6 +55,12 @@ def find_runs(source: Path, prefix: str, arms: list[str], min_seed: int) -> dict
     return found
 
 
+def _run_key(name: str) -> tuple[str, int] | None:
+    """``("federated", 4)`` for ``federated-s4``; None for anything else."""
+    match = re.fullmatch(r"([a-z]+)-s(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
 def _metrics_file(summary: Path) -> Path | None:
     """The metrics committed beside ``summary`` (both spellings the dated folders use), or None."""
     stem = summary.name.removesuffix("-summary.json")
@@ -64,14 +71,26 @@ def _metrics_file(summary: Path) -> Path | None:
 
 
 def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = "tinyguess_verl",
-         prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+         prefix: str = DEFAULT_PREFIX, leave_out: list[str] | None = None) -> dict[str, Any]:
     """Write ``out/matrix.json`` and ``out/runs/<arm>-s<seed>/`` (summary, and metrics where
-    committed) for the runs :func:`find_runs` picks; return the matrix. ``out`` must be new or
-    empty: pooling into a used folder would mix what it holds with these runs."""
+    committed) for the runs :func:`find_runs` picks, less those named in ``leave_out``
+    (``<arm>-s<seed>``: a sensitivity check by command, not by hand; the matrix and the report name
+    them); return the matrix. ``out`` must be new or empty: pooling into a used folder would mix
+    what it holds with these runs."""
     if out.exists() and any(out.iterdir()):
         raise PoolError(f"{out} is not empty: pool into a new or empty folder (a run's old metrics or a "
                         "hostmem.jsonl left there would enter the report)")
     found = find_runs(source, prefix, arms, min_seed)
+    left_out = list(dict.fromkeys(leave_out or []))
+    # A misspelt name would silently leave nothing out and the report would read as the check asked for.
+    unknown = [name for name in left_out if _run_key(name) not in found]
+    if unknown:
+        raise PoolError(f"--leave-out {' '.join(unknown)}: no such run among those pooled "
+                        f"({', '.join(f'{arm}-s{seed}' for arm, seed in sorted(found))}); name runs as <arm>-s<seed>")
+    for name in left_out:
+        del found[_run_key(name)]
+    if not found:
+        raise PoolError("--leave-out leaves no run to pool")
     runs = []
     for (arm, seed), summary in sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1])):
         name = f"{arm}-s{seed}"
@@ -83,6 +102,6 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
             shutil.copyfile(metrics, folder / "metrics.jsonl")
         runs.append({"name": name, "arm": arm, "seed": seed, "source": str(summary)})
     # no waves: nothing to schedule or wait for; the folder is for ``report`` (and ``phases``)
-    matrix = {"recipe": recipe, "runs": runs, "waves": [], "pooled": True}
+    matrix = {"recipe": recipe, "runs": runs, "waves": [], "pooled": True, "left_out": left_out}
     write_json_atomic(out / MATRIX_FILE, matrix)
     return matrix

@@ -74,7 +74,7 @@ def collect(out: Path) -> dict[str, Any]:
         runs.append(entry)
         arms.setdefault(run["arm"], []).append(entry)
     table = {arm: _pool(entries) for arm, entries in arms.items()}
-    return {"recipe": matrix["recipe"], "runs": runs, "arms": table}
+    return {"recipe": matrix["recipe"], "runs": runs, "arms": table, "left_out": matrix.get("left_out", [])}
 
 
 def deviations(summary: dict[str, Any]) -> list[str]:
@@ -267,6 +267,9 @@ def report(out: Path) -> str:
         lines += [f"- `{k['kind']}` ({k['processes']} process{'es' if k['processes'] != 1 else ''}): "
                   f"{k['first_mib'] / 1024:.1f} -> {k['peak_mib'] / 1024:.1f} GiB ({k['grew_mib'] / 1024:+.1f})"
                   for k in data["process_growth"][:10]]
+    if data["left_out"]:
+        lines += ["", f"Left out on request (`--leave-out`; a sensitivity check, not the full set): "
+                  f"{', '.join(data['left_out'])}"]
     deviating = [f"{r['name']} ({'; '.join(r['deviations'])})" for r in data["runs"] if r.get("deviations")]
     if deviating:
         lines += ["", "Runs that did not run as planned (their values above include these rounds): "

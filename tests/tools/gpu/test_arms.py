@@ -385,3 +385,31 @@ def test_pool_refuses_one_arm_and_seed_committed_twice_and_an_occupied_folder(tm
     (tmp_path / "d" / "hostmem.jsonl").write_text("")  # an earlier matrix's samples: not this pool's
     with pytest.raises(pooling.PoolError, match="is not empty"):
         pooling.pool(source, tmp_path / "d", ["local"], 4)
+
+
+def test_pool_leaves_out_named_runs_and_says_so(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The sensitivity check of results.md §3 (batch 15) by command: without federated seed 4 (a
+    client lost in round 9) the rounds 8-10 difference is +0.130 [+0.000, +0.259]; a misspelt
+    name is refused, naming the runs there are, rather than leaving nothing out."""
+    arms = _arms_module()
+    out = tmp_path / "without-s4"
+    assert arms.main(["pool", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(out), "--arms", "federated",
+                      "local", "--min-seed", "4", "--leave-out", "federated-s4"]) == 0
+    printed = capsys.readouterr().out
+    matrix = json.loads((out / "matrix.json").read_text())
+    names = {run["name"] for run in matrix["runs"]}
+    assert "federated-s4" not in names and {"federated-s5", "local-s4"} <= names
+    assert matrix["left_out"] == ["federated-s4"]
+    assert not (out / "runs" / "federated-s4").exists()
+    window = next(d["window"] for d in json.loads((out / "arms.json").read_text())["differences"])
+    assert window["difference"] == pytest.approx(0.1295, abs=1e-4)
+    assert window["seeds_ci95"] == pytest.approx([0.0003, 0.2587], abs=1e-4)
+    assert "- federated − local: +0.130; over seeds [+0.000, +0.259]" in printed
+    assert "Left out on request (`--leave-out`; a sensitivity check, not the full set): federated-s4" in printed
+    assert "round 9 trained without" not in printed  # the deviating run is the one left out
+
+    assert arms.main(["pool", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(tmp_path / "typo"),
+                      "--arms", "federated", "local", "--min-seed", "4", "--leave-out", "fedrated-s4"]) == 2
+    error = capsys.readouterr().err
+    assert "--leave-out fedrated-s4: no such run among those pooled (federated-s4, federated-s5" in error
+    assert not (tmp_path / "typo" / "matrix.json").exists()
