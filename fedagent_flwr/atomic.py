@@ -57,6 +57,24 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(handle.fileno())
 
 
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory so that renames inside it survive a crash (best effort).
+
+    Here, not beside the safetensors writer, so that the modules which only move files (the http
+    store's client and server) fsync without importing torch."""
+    # Some filesystems (and non-POSIX hosts) refuse to open or fsync a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Replace ``path`` with ``text`` atomically."""
     with atomic_path(path) as tmp:

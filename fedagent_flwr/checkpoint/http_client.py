@@ -24,10 +24,9 @@ from typing import Any
 import httpx
 from filelock import FileLock
 
-from fedagent_flwr.atomic import fsync_file
+from fedagent_flwr.atomic import fsync_dir, fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
-from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_parts
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 

@@ -49,11 +49,10 @@ from flwr.common.logger import log
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.atomic import fsync_dir, write_json_atomic
 from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256
 from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, write_receipt
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
-from fedagent_flwr.checkpoint.safetensors_writer import fsync_dir
 from fedagent_flwr.checkpoint.store import (
     CA_FIELD,
     KIND_FIELD,

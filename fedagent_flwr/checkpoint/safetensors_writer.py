@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 import torch
 
+from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = ["SAFETENSORS_DTYPE_NAMES", "SafetensorsStreamWriter", "fsync_dir"]
@@ -211,18 +212,3 @@ class SafetensorsStreamWriter:
             self.abort()
         elif self._file is not None:
             self.close()
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory so that renames inside it survive a crash (best effort)."""
-    # Some filesystems (and non-POSIX hosts) refuse to open or fsync a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -41,6 +41,36 @@ def test_the_reference_trainer_reads_its_job_before_torch_loads() -> None:
     assert json.loads(probe.stdout.strip().splitlines()[-1])["torch"] is False
 
 
+_HTTP_STORE_PROBE = """
+import json, sys
+from flwr.app import Context, Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from fedagent_flwr.clientapp.app import shutdown
+from fedagent_flwr.protocol import ShutdownInstruction, ShutdownReply
+
+work_dir = sys.argv[1]
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 1, 1  # set by Flower in real runs
+store = {"store-kind": "http", "store-url": "https://127.0.0.1:9", "store-run": "7", "store-read-token": "r"}
+instruction = ShutdownInstruction(store=store)
+message = Message(instruction.to_record(), dst_node_id=3, message_type=instruction.message_type)
+context = Context(run_id=7, node_id=3, node_config={"partition-id": 0, "num-partitions": 1, "work-dir": work_dir},
+                  state=RecordDict(), run_config={})
+reply = ShutdownReply.from_record(shutdown(message, context).content)
+print(json.dumps({"reply": [reply.services_stopped, reply.trainers_stopped],
+                  "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_clientapp_on_the_http_store_answers_without_torch(tmp_path: Path) -> None:
+    """Every message of a run on the http store (no shared filesystem: a fresh ``flwr-clientapp``
+    per message) opens the node's http client store first; opening it must not import torch either
+    (it did, through a directory fsync helper, ~2 CPU-seconds of every such message)."""
+    probe = subprocess.run([sys.executable, "-c", _HTTP_STORE_PROBE, str(tmp_path / "work")],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout.strip().splitlines()[-1]) == {"reply": [0, 0], "torch": False}, probe.stdout
+
+
 def test_every_exported_checkpoint_name_resolves() -> None:
     import fedagent_flwr.checkpoint as checkpoint
     from fedagent_flwr.checkpoint import aggregate, open_ref
