@@ -21,6 +21,7 @@ from flwr.serverapp import Grid
 
 from fedagent_flwr.protocol import PartitionQuery, PartitionReply, ProtocolError, ShutdownInstruction, ShutdownReply
 from fedagent_flwr.schema.run import StrategyKwargs
+from fedagent_flwr.serverapp.exchange import send_and_receive
 from fedagent_flwr.serverapp.failures import RunFailedError, reply_reason
 
 R = TypeVar("R")
@@ -167,7 +168,7 @@ def _answers(grid: Grid, instruction: Any, node_ids: list[int], parse: Callable[
     answer ``parse`` accepts, logging a warning (``Node N did not <what>: ...``) for each other."""
     messages = [Message(instruction.to_record(), dst_node_id=node, message_type=instruction.message_type)
                 for node in node_ids]
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    for reply in send_and_receive(grid, messages, timeout):
         try:
             if reply.has_error():
                 raise ProtocolError(reply_reason(reply))

@@ -32,6 +32,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fedagent_flwr.schema import declared_default
+from fedagent_flwr.serverapp.exchange import send_and_receive
 from fedagent_flwr.serverapp.failures import reply_reason, stop_after_empty_rounds, stop_if_all_failed_alike
 from fedagent_flwr.serverapp.progress_relay import ProgressRelay
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -233,7 +234,7 @@ class RoundLoop:
         reminder = threading.Thread(target=remind, name=f"waiting-round-{server_round}", daemon=True)
         reminder.start()
         try:
-            return list(self.grid.send_and_receive(messages, timeout=self.timeout))
+            return send_and_receive(self.grid, messages, self.timeout)
         finally:
             done.set()
             reminder.join()

@@ -1,0 +1,99 @@
+"""How the ServerApp collects its SuperNodes' replies on Flower's deployment grid.
+
+Flower's ``HttpGrid.send_and_receive`` sleeps 3 s between two pulls, so every exchange of a
+deployment run (partition query, each round's training and evaluation, shutdown) went on up to 3 s
+after its last reply had arrived. The round loop and the node registry pull every
+``exchange.REPLY_POLL_S`` instead. These tests drive them on a real ``HttpGrid`` whose two transport
+calls (push, pull) answer as a SuperLink would; tests/e2e/test_deployment.py runs them against a real
+SuperLink.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import pytest
+from flwr.app import Message, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.grid.http_grid import HttpGrid
+
+from fedagent_flwr.protocol import ShutdownInstruction, ShutdownReply
+from fedagent_flwr.serverapp import exchange, rounds
+from fedagent_flwr.serverapp.nodes import NodeRegistry
+
+
+class ScriptedSuperLink:
+    """The SuperLink side of an ``HttpGrid``: it keeps the pushed messages, and each node replies
+    (with ``answer(message)``) once the grid has pulled ``silent_pulls`` times without a reply."""
+
+    def __init__(self, grid: HttpGrid, silent_pulls: dict[int, int], answer=None) -> None:  # type: ignore[no-untyped-def]
+        self.silent_pulls = dict(silent_pulls)
+        self.answer = answer or (lambda message: Message(RecordDict(), reply_to=message))
+        self.pushed: dict[str, Message] = {}
+        self.pulls: list[set[str]] = []
+        # The grid's own push_messages runs (it names and checks each message); only its network
+        # calls are answered here.
+        grid._run = SimpleNamespace(run_id=1)  # type: ignore[assignment]
+        grid._try_push_messages = self.push  # type: ignore[method-assign]
+        grid.pull_messages = self.pull  # type: ignore[method-assign]
+
+    def push(self, run_id: int, messages: Iterable[Message]) -> list[str]:
+        for message in messages:
+            self.pushed[message.metadata.message_id] = message
+        return list(self.pushed)
+
+    def pull(self, message_ids: Iterable[str]) -> list[Message]:
+        wanted = set(message_ids)
+        self.pulls.append(wanted)
+        replies = []
+        for message_id in sorted(wanted):
+            node = self.pushed[message_id].metadata.dst_node_id
+            if self.silent_pulls[node] > 0:
+                self.silent_pulls[node] -= 1
+            else:
+                replies.append(self.answer(self.pushed[message_id]))
+        return replies
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every ``time.sleep`` requested (Flower's grid and ours alike), answered at once."""
+    asked: list[float] = []
+    monkeypatch.setattr(time, "sleep", asked.append)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
+    return asked
+
+
+def test_a_round_pulls_its_replies_every_reply_poll_interval_until_all_came(sleeps: list[float]) -> None:
+    grid = HttpGrid(token="test")
+    link = ScriptedSuperLink(grid, silent_pulls={100: 1, 102: 2})
+    strategy = SimpleNamespace(nodes=SimpleNamespace(client_of=lambda node: node - 100))
+    loop = rounds.RoundLoop(strategy, grid, recorder=None, timeout=600)  # type: ignore[arg-type]
+    messages = [Message(RecordDict(), dst_node_id=node, message_type="train") for node in (100, 102)]
+    replies = loop._send(messages, 1, "training")
+    assert sorted(reply.metadata.reply_to_message_id for reply in replies) == sorted(link.pushed)
+    # Three pulls: none answered, then node 100, then node 102 (asked for alone), with a short pause
+    # between two pulls (Flower's HttpGrid pauses 3 s).
+    assert [len(pulled) for pulled in link.pulls] == [2, 2, 1]
+    assert sleeps == [exchange.REPLY_POLL_S] * 2
+
+
+def test_the_shutdown_query_is_collected_the_same_way(sleeps: list[float]) -> None:
+    grid = HttpGrid(token="test")
+    link = ScriptedSuperLink(grid, silent_pulls={100: 1, 101: 0},
+                             answer=lambda message: Message(ShutdownReply(1, 1).to_record(), reply_to=message))
+    registry = NodeRegistry(num_clients=2)
+    registry._node_of_client = {0: 100, 1: 101}
+    registry.shutdown(grid, ShutdownInstruction(store={"store-kind": "shared-fs", "run-root": "/nowhere"}))
+    assert [len(pulled) for pulled in link.pulls] == [2, 1]
+    assert sleeps == [exchange.REPLY_POLL_S]
+
+
+def test_a_timeout_of_zero_pulls_nothing_as_flowers_grid_does(sleeps: list[float]) -> None:
+    grid = HttpGrid(token="test")
+    link = ScriptedSuperLink(grid, silent_pulls={100: 0})
+    message = Message(RecordDict(), dst_node_id=100, message_type="train")
+    assert exchange.send_and_receive(grid, [message], timeout=0) == []
+    assert list(link.pushed) == [message.metadata.message_id] and link.pulls == [] and sleeps == []
