@@ -25,23 +25,24 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-
-# DTensor classes must be imported for torch.load(weights_only=True) to accept DTensors.
-import torch.distributed.tensor  # noqa: F401
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fedagent_flwr.checkpoint.content_hash import FileHashStream, file_digest
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.sharded_stub import SHARDED_TENSOR_GLOBALS, ShardedTensorStub
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 IoMode = Literal["auto", "pread", "mmap"]
 PieceKind = Literal["plain", "dtensor", "sharded"]
@@ -312,6 +313,10 @@ class ShardFile:
                         order = archive.read(info).decode(errors="replace")
                         if order != "little":
                             raise CheckpointError(f"{self.path}: byte order '{order}' is not supported")
+                    # weights_only loads DTensors once torch.distributed.tensor is imported (~1.4 s of CPU):
+                    # only for a pickle that names torch.distributed classes (plain tensors never do).
+                    if info.filename.rsplit("/", 1)[-1] == "data.pkl" and b"torch.distributed" in archive.read(info):
+                        import torch.distributed.tensor  # noqa: F401
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise CheckpointError(
                 f"{self.path} is not a readable torch checkpoint (truncated or corrupt: {exc})"
@@ -335,7 +340,7 @@ def _load_state(source: Path | Any, path: Path, map_location: str, mmap: bool = 
     """Unpickle the state dict of ``source`` (an open binary file, or a path when ``mmap``);
     errors name ``path``."""
     try:
-        with _quiet_device_mesh(), torch.serialization.safe_globals(_SHARDED_TENSOR_GLOBALS):
+        with _quiet_device_mesh(), torch.serialization.safe_globals(SHARDED_TENSOR_GLOBALS):
             state = torch.load(source, map_location=map_location, mmap=mmap, weights_only=True)
     except CheckpointError:
         raise
@@ -360,9 +365,10 @@ def _quiet_device_mesh() -> Iterator[None]:
 
 
 def _parse_entry(path: Path, key: str, value: Any) -> Entry | None:
-    if isinstance(value, DTensor):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor was loaded
+    if dtensor is not None and isinstance(value, dtensor.DTensor):
         return _parse_dtensor(path, key, value)
-    if isinstance(value, _ShardedTensorStub):
+    if isinstance(value, ShardedTensorStub):
         return _parse_sharded(path, key, value)
     if isinstance(value, torch.Tensor):
         shape = tuple(value.shape)
@@ -371,6 +377,8 @@ def _parse_entry(path: Path, key: str, value: Any) -> Entry | None:
 
 
 def _parse_dtensor(path: Path, key: str, value: DTensor) -> Entry:
+    from torch.distributed.tensor import Replicate, Shard
+
     local = value._local_tensor
     mesh = value.device_mesh
     placements: list[tuple[str, int]] = []
@@ -402,7 +410,7 @@ def _parse_dtensor(path: Path, key: str, value: DTensor) -> Entry:
     )
 
 
-def _parse_sharded(path: Path, key: str, value: _ShardedTensorStub) -> Entry:
+def _parse_sharded(path: Path, key: str, value: ShardedTensorStub) -> Entry:
     try:
         local_shards, metadata = value.st_state[0], value.st_state[1]
         global_shape = tuple(int(s) for s in metadata.size)
@@ -420,81 +428,3 @@ def _parse_sharded(path: Path, key: str, value: _ShardedTensorStub) -> Entry:
         raise CheckpointError(f"{path}: ShardedTensor '{key}' has an unexpected layout ({exc})") from None
     dtype = pieces[0].tensor.dtype if pieces else torch.float32
     return Entry(key, "sharded", global_shape, dtype, tuple(pieces))
-
-
-# ---------------------------------------------------------------------------------------------
-# ShardedTensor without a process group
-#
-# ShardedTensor.__setstate__ insists on an initialised process group with the saving rank's
-# rank and world size, which a server never has. The weights-only unpickler lets a pickled name
-# be mapped to another class, so the ShardedTensor machinery is mapped to inert records that
-# just keep their state. Nothing else becomes loadable: only these names are added.
-
-
-class _Record:
-    """Keeps whatever state the pickle gives it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
-            state = state[1]  # (dict state, slot state) with no dict part
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
-
-
-class _ProcessGroupState(_Record):
-    pass
-
-
-class _ShardedTensorStub(torch.Tensor):
-    """Stands in for ShardedTensor; ``st_state`` = (local_shards, metadata, pg, spec, rrefs)."""
-
-    ProcessGroupState = _ProcessGroupState
-    st_state: tuple[Any, ...] = ()
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub is narrower than its dispatch protocol
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        raise CheckpointError("a ShardedTensor placeholder cannot be used as a tensor")
-
-    def __setstate__(self, state: Any) -> None:
-        self.st_state = tuple(state)
-
-
-def _restricted_getattr(obj: Any, name: str) -> Any:
-    # ShardedTensor pickles its nested ProcessGroupState class as getattr(ShardedTensor, ...);
-    # that is the only attribute lookup a rank file may perform.
-    if obj is _ShardedTensorStub and name == "ProcessGroupState":
-        return _ProcessGroupState
-    raise CheckpointError(f"rank file asks for attribute {name!r} of {obj!r}")
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _record_type(name: str) -> type:
-    return type(name, (_Record,), {})
-
-
-_ST = "torch.distributed._shard."
-_SHARDED_TENSOR_GLOBALS: list[Any] = [
-    (_ShardedTensorStub, _ST + "sharded_tensor.api.ShardedTensor"),
-    (_ProcessGroupState, _ST + "sharded_tensor.api.ShardedTensor.ProcessGroupState"),
-    (_record_type("Shard"), _ST + "sharded_tensor.shard.Shard"),
-    (_record_type("ShardMetadata"), _ST + "metadata.ShardMetadata"),
-    (_record_type("ShardedTensorMetadata"), _ST + "sharded_tensor.metadata.ShardedTensorMetadata"),
-    (_record_type("TensorProperties"), _ST + "sharded_tensor.metadata.TensorProperties"),
-    (_identity, _ST + "sharded_tensor.metadata.MEM_FORMAT_ENCODING"),
-    (_record_type("ChunkShardingSpec"), _ST + "sharding_spec.chunk_sharding_spec.ChunkShardingSpec"),
-    (_record_type("EnumerableShardingSpec"), _ST + "sharding_spec.api.EnumerableShardingSpec"),
-    (_record_type("RemoteDevice"), "torch.distributed.remote_device._remote_device"),
-    (_restricted_getattr, "builtins.getattr"),
-    (_restricted_getattr, "__builtin__.getattr"),
-]
