@@ -8,7 +8,6 @@ files, else the reference), ``config.json`` is marked fp32, and weight files are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, read_answer
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
@@ -111,9 +111,9 @@ def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tupl
     text_config = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     if raw.get("tie_word_embeddings") is False and text_config.get("tie_word_embeddings") in (None, False):
         return ()
-    known = _tie_cache_file(text, raw)
-    if known is not None and (cached := _read_tie_cache(known)) is not None:
-        return cached
+    known = answer_file("tied-weight-keys", text, raw)  # transformers' answer, kept by an earlier process
+    if isinstance(cached := read_answer(known), list):
+        return tuple((str(k), str(v)) for k, v in cached)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -128,55 +128,12 @@ def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tupl
             hf_logging.set_verbosity(verbosity)
         ties = getattr(model, "all_tied_weights_keys", None)
         if isinstance(ties, dict):
-            answer = tuple(sorted((str(k), str(v)) for k, v in ties.items()))
-            if known is not None:
-                _write_tie_cache(known, answer)
-            return answer
+            answer = sorted([str(k), str(v)] for k, v in ties.items())
+            keep_answer(known, answer)
+            return tuple((k, v) for k, v in answer)
     except Exception as exc:  # unknown architecture, remote code, older transformers
         _log.debug("tied keys from transformers failed for %s: %s", config_path, exc)
     if raw.get("tie_word_embeddings", False):
         return (("lm_head.weight", "model.embed_tokens.weight"),)
     return ()
 
-
-# transformers' answer for a config is kept in the user cache (``fedagent_flwr.cache``), keyed by the
-# config file's bytes and the transformers version: asking it imports transformers and its model
-# classes (~2.5 s of CPU in a process that has torch), which every ServerApp did at its first
-# aggregation, on the round's critical path, for the same base model again and again.
-
-
-def _tie_cache_file(config_bytes: bytes, raw: Any) -> Path | None:
-    """Where transformers' tied keys for this config are kept; None when they cannot be kept: a
-    config with remote code (``auto_map``: the answer depends on more than these bytes), no
-    transformers installed, or no usable cache directory."""
-    if not isinstance(raw, dict) or "auto_map" in raw:
-        return None
-    try:
-        from importlib.metadata import version
-
-        from fedagent_flwr.cache import cache_dir
-
-        key = hashlib.sha256(b"transformers " + version("transformers").encode() + b"\n" + config_bytes)
-        return cache_dir() / "tied-weight-keys" / f"{key.hexdigest()}.json"
-    except Exception as exc:  # PackageNotFoundError, an unwritable home
-        _log.debug("no cache for tied keys: %s", exc)
-        return None
-
-
-def _read_tie_cache(path: Path) -> tuple[tuple[str, str], ...] | None:
-    """The kept answer, or None when there is none (or it is unreadable: asked again)."""
-    try:
-        pairs = json.loads(path.read_text())["ties"]
-        return tuple((str(k), str(v)) for k, v in pairs)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_tie_cache(path: Path, answer: tuple[tuple[str, str], ...]) -> None:
-    """Keep ``answer`` (best effort: a cache that cannot be written only costs the next run time)."""
-    from fedagent_flwr.atomic import write_json_atomic
-
-    try:
-        write_json_atomic(path, {"ties": [list(pair) for pair in answer]})
-    except OSError as exc:
-        _log.debug("tied keys not kept at %s: %s", path, exc)

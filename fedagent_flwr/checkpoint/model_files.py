@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, read_answer
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = [
@@ -107,11 +108,15 @@ def _full_config(path: Path, who: str) -> dict[str, Any]:
     field one writer left at its default and another wrote out is no difference); the raw JSON
     when transformers does not know the model type."""
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_bytes()
+        raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{who}'s {path} is unreadable: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{who}'s {path} is not a JSON object")
+    known = answer_file("full-config", text, raw)  # transformers' answer, kept by an earlier process
+    if isinstance(cached := read_answer(known), dict):
+        return cached
     try:
         from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
@@ -120,7 +125,11 @@ def _full_config(path: Path, who: str) -> dict[str, Any]:
         hf_logging.set_verbosity_error()
         try:
             config_class = AutoConfig.for_model(str(raw.get("model_type", ""))).__class__
-            return dict(config_class.from_dict(raw).to_dict())
+            # As JSON reads it back (id2label's int keys become strings...), computed or kept alike,
+            # so a config compared with one from the cache is compared like for like.
+            full = json.loads(json.dumps(dict(config_class.from_dict(raw).to_dict()), default=str))
+            keep_answer(known, full)
+            return dict(full)
         finally:
             hf_logging.set_verbosity(verbosity)
     except Exception as exc:  # unknown or remote-code model type: compare the files as written
