@@ -8,7 +8,8 @@ run, for the same base model again and again. An answer is a function of the con
 and the transformers version only, so it is kept under that key in ``cache_dir()/config-answers``
 and read by later processes. Not kept: configs with remote code (``auto_map``: the answer depends
 on more files), answers that do not survive a JSON round trip unchanged, and anything when the
-cache cannot be written (best effort: a missing entry only costs the next process that time).
+cache cannot be written (best effort: a missing entry only costs the next process that time). A
+kept answer that does not have the shape of one is asked again (the callers check).
 """
 
 from __future__ import annotations
@@ -21,18 +22,25 @@ from typing import Any
 
 _log = logging.getLogger(__name__)
 
+# Part of every key: raised whenever how an answer is computed or stored changes, so entries kept by
+# an older version of this code are never read as this version's answers.
+ANSWER_FORMAT = 1
+
 
 def answer_file(question: str, config_bytes: bytes, raw: Any) -> Path | None:
     """Where transformers' answer to ``question`` about this config is kept; None when it cannot be
     kept (remote code, no transformers installed, no usable cache directory)."""
-    if not isinstance(raw, dict) or "auto_map" in raw:
+    # auto_map (remote code) and configuration_files (versioned config files beside config.json)
+    # make transformers' answer depend on more than these bytes.
+    if not isinstance(raw, dict) or "auto_map" in raw or "configuration_files" in raw:
         return None
     try:
         from importlib.metadata import version
 
         from fedagent_flwr.cache import cache_dir
 
-        key = hashlib.sha256(f"{question}\ntransformers {version('transformers')}\n".encode() + config_bytes)
+        key = hashlib.sha256(f"{question}\nformat {ANSWER_FORMAT}\ntransformers {version('transformers')}\n".encode()
+                             + config_bytes)
         return cache_dir() / "config-answers" / f"{question}-{key.hexdigest()}.json"
     except Exception as exc:  # PackageNotFoundError, an unwritable home
         _log.debug("no cache for config answers: %s", exc)

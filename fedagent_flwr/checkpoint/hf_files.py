@@ -112,8 +112,10 @@ def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tupl
     if raw.get("tie_word_embeddings") is False and text_config.get("tie_word_embeddings") in (None, False):
         return ()
     known = answer_file("tied-weight-keys", text, raw)  # transformers' answer, kept by an earlier process
-    if isinstance(cached := read_answer(known), list):
-        return tuple((str(k), str(v)) for k, v in cached)
+    cached = read_answer(known)
+    if isinstance(cached, list) and all(isinstance(pair, list) and len(pair) == 2
+                                        and all(isinstance(k, str) for k in pair) for pair in cached):
+        return tuple((k, v) for k, v in cached)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -136,4 +138,3 @@ def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tupl
     if raw.get("tie_word_embeddings", False):
         return (("lm_head.weight", "model.embed_tokens.weight"),)
     return ()
-

@@ -23,6 +23,7 @@ path again, and :attr:`ShardFile.opened_stat` (its fstat) is what a store's rece
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -316,7 +317,7 @@ class ShardFile:
                     # weights_only loads DTensors once torch.distributed.tensor is imported (~1.4 s of CPU):
                     # only for a pickle that names torch.distributed classes (plain tensors never do).
                     if info.filename.rsplit("/", 1)[-1] == "data.pkl" and b"torch.distributed" in archive.read(info):
-                        import torch.distributed.tensor  # noqa: F401
+                        importlib.import_module("torch.distributed.tensor")
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise CheckpointError(
                 f"{self.path} is not a readable torch checkpoint (truncated or corrupt: {exc})"

@@ -135,7 +135,6 @@ def default_model_dir() -> Path:
     def build(work: Path, final_dir: Path) -> None:
         from transformers import AutoTokenizer
 
-        started = time.monotonic()
         model = _dequantized_model_from_gguf(gguf)
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         # Generation (HF and vLLM) stops at the same EOS the tokenizer names.
@@ -145,7 +144,6 @@ def default_model_dir() -> Path:
             config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(str(work))
         tokenizer.save_pretrained(str(work))
-        progress(f"converted in {time.monotonic() - started:.0f} s: {final_dir}")
 
     return _convert_once(_MODEL_DIR, "config.json",
                          "converting the SmolLM2 GGUF to a Hugging Face checkpoint (once, ~1 min)", build)
@@ -191,12 +189,14 @@ def _convert_once(name: str, complete: str, message: str, build: Callable[[Path,
         if (final_dir / complete).is_file():
             return final_dir
         progress(message)
+        started = time.monotonic()
         work = fresh_tmp_dir(root, name)
         try:
             build(work, final_dir)
             _replace_dir(work, final_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        progress(f"built in {time.monotonic() - started:.0f} s: {final_dir}")  # once it is in place
         return final_dir
 
 

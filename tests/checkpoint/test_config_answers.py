@@ -77,3 +77,16 @@ def test_a_kept_answer_refuses_a_client_of_another_model_as_transformers_does(
     warm = _ask(tiny_model_dir, client, tmp_path / "cache")
     assert "hidden_size: 32 (base model: 64)" in cold["refused"] and cold["transformers"] is True
     assert warm == dict(cold, transformers=False)
+
+
+def test_a_kept_answer_without_the_shape_of_one_is_asked_again(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Readable entries that are not this config's answer (an empty config, whose comparison would
+    find no difference; a tie list of the wrong shape) are not trusted: transformers is asked again
+    and the client of another model is still refused."""
+    client = _client_copy(tiny_model_dir, tmp_path / "client", hidden_size=32)
+    cache = tmp_path / "cache"
+    cold = _ask(tiny_model_dir, client, cache)
+    for entry in (cache / "config-answers").glob("*.json"):
+        entry.write_text(json.dumps({"answer": {} if entry.name.startswith("full") else [["lm_head.weight"]]}))
+    again = _ask(tiny_model_dir, client, cache)
+    assert again == dict(cold, transformers=True) and "hidden_size: 32 (base model: 64)" in again["refused"]

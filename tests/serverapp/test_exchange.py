@@ -10,6 +10,7 @@ SuperLink.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from types import SimpleNamespace
@@ -61,7 +62,15 @@ class ScriptedSuperLink:
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Every ``time.sleep`` requested (Flower's grid and ours alike), answered at once."""
     asked: list[float] = []
-    monkeypatch.setattr(time, "sleep", asked.append)
+    real_sleep, test_thread = time.sleep, threading.get_ident()
+
+    def sleep(seconds: float) -> None:  # another thread's sleep (a reminder, a logger) is left alone
+        if threading.get_ident() == test_thread:
+            asked.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     return asked
 
