@@ -87,10 +87,14 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
     if unknown:
         raise PoolError(f"--leave-out {' '.join(unknown)}: no such run among those pooled "
                         f"({', '.join(f'{arm}-s{seed}' for arm, seed in sorted(found))}); name runs as <arm>-s<seed>")
-    for name in left_out:
-        del found[_run_key(name)]
-    if not found:
-        raise PoolError("--leave-out leaves no run to pool")
+    removed = {key for key in map(_run_key, left_out) if key is not None}
+    for key in removed:
+        del found[key]
+    # An arm emptied by --leave-out would drop the comparison asked for without a word.
+    emptied = sorted({arm for arm, _ in removed} - {arm for arm, _ in found})
+    if emptied:
+        raise PoolError(f"--leave-out leaves no run of {', '.join(emptied)}: leave fewer out, or drop the arm "
+                        "from --arms")
     runs = []
     for (arm, seed), summary in sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1])):
         name = f"{arm}-s{seed}"

@@ -412,4 +412,8 @@ def test_pool_leaves_out_named_runs_and_says_so(tmp_path: Path, capsys) -> None:
                       "--arms", "federated", "local", "--min-seed", "4", "--leave-out", "fedrated-s4"]) == 2
     error = capsys.readouterr().err
     assert "--leave-out fedrated-s4: no such run among those pooled (federated-s4, federated-s5" in error
+    every_local = [f"local-s{seed}" for seed in range(4, 10)]
+    assert arms.main(["pool", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(tmp_path / "no-local"),
+                      "--arms", "federated", "local", "--min-seed", "4", "--leave-out", *every_local]) == 2
+    assert "--leave-out leaves no run of local: leave fewer out" in capsys.readouterr().err
     assert not (tmp_path / "typo" / "matrix.json").exists()
