@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, config_dir, copy_hf_files, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import (
     all_finite,
@@ -44,7 +45,7 @@ from fedagent_flwr.checkpoint.key_checks import (
 from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
-from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter, fsync_dir
+from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
 from fedagent_flwr.checkpoint.update_stats import (
     DEFAULT_MAX_BYTES,
     UpdateStats,

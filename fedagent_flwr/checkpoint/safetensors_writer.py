@@ -31,7 +31,7 @@ import torch
 from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
-__all__ = ["SAFETENSORS_DTYPE_NAMES", "SafetensorsStreamWriter", "fsync_dir"]
+__all__ = ["SAFETENSORS_DTYPE_NAMES", "SafetensorsStreamWriter"]
 
 SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
