@@ -182,6 +182,11 @@ class VerlKnobs(OptimizerStateKeys):
     # GRPO group) and turn, distinct within a group, the same in two runs (trainers/verl/request_seeds.py);
     # needs agent_workers to divide the env instances of a step. false: vLLM samples unseeded, as before.
     request_seeds: bool = setting(False)
+    # true: the job's vLLM runs in vLLM's batch-invariant mode (beta; VLLM_BATCH_INVARIANT=1 in the job's
+    # environment, trainers/verl/job.py), so a request's logits do not depend on what it is batched with
+    # and, with request_seeds, two runs can sample the same rollouts; slower kernels. Sampling only: FSDP
+    # training stays as it was. false: vLLM's own kernels (an inherited VLLM_BATCH_INVARIANT is dropped).
+    batch_invariant: bool = setting(False)
     ray_num_cpus: int = setting(8, ge=1)  # logical CPUs of the job's private Ray cluster
     use_v1: bool = setting(False)  # verl's legacy trainer reaches the first step ~35 s sooner than V1
     # sdpa: no flash-attn wheel for torch 2.11/CUDA 13

@@ -44,6 +44,8 @@ from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepCallback
 
 PROG = "verl_backend"
 TRAIN_RESULT = "train_result.json"
+#: vLLM's switch for its batch-invariant kernels (``vllm/envs.py``), read when an engine starts
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
 class VerlJobFailed(RuntimeError):
@@ -51,7 +53,8 @@ class VerlJobFailed(RuntimeError):
 
 
 def job_environment(base: dict[str, str], *, rules: Sequence[dict[str, Any]] = (), marker_dir: str = "",
-                    critic_attn: str = "", plugin_modules: Sequence[str] = (), step_file: str = "") -> dict[str, str]:
+                    critic_attn: str = "", plugin_modules: Sequence[str] = (), step_file: str = "",
+                    batch_invariant: bool = False) -> dict[str, str]:
     """The verl job's environment: ``base`` minus Ray's variables, plus what the job needs.
 
     * ``RAY_*`` removed: a verl driver that inherits ``RAY_ADDRESS`` (Flower's Ray actors set it)
@@ -64,7 +67,11 @@ def job_environment(base: dict[str, str], *, rules: Sequence[dict[str, Any]] = (
       job's client rules, FedProx's among them, :func:`job_rule_specs`) are given; ``marker_dir``
       is where each actor worker that runs the rules reports it;
     * the host-wide weight-sync lock (:mod:`.weight_sync`), unless ``base`` turns it off;
-    * ``step_file``: where verl's file logger writes the per-step metrics (:mod:`.verl_log`).
+    * ``step_file``: where verl's file logger writes the per-step metrics (:mod:`.verl_log`);
+    * ``VLLM_BATCH_INVARIANT=1`` exactly when ``batch_invariant`` (``trainer.batch_invariant``):
+      vLLM's batch-invariant kernels. One inherited from ``base`` is dropped either way, so the
+      setting alone decides (verl's ``get_ppo_ray_runtime_env`` forwards the driver's value, or
+      "0", to every Ray worker, and vLLM's engine processes inherit it from theirs).
     """
     env = {k: v for k, v in base.items() if not k.startswith("RAY_")}
     for key in (user_hooks.ENV_PLUGINS, user_hooks.ENV_RULES, user_hooks.ENV_RULE_MARKERS):
@@ -82,6 +89,9 @@ def job_environment(base: dict[str, str], *, rules: Sequence[dict[str, Any]] = (
     env[weight_sync.ENV_LOCK] = base.get(weight_sync.ENV_LOCK, weight_sync.DEFAULT_LOCK)
     env.pop(critic_attention.ENV_ATTN, None)
     env.pop(FILE_LOGGER_ENV, None)
+    env.pop(BATCH_INVARIANT_ENV, None)
+    if batch_invariant:
+        env[BATCH_INVARIANT_ENV] = "1"
     if step_file:
         env[FILE_LOGGER_ENV] = step_file
     if critic_attn:
@@ -260,7 +270,8 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
     )
     env = job_environment(dict(os.environ), rules=rules, marker_dir=str(marker_dir),
                           critic_attn=settings.attn_implementation if job.algorithm == "ppo" else "",
-                          plugin_modules=settings.plugin_modules, step_file=str(step_file))
+                          plugin_modules=settings.plugin_modules, step_file=str(step_file),
+                          batch_invariant=settings.batch_invariant)
     return PreparedTrain(settings=settings, model_path=model_path, rules=rules, output=output, work=work,
                          paths=paths, rows=len(rows), batch_size=batch_size, episode_log=episode_log,
                          marker_dir=marker_dir, step_file=step_file, overrides=overrides, env=env)
