@@ -8,6 +8,8 @@
     python3 tools/gpu/arms.py phases --out /tmp/out      # phases.md: the verl sessions' phase tables
     python3 tools/gpu/arms.py pool --from docs/gpu-runs --out /tmp/declared --arms federated local --min-seed 4
                                                          # committed runs as one matrix, then its report
+    python3 tools/gpu/arms.py dynamics --from docs/gpu-runs --out /tmp/dynamics --arms centralized federated \\
+        --min-seed 4                                     # the same runs' take-off rounds and training dynamics
 
 Every arm runs the same recipe with the same per-client step budget (``train.local_steps`` per
 round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eval.seed``):
@@ -49,6 +51,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_share  # noqa: E402
+from arms_dynamics import DynamicsError, dynamics  # noqa: E402
 from arms_pool import DEFAULT_PREFIX, PoolError, pool  # noqa: E402
 from arms_report import MATRIX_FILE, phases_report, report, run_summary  # noqa: E402
 
@@ -382,7 +385,22 @@ def main(argv: list[str] | None = None) -> int:
     pooling.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
     pooling.add_argument("--leave-out", nargs="+", default=[], metavar="ARM-sSEED",
                          help="runs to leave out, e.g. federated-s4 (a sensitivity check; the report names them)")
+    dyn = sub.add_parser("dynamics", help="per committed run: take-off round, entropy, reply length, update norms "
+                         "(dynamics.md, dynamics.json)")
+    dyn.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
+    dyn.add_argument("--out", type=Path, required=True, help="an empty folder")
+    dyn.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    dyn.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
+    dyn.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
     args = parser.parse_args(argv)
+    if args.command == "dynamics":
+        try:
+            table = dynamics(args.source, args.out, args.arms, args.min_seed, args.prefix)
+        except (PoolError, DynamicsError) as exc:
+            print(f"arms.py dynamics: {exc}", file=sys.stderr)
+            return 2
+        print(table["markdown"], end="")
+        return 0
     if args.command == "pool":
         try:
             pool(args.source, args.out, args.arms, args.min_seed, args.recipe, args.prefix, args.leave_out)

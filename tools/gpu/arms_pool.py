@@ -61,7 +61,7 @@ def _run_key(name: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def _metrics_file(summary: Path) -> Path | None:
+def metrics_file(summary: Path) -> Path | None:
     """The metrics committed beside ``summary`` (both spellings the dated folders use), or None."""
     stem = summary.name.removesuffix("-summary.json")
     for name in (f"{stem}.jsonl", f"{stem}.metrics.jsonl"):
@@ -101,7 +101,7 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
         folder = out / "runs" / name
         folder.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(summary, folder / "federated_summary.json")
-        metrics = _metrics_file(summary)
+        metrics = metrics_file(summary)
         if metrics is not None:
             shutil.copyfile(metrics, folder / "metrics.jsonl")
         runs.append({"name": name, "arm": arm, "seed": seed, "source": str(summary)})

@@ -1,0 +1,107 @@
+"""tools/gpu/arms.py dynamics: each committed run's take-off round and training dynamics, one row a run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.serverapp.recorder import RunRecorder
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _arms_module():  # noqa: ANN202 - tools/gpu/arms.py, loaded by path (tools/gpu is not a package)
+    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dynamics_of_the_committed_declared_runs(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The rows of the centralized spread analysis (docs/gpu-runs/2026-12-04/centralized-spread.md
+    §3.2) by command: centralized s6 took off at round 5 by reply length and round 7 by entropy, with
+    the rounds 8-10 window 0.661; s7 never did; federated s4's round 9 had client 0 alone, so its
+    max grad norm (1.66) is that client's, and the run is named under the table."""
+    arms = _arms_module()
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(out),
+                      "--arms", "centralized", "federated", "--min-seed", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == (out / "dynamics.md").read_text()
+    assert ("| centralized s6 | 0.661 | 0.719 | 0.609 | 2.34 → 0.17 | 53 → 21 | 0.26 / 0.47 | 3.48 | 0.258 "
+            "| 5 / 7 |") in printed
+    assert ("| centralized s7 | 0.208 | 0.219 | 0.212 | 2.84 → 2.31 | 142 → 138 | 0.11 / 0.16 | 0.58 | 0.260 "
+            "| – / – |") in printed
+    assert ("| federated s4 | 0.531 | 0.578 | 0.538 | 2.14 → 0.34 | 75 → 36 | 0.10 / 0.27 | 1.66 | 0.204 "
+            "| 7 / 7 |") in printed
+    assert "| federated s9 | 0.401 | 0.484 | 0.330 | 2.41 → 1.24 | 111 → 33 |" in printed
+    # centralized s4-s9 (s9 from batch 17 took off at 5 / 8): three of six, length median 5, entropy median 7
+    assert "- centralized: by reply length 3 of 6 (median round 5); by entropy 3 of 6 (median round 7)" in printed
+    assert "- federated: by reply length 5 of 6 (median round 9); by entropy 5 of 6 (median round 9)" in printed
+    assert "Runs that did not run as planned (their rows include these rounds): federated-s4 (round 9" in printed
+    assert "No metrics file" not in printed
+    data = json.loads((out / "dynamics.json").read_text())
+    names = [row["name"] for row in data["runs"]]
+    assert names == [f"centralized-s{s}" for s in range(4, 10)] + [f"federated-s{s}" for s in range(4, 10)]
+    s6 = data["runs"][names.index("centralized-s6")]
+    assert s6["val_window"] == 0.6615  # arms_report.window_mean, as `pool` reports it
+    assert (s6["takeoff_length"], s6["takeoff_entropy"]) == (5, 7)
+    assert s6["per_round"]["length"]["5"] == pytest.approx(53.3, abs=0.1)
+    assert data["runs"][names.index("centralized-s7")]["takeoff_length"] is None
+    assert data["per_arm"]["centralized"] == {"runs": 6, "with_metrics": 6, "took_off_length": 3,
+                                              "median_takeoff_length": 5, "took_off_entropy": 3,
+                                              "median_takeoff_entropy": 7}
+    # a used folder is refused, as pool's is
+    assert arms.main(["dynamics", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(out)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+def _committed_run(source: Path, name: str, lengths: list[float], with_metrics: bool) -> None:
+    """A 5-round local run recorded by the real RunRecorder and committed under ``source`` as the
+    dated folders hold them (``recipe10r-<name>-summary.json``; ``metrics/recipe10r-<name>.jsonl``
+    only ``with_metrics``). Training reply length per round from ``lengths``; entropy 2.0 falling
+    by 0.3 a round."""
+    recorder = RunRecorder(source.parent / "records" / name, {"base_model": "/m", "env_kind": "tinyguess",
+                                                               "mode": "local", "total_rounds": 5})
+    recorder.record_eval(server_round=0, model="/m", metrics={"num-examples": 64, "success-rate": 0.0625})
+    for r, length in enumerate(lengths, start=1):
+        metrics = {"num-examples": 512, "success-rate": 0.1 * r, "zero-variance-group-share": 0.05 * r,
+                   "verl.actor.entropy": 2.0 - 0.3 * r, "verl.actor.grad_norm": 0.5 + 0.1 * r,
+                   "verl.response_length.mean": length}
+        recorder.record_round(server_round=r, clients=[0], started_from="/m", client_actors={0: f"/c{r}"},
+                              aggregated=f"/g{r}", rejected={}, client_metrics={0: metrics},
+                              update_stats={"mean_update_norm": 0.25 + 0.01 * r, "client_update_norm": [0.25]})
+        recorder.record_eval(server_round=r, model=f"/g{r}", metrics={"num-examples": 64, "success-rate": 0.125 * r})
+    recorder.finish()
+    day = source / "2026-12-09"
+    (day / "metrics").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(recorder.summary_path, day / f"recipe10r-{name}-summary.json")
+    if with_metrics:
+        shutil.copyfile(recorder.run_dir / "metrics.jsonl", day / "metrics" / f"recipe10r-{name}.jsonl")
+
+
+def test_a_run_without_a_metrics_file_keeps_its_summary_columns(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "local-s4", [120, 100, 58, 40, 30], with_metrics=True)
+    _committed_run(source, "local-s5", [120, 100, 58, 40, 30], with_metrics=False)
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "local"]) == 0
+    printed = capsys.readouterr().out
+    # window: rounds 3-5, (0.375 + 0.5 + 0.625) / 3; update norm: mean of 0.26 .. 0.30
+    # take-off: length 58 < 60 at round 3; entropy 2.0 - 0.6 = 1.4 < 1.5 at round 2 (1.7 at round 1)
+    assert ("| local s4 | 0.500 | 0.625 | 0.400 | 0.50 → 0.50 | 30 → 30 | 0.20 / 0.25 | 1.00 | 0.280 "
+            "| 3 / 2 |") in printed
+    assert "| local s5 | 0.500 | 0.625 |  |  |  |  |  | 0.280 |  |" in printed
+    assert "- local: by reply length 1 of 1 (median round 3); by entropy 1 of 1 (median round 2)" in printed
+    assert "No metrics file committed beside these runs' summaries" in printed
+    assert "local-s5 (" + str(source / "2026-12-09" / "recipe10r-local-s5-summary.json") + ")" in printed
+    data = json.loads((out / "dynamics.json").read_text())
+    assert data["without_metrics"] == ["local-s5"]
+    s5 = data["runs"][1]
+    assert s5["metrics"] is None and s5["takeoff_length"] is None and s5["mean_update_norm"] == pytest.approx(0.28)

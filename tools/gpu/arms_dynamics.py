@@ -1,0 +1,230 @@
+"""How each committed GPU run trained, one row a run: when it "took off", and what went with it.
+
+    python3 tools/gpu/arms.py dynamics --from docs/gpu-runs --out /tmp/dynamics --arms centralized federated local \\
+        --min-seed 4
+
+The centralized spread analysis (docs/gpu-runs/2026-12-04/centralized-spread.md, §2 and §3.2) found
+that every recipe run follows one path: long, high-entropy replies and slow gains, then a take-off in
+which replies shrink and entropy falls while validation climbs; the runs differ mostly in when that
+comes. Its table came from throwaway scripts; this makes it one command. The runs are the ones
+``arms.py pool`` picks (:func:`arms_pool.find_runs`, same ``--from``, ``--arms``, ``--min-seed``),
+read in place: validation from each run's summary (the rounds 8-10 window by
+:func:`arms_report.window_mean`, the statistic the comparisons use), the applied update's norm from
+its ``rounds[].update_stats``, and the training dynamics from the ``train`` events of the metrics
+file committed beside it. Per round, client values are averaged with equal weight (a federated
+round's two clients; a round in which a client was lost has the others' values only, and
+``arms_report.deviations`` names it under the table). verl's metrics in a ``train`` event are those
+of the round's last step. A run committed without a metrics file gets the summary's columns only,
+and the output says so.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report reads fedagent_flwr
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
+
+from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file  # noqa: E402
+from arms_report import WINDOW, deviations, window_mean  # noqa: E402
+
+from fedagent_flwr.atomic import write_json_atomic, write_text_atomic  # noqa: E402
+
+#: Take-off thresholds: a run has taken off in the first round whose mean training reply length
+#: (``verl.response_length.mean``) is below TAKEOFF_LENGTH tokens, or, by the second criterion, whose
+#: mean actor entropy (``verl.actor.entropy``) is below TAKEOFF_ENTROPY. Descriptive choices from the
+#: centralized spread analysis (2026-12-04), read off its curves (runs that climbed went from 100-140
+#: tokens and entropy ~2.5 to 20-40 tokens and entropy below 1), not tuned: nothing was fitted to them.
+#: In the 26 committed recipe10r runs of arms centralized, federated and local, 55 or 65 tokens (1.4 or
+#: 1.6) move no take-off by more than one round, though one at the edge can come or go (centralized
+#: seed 1's round-10 length take-off is none at 55 tokens).
+TAKEOFF_LENGTH = 60.0
+TAKEOFF_ENTROPY = 1.5
+#: The early round whose entropy and reply length are shown beside the last round's: round 5's reply
+#: length ordered the centralized and federated windows in that analysis (Spearman -0.97), before
+#: the window it predicts.
+EARLY_ROUND = 5
+#: The ``train`` event metrics read, by the name this module gives them.
+TRAIN_METRICS = {
+    "train_success": "success-rate",
+    "zero_variance": "zero-variance-group-share",
+    "entropy": "verl.actor.entropy",
+    "grad_norm": "verl.actor.grad_norm",
+    "length": "verl.response_length.mean",
+}
+JSON_FILE = "dynamics.json"
+MARKDOWN_FILE = "dynamics.md"
+DASH = "–"
+
+
+class DynamicsError(ValueError):
+    """The table cannot be written as asked (its folder is in use)."""
+
+
+def client_means(path: Path) -> dict[str, dict[int, float]]:
+    """Per :data:`TRAIN_METRICS` name, ``round -> mean over the clients`` of the ``train`` events in the
+    metrics file ``path`` that carry it (each client with equal weight)."""
+    values: dict[str, dict[int, list[float]]] = {name: {} for name in TRAIN_METRICS}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if event.get("event") != "train":
+            continue
+        metrics = event.get("metrics") or {}
+        for name, key in TRAIN_METRICS.items():
+            if metrics.get(key) is not None:
+                values[name].setdefault(int(event["round"]), []).append(float(metrics[key]))
+    return {name: {r: sum(v) / len(v) for r, v in sorted(by_round.items())} for name, by_round in values.items()}
+
+
+def takeoff(series: dict[int, float], threshold: float, last_round: int) -> int | None:
+    """The first round up to ``last_round`` whose value is below ``threshold``; None if none is."""
+    return next((r for r in sorted(series) if r <= last_round and series[r] < threshold), None)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) -> dict[str, Any]:
+    """One run's row: the summary's columns always, the metrics file's when there is one (else None)."""
+    summary = json.loads(summary_path.read_text())
+    total = int(summary.get("total_rounds") or 0)
+    curve = summary.get("val_curve", [])
+    val_by_round = {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+    norms = {int(r["round"]): float(r["update_stats"]["mean_update_norm"]) for r in summary.get("rounds", [])
+             if (r.get("update_stats") or {}).get("mean_update_norm") is not None}
+    window_rounds = list(range(total - WINDOW + 1, total + 1))
+    row: dict[str, Any] = {
+        "name": f"{arm}-s{seed}", "arm": arm, "seed": seed, "total_rounds": total,
+        "summary": str(summary_path), "metrics": None if metrics_path is None else str(metrics_path),
+        "val_window": window_mean(curve, total),
+        "val_last": val_by_round.get(total),
+        "mean_update_norm": _mean(list(norms.values())),
+        "deviations": deviations(summary),
+        "per_round": {"val_success": val_by_round, "update_norm": norms},
+    }
+    for column in ("train_window", "entropy_early", "entropy_last", "length_early", "length_last", "max_grad_norm",
+                   "zero_variance_window_mean", "zero_variance_window_max", "takeoff_length", "takeoff_entropy"):
+        row[column] = None
+    if metrics_path is None:
+        return row
+    series = client_means(metrics_path)
+    row["per_round"].update(series)
+    in_window = {name: [by_round[r] for r in window_rounds if r in by_round] for name, by_round in series.items()}
+    row.update({
+        # a window with a round missing would be another statistic: none, as window_mean does
+        "train_window": (_mean(in_window["train_success"])
+                         if len(in_window["train_success"]) == WINDOW else None),
+        "entropy_early": series["entropy"].get(EARLY_ROUND), "entropy_last": series["entropy"].get(total),
+        "length_early": series["length"].get(EARLY_ROUND), "length_last": series["length"].get(total),
+        "max_grad_norm": max(series["grad_norm"].values(), default=None),
+        "zero_variance_window_mean": (_mean(in_window["zero_variance"])
+                                      if len(in_window["zero_variance"]) == WINDOW else None),
+        "zero_variance_window_max": max(in_window["zero_variance"], default=None),
+        "takeoff_length": takeoff(series["length"], TAKEOFF_LENGTH, total),
+        "takeoff_entropy": takeoff(series["entropy"], TAKEOFF_ENTROPY, total),
+    })
+    return row
+
+
+def arm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's take-offs: of its runs with metrics, how many took off by their last planned round
+    (by either criterion) and the median round among those that did (None if none did)."""
+    measured = [row for row in rows if row["metrics"] is not None]
+    result: dict[str, Any] = {"runs": len(rows), "with_metrics": len(measured)}
+    for criterion in ("length", "entropy"):
+        rounds = [row[f"takeoff_{criterion}"] for row in measured if row[f"takeoff_{criterion}"] is not None]
+        result[f"took_off_{criterion}"] = len(rounds)
+        result[f"median_takeoff_{criterion}"] = statistics.median(rounds) if rounds else None
+    return result
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _pair(first: float | None, second: float | None, digits: int, sep: str) -> str:
+    if first is None and second is None:
+        return ""
+    return f"{_num(first, digits) or '?'}{sep}{_num(second, digits) or '?'}"
+
+
+def _round(value: int | None) -> str:
+    return DASH if value is None else str(value)
+
+
+def _median(value: float | None) -> str:
+    return DASH if value is None else f"{value:g}"
+
+
+def render(rows: list[dict[str, Any]], arms: dict[str, dict[str, Any]]) -> str:
+    """The markdown: the per-run table, the per-arm take-off summary and the notes."""
+    totals = sorted({row["total_rounds"] for row in rows})
+    last = f"r{totals[0]}" if len(totals) == 1 else "last round"
+    window = (f"r{totals[0] - WINDOW + 1}–{totals[0]}" if len(totals) == 1 else f"last {WINDOW} rounds")
+    lines = [
+        f"Training dynamics per run: take-off round = first round whose mean training reply length is "
+        f"< {TAKEOFF_LENGTH:g} tokens / whose mean actor entropy is < {TAKEOFF_ENTROPY:g} ({DASH}: none by the "
+        "run's last planned round); training values are the clients' mean per round (verl's from the round's "
+        "last step); ‖update‖ is the applied (aggregated) update's norm, mean over rounds.",
+        "",
+        f"| run | val {window} | val {last} | train succ. {window} | entropy r{EARLY_ROUND} → {last} | "
+        f"resp. length r{EARLY_ROUND} → {last} | zero-var. share {window} mean / max | max grad norm | "
+        "mean ‖applied update‖ a round | take-off round (length / entropy) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        takeoffs = ("" if row["metrics"] is None else
+                    f"{_round(row['takeoff_length'])} / {_round(row['takeoff_entropy'])}")
+        lines.append(
+            f"| {row['arm']} s{row['seed']} | {_num(row['val_window'], 3)} | {_num(row['val_last'], 3)} | "
+            f"{_num(row['train_window'], 3)} | {_pair(row['entropy_early'], row['entropy_last'], 2, ' → ')} | "
+            f"{_pair(row['length_early'], row['length_last'], 0, ' → ')} | "
+            f"{_pair(row['zero_variance_window_mean'], row['zero_variance_window_max'], 2, ' / ')} | "
+            f"{_num(row['max_grad_norm'], 2)} | {_num(row['mean_update_norm'], 3)} | {takeoffs} |")
+    lines += ["", "Take-offs per arm (runs with a metrics file; median round among the runs that took off):", ""]
+    for arm, entry in arms.items():
+        lines.append(
+            f"- {arm}: by reply length {entry['took_off_length']} of {entry['with_metrics']} "
+            f"(median round {_median(entry['median_takeoff_length'])}); by entropy {entry['took_off_entropy']} of "
+            f"{entry['with_metrics']} (median round {_median(entry['median_takeoff_entropy'])})")
+    missing = [row for row in rows if row["metrics"] is None]
+    if missing:
+        lines += ["", "No metrics file committed beside these runs' summaries (only the validation and update "
+                  "columns, which come from the summary, are filled): "
+                  + ", ".join(f"{row['name']} ({row['summary']})" for row in missing)]
+    deviating = [f"{row['name']} ({'; '.join(row['deviations'])})" for row in rows if row["deviations"]]
+    if deviating:
+        lines += ["", "Runs that did not run as planned (their rows include these rounds): " + ", ".join(deviating)]
+    return "\n".join(lines) + "\n"
+
+
+def dynamics(source: Path, out: Path, arms: list[str], min_seed: int,
+             prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:
+    """Write ``out/dynamics.json`` and ``out/dynamics.md`` for the committed runs ``arms.py pool``
+    would pick (``find_runs``; raises its PoolError when there are none, or a run is committed
+    twice); return the JSON's content, with the markdown under ``"markdown"``. ``out`` must be new
+    or empty, as ``pool``'s: a table left there from other runs would read as this one's."""
+    if out.exists() and any(out.iterdir()):
+        raise DynamicsError(f"{out} is not empty: write the dynamics into a new or empty folder")
+    found = find_runs(source, prefix, arms, min_seed)
+    ordered = sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1]))
+    rows = [run_row(arm, seed, summary, metrics_file(summary)) for (arm, seed), summary in ordered]
+    per_arm = {arm: arm_summary([row for row in rows if row["arm"] == arm])
+               for arm in arms if any(row["arm"] == arm for row in rows)}
+    text = render(rows, per_arm)
+    data = {"source": str(source), "prefix": prefix, "arms": arms, "min_seed": min_seed,
+            "thresholds": {"takeoff_length": TAKEOFF_LENGTH, "takeoff_entropy": TAKEOFF_ENTROPY,
+                           "early_round": EARLY_ROUND, "window": WINDOW},
+            "runs": rows, "per_arm": per_arm,
+            "without_metrics": [row["name"] for row in rows if row["metrics"] is None]}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / JSON_FILE, data)
+    write_text_atomic(out / MARKDOWN_FILE, text)
+    return {**data, "markdown": text}
