@@ -1,7 +1,8 @@
 #!/bin/bash
 # Pack what a GPU session must keep (the device machine keeps nothing) into one archive under
 # $OUT: every run's summary, metrics, curve, the arms report, the verl sessions' phases
-# (phases.md, and each phases.jsonl), the node's memory samples (hostmem.jsonl), and the tail of each log.
+# (phases.md, and each phases.jsonl), verl's per-step metrics of every client-round (metrics.jsonl
+# keeps a round's last step only), the node's memory samples (hostmem.jsonl), and the tail of each log.
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,6 +21,15 @@ for run in "$OUT"/runs/*/; do
   for phases in "$run"/trainers/client_*/phases.jsonl; do
     [ -f "$phases" ] && mkdir -p "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")" \
       && cp "$phases" "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")/"
+  done
+  # verl's file logger, one line a training step (round_<r>/client_<c>/verl/verl_steps.jsonl), as
+  # results/<run>/steps/round_<r>-client_<c>.jsonl: a round's first step is where two runs of one
+  # config can first differ (docs/results.md, the reproducibility pairs)
+  for steps in "$run"/round_*/client_*/verl/verl_steps.jsonl; do
+    [ -f "$steps" ] || continue
+    client_dir=$(dirname "$(dirname "$steps")")
+    mkdir -p "$STAGE/results/$name/steps"
+    cp "$steps" "$STAGE/results/$name/steps/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
   done
   # each client's last round log and the persistent trainers' logs, tails only
   for log in "$run"/trainers/client_*/server.log; do

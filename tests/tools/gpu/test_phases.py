@@ -138,6 +138,9 @@ def test_several_roots_are_named_and_arms_py_writes_phases_md(tmp_path: Path,
 def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _write_runs(out)
+    steps = out / "runs" / "federated-s1" / "round_2" / "client_1" / "verl" / "verl_steps.jsonl"
+    steps.parent.mkdir(parents=True)
+    steps.write_text('{"step": 1, "critic/score/mean": 0.140625}\n')
     env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(REPO / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
                          env=env, capture_output=True, text=True, timeout=300)
@@ -147,6 +150,9 @@ def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     assert "results/phases.md" in names
     assert "results/federated-s1/trainers/client_0/phases.jsonl" in names
     assert "results/federated-s1/trainers/client_1/phases.jsonl" in names
+    with tarfile.open(tmp_path / "r.tgz") as archive:  # verl's per-step metrics, under the run and round
+        member = archive.extractfile("results/federated-s1/steps/round_2-client_1.jsonl")
+        assert member is not None and member.read() == steps.read_bytes()
 
 
 def test_phase_tables_need_only_the_standard_library(tmp_path: Path) -> None:
