@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                          "ended or not: give $OUT, so that every wait call brings back what the runs wrote")
     pooling = sub.add_parser("pool", help="committed runs (docs/gpu-runs) as one matrix folder, then its report")
     pooling.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
-    pooling.add_argument("--out", type=Path, required=True, help="an empty folder")
+    pooling.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     pooling.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     pooling.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
     pooling.add_argument("--recipe", default="tinyguess_verl")
@@ -386,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     pooling.add_argument("--leave-out", nargs="+", default=[], metavar="ARM-sSEED",
                          help="runs to leave out, e.g. federated-s4 (a sensitivity check; the report names them)")
     dyn = sub.add_parser("dynamics", help="per committed run: take-off round, entropy, reply length, update norms "
-                         "(dynamics.md, dynamics.json)")
+                         "(dynamics.md, dynamics.json); the applied update weighs clients by their aggregation "
+                         "weights, the training columns equally: they agree only with equal client weights")
     dyn.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
-    dyn.add_argument("--out", type=Path, required=True, help="an empty folder")
+    dyn.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     dyn.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     dyn.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
     dyn.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")

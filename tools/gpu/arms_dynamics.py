@@ -10,8 +10,10 @@ comes. Its table came from throwaway scripts; this makes it one command. The run
 ``arms.py pool`` picks (:func:`arms_pool.find_runs`, same ``--from``, ``--arms``, ``--min-seed``),
 read in place: validation from each run's summary (the rounds 8-10 window by
 :func:`arms_report.window_mean`, the statistic the comparisons use), the applied update's norm from
-its ``rounds[].update_stats``, and the training dynamics from the ``train`` events of the metrics
-file committed beside it. Per round, client values are averaged with equal weight (a federated
+its ``rounds[].update_stats`` (``mean_update_norm``: the aggregate's move, its clients weighed by
+their aggregation weights, unlike the training columns below, which weigh them equally; the two
+agree only when the clients' weights do), and the training dynamics from the ``train`` events of
+the metrics file committed beside it. Per round, client values are averaged with equal weight (a federated
 round's two clients; a round in which a client was lost has the others' values only, and
 ``arms_report.deviations`` names it under the table). verl's metrics in a ``train`` event are those
 of the round's last step. A run committed without a metrics file gets the summary's columns only,
@@ -29,8 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report reads fedagent_flwr
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
-from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file  # noqa: E402
-from arms_report import WINDOW, deviations, window_mean  # noqa: E402
+from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file, ordered_runs, require_empty_folder  # noqa: E402
+from arms_report import WINDOW, deviations, train_client_means, validation_by_round, window_mean  # noqa: E402
 
 from fedagent_flwr.atomic import write_json_atomic, write_text_atomic  # noqa: E402
 
@@ -62,24 +64,14 @@ DASH = "–"
 
 
 class DynamicsError(ValueError):
-    """The table cannot be written as asked (its folder is in use)."""
+    """The table cannot be written as asked (its folder is in use, or is a file)."""
 
 
 def client_means(path: Path) -> dict[str, dict[int, float]]:
     """Per :data:`TRAIN_METRICS` name, ``round -> mean over the clients`` of the ``train`` events in the
-    metrics file ``path`` that carry it (each client with equal weight)."""
-    values: dict[str, dict[int, list[float]]] = {name: {} for name in TRAIN_METRICS}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        event = json.loads(line)
-        if event.get("event") != "train":
-            continue
-        metrics = event.get("metrics") or {}
-        for name, key in TRAIN_METRICS.items():
-            if metrics.get(key) is not None:
-                values[name].setdefault(int(event["round"]), []).append(float(metrics[key]))
-    return {name: {r: sum(v) / len(v) for r, v in sorted(by_round.items())} for name, by_round in values.items()}
+    metrics file ``path`` that carry it (each client with equal weight; keys matched exactly, means
+    not rounded): :func:`arms_report.train_client_means`."""
+    return train_client_means(path, TRAIN_METRICS)
 
 
 def takeoff(series: dict[int, float], threshold: float, last_round: int) -> int | None:
@@ -92,11 +84,21 @@ def _mean(values: list[float]) -> float | None:
 
 
 def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) -> dict[str, Any]:
-    """One run's row: the summary's columns always, the metrics file's when there is one (else None)."""
+    """One run's row: the summary's columns always, the metrics file's when there is one (else None).
+
+    The last-round and window columns are the planned last rounds' (``total_rounds``): a summary
+    without a planned total (or 0) has none, rather than its round-0 base value as the last round.
+    A window column has a value only when all :data:`arms_report.WINDOW` of its rounds do (a mean or
+    a maximum over fewer rounds would be another statistic), as :func:`arms_report.window_mean`.
+    ``mean_update_norm`` is the mean over rounds of ``update_stats.mean_update_norm``, the norm of
+    the aggregate's move from the round's start (``checkpoint.update_stats``): the applied update,
+    which weighs clients by their aggregation weights (``num-examples`` by default), whereas the
+    training columns weigh each client equally; the two weightings agree only when the clients'
+    weights are equal (one client, or equal shares)."""
     summary = json.loads(summary_path.read_text())
     total = int(summary.get("total_rounds") or 0)
     curve = summary.get("val_curve", [])
-    val_by_round = {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+    val_by_round = validation_by_round(curve)
     norms = {int(r["round"]): float(r["update_stats"]["mean_update_norm"]) for r in summary.get("rounds", [])
              if (r.get("update_stats") or {}).get("mean_update_norm") is not None}
     window_rounds = list(range(total - WINDOW + 1, total + 1))
@@ -104,7 +106,7 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
         "name": f"{arm}-s{seed}", "arm": arm, "seed": seed, "total_rounds": total,
         "summary": str(summary_path), "metrics": None if metrics_path is None else str(metrics_path),
         "val_window": window_mean(curve, total),
-        "val_last": val_by_round.get(total),
+        "val_last": val_by_round.get(total) if total >= 1 else None,
         "mean_update_norm": _mean(list(norms.values())),
         "deviations": deviations(summary),
         "per_round": {"val_success": val_by_round, "update_norm": norms},
@@ -121,12 +123,15 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
         # a window with a round missing would be another statistic: none, as window_mean does
         "train_window": (_mean(in_window["train_success"])
                          if len(in_window["train_success"]) == WINDOW else None),
-        "entropy_early": series["entropy"].get(EARLY_ROUND), "entropy_last": series["entropy"].get(total),
-        "length_early": series["length"].get(EARLY_ROUND), "length_last": series["length"].get(total),
+        "entropy_early": series["entropy"].get(EARLY_ROUND),
+        "entropy_last": series["entropy"].get(total) if total >= 1 else None,
+        "length_early": series["length"].get(EARLY_ROUND),
+        "length_last": series["length"].get(total) if total >= 1 else None,
         "max_grad_norm": max(series["grad_norm"].values(), default=None),
         "zero_variance_window_mean": (_mean(in_window["zero_variance"])
                                       if len(in_window["zero_variance"]) == WINDOW else None),
-        "zero_variance_window_max": max(in_window["zero_variance"], default=None),
+        "zero_variance_window_max": (max(in_window["zero_variance"])
+                                     if len(in_window["zero_variance"]) == WINDOW else None),
         "takeoff_length": takeoff(series["length"], TAKEOFF_LENGTH, total),
         "takeoff_entropy": takeoff(series["entropy"], TAKEOFF_ENTROPY, total),
     })
@@ -134,8 +139,9 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
 
 
 def arm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One arm's take-offs: of its runs with metrics, how many took off by their last planned round
-    (by either criterion) and the median round among those that did (None if none did)."""
+    """One arm's take-offs, per criterion (reply length, entropy) apart: of its runs with metrics,
+    how many took off by that criterion by their last planned round, and the median round among
+    those that did (None if none did). A run counts under each criterion it met."""
     measured = [row for row in rows if row["metrics"] is not None]
     result: dict[str, Any] = {"runs": len(rows), "with_metrics": len(measured)}
     for criterion in ("length", "entropy"):
@@ -143,6 +149,16 @@ def arm_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         result[f"took_off_{criterion}"] = len(rounds)
         result[f"median_takeoff_{criterion}"] = statistics.median(rounds) if rounds else None
     return result
+
+
+def missing_rounds(row: dict[str, Any]) -> list[int]:
+    """The planned rounds (1 .. ``total_rounds``) that no :data:`TRAIN_METRICS` value of ``row``'s
+    metrics file covers: no client's ``train`` event, or none carrying these metrics. Empty for a run
+    without a metrics file (the table says that apart)."""
+    if row["metrics"] is None:
+        return []
+    covered = {r for name in TRAIN_METRICS for r in row["per_round"][name]}
+    return [r for r in range(1, row["total_rounds"] + 1) if r not in covered]
 
 
 def _num(value: float | None, digits: int) -> str:
@@ -166,8 +182,10 @@ def _median(value: float | None) -> str:
 def render(rows: list[dict[str, Any]], arms: dict[str, dict[str, Any]]) -> str:
     """The markdown: the per-run table, the per-arm take-off summary and the notes."""
     totals = sorted({row["total_rounds"] for row in rows})
-    last = f"r{totals[0]}" if len(totals) == 1 else "last round"
-    window = (f"r{totals[0] - WINDOW + 1}–{totals[0]}" if len(totals) == 1 else f"last {WINDOW} rounds")
+    # one planned total names its rounds; several, or one too short for them, get the general words
+    last = f"r{totals[0]}" if len(totals) == 1 and totals[0] >= 1 else "last round"
+    window = (f"r{totals[0] - WINDOW + 1}–{totals[0]}" if len(totals) == 1 and totals[0] >= WINDOW
+              else f"last {WINDOW} rounds")
     lines = [
         f"Training dynamics per run: take-off round = first round whose mean training reply length is "
         f"< {TAKEOFF_LENGTH:g} tokens / whose mean actor entropy is < {TAKEOFF_ENTROPY:g} ({DASH}: none by the "
@@ -199,6 +217,18 @@ def render(rows: list[dict[str, Any]], arms: dict[str, dict[str, Any]]) -> str:
         lines += ["", "No metrics file committed beside these runs' summaries (only the validation and update "
                   "columns, which come from the summary, are filled): "
                   + ", ".join(f"{row['name']} ({row['summary']})" for row in missing)]
+    unplanned = [row["name"] for row in rows if row["total_rounds"] < 1]
+    if unplanned:
+        lines += ["", "No planned number of rounds (`total_rounds`) in these runs' summaries, so no last-round "
+                  "or window values and no take-off: " + ", ".join(unplanned)]
+    gaps = []
+    for row in rows:
+        absent = missing_rounds(row)
+        if absent:
+            gaps.append(f"{row['name']} (round{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))})")
+    if gaps:
+        lines += ["", "Rounds without a train event in the run's metrics file (a window that needs one is left "
+                  "empty; take-offs are read from the rounds present): " + ", ".join(gaps)]
     deviating = [f"{row['name']} ({'; '.join(row['deviations'])})" for row in rows if row["deviations"]]
     if deviating:
         lines += ["", "Runs that did not run as planned (their rows include these rounds): " + ", ".join(deviating)]
@@ -211,11 +241,9 @@ def dynamics(source: Path, out: Path, arms: list[str], min_seed: int,
     would pick (``find_runs``; raises its PoolError when there are none, or a run is committed
     twice); return the JSON's content, with the markdown under ``"markdown"``. ``out`` must be new
     or empty, as ``pool``'s: a table left there from other runs would read as this one's."""
-    if out.exists() and any(out.iterdir()):
-        raise DynamicsError(f"{out} is not empty: write the dynamics into a new or empty folder")
+    require_empty_folder(out, DynamicsError, "write the dynamics into a new or empty folder")
     found = find_runs(source, prefix, arms, min_seed)
-    ordered = sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1]))
-    rows = [run_row(arm, seed, summary, metrics_file(summary)) for (arm, seed), summary in ordered]
+    rows = [run_row(arm, seed, summary, metrics_file(summary)) for (arm, seed), summary in ordered_runs(found, arms)]
     per_arm = {arm: arm_summary([row for row in rows if row["arm"] == arm])
                for arm in arms if any(row["arm"] == arm for row in rows)}
     text = render(rows, per_arm)

@@ -55,6 +55,25 @@ def find_runs(source: Path, prefix: str, arms: list[str], min_seed: int) -> dict
     return found
 
 
+def require_empty_folder(out: Path, error: type[ValueError], advice: str) -> None:
+    """Raise ``error`` unless ``out`` can be written into as a new or empty folder: when it is not
+    empty (``advice`` says why that matters and what to do), or when it, or the nearest of its
+    parents that exists, is no folder (a file given as ``--out``). Shared by ``pool`` and
+    ``arms_dynamics.dynamics``, whose tables would read a used folder's files as their own."""
+    existing = next((path for path in (out, *out.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise error(f"{existing} is a file, not a folder: give --out a new or empty folder"
+                    + ("" if existing == out else f" ({out} would be inside it)"))
+    if out.exists() and any(out.iterdir()):
+        raise error(f"{out} is not empty: {advice}")
+
+
+def ordered_runs(found: dict[tuple[str, int], Path], arms: list[str]) -> list[tuple[tuple[str, int], Path]]:
+    """``found``'s runs (:func:`find_runs`) in the order of the tables: by arm as ``arms`` lists
+    them, then by seed."""
+    return sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1]))
+
+
 def _run_key(name: str) -> tuple[str, int] | None:
     """``("federated", 4)`` for ``federated-s4``; None for anything else."""
     match = re.fullmatch(r"([a-z]+)-s(\d+)", name)
@@ -77,9 +96,8 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
     (``<arm>-s<seed>``: a sensitivity check by command, not by hand; the matrix and the report name
     them); return the matrix. ``out`` must be new or empty: pooling into a used folder would mix
     what it holds with these runs."""
-    if out.exists() and any(out.iterdir()):
-        raise PoolError(f"{out} is not empty: pool into a new or empty folder (a run's old metrics or a "
-                        "hostmem.jsonl left there would enter the report)")
+    require_empty_folder(out, PoolError, "pool into a new or empty folder (a run's old metrics or a "
+                         "hostmem.jsonl left there would enter the report)")
     found = find_runs(source, prefix, arms, min_seed)
     left_out = list(dict.fromkeys(leave_out or []))
     # A misspelt name would silently leave nothing out and the report would read as the check asked for.
@@ -96,7 +114,7 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
         raise PoolError(f"--leave-out leaves no run of {', '.join(emptied)}: leave fewer out, or drop the arm "
                         "from --arms")
     runs = []
-    for (arm, seed), summary in sorted(found.items(), key=lambda item: (arms.index(item[0][0]), item[0][1])):
+    for (arm, seed), summary in ordered_runs(found, arms):
         name = f"{arm}-s{seed}"
         folder = out / "runs" / name
         folder.mkdir(parents=True, exist_ok=True)

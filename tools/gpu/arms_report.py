@@ -61,9 +61,7 @@ def collect(out: Path) -> dict[str, Any]:
             "final": _point(final),
             "curve": [_point(p) for p in curve],
             "window_mean": window_mean(curve, int(summary.get("total_rounds") or 0)),
-            "zero_variance_group_share": _client_means(out, run["name"], "zero-variance-group-share"),
-            "entropy": _client_means(out, run["name"], "actor.entropy"),
-            "grad_norm": _client_means(out, run["name"], "actor.grad_norm"),
+            **_train_curves(out / "runs" / run["name"] / "metrics.jsonl"),
             "update_norm_ratio": [r.get("update_stats", {}).get("norm_ratio") for r in summary.get("rounds", [])
                                   if r.get("update_stats")],
             "mean_pairwise_cosine": [r.get("update_stats", {}).get("mean_pairwise_cosine")
@@ -109,7 +107,7 @@ def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WI
     another one)."""
     if total_rounds < window:
         return None
-    by_round = {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+    by_round = validation_by_round(curve)
     rounds = range(total_rounds - window + 1, total_rounds + 1)
     if any(r not in by_round for r in rounds):
         return None
@@ -123,22 +121,56 @@ def _point(point: dict[str, Any]) -> dict[str, Any]:
     return {"round": point["round"], "n": n, "success_rate": rate, "ci95": [round(low, 4), round(high, 4)]}
 
 
-def _client_means(out: Path, name: str, suffix: str) -> list[float | None]:
-    """Per round, the clients' mean of the train metric whose key ends with ``suffix``
-    (read from the run's metrics.jsonl train events)."""
-    path = out / "runs" / name / "metrics.jsonl"
-    by_round: dict[int, list[float]] = {}
-    try:
-        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return []
-    for event in events:
+def validation_by_round(curve: list[dict[str, Any]]) -> dict[int, float]:
+    """``round -> validation success`` of a summary's ``val_curve`` (a point without a
+    ``success_rate`` counts 0.0). One reading for :func:`window_mean` and the dynamics table
+    (``arms_dynamics``), so the two cannot disagree on a run's rounds."""
+    return {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+
+
+def train_client_means(path: Path, keys: dict[str, str], by_suffix: bool = False,
+                       digits: int | None = None) -> dict[str, dict[int, float]]:
+    """Per name in ``keys`` (``name -> metric key``), ``round -> mean over the clients`` of that
+    metric in the ``train`` events of the metrics file ``path``, rounds in order.
+
+    Each client counts once (equal weight): a round that lost a client has the others' values only
+    (:func:`deviations` names it). A round no event of which carries the metric is absent. The key
+    must match exactly, or with ``by_suffix`` be the end of the event's key (``actor.entropy`` for
+    ``verl.actor.entropy``: the first such key in the event counts). A null value is no value.
+    ``digits``: round each mean to that many places (None: as computed). Raises OSError or
+    ValueError when the file cannot be read or parsed; the callers decide what that means.
+    Shared by ``arms.py report`` (:func:`collect`) and ``arms.py dynamics``."""
+    values: dict[str, dict[int, list[float]]] = {name: {} for name in keys}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
         if event.get("event") != "train":
             continue
-        values = [float(v) for k, v in (event.get("metrics") or {}).items() if k.endswith(suffix)]
-        if values:
-            by_round.setdefault(int(event["round"]), []).append(values[0])
-    return [round(sum(v) / len(v), 4) for _, v in sorted(by_round.items())]
+        metrics = event.get("metrics") or {}
+        for name, key in keys.items():
+            found = ([v for k, v in metrics.items() if k.endswith(key)] if by_suffix
+                     else [metrics[key]] if key in metrics else [])
+            if found and found[0] is not None:
+                values[name].setdefault(int(event["round"]), []).append(float(found[0]))
+    return {name: {r: (sum(v) / len(v) if digits is None else round(sum(v) / len(v), digits))
+                   for r, v in sorted(by_round.items())}
+            for name, by_round in values.items()}
+
+
+#: The train metrics ``arms.py report`` keeps per run (name -> key suffix), for its JSON.
+REPORT_TRAIN_METRICS = {"zero_variance_group_share": "zero-variance-group-share", "entropy": "actor.entropy",
+                        "grad_norm": "actor.grad_norm"}
+
+
+def _train_curves(path: Path) -> dict[str, list[float]]:
+    """Per :data:`REPORT_TRAIN_METRICS` name, the clients' mean per round (4 places), in round
+    order; empty lists when the run has no readable metrics file."""
+    try:
+        series = train_client_means(path, REPORT_TRAIN_METRICS, by_suffix=True, digits=4)
+    except (OSError, ValueError):
+        return {name: [] for name in REPORT_TRAIN_METRICS}
+    return {name: list(by_round.values()) for name, by_round in series.items()}
 
 
 def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -387,6 +387,19 @@ def test_pool_refuses_one_arm_and_seed_committed_twice_and_an_occupied_folder(tm
         pooling.pool(source, tmp_path / "d", ["local"], 4)
 
 
+def test_pool_refuses_an_out_that_is_a_file(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``--out`` naming a file exits 2 with a message (it used to be a NotADirectoryError traceback),
+    and the file is left as it was."""
+    arms = _arms_module()
+    taken = tmp_path / "taken.json"
+    taken.write_text("{}")
+    assert arms.main(["pool", "--from", str(REPO / "docs" / "gpu-runs"), "--out", str(taken),
+                      "--arms", "federated", "local", "--min-seed", "4"]) == 2
+    assert f"arms.py pool: {taken} is a file, not a folder: give --out a new or empty folder" in (
+        capsys.readouterr().err)
+    assert taken.read_text() == "{}"
+
+
 def test_pool_leaves_out_named_runs_and_says_so(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """The sensitivity check of results.md §3 (batch 15) by command: without federated seed 4 (a
     client lost in round 9) the rounds 8-10 difference is +0.130 [+0.000, +0.259]; a misspelt

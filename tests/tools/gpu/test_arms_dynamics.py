@@ -61,20 +61,32 @@ def test_dynamics_of_the_committed_declared_runs(tmp_path: Path, capsys) -> None
     assert "is not empty" in capsys.readouterr().err
 
 
-def _committed_run(source: Path, name: str, lengths: list[float], with_metrics: bool) -> None:
-    """A 5-round local run recorded by the real RunRecorder and committed under ``source`` as the
-    dated folders hold them (``recipe10r-<name>-summary.json``; ``metrics/recipe10r-<name>.jsonl``
-    only ``with_metrics``). Training reply length per round from ``lengths``; entropy 2.0 falling
-    by 0.3 a round."""
-    recorder = RunRecorder(source.parent / "records" / name, {"base_model": "/m", "env_kind": "tinyguess",
-                                                               "mode": "local", "total_rounds": 5})
+def _committed_run(source: Path, name: str, lengths: list[float], with_metrics: bool, *,
+                   clients: int = 1, planned: bool = True, no_train_in: int | None = None,
+                   lost_in: int | None = None) -> None:
+    """A 5-round run recorded by the real RunRecorder and committed under ``source`` as the dated
+    folders hold them (``recipe10r-<name>-summary.json``; ``metrics/recipe10r-<name>.jsonl`` only
+    ``with_metrics``). Client 0's training reply length per round from ``lengths``, entropy 2.0
+    falling by 0.3 a round; each further client ``c`` (``clients``) has 20 tokens and 0.4 entropy more
+    per ``c``. ``planned=False``: the header has no ``total_rounds`` (a summary without a planned
+    total). ``no_train_in``: that round aggregated but no client's train event was recorded (a round
+    missing from the metrics file). ``lost_in``: in that round the last client failed (the round is
+    recorded as having trained without it, as batch 12's federated seed 4 lost client 1 in round 9)."""
+    header = {"base_model": "/m", "env_kind": "tinyguess", "mode": "local" if clients == 1 else "federated"}
+    if planned:
+        header["total_rounds"] = 5
+    recorder = RunRecorder(source.parent / "records" / name, header)
     recorder.record_eval(server_round=0, model="/m", metrics={"num-examples": 64, "success-rate": 0.0625})
     for r, length in enumerate(lengths, start=1):
-        metrics = {"num-examples": 512, "success-rate": 0.1 * r, "zero-variance-group-share": 0.05 * r,
-                   "verl.actor.entropy": 2.0 - 0.3 * r, "verl.actor.grad_norm": 0.5 + 0.1 * r,
-                   "verl.response_length.mean": length}
-        recorder.record_round(server_round=r, clients=[0], started_from="/m", client_actors={0: f"/c{r}"},
-                              aggregated=f"/g{r}", rejected={}, client_metrics={0: metrics},
+        present = list(range(clients - 1)) if r == lost_in else list(range(clients))
+        client_metrics = {c: {"num-examples": 512, "success-rate": 0.1 * r, "zero-variance-group-share": 0.05 * r,
+                              "verl.actor.entropy": 2.0 - 0.3 * r + 0.4 * c, "verl.actor.grad_norm": 0.5 + 0.1 * r,
+                              "verl.response_length.mean": length + 20 * c}
+                          for c in present}
+        recorder.record_round(server_round=r, clients=list(range(clients)), started_from="/m",
+                              client_actors={c: f"/c{c}r{r}" for c in present}, aggregated=f"/g{r}",
+                              rejected={} if r != lost_in else {clients - 1: "failed: out of memory"},
+                              client_metrics={} if r == no_train_in else client_metrics,
                               update_stats={"mean_update_norm": 0.25 + 0.01 * r, "client_update_norm": [0.25]})
         recorder.record_eval(server_round=r, model=f"/g{r}", metrics={"num-examples": 64, "success-rate": 0.125 * r})
     recorder.finish()
@@ -105,3 +117,85 @@ def test_a_run_without_a_metrics_file_keeps_its_summary_columns(tmp_path: Path, 
     assert data["without_metrics"] == ["local-s5"]
     s5 = data["runs"][1]
     assert s5["metrics"] is None and s5["takeoff_length"] is None and s5["mean_update_norm"] == pytest.approx(0.28)
+
+
+def test_a_round_missing_from_the_metrics_file_empties_its_window_and_is_named(tmp_path: Path,
+                                                                             capsys) -> None:  # noqa: ANN001
+    """Round 4 of 5 aggregated but left no train event: the rounds 3-5 training window has two of its
+    three rounds, so its train success, zero-variance mean and zero-variance maximum are all empty
+    (the maximum used to be taken over the two present), and the note under the table names the
+    round. The summary's columns (validation, update norm) still come from the summary."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "local-s4", [120, 100, 58, 40, 30], with_metrics=True, no_train_in=4)
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "local"]) == 0
+    printed = capsys.readouterr().out
+    # entropy/length r5 are there (round 5 trained); take-offs from the rounds present: 58 at r3, 1.4 at r2
+    assert "| local s4 | 0.500 | 0.625 |  | 0.50 → 0.50 | 30 → 30 |  | 1.00 | 0.280 | 3 / 2 |" in printed
+    assert ("Rounds without a train event in the run's metrics file (a window that needs one is left empty; "
+            "take-offs are read from the rounds present): local-s4 (round 4)") in printed
+    row = json.loads((out / "dynamics.json").read_text())["runs"][0]
+    assert row["train_window"] is None
+    assert row["zero_variance_window_mean"] is None and row["zero_variance_window_max"] is None
+    assert "4" not in row["per_round"]["length"] and row["per_round"]["length"]["5"] == 30
+
+
+def test_a_round_that_lost_a_client_averages_the_clients_present(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Two clients, client 1 lost in round 4: that round's training means are client 0's alone (reply
+    length 58, below the take-off threshold; with client 1's 78 it would have been 68, and the
+    take-off round 5), the other rounds are both clients' means, and the run is named under the
+    table with the round and the client."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "federated-s4", [120, 100, 80, 58, 30], with_metrics=True, clients=2, lost_in=4)
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "federated"]) == 0
+    printed = capsys.readouterr().out
+    row = json.loads((out / "dynamics.json").read_text())["runs"][0]
+    assert row["per_round"]["length"] == {"1": 130, "2": 110, "3": 90, "4": 58, "5": 40}
+    # entropy: clients 2.0 - 0.3 r and 2.4 - 0.3 r, mean 2.2 - 0.3 r (1.3 at round 3, the first below
+    # 1.5); round 4 is client 0's 0.8 alone (the mean of both would be 1.0)
+    assert row["per_round"]["entropy"]["4"] == pytest.approx(0.8)
+    assert row["per_round"]["entropy"]["3"] == pytest.approx(1.3)
+    assert (row["takeoff_length"], row["takeoff_entropy"]) == (4, 3)
+    assert ("| federated s4 | 0.500 | 0.625 | 0.400 | 0.70 → 0.70 | 40 → 40 | 0.20 / 0.25 | 1.00 | 0.280 "
+            "| 4 / 3 |") in printed
+    assert ("Runs that did not run as planned (their rows include these rounds): federated-s4 (round 4 trained "
+            "without client(s) [1])") in printed
+    assert "Rounds without a train event" not in printed  # client 0 trained in round 4
+
+
+def test_a_summary_without_a_planned_total_has_no_last_round_values(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A summary with no ``total_rounds``: the last round and the window are unknown, so their
+    columns are empty (the round-0 base value, 0.0625, used to show as the last round's validation)
+    and no take-off is claimed; the header does not name rounds and the note says why."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "local-s4", [120, 100, 58, 40, 30], with_metrics=True, planned=False)
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "local"]) == 0
+    printed = capsys.readouterr().out
+    assert ("| run | val last 3 rounds | val last round | train succ. last 3 rounds | entropy r5 → last round |"
+            in printed)
+    assert "| local s4 |  |  |  | 0.50 → ? | 30 → ? |  | 1.00 | 0.280 | – / – |" in printed
+    assert ("No planned number of rounds (`total_rounds`) in these runs' summaries, so no last-round or window "
+            "values and no take-off: local-s4") in printed
+    row = json.loads((out / "dynamics.json").read_text())["runs"][0]
+    assert row["total_rounds"] == 0
+    assert row["val_last"] is None and row["val_window"] is None and row["length_last"] is None
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``--out`` naming a file (or a path inside one) exits 2 with a message, not a traceback."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "local-s4", [120, 100, 58, 40, 30], with_metrics=True)
+    taken = tmp_path / "taken.md"
+    taken.write_text("someone's notes\n")
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(taken), "--arms", "local"]) == 2
+    assert f"arms.py dynamics: {taken} is a file, not a folder" in capsys.readouterr().err
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(taken / "dyn"), "--arms", "local"]) == 2
+    assert f"{taken} is a file, not a folder: give --out a new or empty folder ({taken / 'dyn'}" in (
+        capsys.readouterr().err)
+    assert taken.read_text() == "someone's notes\n"
