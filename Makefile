@@ -57,13 +57,15 @@ run: install
 	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
 
 # Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) all the repository's Python code
-# and type-check (mypy) the package, with the versions pinned in the test extra; settings in
-# pyproject.toml. `make test` runs it first.
+# and type-check (mypy) the package and the arms tools (their numbers go into docs/results.md), with
+# the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
 LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
+TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py
 
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy fedagent_flwr
+	$(VENV)/bin/mypy $(TYPED_TOOLS)
 
 test: install alfworld-venv lint
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -45,11 +45,12 @@ def run_summary(out: Path, name: str) -> dict[str, Any] | None:
 def collect(out: Path) -> dict[str, Any]:
     """Every run's curve and final point, grouped by arm, with intervals."""
     matrix = json.loads((out / MATRIX_FILE).read_text())
-    runs, arms = [], {}
+    runs: list[dict[str, Any]] = []
+    arms: dict[str, list[dict[str, Any]]] = {}
     for run in matrix["runs"]:
         summary = run_summary(out, run["name"])
         curve = (summary or {}).get("val_curve", [])
-        if not curve:
+        if summary is None or not curve:
             runs.append({**run, "status": "no result"})
             continue
         base, final = curve[0], curve[-1]
