@@ -22,10 +22,11 @@ for run in "$OUT"/runs/*/; do
     [ -f "$phases" ] && mkdir -p "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")" \
       && cp "$phases" "$STAGE/results/$name/trainers/$(basename "$(dirname "$phases")")/"
   done
-  # verl's file logger, one line a training step (round_<r>/client_<c>/verl/verl_steps.jsonl), as
-  # results/<run>/steps/round_<r>-client_<c>.jsonl: a round's first step is where two runs of one
-  # config can first differ (docs/results.md, the reproducibility pairs)
-  for steps in "$run"/round_*/client_*/verl/verl_steps.jsonl; do
+  # verl's metrics of every training step, which each client-round writes under its output in both
+  # trainer modes (round_<r>/client_<c>/verl/steps.jsonl), as results/<run>/steps/round_<r>-client_<c>.jsonl:
+  # a round's first step is where two runs of one config can first differ (docs/results.md, the
+  # reproducibility pairs)
+  for steps in "$run"/round_*/client_*/verl/steps.jsonl; do
     [ -f "$steps" ] || continue
     client_dir=$(dirname "$(dirname "$steps")")
     mkdir -p "$STAGE/results/$name/steps"

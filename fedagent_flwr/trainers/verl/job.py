@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from fedagent_flwr.atomic import write_text_atomic
 from fedagent_flwr.checkpoint.ref import SHARD_GLOB
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, save
 from fedagent_flwr.progress import StepProgress, report_step
@@ -199,6 +200,11 @@ def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
     return n, metrics
 
 
+#: every step's metrics of a client-round, kept under its output (``<output>/verl/``) in both trainer
+#: modes: a persistent session's own step file lives in the session's directory and starts anew
+#: every round, so without this copy a round's per-step record would be gone with the session.
+STEPS_FILE = "steps.jsonl"
+
 # verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
 _STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
               "critic/score/mean", "response_length/mean", "timing_s/step", "timing_s/gen",
@@ -317,6 +323,15 @@ def active_rule_workers(prep: PreparedTrain) -> int:
     return sum(1 for marker in engine_hooks.read_markers(str(prep.marker_dir)) if marker.get("rules") == wanted)
 
 
+def keep_steps(path: Path, steps: dict[int, dict[str, float]]) -> None:
+    """Write a round's per-step metrics to ``path`` (written whole, then renamed), one JSON line a
+    step in verl's file-logger form (``{"step": n, "data": {...}}``, :mod:`.verl_log`), in step
+    order. A round's first step is where two runs of one config can first differ, and the round's
+    ``metrics.jsonl`` entry keeps only its last step."""
+    write_text_atomic(path, "".join(json.dumps({"step": step, "data": steps[step]}, sort_keys=True) + "\n"
+                                    for step in sorted(steps)))
+
+
 def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str, float]],
                    first_step: float | None, started: float, log: str,
                    extra_metrics: dict[str, float] | None = None) -> TrainResult:
@@ -326,6 +341,7 @@ def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str
     seconds from ``started`` to the end of step 1 (None if unknown), ``log`` where the failure messages send the reader.
     """
     settings = prep.settings
+    keep_steps(prep.work / STEPS_FILE, steps)  # first, so a round that fails below keeps its steps too
     checkpoints = Path(prep.paths.checkpoint_dir)
     last_step = job.epochs * job.local_steps  # verl's global step of the one save
     actor_dir = checkpoint_dir(checkpoints, last_step, "actor")

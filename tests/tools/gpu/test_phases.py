@@ -14,6 +14,7 @@ from types import ModuleType
 
 import pytest
 
+from fedagent_flwr.trainers.verl.job import STEPS_FILE  # where every client-round keeps its steps
 from fedagent_flwr.trainers.verl.phases import PhaseRecorder
 
 REPO = Path(__file__).resolve().parents[3]
@@ -138,9 +139,9 @@ def test_several_roots_are_named_and_arms_py_writes_phases_md(tmp_path: Path,
 def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _write_runs(out)
-    steps = out / "runs" / "federated-s1" / "round_2" / "client_1" / "verl" / "verl_steps.jsonl"
+    steps = out / "runs" / "federated-s1" / "round_2" / "client_1" / "verl" / STEPS_FILE
     steps.parent.mkdir(parents=True)
-    steps.write_text('{"step": 1, "critic/score/mean": 0.140625}\n')
+    steps.write_text('{"data": {"critic/score/mean": 0.140625}, "step": 1}\n')
     env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(REPO / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
                          env=env, capture_output=True, text=True, timeout=300)

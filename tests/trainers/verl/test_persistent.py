@@ -482,3 +482,27 @@ def test_the_entry_module_serves_a_persistent_session() -> None:
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "'serve CHANNEL_DIR'" in run.stderr
     assert isinstance(entry.session(), VerlSession)
+
+
+def test_a_rounds_steps_are_kept_under_its_output_even_when_the_round_fails(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """A session's step file lives in the session's directory and starts anew each round, so each
+    round's steps are written under the round's own output, where ``tools/gpu/collect.sh`` packs them
+    (and a subprocess-mode job's are too): also when collecting the result fails."""
+    shared = tmp_path / "session"
+    shared.mkdir()
+    job = _job(tiny_model_dir, tmp_path / "r1", 1)
+    prep = verl_job.prepare_train(job, shared_dir=shared)
+    assert prep.step_file.parent == shared  # the session's, not the round's
+    steps = {2: {"critic/score/mean": 0.1796875}, 1: {"critic/score/mean": 0.140625, "timing_s/step": 47.9}}
+    with pytest.raises(verl_job.VerlJobFailed):  # verl saved no checkpoint here
+        verl_job.collect_result(job, prep, steps, None, 0.0, "x")
+    kept = tmp_path / "r1" / "verl" / verl_job.STEPS_FILE
+    assert [json.loads(line) for line in kept.read_text().splitlines()] == [
+        {"step": 1, "data": {"critic/score/mean": 0.140625, "timing_s/step": 47.9}},
+        {"step": 2, "data": {"critic/score/mean": 0.1796875}},
+    ]
+    alone = verl_job.prepare_train(_job(tiny_model_dir, tmp_path / "s1", 1))  # subprocess mode: the same place
+    with pytest.raises(verl_job.VerlJobFailed):
+        verl_job.collect_result(_job(tiny_model_dir, tmp_path / "s1", 1), alone, {1: {"x": 1.0}}, None, 0.0, "x")
+    assert (tmp_path / "s1" / "verl" / verl_job.STEPS_FILE).read_text() == '{"data": {"x": 1.0}, "step": 1}\n'
