@@ -351,6 +351,16 @@ def collect_archives(outs: list[Path], into: Path) -> list[Path]:
 
 
 
+def _committed_runs_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that pick committed runs and where their tables go, the same for ``pool`` and
+    ``dynamics`` (both read them through ``arms_pool.find_runs``)."""
+    parser.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
+    parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -377,22 +387,14 @@ def main(argv: list[str] | None = None) -> int:
                          help="then pack each matrix's results so far into DIR/<folder>.tgz (tools/gpu/collect.sh), "
                          "ended or not: give $OUT, so that every wait call brings back what the runs wrote")
     pooling = sub.add_parser("pool", help="committed runs (docs/gpu-runs) as one matrix folder, then its report")
-    pooling.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
-    pooling.add_argument("--out", type=Path, required=True, help="a new or empty folder")
-    pooling.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    pooling.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
+    _committed_runs_arguments(pooling)
     pooling.add_argument("--recipe", default="tinyguess_verl")
-    pooling.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
     pooling.add_argument("--leave-out", nargs="+", default=[], metavar="ARM-sSEED",
                          help="runs to leave out, e.g. federated-s4 (a sensitivity check; the report names them)")
     dyn = sub.add_parser("dynamics", help="per committed run: take-off round, entropy, reply length, update norms "
                          "(dynamics.md, dynamics.json); the applied update weighs clients by their aggregation "
                          "weights, the training columns equally: they agree only with equal client weights")
-    dyn.add_argument("--from", dest="source", type=Path, required=True, help="e.g. docs/gpu-runs")
-    dyn.add_argument("--out", type=Path, required=True, help="a new or empty folder")
-    dyn.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    dyn.add_argument("--min-seed", type=int, default=1, help="leave out seeds below (the declared plan: 4)")
-    dyn.add_argument("--prefix", default=DEFAULT_PREFIX, help="the committed runs' file prefix")
+    _committed_runs_arguments(dyn)
     args = parser.parse_args(argv)
     if args.command == "dynamics":
         try:

@@ -67,13 +67,6 @@ class DynamicsError(ValueError):
     """The table cannot be written as asked (its folder is in use, or is a file)."""
 
 
-def client_means(path: Path) -> dict[str, dict[int, float]]:
-    """Per :data:`TRAIN_METRICS` name, ``round -> mean over the clients`` of the ``train`` events in the
-    metrics file ``path`` that carry it (each client with equal weight; keys matched exactly, means
-    not rounded): :func:`arms_report.train_client_means`."""
-    return train_client_means(path, TRAIN_METRICS)
-
-
 def takeoff(series: dict[int, float], threshold: float, last_round: int) -> int | None:
     """The first round up to ``last_round`` whose value is below ``threshold``; None if none is."""
     return next((r for r in sorted(series) if r <= last_round and series[r] < threshold), None)
@@ -81,6 +74,12 @@ def takeoff(series: dict[int, float], threshold: float, last_round: int) -> int 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _whole_window(values: list[float], statistic: Any) -> float | None:
+    """``statistic(values)`` when all :data:`arms_report.WINDOW` rounds of a window are there, else
+    None: over fewer rounds it would be another statistic (as :func:`arms_report.window_mean`)."""
+    return statistic(values) if len(values) == WINDOW else None
 
 
 def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) -> dict[str, Any]:
@@ -116,22 +115,18 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
         row[column] = None
     if metrics_path is None:
         return row
-    series = client_means(metrics_path)
+    series = train_client_means(metrics_path, TRAIN_METRICS)  # keys matched exactly, means not rounded
     row["per_round"].update(series)
     in_window = {name: [by_round[r] for r in window_rounds if r in by_round] for name, by_round in series.items()}
     row.update({
-        # a window with a round missing would be another statistic: none, as window_mean does
-        "train_window": (_mean(in_window["train_success"])
-                         if len(in_window["train_success"]) == WINDOW else None),
+        "train_window": _whole_window(in_window["train_success"], _mean),
         "entropy_early": series["entropy"].get(EARLY_ROUND),
         "entropy_last": series["entropy"].get(total) if total >= 1 else None,
         "length_early": series["length"].get(EARLY_ROUND),
         "length_last": series["length"].get(total) if total >= 1 else None,
         "max_grad_norm": max(series["grad_norm"].values(), default=None),
-        "zero_variance_window_mean": (_mean(in_window["zero_variance"])
-                                      if len(in_window["zero_variance"]) == WINDOW else None),
-        "zero_variance_window_max": (max(in_window["zero_variance"])
-                                     if len(in_window["zero_variance"]) == WINDOW else None),
+        "zero_variance_window_mean": _whole_window(in_window["zero_variance"], _mean),
+        "zero_variance_window_max": _whole_window(in_window["zero_variance"], max),
         "takeoff_length": takeoff(series["length"], TAKEOFF_LENGTH, total),
         "takeoff_entropy": takeoff(series["entropy"], TAKEOFF_ENTROPY, total),
     })
