@@ -60,7 +60,8 @@ run: install
 # and type-check (mypy) the package and the arms tools (their numbers go into docs/results.md), with
 # the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
 LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
-TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py
+TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py \
+  tools/gpu/arms_steps.py
 
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)

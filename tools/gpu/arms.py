@@ -10,6 +10,8 @@
                                                          # committed runs as one matrix, then its report
     python3 tools/gpu/arms.py dynamics --from docs/gpu-runs --out /tmp/dynamics --arms centralized federated \\
         --min-seed 4                                     # the same runs' take-off rounds and training dynamics
+    python3 tools/gpu/arms.py steps --run A=/tmp/r/results/local-s5 --run B=/tmp/r2/results/local-s5 \\
+        [--write FILE.jsonl]                             # collected runs' verl steps side by side, step times
 
 Every arm runs the same recipe with the same per-client step budget (``train.local_steps`` per
 round, ``num_rounds`` rounds) and is validated on the same fixed episodes (``eval.seed``):
@@ -54,6 +56,7 @@ import gpu_share  # noqa: E402
 from arms_dynamics import DynamicsError, dynamics  # noqa: E402
 from arms_pool import DEFAULT_PREFIX, PoolError, pool  # noqa: E402
 from arms_report import MATRIX_FILE, phases_report, report, run_summary  # noqa: E402
+from arms_steps import DEFAULT_KEYS, StepsError, parse_run, steps_report  # noqa: E402
 
 #: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
 #: front). A session is one persistent trainer that trains; "local" has a second node that only
@@ -395,7 +398,23 @@ def main(argv: list[str] | None = None) -> int:
                          "(dynamics.md, dynamics.json); the applied update weighs clients by their aggregation "
                          "weights, the training columns equally: they agree only with equal client weights")
     _committed_runs_arguments(dyn)
+    stepping = sub.add_parser("steps", help="collected runs' verl metrics step by step, side by side: where two "
+                              "runs first differ, and each run's step and generation times after its first step")
+    stepping.add_argument("--run", dest="runs", action="append", required=True, type=parse_run,
+                          metavar="LABEL=DIR", help="a run's results folder (<archive>/results/<run>), repeated")
+    stepping.add_argument("--keys", nargs="+", default=None, help="verl metrics to show (default: those of the "
+                          f"committed repro-rs-steps.jsonl that the steps have: {' '.join(DEFAULT_KEYS)})")
+    stepping.add_argument("--client", type=int, default=0, help="whose steps (a federated run has several)")
+    stepping.add_argument("--write", type=Path, default=None, metavar="FILE.jsonl",
+                          help="also write one flat JSON line per (run, round, step), as repro-rs-steps.jsonl")
     args = parser.parse_args(argv)
+    if args.command == "steps":
+        try:
+            print(steps_report(args.runs, args.keys, args.client, args.write), end="")
+        except (StepsError, OSError) as exc:  # OSError: a step file unreadable, or --write not writable
+            print(f"arms.py steps: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "dynamics":
         try:
             table = dynamics(args.source, args.out, args.arms, args.min_seed, args.prefix)
