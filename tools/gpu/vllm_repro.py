@@ -38,7 +38,7 @@ def _requests() -> list[tuple[str, int]]:
 
 def probe(label: str, out: Path) -> None:
     """Generate the fixed requests three ways in one vLLM engine; write their token ids as JSON."""
-    from vllm import LLM, SamplingParams  # the node's vLLM; not installed on CPU machines
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]  # the node's vLLM; not on CPU machines
 
     from fedagent_flwr.models.smollm2 import default_model_dir
 
