@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -10,20 +9,13 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.serverapp.recorder import RunRecorder
+from testkit.gpu_tools import gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _arms_module():  # noqa: ANN202 - the tools/gpu/arms.py module
-    return _tool_module("arms")
-
-
-def _tool_module(name: str):  # noqa: ANN202 - a module of tools/gpu, loaded by path (not a package)
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "gpu" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return gpu_tool("arms")
 
 
 def _run(out: Path, name: str, rates: list[float | None], n: int = 64, total_rounds: int | None = None) -> None:
@@ -125,7 +117,7 @@ def test_report_names_the_runs_that_lost_a_client(tmp_path: Path) -> None:
     assert ("Runs that did not run as planned (their values above include these rounds): federated-s2 (round 2 "
             "trained without client(s) [1]; round 2's evaluation lacks client(s) [1]; status degraded)") in text
     # An empty round, and a PPO round whose actor averaged both clients but whose critic lacks one.
-    report_tool = _tool_module("arms_report")
+    report_tool = gpu_tool("arms_report")
     assert report_tool.deviations({"status": "degraded", "rounds": [
         {"round": 1, "clients": [0, 1], "aggregated_actor": None, "client_actor_ids": [], "rejected": {"0": "x"}},
         {"round": 2, "clients": [0, 1], "aggregated_actor": "/g2", "client_actor_ids": [0, 1], "rejected": {"1": "y"}},
@@ -365,7 +357,7 @@ def test_pool_lays_out_the_committed_declared_runs_and_reports_them(tmp_path: Pa
 
 
 def test_pool_refuses_one_arm_and_seed_committed_twice_and_an_occupied_folder(tmp_path: Path) -> None:
-    pooling = _tool_module("arms_pool")
+    pooling = gpu_tool("arms_pool")
     source = tmp_path / "gpu-runs"
     committed = REPO / "docs" / "gpu-runs" / "2026-12-03" / "recipe10r-local-s5-summary.json"
     for day in ("2026-12-03", "2026-12-05"):

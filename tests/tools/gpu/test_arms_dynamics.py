@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -10,16 +9,13 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.serverapp.recorder import RunRecorder
+from testkit.gpu_tools import gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _arms_module():  # noqa: ANN202 - tools/gpu/arms.py, loaded by path (tools/gpu is not a package)
-    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+def _arms_module():  # noqa: ANN202 - tools/gpu/arms.py
+    return gpu_tool("arms")
 
 
 def test_dynamics_of_the_committed_declared_runs(tmp_path: Path, capsys) -> None:  # noqa: ANN001

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,17 +11,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from fedagent_flwr.trainers.verl.job import STEPS_FILE, keep_steps
+from testkit.gpu_tools import gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 COMMITTED = REPO / "docs" / "gpu-runs" / "2026-12-04" / "metrics" / "repro-rs-steps.jsonl"
 
 
-def _arms_module():  # noqa: ANN202 - tools/gpu/arms.py, loaded by path (tools/gpu is not a package)
-    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+def _arms_module():  # noqa: ANN202 - tools/gpu/arms.py
+    return gpu_tool("arms")
 
 
 def _results_from_committed(results: Path) -> dict[str, Path]:

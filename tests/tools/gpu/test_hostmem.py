@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from testkit.gpu_tools import gpu_tool
+
 REPO = Path(__file__).resolve().parents[3]
 TOOL = REPO / "tools" / "gpu" / "hostmem.py"
 
 
 def _tool() -> Any:
-    spec = importlib.util.spec_from_file_location("hostmem", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_tool("hostmem")
 
 
 def test_host_memory_is_read_as_free_counts_it(tmp_path: Path) -> None:
@@ -97,10 +94,7 @@ def test_a_line_cut_short_is_skipped_and_every_must_be_positive(tmp_path: Path) 
 
 
 def test_the_arms_report_gives_the_peak(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
-    assert spec is not None and spec.loader is not None
-    arms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(arms)
+    arms = gpu_tool("arms")
     (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": []}))
     (tmp_path / "hostmem.jsonl").write_text(
         json.dumps({"t": 1.0, "host_used_mib": 20713, "host_total_mib": 128869, "gpu_used_mib": 4411}) + "\n"
@@ -190,10 +184,7 @@ def test_kinds_sum_ray_workers_and_drop_per_process_options() -> None:
 
 
 def test_the_arms_report_says_which_kind_of_process_grew(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("arms", REPO / "tools" / "gpu" / "arms.py")
-    assert spec is not None and spec.loader is not None
-    arms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(arms)
+    arms = gpu_tool("arms")
     (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": []}))
     base = {"host_total_mib": 128869, "gpu_used_mib": None}
     (tmp_path / "hostmem.jsonl").write_text(

@@ -1,0 +1,18 @@
+"""The GPU tools of ``tools/gpu`` as modules for tests: that folder is scripts, not a package."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+GPU_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "gpu"
+
+
+def gpu_tool(name: str) -> ModuleType:
+    """``tools/gpu/<name>.py`` loaded by path, afresh (so a test may patch it freely)."""
+    spec = importlib.util.spec_from_file_location(name, GPU_TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
