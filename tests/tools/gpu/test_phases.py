@@ -4,7 +4,6 @@ included, laid out as ``arms.py --out`` leaves them."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 
 from fedagent_flwr.trainers.verl.job import STEPS_FILE  # where every client-round keeps its steps
 from fedagent_flwr.trainers.verl.phases import PhaseRecorder
+from testkit.gpu_tools import gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 T0 = 1_700_000_000.0
@@ -28,11 +28,7 @@ recorder.record(sys.argv[1], recorder.t0 + float(sys.argv[2]), recorder.t0 + flo
 
 
 def _tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"gpu_{name}", REPO / "tools" / "gpu" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_tool(name)
 
 
 def _phase(recorder: PhaseRecorder, name: str, start: float, end: float, **fields: object) -> None:
