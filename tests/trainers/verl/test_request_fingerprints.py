@@ -23,10 +23,11 @@ from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.job import prepare_train
 from fedagent_flwr.trainers.verl.request_seeds import request_seed, seed_base
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from testkit.verl_agent_loop import HFServer
-from tests.trainers.verl.test_request_seeds import ROW, _worker
+from testkit.verl_agent_loop import HFServer, agent_loop_worker
 
 AGENT = "fedagent_env_fingerprint_test"
+ROW = {"env_name": "TinyGuess", "env_config": {"lo": 1, "hi": 10}, "seed": 3, "max_turns": 3,
+       "raw_prompt": [{"role": "user", "content": "x"}], "index": 0}
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
 TIMING = ("started", "seconds", "pid")
 
@@ -61,7 +62,7 @@ def _rollouts(model: Any, tokenizer: Any, episode_log: Path, on: bool,
         "_target_": "fedagent_flwr.trainers.verl.agent_loop.EnvAgentLoop", "max_new_tokens": 8,
         "invalid_action_penalty": 0.1, "episode_log": str(episode_log), "history_length": 2,
         "request_fingerprints": on})
-    worker = _worker(SeededAgentLoopWorker, model, tokenizer)
+    worker = agent_loop_worker(SeededAgentLoopWorker, model, tokenizer)
     worker.llm_client = PromptRecordingServer(model)
     for n in (0, 1):
         trajectory = {"step": 1, "sample_index": 0, "rollout_n": n, "validate": False}
@@ -174,3 +175,54 @@ def test_collect_keeps_every_client_rounds_fingerprints(tmp_path: Path) -> None:
         archive.extractall(tmp_path / "unpacked", filter="data")
     kept = tmp_path / "unpacked" / "results" / "local-s5" / "fingerprints"
     assert {p.name: p.read_text() for p in kept.iterdir()} == written
+
+
+def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py, loaded by path (tools/gpu is not a package)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fingerprints", Path(__file__).resolve().parents[3] / "tools"
+                                                  / "gpu" / "fingerprints.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """tools/gpu/fingerprints.py on files the agent loop's own ``request_fingerprint`` writes: requests
+    that agree, differ only in a log-prob's last bit, in a token, or in the prompt are told apart,
+    the first of each kind in run A's start order; a request of one run only is counted; a file
+    whose requests carry no seed is refused."""
+    from types import SimpleNamespace
+
+    from fedagent_flwr.trainers.verl.agent_loop import request_fingerprint
+
+    tool = _fingerprints_module()
+
+    def line(seed: int | None, started: float, prompt: list[int], tokens: list[int], logprobs: list[float]) -> str:
+        output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": 16})
+        return json.dumps(request_fingerprint(env_seed=5, index=0, turn=0, seed=seed, prompt_ids=prompt,
+                                              output=output, started=started, seconds=0.1))
+
+    lp = [-0.5, -1.25]
+    nudged = [-0.5, math.nextafter(-1.25, 0.0)]
+    a_lines = [line(1, 1.0, [1, 2], [3, 4], lp), line(2, 2.0, [1, 2], [3, 4], lp), line(3, 3.0, [1, 2], [3, 4], lp),
+               line(4, 4.0, [1, 2, 9], [3, 4], lp), line(5, 5.0, [1, 2], [3, 4], lp), line(6, 6.0, [1], [2], lp)]
+    b_lines = [line(1, 9.0, [1, 2], [3, 4], lp), line(2, 1.0, [1, 2], [3, 4], nudged), line(3, 2.0, [1, 2], [3, 5], lp),
+               line(4, 3.0, [1, 2, 8], [3, 4], lp), line(5, 4.0, [1, 2], [3, 5], lp)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(a_lines) + "\n")
+    b.write_text("\n".join(b_lines) + "\n")
+    assert tool.main([str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["joined"] == 5 and result["only_a"] == 1 and result["only_b"] == 0
+    assert result["counts"] == {"same": 1, "logprobs": 1, "tokens": 2, "prompt": 1}
+    assert {kind: first["seed"] for kind, first in result["first"].items()} == {
+        "same": 1, "logprobs": 2, "tokens": 3, "prompt": 4}  # A's start order, not B's or the file's
+    assert result["first"]["tokens"]["cached_tokens"] == [16, 16]
+    assert tool.main([str(a), str(a)]) == 0
+    capsys.readouterr()
+    unseeded = tmp_path / "u.jsonl"
+    unseeded.write_text(line(None, 1.0, [1], [2], lp) + "\n")
+    assert tool.main([str(a), str(unseeded)]) == 2
+    assert "without a seed (was trainer.request_seeds on?)" in capsys.readouterr().err
