@@ -54,17 +54,19 @@ def classify(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 def compare(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Counts of each class over the seeds in both runs, the seeds in one only, and the first request
-    of each class in A's start order (ties by seed)."""
+    of each class in A's start order (ties by seed): its place in that order, and both runs' prefix-cache
+    hits and log-prob sums (a tiny gap is rounding, a large one other weights or another prompt)."""
     both = sorted(set(a) & set(b), key=lambda s: (float(a[s].get("started", 0.0)), s))
     counts = dict.fromkeys(CLASSES, 0)
     first: dict[str, dict[str, Any]] = {}
-    for seed in both:
+    for rank, seed in enumerate(both):
         kind = classify(a[seed], b[seed])
         counts[kind] += 1
         if kind not in first:
             first[kind] = {"seed": seed, "env_seed": a[seed].get("env_seed"), "index": a[seed].get("index"),
-                           "turn": a[seed].get("turn"), "cached_tokens": [a[seed].get("cached_tokens"),
-                                                                           b[seed].get("cached_tokens")]}
+                           "turn": a[seed].get("turn"), "started_rank": rank,
+                           "cached_tokens": [a[seed].get("cached_tokens"), b[seed].get("cached_tokens")],
+                           "logprob_sum": [a[seed].get("logprob_sum"), b[seed].get("logprob_sum")]}
     return {"joined": len(both), "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a)),
             "counts": counts, "first": first}
 

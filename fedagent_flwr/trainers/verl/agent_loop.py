@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import time
@@ -111,7 +112,8 @@ def request_fingerprint(*, env_seed: int, index: Any, turn: int, seed: int | Non
                         output: Any, started: float, seconds: float) -> dict[str, Any]:
     """One vLLM request as two runs can compare it: what identifies it (the env seed, dataset row,
     turn and vLLM seed), digests of its prompt, of the tokens the server returned and of their
-    log-probabilities (before the agent loop trims anything), the prompt tokens served from vLLM's
+    log-probabilities (before the agent loop trims anything) and the log-probs' sum (whose difference
+    between two runs says whether logits moved by rounding or by more), the prompt tokens served from vLLM's
     prefix cache where the server reports them, and when it ran (wall clock start, seconds waited),
     so the requests in flight beside it can be reconstructed."""
     tokens = [int(t) for t in output.token_ids]
@@ -122,6 +124,7 @@ def request_fingerprint(*, env_seed: int, index: Any, turn: int, seed: int | Non
         "seed": seed, "prompt_len": len(prompt_ids), "prompt_sha256": token_digest(prompt_ids),
         "output_len": len(tokens), "output_sha256": token_digest(tokens),
         "logprobs_len": len(logprobs), "logprobs_sha256": logprob_digest(logprobs),
+        "logprob_sum": math.fsum(float(v) for v in logprobs),  # how far apart, where the digests differ
         "cached_tokens": extra.get("num_cached_tokens"), "stop_reason": getattr(output, "stop_reason", None),
         "started": round(started, 6), "seconds": round(seconds, 6), "pid": os.getpid(),
     }

@@ -129,6 +129,7 @@ def test_every_request_of_a_seeded_rollout_is_fingerprinted_the_same_in_a_second
         assert prints[0]["prompt_sha256"] == prints[first_of_second]["prompt_sha256"]
         assert prints[0]["seed"] != prints[first_of_second]["seed"]
         assert prints[0]["logprobs_sha256"] != logprob_digest([])
+        assert all(p["logprob_sum"] < 0 for p in prints)  # log-probs of the returned tokens, summed
         runs.append([{k: v for k, v in p.items() if k not in TIMING} for p in prints])
     assert runs[0] == runs[1]  # a second run of the same rows: the same fingerprints, request by request
 
@@ -219,7 +220,8 @@ def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp
     assert result["counts"] == {"same": 1, "logprobs": 1, "tokens": 2, "prompt": 1}
     assert {kind: first["seed"] for kind, first in result["first"].items()} == {
         "same": 1, "logprobs": 2, "tokens": 3, "prompt": 4}  # A's start order, not B's or the file's
-    assert result["first"]["tokens"]["cached_tokens"] == [16, 16]
+    assert result["first"]["tokens"]["cached_tokens"] == [16, 16] and result["first"]["tokens"]["started_rank"] == 2
+    assert result["first"]["logprobs"]["logprob_sum"] == [-1.75, math.fsum(nudged)]
     assert tool.main([str(a), str(a)]) == 0
     capsys.readouterr()
     unseeded = tmp_path / "u.jsonl"
