@@ -1,7 +1,7 @@
 """What verl's agent loop needs around it to run on CPU with a real model, for tests that drive
 :class:`~fedagent_flwr.trainers.verl.agent_loop.EnvAgentLoop` without verl's rollout servers: a
-``server_manager`` that generates with a Hugging Face model, and the slice of verl's trainer
-config the loop reads."""
+``server_manager`` that generates with a Hugging Face model, the slice of verl's trainer config
+the loop reads, and an agent-loop worker built without Ray over such a server."""
 
 from __future__ import annotations
 
@@ -47,3 +47,29 @@ def loop_config(prompt_length: int, response_length: int) -> Any:
                                           "calculate_log_probs": True}},
         "data": {"apply_chat_template_kwargs": {}},
     })
+
+
+def agent_loop_worker(cls: type, model: Any, tokenizer: Any) -> Any:
+    """``cls`` (a verl agent-loop worker class) without Ray, over an :class:`HFServer` of ``model``
+    standing in for verl's vLLM servers (``llm_client``), with a GRPO config of ``rollout.n`` 2."""
+    from omegaconf import OmegaConf
+
+    from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset
+
+    worker = object.__new__(cls)
+    worker.config = OmegaConf.merge(loop_config(prompt_length=1024, response_length=64), {
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2},
+                              "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": 2},
+                              "ref": {"log_prob_micro_batch_size_per_gpu": 2}},
+        "trainer": {"n_gpus_per_node": 1, "nnodes": 1}, "algorithm": {"adv_estimator": "grpo"}})
+    worker.rollout_config = worker.config.actor_rollout_ref.rollout
+    worker.llm_client = HFServer(model)
+    worker.tokenizer = tokenizer
+    worker.processor = None
+    worker.hf_model_type = None
+    worker.dataset_cls = EnvEpisodeDataset
+    worker.tools = []
+    worker.reward_loop_worker_handles = object()
+    worker.distillation_enabled = False
+    worker.mm_processor_kwargs = {}
+    return worker

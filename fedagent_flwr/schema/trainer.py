@@ -187,6 +187,11 @@ class VerlKnobs(OptimizerStateKeys):
     # and, with request_seeds, two runs can sample the same rollouts; slower kernels. Sampling only: FSDP
     # training stays as it was. false: vLLM's own kernels (an inherited VLLM_BATCH_INVARIANT is dropped).
     batch_invariant: bool = setting(False)
+    # true (a diagnostic): every vLLM request of the agent loop appends one line to
+    # <output>/verl/request_fingerprints.jsonl: its vLLM seed, env seed, row and turn, and SHA-256 digests
+    # of its prompt, returned tokens and their log-probs, so two runs' first differing request can be
+    # found (trainers/verl/agent_loop.py). false: nothing is written.
+    request_fingerprints: bool = setting(False)
     ray_num_cpus: int = setting(8, ge=1)  # logical CPUs of the job's private Ray cluster
     use_v1: bool = setting(False)  # verl's legacy trainer reaches the first step ~35 s sooner than V1
     # sdpa: no flash-attn wheel for torch 2.11/CUDA 13

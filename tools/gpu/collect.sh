@@ -2,7 +2,8 @@
 # Pack what a GPU session must keep (the device machine keeps nothing) into one archive under
 # $OUT: every run's summary, metrics, curve, the arms report, the verl sessions' phases
 # (phases.md, and each phases.jsonl), verl's per-step metrics of every client-round (metrics.jsonl
-# keeps a round's last step only), the node's memory samples (hostmem.jsonl), and the tail of each log.
+# keeps a round's last step only) and its request fingerprints where they were on, the node's memory
+# samples (hostmem.jsonl), and the tail of each log.
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -31,6 +32,15 @@ for run in "$OUT"/runs/*/; do
     client_dir=$(dirname "$(dirname "$steps")")
     mkdir -p "$STAGE/results/$name/steps"
     cp "$steps" "$STAGE/results/$name/steps/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
+  done
+  # the agent loop's per-request fingerprints where trainer.request_fingerprints was on
+  # (round_<r>/client_<c>/verl/request_fingerprints.jsonl), as results/<run>/fingerprints/round_<r>-client_<c>.jsonl:
+  # two runs' files joined by seed name the first request whose prompt, tokens or log-probs differ
+  for prints in "$run"/round_*/client_*/verl/request_fingerprints.jsonl; do
+    [ -f "$prints" ] || continue
+    client_dir=$(dirname "$(dirname "$prints")")
+    mkdir -p "$STAGE/results/$name/fingerprints"
+    cp "$prints" "$STAGE/results/$name/fingerprints/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
   done
   # each client's last round log and the persistent trainers' logs, tails only
   for log in "$run"/trainers/client_*/server.log; do

@@ -18,13 +18,25 @@ episode log, from which the entry module reports the client's success rate and r
 one in the agent-loop YAML. The record carries the row's ``uid`` (the GRPO group verl's trainer
 gave the row at this step) and, in windowed mode, the score of each turn row, so the share of flat
 groups is measured on the groups and scores verl's GRPO used.
+
+With ``request_fingerprints`` (``trainer.request_fingerprints``, a diagnostic) every call to the
+server also appends one line to :data:`FINGERPRINT_FILE` beside the episode log: the request's
+vLLM seed, env seed, dataset row and turn, and SHA-256 digests of its prompt token ids, of the token
+ids vLLM returned and of their log-probabilities (:func:`request_fingerprint`). Two runs of one
+config can then be joined request by request (by ``seed`` when ``trainer.request_seeds`` is on) to
+find the first request whose prompt, tokens or log-probabilities differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import struct
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
@@ -73,6 +85,51 @@ def grpo_group(row: dict[str, Any]) -> dict[str, str]:
     return {"uid": str(row["uid"])} if row.get("uid") is not None else {}
 
 
+#: where ``trainer.request_fingerprints`` writes, in the folder of the round's episode log (``<output>/verl``)
+FINGERPRINT_FILE = "request_fingerprints.jsonl"
+
+
+def fingerprint_log_path(row: dict[str, Any], default: str) -> str:
+    """The request-fingerprint file of an episode of ``row``: :data:`FINGERPRINT_FILE` in the folder of
+    its episode log (:func:`episode_log_path`), or "" when the episode is not logged."""
+    episode_log = episode_log_path(row, default)
+    return str(Path(episode_log).parent / FINGERPRINT_FILE) if episode_log else ""
+
+
+def token_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 of token ids packed as little-endian signed 64-bit ints: equal exactly for equal ids, in
+    any process (no Python ``hash``)."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *(int(t) for t in token_ids))).hexdigest()
+
+
+def logprob_digest(logprobs: Sequence[float]) -> str:
+    """SHA-256 of log-probabilities packed as little-endian float64: vLLM's float32 values convert to
+    Python floats exactly, so two requests' digests are equal only if their values are bit-identical."""
+    return hashlib.sha256(struct.pack(f"<{len(logprobs)}d", *(float(v) for v in logprobs))).hexdigest()
+
+
+def request_fingerprint(*, env_seed: int, index: Any, turn: int, seed: int | None, prompt_ids: Sequence[int],
+                        output: Any, started: float, seconds: float) -> dict[str, Any]:
+    """One vLLM request as two runs can compare it: what identifies it (the env seed, dataset row,
+    turn and vLLM seed), digests of its prompt, of the tokens the server returned and of their
+    log-probabilities (before the agent loop trims anything) and the log-probs' sum (whose difference
+    between two runs says whether logits moved by rounding or by more), the prompt tokens served from vLLM's
+    prefix cache where the server reports them, and when it ran (wall clock start, seconds waited),
+    so the requests in flight beside it can be reconstructed."""
+    tokens = [int(t) for t in output.token_ids]
+    logprobs = list(getattr(output, "log_probs", None) or [])
+    extra = getattr(output, "extra_fields", None) or {}
+    return {
+        "env_seed": int(env_seed), "index": None if index is None else int(index), "turn": int(turn),
+        "seed": seed, "prompt_len": len(prompt_ids), "prompt_sha256": token_digest(prompt_ids),
+        "output_len": len(tokens), "output_sha256": token_digest(tokens),
+        "logprobs_len": len(logprobs), "logprobs_sha256": logprob_digest(logprobs),
+        "logprob_sum": math.fsum(float(v) for v in logprobs),  # how far apart, where the digests differ
+        "cached_tokens": extra.get("num_cached_tokens"), "stop_reason": getattr(output, "stop_reason", None),
+        "started": round(started, 6), "seconds": round(seconds, 6), "pid": os.getpid(),
+    }
+
+
 def append_episode_record(path: str, record: dict[str, Any]) -> None:
     """Append one JSON line; a single ``write`` on an ``O_APPEND`` descriptor keeps concurrent
     workers' lines whole."""
@@ -95,15 +152,19 @@ class ServerGenerate:
     ``turn_logprobs`` and the time spent waiting for the server in ``seconds``. ``seed_base``: the
     rollout's seed base when ``trainer.request_seeds`` is on (the row's ``request_seed_base``), and
     then each call carries ``seed`` = :func:`~.request_seeds.request_seed` (base, turn); None sends no
-    seed (vLLM samples unseeded).
+    seed (vLLM samples unseeded). ``fingerprint_log``: when not "", each call appends its
+    :func:`request_fingerprint` there (``fingerprint_row`` gives the row's env ``seed`` and ``index``).
     """
 
     def __init__(self, server_manager: Any, sampling_params: dict[str, Any], request_id: str | None,
-                 seed_base: int | None = None) -> None:
+                 seed_base: int | None = None, fingerprint_log: str = "",
+                 fingerprint_row: dict[str, Any] | None = None) -> None:
         self.server_manager = server_manager
         self.sampling_params = sampling_params
         self.request_id = request_id
         self.seed_base = seed_base
+        self.fingerprint_log = fingerprint_log
+        self.fingerprint_row = fingerprint_row or {}
         self.turn_logprobs: list[list[float]] = []
         self.seconds = 0.0
 
@@ -112,10 +173,16 @@ class ServerGenerate:
         params["max_tokens"] = sampling.max_new_tokens
         if self.seed_base is not None:
             params["seed"] = request_seed(self.seed_base, len(self.turn_logprobs))  # this turn's own seed
-        started = time.monotonic()
+        started, wall = time.monotonic(), time.time()
         output = await self.server_manager.generate(request_id=self.request_id or uuid4().hex,
                                                     prompt_ids=prompt_ids, sampling_params=params)
-        self.seconds += time.monotonic() - started
+        waited = time.monotonic() - started
+        self.seconds += waited
+        if self.fingerprint_log:
+            append_episode_record(self.fingerprint_log, request_fingerprint(
+                env_seed=int(self.fingerprint_row.get("seed", -1)), index=self.fingerprint_row.get("index"),
+                turn=len(self.turn_logprobs), seed=params.get("seed"), prompt_ids=prompt_ids, output=output,
+                started=wall, seconds=waited))
         tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
         logprobs = list(output.log_probs or [])[: len(tokens)]
         self.turn_logprobs.append(logprobs + [0.0] * (len(tokens) - len(logprobs)))
@@ -126,18 +193,30 @@ class EnvAgentLoop(AgentLoopBase):
     """Plays one multi-turn text-environment episode and returns it as a verl trajectory.
 
     Extra constructor arguments come from the agent-loop YAML: ``max_new_tokens`` (per turn),
-    ``invalid_action_penalty``, ``episode_log`` (a JSON-lines file; "" disables it) and
-    ``history_length`` (windowed mode: :meth:`run_windowed`, which the windowed worker calls).
+    ``invalid_action_penalty``, ``episode_log`` (a JSON-lines file; "" disables it),
+    ``history_length`` (windowed mode: :meth:`run_windowed`, which the windowed worker calls) and
+    ``request_fingerprints`` (a fingerprint line per server call, beside the episode log).
     """
 
     def __init__(self, *args: Any, max_new_tokens: int = VerlKnobs.max_new_tokens,
                  invalid_action_penalty: float = VerlKnobs.invalid_action_penalty,
-                 episode_log: str = "", history_length: int = DEFAULT_HISTORY_LENGTH, **kwargs: Any) -> None:
+                 episode_log: str = "", history_length: int = DEFAULT_HISTORY_LENGTH,
+                 request_fingerprints: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_new_tokens = int(max_new_tokens)
         self.invalid_action_penalty = float(invalid_action_penalty)
         self.episode_log = str(episode_log)
         self.history_length = int(history_length)
+        self.request_fingerprints = bool(request_fingerprints)
+
+    def _generate(self, sampling_params: dict[str, Any], request_id: str | None,
+                  kwargs: dict[str, Any]) -> ServerGenerate:
+        """The episode's :class:`ServerGenerate`: the row's seed base, and its fingerprint file when on."""
+        return ServerGenerate(self.server_manager, sampling_params, request_id=request_id,
+                              seed_base=kwargs.get(SEED_BASE_KEY),
+                              fingerprint_log=(fingerprint_log_path(kwargs, self.episode_log)
+                                               if self.request_fingerprints else ""),
+                              fingerprint_row={"seed": kwargs.get("seed"), "index": kwargs.get("index")})
 
     def _episode_setup(self, kwargs: dict[str, Any]) -> tuple[str, int, Any, int, int]:
         """A row's env name, seed and env, and the rollout's prompt and response budgets."""
@@ -161,8 +240,7 @@ class EnvAgentLoop(AgentLoopBase):
         every turn (:mod:`.windowed`), so GRPO groups the turns of all rollouts of one env instance.
         """
         env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
-        generate = ServerGenerate(self.server_manager, sampling_params, request_id=None,  # a fresh id per turn
-                                  seed_base=kwargs.get(SEED_BASE_KEY))
+        generate = self._generate(sampling_params, None, kwargs)  # a fresh request id per turn
         sampling = self._sampling(sampling_params, min(self.max_new_tokens, response_length))
         episode = await run_windowed_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), prompt_length + response_length,
@@ -205,8 +283,7 @@ class EnvAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
-        generate = ServerGenerate(self.server_manager, sampling_params, request_id=uuid4().hex,  # sticky
-                                  seed_base=kwargs.get(SEED_BASE_KEY))
+        generate = self._generate(sampling_params, uuid4().hex, kwargs)  # sticky
         sampling = self._sampling(sampling_params, self.max_new_tokens)
         episode = await run_episode(
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]),

@@ -114,6 +114,8 @@ def agent_loop_registry(settings: VerlSettings, episode_log: str) -> list[dict[s
         "invalid_action_penalty": settings.invalid_action_penalty,
         "episode_log": episode_log,
         "history_length": settings.history_length,  # windowed mode's window (run_windowed)
+        # a fingerprint line per vLLM request beside the episode log (trainer.request_fingerprints)
+        "request_fingerprints": settings.request_fingerprints,
     }]
 
 
@@ -205,6 +207,10 @@ def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
 #: every round, so without this copy a round's per-step record would be gone with the session.
 STEPS_FILE = "steps.jsonl"
 
+#: the agent loop's per-request fingerprints (``trainer.request_fingerprints``), beside the episode log
+#: under ``<output>/verl/`` (the name :data:`.agent_loop.FINGERPRINT_FILE` has; that module imports verl)
+FINGERPRINT_FILE = "request_fingerprints.jsonl"
+
 # verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
 _STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
               "critic/score/mean", "response_length/mean", "timing_s/step", "timing_s/gen",
@@ -257,6 +263,8 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
     shutil.rmtree(paths.checkpoint_dir, ignore_errors=True)
     episode_log = work / "episodes.jsonl"
     episode_log.unlink(missing_ok=True)
+    # the agent loop's request fingerprints (trainer.request_fingerprints) go beside the episode log
+    (work / FINGERPRINT_FILE).unlink(missing_ok=True)
     marker_dir = own / "client_rule_markers"
     shutil.rmtree(marker_dir, ignore_errors=True)
     # A session's processes keep the environment they started with: its step file is its own.

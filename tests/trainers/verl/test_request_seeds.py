@@ -15,7 +15,6 @@ import torch
 
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.serverapp.preflight import check_request_seed_groups
-from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset
 from fedagent_flwr.trainers.verl.overrides import (
     SEEDED_MANAGER,
     SEEDED_WINDOWED_MANAGER,
@@ -25,40 +24,17 @@ from fedagent_flwr.trainers.verl.overrides import (
 )
 from fedagent_flwr.trainers.verl.request_seeds import SEED_RANGE, request_seed, seed_base
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from testkit.verl_agent_loop import HFServer, loop_config
+from testkit.verl_agent_loop import agent_loop_worker
 
 AGENT = "fedagent_env_seed_test"
 ROW = {"env_name": "TinyGuess", "env_config": {"lo": 1, "hi": 10}, "seed": 3, "max_turns": 3,
        "raw_prompt": [{"role": "user", "content": "x"}], "index": 0}
 
 
-def _worker(cls: type, model: Any, tokenizer: Any) -> Any:
-    """``cls`` (an agent-loop worker) without Ray, over an HF stand-in for verl's vLLM servers."""
-    from omegaconf import OmegaConf
-
-    worker = object.__new__(cls)
-    worker.config = OmegaConf.merge(loop_config(prompt_length=1024, response_length=64), {
-        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 2},
-                              "rollout": {"n": 2, "log_prob_micro_batch_size_per_gpu": 2},
-                              "ref": {"log_prob_micro_batch_size_per_gpu": 2}},
-        "trainer": {"n_gpus_per_node": 1, "nnodes": 1}, "algorithm": {"adv_estimator": "grpo"}})
-    worker.rollout_config = worker.config.actor_rollout_ref.rollout
-    worker.llm_client = HFServer(model)
-    worker.tokenizer = tokenizer
-    worker.processor = None
-    worker.hf_model_type = None
-    worker.dataset_cls = EnvEpisodeDataset
-    worker.tools = []
-    worker.reward_loop_worker_handles = object()
-    worker.distillation_enabled = False
-    worker.mm_processor_kwargs = {}
-    return worker
-
-
 def _request_seeds(cls: type, model: Any, tokenizer: Any, trajectories: list[dict[str, Any]]) -> list[list[Any]]:
     """Each trajectory's rollout of ``ROW`` through ``cls._run_agent_loop``: the ``seed`` of each of its
     requests (None where a request carried none)."""
-    worker = _worker(cls, model, tokenizer)
+    worker = agent_loop_worker(cls, model, tokenizer)
     seeds = []
     for trajectory in trajectories:
         before = len(worker.llm_client.calls)

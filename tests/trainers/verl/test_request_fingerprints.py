@@ -1,0 +1,230 @@
+"""``trainer.request_fingerprints`` on CPU with real verl 0.9.1 agent-loop code: the setting (off by
+default) reaches the agent-loop YAML; with it on, every server call of a seeded rollout appends one
+line beside the episode log (its vLLM seed, env seed, row, turn and digests of its prompt, tokens and
+log-probs), the same in a second run apart from timing; with it off nothing is written; a retried
+client-round starts a fresh file; and the digests tell apart what two runs must not confuse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from fedagent_flwr.clientapp.job import TrainJob
+from fedagent_flwr.config import load_settings
+from fedagent_flwr.schema import SettingError
+from fedagent_flwr.trainers.verl import job as verl_job
+from fedagent_flwr.trainers.verl.job import prepare_train
+from fedagent_flwr.trainers.verl.request_seeds import request_seed, seed_base
+from fedagent_flwr.trainers.verl.settings import VerlSettings
+from testkit.verl_agent_loop import HFServer, agent_loop_worker
+
+AGENT = "fedagent_env_fingerprint_test"
+ROW = {"env_name": "TinyGuess", "env_config": {"lo": 1, "hi": 10}, "seed": 3, "max_turns": 3,
+       "raw_prompt": [{"role": "user", "content": "x"}], "index": 0}
+SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
+TIMING = ("started", "seconds", "pid")
+
+
+class PromptRecordingServer(HFServer):
+    """:class:`HFServer` that also keeps each call's prompt token ids (``prompts``)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       **kwargs: Any) -> Any:
+        self.prompts.append(list(prompt_ids))
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+
+def _job(model: Path, out: Path, **trainer: Any) -> TrainJob:
+    return TrainJob(model_path=str(model), output_dir=str(out), env_spec=SPEC, round=1, client_id=0, num_clients=2,
+                    data_seed=7, local_steps=1, partition={"strategy": "none"}, trainer={"rollout_n": 2, **trainer})
+
+
+def _rollouts(model: Any, tokenizer: Any, episode_log: Path, on: bool,
+              monkeypatch: pytest.MonkeyPatch) -> PromptRecordingServer:
+    """One GRPO group of ``ROW`` (rollout_n 0 and 1 at step 1) through the seeded concat worker,
+    logging episodes to ``episode_log``; the server it called."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+    from fedagent_flwr.trainers.verl.request_seeds import SeededAgentLoopWorker
+
+    monkeypatch.setitem(_agent_loop_registry, AGENT, {
+        "_target_": "fedagent_flwr.trainers.verl.agent_loop.EnvAgentLoop", "max_new_tokens": 8,
+        "invalid_action_penalty": 0.1, "episode_log": str(episode_log), "history_length": 2,
+        "request_fingerprints": on})
+    worker = agent_loop_worker(SeededAgentLoopWorker, model, tokenizer)
+    worker.llm_client = PromptRecordingServer(model)
+    for n in (0, 1):
+        trajectory = {"step": 1, "sample_index": 0, "rollout_n": n, "validate": False}
+        asyncio.run(worker._run_agent_loop({"temperature": 1.0, "top_p": 1.0}, trajectory, agent_name=AGENT,
+                                           trace=False, **ROW))
+    return worker.llm_client
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_setting_is_a_verl_bool_off_by_default_and_reaches_the_agent_loop_yaml(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    assert VerlSettings.from_mapping({})[0].request_fingerprints is False
+    assert load_settings(overrides="trainer=verl").trainer["request_fingerprints"] is False
+    with pytest.raises(SettingError, match=r"'trainer\.request_fingerprints' must be bool"):
+        VerlSettings.from_mapping({"request_fingerprints": 1})
+    for on in (False, True):
+        prep = prepare_train(_job(tiny_model_dir, tmp_path / f"out{on}", request_fingerprints=on))
+        (loop,) = yaml.safe_load(Path(prep.paths.agent_loop_file).read_text())
+        assert loop["request_fingerprints"] is on
+
+
+def test_a_retried_round_starts_a_fresh_fingerprint_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE
+
+    assert verl_job.FINGERPRINT_FILE == FINGERPRINT_FILE  # job.py's copy of the name (it does not import verl)
+    stale = tmp_path / "out" / "verl" / FINGERPRINT_FILE
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"seed": 1}\n')
+    prep = prepare_train(_job(tiny_model_dir, tmp_path / "out", request_fingerprints=True))
+    assert not stale.exists() and prep.episode_log.parent == stale.parent
+
+
+def test_every_request_of_a_seeded_rollout_is_fingerprinted_the_same_in_a_second_run(
+        tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE, logprob_digest, token_digest
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    runs = []
+    for run in ("a", "b"):
+        episode_log = tmp_path / run / "verl" / "episodes.jsonl"
+        episode_log.parent.mkdir(parents=True)
+        server = _rollouts(model, smollm2_tokenizer, episode_log, True, monkeypatch)
+        prints = _lines(episode_log.parent / FINGERPRINT_FILE)
+        # one line per server call, in call order (one rollout after the other here), each naming its call
+        assert len(prints) == len(server.calls) >= 4 and len(_lines(episode_log)) == 2
+        assert [p["seed"] for p in prints] == [c["seed"] for c in server.calls]
+        assert [p["prompt_sha256"] for p in prints] == [token_digest(ids) for ids in server.prompts]
+        assert [p["prompt_len"] for p in prints] == [len(ids) for ids in server.prompts]
+        assert [p["output_len"] for p in prints] == server.generated
+        assert all(p["env_seed"] == ROW["seed"] and p["index"] == 0 and p["logprobs_len"] == p["output_len"]
+                   for p in prints)
+        turns = [p["turn"] for p in prints]
+        first_of_second = turns.index(0, 1)  # where rollout_n 1 starts
+        for n, chunk in enumerate((prints[:first_of_second], prints[first_of_second:])):
+            assert [p["turn"] for p in chunk] == list(range(len(chunk)))
+            assert [p["seed"] for p in chunk] == [request_seed(seed_base(3, 1, 0, n, False), t)
+                                                  for t in range(len(chunk))]
+        # the two rollouts of the group share their first prompt, not their seeds
+        assert prints[0]["prompt_sha256"] == prints[first_of_second]["prompt_sha256"]
+        assert prints[0]["seed"] != prints[first_of_second]["seed"]
+        assert prints[0]["logprobs_sha256"] != logprob_digest([])
+        assert all(p["logprob_sum"] < 0 for p in prints)  # log-probs of the returned tokens, summed
+        runs.append([{k: v for k, v in p.items() if k not in TIMING} for p in prints])
+    assert runs[0] == runs[1]  # a second run of the same rows: the same fingerprints, request by request
+
+    off_log = tmp_path / "off" / "verl" / "episodes.jsonl"
+    off_log.parent.mkdir(parents=True)
+    _rollouts(model, smollm2_tokenizer, off_log, False, monkeypatch)
+    assert off_log.exists() and not (off_log.parent / FINGERPRINT_FILE).exists()  # off: nothing written
+
+
+def test_the_digests_tell_apart_what_two_runs_must_not_confuse() -> None:
+    from fedagent_flwr.trainers.verl.agent_loop import logprob_digest, token_digest
+
+    assert token_digest([1, 2]) == token_digest((1, 2))
+    assert len({token_digest(ids) for ids in ([1, 2], [2, 1], [1, 2, 0], [1], [], [2**40])}) == 6
+    value = -1.25
+    assert logprob_digest([value]) == logprob_digest([-1.25])
+    assert logprob_digest([value]) != logprob_digest([math.nextafter(value, 0.0)])  # one ulp apart
+    assert logprob_digest([value, -0.5]) != logprob_digest([-0.5, value])
+
+
+def test_collect_keeps_every_client_rounds_fingerprints(tmp_path: Path) -> None:
+    """tools/gpu/collect.sh packs ``round_<r>/client_<c>/verl/request_fingerprints.jsonl`` as
+    ``results/<run>/fingerprints/round_<r>-client_<c>.jsonl`` (the device machine keeps nothing)."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE
+
+    repo = Path(__file__).resolve().parents[3]
+    out = tmp_path / "out"
+    written = {}
+    for round_, client in ((1, 0), (2, 1)):
+        path = out / "runs" / "local-s5" / f"round_{round_}" / f"client_{client}" / "verl" / FINGERPRINT_FILE
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"seed": round_ * 10 + client}) + "\n")
+        written[f"round_{round_}-client_{client}.jsonl"] = path.read_text()
+    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(repo / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(tmp_path / "r.tgz") as archive:
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    kept = tmp_path / "unpacked" / "results" / "local-s5" / "fingerprints"
+    assert {p.name: p.read_text() for p in kept.iterdir()} == written
+
+
+def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py, loaded by path (tools/gpu is not a package)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fingerprints", Path(__file__).resolve().parents[3] / "tools"
+                                                  / "gpu" / "fingerprints.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """tools/gpu/fingerprints.py on files the agent loop's own ``request_fingerprint`` writes: requests
+    that agree, differ only in a log-prob's last bit, in a token, or in the prompt are told apart,
+    the first of each kind in run A's start order; a request of one run only is counted; a file
+    whose requests carry no seed is refused."""
+    from types import SimpleNamespace
+
+    from fedagent_flwr.trainers.verl.agent_loop import request_fingerprint
+
+    tool = _fingerprints_module()
+
+    def line(seed: int | None, started: float, prompt: list[int], tokens: list[int], logprobs: list[float]) -> str:
+        output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": 16})
+        return json.dumps(request_fingerprint(env_seed=5, index=0, turn=0, seed=seed, prompt_ids=prompt,
+                                              output=output, started=started, seconds=0.1))
+
+    lp = [-0.5, -1.25]
+    nudged = [-0.5, math.nextafter(-1.25, 0.0)]
+    a_lines = [line(1, 1.0, [1, 2], [3, 4], lp), line(2, 2.0, [1, 2], [3, 4], lp), line(3, 3.0, [1, 2], [3, 4], lp),
+               line(4, 4.0, [1, 2, 9], [3, 4], lp), line(5, 5.0, [1, 2], [3, 4], lp), line(6, 6.0, [1], [2], lp)]
+    b_lines = [line(1, 9.0, [1, 2], [3, 4], lp), line(2, 1.0, [1, 2], [3, 4], nudged), line(3, 2.0, [1, 2], [3, 5], lp),
+               line(4, 3.0, [1, 2, 8], [3, 4], lp), line(5, 4.0, [1, 2], [3, 5], lp)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(a_lines) + "\n")
+    b.write_text("\n".join(b_lines) + "\n")
+    assert tool.main([str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["joined"] == 5 and result["only_a"] == 1 and result["only_b"] == 0
+    assert result["counts"] == {"same": 1, "logprobs": 1, "tokens": 2, "prompt": 1}
+    assert {kind: first["seed"] for kind, first in result["first"].items()} == {
+        "same": 1, "logprobs": 2, "tokens": 3, "prompt": 4}  # A's start order, not B's or the file's
+    assert result["first"]["tokens"]["cached_tokens"] == [16, 16] and result["first"]["tokens"]["started_rank"] == 2
+    assert result["first"]["logprobs"]["logprob_sum"] == [-1.75, math.fsum(nudged)]
+    assert tool.main([str(a), str(a)]) == 0
+    capsys.readouterr()
+    unseeded = tmp_path / "u.jsonl"
+    unseeded.write_text(line(None, 1.0, [1], [2], lp) + "\n")
+    assert tool.main([str(a), str(unseeded)]) == 2
+    assert "without a seed (was trainer.request_seeds on?)" in capsys.readouterr().err
