@@ -61,7 +61,7 @@ run: install
 # the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
 LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
 TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py \
-  tools/gpu/arms_steps.py tools/gpu/vllm_repro.py
+  tools/gpu/arms_steps.py tools/gpu/vllm_repro.py tools/gpu/fingerprints.py
 
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)

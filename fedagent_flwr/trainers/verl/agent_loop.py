@@ -46,6 +46,7 @@ from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
+from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
 from fedagent_flwr.trainers.verl.request_seeds import SEED_BASE_KEY, request_seed
 
 
@@ -84,9 +85,6 @@ def grpo_group(row: dict[str, Any]) -> dict[str, str]:
     when the row has none (a loop driven outside verl's trainer)."""
     return {"uid": str(row["uid"])} if row.get("uid") is not None else {}
 
-
-#: where ``trainer.request_fingerprints`` writes, in the folder of the round's episode log (``<output>/verl``)
-FINGERPRINT_FILE = "request_fingerprints.jsonl"
 
 
 def fingerprint_log_path(row: dict[str, Any], default: str) -> str:

@@ -26,6 +26,10 @@ from fedagent_flwr.seeding import train_env_seed
 
 AGENT_NAME = "fedagent_env"
 
+#: where ``trainer.request_fingerprints`` makes the agent loop write, beside a row's episode log
+#: (``<output>/verl``); here, not in the agent loop, so that job.py can name it without importing verl
+FINGERPRINT_FILE = "request_fingerprints.jsonl"
+
 
 class RowPlanError(ValueError):
     """A row plan file that is missing, not JSON, or has malformed rows."""

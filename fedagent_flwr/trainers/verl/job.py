@@ -31,7 +31,7 @@ from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, job_rule_specs,
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hooks, weight_sync
-from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, plan_rows, write_rows
+from fedagent_flwr.trainers.verl.dataset import AGENT_NAME, FINGERPRINT_FILE, plan_rows, write_rows
 from fedagent_flwr.trainers.verl.overrides import (
     AGENT_LOOP_MODULE,
     JobPaths,
@@ -206,10 +206,6 @@ def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
 #: modes: a persistent session's own step file lives in the session's directory and starts anew
 #: every round, so without this copy a round's per-step record would be gone with the session.
 STEPS_FILE = "steps.jsonl"
-
-#: the agent loop's per-request fingerprints (``trainer.request_fingerprints``), beside the episode log
-#: under ``<output>/verl/`` (the name :data:`.agent_loop.FINGERPRINT_FILE` has; that module imports verl)
-FINGERPRINT_FILE = "request_fingerprints.jsonl"
 
 # verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
 _STEP_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",

@@ -19,10 +19,10 @@ import yaml
 from fedagent_flwr.clientapp.job import TrainJob
 from fedagent_flwr.config import load_settings
 from fedagent_flwr.schema import SettingError
-from fedagent_flwr.trainers.verl import job as verl_job
 from fedagent_flwr.trainers.verl.job import prepare_train
 from fedagent_flwr.trainers.verl.request_seeds import request_seed, seed_base
 from fedagent_flwr.trainers.verl.settings import VerlSettings
+from testkit.gpu_tools import gpu_tool
 from testkit.verl_agent_loop import HFServer, agent_loop_worker
 
 AGENT = "fedagent_env_fingerprint_test"
@@ -88,9 +88,8 @@ def test_the_setting_is_a_verl_bool_off_by_default_and_reaches_the_agent_loop_ya
 
 
 def test_a_retried_round_starts_a_fresh_fingerprint_file(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE
+    from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
 
-    assert verl_job.FINGERPRINT_FILE == FINGERPRINT_FILE  # job.py's copy of the name (it does not import verl)
     stale = tmp_path / "out" / "verl" / FINGERPRINT_FILE
     stale.parent.mkdir(parents=True)
     stale.write_text('{"seed": 1}\n')
@@ -178,15 +177,8 @@ def test_collect_keeps_every_client_rounds_fingerprints(tmp_path: Path) -> None:
     assert {p.name: p.read_text() for p in kept.iterdir()} == written
 
 
-def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py, loaded by path (tools/gpu is not a package)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fingerprints", Path(__file__).resolve().parents[3] / "tools"
-                                                  / "gpu" / "fingerprints.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py
+    return gpu_tool("fingerprints")
 
 
 def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
