@@ -5,8 +5,9 @@ verl instantiates :class:`EnvAgentLoop` once per trajectory inside its Ray agent
 ``@register`` decorator only reaches processes that import this module). ``run`` receives the
 dataset row (``env_name``, ``env_config``, ``seed``, ``max_turns``) and plays the episode with
 :func:`fedagent_flwr.rollout.run_episode`, whose ``generate`` is verl's vLLM server
-(``server_manager.generate``, token in / token out, one sticky request id per episode so the
-server's prefix cache serves every turn). The CPU reference trainer runs the very same runner, so
+(``server_manager.generate``, token in / token out, one sticky request id per episode, which
+verl uses to keep the episode's turns on one server replica; vLLM's prefix cache is keyed by content
+and serves later turns either way). The CPU reference trainer runs the very same runner, so
 both backends train on the same token layout: prompt = system + first observation, response = each
 turn's sampled tokens (mask 1) and the template glue + next observation (mask 0).
 
@@ -144,7 +145,8 @@ class ServerGenerate:
     token out), for both agent-loop modes.
 
     ``request_id``: one id for every call (concat mode: the turns of an episode extend one prompt,
-    so a sticky id lets the server's prefix cache serve each turn), or None for a fresh id per
+    so a sticky id keeps them on one server replica, where the content-keyed prefix cache serves
+    each turn; verl 0.9.1 sends vLLM itself a fresh id per call), or None for a fresh id per
     call (windowed mode: each turn's prompt is new, there is no prefix to share). Each call's
     sampled-token log-probs (0.0 where the server returned none) are kept per turn in
     ``turn_logprobs`` and the time spent waiting for the server in ``seconds``. ``seed_base``: the
