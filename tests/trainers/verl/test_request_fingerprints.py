@@ -286,8 +286,8 @@ def _line(seed: int | None, started: float, prompt: list[int], tokens: list[int]
 def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """tools/gpu/fingerprints.py on files the agent loop's own ``request_fingerprint`` writes: requests
     that agree, differ only in a log-prob's last bit, in a token, or in the prompt are told apart,
-    the first of each kind in run A's start order; a request of one run only is counted; a file
-    whose requests carry no seed is refused."""
+    the first of each kind in run A's start order, with its step; a request of one run only is
+    counted; a file whose requests carry no seed is refused."""
     tool = _fingerprints_module()
     line = _line
 
@@ -308,6 +308,8 @@ def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp
         "same": 1, "logprobs": 2, "tokens": 3, "prompt": 4}  # A's start order, not B's or the file's
     assert result["first"]["tokens"]["cached_tokens"] == [16, 16] and result["first"]["tokens"]["started_rank"] == 2
     assert result["first"]["logprobs"]["logprob_sum"] == [-1.75, math.fsum(nudged)]
+    assert result["first"]["tokens"]["step"] == 1 and result["first"]["tokens"]["rollout_n"] == 0
+    assert result["counts_by_step"] == {"1": result["counts"]}
     assert tool.main([str(a), str(a)]) == 0
     capsys.readouterr()
     unseeded = tmp_path / "u.jsonl"
@@ -315,3 +317,76 @@ def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp
     assert tool.main([str(a), str(unseeded)]) == 2
     assert "without a seed (was trainer.request_seeds on?)" in capsys.readouterr().err
 
+
+def test_the_read_out_counts_per_step_and_joins_on_seed_env_seed_index_and_turn(
+        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Differences after step 1 are expected (the weights differ after the first update), so the
+    counts are split by step and each class's first request names its step; two requests that share
+    only a seed are two requests, the same (seed, env seed, index, turn) twice is refused."""
+    tool = _fingerprints_module()
+    lp = [-0.5]
+    a_lines = [_line(1, 1.0, [1], [2], lp), _line(1, 2.0, [1], [2], lp, env_seed=6),  # same seed, other env seed
+               _line(1, 3.0, [1], [2], lp, turn=1), _line(9, 4.0, [1], [2], lp, step=2, rollout_n=1),
+               _line(8, 5.0, [1], [2], lp, step=2)]
+    b_lines = [_line(1, 1.0, [1], [2], lp), _line(1, 2.0, [1], [3], lp, env_seed=6),
+               _line(1, 3.0, [1], [2], lp, turn=1), _line(9, 4.0, [1], [3], lp, step=2, rollout_n=1),
+               _line(8, 5.0, [1, 1], [2], lp, step=2)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(a_lines) + "\n")
+    b.write_text("\n".join(b_lines) + "\n")
+    assert tool.main([str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["joined"] == 5 and result["only_a"] == result["only_b"] == 0
+    assert result["counts"] == {"same": 2, "logprobs": 0, "tokens": 2, "prompt": 1}
+    assert result["counts_by_step"] == {"1": {"same": 2, "logprobs": 0, "tokens": 1, "prompt": 0},
+                                        "2": {"same": 0, "logprobs": 0, "tokens": 1, "prompt": 1}}
+    first = result["first"]
+    assert (first["tokens"]["seed"], first["tokens"]["env_seed"], first["tokens"]["step"]) == (1, 6, 1)
+    assert (first["prompt"]["seed"], first["prompt"]["step"], first["prompt"]["rollout_n"]) == (8, 2, 0)
+    unstepped = tmp_path / "u.jsonl"
+    unstepped.write_text(_line(1, 1.0, [1], [2], lp, step=None, rollout_n=None) + "\n")
+    assert tool.main([str(unstepped), str(unstepped)]) == 0
+    assert json.loads(capsys.readouterr().out)["counts_by_step"] == {"none": {"same": 1, "logprobs": 0, "tokens": 0,
+                                                                               "prompt": 0}}
+    repeated = tmp_path / "r.jsonl"
+    repeated.write_text(a_lines[0] + "\n" + a_lines[1] + "\n" + _line(1, 7.0, [4], [5], lp) + "\n")
+    assert tool.main([str(a), str(repeated)]) == 2
+    assert capsys.readouterr().err == (f"fingerprints: {repeated}:3: request {{'seed': 1, 'env_seed': 5, 'index': 0, "
+                                       "'turn': 0} repeats, so requests cannot be joined\n")
+
+
+@pytest.mark.parametrize("key", ["prompt_sha256", "output_sha256", "logprobs_sha256", "seed", "env_seed", "index",
+                                 "turn"])
+def test_a_line_missing_a_key_it_needs_is_bad_input(key: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Exit 2 (bad input) with one line naming the file, line and key, not a KeyError's exit 1
+    (which reads as "the runs differ")."""
+    tool = _fingerprints_module()
+    good = tmp_path / "good.jsonl"
+    good.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n")
+    record = json.loads(_line(2, 2.0, [1], [2], [-0.5]))
+    del record[key]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n" + json.dumps(record) + "\n")
+    assert tool.main([str(good), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fingerprints: {bad}:2: missing {key} ") and err.count("\n") == 1
+
+
+def test_a_line_that_is_not_a_json_object_is_bad_input_named_by_file_and_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    tool = _fingerprints_module()
+    good = tmp_path / "good.jsonl"
+    good.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n\n" + _line(2, 2.0, [1], [2], [-0.5])[:40] + "\n")
+    assert tool.main([str(good), str(cut)]) == 2
+    assert capsys.readouterr().err.startswith(f"fingerprints: {cut}:3: not JSON (")
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("[1, 2]\n")
+    assert tool.main([str(listed), str(good)]) == 2
+    assert capsys.readouterr().err == f"fingerprints: {listed}:1: not a JSON object\n"
+    odd = tmp_path / "odd.jsonl"
+    record = json.loads(_line(1, 1.0, [1], [2], [-0.5]))
+    odd.write_text(json.dumps({**record, "turn": [0]}) + "\n")  # a list: not a join key (nor hashable)
+    assert tool.main([str(good), str(odd)]) == 2
+    assert capsys.readouterr().err.startswith(f"fingerprints: {odd}:1: {{'seed': 1, 'env_seed': 5, 'index': 0, "
+                                              "'turn': [0]} are not all integers")
