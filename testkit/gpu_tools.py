@@ -10,7 +10,11 @@ GPU_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "gpu"
 
 
 def gpu_tool(name: str) -> ModuleType:
-    """``tools/gpu/<name>.py`` loaded by path, afresh (so a test may patch it freely)."""
+    """``tools/gpu/<name>.py`` loaded by path as a new module object on every call (so a test may patch
+    it freely). Only that module is fresh, and it is not put in ``sys.modules``: the sibling tools it
+    imports by name (arms.py's ``from arms_pool import ...``, after it puts ``tools/gpu`` on
+    ``sys.path``) are imported once, stay cached in ``sys.modules`` and are shared by every later
+    load; a module this returns for such a sibling is a separate copy, so patching it does not reach them."""
     spec = importlib.util.spec_from_file_location(name, GPU_TOOLS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -2,17 +2,24 @@
 
 Each client-round with the setting on leaves ``<output>/verl/request_fingerprints.jsonl`` (kept by
 tools/gpu/collect.sh as ``results/<run>/fingerprints/round_<r>-client_<c>.jsonl``): one line per vLLM
-request with its seed and digests of its prompt, returned tokens and log-probabilities. With
-``trainer.request_seeds`` on, the seed names the request (step, row, place in the GRPO group, turn),
-so two runs' files join on it. Each joined request falls in one class:
+request with its seed, env seed, row, turn, verl step and place in the GRPO group, and digests of its
+prompt, returned tokens and log-probabilities. With ``trainer.request_seeds`` on, the seed names the
+request (step, row, place in the group, turn), so two runs' files join on it; the join key is
+``(seed, env_seed, index, turn)``, so that two requests which only share a seed are never paired.
+Each joined request falls in one class:
 
 * ``same``: prompt, tokens and log-probs bit-identical;
 * ``logprobs``: same prompt and tokens, other log-probs (the logits differed, no token flipped yet);
-* ``tokens``: same prompt and seed, other tokens (vLLM gave this request other logits);
+* ``tokens``: same prompt and seed, other tokens (the server gave this request other logits);
 * ``prompt``: other prompt (an earlier turn of the rollout parted, or the data/env differ at turn 0).
 
-The first request of each class, in run A's start order, is printed: the earliest ``logprobs`` or
-``tokens`` request with a turn-0 prompt that matches is where vLLM's numerics first differ.
+Only step 1 of a run's first round is generated with the same weights in both runs: every later
+step follows an update computed from that run's own rollouts, so its requests differ as soon as one
+earlier token did. Differences at step 1 of round 1 therefore speak of vLLM's numerics (the earliest
+``logprobs`` or ``tokens`` request there whose prompt matches is where they first differ); later
+ones are expected from training. The output counts each class overall and per step (by run A's
+``step``; "none" for files written without ``trainer.request_seeds``' worker) and names the first
+request of each class in run A's start order, with its step.
 
 usage: python3 tools/gpu/fingerprints.py A.jsonl B.jsonl
 """
@@ -24,22 +31,41 @@ from pathlib import Path
 from typing import Any
 
 CLASSES = ("same", "logprobs", "tokens", "prompt")
+#: what two runs' requests are joined on
+JOIN_KEYS = ("seed", "env_seed", "index", "turn")
+#: what :func:`classify` compares
+DIGEST_KEYS = ("prompt_sha256", "output_sha256", "logprobs_sha256")
+
+JoinKey = tuple[Any, ...]
 
 
-def load(path: Path) -> dict[int, dict[str, Any]]:
-    """A fingerprint file's records by seed; ValueError if a record has no seed or a seed repeats
-    (the file then comes from a run without ``trainer.request_seeds``, which this cannot join)."""
-    records: dict[int, dict[str, Any]] = {}
+def load(path: Path) -> dict[JoinKey, dict[str, Any]]:
+    """A fingerprint file's records by join key (:data:`JOIN_KEYS`). ValueError naming the file and
+    line if a line is not a JSON object, lacks a join or digest key, has no seed (the file then
+    comes from a run without ``trainer.request_seeds``, which this cannot join), has a join key
+    that is not an integer (or null) or repeats a join key."""
+    records: dict[JoinKey, dict[str, Any]] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        seed = record.get("seed")
-        if seed is None:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        for name in (*JOIN_KEYS, *DIGEST_KEYS):
+            if name not in record:
+                raise ValueError(f"{path}:{number}: missing {name} (not a request fingerprint line?)")
+        if record["seed"] is None:
             raise ValueError(f"{path}:{number}: a request without a seed (was trainer.request_seeds on?)")
-        if seed in records:
-            raise ValueError(f"{path}:{number}: seed {seed} repeats, so requests cannot be joined by seed")
-        records[int(seed)] = record
+        key = tuple(record[k] for k in JOIN_KEYS)
+        if not all(v is None or isinstance(v, int) for v in key):
+            raise ValueError(f"{path}:{number}: {dict(zip(JOIN_KEYS, key))} are not all integers (or null)")
+        if key in records:
+            raise ValueError(f"{path}:{number}: request {dict(zip(JOIN_KEYS, key))} repeats, so requests "
+                             "cannot be joined")
+        records[key] = record
     return records
 
 
@@ -52,34 +78,44 @@ def classify(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "same" if a["logprobs_sha256"] == b["logprobs_sha256"] else "logprobs"
 
 
-def compare(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Counts of each class over the seeds in both runs, the seeds in one only, and the first request
-    of each class in A's start order (ties by seed): its place in that order, and both runs' prefix-cache
-    hits and log-prob sums (a tiny gap is rounding, a large one other weights or another prompt)."""
-    both = sorted(set(a) & set(b), key=lambda s: (float(a[s].get("started", 0.0)), s))
+def _step_name(record: dict[str, Any]) -> str:
+    """A record's step as a JSON object key: the number, or "none" where the file has none."""
+    step = record.get("step")
+    return "none" if step is None else str(step)
+
+
+def compare(a: dict[JoinKey, dict[str, Any]], b: dict[JoinKey, dict[str, Any]]) -> dict[str, Any]:
+    """Counts of each class over the requests in both runs, overall and per step (run A's), the
+    requests in one run only, and the first request of each class in A's start order (ties by join
+    key): its step and place in the group, its place in that order, and both runs' prefix-cache hits
+    and log-prob sums (a tiny gap is rounding, a large one other weights or another prompt)."""
+    both = sorted(set(a) & set(b), key=lambda k: (float(a[k].get("started", 0.0)), repr(k)))
     counts = dict.fromkeys(CLASSES, 0)
+    by_step: dict[str, dict[str, int]] = {}
     first: dict[str, dict[str, Any]] = {}
-    for rank, seed in enumerate(both):
-        kind = classify(a[seed], b[seed])
+    for rank, key in enumerate(both):
+        x, y = a[key], b[key]
+        kind = classify(x, y)
         counts[kind] += 1
+        by_step.setdefault(_step_name(x), dict.fromkeys(CLASSES, 0))[kind] += 1
         if kind not in first:
-            first[kind] = {"seed": seed, "env_seed": a[seed].get("env_seed"), "index": a[seed].get("index"),
-                           "turn": a[seed].get("turn"), "started_rank": rank,
-                           "cached_tokens": [a[seed].get("cached_tokens"), b[seed].get("cached_tokens")],
-                           "logprob_sum": [a[seed].get("logprob_sum"), b[seed].get("logprob_sum")]}
+            first[kind] = {**dict(zip(JOIN_KEYS, key)), "step": x.get("step"), "rollout_n": x.get("rollout_n"),
+                           "started_rank": rank, "cached_tokens": [x.get("cached_tokens"), y.get("cached_tokens")],
+                           "logprob_sum": [x.get("logprob_sum"), y.get("logprob_sum")]}
     return {"joined": len(both), "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a)),
-            "counts": counts, "first": first}
+            "counts": counts, "counts_by_step": by_step, "first": first}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the comparison of two fingerprint files as one JSON object; 0 if they agree, 1 if not, 2 on bad input."""
+    """Print the comparison of two fingerprint files as one JSON object; 0 if they agree, 1 if not, 2 on
+    bad input (a missing or unreadable file, or a line :func:`load` refuses: one line on stderr)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
         print(__doc__.strip().splitlines()[-1], file=sys.stderr)
         return 2
     try:
         result = compare(load(Path(args[0])), load(Path(args[1])))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         print(f"fingerprints: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, sort_keys=True))

@@ -79,7 +79,11 @@ def probe(label: str, out: Path) -> None:
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
-    equal = sum(x == y for x, y in zip(a, b))
+    """How many requests two runs' token ids agree on; ValueError if the runs hold different numbers
+    of requests (pairing them up would silently drop the extra ones)."""
+    if len(a) != len(b):
+        raise ValueError(f"runs of {len(a)} and {len(b)} requests cannot be compared request by request")
+    equal = sum(x == y for x, y in zip(a, b, strict=True))
     return f"{equal}/{len(a)} requests identical"
 
 
@@ -90,7 +94,8 @@ def _within(record: dict[str, Any]) -> str:
 
 
 def compare(files: list[Path]) -> None:
-    """Each probe's own comparisons, then every pair of probes' one-batch runs."""
+    """Each probe's own comparisons, then every pair of probes' one-batch runs; ValueError (from
+    :func:`_same`) on runs of different lengths."""
     records = [json.loads(f.read_text()) for f in files]
     for record in records:
         print(f"{record['label']} (VLLM_BATCH_INVARIANT={record['batch_invariant_env']!r}): {_within(record)}")
@@ -111,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "probe":
         probe(args.label, args.out)
-    else:
+        return 0
+    try:
         compare(args.files)
+    except (OSError, ValueError) as exc:  # an unreadable file, not JSON, or runs of different lengths
+        print(f"vllm_repro: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -22,10 +22,11 @@ groups is measured on the groups and scores verl's GRPO used.
 
 With ``request_fingerprints`` (``trainer.request_fingerprints``, a diagnostic) every call to the
 server also appends one line to :data:`FINGERPRINT_FILE` beside the episode log: the request's
-vLLM seed, env seed, dataset row and turn, and SHA-256 digests of its prompt token ids, of the token
+vLLM seed, env seed, dataset row and turn, verl step and place in the GRPO group (where
+``trainer.request_seeds`` supplies them), and SHA-256 digests of its prompt token ids, of the token
 ids vLLM returned and of their log-probabilities (:func:`request_fingerprint`). Two runs of one
-config can then be joined request by request (by ``seed`` when ``trainer.request_seeds`` is on) to
-find the first request whose prompt, tokens or log-probabilities differ.
+config can then be joined request by request (on seed, env seed, row and turn when
+``trainer.request_seeds`` is on) to find the first request whose prompt, tokens or log-probabilities differ.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
 from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
-from fedagent_flwr.trainers.verl.request_seeds import SEED_BASE_KEY, request_seed
+from fedagent_flwr.trainers.verl.request_seeds import (
+    REQUEST_GROUP_PLACE_KEY,
+    REQUEST_STEP_KEY,
+    SEED_BASE_KEY,
+    request_seed,
+)
 
 
 class PromptTooLongError(ValueError):
@@ -87,7 +93,6 @@ def grpo_group(row: dict[str, Any]) -> dict[str, str]:
     return {"uid": str(row["uid"])} if row.get("uid") is not None else {}
 
 
-
 def fingerprint_log_path(row: dict[str, Any], default: str) -> str:
     """The request-fingerprint file of an episode of ``row``: :data:`FINGERPRINT_FILE` in the folder of
     its episode log (:func:`episode_log_path`), or "" when the episode is not logged."""
@@ -107,20 +112,29 @@ def logprob_digest(logprobs: Sequence[float]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(logprobs)}d", *(float(v) for v in logprobs))).hexdigest()
 
 
-def request_fingerprint(*, env_seed: int, index: Any, turn: int, seed: int | None, prompt_ids: Sequence[int],
-                        output: Any, started: float, seconds: float) -> dict[str, Any]:
+def _int_or_none(value: Any) -> int | None:
+    """``value`` as an int, or None where it is None (a column the row does not carry)."""
+    return None if value is None else int(value)
+
+
+def request_fingerprint(*, env_seed: int | None, index: Any, turn: int, seed: int | None, step: int | None,
+                        rollout_n: int | None, prompt_ids: Sequence[int], output: Any, started: float,
+                        seconds: float) -> dict[str, Any]:
     """One vLLM request as two runs can compare it: what identifies it (the env seed, dataset row,
-    turn and vLLM seed), digests of its prompt, of the tokens the server returned and of their
-    log-probabilities (before the agent loop trims anything) and the log-probs' sum (whose difference
-    between two runs says whether logits moved by rounding or by more), the prompt tokens served from vLLM's
-    prefix cache where the server reports them, and when it ran (wall clock start, seconds waited),
-    so the requests in flight beside it can be reconstructed."""
+    turn and vLLM seed; each None where unknown), which verl ``step`` and place in the GRPO group
+    (``rollout_n``) it served (None without ``trainer.request_seeds``, whose worker supplies them;
+    two runs share weights only at step 1 of their first round), digests of its prompt, of the tokens
+    the server returned and of their log-probabilities (before the agent loop trims anything) and the
+    log-probs' sum (whose difference between two runs says whether logits moved by rounding or by
+    more), the prompt tokens served from vLLM's prefix cache where the server reports them, and when
+    it ran (wall clock start, seconds waited), so the requests in flight beside it can be reconstructed."""
     tokens = [int(t) for t in output.token_ids]
     logprobs = list(getattr(output, "log_probs", None) or [])
     extra = getattr(output, "extra_fields", None) or {}
     return {
-        "env_seed": int(env_seed), "index": None if index is None else int(index), "turn": int(turn),
-        "seed": seed, "prompt_len": len(prompt_ids), "prompt_sha256": token_digest(prompt_ids),
+        "env_seed": _int_or_none(env_seed), "index": _int_or_none(index), "turn": int(turn),
+        "seed": seed, "step": _int_or_none(step), "rollout_n": _int_or_none(rollout_n),
+        "prompt_len": len(prompt_ids), "prompt_sha256": token_digest(prompt_ids),
         "output_len": len(tokens), "output_sha256": token_digest(tokens),
         "logprobs_len": len(logprobs), "logprobs_sha256": logprob_digest(logprobs),
         "logprob_sum": math.fsum(float(v) for v in logprobs),  # how far apart, where the digests differ
@@ -153,7 +167,8 @@ class ServerGenerate:
     rollout's seed base when ``trainer.request_seeds`` is on (the row's ``request_seed_base``), and
     then each call carries ``seed`` = :func:`~.request_seeds.request_seed` (base, turn); None sends no
     seed (vLLM samples unseeded). ``fingerprint_log``: when not "", each call appends its
-    :func:`request_fingerprint` there (``fingerprint_row`` gives the row's env ``seed`` and ``index``).
+    :func:`request_fingerprint` there (``fingerprint_row`` gives the row's env ``seed``, ``index``,
+    ``step`` and ``rollout_n``; a missing or None value is recorded as None).
     """
 
     def __init__(self, server_manager: Any, sampling_params: dict[str, Any], request_id: str | None,
@@ -180,8 +195,9 @@ class ServerGenerate:
         self.seconds += waited
         if self.fingerprint_log:
             append_episode_record(self.fingerprint_log, request_fingerprint(
-                env_seed=int(self.fingerprint_row.get("seed", -1)), index=self.fingerprint_row.get("index"),
-                turn=len(self.turn_logprobs), seed=params.get("seed"), prompt_ids=prompt_ids, output=output,
+                env_seed=self.fingerprint_row.get("seed"), index=self.fingerprint_row.get("index"),
+                turn=len(self.turn_logprobs), seed=params.get("seed"), step=self.fingerprint_row.get("step"),
+                rollout_n=self.fingerprint_row.get("rollout_n"), prompt_ids=prompt_ids, output=output,
                 started=wall, seconds=waited))
         tokens = [int(t) for t in output.token_ids][: sampling.max_new_tokens]
         logprobs = list(output.log_probs or [])[: len(tokens)]
@@ -211,12 +227,16 @@ class EnvAgentLoop(AgentLoopBase):
 
     def _generate(self, sampling_params: dict[str, Any], request_id: str | None,
                   kwargs: dict[str, Any]) -> ServerGenerate:
-        """The episode's :class:`ServerGenerate`: the row's seed base, and its fingerprint file when on."""
+        """The episode's :class:`ServerGenerate`: the row's seed base, and its fingerprint file when on
+        (with what the fingerprints record of the row: env seed, index, and the step and place in the
+        group that :class:`~.request_seeds.RequestSeedMixin` adds as columns, None without it)."""
         return ServerGenerate(self.server_manager, sampling_params, request_id=request_id,
                               seed_base=kwargs.get(SEED_BASE_KEY),
                               fingerprint_log=(fingerprint_log_path(kwargs, self.episode_log)
                                                if self.request_fingerprints else ""),
-                              fingerprint_row={"seed": kwargs.get("seed"), "index": kwargs.get("index")})
+                              fingerprint_row={"seed": kwargs.get("seed"), "index": kwargs.get("index"),
+                                               "step": kwargs.get(REQUEST_STEP_KEY),
+                                               "rollout_n": kwargs.get(REQUEST_GROUP_PLACE_KEY)})
 
     def _episode_setup(self, kwargs: dict[str, Any]) -> tuple[str, int, Any, int, int]:
         """A row's env name, seed and env, and the rollout's prompt and response budgets."""

@@ -9,7 +9,9 @@ rollout gets its own seed instead:
 * :class:`RequestSeedMixin` (in the agent-loop worker) derives a **base** for every row from what
   identifies its rollout in the step: the env ``seed`` of the row, verl's trajectory ``step``,
   ``sample_index`` (the dataset row), ``rollout_n`` (its place in the GRPO group) and ``validate``
-  (:func:`seed_base`), and hands it to the agent loop as the ``request_seed_base`` column.
+  (:func:`seed_base`), and hands it to the agent loop as the ``request_seed_base`` column, beside
+  the ``step`` and ``rollout_n`` themselves (``request_step``, ``request_rollout_n``), which
+  ``trainer.request_fingerprints`` records with each request.
 * :class:`~fedagent_flwr.trainers.verl.agent_loop.ServerGenerate` then sends ``seed`` =
   :func:`request_seed` (base, turn) with each turn's sampling parameters; verl's vLLM server
   builds ``vllm.SamplingParams(max_tokens=..., **sampling_params)`` from that dict.
@@ -33,6 +35,10 @@ from fedagent_flwr.trainers.verl.manager import WorkerManager
 
 #: the agent loop's keyword argument (a row column added by the worker) carrying a rollout's seed base
 SEED_BASE_KEY = "request_seed_base"
+#: the row column carrying the rollout's verl step (``trajectory["step"]``), for the request fingerprints
+REQUEST_STEP_KEY = "request_step"
+#: the row column carrying the rollout's place in its GRPO group (``trajectory["rollout_n"]``), likewise
+REQUEST_GROUP_PLACE_KEY = "request_rollout_n"
 #: vLLM's seeds are taken modulo this (a non-negative 31-bit int fits every backend's generator)
 SEED_RANGE = 2**31
 #: seeds reserved per rollout: one per turn
@@ -56,13 +62,19 @@ class RequestSeedMixin:
     """An agent-loop worker that passes each row's seed base (:func:`seed_base`) to the agent loop.
 
     Put before the worker class (``class W(RequestSeedMixin, AgentLoopWorker)``): the stock or
-    windowed ``_run_agent_loop`` then runs with the base as the ``request_seed_base`` column."""
+    windowed ``_run_agent_loop`` then runs with the base as the ``request_seed_base`` column, and
+    the trajectory's verl ``step`` and ``rollout_n`` as ``request_step`` and ``request_rollout_n``
+    (so a request fingerprint says which step's weights served it: two runs share only step 1's).
+    The agent loop takes its row as ``**kwargs`` and verl's post-processing reads only the columns
+    it names, so the extra columns change nothing else."""
 
     async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any], *,
                               agent_name: str, trace: bool = True, **kwargs: Any) -> Any:
-        kwargs[SEED_BASE_KEY] = seed_base(int(kwargs["seed"]), int(trajectory["step"]),
-                                          int(trajectory["sample_index"]), int(trajectory["rollout_n"]),
+        step, place = int(trajectory["step"]), int(trajectory["rollout_n"])
+        kwargs[SEED_BASE_KEY] = seed_base(int(kwargs["seed"]), step, int(trajectory["sample_index"]), place,
                                           bool(trajectory["validate"]))
+        kwargs[REQUEST_STEP_KEY] = step
+        kwargs[REQUEST_GROUP_PLACE_KEY] = place
         return await super()._run_agent_loop(sampling_params, trajectory,  # type: ignore[misc]
                                              agent_name=agent_name, trace=trace, **kwargs)
 

@@ -1,8 +1,11 @@
 """``trainer.request_fingerprints`` on CPU with real verl 0.9.1 agent-loop code: the setting (off by
-default) reaches the agent-loop YAML; with it on, every server call of a seeded rollout appends one
-line beside the episode log (its vLLM seed, env seed, row, turn and digests of its prompt, tokens and
-log-probs), the same in a second run apart from timing; with it off nothing is written; a retried
-client-round starts a fresh file; and the digests tell apart what two runs must not confuse."""
+default) reaches the agent-loop YAML; with it on, every server call of a seeded rollout, concat or
+windowed, appends one line beside the episode log (its vLLM seed, env seed, row, turn, verl step,
+place in the GRPO group and digests of its prompt, tokens and log-probs); with it off nothing is
+written and the rollouts are otherwise unchanged; a retried client-round starts a fresh file; the
+digests tell apart what two runs must not confuse; and tools/gpu/fingerprints.py joins two runs'
+files and refuses bad input. The stand-in server is a greedy HF model, so nothing here says that
+vLLM reproduces a request: that is what the tool is for, on two GPU runs' files."""
 
 from __future__ import annotations
 
@@ -50,10 +53,10 @@ def _job(model: Path, out: Path, **trainer: Any) -> TrainJob:
                     data_seed=7, local_steps=1, partition={"strategy": "none"}, trainer={"rollout_n": 2, **trainer})
 
 
-def _rollouts(model: Any, tokenizer: Any, episode_log: Path, on: bool,
-              monkeypatch: pytest.MonkeyPatch) -> PromptRecordingServer:
-    """One GRPO group of ``ROW`` (rollout_n 0 and 1 at step 1) through the seeded concat worker,
-    logging episodes to ``episode_log``; the server it called."""
+def _rollouts(model: Any, tokenizer: Any, episode_log: Path, on: bool, monkeypatch: pytest.MonkeyPatch,
+              worker_cls: type | None = None, step: int = 1) -> PromptRecordingServer:
+    """One GRPO group of ``ROW`` (rollout_n 0 and 1 at ``step``) through ``worker_cls`` (default: the
+    seeded concat worker), logging episodes to ``episode_log``; the server it called."""
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
     from fedagent_flwr.trainers.verl.request_seeds import SeededAgentLoopWorker
@@ -62,10 +65,10 @@ def _rollouts(model: Any, tokenizer: Any, episode_log: Path, on: bool,
         "_target_": "fedagent_flwr.trainers.verl.agent_loop.EnvAgentLoop", "max_new_tokens": 8,
         "invalid_action_penalty": 0.1, "episode_log": str(episode_log), "history_length": 2,
         "request_fingerprints": on})
-    worker = agent_loop_worker(SeededAgentLoopWorker, model, tokenizer)
+    worker = agent_loop_worker(worker_cls or SeededAgentLoopWorker, model, tokenizer)
     worker.llm_client = PromptRecordingServer(model)
     for n in (0, 1):
-        trajectory = {"step": 1, "sample_index": 0, "rollout_n": n, "validate": False}
+        trajectory = {"step": step, "sample_index": 0, "rollout_n": n, "validate": False}
         asyncio.run(worker._run_agent_loop({"temperature": 1.0, "top_p": 1.0}, trajectory, agent_name=AGENT,
                                            trace=False, **ROW))
     return worker.llm_client
@@ -97,13 +100,22 @@ def test_a_retried_round_starts_a_fresh_fingerprint_file(tiny_model_dir: Path, t
     assert not stale.exists() and prep.episode_log.parent == stale.parent
 
 
-def test_every_request_of_a_seeded_rollout_is_fingerprinted_the_same_in_a_second_run(
-        tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def test_every_request_of_a_seeded_rollout_is_fingerprinted_deterministically(
+        tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each server call of a seeded concat rollout leaves one line that names it (seed, env seed, row,
+    turn, step, place in the group) and digests what it sent and got. The server is greedy HF, so
+    the second run's equal lines show only that a line is a deterministic function of the request
+    and its answer (no clock, process or id leaks into it beyond the timing fields), not that any
+    server reproduces its answers."""
     from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE, logprob_digest, token_digest
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model = _model(tiny_model_dir)
     runs = []
     for run in ("a", "b"):
         episode_log = tmp_path / run / "verl" / "episodes.jsonl"
@@ -124,18 +136,95 @@ def test_every_request_of_a_seeded_rollout_is_fingerprinted_the_same_in_a_second
             assert [p["turn"] for p in chunk] == list(range(len(chunk)))
             assert [p["seed"] for p in chunk] == [request_seed(seed_base(3, 1, 0, n, False), t)
                                                   for t in range(len(chunk))]
+            assert all(p["step"] == 1 and p["rollout_n"] == n for p in chunk)  # from the seeded worker
         # the two rollouts of the group share their first prompt, not their seeds
         assert prints[0]["prompt_sha256"] == prints[first_of_second]["prompt_sha256"]
         assert prints[0]["seed"] != prints[first_of_second]["seed"]
         assert prints[0]["logprobs_sha256"] != logprob_digest([])
         assert all(p["logprob_sum"] < 0 for p in prints)  # log-probs of the returned tokens, summed
         runs.append([{k: v for k, v in p.items() if k not in TIMING} for p in prints])
-    assert runs[0] == runs[1]  # a second run of the same rows: the same fingerprints, request by request
+    assert runs[0] == runs[1]  # the same requests and answers: the same lines (a deterministic digest)
 
-    off_log = tmp_path / "off" / "verl" / "episodes.jsonl"
-    off_log.parent.mkdir(parents=True)
-    _rollouts(model, smollm2_tokenizer, off_log, False, monkeypatch)
-    assert off_log.exists() and not (off_log.parent / FINGERPRINT_FILE).exists()  # off: nothing written
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["concat", "windowed"])
+def test_off_writes_nothing_and_the_rollouts_are_the_same_as_with_it_on(
+        windowed: bool, tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setting only observes: on or off, the agent loop sends the server the same prompts with
+    the same sampling parameters (seed included) and logs the same episodes; off, no file."""
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE
+    from fedagent_flwr.trainers.verl.request_seeds import SeededAgentLoopWorker
+    from fedagent_flwr.trainers.verl.windowed import SeededWindowedAgentLoopWorker
+
+    model = _model(tiny_model_dir)
+    seen = {}
+    for on in (True, False):
+        episode_log = tmp_path / str(on) / "verl" / "episodes.jsonl"
+        episode_log.parent.mkdir(parents=True)
+        server = _rollouts(model, smollm2_tokenizer, episode_log, on, monkeypatch,
+                           SeededWindowedAgentLoopWorker if windowed else SeededAgentLoopWorker)
+        assert (episode_log.parent / FINGERPRINT_FILE).exists() is on
+        calls = [{k: v for k, v in call.items() if k != "request_id"} for call in server.calls]  # ids are fresh
+        seen[on] = (episode_log.read_text().splitlines(), calls, server.prompts)
+    assert len(seen[True][1]) >= 4 and all(call["seed"] is not None for call in seen[True][1])
+    assert seen[False] == seen[True]
+
+
+def test_windowed_rollouts_are_fingerprinted_per_turn_with_their_step(
+        tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windowed mode (``run_windowed``, a fresh prompt per turn) through the seeded windowed worker:
+    one line per server call, with the turn's own prompt, seed, the trajectory's step and place."""
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE, token_digest
+    from fedagent_flwr.trainers.verl.windowed import SeededWindowedAgentLoopWorker
+
+    episode_log = tmp_path / "verl" / "episodes.jsonl"
+    episode_log.parent.mkdir(parents=True)
+    server = _rollouts(_model(tiny_model_dir), smollm2_tokenizer, episode_log, True, monkeypatch,
+                       SeededWindowedAgentLoopWorker, step=3)
+    prints = _lines(episode_log.parent / FINGERPRINT_FILE)
+    episodes = _lines(episode_log)
+    assert len(episodes) == 2 and [e["samples"] for e in episodes] == [ROW["max_turns"]] * 2  # every turn played
+    assert len(prints) == len(server.calls) == 2 * ROW["max_turns"]
+    assert [p["prompt_sha256"] for p in prints] == [token_digest(ids) for ids in server.prompts]
+    assert [p["seed"] for p in prints] == [c["seed"] for c in server.calls]
+    for n in (0, 1):
+        chunk = prints[n * ROW["max_turns"]:(n + 1) * ROW["max_turns"]]
+        assert [p["turn"] for p in chunk] == list(range(ROW["max_turns"]))
+        assert [p["seed"] for p in chunk] == [request_seed(seed_base(3, 3, 0, n, False), t)
+                                              for t in range(ROW["max_turns"])]
+        assert all(p["step"] == 3 and p["rollout_n"] == n and p["env_seed"] == 3 and p["index"] == 0 for p in chunk)
+        assert len({p["prompt_sha256"] for p in chunk}) == ROW["max_turns"]  # a new window each turn
+
+
+def test_without_the_seeded_worker_step_place_and_seed_are_none(
+        tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's own worker (``trainer.request_seeds`` off) adds no step or place columns and no seed:
+    the lines say None rather than guess; a row without an env seed is recorded, not a TypeError."""
+    from types import SimpleNamespace
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from fedagent_flwr.rollout.episode import SamplingParams
+    from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE, ServerGenerate
+
+    episode_log = tmp_path / "verl" / "episodes.jsonl"
+    episode_log.parent.mkdir(parents=True)
+    server = _rollouts(_model(tiny_model_dir), smollm2_tokenizer, episode_log, True, monkeypatch, AgentLoopWorker)
+    prints = _lines(episode_log.parent / FINGERPRINT_FILE)
+    assert len(prints) == len(server.calls) >= 2 and all("seed" not in call for call in server.calls)
+    assert all(p["step"] is None and p["rollout_n"] is None and p["seed"] is None and p["env_seed"] == 3
+               for p in prints)
+
+    class OneToken:
+        async def generate(self, request_id: str, **_: Any) -> Any:
+            return SimpleNamespace(token_ids=[7], log_probs=[-0.5])
+
+    bare = tmp_path / "bare.jsonl"
+    generate = ServerGenerate(OneToken(), {}, None, fingerprint_log=str(bare),
+                              fingerprint_row={"seed": None, "index": None})
+    assert asyncio.run(generate([1, 2], SamplingParams(4))) == [7]
+    (line,) = _lines(bare)
+    assert line["env_seed"] is None and line["index"] is None and line["step"] is None and line["turn"] == 0
 
 
 def test_the_digests_tell_apart_what_two_runs_must_not_confuse() -> None:
@@ -181,21 +270,26 @@ def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py
     return gpu_tool("fingerprints")
 
 
-def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    """tools/gpu/fingerprints.py on files the agent loop's own ``request_fingerprint`` writes: requests
-    that agree, differ only in a log-prob's last bit, in a token, or in the prompt are told apart,
-    the first of each kind in run A's start order; a request of one run only is counted; a file
-    whose requests carry no seed is refused."""
+def _line(seed: int | None, started: float, prompt: list[int], tokens: list[int], logprobs: list[float], *,
+          env_seed: int = 5, turn: int = 0, step: int | None = 1, rollout_n: int | None = 0) -> str:
+    """A fingerprint line as the agent loop's own :func:`request_fingerprint` writes it."""
     from types import SimpleNamespace
 
     from fedagent_flwr.trainers.verl.agent_loop import request_fingerprint
 
-    tool = _fingerprints_module()
+    output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": 16})
+    return json.dumps(request_fingerprint(env_seed=env_seed, index=0, turn=turn, seed=seed, step=step,
+                                          rollout_n=rollout_n, prompt_ids=prompt, output=output, started=started,
+                                          seconds=0.1))
 
-    def line(seed: int | None, started: float, prompt: list[int], tokens: list[int], logprobs: list[float]) -> str:
-        output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": 16})
-        return json.dumps(request_fingerprint(env_seed=5, index=0, turn=0, seed=seed, prompt_ids=prompt,
-                                              output=output, started=started, seconds=0.1))
+
+def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """tools/gpu/fingerprints.py on files the agent loop's own ``request_fingerprint`` writes: requests
+    that agree, differ only in a log-prob's last bit, in a token, or in the prompt are told apart,
+    the first of each kind in run A's start order, with its step; a request of one run only is
+    counted; a file whose requests carry no seed is refused."""
+    tool = _fingerprints_module()
+    line = _line
 
     lp = [-0.5, -1.25]
     nudged = [-0.5, math.nextafter(-1.25, 0.0)]
@@ -214,9 +308,85 @@ def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp
         "same": 1, "logprobs": 2, "tokens": 3, "prompt": 4}  # A's start order, not B's or the file's
     assert result["first"]["tokens"]["cached_tokens"] == [16, 16] and result["first"]["tokens"]["started_rank"] == 2
     assert result["first"]["logprobs"]["logprob_sum"] == [-1.75, math.fsum(nudged)]
+    assert result["first"]["tokens"]["step"] == 1 and result["first"]["tokens"]["rollout_n"] == 0
+    assert result["counts_by_step"] == {"1": result["counts"]}
     assert tool.main([str(a), str(a)]) == 0
     capsys.readouterr()
     unseeded = tmp_path / "u.jsonl"
     unseeded.write_text(line(None, 1.0, [1], [2], lp) + "\n")
     assert tool.main([str(a), str(unseeded)]) == 2
     assert "without a seed (was trainer.request_seeds on?)" in capsys.readouterr().err
+
+
+def test_the_read_out_counts_per_step_and_joins_on_seed_env_seed_index_and_turn(
+        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Differences after step 1 are expected (the weights differ after the first update), so the
+    counts are split by step and each class's first request names its step; two requests that share
+    only a seed are two requests, the same (seed, env seed, index, turn) twice is refused."""
+    tool = _fingerprints_module()
+    lp = [-0.5]
+    a_lines = [_line(1, 1.0, [1], [2], lp), _line(1, 2.0, [1], [2], lp, env_seed=6),  # same seed, other env seed
+               _line(1, 3.0, [1], [2], lp, turn=1), _line(9, 4.0, [1], [2], lp, step=2, rollout_n=1),
+               _line(8, 5.0, [1], [2], lp, step=2)]
+    b_lines = [_line(1, 1.0, [1], [2], lp), _line(1, 2.0, [1], [3], lp, env_seed=6),
+               _line(1, 3.0, [1], [2], lp, turn=1), _line(9, 4.0, [1], [3], lp, step=2, rollout_n=1),
+               _line(8, 5.0, [1, 1], [2], lp, step=2)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(a_lines) + "\n")
+    b.write_text("\n".join(b_lines) + "\n")
+    assert tool.main([str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["joined"] == 5 and result["only_a"] == result["only_b"] == 0
+    assert result["counts"] == {"same": 2, "logprobs": 0, "tokens": 2, "prompt": 1}
+    assert result["counts_by_step"] == {"1": {"same": 2, "logprobs": 0, "tokens": 1, "prompt": 0},
+                                        "2": {"same": 0, "logprobs": 0, "tokens": 1, "prompt": 1}}
+    first = result["first"]
+    assert (first["tokens"]["seed"], first["tokens"]["env_seed"], first["tokens"]["step"]) == (1, 6, 1)
+    assert (first["prompt"]["seed"], first["prompt"]["step"], first["prompt"]["rollout_n"]) == (8, 2, 0)
+    unstepped = tmp_path / "u.jsonl"
+    unstepped.write_text(_line(1, 1.0, [1], [2], lp, step=None, rollout_n=None) + "\n")
+    assert tool.main([str(unstepped), str(unstepped)]) == 0
+    assert json.loads(capsys.readouterr().out)["counts_by_step"] == {"none": {"same": 1, "logprobs": 0, "tokens": 0,
+                                                                               "prompt": 0}}
+    repeated = tmp_path / "r.jsonl"
+    repeated.write_text(a_lines[0] + "\n" + a_lines[1] + "\n" + _line(1, 7.0, [4], [5], lp) + "\n")
+    assert tool.main([str(a), str(repeated)]) == 2
+    assert capsys.readouterr().err == (f"fingerprints: {repeated}:3: request {{'seed': 1, 'env_seed': 5, 'index': 0, "
+                                       "'turn': 0} repeats, so requests cannot be joined\n")
+
+
+@pytest.mark.parametrize("key", ["prompt_sha256", "output_sha256", "logprobs_sha256", "seed", "env_seed", "index",
+                                 "turn"])
+def test_a_line_missing_a_key_it_needs_is_bad_input(key: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Exit 2 (bad input) with one line naming the file, line and key, not a KeyError's exit 1
+    (which reads as "the runs differ")."""
+    tool = _fingerprints_module()
+    good = tmp_path / "good.jsonl"
+    good.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n")
+    record = json.loads(_line(2, 2.0, [1], [2], [-0.5]))
+    del record[key]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n" + json.dumps(record) + "\n")
+    assert tool.main([str(good), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fingerprints: {bad}:2: missing {key} ") and err.count("\n") == 1
+
+
+def test_a_line_that_is_not_a_json_object_is_bad_input_named_by_file_and_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    tool = _fingerprints_module()
+    good = tmp_path / "good.jsonl"
+    good.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(_line(1, 1.0, [1], [2], [-0.5]) + "\n\n" + _line(2, 2.0, [1], [2], [-0.5])[:40] + "\n")
+    assert tool.main([str(good), str(cut)]) == 2
+    assert capsys.readouterr().err.startswith(f"fingerprints: {cut}:3: not JSON (")
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("[1, 2]\n")
+    assert tool.main([str(listed), str(good)]) == 2
+    assert capsys.readouterr().err == f"fingerprints: {listed}:1: not a JSON object\n"
+    odd = tmp_path / "odd.jsonl"
+    record = json.loads(_line(1, 1.0, [1], [2], [-0.5]))
+    odd.write_text(json.dumps({**record, "turn": [0]}) + "\n")  # a list: not a join key (nor hashable)
+    assert tool.main([str(good), str(odd)]) == 2
+    assert capsys.readouterr().err.startswith(f"fingerprints: {odd}:1: {{'seed': 1, 'env_seed': 5, 'index': 0, "
+                                              "'turn': [0]} are not all integers")
