@@ -47,6 +47,38 @@ class EnvDataError(EnvConfigError):
     """
 
 
+def configured_goal_indices(env_name: str, config: Mapping[str, Any], pool_size: int) -> list[int] | None:
+    """``config["goal_indices"]`` checked against a pool of ``pool_size`` goals; None when unset.
+
+    Shared by the environments that keep their goal restriction in the config (WebShop and the
+    TextWorld game pools), so that they refuse a bad list with the same words.
+    """
+    raw = config.get("goal_indices")
+    if raw is None:
+        return None
+    if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
+            or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
+        raise EnvConfigError(f"{env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}")
+    bad = [g for g in raw if not 0 <= g < pool_size]
+    if bad:
+        raise EnvConfigError(f"{env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
+    return list(raw)
+
+
+def restricted_goal_config(env_name: str, config: Mapping[str, Any], goal_indices: Sequence[int], pool: int,
+                           current: list[int] | None) -> dict[str, Any]:
+    """:meth:`BaseTextEnv.restrict_goals` for an env whose config keeps ``goal_indices``: a copy
+    of ``config`` limited to ``goal_indices`` of its ``pool`` goals, composed with the restriction
+    ``current`` it already has (indices into the split's pool, or None)."""
+    if not goal_indices:
+        raise EnvConfigError(f"{env_name} cannot be restricted to an empty goal list")
+    bad = [g for g in goal_indices if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < pool]
+    if bad:
+        raise EnvConfigError(f"{env_name} goal indices {bad[:5]} are outside the pool of {pool}")
+    chosen = [current[g] for g in goal_indices] if current is not None else [int(g) for g in goal_indices]
+    return {**dict(config), "goal_indices": chosen}
+
+
 class BaseTextEnv(abc.ABC):
     """Abstract async text environment; one instance runs one episode at a time."""
 
