@@ -19,6 +19,7 @@ how large that pool is and how to restrict a config to a subset of it; heterogen
 from __future__ import annotations
 
 import abc
+import random
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar
@@ -63,6 +64,14 @@ def configured_goal_indices(env_name: str, config: Mapping[str, Any], pool_size:
     if bad:
         raise EnvConfigError(f"{env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
     return list(raw)
+
+
+def pool_index_for_seed(seed: int, goal_indices: Sequence[int] | None, pool_size: int) -> int:
+    """The pool index an episode with ``seed`` plays: ``goal_indices[random.Random(seed).randrange(len)]``
+    under a restriction (as FedAgent's partitioned services pick), else ``seed % pool_size``."""
+    if goal_indices is not None:
+        return goal_indices[random.Random(seed).randrange(len(goal_indices))]
+    return seed % pool_size
 
 
 def restricted_goal_config(env_name: str, config: Mapping[str, Any], goal_indices: Sequence[int], pool: int,

@@ -19,11 +19,16 @@ optionally ``lost``), its system prompt and per-game facts (:meth:`game_facts`).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError, configured_goal_indices, restricted_goal_config
+from fedagent_flwr.envs.base import (
+    BaseTextEnv,
+    EnvConfigError,
+    configured_goal_indices,
+    pool_index_for_seed,
+    restricted_goal_config,
+)
 from fedagent_flwr.envs.projection import project_action
 
 WIN_REWARD = 10.0
@@ -156,9 +161,7 @@ class GamePoolEnv(BaseTextEnv):
 
     def game_for_seed(self, seed: int) -> Any:
         """The game an episode with ``seed`` plays."""
-        if self.goal_indices is not None:
-            return self.games[self.goal_indices[random.Random(seed).randrange(len(self.goal_indices))]]
-        return self.games[seed % len(self.games)]
+        return self.games[pool_index_for_seed(seed, self.goal_indices, len(self.games))]
 
     async def system_prompt(self) -> str:
         return self.SYSTEM_PROMPT

@@ -42,6 +42,7 @@ from fedagent_flwr.envs.base import (
     EnvConfigError,
     EnvDataError,
     configured_goal_indices,
+    pool_index_for_seed,
     restricted_goal_config,
 )
 from fedagent_flwr.envs.registry import register_env
@@ -289,11 +290,7 @@ class WebShopEnv(BaseTextEnv):
 
     def goal_index_for_seed(self, seed: int) -> int:
         """Absolute index into the shuffled goal list that an episode with ``seed`` uses."""
-        if self.goal_indices is not None:
-            local = self.goal_indices[random.Random(seed).randrange(len(self.goal_indices))]
-        else:
-            local = seed % self.pool_size
-        return self.offset + local
+        return self.offset + pool_index_for_seed(seed, self.goal_indices, self.pool_size)
 
     # --- episode -----------------------------------------------------------------------------
 
