@@ -1,16 +1,17 @@
 """Fetch pinned data files over HTTP(S): resumable by file, hash-checked, never half-written.
 
-Shared by the environments' download commands (WebShop, ALFWorld). A file goes to a temporary name
-and is renamed when complete; a file already present (with the right hash, where one is pinned) is
-kept, so re-running after an interruption fetches only what is missing.
+Shared by the environments' download commands (WebShop, ALFWorld), with their command line. A file
+goes to a temporary name and is renamed when complete; a file already present (with the right hash,
+where one is pinned) is kept, so re-running after an interruption fetches only what is missing.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,3 +69,23 @@ def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], bas
             os.replace(partial, target)
             fetched.append(target)
     return fetched
+
+
+def download_main(argv: list[str] | None, prog: str, description: str, base_url: str, base_url_help: str,
+                  download: Callable[[Path, str], str]) -> int:
+    """An environment's download command, ``DATA_DIR [--base-url URL]``; the exit status.
+
+    ``download(data_dir, base_url)`` fetches and returns what to print when done; a
+    :class:`DownloadError` becomes one line ``download: error: ...`` on stderr and exit status 1.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("data_dir", type=Path)
+    parser.add_argument("--base-url", default=base_url, help=base_url_help)
+    args = parser.parse_args(argv)
+    try:
+        summary = download(args.data_dir, args.base_url)
+    except DownloadError as exc:
+        print(f"download: error: {exc}", file=sys.stderr)
+        return 1
+    print(summary)
+    return 0

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,17 @@ def keep_answer(path: Path | None, answer: Any) -> None:
         write_json_atomic(path, {"answer": answer})
     except (OSError, TypeError, ValueError) as exc:
         _log.debug("config answer not kept at %s: %s", path, exc)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' logging at error level while it is asked one of these questions (its warnings
+    would only be noise in the run's log); the earlier level restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)

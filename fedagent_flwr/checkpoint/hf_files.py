@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, read_answer
+from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, quiet_transformers, read_answer
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
@@ -118,16 +118,11 @@ def _tied_weight_keys_cached(config_path: str, mtime_ns: int, size: int) -> tupl
         return tuple((k, v) for k, v in cached)
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
 
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
+        with quiet_transformers():
             config = AutoConfig.from_pretrained(str(Path(config_path).parent))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
-        finally:
-            hf_logging.set_verbosity(verbosity)
         ties = getattr(model, "all_tied_weights_keys", None)
         if isinstance(ties, dict):
             answer = sorted([str(k), str(v)] for k, v in ties.items())

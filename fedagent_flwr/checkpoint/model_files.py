@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, read_answer
+from fedagent_flwr.checkpoint.config_answers import answer_file, keep_answer, quiet_transformers, read_answer
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = [
@@ -123,19 +123,14 @@ def _full_config(path: Path, who: str) -> dict[str, Any]:
         return cached
     try:
         from transformers import AutoConfig
-        from transformers.utils import logging as hf_logging
 
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
+        with quiet_transformers():
             config_class = AutoConfig.for_model(str(raw.get("model_type", ""))).__class__
             # As JSON reads it back (id2label's int keys become strings...), computed or kept alike,
             # so a config compared with one from the cache is compared like for like.
             full = json.loads(json.dumps(dict(config_class.from_dict(raw).to_dict()), default=str))
             keep_answer(known, full)
             return dict(full)
-        finally:
-            hf_logging.set_verbosity(verbosity)
     except Exception as exc:  # unknown or remote-code model type: compare the files as written
         _log.debug("config class for %s not available (%s); comparing raw JSON", path, exc)
         return raw

@@ -19,6 +19,7 @@ how large that pool is and how to restrict a config to a subset of it; heterogen
 from __future__ import annotations
 
 import abc
+import random
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar
@@ -45,6 +46,46 @@ class EnvDataError(EnvConfigError):
     ServerApp's machine is the clients' machine, so it refuses the run at start; across machines the
     data may live only on the clients, so it only warns.
     """
+
+
+def configured_goal_indices(env_name: str, config: Mapping[str, Any], pool_size: int) -> list[int] | None:
+    """``config["goal_indices"]`` checked against a pool of ``pool_size`` goals; None when unset.
+
+    Shared by the environments that keep their goal restriction in the config (WebShop and the
+    TextWorld game pools), so that they refuse a bad list with the same words.
+    """
+    raw = config.get("goal_indices")
+    if raw is None:
+        return None
+    if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
+            or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
+        raise EnvConfigError(f"{env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}")
+    bad = [g for g in raw if not 0 <= g < pool_size]
+    if bad:
+        raise EnvConfigError(f"{env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
+    return list(raw)
+
+
+def pool_index_for_seed(seed: int, goal_indices: Sequence[int] | None, pool_size: int) -> int:
+    """The pool index an episode with ``seed`` plays: ``goal_indices[random.Random(seed).randrange(len)]``
+    under a restriction (as FedAgent's partitioned services pick), else ``seed % pool_size``."""
+    if goal_indices is not None:
+        return goal_indices[random.Random(seed).randrange(len(goal_indices))]
+    return seed % pool_size
+
+
+def restricted_goal_config(env_name: str, config: Mapping[str, Any], goal_indices: Sequence[int], pool: int,
+                           current: list[int] | None) -> dict[str, Any]:
+    """:meth:`BaseTextEnv.restrict_goals` for an env whose config keeps ``goal_indices``: a copy
+    of ``config`` limited to ``goal_indices`` of its ``pool`` goals, composed with the restriction
+    ``current`` it already has (indices into the split's pool, or None)."""
+    if not goal_indices:
+        raise EnvConfigError(f"{env_name} cannot be restricted to an empty goal list")
+    bad = [g for g in goal_indices if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < pool]
+    if bad:
+        raise EnvConfigError(f"{env_name} goal indices {bad[:5]} are outside the pool of {pool}")
+    chosen = [current[g] for g in goal_indices] if current is not None else [int(g) for g in goal_indices]
+    return {**dict(config), "goal_indices": chosen}
 
 
 class BaseTextEnv(abc.ABC):

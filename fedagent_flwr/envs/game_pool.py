@@ -19,11 +19,16 @@ optionally ``lost``), its system prompt and per-game facts (:meth:`game_facts`).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError
+from fedagent_flwr.envs.base import (
+    BaseTextEnv,
+    EnvConfigError,
+    configured_goal_indices,
+    pool_index_for_seed,
+    restricted_goal_config,
+)
 from fedagent_flwr.envs.projection import project_action
 
 WIN_REWARD = 10.0
@@ -58,7 +63,7 @@ class GamePoolEnv(BaseTextEnv):
         super().__init__(config)
         self.max_turns = config_int(self.config, "max_turns", self.DEFAULT_MAX_TURNS, 1, self.env_name)
         self.games = self.pool(self.config)
-        self.goal_indices = self._goal_indices(self.config, len(self.games))
+        self.goal_indices = configured_goal_indices(self.env_name, self.config, len(self.games))
         # The engine lives in a worker process of the service; without one (the trainer's process)
         # the env can describe its pool but not play.
         self.workers = workers
@@ -93,25 +98,10 @@ class GamePoolEnv(BaseTextEnv):
     # --- goal pool -------------------------------------------------------------------------------
 
     @classmethod
-    def _goal_indices(cls, config: Mapping[str, Any], pool_size: int) -> list[int] | None:
-        raw = config.get("goal_indices")
-        if raw is None:
-            return None
-        if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
-                or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
-            raise EnvConfigError(
-                f"{cls.env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}"
-            )
-        bad = [g for g in raw if not 0 <= g < pool_size]
-        if bad:
-            raise EnvConfigError(f"{cls.env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
-        return list(raw)
-
-    @classmethod
     def goal_records(cls, config: Mapping[str, Any]) -> list[Any]:
         """The game of every pool index (after any ``goal_indices`` restriction)."""
         games = cls.pool(config)
-        indices = cls._goal_indices(config, len(games))
+        indices = configured_goal_indices(cls.env_name, config, len(games))
         return [games[i] for i in indices] if indices is not None else list(games)
 
     @classmethod
@@ -123,14 +113,8 @@ class GamePoolEnv(BaseTextEnv):
     def restrict_goals(cls, config: Mapping[str, Any], goal_indices: Sequence[int]) -> dict[str, Any]:
         """Copy of ``config`` limited to the given pool indices (composes with an existing restriction)."""
         pool = cls.num_goals(config) or 0
-        if not goal_indices:
-            raise EnvConfigError(f"{cls.env_name} cannot be restricted to an empty goal list")
-        bad = [g for g in goal_indices if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < pool]
-        if bad:
-            raise EnvConfigError(f"{cls.env_name} goal indices {bad[:5]} are outside the pool of {pool}")
-        current = cls._goal_indices(config, len(cls.pool(config)))
-        chosen = [current[g] for g in goal_indices] if current is not None else [int(g) for g in goal_indices]
-        return {**dict(config), "goal_indices": chosen}
+        current = configured_goal_indices(cls.env_name, config, len(cls.pool(config)))
+        return restricted_goal_config(cls.env_name, config, goal_indices, pool, current)
 
     # --- service ---------------------------------------------------------------------------------
 
@@ -177,9 +161,7 @@ class GamePoolEnv(BaseTextEnv):
 
     def game_for_seed(self, seed: int) -> Any:
         """The game an episode with ``seed`` plays."""
-        if self.goal_indices is not None:
-            return self.games[self.goal_indices[random.Random(seed).randrange(len(self.goal_indices))]]
-        return self.games[seed % len(self.games)]
+        return self.games[pool_index_for_seed(seed, self.goal_indices, len(self.games))]
 
     async def system_prompt(self) -> str:
         return self.SYSTEM_PROMPT

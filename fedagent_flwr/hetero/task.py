@@ -350,6 +350,11 @@ def _min_goals(knobs: Mapping[str, Any]) -> int:
     return int(knob(knobs, "min_goals_per_client"))
 
 
+def _size_std(knobs: Mapping[str, Any]) -> float:
+    """Coverage's ``size_std``, FedAgent's ``dispersion_s`` taking precedence when both are set."""
+    return first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
+
+
 def _hardness_knobs(knobs: Mapping[str, Any]) -> tuple[float, dict[str, bool] | None]:
     """``(success_std, labels)``, the labels read from ``trajectories_file`` if it is set."""
     success_std = first_knob(knobs, ("success_std", "dispersion_s"), "success_std")
@@ -372,8 +377,7 @@ def preference_strategy(client_id: int, num_clients: int, num_goals: int, knobs:
 
 def coverage_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    size_std = first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
-    return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
+    return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), _size_std(knobs), base_seed)
 
 
 def hardness_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
@@ -388,8 +392,7 @@ def all_clients(strategy: str, num_clients: int, num_goals: int, knobs: Mapping[
     """Every client's goals for the strategies whose global assignment is worth computing once
     (``coverage``, ``hardness``), as their dispatcher adapters would give them; None for the others."""
     if strategy == "coverage":
-        size_std = first_knob(knobs, ("dispersion_s", "size_std"), "size_std")
-        return coverage_assignment(num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
+        return coverage_assignment(num_clients, num_goals, _min_goals(knobs), _size_std(knobs), base_seed)
     if strategy == "hardness":
         success_std, labels = _hardness_knobs(knobs)
         parts = hardness_assignment(num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),

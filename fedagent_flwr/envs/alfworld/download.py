@@ -17,10 +17,8 @@ end compares the playable games per split with the official counts (3,553 / 140 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -32,7 +30,7 @@ from fedagent_flwr.envs.alfworld.data import (
     AlfWorldDataError,
     load_games,
 )
-from fedagent_flwr.fetch import DataFile, DownloadError, fetch_files
+from fedagent_flwr.fetch import DataFile, DownloadError, download_main, fetch_files
 
 GITHUB = "https://github.com"
 _RELEASES = "alfworld/alfworld/releases/download"
@@ -83,22 +81,19 @@ def fetch_alfworld(data_dir: str | os.PathLike[str], base_url: str = GITHUB) -> 
     return counts
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.envs.alfworld.download",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("data_dir", type=Path)
-    parser.add_argument("--base-url", default=GITHUB, help="a mirror laid out as <owner>/<repo>/releases/download/...")
-    args = parser.parse_args(argv)
-    try:
-        counts = fetch_alfworld(args.data_dir, args.base_url)
-    except DownloadError as exc:
-        print(f"download: error: {exc}", file=sys.stderr)
-        return 1
+def _fetch_summary(data_dir: Path, base_url: str) -> str:
+    counts = fetch_alfworld(data_dir, base_url)
+    lines = []
     for split in SPLITS:
         note = "" if counts[split] == OFFICIAL_SPLIT_SIZES[split] else f" (official: {OFFICIAL_SPLIT_SIZES[split]})"
-        print(f"{split}: {counts[split]} playable games{note}")
-    print(f"ALFWorld data ready in {args.data_dir.resolve()} (set ALFWORLD_DATA or env.data_dir to it)")
-    return 0
+        lines.append(f"{split}: {counts[split]} playable games{note}")
+    lines.append(f"ALFWorld data ready in {data_dir.resolve()} (set ALFWORLD_DATA or env.data_dir to it)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return download_main(argv, "python -m fedagent_flwr.envs.alfworld.download", __doc__.splitlines()[0], GITHUB,
+                         "a mirror laid out as <owner>/<repo>/releases/download/...", _fetch_summary)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ Config keys: ``data_dir`` (the ``ALFWORLD_DATA`` root; default ``$ALFWORLD_DATA`
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from fedagent_flwr.envs.alfworld.data import (
     AlfWorldDataError,
@@ -46,6 +46,7 @@ from fedagent_flwr.envs.window import Window
 __all__ = ["FALLBACK_CHARS", "SYSTEM_PROMPT", "WIN_REWARD", "AlfWorldEnv", "format_observation"]
 
 DEFAULT_MAX_TURNS = 50
+_T = TypeVar("_T")
 
 SYSTEM_PROMPT = (
     "You are an expert agent operating in the ALFRED Embodied Environment.\n"
@@ -55,6 +56,16 @@ SYSTEM_PROMPT = (
     "Once you've finished your reasoning, you should choose an admissible action for "
     "current step and present it within <action> </action> tags."
 )
+
+
+def _env_errors(read: Callable[[Mapping[str, Any]], _T], config: Mapping[str, Any]) -> _T:
+    """``read(config)`` with ALFWorld's data errors as the env errors preflight and the service report."""
+    try:
+        return read(config)
+    except AlfWorldDataMissing as exc:  # its message names ALFWorld and the download command
+        raise EnvDataError(str(exc), key="data_dir") from None
+    except (AlfWorldDataError, TypeError, ValueError) as exc:
+        raise EnvConfigError(f"ALFWorld: {exc}") from None
 
 
 @register_env("ALFWorld")
@@ -68,22 +79,12 @@ class AlfWorldEnv(GamePoolEnv):
     @classmethod
     def pool(cls, config: Mapping[str, Any]) -> Sequence[GameRecord]:
         """The split's playable games in FedAgent's order (:mod:`~fedagent_flwr.envs.alfworld.data`)."""
-        try:
-            return games_for_config(config)
-        except AlfWorldDataMissing as exc:
-            raise EnvDataError(str(exc), key="data_dir") from None
-        except (AlfWorldDataError, TypeError, ValueError) as exc:
-            raise EnvConfigError(f"ALFWorld: {exc}") from None
+        return _env_errors(games_for_config, config)
 
     @classmethod
     def check_data(cls, config: Mapping[str, Any]) -> None:
         """The data root holds the config's split (no game is read: that is each service's work)."""
-        try:
-            check_config_data(config)
-        except AlfWorldDataMissing as exc:  # its message names ALFWorld and the download command
-            raise EnvDataError(str(exc), key="data_dir") from None
-        except (AlfWorldDataError, TypeError, ValueError) as exc:
-            raise EnvConfigError(f"ALFWorld: {exc}") from None
+        _env_errors(check_config_data, config)
 
     @classmethod
     def goal_info(cls, config: Mapping[str, Any]) -> list[Any]:

@@ -42,10 +42,7 @@ import psutil
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.code_identity import code_change, versions_unknown
-from fedagent_flwr.envs.service.launch import CPU_ONLY_ENV as CPU_ONLY_ENV  # re-exported, as before
-from fedagent_flwr.envs.service.launch import ServiceLaunch as ServiceLaunch
-from fedagent_flwr.envs.service.launch import module_command as module_command
-from fedagent_flwr.envs.service.launch import service_code
+from fedagent_flwr.envs.service.launch import ServiceLaunch, service_code
 from fedagent_flwr.procs import (
     ProcessRef,
     find_with_env,

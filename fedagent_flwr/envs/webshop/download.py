@@ -12,12 +12,10 @@ folder with ``env.data_dir=DATA_DIR`` or ``FEDAGENT_WEBSHOP_DATA``.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 # The fetcher is shared with ALFWorld's download command; tests import these names from here too.
-from fedagent_flwr.fetch import DataFile, DownloadError, fetch_files
+from fedagent_flwr.fetch import DataFile, DownloadError, download_main, fetch_files  # noqa: F401  # DownloadError: re-exported
 
 _RAW = "https://raw.githubusercontent.com"
 _FEDAGENT = "sunblaze-ucb/FedAgent/a6fdf2c84fd83966388ebcd01866c3eca8cf2d31"
@@ -49,19 +47,14 @@ def fetch(data_dir: str | Path, base_url: str = _RAW, files: tuple[DataFile, ...
     return fetch_files(data_dir, files, base_url, timeout_s)
 
 
+def _fetch_summary(data_dir: Path, base_url: str) -> str:
+    fetched = fetch(data_dir, base_url)
+    return f"{len(fetched)} file(s) fetched; WebShop data ready in {data_dir.resolve()}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.envs.webshop.download",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("data_dir", type=Path)
-    parser.add_argument("--base-url", default=_RAW, help="a mirror laid out as <owner>/<repo>/<commit>/<path>")
-    args = parser.parse_args(argv)
-    try:
-        fetched = fetch(args.data_dir, args.base_url)
-    except DownloadError as exc:
-        print(f"download: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"{len(fetched)} file(s) fetched; WebShop data ready in {args.data_dir.resolve()}")
-    return 0
+    return download_main(argv, "python -m fedagent_flwr.envs.webshop.download", __doc__.splitlines()[0], _RAW,
+                         "a mirror laid out as <owner>/<repo>/<commit>/<path>", _fetch_summary)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,14 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError, EnvDataError
+from fedagent_flwr.envs.base import (
+    BaseTextEnv,
+    EnvConfigError,
+    EnvDataError,
+    configured_goal_indices,
+    pool_index_for_seed,
+    restricted_goal_config,
+)
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.envs.webshop.data import VAL_SIZE, WebShopDataError, WebShopWorld, load_world, resolve_data_dir
 from fedagent_flwr.envs.webshop.engine import WebShopEngine
@@ -161,16 +168,7 @@ def _split_bounds(config: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def _goal_indices(config: Mapping[str, Any], pool_size: int) -> list[int] | None:
-    raw = config.get("goal_indices")
-    if raw is None:
-        return None
-    if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
-            or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
-        raise EnvConfigError(f"WebShop config 'goal_indices' must be a non-empty list of integers, got {raw!r}")
-    bad = [g for g in raw if not 0 <= g < pool_size]
-    if bad:
-        raise EnvConfigError(f"WebShop goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
-    return list(raw)
+    return configured_goal_indices("WebShop", config, pool_size)
 
 
 @register_env("WebShop")
@@ -248,15 +246,8 @@ class WebShopEnv(BaseTextEnv):
     def restrict_goals(cls, config: Mapping[str, Any], goal_indices: Sequence[int]) -> dict[str, Any]:
         """Copy of ``config`` limited to the given pool indices (composes with an existing restriction)."""
         pool = cls.num_goals(config) or 0
-        if not goal_indices:
-            raise EnvConfigError("WebShop cannot be restricted to an empty goal list")
-        bad = [g for g in goal_indices if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < pool]
-        if bad:
-            raise EnvConfigError(f"WebShop goal indices {bad[:5]} are outside the pool of {pool}")
         _, size = _split_bounds(config)
-        current = _goal_indices(config, size)
-        chosen = [current[g] for g in goal_indices] if current is not None else [int(g) for g in goal_indices]
-        return {**dict(config), "goal_indices": chosen}
+        return restricted_goal_config("WebShop", config, goal_indices, pool, _goal_indices(config, size))
 
     @classmethod
     def service_setup(
@@ -299,11 +290,7 @@ class WebShopEnv(BaseTextEnv):
 
     def goal_index_for_seed(self, seed: int) -> int:
         """Absolute index into the shuffled goal list that an episode with ``seed`` uses."""
-        if self.goal_indices is not None:
-            local = self.goal_indices[random.Random(seed).randrange(len(self.goal_indices))]
-        else:
-            local = seed % self.pool_size
-        return self.offset + local
+        return self.offset + pool_index_for_seed(seed, self.goal_indices, self.pool_size)
 
     # --- episode -----------------------------------------------------------------------------
 

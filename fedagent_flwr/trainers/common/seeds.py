@@ -16,13 +16,20 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch, and ask torch for deterministic kernels."""
+def reseed(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (torch also seeds every CUDA device)."""
     import numpy as np
     import torch
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (:func:`reseed`), and ask torch for deterministic kernels."""
+    import torch
+
+    reseed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
 

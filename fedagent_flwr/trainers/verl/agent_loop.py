@@ -32,7 +32,6 @@ config can then be joined request by request (on seed, env seed, row and turn wh
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import struct
@@ -49,6 +48,7 @@ from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
 from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
+from fedagent_flwr.trainers.verl.phases import append_json_line
 from fedagent_flwr.trainers.verl.request_seeds import (
     REQUEST_GROUP_PLACE_KEY,
     REQUEST_STEP_KEY,
@@ -143,17 +143,6 @@ def request_fingerprint(*, env_seed: int | None, index: Any, turn: int, seed: in
     }
 
 
-def append_episode_record(path: str, record: dict[str, Any]) -> None:
-    """Append one JSON line; a single ``write`` on an ``O_APPEND`` descriptor keeps concurrent
-    workers' lines whole."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
 class ServerGenerate:
     """The episode runner's ``generate`` on verl's LLM server (``server_manager.generate``, token in,
     token out), for both agent-loop modes.
@@ -194,7 +183,7 @@ class ServerGenerate:
         waited = time.monotonic() - started
         self.seconds += waited
         if self.fingerprint_log:
-            append_episode_record(self.fingerprint_log, request_fingerprint(
+            append_json_line(self.fingerprint_log, request_fingerprint(
                 env_seed=self.fingerprint_row.get("seed"), index=self.fingerprint_row.get("index"),
                 turn=len(self.turn_logprobs), seed=params.get("seed"), step=self.fingerprint_row.get("step"),
                 rollout_n=self.fingerprint_row.get("rollout_n"), prompt_ids=prompt_ids, output=output,
@@ -278,7 +267,7 @@ class EnvAgentLoop(AgentLoopBase):
                   for w in episode.windows]
         episode_log = episode_log_path(kwargs, self.episode_log)
         if episode_log:
-            append_episode_record(episode_log, {
+            append_json_line(episode_log, {
                 "env": env_name, "seed": seed, "reward": episode.reward,
                 "score": episode.reward - self.invalid_action_penalty * invalid,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
@@ -320,7 +309,7 @@ class EnvAgentLoop(AgentLoopBase):
         score = episode.reward - self.invalid_action_penalty * invalid
         episode_log = episode_log_path(kwargs, self.episode_log)
         if episode_log:
-            append_episode_record(episode_log, {
+            append_json_line(episode_log, {
                 "env": env_name, "seed": seed, "reward": episode.reward, "score": score,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": sum(episode.response_mask),

@@ -47,12 +47,9 @@ from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_cr
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 from verl.utils.dataset.rl_dataset import collate_fn
 
+from fedagent_flwr.trainers.common.seeds import reseed
 from fedagent_flwr.trainers.verl import phases
-from fedagent_flwr.trainers.verl.persistent_workers import (
-    ReloadableActorRolloutRefWorker,
-    ReloadableTrainingWorker,
-    reseed,
-)
+from fedagent_flwr.trainers.verl.persistent_workers import ReloadableActorRolloutRefWorker, ReloadableTrainingWorker
 from fedagent_flwr.trainers.verl.verl_log import numeric_metrics
 
 TAG = "[persistent]"

@@ -25,29 +25,20 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import time
 from typing import Any
 
-import numpy as np
-import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.device import get_device_name
 from verl.utils.memory_utils import aggressive_empty_cache
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from fedagent_flwr.trainers.common import optimizer_state
+from fedagent_flwr.trainers.common.seeds import reseed
 from fedagent_flwr.trainers.verl import engine_hooks, phases
 
 # What FSDPEngine.initialize() rebuilds; dropped first so a GPU never holds two copies of a model.
 _ENGINE_STATE = ("module", "optimizer", "lr_scheduler", "checkpoint_manager")
-
-
-def reseed(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (torch also seeds every CUDA device)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def reload_training_worker(worker: Any, model_path: str, keep_optimizer: bool = False) -> dict[str, Any]:

@@ -128,16 +128,10 @@ class PhaseRecorder:
             self.record(name, started, **extra)
 
     def _append(self, record: dict[str, Any]) -> None:
-        # One write on an O_APPEND descriptor: lines of concurrent processes stay whole.
         assert self.path is not None
-        line = (json.dumps(record, sort_keys=True) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+            append_json_line(self.path, record)  # whole lines, also from concurrent processes
         except OSError as exc:
             if not self._warned:
                 self._warned = True
@@ -234,6 +228,18 @@ def timed_calls(owner: Any, attribute: str, recorder: PhaseRecorder, name: str,
             setattr(owner, attribute, raw)
         else:
             delattr(owner, attribute)
+
+
+def append_json_line(path: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    """Append ``record`` to ``path`` as one key-sorted JSON line; a single ``write`` on an
+    ``O_APPEND`` descriptor keeps the lines of concurrent writers (processes too) whole. Here, in
+    this standard-library-only module, so that the agent loop's episode logs share it."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def read_phases(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
