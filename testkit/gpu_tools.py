@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -20,3 +24,15 @@ def gpu_tool(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def collected(out: Path, work: Path) -> Path:
+    """``out``'s runs packed by the real ``tools/gpu/collect.sh`` (into ``work/r.tgz``) and unpacked
+    under ``work/unpacked``, as a device session returns them: the ``results`` folder."""
+    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), str(work / "r.tgz")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(work / "r.tgz") as archive:
+        archive.extractall(work / "unpacked", filter="data")
+    return work / "unpacked" / "results"

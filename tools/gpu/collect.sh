@@ -13,6 +13,17 @@ python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
 python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/results"
+# keep_per_client_round RUN NAME FILE FOLDER: each RUN/round_<r>/client_<c>/verl/FILE as
+# results/NAME/FOLDER/round_<r>-client_<c>.jsonl
+keep_per_client_round() {
+  local found client_dir
+  for found in "$1"/round_*/client_*/verl/"$3"; do
+    [ -f "$found" ] || continue
+    client_dir=$(dirname "$(dirname "$found")")
+    mkdir -p "$STAGE/results/$2/$4"
+    cp "$found" "$STAGE/results/$2/$4/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
+  done
+}
 cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$OUT"/hostmem.jsonl "$STAGE/results/" 2>/dev/null
 for run in "$OUT"/runs/*/; do
   name=$(basename "$run")
@@ -27,21 +38,11 @@ for run in "$OUT"/runs/*/; do
   # trainer modes (round_<r>/client_<c>/verl/steps.jsonl), as results/<run>/steps/round_<r>-client_<c>.jsonl:
   # a round's first step is where two runs of one config can first differ (docs/results.md, the
   # reproducibility pairs)
-  for steps in "$run"/round_*/client_*/verl/steps.jsonl; do
-    [ -f "$steps" ] || continue
-    client_dir=$(dirname "$(dirname "$steps")")
-    mkdir -p "$STAGE/results/$name/steps"
-    cp "$steps" "$STAGE/results/$name/steps/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
-  done
-  # the agent loop's per-request fingerprints where trainer.request_fingerprints was on
-  # (round_<r>/client_<c>/verl/request_fingerprints.jsonl), as results/<run>/fingerprints/round_<r>-client_<c>.jsonl:
-  # two runs' files joined by seed name the first request whose prompt, tokens or log-probs differ
-  for prints in "$run"/round_*/client_*/verl/request_fingerprints.jsonl; do
-    [ -f "$prints" ] || continue
-    client_dir=$(dirname "$(dirname "$prints")")
-    mkdir -p "$STAGE/results/$name/fingerprints"
-    cp "$prints" "$STAGE/results/$name/fingerprints/$(basename "$(dirname "$client_dir")")-$(basename "$client_dir").jsonl"
-  done
+  keep_per_client_round "$run" "$name" steps.jsonl steps
+  # the agent loop's per-request fingerprints where trainer.request_fingerprints was on, as
+  # results/<run>/fingerprints/round_<r>-client_<c>.jsonl: two runs' files joined request by request
+  # name the first request whose prompt, tokens or log-probs differ
+  keep_per_client_round "$run" "$name" request_fingerprints.jsonl fingerprints
   # each client's last round log and the persistent trainers' logs, tails only
   for log in "$run"/trainers/client_*/server.log; do
     [ -f "$log" ] && tail -c 200000 "$log" > "$STAGE/results/$name/$(basename "$(dirname "$log")")-server.log.tail"

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
 from collections import defaultdict
 from pathlib import Path
 
 from fedagent_flwr.trainers.verl.job import STEPS_FILE, keep_steps
-from testkit.gpu_tools import gpu_tool
+from testkit.gpu_tools import collected, gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 COMMITTED = REPO / "docs" / "gpu-runs" / "2026-12-04" / "metrics" / "repro-rs-steps.jsonl"
@@ -84,13 +80,7 @@ def _run_folder(out: Path, name: str, score_at: dict[tuple[int, int], float] | N
 
 def _collected(tmp_path: Path, out: Path) -> Path:
     """``out``'s runs packed by tools/gpu/collect.sh and unpacked: the results folder of each run."""
-    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    run = subprocess.run(["bash", str(REPO / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    with tarfile.open(tmp_path / "r.tgz") as archive:
-        archive.extractall(tmp_path / "unpacked", filter="data")
-    return tmp_path / "unpacked" / "results"
+    return collected(out, tmp_path)
 
 
 def test_rounds_and_steps_in_numeric_order_client_0_by_default(tmp_path: Path, capsys) -> None:  # noqa: ANN001

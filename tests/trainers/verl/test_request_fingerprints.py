@@ -25,7 +25,7 @@ from fedagent_flwr.schema import SettingError
 from fedagent_flwr.trainers.verl.job import prepare_train
 from fedagent_flwr.trainers.verl.request_seeds import request_seed, seed_base
 from fedagent_flwr.trainers.verl.settings import VerlSettings
-from testkit.gpu_tools import gpu_tool
+from testkit.gpu_tools import collected, gpu_tool
 from testkit.verl_agent_loop import HFServer, agent_loop_worker
 
 AGENT = "fedagent_env_fingerprint_test"
@@ -241,14 +241,9 @@ def test_the_digests_tell_apart_what_two_runs_must_not_confuse() -> None:
 def test_collect_keeps_every_client_rounds_fingerprints(tmp_path: Path) -> None:
     """tools/gpu/collect.sh packs ``round_<r>/client_<c>/verl/request_fingerprints.jsonl`` as
     ``results/<run>/fingerprints/round_<r>-client_<c>.jsonl`` (the device machine keeps nothing)."""
-    import os
-    import subprocess
-    import sys
-    import tarfile
 
     from fedagent_flwr.trainers.verl.agent_loop import FINGERPRINT_FILE
 
-    repo = Path(__file__).resolve().parents[3]
     out = tmp_path / "out"
     written = {}
     for round_, client in ((1, 0), (2, 1)):
@@ -256,13 +251,7 @@ def test_collect_keeps_every_client_rounds_fingerprints(tmp_path: Path) -> None:
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps({"seed": round_ * 10 + client}) + "\n")
         written[f"round_{round_}-client_{client}.jsonl"] = path.read_text()
-    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    run = subprocess.run(["bash", str(repo / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    with tarfile.open(tmp_path / "r.tgz") as archive:
-        archive.extractall(tmp_path / "unpacked", filter="data")
-    kept = tmp_path / "unpacked" / "results" / "local-s5" / "fingerprints"
+    kept = collected(out, tmp_path) / "local-s5" / "fingerprints"
     assert {p.name: p.read_text() for p in kept.iterdir()} == written
 
 
