@@ -71,7 +71,7 @@ def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], bas
     return fetched
 
 
-def download_main(argv: list[str] | None, prog: str, description: str, base_url: str, base_url_help: str,
+def download_main(argv: list[str] | None, *, prog: str, description: str, base_url: str, base_url_help: str,
                   download: Callable[[Path, str], str]) -> int:
     """An environment's download command, ``DATA_DIR [--base-url URL]``; the exit status.
 

@@ -377,7 +377,8 @@ def preference_strategy(client_id: int, num_clients: int, num_goals: int, knobs:
 
 def coverage_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
                       base_seed: int, goal_info: Sequence[GoalInfo] | None = None) -> list[int]:
-    return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), _size_std(knobs), base_seed)
+    size_std = _size_std(knobs)  # checked before min_goals_per_client, so a bad pair names it first, as before
+    return coverage_partition(client_id, num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
 
 
 def hardness_strategy(client_id: int, num_clients: int, num_goals: int, knobs: Mapping[str, Any],
@@ -392,7 +393,8 @@ def all_clients(strategy: str, num_clients: int, num_goals: int, knobs: Mapping[
     """Every client's goals for the strategies whose global assignment is worth computing once
     (``coverage``, ``hardness``), as their dispatcher adapters would give them; None for the others."""
     if strategy == "coverage":
-        return coverage_assignment(num_clients, num_goals, _min_goals(knobs), _size_std(knobs), base_seed)
+        size_std = _size_std(knobs)  # checked first, as in coverage_strategy
+        return coverage_assignment(num_clients, num_goals, _min_goals(knobs), size_std, base_seed)
     if strategy == "hardness":
         success_std, labels = _hardness_knobs(knobs)
         parts = hardness_assignment(num_clients, num_goals, check_goal_info("hardness", goal_info, num_goals),

@@ -117,3 +117,16 @@ def test_partition_env_spec_unknown_strategy() -> None:
     spec = {"envs": [{"name": "TinyGuess", "n_envs": 1}]}
     with pytest.raises(PartitionError, match="unknown partition strategy"):
         partition_env_spec(spec, {"strategy": "dirichlet"}, 0, 2)
+
+
+def test_coverage_names_a_bad_spread_before_a_bad_minimum() -> None:
+    """With both knobs invalid, coverage names its spread (``dispersion_s``) first, in the per-client
+    dispatcher and in the once-for-all assignment alike: the order the checks had before they shared
+    one ``size_std`` reader."""
+    from fedagent_flwr.hetero.task import all_clients
+
+    knobs = {"min_goals_per_client": -1, "dispersion_s": -3.0}
+    with pytest.raises(PartitionError, match="dispersion_s"):
+        partition_goals("coverage", 0, 2, 10, knobs)
+    with pytest.raises(PartitionError, match="dispersion_s"):
+        all_clients("coverage", 2, 10, knobs, 1)

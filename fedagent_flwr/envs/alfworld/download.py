@@ -92,8 +92,10 @@ def _fetch_summary(data_dir: Path, base_url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return download_main(argv, "python -m fedagent_flwr.envs.alfworld.download", __doc__.splitlines()[0], GITHUB,
-                         "a mirror laid out as <owner>/<repo>/releases/download/...", _fetch_summary)
+    return download_main(argv, prog="python -m fedagent_flwr.envs.alfworld.download",
+                         description=__doc__.splitlines()[0], base_url=GITHUB,
+                         base_url_help="a mirror laid out as <owner>/<repo>/releases/download/...",
+                         download=_fetch_summary)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # The fetcher is shared with ALFWorld's download command; tests import these names from here too.
-from fedagent_flwr.fetch import DataFile, DownloadError, download_main, fetch_files  # noqa: F401  # DownloadError: re-exported
+from fedagent_flwr.fetch import DataFile, download_main, fetch_files
+from fedagent_flwr.fetch import DownloadError as DownloadError  # re-exported: tests import it from here
 
 _RAW = "https://raw.githubusercontent.com"
 _FEDAGENT = "sunblaze-ucb/FedAgent/a6fdf2c84fd83966388ebcd01866c3eca8cf2d31"
@@ -53,8 +54,9 @@ def _fetch_summary(data_dir: Path, base_url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return download_main(argv, "python -m fedagent_flwr.envs.webshop.download", __doc__.splitlines()[0], _RAW,
-                         "a mirror laid out as <owner>/<repo>/<commit>/<path>", _fetch_summary)
+    return download_main(argv, prog="python -m fedagent_flwr.envs.webshop.download",
+                         description=__doc__.splitlines()[0], base_url=_RAW,
+                         base_url_help="a mirror laid out as <owner>/<repo>/<commit>/<path>", download=_fetch_summary)
 
 
 if __name__ == "__main__":

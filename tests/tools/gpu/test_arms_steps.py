@@ -78,11 +78,6 @@ def _run_folder(out: Path, name: str, score_at: dict[tuple[int, int], float] | N
             keep_steps(out / "runs" / name / f"round_{round_}" / f"client_{client}" / "verl" / STEPS_FILE, steps)
 
 
-def _collected(tmp_path: Path, out: Path) -> Path:
-    """``out``'s runs packed by tools/gpu/collect.sh and unpacked: the results folder of each run."""
-    return collected(out, tmp_path)
-
-
 def test_rounds_and_steps_in_numeric_order_client_0_by_default(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Round 10 comes after round 2 (and step 10 after step 2), in the table, in the written file
     and for the first difference; client 0 is read unless ``--client`` says; timing keys never make
@@ -94,7 +89,7 @@ def test_rounds_and_steps_in_numeric_order_client_0_by_default(tmp_path: Path, c
     # B differs at round 2 step 10 and round 10 step 1: the first is round 2's (file and string order
     # would put round_10 first, and step "10" before "2")
     _run_folder(out, "diff-b", score_at={(2, 10): 0.5, (10, 1): 0.75})
-    results = _collected(tmp_path, out)
+    results = collected(out, tmp_path)
     keys = ["--keys", "critic/score/mean", "timing_s/step"]
     written = tmp_path / "steps.jsonl"
     assert arms.main(["steps", "--run", f"A={results / 'same-a'}", "--run", f"B={results / 'diff-b'}", *keys,
