@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -15,7 +14,7 @@ import pytest
 
 from fedagent_flwr.trainers.verl.job import STEPS_FILE  # where every client-round keeps its steps
 from fedagent_flwr.trainers.verl.phases import PhaseRecorder
-from testkit.gpu_tools import gpu_tool
+from testkit.gpu_tools import collected, gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
 T0 = 1_700_000_000.0
@@ -138,18 +137,12 @@ def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     steps = out / "runs" / "federated-s1" / "round_2" / "client_1" / "verl" / STEPS_FILE
     steps.parent.mkdir(parents=True)
     steps.write_text('{"data": {"critic/score/mean": 0.140625}, "step": 1}\n')
-    env = {**os.environ, "OUT": str(out), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    run = subprocess.run(["bash", str(REPO / "tools" / "gpu" / "collect.sh"), str(tmp_path / "r.tgz")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    with tarfile.open(tmp_path / "r.tgz") as archive:
-        names = archive.getnames()
-    assert "results/phases.md" in names
-    assert "results/federated-s1/trainers/client_0/phases.jsonl" in names
-    assert "results/federated-s1/trainers/client_1/phases.jsonl" in names
-    with tarfile.open(tmp_path / "r.tgz") as archive:  # verl's per-step metrics, under the run and round
-        member = archive.extractfile("results/federated-s1/steps/round_2-client_1.jsonl")
-        assert member is not None and member.read() == steps.read_bytes()
+    results = collected(out, tmp_path)
+    assert (results / "phases.md").is_file()
+    assert (results / "federated-s1" / "trainers" / "client_0" / "phases.jsonl").is_file()
+    assert (results / "federated-s1" / "trainers" / "client_1" / "phases.jsonl").is_file()
+    # verl's per-step metrics, under the run and round
+    assert (results / "federated-s1" / "steps" / "round_2-client_1.jsonl").read_bytes() == steps.read_bytes()
 
 
 def test_phase_tables_need_only_the_standard_library(tmp_path: Path) -> None:
