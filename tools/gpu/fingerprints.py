@@ -18,8 +18,12 @@ step follows an update computed from that run's own rollouts, so its requests di
 earlier token did. Differences at step 1 of round 1 therefore speak of vLLM's numerics (the earliest
 ``logprobs`` or ``tokens`` request there whose prompt matches is where they first differ); later
 ones are expected from training. The output counts each class overall and per step (by run A's
-``step``; "none" for files written without ``trainer.request_seeds``' worker) and names the first
-request of each class in run A's start order, with its step.
+``step``; "none" for files written without ``trainer.request_seeds``' worker), and per step and
+turn (turn 0's prompts come from the data and the environment alone, so at step 1 they must all
+match), names the first request of each class in run A's start order, with its step, and gives, per
+step, turn and class, the median number of other requests of the same run and step that overlapped each
+request in time in run A and in run B (``in_flight_by_step_turn``: how crowded the server was while the
+request ran, the load a batch-dependent numeric difference would follow).
 
 usage: python3 tools/gpu/fingerprints.py A.jsonl B.jsonl
 """
@@ -84,26 +88,63 @@ def _step_name(record: dict[str, Any]) -> str:
     return "none" if step is None else str(step)
 
 
+def in_flight(records: dict[JoinKey, dict[str, Any]]) -> dict[JoinKey, int]:
+    """For each request, how many other requests of the same run and step overlapped it in time
+    (``started`` to ``started + seconds``); 0 for a request without its timing. Quadratic in a
+    step's requests, a few hundred here."""
+    spans: dict[str, list[tuple[JoinKey, float, float]]] = {}
+    for key, record in records.items():
+        start, seconds = record.get("started"), record.get("seconds")
+        if isinstance(start, (int, float)) and isinstance(seconds, (int, float)):
+            spans.setdefault(_step_name(record), []).append((key, float(start), float(start) + float(seconds)))
+    counts = dict.fromkeys(records, 0)
+    for group in spans.values():
+        for key, start, end in group:
+            counts[key] = sum(1 for other, s, e in group if other != key and s < end and e > start)
+    return counts
+
+
+def _median(values: list[int]) -> float:
+    """The median of a non-empty list (the mean of the middle two for an even count)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def compare(a: dict[JoinKey, dict[str, Any]], b: dict[JoinKey, dict[str, Any]]) -> dict[str, Any]:
-    """Counts of each class over the requests in both runs, overall and per step (run A's), the
-    requests in one run only, and the first request of each class in A's start order (ties by join
-    key): its step and place in the group, its place in that order, and both runs' prefix-cache hits
-    and log-prob sums (a tiny gap is rounding, a large one other weights or another prompt)."""
+    """Counts of each class over the requests in both runs, overall, per step (run A's) and per step
+    and turn, the requests in one run only, the first request of each class in A's start order (ties
+    by join key): its step and place in the group, its place in that order, and both runs'
+    prefix-cache hits and log-prob sums (a tiny gap is rounding, a large one other weights or another
+    prompt), and per step, turn and class the median of :func:`in_flight` in run A and in run B."""
     both = sorted(set(a) & set(b), key=lambda k: (float(a[k].get("started", 0.0)), repr(k)))
     counts = dict.fromkeys(CLASSES, 0)
     by_step: dict[str, dict[str, int]] = {}
+    by_turn: dict[str, dict[str, dict[str, int]]] = {}
+    crowd_a, crowd_b = in_flight(a), in_flight(b)
+    crowds: dict[tuple[str, str], dict[str, tuple[list[int], list[int]]]] = {}
     first: dict[str, dict[str, Any]] = {}
     for rank, key in enumerate(both):
         x, y = a[key], b[key]
         kind = classify(x, y)
         counts[kind] += 1
-        by_step.setdefault(_step_name(x), dict.fromkeys(CLASSES, 0))[kind] += 1
+        step = _step_name(x)
+        by_step.setdefault(step, dict.fromkeys(CLASSES, 0))[kind] += 1
+        turn = str(x["turn"])
+        by_turn.setdefault(step, {}).setdefault(turn, dict.fromkeys(CLASSES, 0))[kind] += 1
+        pair = crowds.setdefault((step, turn), {}).setdefault(kind, ([], []))
+        pair[0].append(crowd_a[key])
+        pair[1].append(crowd_b[key])
         if kind not in first:
             first[kind] = {**dict(zip(JOIN_KEYS, key)), "step": x.get("step"), "rollout_n": x.get("rollout_n"),
                            "started_rank": rank, "cached_tokens": [x.get("cached_tokens"), y.get("cached_tokens")],
                            "logprob_sum": [x.get("logprob_sum"), y.get("logprob_sum")]}
+    medians: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for (step, turn), kinds in crowds.items():
+        medians.setdefault(step, {})[turn] = {kind: [_median(xs), _median(ys)] for kind, (xs, ys) in kinds.items()}
     return {"joined": len(both), "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a)),
-            "counts": counts, "counts_by_step": by_step, "first": first}
+            "counts": counts, "counts_by_step": by_step, "counts_by_step_turn": by_turn, "first": first,
+            "in_flight_by_step_turn": medians}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,7 +260,8 @@ def _fingerprints_module():  # noqa: ANN202 - tools/gpu/fingerprints.py
 
 
 def _line(seed: int | None, started: float, prompt: list[int], tokens: list[int], logprobs: list[float], *,
-          env_seed: int = 5, turn: int = 0, step: int | None = 1, rollout_n: int | None = 0) -> str:
+          env_seed: int = 5, turn: int = 0, step: int | None = 1, rollout_n: int | None = 0,
+          seconds: float = 0.1) -> str:
     """A fingerprint line as the agent loop's own :func:`request_fingerprint` writes it."""
     from types import SimpleNamespace
 
@@ -269,7 +270,7 @@ def _line(seed: int | None, started: float, prompt: list[int], tokens: list[int]
     output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": 16})
     return json.dumps(request_fingerprint(env_seed=env_seed, index=0, turn=turn, seed=seed, step=step,
                                           rollout_n=rollout_n, prompt_ids=prompt, output=output, started=started,
-                                          seconds=0.1))
+                                          seconds=seconds))
 
 
 def test_two_runs_files_join_on_seed_and_name_the_first_request_of_each_kind(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -342,6 +343,39 @@ def test_the_read_out_counts_per_step_and_joins_on_seed_env_seed_index_and_turn(
     assert tool.main([str(a), str(repeated)]) == 2
     assert capsys.readouterr().err == (f"fingerprints: {repeated}:3: request {{'seed': 1, 'env_seed': 5, 'index': 0, "
                                        "'turn': 0} repeats, so requests cannot be joined\n")
+
+
+def test_the_read_out_splits_by_turn_and_gives_how_crowded_each_class_of_request_ran(
+        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Turn 0's prompts come from the data and env alone, so the counts are split by turn too; and
+    for each step, turn and class, the median number of the same run's same-step requests that
+    overlapped a request in time, in A and in B (requests of another step never count)."""
+    tool = _fingerprints_module()
+    lp = [-0.5]
+    nudged = [math.nextafter(-0.5, 0.0)]
+    # run A: seeds 1 and 2 overlap each other (0-1 s, 0.5-1.5 s), seed 3 runs alone (2-3 s); seed 4
+    # is turn 1, overlapping seed 3; seed 9, at step 2, overlaps everything and counts for no one
+    a_lines = [_line(1, 0.0, [1], [2], lp, seconds=1.0), _line(2, 0.5, [1], [2], lp, seconds=1.0),
+               _line(3, 2.0, [1], [2], lp, seconds=1.0), _line(4, 2.5, [1, 2], [3], lp, turn=1, seconds=1.0),
+               _line(9, 0.0, [1], [2], lp, step=2, seconds=9.0)]
+    # run B: all four step-1 requests overlap one another; seed 2 other log-probs, seed 3 other tokens
+    b_lines = [_line(1, 0.0, [1], [2], lp, seconds=5.0), _line(2, 0.1, [1], [2], nudged, seconds=5.0),
+               _line(3, 0.2, [1], [5], lp, seconds=5.0), _line(4, 0.3, [1, 2], [3], lp, turn=1, seconds=5.0),
+               _line(9, 0.0, [1], [2], lp, step=2, seconds=9.0)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(a_lines) + "\n")
+    b.write_text("\n".join(b_lines) + "\n")
+    assert tool.main([str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["counts_by_step_turn"] == {
+        "1": {"0": {"same": 1, "logprobs": 1, "tokens": 1, "prompt": 0},
+              "1": {"same": 1, "logprobs": 0, "tokens": 0, "prompt": 0}},
+        "2": {"0": {"same": 1, "logprobs": 0, "tokens": 0, "prompt": 0}}}
+    assert result["in_flight_by_step_turn"] == {
+        "1": {"0": {"same": [1.0, 3.0], "logprobs": [1.0, 3.0], "tokens": [1.0, 3.0]}, "1": {"same": [1.0, 3.0]}},
+        "2": {"0": {"same": [0.0, 0.0]}}}
+    records = tool.load(a)
+    assert sorted(tool.in_flight(records).values()) == [0, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("key", ["prompt_sha256", "output_sha256", "logprobs_sha256", "seed", "env_seed", "index",
