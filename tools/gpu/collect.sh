@@ -25,7 +25,10 @@ keep_per_client_round() {
   done
 }
 cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$OUT"/hostmem.jsonl "$STAGE/results/" 2>/dev/null
+# a glob that matches nothing stays the pattern itself: a session without runs (or without top-level
+# logs) would otherwise leave a results/*/ folder (an empty results/*.log.tail)
 for run in "$OUT"/runs/*/; do
+  [ -d "$run" ] || continue
   name=$(basename "$run")
   mkdir -p "$STAGE/results/$name"
   cp "$run"/federated_summary.json "$run"/metrics.jsonl "$run"/learning_curve.png "$STAGE/results/$name/" 2>/dev/null
@@ -48,7 +51,10 @@ for run in "$OUT"/runs/*/; do
     [ -f "$log" ] && tail -c 200000 "$log" > "$STAGE/results/$name/$(basename "$(dirname "$log")")-server.log.tail"
   done
 done
-for log in "$OUT"/*.log; do tail -c 300000 "$log" > "$STAGE/results/$(basename "$log").tail"; done
+for log in "$OUT"/*.log; do
+  [ -f "$log" ] || continue
+  tail -c 300000 "$log" > "$STAGE/results/$(basename "$log").tail"
+done
 tar czf "$ARCHIVE" -C "$STAGE" results
 rm -rf "$STAGE"
 ls -la "$ARCHIVE"

@@ -16,7 +16,8 @@ federated critic) on this client's partition and reports its checkpoint as a Tra
    job, the job's client rules (FedProx's when ``proximal_mu > 0``) armed in every actor worker
    through ``sitecustomize`` (:mod:`.user_hooks`);
 4. tees verl's log to ``<output>/verl/verl.log``, reads its per-step metrics and timings from
-   verl's file logger (``<output>/verl/verl_steps.jsonl``, :mod:`.verl_log`), appends a progress
+   verl's file logger (``<output>/verl/steps.jsonl``, :mod:`.verl_log`; rewritten at the end in the
+   form every client-round keeps, :func:`.job.keep_steps`, also when verl failed), appends a progress
    record per step (relayed to the server's log, :mod:`fedagent_flwr.progress`), and stops
    whatever is left of the job's Ray cluster when verl exits, also on failure or timeout;
 5. refuses to report a result that is not there: a non-zero exit (crash, CUDA out of memory), a
@@ -42,10 +43,12 @@ from fedagent_flwr.clientapp.job import TrainJob, TrainResult, backend_main
 from fedagent_flwr.trainers.common.checks import BAD_INPUT
 from fedagent_flwr.trainers.verl.job import (
     PROG,
+    STEPS_FILE,
     VerlJobFailed,
     collect_result,
     describe,
     evaluate,
+    keep_steps,
     prepare_train,
     progress_reporter,
 )
@@ -64,6 +67,7 @@ def train(job: TrainJob) -> TrainResult:
     code, first_step, tail, steps = run_verl(command, prep.env, work, work / "verl.log", prep.paths.ray_temp_dir,
                                              prep.step_file, progress_reporter(job, prep, started))
     if code != 0:
+        keep_steps(prep.work / STEPS_FILE, steps)  # the steps verl logged before it failed, as a round keeps them
         raise VerlJobFailed(f"verl {failure_reason(code, tail, work / 'verl.log')} (log: {work / 'verl.log'})")
     return collect_result(job, prep, steps, first_step, started, str(work / "verl.log"),
                           extra_metrics=fresh_optimizer_metric(prep.settings.optimizer_state))

@@ -204,7 +204,8 @@ def episode_metrics(path: Path) -> tuple[int, dict[str, float]]:
 
 #: every step's metrics of a client-round, kept under its output (``<output>/verl/``) in both trainer
 #: modes: a persistent session's own step file lives in the session's directory and starts anew
-#: every round, so without this copy a round's per-step record would be gone with the session.
+#: every round, so without this copy a round's per-step record would be gone with the session. A
+#: subprocess job's verl writes this file itself (:func:`prepare_train`), so it is never there twice.
 STEPS_FILE = "steps.jsonl"
 
 # verl step metrics worth carrying into the TrainResult (the rest stays in verl.log).
@@ -263,8 +264,10 @@ def prepare_train(job: TrainJob, shared_dir: Path | None = None,
     (work / FINGERPRINT_FILE).unlink(missing_ok=True)
     marker_dir = own / "client_rule_markers"
     shutil.rmtree(marker_dir, ignore_errors=True)
-    # A session's processes keep the environment they started with: its step file is its own.
-    step_file = own / "verl_steps.jsonl"
+    # A session's processes keep the environment they started with: its step file is its own. A
+    # subprocess job's verl logs straight into the file the round keeps (keep_steps then rewrites
+    # it whole): a file of verl's own beside it would hold every step a second time.
+    step_file = shared_dir / "verl_steps.jsonl" if shared_dir is not None else work / STEPS_FILE
 
     # One epoch of rows; verl replays them job.epochs times (trainer.total_epochs).
     rows = plan_rows(spec, job.data_seed, job.local_steps, episode_log=str(episode_log))

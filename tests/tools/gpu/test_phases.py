@@ -145,6 +145,32 @@ def test_collect_keeps_the_phase_tables_and_files(tmp_path: Path) -> None:
     assert (results / "federated-s1" / "steps" / "round_2-client_1.jsonl").read_bytes() == steps.read_bytes()
 
 
+def test_collect_packs_a_tail_only_for_each_log_there_is(tmp_path: Path) -> None:
+    """A shell glob that matches nothing stays the pattern itself: a session that wrote no top-level
+    log must not come back with an empty ``results/*.log.tail``, one without runs with a ``results/*/``
+    folder, nor a trainer without a server log with a tail of it; each log that is there comes as a tail."""
+    def packed(out: Path, work: Path) -> set[str]:
+        work.mkdir()
+        results = collected(out, work)
+        return {path.relative_to(results).as_posix() for path in results.rglob("*")}
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert packed(bare, tmp_path / "w1") == set()
+    out = tmp_path / "out"
+    trainer = out / "runs" / "local-s1" / "trainers" / "client_0"
+    _phase(PhaseRecorder(trainer / "phases.jsonl", T0, session="a", log=lambda _: None), "server_start", 0, 2)
+    run = {"phases.md", "local-s1", "local-s1/trainers", "local-s1/trainers/client_0",
+           "local-s1/trainers/client_0/phases.jsonl"}
+    assert packed(out, tmp_path / "w2") == run
+    (out / "local-s1.log").write_text("round 1 of 1\n")
+    (trainer / "server.log").write_text("session started\n")
+    assert packed(out, tmp_path / "w3") == {*run, "local-s1.log.tail", "local-s1/client_0-server.log.tail"}
+    tails = tmp_path / "w3" / "unpacked" / "results"
+    assert (tails / "local-s1" / "client_0-server.log.tail").read_text() == "session started\n"
+    assert (tails / "local-s1.log.tail").read_text() == "round 1 of 1\n"
+
+
 def test_phase_tables_need_only_the_standard_library(tmp_path: Path) -> None:
     """A GPU node runs ``arms.py phases`` with its plain ``python3``, whose path lacks the staged
     packages (omegaconf, torch): ``-S`` (no site-packages) reproduces that; the tables still come."""

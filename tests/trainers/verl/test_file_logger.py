@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,13 +20,33 @@ import pytest
 from fedagent_flwr.clientapp.job import TrainJob
 from fedagent_flwr.progress import PROGRESS_FILE, read_progress
 from fedagent_flwr.schema import SettingError
-from fedagent_flwr.trainers.verl.job import job_environment, prepare_train, progress_reporter
+from fedagent_flwr.trainers.verl import entry
+from fedagent_flwr.trainers.verl.job import STEPS_FILE, VerlJobFailed, job_environment, prepare_train, progress_reporter
 from fedagent_flwr.trainers.verl.overrides import build_overrides, job_paths
 from fedagent_flwr.trainers.verl.runner import run_verl
 from fedagent_flwr.trainers.verl.settings import VERL_LOGGERS, VerlSettings
-from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile, StepWatch
+from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile, StepWatch, parse_record
 
 SPEC = {"envs": [{"name": "TinyGuess", "n_envs": 2, "max_turns": 3, "config": {"lo": 1, "hi": 10}}]}
+# verl's main_ppo as the subprocess path runs it, stood in (it needs a GPU): steps logged through verl's
+# own file logger, then, unless told to fail after step 1, the checkpoint and the episode a real job leaves.
+_MAIN_PPO = """
+import json, sys
+from pathlib import Path
+from verl.utils.tracking import Tracking
+checkpoints, episodes, how = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+tracking = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+tracking.log({"critic/score/mean": 0.25, "timing_s/step": 3.5, "actor/entropy": float("nan"), "note": "x"}, step=1)
+if how == "fail":
+    sys.exit("RuntimeError: verl stopped after step 1")
+tracking.log({"critic/score/mean": 0.5, "timing_s/step": 2.0}, step=2)
+tracking.logger["file"].finish()
+actor = checkpoints / "global_step_2" / "actor"
+actor.mkdir(parents=True)
+(actor / "model_world_size_1_rank_0.pt").write_bytes(b"")
+episodes.write_text(json.dumps({"reward": 1.0, "score": 1.0, "success": True, "num_turns": 2, "truncated": False,
+                                "invalid": 0}) + "\\n")
+"""
 
 
 def test_verls_own_file_logger_writes_what_the_reader_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,3 +168,35 @@ def test_each_verl_step_becomes_a_progress_record_with_that_steps_success(tiny_m
     records = read_progress(tmp_path / "out" / PROGRESS_FILE)
     assert [(r.step, r.steps, r.success_rate) for r in records] == [(1, 2, 0.5), (2, 2, 1 / per_step)]
     assert records[1].line("client 1 round 3").startswith("client 1 round 3: step 2/2, success 0.25, ")
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_a_subprocess_job_keeps_each_step_once_under_its_output(how: str, tiny_model_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``entry.train`` (the subprocess mode) with verl's ``main_ppo`` stood in by a process that
+    logs through verl's own file logger: the round's output holds each step once, in
+    ``verl/steps.jsonl`` (which collect.sh packs) as ``keep_steps`` writes it (finite numbers only,
+    in step order), not also in a second file beside it; also when verl fails after its first step."""
+    out = tmp_path / "out"
+    job = TrainJob(model_path=str(tiny_model_dir), output_dir=str(out), env_spec=SPEC, round=1, client_id=0,
+                   num_clients=1, data_seed=7, local_steps=2, partition={"strategy": "none"}, trainer={"rollout_n": 2})
+    real_run_verl = entry.run_verl
+
+    def stand_in(command: list[str], *rest: Any) -> Any:
+        assert command[1:3] == ["-m", "verl.trainer.main_ppo"]
+        return real_run_verl([sys.executable, "-c", _MAIN_PPO, str(out / "checkpoints"),
+                              str(out / "verl" / "episodes.jsonl"), how], *rest)
+
+    monkeypatch.setattr(entry, "run_verl", stand_in)
+    step_1 = {"step": 1, "data": {"critic/score/mean": 0.25, "timing_s/step": 3.5}}
+    if how == "ok":
+        assert entry.train(job).metrics["verl/steps"] == 2.0
+        kept = [step_1, {"step": 2, "data": {"critic/score/mean": 0.5, "timing_s/step": 2.0}}]
+    else:
+        with pytest.raises(VerlJobFailed, match="verl stopped after step 1"):
+            entry.train(job)
+        kept = [step_1]
+    holding_steps = [path.relative_to(out).as_posix() for path in sorted(out.rglob("*.jsonl"))
+                     if any(parse_record(line) for line in path.read_text().splitlines())]
+    assert holding_steps == [f"verl/{STEPS_FILE}"]
+    assert [json.loads(line) for line in (out / "verl" / STEPS_FILE).read_text().splitlines()] == kept
