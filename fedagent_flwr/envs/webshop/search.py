@@ -188,19 +188,6 @@ class InMemoryBM25:
         self.top_k, self.k1, self.b = top_k, k1, b
         self.asins: list[str] = [str(p["asin"]) for p in products]
         docs = [_WORD_RE.findall(in_memory_document_text(p, fields).lower()) for p in products]
-        self._init_corpus(docs, epsilon)
-
-    @classmethod
-    def from_token_lists(cls, docs: Sequence[Sequence[str]], **kwargs: Any) -> InMemoryBM25:
-        """An index over pre-tokenised documents (ASINs are "0", "1", ...); for checks against rank_bm25."""
-        self = cls.__new__(cls)
-        self.top_k = kwargs.get("top_k", DEFAULT_TOP_K)
-        self.k1, self.b = kwargs.get("k1", 1.2), kwargs.get("b", 0.75)
-        self.asins = [str(i) for i in range(len(docs))]
-        self._init_corpus([list(d) for d in docs], kwargs.get("epsilon", 0.25))
-        return self
-
-    def _init_corpus(self, docs: list[list[str]], epsilon: float) -> None:
         n = len(docs)
         self.doc_len = np.array([len(d) for d in docs], dtype=np.float64)
         self.avgdl = float(self.doc_len.mean()) if n else 0.0
@@ -218,9 +205,9 @@ class InMemoryBM25:
             ids = np.fromiter(row.keys(), dtype=np.int64, count=len(row))
             self._postings[token] = (ids, np.fromiter(row.values(), dtype=np.float64, count=len(row)))
 
-    def scores(self, query: str | Sequence[str]) -> np.ndarray:
+    def scores(self, query: str) -> np.ndarray:
         """BM25Okapi score of every document (repeated query tokens count; unknown tokens add 0)."""
-        tokens = _WORD_RE.findall(query.lower()) if isinstance(query, str) else list(query)
+        tokens = _WORD_RE.findall(query.lower())
         out = np.zeros(len(self.asins), dtype=np.float64)
         if not self.asins:
             return out
