@@ -346,12 +346,6 @@ class EnvServiceManager:
         except OSError:  # only the next job's warning is at stake
             pass
 
-    def start(self) -> str:
-        """Start a fresh service (stopping any recorded one first) and return its URL."""
-        with self._locked():
-            self._stop_unlocked()
-            return self._start_unlocked(service_code(self.launch, sys.executable))
-
     def _start_unlocked(self, code: dict[str, str], reason: str = "") -> str:
         """Start the service, recording ``code`` (:func:`.launch.service_code`) and why a running one
         was replaced (``reason``, also in the log)."""
