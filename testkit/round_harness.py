@@ -24,8 +24,13 @@ _RECORDERS: weakref.WeakKeyDictionary[FedAvgFSDP, RunRecorder] = weakref.WeakKey
 
 def connect(strategy: FedAvgFSDP, recorder: RunRecorder, clients: Sequence[int]) -> FedAvgFSDP:
     """What the round loop establishes before a round: node 100 + c serves client c (for each of
-    ``clients``), and the run's recorder."""
-    strategy.nodes.assign({c: 100 + c for c in clients})
+    ``clients``), and the run's recorder.
+
+    The mapping goes straight into the node registry, as if those nodes had answered the partition
+    query (the registry has no public setter: in a run only :meth:`NodeRegistry.discover` fills it)."""
+    node_of_client = {c: 100 + c for c in clients}
+    strategy.nodes._node_of_client.update(node_of_client)
+    strategy.nodes._asked.update(node_of_client.values())
     _RECORDERS[strategy] = recorder
     return strategy
 

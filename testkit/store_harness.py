@@ -14,9 +14,15 @@ import pytest
 from fedagent_flwr.checkpoint import content_hash
 from fedagent_flwr.checkpoint.http_client import HttpClientStore
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
+from fedagent_flwr.checkpoint.manifest import build_manifest
 
 RUN = "11"  # the Flower run id the test stores serve
 SHARD = "model_world_size_1_rank_0.pt"
+
+
+def manifest_bytes(directory: Path) -> int:
+    """What a full upload of checkpoint ``directory`` sends: the sizes of every file its manifest lists."""
+    return sum(entry.size for entry in build_manifest(directory).files)
 
 
 def tree(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple[int, int]]:

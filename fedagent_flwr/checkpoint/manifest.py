@@ -52,10 +52,6 @@ class Manifest:
 
     files: tuple[FileEntry, ...]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
     def to_json(self) -> list[dict[str, Any]]:
         return [f.to_json() for f in self.files]
 

@@ -107,13 +107,6 @@ def asin_set_digest(asins: Collection[str]) -> str:
     return hashlib.sha256("\n".join(sorted(asins)).encode("utf-8")).hexdigest()
 
 
-def jaccard(a: Collection[str], b: Collection[str]) -> float:
-    """|a ∩ b| / |a ∪ b| (1.0 for two empty sets)."""
-    sa, sb = set(a), set(b)
-    union = sa | sb
-    return len(sa & sb) / len(union) if union else 1.0
-
-
 @dataclass(frozen=True)
 class EnvVariant:
     """A client's resolved world. Only the fields of its ``strategy`` are set.

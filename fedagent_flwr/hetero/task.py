@@ -52,8 +52,8 @@ from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS, PartitionError
 from fedagent_flwr.schema.run import Partition
 
 __all__ = [
-    "assign_with_overlap", "coverage_assignment", "coverage_partition", "coverage_sizes", "hardness_assignment",
-    "hardness_partition", "hardness_sizes", "load_hardness_labels", "preference_partition", "task_disjoint_partition",
+    "assign_with_overlap", "coverage_assignment", "coverage_partition", "hardness_assignment", "hardness_partition",
+    "load_hardness_labels", "preference_partition", "task_disjoint_partition",
 ]
 
 # --- task_disjoint --------------------------------------------------------------------------------
@@ -183,13 +183,6 @@ def _beta_sizes(num_clients: int, num_goals: int, low: int, center: int, high: i
     return rng, r, total, generate_client_sizes(num_clients, low, center, high, std, total, rng)
 
 
-def coverage_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                   size_std: float = DEFAULT_SIZE_STD, base_seed: int = DEFAULT_SEED) -> list[int]:
-    """Every client's target size under ``coverage`` (§7): ``generate_client_sizes(N, L, 500, 1000,
-    s, 500 N)`` on ``default_rng(S)``; they depend on ``(N, L, s, S)``, not on the pool."""
-    return _coverage_setup(num_clients, num_goals, min_goals_per_client, size_std, base_seed)[2]
-
-
 def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
                         size_std: float = DEFAULT_SIZE_STD, base_seed: int = DEFAULT_SEED) -> list[list[int]]:
     """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
@@ -259,12 +252,6 @@ def _hardness_setup(num_clients: int, num_goals: int, min_goals_per_client: int,
     L = check_int("min_goals_per_client", min_goals_per_client, 0)
     rng, _, total, quotas = _beta_sizes(num_clients, num_goals, 0, L // 2, L, success_std, base_seed)
     return rng, total, quotas
-
-
-def hardness_sizes(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
-                   success_std: float = DEFAULT_SUCCESS_STD, base_seed: int = DEFAULT_SEED) -> list[int]:
-    """Every client's easy quota (§8.3 step 4): ``generate_client_sizes(N, 0, L // 2, L, s, N (L // 2))``."""
-    return _hardness_setup(num_clients, num_goals, min_goals_per_client, success_std, base_seed)[2]
 
 
 def _easy_flags(goal_info: Sequence[GoalInfo], labels: Mapping[str, bool] | None) -> list[bool]:

@@ -62,11 +62,6 @@ class NodeRegistry:
         self._node_of_client: dict[int, int] = {}
         self._asked: set[int] = set()
 
-    def assign(self, node_of_client: dict[int, int]) -> None:
-        """Take a known mapping (client -> node) as if those nodes had answered the partition query."""
-        self._node_of_client.update(node_of_client)
-        self._asked.update(node_of_client.values())
-
     def node_of(self, client: int) -> int | None:
         """The node serving ``client`` as last seen, or None."""
         return self._node_of_client.get(client)

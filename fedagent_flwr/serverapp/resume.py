@@ -76,11 +76,6 @@ class PreviousRun:
     disk_freed_bytes: int | None = None  # what retention removed after the completed rounds' commits
 
     @property
-    def finished(self) -> bool:
-        """Every round completed and the run marked completed: there is nothing left to do."""
-        return self.status == "completed" and self.last_completed_round == self.total_rounds
-
-    @property
     def last_aggregate(self) -> dict[str, Any] | None:
         """The entry of the last completed round that produced a new global model, if any."""
         aggregated = [entry for entry in self.rounds if entry.get("aggregated_actor")]

@@ -24,7 +24,7 @@ from fedagent_flwr.checkpoint.store import StorageSettings
 from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.deploy import make_tls_files
 from testkit.ckpt_factory import Suite
-from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, node, tree, wait_for
+from testkit.store_harness import RUN, SHARD, DropReplyProxy, StubGateway, auth, manifest_bytes, node, tree, wait_for
 
 
 @pytest.fixture
@@ -52,9 +52,9 @@ def test_an_upload_is_checked_committed_atomically_and_resolves_to_the_same_chec
     ref = client.put(source, "actor", 1, 0)
     assert ref.path == upload_url(store.url, RUN, 1, 0, "actor")
     assert (ref.format, ref.world_size, ref.sha256) == ("fsdp-shards", 2, hash_checkpoint_dir(source))
-    assert client.report.bytes_sent == build_manifest(source).total_bytes
+    assert client.report.bytes_sent == manifest_bytes(source)
     # the transfer is logged with its size, time and rate
-    megabytes = f"{build_manifest(source).total_bytes / 1e6:.1f} MB in "
+    megabytes = f"{manifest_bytes(source) / 1e6:.1f} MB in "
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[store]")]
     assert line.startswith(f"[store] client 0's actor of round 1 uploaded: {megabytes}") and "MB/s" in line, line
     local = store.resolve(ref, 1, 0)
@@ -91,7 +91,7 @@ def test_an_upload_cut_off_mid_file_resumes_at_the_byte_the_server_holds(
         wait_for(lambda: partial() == sent, "the server to write the first third")
     client = node(store, tmp_path / "node0")
     ref = client.put(source, "actor", 1, 0)
-    assert client.report.bytes_sent == build_manifest(source).total_bytes - sent  # the rest, not all
+    assert client.report.bytes_sent == manifest_bytes(source) - sent  # the rest, not all
     landed = Path(store.resolve(ref, 1, 0).path)
     assert file_sha256(landed / SHARD) == file_sha256(source / SHARD)
 
@@ -274,7 +274,7 @@ def test_a_stalled_upload_loses_its_slot_lock_and_keeps_its_bytes(
     # The slot is free again, and the upload resumes where the stalled one stopped.
     client = node(strict_store, tmp_path / "node0")
     ref = client.put(source, "actor", 1, 0)
-    assert client.report.bytes_sent == build_manifest(source).total_bytes - sent
+    assert client.report.bytes_sent == manifest_bytes(source) - sent
     assert file_sha256(Path(strict_store.resolve(ref, 1, 0).path) / SHARD) == file_sha256(source / SHARD)
 
 
@@ -356,7 +356,7 @@ def test_a_download_is_verified_cached_and_resumed_after_a_cut(
         store: HttpServerStore, tiny_model_dir: Path, tmp_path: Path) -> None:
     shared = store.share(CheckpointRef.for_directory(tiny_model_dir))
     assert "/models/external/" in shared.path  # the base model lies outside the run root
-    total = build_manifest(tiny_model_dir).total_bytes
+    total = manifest_bytes(tiny_model_dir)
     weights = tiny_model_dir / "model.safetensors"
     # A real download that stops a quarter of the way into the weights, as a dropped link would.
     partial = tmp_path / "node0" / "cache" / f".partial-{shared.sha256}" / "model.safetensors.part"

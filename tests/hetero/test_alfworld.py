@@ -17,10 +17,11 @@ import pytest
 from fedagent_flwr.envs.alfworld.data import TASK_TYPES
 from fedagent_flwr.hetero import GoalInfo, PartitionError, partition_goals
 from fedagent_flwr.hetero.env_disjoint import env_disjoint_partition
-from fedagent_flwr.hetero.task import coverage_assignment, hardness_sizes, load_hardness_labels
+from fedagent_flwr.hetero.task import coverage_assignment, load_hardness_labels
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS
 from testkit.alfworld_partitions import HOLDOUT, LABELS, POOL, STRATEGIES, partition
 from testkit.flower_harness import REPO
+from testkit.partition_sizes import hardness_sizes
 
 pytestmark = pytest.mark.skipif(not LABELS.is_file(), reason=f"ALFWorld hardness labels not found at {LABELS}")
 

@@ -25,8 +25,8 @@ from fedagent_flwr.hetero import GoalInfo, partition_goals
 from fedagent_flwr.hetero.env_disjoint import per_client_count, selection_scores, spec_digest, spec_seeds
 from fedagent_flwr.hetero.env_level import catalog_split, pool_variant, unshuffled_goal_asins
 from fedagent_flwr.hetero.inspect import alfworld_goal_info, main
-from fedagent_flwr.hetero.task import coverage_sizes, hardness_sizes
 from testkit.flower_harness import REPO
+from testkit.partition_sizes import coverage_sizes, hardness_sizes
 
 SHARED = REPO.parent / "shared" / "data"
 CASES_FILE = SHARED / "partitions" / "fedagent_public_cases.json"

@@ -26,14 +26,8 @@ from fedagent_flwr.hetero import (
     task_disjoint_partition,
 )
 from fedagent_flwr.hetero.common import default_r, generate_client_sizes
-from fedagent_flwr.hetero.task import (
-    assign_with_overlap,
-    coverage_assignment,
-    coverage_sizes,
-    hardness_assignment,
-    hardness_partition,
-    hardness_sizes,
-)
+from fedagent_flwr.hetero.task import assign_with_overlap, coverage_assignment, hardness_assignment, hardness_partition
+from testkit.partition_sizes import coverage_sizes, hardness_sizes
 from testkit.webshop_data import DATA_DIR, needs_data
 
 HARDNESS_FILE = DATA_DIR.parent / "hardness" / "qwen2.5-1.5b_webshop_trajectories.json"

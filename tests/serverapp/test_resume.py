@@ -25,7 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import load_settings
 from fedagent_flwr.protocol import PartitionReply, TrainReply
-from fedagent_flwr.serverapp.app import RunSetupError, build_strategy, run_directory, summary_header
+from fedagent_flwr.serverapp.app import FINISHED_STATUSES, RunSetupError, build_strategy, run_directory, summary_header
 from fedagent_flwr.serverapp.app import main as serverapp_main
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -83,7 +83,8 @@ def test_a_rerun_keeps_the_completed_rounds_only(tmp_path: Path, base: Checkpoin
 
     resumed_header = _header(tmp_path, base, run_id=2)
     previous = load_previous_run(run_dir, resumed_header)
-    assert previous is not None and previous.last_completed_round == 1 and not previous.finished
+    # what the ServerApp reads to resume rather than report the run done: not finished, round 1 the last kept
+    assert previous is not None and previous.last_completed_round == 1 and previous.status not in FINISHED_STATUSES
     assert [e["round"] for e in previous.rounds] == [1]
     assert [p["round"] for p in previous.val_curve] == [0, 1]
     assert {e["round"] for e in previous.events} == {0, 1}
@@ -154,7 +155,9 @@ def test_a_completed_run_has_nothing_left_and_a_crash_before_round_0_keeps_nothi
     _record_round(recorder, 1, shutil.copytree(base.path, tmp_path / "done" / "round_1" / "global"), commit=True)
     recorder.finish("completed")
     finished = load_previous_run(tmp_path / "done", header)
-    assert finished is not None and finished.finished
+    # what the ServerApp reads to report the run done: a finished status with every round completed
+    assert finished is not None and finished.status in FINISHED_STATUSES
+    assert finished.last_completed_round == finished.total_rounds == 1
 
     early = RunRecorder(tmp_path / "early", header)
     early.record_eval(server_round=0, model="base", metrics=_metrics(0.0))  # not committed

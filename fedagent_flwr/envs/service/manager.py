@@ -128,14 +128,12 @@ class EnvServiceManager:
         *,
         startup_timeout_s: float = EnvService.startup_timeout_s,
         stop_grace_s: float = 10.0,
-        python: str = sys.executable,
     ) -> None:
         self.launch = launch
         # Absolute and resolved: the marker every service of this state file carries (STATE_ENV).
         self.state_file = Path(state_file).resolve()
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
-        self.python = python
         self._popen: subprocess.Popen[bytes] | None = None
 
     # --- paths and state ------------------------------------------------------------------
@@ -199,7 +197,6 @@ class EnvServiceManager:
         *,
         startup_timeout_s: float = EnvService.startup_timeout_s,
         stop_grace_s: float = 10.0,
-        python: str = sys.executable,
     ) -> EnvServiceManager:
         """A manager for the service recorded in ``state_file`` by an earlier (other) process."""
         path = Path(state_file)
@@ -210,7 +207,7 @@ class EnvServiceManager:
             raise EnvServiceError(f"no env service state file at {path}") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise EnvServiceError(f"env service state file {path} is unreadable: {exc}") from None
-        return cls(launch, path, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s, python=python)
+        return cls(launch, path, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s)
 
     @classmethod
     def attach_or_create(
@@ -319,7 +316,7 @@ class EnvServiceManager:
         that cannot be determined now (the env's interpreter could not say where its packages are:
         :func:`~fedagent_flwr.code_identity.code_change`) do not replace a running service; a
         warning names the interpreter and its error, once per service while the error stays the same."""
-        code = service_code(self.launch, self.python)
+        code = service_code(self.launch, sys.executable)
         with self._locked():
             changed = ""
             if self.is_alive():
@@ -349,12 +346,6 @@ class EnvServiceManager:
         except OSError:  # only the next job's warning is at stake
             pass
 
-    def start(self) -> str:
-        """Start a fresh service (stopping any recorded one first) and return its URL."""
-        with self._locked():
-            self._stop_unlocked()
-            return self._start_unlocked(service_code(self.launch, self.python))
-
     def _start_unlocked(self, code: dict[str, str], reason: str = "") -> str:
         """Start the service, recording ``code`` (:func:`.launch.service_code`) and why a running one
         was replaced (``reason``, also in the log)."""
@@ -369,7 +360,7 @@ class EnvServiceManager:
             log.write(f"\n=== starting env service {self.launch.env} at {time.ctime()}{why} ===\n".encode())
             log.flush()
             popen = subprocess.Popen(
-                self.launch.command(self._ready_file, self.python),
+                self.launch.command(self._ready_file, sys.executable),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # own session and process group: stop() reaches it all
                 env=env,

@@ -81,7 +81,7 @@ class WebShopEngine:
     """One shopping session over a shared :class:`WebShopWorld` and search index.
 
     ``allowed_asins`` (a client's catalogue) hides every other product from search results;
-    ``top_k`` is SEARCH_RETURN_N; ``rng`` feeds the ``<r>`` random-search keyword only.
+    ``top_k`` is SEARCH_RETURN_N; ``rng`` (seeded 0) feeds the ``<r>`` random-search keyword only.
     """
 
     def __init__(
@@ -91,13 +91,12 @@ class WebShopEngine:
         *,
         allowed_asins: Collection[str] | None = None,
         top_k: int = DEFAULT_TOP_K,
-        rng: random.Random | None = None,
     ) -> None:
         self.world = world
         self.search_index = search
         self.allowed = None if allowed_asins is None else frozenset(allowed_asins)
         self.top_k = top_k
-        self.rng = rng if rng is not None else random.Random(0)
+        self.rng = random.Random(0)
         self.goal: dict[str, Any] | None = None
         self._clear()
 

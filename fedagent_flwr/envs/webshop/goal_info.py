@@ -45,7 +45,7 @@ def goal_info_for_world(
     return out
 
 
-def goal_info_for_config(config: Mapping[str, Any], labels: Mapping[str, bool] | None = None) -> list[GoalInfo]:
+def goal_info_for_config(config: Mapping[str, Any]) -> list[GoalInfo]:
     """Goal metadata of the pool a WebShop env config describes (``split``, ``goal_indices``, data knobs).
 
     Matches ``WebShopEnv.num_goals(config)`` entry for entry, so it can back a ``goal_info``
@@ -55,4 +55,4 @@ def goal_info_for_config(config: Mapping[str, Any], labels: Mapping[str, bool] |
 
     world, _ = shared_world(config)
     _, size = _split_bounds(config)
-    return goal_info_for_world(world, _split(config), labels, _goal_indices(config, size))
+    return goal_info_for_world(world, _split(config), goal_indices=_goal_indices(config, size))

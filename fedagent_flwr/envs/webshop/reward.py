@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,26 +132,24 @@ def title_nouns(text: str) -> tuple[str, ...]:
     return tuple(t.text.lower() for t in _spacy_model()(text) if t.pos_ in _NOUN_POS)
 
 
-def title_score(product_name: str, goal_name: str, nouns: Callable[[str], Sequence[str]] = title_nouns) -> float:
+def title_score(product_name: str, goal_name: str) -> float:
     """|set(P nouns) ∩ set(G nouns)| / len(G nouns with duplicates); 0.2 when G has no nouns."""
-    goal_nouns = list(nouns(str(goal_name or "")))
+    goal_nouns = title_nouns(str(goal_name or ""))
     if not goal_nouns:
         return 0.2
-    return len(set(nouns(str(product_name or ""))) & set(goal_nouns)) / len(goal_nouns)
+    return len(set(title_nouns(str(product_name or ""))) & set(goal_nouns)) / len(goal_nouns)
 
 
 def _category_parts(category: Any) -> set[str]:
     return {part.strip() for part in str(category or "").split("›")}
 
 
-def type_factor(
-    product: Mapping[str, Any], goal: Mapping[str, Any], nouns: Callable[[str], Sequence[str]] = title_nouns
-) -> dict[str, Any]:
+def type_factor(product: Mapping[str, Any], goal: Mapping[str, Any]) -> dict[str, Any]:
     """r_type with its parts: 1.0, 0.5 if no query/category/title match, 0.1 if title < 0.1, 0 if title 0."""
     query_match = product.get("query") == goal.get("query")
     category_match = len(_category_parts(product.get("product_category"))
                          & _category_parts(goal.get("product_category"))) >= 2
-    score = title_score(product.get("name") or "", goal.get("name") or "", nouns)
+    score = title_score(product.get("name") or "", goal.get("name") or "")
     r_type = 1.0
     if not (query_match or category_match or score > 0.2):
         r_type = 0.5
@@ -176,10 +174,9 @@ def get_reward(
     goal: Mapping[str, Any],
     price: float,
     options: Mapping[str, str],
-    nouns: Callable[[str], Sequence[str]] = title_nouns,
 ) -> RewardResult:
     """Score buying ``product`` with chosen ``options`` at ``price`` against ``goal`` (spec §6 "Total")."""
-    type_info = type_factor(product, goal, nouns)
+    type_info = type_factor(product, goal)
     attributes = list(goal.get("attributes") or [])
     goal_pairs = list((goal.get("goal_options") or {}).items())
     num_attr = match_attributes(product, attributes)

@@ -95,14 +95,7 @@ def document_text(product: Mapping[str, Any]) -> str:
 class BM25Search:
     """Lucene-style BM25 over a product list; :meth:`search` returns ranked ASINs."""
 
-    def __init__(
-        self,
-        products: Sequence[Mapping[str, Any]],
-        *,
-        top_k: int = DEFAULT_TOP_K,
-        k1: float = LUCENE_K1,
-        b: float = LUCENE_B,
-    ) -> None:
+    def __init__(self, products: Sequence[Mapping[str, Any]]) -> None:
         # bm25s runs a JAX op when it is imported (its top-k backend probe), and JAX on a GPU node
         # reserves 75% of the GPU's memory at its first op. Any process that builds a WebShop world
         # imports it (the ClientApp counting goals for a partition, the ServerApp's pre-flight
@@ -112,11 +105,9 @@ class BM25Search:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import bm25s
 
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.top_k = top_k
+        self.top_k = DEFAULT_TOP_K  # a search call without its own top_k
         self.asins: list[str] = [str(p["asin"]) for p in products]
-        self._retriever = bm25s.BM25(method="lucene", k1=k1, b=b, dtype="float64")
+        self._retriever = bm25s.BM25(method="lucene", k1=LUCENE_K1, b=LUCENE_B, dtype="float64")
         corpus = [analyze(document_text(p)) for p in products]
         self._retriever.index(corpus, show_progress=False)
 
@@ -180,27 +171,10 @@ class InMemoryBM25:
         fields: Sequence[str] = IN_MEMORY_FIELDS,
         k1: float = 1.2,
         b: float = 0.75,
-        epsilon: float = 0.25,
-        top_k: int = DEFAULT_TOP_K,
     ) -> None:
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.top_k, self.k1, self.b = top_k, k1, b
+        self.top_k, self.k1, self.b = DEFAULT_TOP_K, k1, b  # top_k: a search call without its own
         self.asins: list[str] = [str(p["asin"]) for p in products]
         docs = [_WORD_RE.findall(in_memory_document_text(p, fields).lower()) for p in products]
-        self._init_corpus(docs, epsilon)
-
-    @classmethod
-    def from_token_lists(cls, docs: Sequence[Sequence[str]], **kwargs: Any) -> InMemoryBM25:
-        """An index over pre-tokenised documents (ASINs are "0", "1", ...); for checks against rank_bm25."""
-        self = cls.__new__(cls)
-        self.top_k = kwargs.get("top_k", DEFAULT_TOP_K)
-        self.k1, self.b = kwargs.get("k1", 1.2), kwargs.get("b", 0.75)
-        self.asins = [str(i) for i in range(len(docs))]
-        self._init_corpus([list(d) for d in docs], kwargs.get("epsilon", 0.25))
-        return self
-
-    def _init_corpus(self, docs: list[list[str]], epsilon: float) -> None:
         n = len(docs)
         self.doc_len = np.array([len(d) for d in docs], dtype=np.float64)
         self.avgdl = float(self.doc_len.mean()) if n else 0.0
@@ -211,16 +185,16 @@ class InMemoryBM25:
                 row = tfs.setdefault(token, {})
                 row[i] = row.get(i, 0) + 1
         raw_idf = {t: float(np.log((n - len(row) + 0.5) / (len(row) + 0.5))) for t, row in tfs.items()}
-        # rank_bm25: a negative idf becomes epsilon x the mean of all raw idfs (negatives included).
-        floor = epsilon * (sum(raw_idf.values()) / len(raw_idf)) if raw_idf else 0.0
+        # rank_bm25: a negative idf becomes epsilon (0.25) x the mean of all raw idfs (negatives included).
+        floor = 0.25 * (sum(raw_idf.values()) / len(raw_idf)) if raw_idf else 0.0
         self.idf = {t: (v if v >= 0 else floor) for t, v in raw_idf.items()}
         for token, row in tfs.items():
             ids = np.fromiter(row.keys(), dtype=np.int64, count=len(row))
             self._postings[token] = (ids, np.fromiter(row.values(), dtype=np.float64, count=len(row)))
 
-    def scores(self, query: str | Sequence[str]) -> np.ndarray:
+    def scores(self, query: str) -> np.ndarray:
         """BM25Okapi score of every document (repeated query tokens count; unknown tokens add 0)."""
-        tokens = _WORD_RE.findall(query.lower()) if isinstance(query, str) else list(query)
+        tokens = _WORD_RE.findall(query.lower())
         out = np.zeros(len(self.asins), dtype=np.float64)
         if not self.asins:
             return out

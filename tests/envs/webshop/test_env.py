@@ -314,7 +314,7 @@ def test_env_reset_is_deterministic() -> None:
 def test_in_memory_bm25_toy_check() -> None:
     # Spec §5: BM25Okapi(k1=1.2, b=0.75) on the toy corpus; idf(dress) = idf(for) floored to 0.25 x avg idf.
     corpus = ["red dress for women", "blue dress for men", "red shoes for women", "green hat for kids", "dress"]
-    index = InMemoryBM25.from_token_lists([d.split() for d in corpus])
+    index = InMemoryBM25([{"asin": str(i), "name": d} for i, d in enumerate(corpus)], fields=["name"])
     assert index.scores("red dress for") == pytest.approx([0.585668, 0.271851, 0.449743, 0.135926, 0.204910], abs=1e-6)
     assert index.idf["dress"] == pytest.approx(0.145738, abs=1e-6) and index.idf["for"] == index.idf["dress"]
     assert index.search("red dress for") == ["0", "2", "1", "4", "3"]

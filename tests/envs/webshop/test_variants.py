@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ from fedagent_flwr.hetero.env_level import (
     FULL_FIELDS,
     catalog_split,
     choose_variant_index,
-    jaccard,
     pool_variant,
     resolve_variant,
     variant_request,
@@ -30,6 +30,12 @@ from testkit.webshop_data import DATA_DIR, needs_data
 
 CONFIG = {"data_dir": str(DATA_DIR)}
 HOLDOUT = DATA_DIR.parent / "holdout" / "holdout_webshop_v1.json"
+
+
+def jaccard(a: Collection[str], b: Collection[str]) -> float:
+    """|a ∩ b| / |a ∪ b| of two catalogues (1.0 for two empty ones): how much two clients' worlds overlap."""
+    union = set(a) | set(b)
+    return len(set(a) & set(b)) / len(union) if union else 1.0
 
 
 def _catalog_variants(env_div: float, keep_ratio: float = 0.7, num_clients: int = 2, **knobs: Any) -> list[Any]:
