@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "deploy": ("fedagent_flwr.deploy", "TLS files, node keys and connections for a deployment"),
     "outcome": ("fedagent_flwr.outcome", "a run's outcome as an exit status (wraps flwr run)"),
     "tiny-model": ("fedagent_flwr.models.tiny", "write the tiny random-weight smoke model"),
+    "webshop-expert": ("fedagent_flwr.envs.webshop.expert", "write expert WebShop episodes (train goals) as SFT data"),
     "download-webshop": ("fedagent_flwr.envs.webshop.download", "fetch the WebShop data files"),
     "download-alfworld": ("fedagent_flwr.envs.alfworld.download", "fetch the ALFWorld game data"),
     "alfworld-venv": ("fedagent_flwr.envs.alfworld.service_venv", "build the ALFWorld service venv"),

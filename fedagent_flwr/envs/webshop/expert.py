@@ -1,0 +1,443 @@
+"""An expert (oracle) policy for WebShop, and ``fedagent webshop-expert``, which writes its episodes as SFT data.
+
+Why: the only model on the GPU node, SmolLM2-135M-Instruct, never writes FedAgent's reply format
+``<think>…</think><action>…</action>``, so every WebShop episode scores the same and GRPO has no
+signal (docs/gpu-runs/2026-12-02/webshop-diagnosis.md). A supervised warm start on valid, successful
+trajectories teaches the format (and the shopping routine) before RL. This module makes those
+trajectories through the project's own rollout path: :class:`WebShopExpert` is a
+:data:`~fedagent_flwr.rollout.episode.GenerateFn` (token ids in, token ids out) that plays
+:class:`~fedagent_flwr.envs.webshop.env.WebShopEnv` episodes with
+:func:`~fedagent_flwr.rollout.episode.run_episode` (or the windowed runner), so ``Episode.messages``
+is the conversation exactly as a model would see it and produce it.
+
+The expert reads the goal from the env's engine (``env.engine.goal``: target ASIN, goal options) and
+follows a fixed recipe, always choosing an action the env lists as admissible:
+
+* search page: ``search[<the instruction without "Find me" and the price clause>]`` (a second search,
+  after an empty result page, drops the option clause too);
+* results: ``click[<target asin>]`` if listed; else ``click[next >]`` while the turn budget still
+  allows the whole purchase and fewer than ``max_pages`` pages were seen; else the listed product
+  whose title shares most words with the instruction (the first on ties);
+* item page: each goal option value the item offers and that is not selected yet, then ``click[buy now]``
+  (at once when only one turn is left); description/features/reviews pages: ``click[< prev]``.
+
+Nothing is random, so the same seeds give the same file. Only training goals are played: the val split
+(``goals[:500]``) is FedAgent's held-out evaluation set and is refused.
+
+    fedagent webshop-expert --data-dir /work/shared/data/webshop --episodes 100 --out expert.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.envs.projection import project_action
+from fedagent_flwr.envs.webshop.engine import ITEM, RESULTS, SEARCH
+from fedagent_flwr.envs.webshop.env import WebShopEnv
+from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
+
+# Defaults from conf/recipe/webshop_verl.yaml (the WebShop GPU recipe this data warm-starts) and
+# conf/env/webshop.yaml; tests/envs/webshop/test_expert.py checks that they still agree.
+DEFAULT_MAX_TURNS = 6
+DEFAULT_SEARCH_RETURN_N = 50
+DEFAULT_MAX_NEW_TOKENS = 96
+DEFAULT_MAX_PROMPT_LENGTH = 512
+DEFAULT_MAX_RESPONSE_LENGTH = 2560
+#: Result pages the expert looks at before it settles for the best listed product.
+DEFAULT_MAX_PAGES = 3
+#: The only split the expert plays: its output is training data.
+EXPERT_SPLIT = "train"
+MODES = ("concat", "windowed")
+
+_PRICE_CLAUSE = re.compile(r",? and price lower than [\d.]+ dollars\s*$", re.IGNORECASE)
+_LEAD = re.compile(r"^\s*find me\s+", re.IGNORECASE)
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+class ExpertInputError(ValueError):
+    """A request the expert refuses (a split other than train, a bad count, a missing data directory, ...)."""
+
+
+def _strip_options(instruction: str, goal_options: Mapping[str, str]) -> str:
+    """The instruction without its trailing " with k: v, and k: v" clause (built from the goal's options)."""
+    if not goal_options:
+        return instruction
+    tail = " with " + ", and ".join(f"{k}: {v}" for k, v in goal_options.items())
+    return instruction[: -len(tail)] if instruction.endswith(tail) else instruction
+
+
+def search_query(instruction: str, goal_options: Mapping[str, str] | None = None) -> str:
+    """The expert's search text: the instruction, lowercased, without "Find me" and the price clause.
+
+    With ``goal_options`` the option clause is dropped too (the shorter second query). Square
+    brackets, which would break the ``search[...]`` syntax, become spaces. Measured on 1,000 training
+    goals (search_return_n 50): the full form lists the target on the first result page for 91% of
+    them (the option values are distinctive words); without the option clause it was about half.
+    """
+    text = _PRICE_CLAUSE.sub("", instruction)
+    if goal_options is not None:
+        text = _strip_options(text, goal_options)
+    text = _LEAD.sub("", text)
+    return " ".join(re.sub(r"[\[\]]", " ", text).split()).lower()
+
+
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+@dataclass(frozen=True)
+class ExpertMove:
+    """One expert turn: a short reason (the ``<think>`` text) and the admissible action."""
+
+    think: str
+    action: str
+
+    def reply(self) -> str:
+        """The turn in FedAgent's format, ``<think>…</think><action>…</action>``."""
+        return f"<think>{self.think}</think><action>{self.action}</action>"
+
+
+class WebShopExpert:
+    """A deterministic oracle policy for one WebShop episode, usable as a ``GenerateFn``.
+
+    Build one per episode, over the env that episode runs (it reads ``env.engine``: the goal, the
+    page, the listed products, the selected options). ``max_turns`` must be the episode's cap so
+    the expert can keep a purchase within it. Each call returns the reply's token ids followed by
+    the tokenizer's EOS, at most ``sampling.max_new_tokens`` of them (a long reply first loses its
+    reasoning detail, then trailing search words).
+    """
+
+    def __init__(self, env: WebShopEnv, tokenizer: Any, max_turns: int, max_pages: int = DEFAULT_MAX_PAGES) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ExpertInputError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no EOS token")
+        self.env = env
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+        self.max_pages = max_pages
+        self.turn = 0
+        self.searches = 0
+        self.pages_seen = 0
+        self.moves: list[ExpertMove] = []
+
+    # --- the recipe --------------------------------------------------------------------------
+
+    def next_move(self) -> ExpertMove:
+        """The move for the engine's current page (does not advance the turn count)."""
+        engine = self.env.engine
+        if engine.goal is None:
+            raise RuntimeError("WebShopExpert called before the env was reset")
+        turns_left = self.max_turns - self.turn  # including this one
+        if engine.page == SEARCH:
+            return self._search(engine.goal)
+        if engine.page == RESULTS:
+            return self._results(engine, turns_left)
+        if engine.page == ITEM:
+            return self._item(engine, turns_left)
+        return ExpertMove("This page only describes the item, so I go back to it.", "click[< prev]")
+
+    def _search(self, goal: Mapping[str, Any]) -> ExpertMove:
+        instruction = str(goal["instruction_text"])
+        if self.searches == 0:
+            return ExpertMove("I am on the search page, so I search for the product the task describes.",
+                              f"search[{search_query(instruction)}]")
+        return ExpertMove("The last search listed nothing, so I search again with fewer words.",
+                          f"search[{search_query(instruction, goal.get('goal_options') or {})}]")
+
+    def _results(self, engine: Any, turns_left: int) -> ExpertMove:
+        goal = engine.goal
+        clickables = engine.clickables()
+        listed = [text for text, (kind, _) in clickables.items() if kind == "asin"]
+        target = str(goal["asin"]).lower()
+        if target in listed:
+            return ExpertMove(f"Item {target} matches what the task asks for, so I open it.", f"click[{target}]")
+        options_needed = len(goal.get("goal_options") or {})
+        more = engine.page_num * 10 < len(engine.results)  # the next page lists products
+        # After "next >": open the item, select its options, buy.
+        if listed and more and "next >" in clickables and self.pages_seen + 1 < self.max_pages \
+                and turns_left >= 3 + options_needed:
+            self.pages_seen += 1
+            return ExpertMove("None of the listed items matches the task well, so I look at the next page.",
+                              "click[next >]")
+        if listed:
+            wanted = _words(str(engine.instruction))
+            titles = {a: str(engine.world.by_asin[a.upper()].get("Title") or "") for a in listed}
+            best = max(listed, key=lambda a: (len(_words(titles[a]) & wanted), -listed.index(a)))
+            return ExpertMove(f"Item {best} is the closest match to the task on this page, so I open it.",
+                              f"click[{best}]")
+        # Nothing listed: back to the search page, where the next search drops the option words.
+        return ExpertMove("The search listed no items, so I go back and try other words.", "click[back to search]")
+
+    def _item(self, engine: Any, turns_left: int) -> ExpertMove:
+        clickables = engine.clickables()
+        chosen = set(engine.options.values())
+        for name, value in (engine.goal.get("goal_options") or {}).items():
+            kind = clickables.get(value, ("", None))[0]
+            if kind == "option" and value not in chosen and turns_left >= 2:
+                return ExpertMove(f"The task asks for {name}: {value}, and this item offers it, so I select it.",
+                                  f"click[{value}]")
+        return ExpertMove("This item fits the task and the requested options are selected, so I buy it.",
+                          "click[buy now]")
+
+    # --- GenerateFn --------------------------------------------------------------------------
+
+    def _encode(self, move: ExpertMove) -> list[int]:
+        ids = list(self.tokenizer.encode(move.reply(), add_special_tokens=False))
+        return ids + [int(self.tokenizer.eos_token_id)]
+
+    def _fit(self, move: ExpertMove, limit: int) -> tuple[ExpertMove, list[int]]:
+        """``move`` as token ids within ``limit``: shorter reasoning, then fewer search words."""
+        ids = self._encode(move)
+        if len(ids) <= limit:
+            return move, ids
+        move = ExpertMove("I take the next step towards the purchase.", move.action)
+        ids = self._encode(move)
+        while len(ids) > limit and move.action.startswith("search[") and len(move.action[7:-1].split()) > 1:
+            move = ExpertMove(move.think, "search[" + " ".join(move.action[7:-1].split()[:-1]) + "]")
+            ids = self._encode(move)
+        if len(ids) > limit:
+            raise ValueError(f"the expert's reply needs {len(ids)} tokens, more than max_new_tokens={limit}")
+        return move, ids
+
+    async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+        """The next reply's token ids (EOS last); ``prompt_ids`` are not needed, the env state is read."""
+        move = self.next_move()
+        move, ids = self._fit(move, sampling.max_new_tokens)
+        if move.action.startswith("search["):
+            self.searches += 1
+        self.turn += 1
+        self.moves.append(move)
+        return ids
+
+
+# --- playing episodes and the SFT file --------------------------------------------------------
+
+
+def expert_env_config(
+    data_dir: str | Path | None,
+    split: str = EXPERT_SPLIT,
+    max_turns: int = DEFAULT_MAX_TURNS,
+    search_return_n: int = DEFAULT_SEARCH_RETURN_N,
+) -> dict[str, Any]:
+    """The WebShop env config the expert plays; only ``split="train"`` is accepted.
+
+    The val split (``goals[:500]``) is FedAgent's held-out evaluation set: trajectories on it would
+    leak the evaluation goals into the warm start.
+    """
+    if split != EXPERT_SPLIT:
+        raise ExpertInputError(f"split must be {EXPERT_SPLIT!r}, got {split!r}: expert trajectories are "
+                               "training data, and the val goals (goals[:500]) are held out for evaluation")
+    for name, value in (("max_turns", max_turns), ("search_return_n", search_return_n)):
+        if value < 1:
+            raise ExpertInputError(f"{name} must be >= 1, got {value}")
+    config: dict[str, Any] = {"split": split, "max_turns": max_turns, "search_return_n": search_return_n}
+    if data_dir is not None:
+        config["data_dir"] = str(data_dir)
+    return config
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How the expert's episodes are played: rollout mode and the recipe's length limits."""
+
+    mode: str = "concat"
+    max_turns: int = DEFAULT_MAX_TURNS
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_prompt_length: int = DEFAULT_MAX_PROMPT_LENGTH
+    max_response_length: int = DEFAULT_MAX_RESPONSE_LENGTH
+    history_length: int = 2
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ExpertInputError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("max_turns", "max_new_tokens", "max_prompt_length", "max_response_length"):
+            if getattr(self, name) < 1:
+                raise ExpertInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.history_length < 0:
+            raise ExpertInputError(f"history_length must be >= 0, got {self.history_length}")
+
+
+async def play_expert_episode(
+    env: WebShopEnv, seed: int, tokenizer: Any, settings: EpisodeSettings
+) -> tuple[Episode, dict[str, Any]]:
+    """Play one episode of ``env`` with a fresh :class:`WebShopExpert`; return it and its SFT record.
+
+    The record: env, split, seed, goal_index (absolute, into the shuffled goal list), asin, mode,
+    reward (the env's: 10 iff the purchase scored exactly 1.0), task_score (the purchase's score in
+    [0, 1], 0 without one), success, num_turns, truncated, valid_replies (turns the projection
+    accepted), messages (``Episode.messages``).
+    """
+    if env.split != EXPERT_SPLIT:
+        raise ExpertInputError(f"the expert plays only the {EXPERT_SPLIT!r} split, not {env.split!r}")
+    expert = WebShopExpert(env, tokenizer, settings.max_turns)
+    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0)
+    max_model_len = settings.max_prompt_length + settings.max_response_length
+    if settings.mode == "windowed":
+        from fedagent_flwr.rollout.windowed import run_windowed_episode
+
+        episode = await run_windowed_episode(env, seed, tokenizer, expert, sampling, settings.max_turns,
+                                             max_model_len, history_length=settings.history_length)
+    else:
+        episode = await run_episode(env, seed, tokenizer, expert, sampling, settings.max_turns, max_model_len,
+                                    max_response_len=settings.max_response_length)
+    last = episode.turns[-1].info if episode.turns else {}
+    record = {
+        "env": "webshop",
+        "split": env.split,
+        "seed": seed,
+        "goal_index": env.goal_index,
+        "asin": env.engine.goal["asin"] if env.engine.goal else None,
+        "mode": settings.mode,
+        "reward": episode.reward,
+        "task_score": float(last.get("task_score", 0.0)) if last.get("reward_info") is not None else 0.0,
+        "success": episode.success,
+        "num_turns": episode.num_turns,
+        "truncated": episode.truncated,
+        "valid_replies": sum(1 for t in episode.turns if t.info.get("is_action_valid")),
+        "messages": episode.messages,
+    }
+    return episode, record
+
+
+@dataclass
+class ExpertSummary:
+    """Totals over the written episodes (what the command prints last)."""
+
+    episodes: int = 0
+    successes: int = 0
+    score_sum: float = 0.0
+    turns: int = 0
+    replies: int = 0
+    valid_replies: int = 0
+    truncated: int = 0
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        self.episodes += 1
+        self.successes += bool(record["success"])
+        self.score_sum += float(record["task_score"])
+        self.turns += int(record["num_turns"])
+        self.replies += int(record["num_turns"])
+        self.valid_replies += int(record["valid_replies"])
+        self.truncated += bool(record["truncated"])
+
+    def line(self) -> str:
+        n = max(self.episodes, 1)
+        return (f"episodes {self.episodes}, success rate {self.successes / n:.3f} ({self.successes}/{self.episodes}), "
+                f"mean task score {self.score_sum / n:.3f}, mean turns {self.turns / n:.2f}, "
+                f"format-valid replies {self.valid_replies}/{self.replies}, "
+                f"truncated {self.truncated} (stopped by the length limits before a purchase)")
+
+
+def write_expert_file(
+    out: str | Path,
+    env_config: Mapping[str, Any],
+    tokenizer: Any,
+    seeds: Sequence[int],
+    settings: EpisodeSettings,
+    log: Callable[[str], None] | None = None,
+) -> ExpertSummary:
+    """Play one expert episode per seed and write one JSON line each to ``out`` (temp name + rename).
+
+    ``log`` (a callable taking a line) gets one progress line per episode. Also checks every reply
+    with FedAgent's projection: a reply it does not accept is a bug here, so it stops the run.
+    """
+    from fedagent_flwr.atomic import atomic_path
+
+    env = WebShopEnv(env_config)
+    summary = ExpertSummary()
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for i, seed in enumerate(seeds):
+            episode, record = asyncio.run(play_expert_episode(env, int(seed), tokenizer, settings))
+            for message in record["messages"]:
+                if message["role"] == "assistant" and not project_action(message["content"])[1]:
+                    raise RuntimeError(f"seed {seed}: the projection refuses the expert reply {message['content']!r}")
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            summary.add(record)
+            if log is not None:
+                log(f"episode {i + 1}/{len(seeds)} seed {seed} goal {record['goal_index']}: "
+                    f"{'success' if record['success'] else 'no success'}, task score {record['task_score']:.3f}, "
+                    f"{record['num_turns']} turns")
+    return summary
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedagent webshop-expert",
+        description="Play WebShop training goals with the expert (oracle) policy and write the episodes "
+                    "as JSON lines (SFT data for a warm start).")
+    parser.add_argument("--data-dir", default=None,
+                        help="WebShop data directory (default: $FEDAGENT_WEBSHOP_DATA)")
+    parser.add_argument("--split", default=EXPERT_SPLIT, help="goal split; only 'train' is accepted (default)")
+    parser.add_argument("--episodes", type=int, default=100, help="episodes to play (default 100)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="episodes use seeds first-seed, first-seed+1, ... (seed s plays train goal s %% 6410)")
+    parser.add_argument("--model", default="",
+                        help="model directory whose tokenizer renders the chat "
+                             "('' = the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--out", required=True, help="output JSON-lines file (written via a temp name + rename)")
+    parser.add_argument("--mode", default="concat", choices=MODES, help="rollout mode (default concat, the recipe's)")
+    parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS)
+    parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--max-prompt-length", type=int, default=DEFAULT_MAX_PROMPT_LENGTH)
+    parser.add_argument("--max-response-length", type=int, default=DEFAULT_MAX_RESPONSE_LENGTH)
+    parser.add_argument("--history-length", type=int, default=2, help="windowed mode: steps each prompt shows")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary line")
+    return parser
+
+
+def _load_tokenizer(model: str) -> Any:
+    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelResolutionError as exc:
+        raise ExpertInputError(str(exc)) from None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ExpertInputError(f"no usable tokenizer in {path}: {exc}") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ExpertInputError(f"the tokenizer in {path} has no chat template")
+    return tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fedagent webshop-expert``: write expert episodes; 0 on success, 2 on bad input."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.episodes < 1:
+            raise ExpertInputError(f"--episodes must be >= 1, got {args.episodes}")
+        if args.first_seed < 0:
+            raise ExpertInputError(f"--first-seed must be >= 0, got {args.first_seed}")
+        if Path(args.out).is_dir():
+            raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
+        config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
+        settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
+                                   args.max_response_length, args.history_length)
+        WebShopEnv.check_config(config)  # the data directory holds the catalogue files
+        tokenizer = _load_tokenizer(args.model)
+    except ValueError as exc:  # ExpertInputError and the env's config errors
+        print(f"fedagent webshop-expert: error: {exc}", file=sys.stderr)
+        return 2
+    seeds = range(args.first_seed, args.first_seed + args.episodes)
+    summary = write_expert_file(args.out, config, tokenizer, seeds, settings,
+                                log=None if args.quiet else lambda line: print(line, flush=True))
+    print(f"wrote {args.out}: {summary.line()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
