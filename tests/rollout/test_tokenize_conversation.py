@@ -10,7 +10,7 @@ import pytest
 
 from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ConversationError, SamplingParams, run_episode, tokenize_conversation
-from tests.rollout.test_episode import scripted_policy
+from testkit.scripted_policy import scripted_policy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
 
