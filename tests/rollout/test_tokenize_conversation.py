@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from fedagent_flwr.envs.tiny_guess import TinyGuess
-from fedagent_flwr.rollout import ConversationError, SamplingParams, run_episode, tokenize_conversation
+from fedagent_flwr.rollout import (
+    ConversationError,
+    SamplingParams,
+    run_episode,
+    run_windowed_episode,
+    tokenize_conversation,
+)
 from testkit.scripted_policy import scripted_policy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
@@ -38,6 +44,18 @@ def test_a_played_episode_round_trips(smollm2_tokenizer: Any, replies: list[str]
 
     got = tokenize_conversation(tok, episode.messages)
     assert got == (episode.prompt_ids, episode.response_ids, episode.response_mask)
+
+
+def test_each_window_round_trips_as_a_one_turn_conversation(smollm2_tokenizer: Any) -> None:
+    """Windowed mode: the transcript is (window prompt, reply) pairs, each its own sample."""
+    tok = smollm2_tokenizer
+    generate, _ = scripted_policy(tok, ["<answer>25</answer>", "<answer>12</answer>", "<answer>7</answer>"])
+    episode = asyncio.run(run_windowed_episode(TinyGuess({"max_turns": 6}), 6, tok, generate, SAMPLING,
+                                               max_turns=6, max_model_len=2048))
+    assert episode.success and len(episode.windows) == 3 == len(episode.messages) // 2
+    for index, window in enumerate(episode.windows):
+        pair = episode.messages[2 * index: 2 * index + 2]
+        assert tokenize_conversation(tok, pair) == (window.prompt_ids, window.response_ids, window.response_mask)
 
 
 def test_every_reply_ends_with_the_turn_closing_eos(smollm2_tokenizer: Any) -> None:
