@@ -3,14 +3,16 @@ reference trainer."""
 
 from fedagent_flwr.rollout.episode import (
     ChatTemplateError,
+    ConversationError,
     Episode,
     GenerateFn,
     SamplingParams,
     TurnRecord,
     WindowSample,
     run_episode,
+    tokenize_conversation,
 )
 from fedagent_flwr.rollout.windowed import ROLLOUT_MODES, run_windowed_episode
 
-__all__ = ["ROLLOUT_MODES", "ChatTemplateError", "Episode", "GenerateFn", "SamplingParams", "TurnRecord",
-           "WindowSample", "run_episode", "run_windowed_episode"]
+__all__ = ["ROLLOUT_MODES", "ChatTemplateError", "ConversationError", "Episode", "GenerateFn", "SamplingParams",
+           "TurnRecord", "WindowSample", "run_episode", "run_windowed_episode", "tokenize_conversation"]

@@ -70,6 +70,11 @@ def stop_token_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> set[i
     return stop_ids
 
 
+def stop_texts(tokenizer: Any, stop_ids: Iterable[int]) -> list[str]:
+    """The text of each stop id, in id order (the order :meth:`ChatRenderer.glue` tries them)."""
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
+
+
 @dataclass
 class TurnRecord:
     """What happened in one turn (kept for logs and debugging; not used for training)."""
@@ -154,6 +159,11 @@ class ChatRenderer:
         # differ from apply_chat_template(tokenize=True).
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prompt(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The first prompt of an episode (``messages`` with the generation prompt), as text and ids."""
+        text = self.render(messages, add_generation_prompt=True)
+        return text, self.encode(text)
+
     def _extends(self, shorter: str, longer: str, step: str) -> str:
         if not longer.startswith(shorter):
             raise ChatTemplateError(
@@ -161,6 +171,19 @@ class ChatRenderer:
                 f"extend its previous output when {step}; multi-turn masks cannot be built from it"
             )
         return longer[len(shorter):]
+
+    def closing(self, prompt_text: str, history: list[dict[str, str]], reply: str) -> tuple[str, str]:
+        """The rendered ``history`` (ending with the assistant ``reply``) and the template's text that
+        closes the reply (e.g. ChatML's ``<|im_end|>\\n``); ``prompt_text`` is the rendered history
+        before the reply, with the generation prompt."""
+        with_reply = self.render(history, add_generation_prompt=False)
+        reply_part = self._extends(prompt_text, with_reply, "adding the assistant reply")
+        if not reply_part.startswith(reply):
+            raise ChatTemplateError(
+                f"the chat template of tokenizer {_tokenizer_name(self.tokenizer)!r} does not render "
+                "the assistant reply verbatim; multi-turn masks cannot be built from it"
+            )
+        return with_reply, reply_part[len(reply):]
 
     def glue(
         self,
@@ -176,14 +199,7 @@ class ChatRenderer:
         ``history`` ends with the assistant ``reply``; ``prompt_text`` is the rendered history
         before that reply, with the generation prompt.
         """
-        with_reply = self.render(history, add_generation_prompt=False)
-        reply_part = self._extends(prompt_text, with_reply, "adding the assistant reply")
-        if not reply_part.startswith(reply):
-            raise ChatTemplateError(
-                f"the chat template of tokenizer {_tokenizer_name(self.tokenizer)!r} does not render "
-                "the assistant reply verbatim; multi-turn masks cannot be built from it"
-            )
-        closing = reply_part[len(reply):]
+        with_reply, closing = self.closing(prompt_text, history, reply)
         if ended_with_eos:
             # The sampled EOS already closed the turn when the template closes turns with it;
             # otherwise the template's own closing follows the sampled EOS.
@@ -222,7 +238,7 @@ async def run_episode(
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     stop_ids = stop_token_ids(tokenizer, eos_token_ids)
-    eos_texts = [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
+    eos_texts = stop_texts(tokenizer, stop_ids)
     renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     try:
         system = await env.system_prompt()
@@ -231,8 +247,7 @@ async def run_episode(
             {"role": "system", "content": system},
             {"role": "user", "content": observation},
         ]
-        prompt_text = renderer.render(messages, add_generation_prompt=True)
-        prompt_ids = renderer.encode(prompt_text)
+        prompt_text, prompt_ids = renderer.prompt(messages)
         context = list(prompt_ids)
         response_ids: list[int] = []
         response_mask: list[int] = []
@@ -290,3 +305,94 @@ async def run_episode(
         )
     finally:
         await env.close()
+
+
+class ConversationError(ValueError):
+    """A recorded conversation that cannot be laid out as an episode (see :func:`tokenize_conversation`)."""
+
+
+def _reply_stop_id(closing: str, stop_ids: set[int], eos_texts: list[str], tokenizer: Any) -> int | None:
+    """The stop id a policy ends a reply with, given the template's ``closing`` text after the reply.
+
+    The first stop id (in id order, as :meth:`ChatRenderer.glue` tries them) whose text starts the
+    closing; when none does, the tokenizer's EOS if it is a stop id, else the smallest stop id;
+    None when there are no stop ids at all.
+    """
+    for stop_id, text in zip(sorted(stop_ids), eos_texts):
+        if text and closing.startswith(text):
+            return stop_id
+    if tokenizer.eos_token_id in stop_ids:
+        return int(tokenizer.eos_token_id)
+    return min(stop_ids) if stop_ids else None
+
+
+def _check_layout(messages: list[dict[str, str]]) -> int:
+    """Index of the first assistant message; ConversationError unless the messages before it end
+    with a user message and, from it on, assistant and user messages alternate."""
+    roles = [message.get("role") for message in messages]
+    if "assistant" not in roles:
+        raise ConversationError("the conversation has no assistant message")
+    first = roles.index("assistant")
+    if first == 0 or roles[first - 1] != "user":
+        raise ConversationError("the first assistant message must follow a user message")
+    for index in range(first, len(roles)):
+        expected = "assistant" if (index - first) % 2 == 0 else "user"
+        if roles[index] != expected:
+            raise ConversationError(
+                f"message {index} has role {roles[index]!r}, expected {expected!r}: after the first "
+                "reply, assistant and user messages must alternate"
+            )
+    return first
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    eos_token_ids: Iterable[int] | None = None,
+) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, response_ids, response_mask)`` of a recorded conversation, laid out exactly as
+    :func:`run_episode` lays out the episode that produced it, so that supervised training (the warm
+    start) and RL train on one token layout.
+
+    The messages before the first assistant message (system + first observation) are the prompt,
+    with the generation prompt. Each reply is its text's tokens followed by the stop id that ends
+    it (:func:`_reply_stop_id`; for ChatML the ``<|im_end|>`` that closes the turn), mask 1, so the
+    model learns to stop; each later user message adds the template glue (mask 0), built by the
+    same :meth:`ChatRenderer.glue` the runner uses. A conversation that ends with a user message
+    (an episode truncated before its next turn) ends with that message's glue.
+
+    Round trip: for an episode whose replies each ended with a stop id (what a chat policy emits),
+    ``tokenize_conversation(episode.messages)`` equals the episode's ids and mask. It cannot when
+    a reply's sampled ids are not the tokenizer's own encoding of its decoded text (a
+    non-canonical split, special tokens that ``skip_special_tokens`` dropped, a text that
+    decoding's cleanup changed), or when a reply was cut at ``max_new_tokens`` without a stop id
+    (the runner then trains no stop id and its glue keeps the template's closing).
+    """
+    first = _check_layout(messages)
+    stop_ids = stop_token_ids(tokenizer, eos_token_ids)
+    eos_texts = stop_texts(tokenizer, stop_ids)
+    renderer = ChatRenderer(tokenizer, chat_template_kwargs)
+    history = [dict(message) for message in messages[:first]]
+    prompt_text, prompt_ids = renderer.prompt(history)
+    response_ids: list[int] = []
+    response_mask: list[int] = []
+    for index in range(first, len(messages), 2):
+        reply = messages[index]["content"]
+        history.append({"role": "assistant", "content": reply})
+        stop_id = _reply_stop_id(renderer.closing(prompt_text, history, reply)[1], stop_ids, eos_texts, tokenizer)
+        reply_ids = renderer.encode(reply) + ([] if stop_id is None else [stop_id])
+        response_ids += reply_ids
+        response_mask += [1] * len(reply_ids)
+        if index + 1 == len(messages):
+            break
+        observation = messages[index + 1]["content"]
+        glue_text, prompt_text = renderer.glue(
+            prompt_text, history, reply, observation, stop_id is not None, eos_texts
+        )
+        glue_ids = renderer.encode(glue_text)
+        history.append({"role": "user", "content": observation})
+        response_ids += glue_ids
+        response_mask += [0] * len(glue_ids)
+    return prompt_ids, response_ids, response_mask

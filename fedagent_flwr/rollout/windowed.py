@@ -84,8 +84,7 @@ async def run_windowed_episode(
         while len(turns) < max_turns:
             window = Window(system, first_observation, first_info, observation, info, tuple(history), history_length)
             text = env.window_prompt(window)
-            prompt_text = renderer.render([{"role": "user", "content": text}], add_generation_prompt=True)
-            prompt_ids = renderer.encode(prompt_text)
+            _, prompt_ids = renderer.prompt([{"role": "user", "content": text}])
             if (len(prompt_ids) + sampling.max_new_tokens > max_model_len
                     or (max_prompt_len is not None and len(prompt_ids) > max_prompt_len)):
                 truncated = True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from fedagent_flwr.envs.tiny_guess import TinyGuess
 from fedagent_flwr.rollout import ChatTemplateError, Episode, SamplingParams, run_episode
 from fedagent_flwr.rollout.windowed import run_windowed_episode
 from fedagent_flwr.trainers.common.sampler import HFPolicy
+from testkit.scripted_policy import scripted_policy
 
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=1.0, top_p=1.0)
 
@@ -25,19 +25,6 @@ class ClosingGuess(TinyGuess):
 
     async def close(self) -> None:
         self.closed = True
-
-
-def scripted_policy(tokenizer: Any, replies: list[str]) -> tuple[Any, list[list[int]]]:
-    """A policy that answers with fixed texts, each ended by EOS as a chat model does."""
-    sent: list[list[int]] = []
-    texts: Iterator[str] = iter(replies)
-
-    async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
-        ids = tokenizer.encode(next(texts), add_special_tokens=False) + [tokenizer.eos_token_id]
-        sent.append(ids)
-        return ids
-
-    return generate, sent
 
 
 def mask_runs(episode: Episode) -> list[tuple[int, list[int]]]:

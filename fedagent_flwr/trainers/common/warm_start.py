@@ -1,0 +1,371 @@
+"""``fedagent warm-start``: supervised fine-tuning (SFT) of a causal LM on recorded conversations.
+
+Why: a small base model that never writes the environment's reply format (SmolLM2-135M on WebShop,
+docs/gpu-runs/2026-12-02/webshop-diagnosis.md) gives federated RL no signal at all; a short
+supervised pass on valid expert trajectories first teaches it the format. The result is a plain
+Hugging Face model directory, used as a run's base model (``model.path``).
+
+What: each JSONL line ``{"messages": [...], "reward": float?}`` is laid out by
+:func:`~fedagent_flwr.rollout.episode.tokenize_conversation`, i.e. exactly as the concat rollout
+lays out the episode, and the loss is the cross-entropy of the reply tokens only (mask 1; the
+prompt and the template glue around observations carry label -100). Plain torch: AdamW at a
+constant learning rate, gradient clipping, a shuffle drawn from ``torch.Generator`` seeded with
+``--seed``, bf16 autocast on CUDA and fp32 on the CPU (the weights stay fp32). Conversations
+longer than ``--max-len`` tokens are dropped (never truncated: a cut reply would teach the model
+to stop mid-action) and counted.
+
+The output directory is written under a temporary name and renamed into place; besides the model
+and tokenizer it holds ``warm_start.json`` (:data:`RECORD_FILE`): the data file's sha256, the
+examples used and dropped, epochs, steps, losses, seed and base model, so a run whose base model
+it is records where that model came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.atomic import temporary_dir, write_json_atomic
+from fedagent_flwr.rollout.episode import ConversationError, tokenize_conversation
+
+RECORD_FILE = "warm_start.json"
+IGNORE = -100  # torch's cross-entropy ignore_index: positions without a label
+
+
+class WarmStartError(ValueError):
+    """Bad input or output for the warm start; the message is the one line the command prints."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One conversation as a training sample: the token ids and their labels (``IGNORE`` except on
+    reply tokens, where the label is the token itself; the loss shifts them by one)."""
+
+    line: int
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The optimisation settings of one warm start."""
+
+    epochs: int = 3
+    lr: float = 1e-5
+    batch_size: int = 4
+    seed: int = 0
+    max_grad_norm: float = 1.0
+    log_every: int = 10
+
+
+@dataclass
+class TrainStats:
+    """What a training pass did: steps, the mean reply-token loss of each epoch, of the first and
+    last step."""
+
+    steps: int = 0
+    epoch_losses: list[float] = field(default_factory=list)
+    first_step_loss: float = math.nan
+    last_step_loss: float = math.nan
+
+
+def read_conversations(path: Path, min_reward: float | None = None) -> list[tuple[int, list[dict[str, str]]]]:
+    """``(line number, messages)`` of every conversation in the JSONL file ``path``, in file order.
+
+    Blank lines are skipped. With ``min_reward`` only lines whose ``reward`` is at least that are
+    kept, and a line without a numeric reward is refused. WarmStartError names ``file:line``.
+    """
+    if not path.is_file():
+        raise WarmStartError(f"data file {path} does not exist")
+    kept: list[tuple[int, list[dict[str, str]]]] = []
+    with path.open(encoding="utf-8") as handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise WarmStartError(f"{where}: not JSON ({exc.msg})") from None
+            messages = record.get("messages") if isinstance(record, dict) else None
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise WarmStartError(f"{where}: no 'messages' list of {{'role': str, 'content': str}} objects")
+            if min_reward is not None:
+                reward = record.get("reward")
+                if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+                    raise WarmStartError(f"{where}: --min-reward is set but the line has no numeric 'reward'")
+                if reward < min_reward:
+                    continue
+            kept.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
+    return kept
+
+
+def make_example(line: int, prompt_ids: list[int], response_ids: list[int], response_mask: list[int]) -> Example:
+    """The training sample of one laid-out conversation: labels only where the mask is 1."""
+    labels = [IGNORE] * len(prompt_ids) + [t if m else IGNORE for t, m in zip(response_ids, response_mask)]
+    return Example(line, prompt_ids + response_ids, labels)
+
+
+def build_examples(
+    tokenizer: Any, conversations: Sequence[tuple[int, list[dict[str, str]]]], max_len: int, source: str = "data"
+) -> tuple[list[Example], int]:
+    """The examples of ``conversations`` and how many were dropped for being longer than ``max_len``.
+
+    WarmStartError (naming ``source:line``) for a conversation without a reply or with a layout the
+    rollout never produces.
+    """
+    examples: list[Example] = []
+    dropped = 0
+    for line, messages in conversations:
+        try:
+            example = make_example(line, *tokenize_conversation(tokenizer, messages))
+        except ConversationError as exc:
+            raise WarmStartError(f"{source}:{line}: {exc}") from None
+        if len(example.input_ids) > max_len:
+            dropped += 1
+        else:
+            examples.append(example)
+    return examples, dropped
+
+
+def collate(batch: Sequence[Example], pad_id: int, device: Any) -> tuple[Any, Any, Any]:
+    """Right-padded ``(input_ids, attention_mask, labels)`` tensors of ``batch`` on ``device``."""
+    import torch
+
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for row, example in enumerate(batch):
+        n = len(example.input_ids)
+        ids[row, :n] = torch.tensor(example.input_ids)
+        attention[row, :n] = 1
+        labels[row, :n] = torch.tensor(example.labels)
+    return ids.to(device), attention.to(device), labels.to(device)
+
+
+def reply_loss(model: Any, ids: Any, attention: Any, labels: Any) -> tuple[Any, int]:
+    """Summed cross-entropy of the labelled (reply) tokens, each predicted from the position before
+    it, and their count. bf16 autocast on CUDA, fp32 elsewhere; the loss itself in fp32."""
+    import torch
+
+    with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    target = labels[:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+        ignore_index=IGNORE, reduction="sum")
+    return loss, int((target != IGNORE).sum())
+
+
+def mean_reply_nll(model: Any, examples: Sequence[Example], pad_id: int, device: Any, batch_size: int = 4) -> float:
+    """Mean negative log-likelihood per reply token of ``examples`` under ``model`` (no gradients)."""
+    import torch
+
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            loss, n = reply_loss(model, *collate(examples[start:start + batch_size], pad_id, device))
+            total, count = total + float(loss), count + n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def shuffled_batches(examples: Sequence[Example], batch_size: int, generator: Any) -> Iterator[list[Example]]:
+    """One epoch's batches in an order drawn from ``generator`` (a seeded ``torch.Generator``)."""
+    import torch
+
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    for start in range(0, len(order), batch_size):
+        yield [examples[i] for i in order[start:start + batch_size]]
+
+
+def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: int, device: Any,
+          log: Any = print) -> TrainStats:
+    """Fine-tune ``model`` in place on ``examples``; ``log`` gets a progress line every
+    ``config.log_every`` steps (step, loss, tokens/s) and after the last."""
+    import torch
+
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    total_steps = config.epochs * math.ceil(len(examples) / config.batch_size)
+    stats = TrainStats()
+    model.train()
+    window_tokens, window_start = 0, time.monotonic()
+    for epoch in range(1, config.epochs + 1):
+        epoch_loss, epoch_tokens = 0.0, 0
+        for batch in shuffled_batches(examples, config.batch_size, generator):
+            ids, attention, labels = collate(batch, pad_id, device)
+            loss_sum, n = reply_loss(model, ids, attention, labels)
+            loss = loss_sum / max(n, 1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            optimizer.step()
+            stats.steps += 1
+            value = float(loss.detach())
+            if stats.steps == 1:
+                stats.first_step_loss = value
+            stats.last_step_loss = value
+            epoch_loss, epoch_tokens = epoch_loss + float(loss_sum.detach()), epoch_tokens + n
+            window_tokens += int(attention.sum())
+            if stats.steps % config.log_every == 0 or stats.steps == total_steps:
+                elapsed = max(time.monotonic() - window_start, 1e-9)
+                log(f"step {stats.steps}/{total_steps} epoch {epoch}: loss {value:.4f}, "
+                    f"{window_tokens / elapsed:.0f} tokens/s")
+                window_tokens, window_start = 0, time.monotonic()
+        stats.epoch_losses.append(epoch_loss / max(epoch_tokens, 1))
+    return stats
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """WarmStartError if ``out`` is a file, or a non-empty directory and ``force`` is not set."""
+    if out.exists() and not out.is_dir():
+        raise WarmStartError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise WarmStartError(f"--out {out} exists and is not empty; pass --force to replace it")
+
+
+def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:
+    """Write model, tokenizer and ``warm_start.json`` to a temporary directory beside ``out``, then
+    rename it to ``out`` (an existing ``out`` is moved aside first and removed after)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = temporary_dir(out.parent, f".{out.name}.tmp-")
+    aside: Path | None = None
+    try:
+        model.save_pretrained(str(staged))
+        tokenizer.save_pretrained(str(staged))
+        write_json_atomic(staged / RECORD_FILE, record)
+        if out.exists():
+            aside = temporary_dir(out.parent, f".{out.name}.old-")
+            os.replace(out, aside / out.name)
+        os.replace(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line of ``fedagent warm-start``."""
+    parser = argparse.ArgumentParser(
+        prog="fedagent warm-start",
+        description="Supervised warm start: fine-tune a causal LM on recorded conversations (loss on the "
+                    "replies only, laid out as the concat rollout lays out episodes).")
+    parser.add_argument("--data", type=Path, required=True, help="JSONL file, one {'messages': [...]} per line")
+    parser.add_argument("--model", default="", help="base model dir or hub id ('' = the bundled SmolLM2-135M)")
+    parser.add_argument("--out", type=Path, required=True, help="output model directory")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--max-len", type=int, default=4096, help="drop conversations longer than this (tokens)")
+    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--min-reward", type=float, default=None, help="keep lines whose 'reward' is at least this")
+    parser.add_argument("--max-grad-norm", type=float, default=TrainConfig.max_grad_norm)
+    parser.add_argument("--log-every", type=int, default=TrainConfig.log_every, help="steps between progress lines")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "max_len", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.lr > 0 or not args.max_grad_norm > 0:
+        parser.error("--lr and --max-grad-norm must be > 0")
+    return args
+
+
+def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
+    """Run the warm start that ``args`` (:func:`parse_args`) describe; return the written record."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+    from fedagent_flwr.trainers.common.precision import torch_device
+    from fedagent_flwr.trainers.common.seeds import reseed
+
+    check_out_dir(args.out, args.force)
+    conversations = read_conversations(args.data, args.min_reward)
+    try:
+        base = resolve_model_path(args.model)
+    except ModelResolutionError as exc:
+        raise WarmStartError(str(exc)) from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise WarmStartError("--device cuda but torch sees no CUDA device")
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    examples, dropped = build_examples(tokenizer, conversations, args.max_len, str(args.data))
+    if dropped:
+        log(f"dropped {dropped} of {len(conversations)} conversations longer than --max-len {args.max_len} tokens")
+    if not examples:
+        raise WarmStartError(f"{args.data}: no conversation left to train on "
+                             f"({len(conversations)} after --min-reward, {dropped} too long)")
+    reseed(args.seed)
+    device = torch_device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                         max_grad_norm=args.max_grad_norm, log_every=args.log_every)
+    reply_tokens = sum(len(e.labels) - e.labels.count(IGNORE) for e in examples)
+    log(f"warm start: {len(examples)} conversations, {reply_tokens} reply tokens, base {base}, device {device}")
+    started = time.monotonic()
+    stats = train(model, examples, config, int(pad_id), device, log)
+    record = {
+        "data": str(args.data.resolve()),
+        "data_sha256": file_sha256(args.data),
+        "base_model": str(base),
+        "min_reward": args.min_reward,
+        "max_len": args.max_len,
+        "examples_used": len(examples),
+        "examples_dropped_too_long": dropped,
+        "reply_tokens": reply_tokens,
+        "device": str(device),
+        "seconds": round(time.monotonic() - started, 1),
+        **{k: v for k, v in asdict(config).items() if k != "log_every"},
+        "steps": stats.steps,
+        "loss_first_epoch": stats.epoch_losses[0],
+        "loss_last_epoch": stats.epoch_losses[-1],
+        "loss_first_step": stats.first_step_loss,
+        "loss_last_step": stats.last_step_loss,
+    }
+    save_output(model.to("cpu"), tokenizer, record, args.out)
+    log(f"saved {args.out} (loss {record['loss_first_epoch']:.4f} -> {record['loss_last_epoch']:.4f} "
+        f"over {stats.steps} steps)")
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fedagent warm-start``: exit 0 on success, 1 with one error line on bad input."""
+    args = parse_args(argv)
+    try:
+        warm_start(args)
+    except WarmStartError as exc:
+        print(f"fedagent warm-start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

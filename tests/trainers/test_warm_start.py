@@ -1,0 +1,173 @@
+"""``fedagent warm-start`` on the tiny model with the real SmolLM2 tokenizer: labels, learning,
+output directory, refusals and determinism."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedagent_flwr.rollout import tokenize_conversation
+from fedagent_flwr.trainers.common import warm_start as ws
+
+SYSTEM = "Guess the secret integer in [1, 50]. Reply as <answer>N</answer>."
+
+
+def conversation(guesses: list[int], answers: list[str], first: str = "Guess the number.") -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": first}]
+    for index, guess in enumerate(guesses):
+        messages.append({"role": "assistant", "content": f"<think>halve the range</think><answer>{guess}</answer>"})
+        if index < len(answers):
+            messages.append({"role": "user", "content": answers[index]})
+    return messages
+
+
+CONVERSATIONS = [conversation([25, 12, 7], ["lower", "lower"]), conversation([25, 37], ["higher"])]
+
+
+def write_jsonl(path: Path, lines: list[Any]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "expert.jsonl", [{"messages": m, "reward": 1.0, "seed": i}
+                                                   for i, m in enumerate(CONVERSATIONS)])
+
+
+def run(*argv: Any) -> int:
+    return ws.main([str(a) for a in argv])
+
+
+def weights_digest(model_dir: Path) -> str:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_labels_are_the_reply_tokens_only(smollm2_tokenizer: Any) -> None:
+    tok = smollm2_tokenizer
+    prompt, response, mask = tokenize_conversation(tok, CONVERSATIONS[0])
+    example = ws.make_example(1, prompt, response, mask)
+    labelled = [i for i, label in enumerate(example.labels) if label != ws.IGNORE]
+    assert labelled == [len(prompt) + j for j, m in enumerate(mask) if m]
+    assert all(example.labels[i] == example.input_ids[i] for i in labelled)
+    assert tok.decode([example.input_ids[i] for i in labelled], skip_special_tokens=True) == "".join(
+        m["content"] for m in CONVERSATIONS[0] if m["role"] == "assistant")
+
+    # other observation texts: more or fewer unlabelled tokens, the same labelled ones
+    wordy = conversation([25, 12, 7], ["lower, much lower than that", "still lower"], first="A much longer task text.")
+    other = ws.make_example(1, *tokenize_conversation(tok, wordy))
+    assert len(other.input_ids) != len(example.input_ids)
+    assert [t for t in other.labels if t != ws.IGNORE] == [t for t in example.labels if t != ws.IGNORE]
+
+
+def test_training_lowers_the_reply_loss(smollm2_tokenizer: Any, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tok = smollm2_tokenizer
+    examples, dropped = ws.build_examples(tok, list(enumerate(CONVERSATIONS, 1)), max_len=4096)
+    assert (len(examples), dropped) == (2, 0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    cpu = torch.device("cpu")
+    before = ws.mean_reply_nll(model, examples, tok.pad_token_id, cpu)
+    lines: list[str] = []
+    stats = ws.train(model, examples, ws.TrainConfig(epochs=30, lr=3e-3, batch_size=2, log_every=10),
+                     tok.pad_token_id, cpu, lines.append)
+    after = ws.mean_reply_nll(model, examples, tok.pad_token_id, cpu)
+    assert stats.steps == 30 and len(lines) == 3 and lines[-1].startswith("step 30/30 epoch 30: loss ")
+    assert "tokens/s" in lines[0]
+    assert after < 0.5 * before, (before, after)
+    assert stats.epoch_losses[-1] < 0.5 * stats.epoch_losses[0]
+    assert stats.epoch_losses[0] == pytest.approx(before, rel=1e-4)  # one batch: step 1 scores the untrained model
+
+
+def test_the_command_writes_a_loadable_model_with_its_record(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "warm"
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 2, "--lr", 1e-3,
+               "--batch-size", 1, "--device", "cpu", "--min-reward", 1.0, "--log-every", 2) == 0
+    printed = capsys.readouterr().out
+    assert "step 4/4 epoch 2" in printed and f"saved {out}" in printed
+    record = json.loads((out / ws.RECORD_FILE).read_text())
+    assert record["data_sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    assert (record["examples_used"], record["examples_dropped_too_long"], record["steps"]) == (2, 0, 4)
+    assert (record["epochs"], record["seed"], record["base_model"]) == (2, 0, str(tiny_model_dir.resolve()))
+    assert record["loss_last_epoch"] < record["loss_first_epoch"]
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    assert not torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 1, "--device", "cpu") == 1
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 1, "--device", "cpu",
+               "--force") == 0
+    assert json.loads((out / ws.RECORD_FILE).read_text())["steps"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["expert.jsonl", "warm"]
+
+
+def test_same_seed_same_weights(tiny_model_dir: Path, data: Path, tmp_path: Path) -> None:
+    def orders(seed: int) -> list[list[int]]:
+        examples = [ws.Example(i, [i], [i]) for i in range(2)]
+        batches = ws.shuffled_batches
+        generator = torch.Generator().manual_seed(seed)
+        return [[e.line for b in batches(examples, 1, generator) for e in b] for _ in range(2)]
+
+    assert orders(0) != orders(1)  # so seed 1 must give other weights
+    digests = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / name, "--epochs", 2,
+                   "--batch-size", 1, "--lr", 1e-3, "--seed", seed, "--device", "cpu") == 0
+        digests.append(weights_digest(tmp_path / name))
+    assert digests[0] == digests[1]
+    assert digests[2] != digests[0]  # another seed, another batch order
+
+
+def test_overlong_conversations_are_dropped_and_counted(smollm2_tokenizer: Any, tiny_model_dir: Path, data: Path,
+                                                        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "warm"
+    lengths = sorted(len(p + r) for p, r, _ in (tokenize_conversation(smollm2_tokenizer, m) for m in CONVERSATIONS))
+    assert lengths[0] < lengths[1]
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 1, "--device", "cpu",
+               "--max-len", lengths[0]) == 0
+    assert f"dropped 1 of 2 conversations longer than --max-len {lengths[0]} tokens" in capsys.readouterr().out
+    assert json.loads((out / ws.RECORD_FILE).read_text())["examples_dropped_too_long"] == 1
+
+
+@pytest.mark.parametrize(("lines", "args", "error"), [
+    (None, [], "does not exist"),
+    ([{"messages": CONVERSATIONS[0]}, "{not json"], [], "expert.jsonl:2: not JSON"),
+    ([{"messages": CONVERSATIONS[0]}, "", {"text": "hi"}], [], "expert.jsonl:3: no 'messages' list"),
+    ([{"messages": [{"role": "user", "content": 1}]}], [], "expert.jsonl:1: no 'messages' list"),
+    ([{"messages": CONVERSATIONS[0], "reward": 1}, {"messages": CONVERSATIONS[1]}], ["--min-reward", "0.5"],
+     "expert.jsonl:2: --min-reward is set but the line has no numeric 'reward'"),
+    ([{"messages": CONVERSATIONS[0]}, {"messages": CONVERSATIONS[1][:2]}], [],
+     "expert.jsonl:2: the conversation has no assistant message"),
+    ([{"messages": CONVERSATIONS[0], "reward": 0.2}], ["--min-reward", "0.5"],
+     "no conversation left to train on (0 after --min-reward, 0 too long)"),
+    ([], [], "no conversation left to train on"),
+])
+def test_bad_input_is_refused_with_one_line(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            lines: list[Any] | None, args: list[str], error: str) -> None:
+    path = tmp_path / "expert.jsonl"
+    if lines is not None:
+        write_jsonl(path, lines)
+    assert run("--data", path, "--model", tiny_model_dir, "--out", tmp_path / "warm", "--device", "cpu", *args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedagent warm-start: ") and error in err and err.count("\n") == 1
+    assert not (tmp_path / "warm").exists()
