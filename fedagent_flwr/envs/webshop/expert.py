@@ -335,6 +335,23 @@ class ExpertSummary:
                 f"truncated {self.truncated} (stopped by the length limits before a purchase)")
 
 
+def sft_lines(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The lines one episode's record becomes in the SFT file.
+
+    Concat mode: the record itself (its ``messages`` are the conversation as the concat rollout lays
+    it out). Windowed mode: one line per turn, its ``messages`` that turn's window (one user message)
+    and the reply, plus ``turn``: each windowed turn is a prompt of its own, which is how
+    ``fedagent warm-start`` reads a one-user-message conversation; the episode's other fields repeat.
+    """
+    if record["mode"] != "windowed":
+        return [dict(record)]
+    messages = list(record["messages"])
+    pairs = list(zip(messages[0::2], messages[1::2]))
+    if any(user["role"] != "user" or reply["role"] != "assistant" for user, reply in pairs):
+        raise ValueError(f"seed {record['seed']}: a windowed transcript must alternate user and assistant messages")
+    return [{**record, "turn": turn, "messages": [user, reply]} for turn, (user, reply) in enumerate(pairs)]
+
+
 def write_expert_file(
     out: str | Path,
     env_config: Mapping[str, Any],
@@ -343,7 +360,7 @@ def write_expert_file(
     settings: EpisodeSettings,
     log: Callable[[str], None] | None = None,
 ) -> ExpertSummary:
-    """Play one expert episode per seed and write one JSON line each to ``out`` (temp name + rename).
+    """Play one expert episode per seed and write its :func:`sft_lines` to ``out`` (temp name + rename).
 
     ``log`` (a callable taking a line) gets one progress line per episode. Also checks every reply
     with FedAgent's projection: a reply it does not accept is a bug here, so it stops the run.
@@ -358,7 +375,7 @@ def write_expert_file(
             for message in record["messages"]:
                 if message["role"] == "assistant" and not project_action(message["content"])[1]:
                     raise RuntimeError(f"seed {seed}: the projection refuses the expert reply {message['content']!r}")
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            handle.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in sft_lines(record))
             summary.add(record)
             if log is not None:
                 log(f"episode {i + 1}/{len(seeds)} seed {seed} goal {record['goal_index']}: "

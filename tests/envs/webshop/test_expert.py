@@ -99,6 +99,25 @@ def test_windowed_mode_alternates_user_and_assistant(smollm2_tokenizer: Any) -> 
     assert all(project_action(m["content"])[1] for m in record["messages"][1::2])
 
 
+def test_a_windowed_episode_is_written_one_turn_a_line_as_warm_start_reads_it(
+        smollm2_tokenizer: Any, tmp_path: Path) -> None:
+    """Each windowed turn is a prompt of its own: the SFT file holds one line per turn (the window
+    and its reply), which tokenizes as the windowed rollout's own prompt and reply."""
+    from fedagent_flwr.rollout import tokenize_conversation
+
+    settings = EpisodeSettings(mode="windowed")
+    out = tmp_path / "w.jsonl"
+    expert_module.write_expert_file(out, expert_env_config(DATA_DIR), smollm2_tokenizer, [1], settings)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    (episode, record, _), = _play(smollm2_tokenizer, range(1, 2), settings)
+    assert len(lines) == episode.num_turns > 1 and [line["turn"] for line in lines] == list(range(episode.num_turns))
+    assert [line["messages"] for line in lines] == [record["messages"][2 * k:2 * k + 2] for k in range(len(lines))]
+    assert all(line["seed"] == 1 and line["mode"] == "windowed" for line in lines)
+    for line, window in zip(lines, episode.windows):
+        prompt, response, mask = tokenize_conversation(smollm2_tokenizer, line["messages"])
+        assert prompt == list(window.prompt_ids) and response == list(window.response_ids) and all(mask)
+
+
 def test_long_replies_are_shortened_within_max_new_tokens(smollm2_tokenizer: Any) -> None:
     expert = WebShopExpert(None, smollm2_tokenizer, max_turns=6)  # type: ignore[arg-type]  # env unused by _fit
     move = ExpertMove("I am on the search page, so I search for the product the task describes.",
