@@ -23,7 +23,15 @@ turn (turn 0's prompts come from the data and the environment alone, so at step 
 match), names the first request of each class in run A's start order, with its step, and gives, per
 step, turn and class, the median number of other requests of the same run and step that overlapped each
 request in time in run A and in run B (``in_flight_by_step_turn``: how crowded the server was while the
-request ran, the load a batch-dependent numeric difference would follow).
+request ran, the load a batch-dependent numeric difference would follow), and per step, turn and
+class the median ``output_len`` in run A and in run B (``output_len_by_step_turn``, same shape).
+
+The in-flight read-out is confounded by output length: a request that generates more tokens runs
+longer, so more requests overlap it, and every generated token is one more draw that can part. In
+batch 19's pair the in-flight count correlated with ``output_len`` at r≈0.93 and the bit-identical
+requests were the short ones, so a class that ran "more crowded" may only have run longer; read
+``in_flight_by_step_turn`` beside ``output_len_by_step_turn`` (or compare requests of like length)
+before taking load as the cause.
 
 usage: python3 tools/gpu/fingerprints.py A.jsonl B.jsonl
 """
@@ -104,8 +112,11 @@ def in_flight(records: dict[JoinKey, dict[str, Any]]) -> dict[JoinKey, int]:
     return counts
 
 
-def _median(values: list[int]) -> float:
-    """The median of a non-empty list (the mean of the middle two for an even count)."""
+def _median(values: list[int]) -> float | None:
+    """The median of a list (the mean of the middle two for an even count); None for an empty one
+    (a class none of whose requests carries the value, e.g. ``output_len`` in an old file)."""
+    if not values:
+        return None
     ordered = sorted(values)
     middle = len(ordered) // 2
     return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
@@ -116,13 +127,15 @@ def compare(a: dict[JoinKey, dict[str, Any]], b: dict[JoinKey, dict[str, Any]]) 
     and turn, the requests in one run only, the first request of each class in A's start order (ties
     by join key): its step and place in the group, its place in that order, and both runs'
     prefix-cache hits and log-prob sums (a tiny gap is rounding, a large one other weights or another
-    prompt), and per step, turn and class the median of :func:`in_flight` in run A and in run B."""
+    prompt), and per step, turn and class the median of :func:`in_flight` and of ``output_len`` (the
+    tokens the request generated; the in-flight count grows with it) in run A and in run B."""
     both = sorted(set(a) & set(b), key=lambda k: (float(a[k].get("started", 0.0)), repr(k)))
     counts = dict.fromkeys(CLASSES, 0)
     by_step: dict[str, dict[str, int]] = {}
     by_turn: dict[str, dict[str, dict[str, int]]] = {}
     crowd_a, crowd_b = in_flight(a), in_flight(b)
     crowds: dict[tuple[str, str], dict[str, tuple[list[int], list[int]]]] = {}
+    lengths: dict[tuple[str, str], dict[str, tuple[list[int], list[int]]]] = {}
     first: dict[str, dict[str, Any]] = {}
     for rank, key in enumerate(both):
         x, y = a[key], b[key]
@@ -135,16 +148,24 @@ def compare(a: dict[JoinKey, dict[str, Any]], b: dict[JoinKey, dict[str, Any]]) 
         pair = crowds.setdefault((step, turn), {}).setdefault(kind, ([], []))
         pair[0].append(crowd_a[key])
         pair[1].append(crowd_b[key])
+        sizes = lengths.setdefault((step, turn), {}).setdefault(kind, ([], []))
+        for record, values in ((x, sizes[0]), (y, sizes[1])):
+            if isinstance(record.get("output_len"), int):
+                values.append(record["output_len"])
         if kind not in first:
             first[kind] = {**dict(zip(JOIN_KEYS, key)), "step": x.get("step"), "rollout_n": x.get("rollout_n"),
                            "started_rank": rank, "cached_tokens": [x.get("cached_tokens"), y.get("cached_tokens")],
                            "logprob_sum": [x.get("logprob_sum"), y.get("logprob_sum")]}
-    medians: dict[str, dict[str, dict[str, list[float]]]] = {}
+    medians: dict[str, dict[str, dict[str, list[float | None]]]] = {}
     for (step, turn), kinds in crowds.items():
         medians.setdefault(step, {})[turn] = {kind: [_median(xs), _median(ys)] for kind, (xs, ys) in kinds.items()}
+    length_medians: dict[str, dict[str, dict[str, list[float | None]]]] = {}
+    for (step, turn), kinds in lengths.items():
+        length_medians.setdefault(step, {})[turn] = {kind: [_median(xs), _median(ys)]
+                                                     for kind, (xs, ys) in kinds.items()}
     return {"joined": len(both), "only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a)),
             "counts": counts, "counts_by_step": by_step, "counts_by_step_turn": by_turn, "first": first,
-            "in_flight_by_step_turn": medians}
+            "in_flight_by_step_turn": medians, "output_len_by_step_turn": length_medians}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -262,9 +262,11 @@ def schedules(seeds: list[int], mean_gap_s: float) -> dict[str, list[float]]:
 
 
 def async_probe(label: str, out: Path, *, seeds: list[int], mean_gap_s: float, **settings: Any) -> None:
-    """Start one ``AsyncLLM`` with :func:`engine_args` (``settings`` its keywords), play every schedule
-    of :func:`schedules` on it, write the records as JSON at ``out`` and one fingerprint JSON-lines
-    file a schedule beside it (``<stem>-<schedule>.jsonl``)."""
+    """Start one ``AsyncLLM`` with :func:`engine_args` (``settings`` its keywords) and play every
+    schedule of :func:`schedules` on it (:func:`play_schedules`): as each schedule finishes, its
+    fingerprint JSON-lines file (``<stem>-<schedule>.jsonl``) is written beside ``out`` and the
+    record so far replaces the JSON at ``out``. Arguments are checked by :func:`check_async_args`
+    first (``main`` does so before this is called)."""
     from transformers import AutoTokenizer
     from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found]
     from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found]
@@ -286,44 +288,76 @@ def async_probe(label: str, out: Path, *, seeds: list[int], mean_gap_s: float, *
                     "async_scheduling": config.scheduler_config.async_scheduling,
                     "max_num_seqs": config.scheduler_config.max_num_seqs,
                     "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
-        ask = engine_ask(engine)
-        played: dict[str, list[dict[str, Any]]] = {}
-        seconds: dict[str, float] = {}
+        record = {"label": label, "kind": "async", "engine_args": {k: v for k, v in args.items() if k != "model"},
+                  "resolved": resolved, "mean_gap_s": mean_gap_s, "schedule_seeds": seeds,
+                  "engine_ready_s": round(ready, 1),
+                  "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}}
         try:
-            for name, starts in schedules(seeds, mean_gap_s).items():
-                await engine.reset_prefix_cache()  # each schedule starts cold: verl's wake_up resets it too
-                began = time.monotonic()
-                played[name] = await play(ask, tokenizer, starts)
-                seconds[name] = round(time.monotonic() - began, 2)
+            # each schedule starts cold: verl's wake_up resets the prefix cache too
+            return await play_schedules(engine_ask(engine), engine.reset_prefix_cache, tokenizer,
+                                        schedules(seeds, mean_gap_s), record, out)
         finally:
             engine.shutdown()
-        return {"label": label, "kind": "async", "engine_args": {k: v for k, v in args.items() if k != "model"},
-                "resolved": resolved, "mean_gap_s": mean_gap_s, "schedule_seeds": seeds,
-                "engine_ready_s": round(ready, 1), "schedule_seconds": seconds,
-                "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")},
-                "schedules": played}
 
     record = asyncio.run(run())
-    write_async(record, out)
     print(f"{label}: engine ready in {record['engine_ready_s']} s, schedules took {record['schedule_seconds']} s, "
           f"resolved {record['resolved']}", flush=True)
     for line in _async_within(record):
         print(line, flush=True)
 
 
-def write_async(record: dict[str, Any], out: Path) -> None:
-    """An ``async-probe`` record as JSON at ``out``, and each schedule's requests, with the keys
+async def play_schedules(ask: Ask, reset: Callable[[], Awaitable[Any]], tokenizer: Any,
+                         named: dict[str, list[float]], record: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Play each schedule of ``named`` in turn (``reset`` the prefix cache first, then :func:`play`)
+    and write what is done as soon as a schedule finishes (:func:`write_schedule`), so a label cut
+    short by a timeout keeps its finished schedules. ``record`` (the label's settings) gains
+    ``schedules_planned``, ``schedules``, ``schedule_seconds`` and ``prefix_cache_reset``
+    (:func:`cache_reset_result`); returns it."""
+    record.update({"schedules_planned": list(named), "schedules": {}, "schedule_seconds": {},
+                   "prefix_cache_reset": {}})
+    for name, starts in named.items():
+        cold = cache_reset_result(await reset())
+        record["prefix_cache_reset"][name] = cold
+        if cold is not True:
+            print(f"{record['label']}: {name}: the prefix cache could not be reset (reset_prefix_cache returned "
+                  f"{cold!r}), so this schedule does not start cold", flush=True)
+        began = time.monotonic()
+        rows = await play(ask, tokenizer, starts)
+        record["schedule_seconds"][name] = round(time.monotonic() - began, 2)
+        record["schedules"][name] = rows
+        write_schedule(record, name, out)
+    return record
+
+
+def cache_reset_result(result: Any) -> bool | None:
+    """What ``reset_prefix_cache()`` answered, as recorded per schedule: True (reset: the schedule
+    starts cold), False (vLLM could not reset it, e.g. while requests still hold blocks: the schedule
+    starts with the previous one's cache), None where it answered no bool (unknown)."""
+    return result if isinstance(result, bool) else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_schedule(record: dict[str, Any], name: str, out: Path) -> None:
+    """Schedule ``name`` of an ``async-probe`` record, just finished: its requests, with the keys
     ``trainer.request_fingerprints`` writes (:data:`FINGERPRINT_KEYS`), as JSON lines at
-    ``<stem>-<schedule>.jsonl`` beside it (for tools/gpu/fingerprints.py); each via a temp name."""
+    ``<stem>-<name>.jsonl`` beside ``out`` (for tools/gpu/fingerprints.py), then the whole record so
+    far as JSON at ``out``; each via a temp name and rename, so a reader never sees half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name, rows in record["schedules"].items():
-        lines = out.with_name(f"{out.stem}-{name}.jsonl")
-        tmp = lines.with_name(lines.name + ".tmp")
-        tmp.write_text("".join(json.dumps({k: row[k] for k in FINGERPRINT_KEYS}) + "\n" for row in rows))
-        tmp.replace(lines)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out)
+    rows = record["schedules"][name]
+    _write_atomic(out.with_name(f"{out.stem}-{name}.jsonl"),
+                  "".join(json.dumps({k: row[k] for k in FINGERPRINT_KEYS}) + "\n" for row in rows))
+    _write_atomic(out, json.dumps(record))
+
+
+def write_async(record: dict[str, Any], out: Path) -> None:
+    """A whole ``async-probe`` record at once: :func:`write_schedule` for each of its schedules."""
+    for name in record["schedules"]:
+        write_schedule(record, name, out)
 
 
 def agreement(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, int]:
@@ -392,7 +426,10 @@ def compare(files: list[Path]) -> None:
     """Each probe's own comparisons, then every pair of probes' one-batch runs; ValueError (from
     :func:`_same`) on runs of different lengths. ``async-probe`` records (``kind`` "async") likewise:
     each one's schedules against each other, then every pair of them schedule by schedule (settings
-    compared under the same arrivals); ValueError (from :func:`agreement`) on a repeated request."""
+    compared under the same arrivals); a label cut short (fewer schedules than ``schedules_planned``)
+    is compared on the schedules it finished, after a line naming the missing ones; a schedule whose
+    prefix cache could not be reset is named too. ValueError (from :func:`agreement`) on a repeated
+    request."""
     loaded = [json.loads(f.read_text()) for f in files]
     records = [r for r in loaded if r.get("kind") != "async"]
     for record in records:
@@ -403,6 +440,13 @@ def compare(files: list[Path]) -> None:
                   f"{_same(first['runs']['one-batch'], second['runs']['one-batch'])}")
     probes = [r for r in loaded if r.get("kind") == "async"]
     for record in probes:
+        missing = [n for n in record.get("schedules_planned", []) if n not in record["schedules"]]
+        if missing:
+            print(f"{record['label']}: cut short: {len(record['schedules'])} of "
+                  f"{len(record['schedules_planned'])} schedules finished (missing: {', '.join(missing)})")
+        cold = [n for n, ok in record.get("prefix_cache_reset", {}).items() if ok is not True]
+        if cold:
+            print(f"{record['label']}: prefix cache not reset before: {', '.join(cold)}")
         for line in _async_within(record):
             print(line)
     for i, first in enumerate(probes):
@@ -410,6 +454,24 @@ def compare(files: list[Path]) -> None:
             for name in [n for n in first["schedules"] if n in second["schedules"]]:
                 print(f"{first['label']} vs {second['label']}, {name}: "
                       f"{_agreement_line(first['schedules'][name], second['schedules'][name])}")
+
+
+def check_async_args(*, seeds: list[int], mean_gap_ms: float, max_num_seqs: int,
+                     max_num_batched_tokens: int) -> str | None:
+    """Why ``async-probe``'s arguments cannot run (one line), or None: checked before the engine starts
+    so that a bad value costs no engine start. The gap must be a positive finite number of ms, the
+    schedule seeds distinct (a repeated one would overwrite its schedule), ``max_num_seqs`` at least 1
+    and ``max_num_batched_tokens`` at least ``max_num_seqs`` (vLLM refuses less)."""
+    if not (math.isfinite(mean_gap_ms) and mean_gap_ms > 0):
+        return f"--mean-gap-ms must be > 0, got {mean_gap_ms}"
+    if len(set(seeds)) != len(seeds):
+        return f"--schedule-seeds must be distinct, got {seeds}"
+    if max_num_seqs < 1:
+        return f"--max-num-seqs must be >= 1, got {max_num_seqs}"
+    if max_num_batched_tokens < max_num_seqs:
+        return (f"--max-num-batched-tokens must be >= --max-num-seqs ({max_num_seqs}), "
+                f"got {max_num_batched_tokens}")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         probe(args.label, args.out)
         return 0
     if args.command == "async-probe":
+        problem = check_async_args(seeds=args.schedule_seeds, mean_gap_ms=args.mean_gap_ms,
+                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        if problem is not None:
+            print(f"vllm_repro: {problem}", file=sys.stderr)
+            return 2
         async_probe(args.label, args.out, seeds=args.schedule_seeds, mean_gap_s=args.mean_gap_ms / 1000,
                     prefix_caching=not args.no_prefix_caching, chunked_prefill=not args.no_chunked_prefill,
                     async_scheduling=False if args.no_async_scheduling else None,

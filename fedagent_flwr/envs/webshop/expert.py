@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.envs.projection import project_action
-from fedagent_flwr.envs.webshop.engine import ITEM, RESULTS, SEARCH
+from fedagent_flwr.envs.webshop.engine import ITEM, PRODUCTS_PER_PAGE, RESULTS, SEARCH
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
 
@@ -64,6 +64,18 @@ _WORD = re.compile(r"[a-z0-9]+")
 
 class ExpertInputError(ValueError):
     """A request the expert refuses (a split other than train, a bad count, a missing data directory, ...)."""
+
+
+class ReplyTooLongError(ExpertInputError):
+    """An expert reply that does not fit ``max_new_tokens`` even in its shortest form: the limit is too
+    small for this episode's actions (raise ``--max-new-tokens``)."""
+
+
+#: The expert's shortest reasoning, which every reply falls back to when its own does not fit.
+SHORT_THINK = "I take the next step towards the purchase."
+#: Actions whose text does not depend on the goal (clicking a product or an option, or a search,
+#: names the goal's own words, so those need at least as many tokens as the shortest of these).
+FIXED_ACTIONS = ("click[buy now]", "click[< prev]", "click[next >]", "click[back to search]")
 
 
 def _strip_options(instruction: str, goal_options: Mapping[str, str]) -> str:
@@ -159,7 +171,7 @@ class WebShopExpert:
         if target in listed:
             return ExpertMove(f"Item {target} matches what the task asks for, so I open it.", f"click[{target}]")
         options_needed = len(goal.get("goal_options") or {})
-        more = engine.page_num * 10 < len(engine.results)  # the next page lists products
+        more = engine.page_num * PRODUCTS_PER_PAGE < len(engine.results)  # the next page lists products
         # After "next >": open the item, select its options, buy.
         if listed and more and "next >" in clickables and self.pages_seen + 1 < self.max_pages \
                 and turns_left >= 3 + options_needed:
@@ -188,6 +200,15 @@ class WebShopExpert:
 
     # --- GenerateFn --------------------------------------------------------------------------
 
+    @staticmethod
+    def min_new_tokens(tokenizer: Any) -> int:
+        """The fewest new tokens every episode needs: the longest goal-independent action
+        (:data:`FIXED_ACTIONS`) with the shortest reasoning, plus EOS. A smaller ``max_new_tokens``
+        cannot work for any goal, so the command refuses it up front; a larger one can still be too
+        small for a goal's long product or option name (:class:`ReplyTooLongError` then)."""
+        return max(len(tokenizer.encode(ExpertMove(SHORT_THINK, action).reply(), add_special_tokens=False)) + 1
+                   for action in FIXED_ACTIONS)
+
     def _encode(self, move: ExpertMove) -> list[int]:
         ids = list(self.tokenizer.encode(move.reply(), add_special_tokens=False))
         return ids + [int(self.tokenizer.eos_token_id)]
@@ -197,13 +218,14 @@ class WebShopExpert:
         ids = self._encode(move)
         if len(ids) <= limit:
             return move, ids
-        move = ExpertMove("I take the next step towards the purchase.", move.action)
+        move = ExpertMove(SHORT_THINK, move.action)
         ids = self._encode(move)
         while len(ids) > limit and move.action.startswith("search[") and len(move.action[7:-1].split()) > 1:
             move = ExpertMove(move.think, "search[" + " ".join(move.action[7:-1].split()[:-1]) + "]")
             ids = self._encode(move)
         if len(ids) > limit:
-            raise ValueError(f"the expert's reply needs {len(ids)} tokens, more than max_new_tokens={limit}")
+            raise ReplyTooLongError(f"the expert's reply {move.action!r} needs {len(ids)} tokens even in its shortest "
+                                    f"form, more than max_new_tokens={limit}: raise --max-new-tokens")
         return move, ids
 
     async def __call__(self, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
@@ -313,8 +335,7 @@ class ExpertSummary:
     episodes: int = 0
     successes: int = 0
     score_sum: float = 0.0
-    turns: int = 0
-    replies: int = 0
+    turns: int = 0  # one reply a turn
     valid_replies: int = 0
     truncated: int = 0
 
@@ -323,7 +344,6 @@ class ExpertSummary:
         self.successes += bool(record["success"])
         self.score_sum += float(record["task_score"])
         self.turns += int(record["num_turns"])
-        self.replies += int(record["num_turns"])
         self.valid_replies += int(record["valid_replies"])
         self.truncated += bool(record["truncated"])
 
@@ -331,7 +351,7 @@ class ExpertSummary:
         n = max(self.episodes, 1)
         return (f"episodes {self.episodes}, success rate {self.successes / n:.3f} ({self.successes}/{self.episodes}), "
                 f"mean task score {self.score_sum / n:.3f}, mean turns {self.turns / n:.2f}, "
-                f"format-valid replies {self.valid_replies}/{self.replies}, "
+                f"format-valid replies {self.valid_replies}/{self.turns}, "
                 f"truncated {self.truncated} (stopped by the length limits before a purchase)")
 
 
@@ -446,12 +466,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    args.max_response_length, args.history_length)
         WebShopEnv.check_config(config)  # the data directory holds the catalogue files
         tokenizer = _load_tokenizer(args.model)
+        least = WebShopExpert.min_new_tokens(tokenizer)
+        if args.max_new_tokens < least:
+            raise ExpertInputError(f"--max-new-tokens must be >= {least} (the expert's shortest reply, "
+                                   f"{FIXED_ACTIONS[-1]!r}, with EOS), got {args.max_new_tokens}")
     except ValueError as exc:  # ExpertInputError and the env's config errors
         print(f"fedagent webshop-expert: error: {exc}", file=sys.stderr)
         return 2
     seeds = range(args.first_seed, args.first_seed + args.episodes)
-    summary = write_expert_file(args.out, config, tokenizer, seeds, settings,
-                                log=None if args.quiet else lambda line: print(line, flush=True))
+    try:
+        summary = write_expert_file(args.out, config, tokenizer, seeds, settings,
+                                    log=None if args.quiet else lambda line: print(line, flush=True))
+    except ReplyTooLongError as exc:  # a goal whose product or option name does not fit; no file written
+        print(f"fedagent webshop-expert: error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}: {summary.line()}", flush=True)
     return 0
 

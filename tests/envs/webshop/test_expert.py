@@ -23,6 +23,7 @@ from fedagent_flwr.envs.webshop.expert import (
     EpisodeSettings,
     ExpertInputError,
     ExpertMove,
+    ExpertSummary,
     WebShopExpert,
     expert_env_config,
     play_expert_episode,
@@ -183,6 +184,7 @@ def test_command_writes_the_file_atomically(tiny_model_dir: Path, tmp_path: Path
     (["--first-seed", "-1"], "--first-seed must be >= 0"),
     (["--max-turns", "0"], "max_turns must be >= 1"),
     (["--model", "./no-such-model"], "is not a directory"),
+    (["--max-new-tokens", "12"], "--max-new-tokens must be >= "),  # below any reply: refused before playing
 ])
 def test_command_refuses_bad_input(args: list[str], message: str, tmp_path: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,3 +202,44 @@ def test_command_refuses_missing_data_and_a_directory_as_out(tmp_path: Path,
     assert "error:" in err and "items_shuffle_1000.json" in err and "\n" not in err
     assert _cli("--data-dir", str(tmp_path), "--out", str(tmp_path)) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+@needs_data
+def test_a_max_new_tokens_too_small_for_a_goal_is_one_line_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Above the up-front floor (the goal-independent replies fit) but below what a goal's product
+    click needs: the episode that cannot fit stops the run with one line naming the reply and the
+    option to raise, exit 2, no traceback and no file."""
+    out = tmp_path / "x.jsonl"
+    tokenizer_floor = WebShopExpert.min_new_tokens(_tokenizer_of_the_command())
+    assert _cli("--data-dir", str(DATA_DIR), "--out", str(out), "--episodes", "3", "--quiet",
+                "--max-new-tokens", str(tokenizer_floor)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fedagent webshop-expert: error: the expert's reply 'click[")
+    assert err.endswith(f"more than max_new_tokens={tokenizer_floor}: raise --max-new-tokens")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _tokenizer_of_the_command() -> Any:
+    """The tokenizer ``--model ''`` loads (the bundled SmolLM2's)."""
+    return expert_module._load_tokenizer("")
+
+
+def test_the_floor_is_the_longest_goal_independent_reply(smollm2_tokenizer: Any) -> None:
+    """min_new_tokens is exactly what the longest fixed-text reply needs, and that reply fits it."""
+    expert = WebShopExpert(None, smollm2_tokenizer, max_turns=6)  # type: ignore[arg-type]  # env unused by _fit
+    floor = WebShopExpert.min_new_tokens(smollm2_tokenizer)
+    needs = [len(expert._fit(ExpertMove("a long reason " * 20, action), floor)[1])
+             for action in expert_module.FIXED_ACTIONS]
+    assert max(needs) == floor
+    with pytest.raises(expert_module.ReplyTooLongError, match="raise --max-new-tokens"):
+        expert._fit(ExpertMove("a long reason " * 20, "click[back to search]"), floor - 1)
+
+
+def test_the_summary_counts_turns_once_one_reply_a_turn() -> None:
+    summary = ExpertSummary()
+    for turns, valid in ((3, 3), (5, 4)):
+        summary.add({"success": True, "task_score": 1.0, "num_turns": turns, "valid_replies": valid,
+                     "truncated": False})
+    assert summary.turns == 8 and not hasattr(summary, "replies")
+    assert "mean turns 4.00, format-valid replies 7/8," in summary.line()

@@ -193,26 +193,110 @@ def test_compare_counts_async_schedules_and_settings(tmp_path: Path) -> None:
         "vllm_repro: 1 repeated requests (same row, place and turn)")
 
 
-def test_engine_args_are_verl_s_and_vllm_s_names() -> None:
-    """The engine arguments: verl's defaults with the flags applied, without chunked prefill the token
-    budget raised to the model length (as verl does), and every key a field of vLLM 0.24's EngineArgs
-    where its source is at hand (a misspelt one would cost a GPU call)."""
+def test_engine_args_are_verl_s_defaults_with_the_flags_applied() -> None:
+    """The engine arguments: verl's defaults with the flags applied, and without chunked prefill the
+    token budget raised to the model length (as verl does). Runs everywhere; the check of the names
+    against vLLM's own source is the next test."""
     tool = gpu_tool("vllm_repro")
     default = tool.engine_args("/m", 8192)
     assert {k: default[k] for k in ("enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs",
-                                    "max_num_batched_tokens", "enforce_eager", "dtype", "logprobs_mode")} == {
+                                    "max_num_batched_tokens", "enforce_eager", "dtype", "logprobs_mode",
+                                    "seed", "scheduling_policy", "distributed_executor_backend",
+                                    "kv_cache_memory_bytes")} == {
         "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_seqs": 256,
         "max_num_batched_tokens": 8192, "enforce_eager": True, "dtype": "bfloat16",
-        "logprobs_mode": "processed_logprobs"}
+        "logprobs_mode": "processed_logprobs", "seed": 42, "scheduling_policy": "fcfs",
+        "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 4 * 2**30}
     assert "async_scheduling" not in default
     changed = tool.engine_args("/m", 16384, prefix_caching=False, chunked_prefill=False, async_scheduling=False,
                                max_num_seqs=64)
     assert (changed["enable_prefix_caching"], changed["enable_chunked_prefill"], changed["async_scheduling"],
             changed["max_num_seqs"], changed["max_num_batched_tokens"]) == (False, False, False, 64, 16384)
-    source = Path("/tmp/gpu-stage-work/site/vllm/engine/arg_utils.py")
-    if not source.is_file():
-        pytest.skip("vLLM's source is not on this machine")
-    tree = ast.parse(source.read_text())
+    # with chunked prefill the budget asked for stays, however small
+    assert tool.engine_args("/m", 16384, max_num_batched_tokens=256)["max_num_batched_tokens"] == 256
+
+
+#: vLLM 0.24's source where tools/gpu/prepare_node.sh staged it on a machine that ran the GPU tools
+VLLM_ARG_UTILS = Path("/tmp/gpu-stage-work/site/vllm/engine/arg_utils.py")
+
+
+def test_engine_args_are_fields_of_vllm_s_engine_args() -> None:
+    """Every key :func:`engine_args` gives is a field of vLLM 0.24's ``EngineArgs`` (a misspelt one
+    would cost a GPU call): an optional cross-check, skipped where vLLM's source is not at hand."""
+    if not VLLM_ARG_UTILS.is_file():
+        pytest.skip(f"vLLM's source is not on this machine ({VLLM_ARG_UTILS})")
+    tool = gpu_tool("vllm_repro")
+    changed = tool.engine_args("/m", 16384, prefix_caching=False, chunked_prefill=False, async_scheduling=False)
+    tree = ast.parse(VLLM_ARG_UTILS.read_text())
     fields = {node.target.id for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "EngineArgs"
               for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     assert set(changed) <= fields, set(changed) - fields
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mean-gap-ms", "0"], "--mean-gap-ms must be > 0, got 0.0"),
+    (["--mean-gap-ms", "-5"], "--mean-gap-ms must be > 0, got -5.0"),
+    (["--mean-gap-ms", "nan"], "--mean-gap-ms must be > 0, got nan"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"],
+     "--max-num-batched-tokens must be >= --max-num-seqs (64), got 32"),
+    (["--schedule-seeds", "1", "1"], "--schedule-seeds must be distinct, got [1, 1]"),
+])
+def test_async_probe_refuses_bad_arguments_before_it_starts_the_engine(
+        args: list[str], message: str, tmp_path: Path) -> None:
+    """One line and exit 2, before vLLM is imported (it is not installed here, so reaching the engine
+    would be a ModuleNotFoundError traceback), and nothing written."""
+    done = subprocess.run([sys.executable, str(TOOL), "async-probe", "--label", "x", "--out",
+                           str(tmp_path / "x.json"), *args], capture_output=True, text=True)
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"vllm_repro: {message}\n", "")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_label_cut_short_keeps_the_schedules_it_finished(smollm2_tokenizer: Any, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Each schedule is written as soon as it finishes: when the third schedule dies (as a timeout
+    would stop it), the label's JSON holds the first two and their JSON-lines files exist, with no
+    temporary files; a prefix cache that could not be reset is recorded per schedule and printed;
+    compare reads the cut-short label, says what is missing and compares what is there."""
+    tool = gpu_tool("vllm_repro")
+    wrong = _wrong_guesses(smollm2_tokenizer)
+    asked = []
+
+    async def ask(prompt_ids: list[int], seed: int) -> tuple[list[int], list[float], int | None, Any]:
+        asked.append(seed)
+        if len(asked) > 2 * 128 * 3:  # the third schedule's first request
+            raise RuntimeError("killed by the timeout")
+        return await wrong(prompt_ids, seed)
+
+    answers = iter([True, False, True])
+
+    async def reset() -> bool:
+        return next(answers)
+
+    out = tmp_path / "cut.json"
+    named = {"at-once": [0.0] * 128, "again": [0.0] * 128, "third": [0.0] * 128}
+    with pytest.raises(RuntimeError, match="killed by the timeout"):
+        asyncio.run(tool.play_schedules(ask, reset, smollm2_tokenizer, named, {"label": "cut", "kind": "async"},
+                                        out))
+    assert capsys.readouterr().out == ("cut: again: the prefix cache could not be reset (reset_prefix_cache "
+                                       "returned False), so this schedule does not start cold\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut-again.jsonl", "cut-at-once.jsonl", "cut.json"]
+    record = json.loads(out.read_text())
+    assert list(record["schedules"]) == ["at-once", "again"] and len(record["schedules"]["again"]) == 128 * 3
+    assert record["schedules_planned"] == ["at-once", "again", "third"]
+    assert record["prefix_cache_reset"] == {"at-once": True, "again": False}
+    assert list(record["schedule_seconds"]) == ["at-once", "again"]
+    lines = (tmp_path / "cut-again.jsonl").read_text().splitlines()
+    assert len(lines) == 128 * 3 and set(json.loads(lines[0])) == set(tool.FINGERPRINT_KEYS)
+    assert _compare(out) == [
+        "cut: cut short: 2 of 3 schedules finished (missing: third)",
+        "cut: prefix cache not reset before: again",
+        "cut: at-once vs again: turn 0: 128/128 requests identical (tokens), 128/128 bit-identical log-probs; "
+        "all turns: 384/384 of the requests with the same prompt identical (tokens), 384/384 bit-identical "
+        "log-probs (384 joined)"]
+
+
+def test_a_reset_answer_is_recorded_as_a_bool_or_unknown() -> None:
+    """True and False as vLLM answers them; anything else (an engine that answers None) is unknown."""
+    tool = gpu_tool("vllm_repro")
+    assert [tool.cache_reset_result(x) for x in (True, False, None, 1)] == [True, False, None, None]

@@ -349,33 +349,49 @@ def test_the_read_out_splits_by_turn_and_gives_how_crowded_each_class_of_request
         tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Turn 0's prompts come from the data and env alone, so the counts are split by turn too; and
     for each step, turn and class, the median number of the same run's same-step requests that
-    overlapped a request in time, in A and in B (requests of another step never count)."""
+    overlapped a request in time, in A and in B (requests of another step never count), and the
+    median output length in A and in B (the in-flight count's confound: longer requests overlap more).
+    Every class has its own crowding in each run, and "same" holds two requests, so its medians are the
+    mean of the middle two."""
     tool = _fingerprints_module()
-    lp = [-0.5]
-    nudged = [math.nextafter(-0.5, 0.0)]
-    # run A: seeds 1 and 2 overlap each other (0-1 s, 0.5-1.5 s), seed 3 runs alone (2-3 s); seed 4
-    # is turn 1, overlapping seed 3; seed 9, at step 2, overlaps everything and counts for no one
-    a_lines = [_line(1, 0.0, [1], [2], lp, seconds=1.0), _line(2, 0.5, [1], [2], lp, seconds=1.0),
-               _line(3, 2.0, [1], [2], lp, seconds=1.0), _line(4, 2.5, [1, 2], [3], lp, turn=1, seconds=1.0),
-               _line(9, 0.0, [1], [2], lp, step=2, seconds=9.0)]
-    # run B: all four step-1 requests overlap one another; seed 2 other log-probs, seed 3 other tokens
-    b_lines = [_line(1, 0.0, [1], [2], lp, seconds=5.0), _line(2, 0.1, [1], [2], nudged, seconds=5.0),
-               _line(3, 0.2, [1], [5], lp, seconds=5.0), _line(4, 0.3, [1, 2], [3], lp, turn=1, seconds=5.0),
-               _line(9, 0.0, [1], [2], lp, step=2, seconds=9.0)]
+
+    def lp(n: int) -> list[float]:
+        return [-0.5] * n
+
+    nudged = [-0.5, math.nextafter(-0.5, 0.0)]
+    # run A, step 1 (start-end s): seed 1 0-1, seed 5 0.2-0.4, seed 2 0.5-1.5, seed 4 (turn 1) 1-2,
+    # seed 3 alone 4-5. Overlaps: seed 1 with 5 and 2 (2), seed 2 with 1 and 4 (2), seed 5 with 1,
+    # seed 4 with 2 (1 each), seed 3 none. Seed 9, at step 2, overlaps them all and counts for no one.
+    a_lines = [_line(1, 0.0, [1], [2], lp(1), seconds=1.0), _line(2, 0.5, [1], [2, 6], lp(2), seconds=1.0),
+               _line(3, 4.0, [1], [2], lp(1), seconds=1.0), _line(4, 1.0, [1, 2], [3], lp(1), turn=1, seconds=1.0),
+               _line(5, 0.2, [1], [2, 2, 2, 2], lp(4), seconds=0.2),
+               _line(9, 0.0, [1], [2], lp(1), step=2, seconds=9.0)]
+    # run B: seeds 1-4 overlap one another (3 each), seed 5 runs alone after them; seed 2 other
+    # log-probs, seed 3 other (and more) tokens
+    b_lines = [_line(1, 0.0, [1], [2], lp(1), seconds=5.0), _line(2, 0.1, [1], [2, 6], nudged, seconds=5.0),
+               _line(3, 0.2, [1], [5, 5, 5], lp(3), seconds=5.0),
+               _line(4, 0.3, [1, 2], [3], lp(1), turn=1, seconds=5.0),
+               _line(5, 6.0, [1], [2, 2, 2, 2], lp(4), seconds=1.0),
+               _line(9, 0.0, [1], [2], lp(1), step=2, seconds=9.0)]
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("\n".join(a_lines) + "\n")
     b.write_text("\n".join(b_lines) + "\n")
     assert tool.main([str(a), str(b)]) == 1
     result = json.loads(capsys.readouterr().out)
     assert result["counts_by_step_turn"] == {
-        "1": {"0": {"same": 1, "logprobs": 1, "tokens": 1, "prompt": 0},
+        "1": {"0": {"same": 2, "logprobs": 1, "tokens": 1, "prompt": 0},
               "1": {"same": 1, "logprobs": 0, "tokens": 0, "prompt": 0}},
         "2": {"0": {"same": 1, "logprobs": 0, "tokens": 0, "prompt": 0}}}
+    # "same" at step 1, turn 0: seeds 1 and 5, in-flight 2 and 1 in A, 3 and 0 in B
     assert result["in_flight_by_step_turn"] == {
-        "1": {"0": {"same": [1.0, 3.0], "logprobs": [1.0, 3.0], "tokens": [1.0, 3.0]}, "1": {"same": [1.0, 3.0]}},
+        "1": {"0": {"same": [1.5, 1.5], "logprobs": [2.0, 3.0], "tokens": [0.0, 3.0]}, "1": {"same": [1.0, 3.0]}},
         "2": {"0": {"same": [0.0, 0.0]}}}
+    assert result["output_len_by_step_turn"] == {
+        "1": {"0": {"same": [2.5, 2.5], "logprobs": [2.0, 2.0], "tokens": [1.0, 3.0]}, "1": {"same": [1.0, 1.0]}},
+        "2": {"0": {"same": [1.0, 1.0]}}}
     records = tool.load(a)
-    assert sorted(tool.in_flight(records).values()) == [0, 1, 1, 1, 1]
+    assert sorted(tool.in_flight(records).values()) == [0, 0, 1, 1, 2, 2]
+    assert tool._median([]) is None and tool._median([4, 1, 3]) == 3.0 and tool._median([4, 1, 3, 2]) == 2.5
 
 
 @pytest.mark.parametrize("key", ["prompt_sha256", "output_sha256", "logprobs_sha256", "seed", "env_seed", "index",
