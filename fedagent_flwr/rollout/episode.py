@@ -21,7 +21,7 @@ No silent truncation: a turn starts only if its prompt plus ``max_new_tokens`` f
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,10 @@ from fedagent_flwr.envs.base import BaseTextEnv
 
 class ChatTemplateError(ValueError):
     """A chat template whose output for a longer conversation does not extend the shorter one."""
+
+
+class ConversationError(ValueError):
+    """A recorded conversation that cannot be laid out as an episode (see :func:`tokenize_conversation`)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,43 @@ def stop_token_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> set[i
 def stop_texts(tokenizer: Any, stop_ids: Iterable[int]) -> list[str]:
     """The text of each stop id, in id order (the order :meth:`ChatRenderer.glue` tries them)."""
     return [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
+
+
+def leading_stop(closing: str, eos_texts: Sequence[str]) -> int | None:
+    """Index of the first (non-empty) text of ``eos_texts`` that starts ``closing``, else None.
+
+    The one search both :meth:`ChatRenderer.glue` (which strips the text a sampled stop id already
+    wrote) and :func:`tokenize_conversation` (which appends that stop id to a recorded reply) make,
+    so that the two always agree on which stop id closes a turn.
+    """
+    for index, text in enumerate(eos_texts):
+        if text and closing.startswith(text):
+            return index
+    return None
+
+
+def require_chat_template(tokenizer: Any, where: str) -> None:
+    """ChatTemplateError unless ``tokenizer`` has a chat template (``where`` names it in the message).
+
+    Checked up front by the commands that render conversations (``fedagent webshop-expert``,
+    ``fedagent warm-start``), so a template-less tokenizer fails with one line, not mid-run.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(f"the tokenizer in {where} has no chat template")
+
+
+def windowed_turns(messages: Sequence[Mapping[str, str]]) -> list[tuple[Mapping[str, str], Mapping[str, str]]]:
+    """The ``(window, reply)`` pairs of a windowed episode's transcript (user, assistant, user, ...).
+
+    Each windowed turn is a prompt of its own (one user message, the window) and its reply, so a
+    windowed transcript becomes one training sample per pair. ConversationError when the messages
+    do not alternate user and assistant, starting with a user message.
+    """
+    pairs = list(zip(messages[0::2], messages[1::2]))
+    if len(messages) % 2 or any(user.get("role") != "user" or reply.get("role") != "assistant"
+                                for user, reply in pairs):
+        raise ConversationError("a windowed transcript must alternate user and assistant messages, user first")
+    return pairs
 
 
 @dataclass
@@ -203,10 +244,10 @@ class ChatRenderer:
         if ended_with_eos:
             # The sampled EOS already closed the turn when the template closes turns with it;
             # otherwise the template's own closing follows the sampled EOS.
-            for eos_text in eos_texts:
-                if eos_text and closing.startswith(eos_text):
-                    closing = closing[len(eos_text):]
-                    break
+            texts = list(eos_texts)
+            index = leading_stop(closing, texts)
+            if index is not None:
+                closing = closing[len(texts[index]):]
         next_prompt = self.render(
             [*history, {"role": "user", "content": observation}], add_generation_prompt=True
         )
@@ -307,10 +348,6 @@ async def run_episode(
         await env.close()
 
 
-class ConversationError(ValueError):
-    """A recorded conversation that cannot be laid out as an episode (see :func:`tokenize_conversation`)."""
-
-
 def _reply_stop_id(closing: str, stop_ids: set[int], eos_texts: list[str], tokenizer: Any) -> int | None:
     """The stop id a policy ends a reply with, given the template's ``closing`` text after the reply.
 
@@ -318,9 +355,9 @@ def _reply_stop_id(closing: str, stop_ids: set[int], eos_texts: list[str], token
     closing; when none does, the tokenizer's EOS if it is a stop id, else the smallest stop id;
     None when there are no stop ids at all.
     """
-    for stop_id, text in zip(sorted(stop_ids), eos_texts):
-        if text and closing.startswith(text):
-            return stop_id
+    index = leading_stop(closing, eos_texts)
+    if index is not None:
+        return sorted(stop_ids)[index]
     if tokenizer.eos_token_id in stop_ids:
         return int(tokenizer.eos_token_id)
     return min(stop_ids) if stop_ids else None

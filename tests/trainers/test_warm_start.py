@@ -3,8 +3,13 @@ output directory, refusals and determinism."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,15 @@ def write_jsonl(path: Path, lines: list[Any]) -> Path:
 def data(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "expert.jsonl", [{"messages": m, "reward": 1.0, "seed": i}
                                                    for i, m in enumerate(CONVERSATIONS)])
+
+
+@pytest.fixture(autouse=True)
+def _restore_deterministic_algorithms() -> Iterator[None]:
+    """The command turns on torch's deterministic algorithms (process-wide); put them back."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def run(*argv: Any) -> int:
@@ -151,11 +165,22 @@ def test_overlong_conversations_are_dropped_and_counted(smollm2_tokenizer: Any, 
 
 @pytest.mark.parametrize(("lines", "args", "error"), [
     (None, [], "does not exist"),
+    ("dir", [], "expert.jsonl is a directory; give the JSONL file"),
+    (b'{"messages": []}\n{"messages": "caf\xe9"}\n', [], "expert.jsonl:2: not UTF-8 (byte 0xe9)"),
+    ([{"messages": CONVERSATIONS[0], "reward": 1}, '{"messages": [], "reward": NaN}'], ["--min-reward", "0.5"],
+     "expert.jsonl:2: --min-reward is set but the line's 'reward' is nan, not a finite number"),
+    (['{"messages": [], "reward": Infinity}'], ["--min-reward", "0.5"], "expert.jsonl:1: --min-reward is set but "
+     "the line's 'reward' is inf, not a finite number"),
+    ([{"messages": CONVERSATIONS[0], "mode": "windowed"}], [], "expert.jsonl:1: a windowed transcript must alternate"),
+    ([{"messages": CONVERSATIONS[0][1:2] + CONVERSATIONS[0][2:3], "mode": "windowed"},
+      {"messages": CONVERSATIONS[0][1:5], "mode": "windowed", "reward": 10.0}], [],
+     "expert.jsonl:2: a windowed episode of 2 turns written whole on one line; re-write the file with the current "
+     "`fedagent webshop-expert`, which writes a windowed episode one turn a line"),
     ([{"messages": CONVERSATIONS[0]}, "{not json"], [], "expert.jsonl:2: not JSON"),
     ([{"messages": CONVERSATIONS[0]}, "", {"text": "hi"}], [], "expert.jsonl:3: no 'messages' list"),
     ([{"messages": [{"role": "user", "content": 1}]}], [], "expert.jsonl:1: no 'messages' list"),
     ([{"messages": CONVERSATIONS[0], "reward": 1}, {"messages": CONVERSATIONS[1]}], ["--min-reward", "0.5"],
-     "expert.jsonl:2: --min-reward is set but the line has no numeric 'reward'"),
+     "expert.jsonl:2: --min-reward is set but the line's 'reward' is missing, not a finite number"),
     ([{"messages": CONVERSATIONS[0]}, {"messages": CONVERSATIONS[1][:2]}], [],
      "expert.jsonl:2: the conversation has no assistant message"),
     ([{"messages": CONVERSATIONS[0], "reward": 0.2}], ["--min-reward", "0.5"],
@@ -163,11 +188,150 @@ def test_overlong_conversations_are_dropped_and_counted(smollm2_tokenizer: Any, 
     ([], [], "no conversation left to train on"),
 ])
 def test_bad_input_is_refused_with_one_line(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                            lines: list[Any] | None, args: list[str], error: str) -> None:
+                                            lines: Any, args: list[str], error: str) -> None:
     path = tmp_path / "expert.jsonl"
-    if lines is not None:
+    if lines == "dir":
+        path.mkdir()
+    elif isinstance(lines, bytes):
+        path.write_bytes(lines)
+    elif lines is not None:
         write_jsonl(path, lines)
     assert run("--data", path, "--model", tiny_model_dir, "--out", tmp_path / "warm", "--device", "cpu", *args) == 1
     err = capsys.readouterr().err
     assert err.startswith("fedagent warm-start: ") and error in err and err.count("\n") == 1
     assert not (tmp_path / "warm").exists()
+
+
+def _tiny_model(tiny_model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def test_reply_loss_is_transformers_own_shifted_loss(smollm2_tokenizer: Any, tiny_model_dir: Path) -> None:
+    """Each reply token is scored from the positions before it: the same loss transformers computes
+    from the labels (its own shift), and the same as a sum of -log p(token t | tokens < t) by hand."""
+    tok = smollm2_tokenizer
+    model = _tiny_model(tiny_model_dir)
+    example = ws.make_example(1, *tokenize_conversation(tok, CONVERSATIONS[0]))
+    ids, attention, labels = ws.collate([example], tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        loss_sum, count = ws.reply_loss(model, ids, attention, labels)
+        hf = model(ids, attention_mask=attention, labels=labels).loss
+        log_probs = torch.log_softmax(model(ids, attention_mask=attention).logits[0].float(), dim=-1)
+    reply_positions = [t for t, label in enumerate(example.labels) if label != ws.IGNORE]
+    assert count == len(reply_positions) and reply_positions[0] > 0
+    by_hand = -sum(float(log_probs[t - 1, example.input_ids[t]]) for t in reply_positions)
+    assert float(loss_sum) == pytest.approx(by_hand, rel=1e-5)
+    assert float(loss_sum) / count == pytest.approx(float(hf), rel=1e-5)
+
+
+def test_padding_adds_no_loss(smollm2_tokenizer: Any, tiny_model_dir: Path) -> None:
+    """A right-padded batch scores exactly its examples run alone: padding carries no label."""
+    tok = smollm2_tokenizer
+    model = _tiny_model(tiny_model_dir)
+    examples, _ = ws.build_examples(tok, list(enumerate(CONVERSATIONS, 1)), max_len=4096)
+    assert len({len(e.input_ids) for e in examples}) == 2  # one of them is padded
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        padded, padded_count = ws.reply_loss(model, *ws.collate(examples, tok.pad_token_id, cpu))
+        alone = [ws.reply_loss(model, *ws.collate([e], tok.pad_token_id, cpu)) for e in examples]
+    assert padded_count == sum(n for _, n in alone)
+    assert float(padded) == pytest.approx(sum(float(loss) for loss, _ in alone), rel=1e-5)
+
+
+def test_chat_template_errors_are_one_line_with_file_and_line(smollm2_tokenizer: Any) -> None:
+    conversations = [(1, CONVERSATIONS[0]), (7, CONVERSATIONS[1])]
+    raising = copy.deepcopy(smollm2_tokenizer)
+    raising.chat_template = "{{ raise_exception('system messages are not supported') }}"
+    with pytest.raises(ws.WarmStartError, match=r"^expert.jsonl:1: system messages are not supported$"):  # jinja
+        ws.build_examples(raising, conversations, 4096, "expert.jsonl")
+    missing = copy.deepcopy(smollm2_tokenizer)
+    missing.chat_template = None
+    with pytest.raises(ws.WarmStartError, match=r"^expert.jsonl:1: Cannot use chat template"):  # a ValueError
+        ws.build_examples(missing, conversations, 4096, "expert.jsonl")
+
+
+def test_a_base_model_without_chat_template_is_refused_up_front(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    assert run("--data", data, "--model", base, "--out", tmp_path / "warm", "--device", "cpu") == 1
+    err = capsys.readouterr().err
+    assert err == f"fedagent warm-start: the tokenizer in {base.resolve()} has no chat template\n"
+
+
+def test_the_record_hashes_the_bytes_trained_on(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    trained_on = hashlib.sha256(data.read_bytes()).hexdigest()
+    real_train = ws.train
+
+    def train_then_replace_the_data(*args: Any, **kwargs: Any) -> Any:
+        stats = real_train(*args, **kwargs)
+        write_jsonl(data, [{"messages": CONVERSATIONS[1], "reward": 0.0}])  # replaced while training ran
+        return stats
+
+    monkeypatch.setattr(ws, "train", train_then_replace_the_data)
+    assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "warm", "--epochs", 1,
+               "--device", "cpu") == 0
+    assert json.loads((tmp_path / "warm" / ws.RECORD_FILE).read_text())["data_sha256"] == trained_on
+
+
+def test_output_is_fsynced_before_the_rename(tiny_model_dir: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "warm"
+    synced: list[Path] = []
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst) == out:  # the final rename: every staged file and the staging directory are on disk
+            staged = Path(src)
+            assert {p for p in staged.rglob("*")} | {staged} <= set(synced), "renamed before fsync"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ws, "fsync_file", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(ws, "fsync_dir", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(ws.os, "replace", replace)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)
+    assert (out / "model.safetensors").is_file() and synced[-1] == tmp_path  # the parent after the rename
+
+
+def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "warm"
+    out.mkdir()
+    (out / ws.RECORD_FILE).write_text('{"steps": 7}')
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst) == out and Path(src).name.startswith(".warm.tmp-"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ws.os, "replace", replace)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(OSError, match="No space left"):
+        ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)
+    assert json.loads((out / ws.RECORD_FILE).read_text()) == {"steps": 7}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["warm"]  # no staging or aside left
+
+
+def test_one_epoch_prints_its_first_and_last_step_loss(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    torch.use_deterministic_algorithms(False)
+    assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "warm", "--epochs", 1,
+               "--batch-size", 1, "--lr", 1e-3, "--device", "cpu") == 0
+    record = json.loads((tmp_path / "warm" / ws.RECORD_FILE).read_text())
+    assert record["loss_first_step"] != record["loss_last_step"] and not math.isnan(record["loss_last_step"])
+    printed = capsys.readouterr().out
+    assert f"step loss {record['loss_first_step']:.4f} -> {record['loss_last_step']:.4f} over 2 steps" in printed
+    assert torch.are_deterministic_algorithms_enabled()  # --seed seeds everything (seed_everything), not only the RNGs

@@ -42,7 +42,15 @@ from typing import Any
 from fedagent_flwr.envs.projection import project_action
 from fedagent_flwr.envs.webshop.engine import ITEM, PRODUCTS_PER_PAGE, RESULTS, SEARCH
 from fedagent_flwr.envs.webshop.env import WebShopEnv
-from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
+from fedagent_flwr.rollout.episode import (
+    ChatTemplateError,
+    ConversationError,
+    Episode,
+    SamplingParams,
+    require_chat_template,
+    run_episode,
+    windowed_turns,
+)
 
 # Defaults from conf/recipe/webshop_verl.yaml (the WebShop GPU recipe this data warm-starts) and
 # conf/env/webshop.yaml; tests/envs/webshop/test_expert.py checks that they still agree.
@@ -365,11 +373,11 @@ def sft_lines(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """
     if record["mode"] != "windowed":
         return [dict(record)]
-    messages = list(record["messages"])
-    pairs = list(zip(messages[0::2], messages[1::2]))
-    if any(user["role"] != "user" or reply["role"] != "assistant" for user, reply in pairs):
-        raise ValueError(f"seed {record['seed']}: a windowed transcript must alternate user and assistant messages")
-    return [{**record, "turn": turn, "messages": [user, reply]} for turn, (user, reply) in enumerate(pairs)]
+    try:
+        pairs = windowed_turns(record["messages"])
+    except ConversationError as exc:
+        raise ValueError(f"seed {record['seed']}: {exc}") from None
+    return [{**record, "turn": turn, "messages": [dict(user), dict(reply)]} for turn, (user, reply) in enumerate(pairs)]
 
 
 def write_expert_file(
@@ -446,8 +454,10 @@ def _load_tokenizer(model: str) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ExpertInputError(f"no usable tokenizer in {path}: {exc}") from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ExpertInputError(f"the tokenizer in {path} has no chat template")
+    try:
+        require_chat_template(tokenizer, str(path))
+    except ChatTemplateError as exc:
+        raise ExpertInputError(str(exc)) from None
     return tokenizer
 
 

@@ -14,10 +14,19 @@ constant learning rate, gradient clipping, a shuffle drawn from ``torch.Generato
 longer than ``--max-len`` tokens are dropped (never truncated: a cut reply would teach the model
 to stop mid-action) and counted.
 
-The output directory is written under a temporary name and renamed into place; besides the model
-and tokenizer it holds ``warm_start.json`` (:data:`RECORD_FILE`): the data file's sha256, the
-examples used and dropped, epochs, steps, losses, seed and base model, so a run whose base model
-it is records where that model came from.
+Reproducibility: ``--seed`` seeds Python, NumPy and torch (every CUDA device too) and asks torch for
+deterministic kernels (:func:`~fedagent_flwr.trainers.common.seeds.seed_everything`, warn-only). On
+the CPU the same data, seed and versions give bit-identical weights (tested). On CUDA the batch
+order and the data are the same, but bit-identical weights are not promised: cuBLAS is
+deterministic only with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``) set before the process
+starts, kernels without a deterministic version only warn, and another GPU model, driver, CUDA or
+torch version may pick other kernels (bf16 autocast makes such differences visible).
+
+The output directory is written under a temporary name, its files and itself fsynced, and renamed
+into place; besides the model and tokenizer it holds ``warm_start.json`` (:data:`RECORD_FILE`): the
+sha256 of the data bytes as read (not re-read after training), the examples used and dropped,
+epochs, steps, losses, seed and base model, so a run whose base model it is records where that
+model came from.
 """
 
 from __future__ import annotations
@@ -35,8 +44,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import temporary_dir, write_json_atomic
-from fedagent_flwr.rollout.episode import ConversationError, tokenize_conversation
+from fedagent_flwr.atomic import fsync_dir, fsync_file, temporary_dir, write_json_atomic
+from fedagent_flwr.rollout.episode import (
+    ChatTemplateError,
+    ConversationError,
+    require_chat_template,
+    tokenize_conversation,
+    windowed_turns,
+)
 
 RECORD_FILE = "warm_start.json"
 IGNORE = -100  # torch's cross-entropy ignore_index: positions without a label
@@ -79,38 +94,77 @@ class TrainStats:
     last_step_loss: float = math.nan
 
 
-def read_conversations(path: Path, min_reward: float | None = None) -> list[tuple[int, list[dict[str, str]]]]:
-    """``(line number, messages)`` of every conversation in the JSONL file ``path``, in file order.
+def read_conversations(
+    path: Path, min_reward: float | None = None
+) -> tuple[list[tuple[int, list[dict[str, str]]]], str]:
+    """``(line number, messages)`` of every conversation in the JSONL file ``path``, in file order,
+    and the sha256 of the bytes they were parsed from (hashed as read, so the record names exactly
+    the data trained on, even if the file is replaced while training runs).
 
     Blank lines are skipped. With ``min_reward`` only lines whose ``reward`` is at least that are
-    kept, and a line without a numeric reward is refused. WarmStartError names ``file:line``.
+    kept, and a line without a finite numeric reward is refused. A windowed episode written whole
+    on one line (``"mode": "windowed"`` with more than one reply: older expert files) is refused,
+    since read as one conversation it is not what the windowed rollout trains on. WarmStartError
+    names ``file:line``.
     """
+    if path.is_dir():
+        raise WarmStartError(f"data file {path} is a directory; give the JSONL file")
     if not path.is_file():
         raise WarmStartError(f"data file {path} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise WarmStartError(f"data file {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise WarmStartError(f"{path}:{line}: not UTF-8 (byte {data[exc.start]:#04x}); "
+                             "the file must be UTF-8 JSON lines") from None
     kept: list[tuple[int, list[dict[str, str]]]] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
+    # split on "\n" only: str.splitlines() would also break at U+2028 and the like, which JSON
+    # written with ensure_ascii=False (the expert's) holds unescaped inside strings
+    for number, raw in enumerate(text.split("\n"), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise WarmStartError(f"{where}: not JSON ({exc.msg})") from None
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise WarmStartError(f"{where}: no 'messages' list of {{'role': str, 'content': str}} objects")
+        if record.get("mode") == "windowed":
+            check_windowed_line(messages, where)
+        if min_reward is not None:
+            reward = record.get("reward")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise WarmStartError(f"{where}: --min-reward is set but the line's 'reward' is "
+                                     f"{'missing' if reward is None else repr(reward)}, not a finite number")
+            if reward < min_reward:
                 continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise WarmStartError(f"{where}: not JSON ({exc.msg})") from None
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise WarmStartError(f"{where}: no 'messages' list of {{'role': str, 'content': str}} objects")
-            if min_reward is not None:
-                reward = record.get("reward")
-                if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-                    raise WarmStartError(f"{where}: --min-reward is set but the line has no numeric 'reward'")
-                if reward < min_reward:
-                    continue
-            kept.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
-    return kept
+        kept.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
+    return kept, hashlib.sha256(data).hexdigest()
+
+
+def check_windowed_line(messages: list[dict[str, str]], where: str) -> None:
+    """WarmStartError unless a ``"mode": "windowed"`` line is one windowed turn (its window and reply).
+
+    A whole windowed episode on one line would otherwise pass as a concat conversation and teach
+    a layout the windowed rollout never shows the model.
+    """
+    try:
+        turns = len(windowed_turns(messages))
+    except ConversationError as exc:
+        raise WarmStartError(f"{where}: {exc}") from None
+    if turns > 1:
+        raise WarmStartError(
+            f"{where}: a windowed episode of {turns} turns written whole on one line; re-write the file with "
+            "the current `fedagent webshop-expert`, which writes a windowed episode one turn a line")
 
 
 def make_example(line: int, prompt_ids: list[int], response_ids: list[int], response_mask: list[int]) -> Example:
@@ -124,15 +178,18 @@ def build_examples(
 ) -> tuple[list[Example], int]:
     """The examples of ``conversations`` and how many were dropped for being longer than ``max_len``.
 
-    WarmStartError (naming ``source:line``) for a conversation without a reply or with a layout the
-    rollout never produces.
+    WarmStartError (naming ``source:line``) for a conversation without a reply, with a layout the
+    rollout never produces, or that the chat template refuses to render (transformers' ValueError,
+    e.g. no template, or jinja's TemplateError, e.g. the template's ``raise_exception``).
     """
+    from jinja2 import TemplateError
+
     examples: list[Example] = []
     dropped = 0
     for line, messages in conversations:
         try:
             example = make_example(line, *tokenize_conversation(tokenizer, messages))
-        except ConversationError as exc:
+        except (ValueError, TemplateError) as exc:  # ConversationError, ChatTemplateError, the template's own
             raise WarmStartError(f"{source}:{line}: {exc}") from None
         if len(example.input_ids) > max_len:
             dropped += 1
@@ -233,15 +290,6 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
     return stats
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def check_out_dir(out: Path, force: bool) -> None:
     """WarmStartError if ``out`` is a file, or a non-empty directory and ``force`` is not set."""
     if out.exists() and not out.is_dir():
@@ -251,8 +299,12 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:
-    """Write model, tokenizer and ``warm_start.json`` to a temporary directory beside ``out``, then
-    rename it to ``out`` (an existing ``out`` is moved aside first and removed after)."""
+    """Write model, tokenizer and ``warm_start.json`` to a temporary directory beside ``out``, fsync
+    its files and itself, then rename it to ``out`` and fsync the parent, so that a renamed ``out``
+    is never missing bytes after a crash. An existing ``out`` is moved aside first (two renames: a
+    directory cannot replace a non-empty one) and removed only once the new one is in place; if
+    that last rename fails it is moved back, and a crash between the two leaves it under
+    ``.<name>.old-*``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = temporary_dir(out.parent, f".{out.name}.tmp-")
     aside: Path | None = None
@@ -260,10 +312,21 @@ def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -
         model.save_pretrained(str(staged))
         tokenizer.save_pretrained(str(staged))
         write_json_atomic(staged / RECORD_FILE, record)
+        for path in sorted(staged.rglob("*"), reverse=True):  # files before the directories holding them
+            (fsync_dir if path.is_dir() else fsync_file)(path)
+        fsync_dir(staged)
         if out.exists():
             aside = temporary_dir(out.parent, f".{out.name}.old-")
             os.replace(out, aside / out.name)
-        os.replace(staged, out)
+        try:
+            os.replace(staged, out)
+        except BaseException:
+            if aside is not None:  # put the previous output back; if even that fails, leave it aside
+                previous, aside = aside, None
+                os.replace(previous / out.name, out)
+                shutil.rmtree(previous, ignore_errors=True)
+            raise
+        fsync_dir(out.parent)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
         if aside is not None:
@@ -277,7 +340,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Supervised warm start: fine-tune a causal LM on recorded conversations (loss on the "
                     "replies only, laid out as the concat rollout lays out episodes).")
     parser.add_argument("--data", type=Path, required=True, help="JSONL file, one {'messages': [...]} per line")
-    parser.add_argument("--model", default="", help="base model dir or hub id ('' = the bundled SmolLM2-135M)")
+    parser.add_argument("--model", default="", help="base model dir or hub id ('' = the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--out", type=Path, required=True, help="output model directory")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
@@ -305,24 +368,29 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
 
     from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
     from fedagent_flwr.trainers.common.precision import torch_device
-    from fedagent_flwr.trainers.common.seeds import reseed
+    from fedagent_flwr.trainers.common.seeds import seed_everything
 
     check_out_dir(args.out, args.force)
-    conversations = read_conversations(args.data, args.min_reward)
+    conversations, data_sha256 = read_conversations(args.data, args.min_reward)
     try:
         base = resolve_model_path(args.model)
     except ModelResolutionError as exc:
         raise WarmStartError(str(exc)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WarmStartError("--device cuda but torch sees no CUDA device")
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(base))
+        require_chat_template(tokenizer, str(base))
+    except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
+        raise WarmStartError(f"no usable tokenizer in {base}: {exc}" if not isinstance(exc, ChatTemplateError)
+                             else str(exc)) from None
     examples, dropped = build_examples(tokenizer, conversations, args.max_len, str(args.data))
     if dropped:
         log(f"dropped {dropped} of {len(conversations)} conversations longer than --max-len {args.max_len} tokens")
     if not examples:
         raise WarmStartError(f"{args.data}: no conversation left to train on "
                              f"({len(conversations)} after --min-reward, {dropped} too long)")
-    reseed(args.seed)
+    seed_everything(args.seed)
     device = torch_device(args.device)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -334,7 +402,7 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     stats = train(model, examples, config, int(pad_id), device, log)
     record = {
         "data": str(args.data.resolve()),
-        "data_sha256": file_sha256(args.data),
+        "data_sha256": data_sha256,
         "base_model": str(base),
         "min_reward": args.min_reward,
         "max_len": args.max_len,
@@ -351,8 +419,8 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         "loss_last_step": stats.last_step_loss,
     }
     save_output(model.to("cpu"), tokenizer, record, args.out)
-    log(f"saved {args.out} (loss {record['loss_first_epoch']:.4f} -> {record['loss_last_epoch']:.4f} "
-        f"over {stats.steps} steps)")
+    log(f"saved {args.out} (step loss {stats.first_step_loss:.4f} -> {stats.last_step_loss:.4f} over "
+        f"{stats.steps} steps; epoch loss {stats.epoch_losses[0]:.4f} -> {stats.epoch_losses[-1]:.4f})")
     return record
 
 
