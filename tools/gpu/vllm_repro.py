@@ -168,20 +168,17 @@ def engine_args(model: str, max_model_len: int, *, prefix_caching: bool = True, 
 def fingerprint(*, env_seed: int, index: int, turn: int, seed: int, rollout_n: int, prompt_ids: list[int],
                 tokens: list[int], logprobs: list[float], cached_tokens: int | None, stop_reason: Any,
                 started: float, seconds: float) -> dict[str, Any]:
-    """One request as ``trainer.request_fingerprints`` records it (digests from the agent loop's own
-    :func:`token_digest` / :func:`logprob_digest`; verl step 1), plus its token ids and log-probs."""
-    from fedagent_flwr.trainers.verl.agent_loop import logprob_digest, token_digest
+    """One request as ``trainer.request_fingerprints`` records it (the agent loop's own
+    :func:`request_fingerprint`, at verl step 1), plus its token ids and log-probs."""
+    from types import SimpleNamespace
 
-    return {
-        "env_seed": env_seed, "index": index, "turn": turn, "seed": seed, "step": 1, "rollout_n": rollout_n,
-        "prompt_len": len(prompt_ids), "prompt_sha256": token_digest(prompt_ids),
-        "output_len": len(tokens), "output_sha256": token_digest(tokens),
-        "logprobs_len": len(logprobs), "logprobs_sha256": logprob_digest(logprobs),
-        "logprob_sum": math.fsum(logprobs), "cached_tokens": cached_tokens,
-        "stop_reason": None if stop_reason is None else str(stop_reason),
-        "started": round(started, 6), "seconds": round(seconds, 6), "pid": os.getpid(),
-        "token_ids": tokens, "logprobs": logprobs,
-    }
+    from fedagent_flwr.trainers.verl.agent_loop import request_fingerprint
+
+    output = SimpleNamespace(token_ids=tokens, log_probs=logprobs, extra_fields={"num_cached_tokens": cached_tokens},
+                             stop_reason=None if stop_reason is None else str(stop_reason))
+    return {**request_fingerprint(env_seed=env_seed, index=index, turn=turn, seed=seed, step=1, rollout_n=rollout_n,
+                                  prompt_ids=prompt_ids, output=output, started=started, seconds=seconds),
+            "token_ids": tokens, "logprobs": logprobs}
 
 
 #: one request to the server: (prompt ids, seed) -> (token ids, their log-probs, prompt tokens served
@@ -336,22 +333,18 @@ def cache_reset_result(result: Any) -> bool | None:
     return result if isinstance(result, bool) else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_schedule(record: dict[str, Any], name: str, out: Path) -> None:
     """Schedule ``name`` of an ``async-probe`` record, just finished: its requests, with the keys
     ``trainer.request_fingerprints`` writes (:data:`FINGERPRINT_KEYS`), as JSON lines at
     ``<stem>-<name>.jsonl`` beside ``out`` (for tools/gpu/fingerprints.py), then the whole record so
     far as JSON at ``out``; each via a temp name and rename, so a reader never sees half a file."""
+    from fedagent_flwr.atomic import write_text_atomic
+
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = record["schedules"][name]
-    _write_atomic(out.with_name(f"{out.stem}-{name}.jsonl"),
+    write_text_atomic(out.with_name(f"{out.stem}-{name}.jsonl"),
                   "".join(json.dumps({k: row[k] for k in FINGERPRINT_KEYS}) + "\n" for row in rows))
-    _write_atomic(out, json.dumps(record))
+    write_text_atomic(out, json.dumps(record))
 
 
 def write_async(record: dict[str, Any], out: Path) -> None:
