@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from fedagent_flwr.clientapp.backend import exit_reason
 from fedagent_flwr.clientapp.persistent import PROCESS_FILE, STARTS_FILE
+from fedagent_flwr.clientapp.trainer_server import INBOX, LOG_FILE, OUTBOX
 from fedagent_flwr.procs import ProcessRef
 from testkit.flower_harness import SuperLink
 from testkit.run_end import ran_every_round
@@ -90,6 +91,14 @@ def test_persistent_mode_equals_subprocess_mode_with_one_trainer_per_node(
     assert "2 persistent trainer(s) stopped" in output
 
 
+def _idle_after_first_evaluation(channel: Path) -> bool:
+    """The trainer has answered its first (round-0) evaluation, the client has read the answer and
+    the server has removed the request: it now only waits for its next request."""
+    log = channel / LOG_FILE
+    return (log.exists() and "evaluate end ok=True" in log.read_text()
+            and not any((channel / INBOX).glob("*.json")) and not any((channel / OUTBOX).glob("*.json")))
+
+
 def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path, subprocess_run: dict
 ) -> None:
@@ -98,14 +107,21 @@ def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
     proc = superlink.start(f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} {RUN} "
                            "trainer.mode=persistent", 2, log_file)
     channel = run_dir / "trainers" / "client_0"
-    victim = None
+    victim = frozen = None
     deadline = time.monotonic() + 600
     try:
-        # Kill client 0's trainer (started for round 0's evaluation) while it works on its round-1 job.
+        # Kill client 0's trainer (started for round 0's evaluation) while its round-1 job is due.
+        # A tiny job takes half a second, so a kill sent when the job appears can land after it has
+        # finished on a loaded machine: the trainer is first frozen (SIGSTOP) while idle after its
+        # round-0 evaluation (its answer written and read, its request file gone), so the job can
+        # only be pending when the kill comes.
         while victim is None and time.monotonic() < deadline and proc.poll() is None:
-            if (run_dir / "round_1" / "client_0" / "train_job.json").exists():
-                victim = json.loads((channel / PROCESS_FILE).read_text())["pid"]
-                os.kill(victim, signal.SIGKILL)
+            if frozen is None and _idle_after_first_evaluation(channel):
+                frozen = json.loads((channel / PROCESS_FILE).read_text())["pid"]
+                os.kill(frozen, signal.SIGSTOP)
+            if frozen is not None and (run_dir / "round_1" / "client_0" / "train_job.json").exists():
+                os.kill(frozen, signal.SIGKILL)
+                victim = frozen
             time.sleep(0.02)
         assert victim is not None, log_file.read_text()[-4000:]
         proc.wait(timeout=600)
