@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from flwr.app import Message
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid
 
+from fedagent_flwr.clientapp.app import report_partition
+from fedagent_flwr.protocol import QUERY_PARTITION
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.rounds import aggregate_round, evaluate_round
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
@@ -22,15 +25,38 @@ from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 _RECORDERS: weakref.WeakKeyDictionary[FedAvgFSDP, RunRecorder] = weakref.WeakKeyDictionary()
 
 
-def connect(strategy: FedAvgFSDP, recorder: RunRecorder, clients: Sequence[int]) -> FedAvgFSDP:
+class _Federation:
+    """Nodes 100 + c serving client partitions c (of ``num_partitions``) that answer the partition
+    query with the ClientApp's own handler; they are sent nothing else."""
+
+    def __init__(self, clients: Iterable[int], num_partitions: int) -> None:
+        self.clients, self.num_partitions = list(clients), num_partitions
+
+    def get_node_ids(self) -> list[int]:
+        return [100 + c for c in self.clients]
+
+    def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+        replies = []
+        for message in messages:
+            assert message.metadata.message_type == QUERY_PARTITION, message.metadata.message_type
+            node = message.metadata.dst_node_id
+            context = Context(run_id=1, node_id=node, run_config={}, state=RecordDict(),
+                              node_config={"partition-id": node - 100, "num-partitions": self.num_partitions})
+            replies.append(report_partition(message, context))
+        return replies
+
+
+def connect(strategy: FedAvgFSDP, recorder: RunRecorder, clients: Iterable[int]) -> FedAvgFSDP:
     """What the round loop establishes before a round: node 100 + c serves client c (for each of
     ``clients``), and the run's recorder.
 
-    The mapping goes straight into the node registry, as if those nodes had answered the partition
-    query (the registry has no public setter: in a run only :meth:`NodeRegistry.discover` fills it)."""
-    node_of_client = {c: 100 + c for c in clients}
-    strategy.nodes._node_of_client.update(node_of_client)
-    strategy.nodes._asked.update(node_of_client.values())
+    The strategy's node registry learns the mapping as in a run, through
+    :meth:`~fedagent_flwr.serverapp.nodes.NodeRegistry.discover`: each node answers the partition
+    query. Building that query, like any Flower message, needs Flower's task identity, which a real
+    run sets and the calling test must have set."""
+    clients = list(clients)
+    found = strategy.nodes.discover(cast(Grid, _Federation(clients, strategy.nodes.num_clients)), clients)
+    assert found == {c: 100 + c for c in clients}, found
     _RECORDERS[strategy] = recorder
     return strategy
 

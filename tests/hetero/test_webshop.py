@@ -211,7 +211,7 @@ def test_coverage_floor_and_small_pools() -> None:
     _check_assignment(parts, sizes, 700, tight=False)
     assert all(len(p) > 100 for p in parts)
     with pytest.raises(PartitionError, match="<= 500"):  # FedAgent asserts low <= center
-        coverage_sizes(2, 5000, 501, 1.0)
+        coverage_assignment(2, 5000, 501, 1.0)
 
 
 def test_assign_with_overlap_follows_k() -> None:

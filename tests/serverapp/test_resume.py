@@ -401,9 +401,9 @@ def test_a_resume_checks_the_global_model_against_the_hash_recorded_at_its_commi
     run_dir = run_directory(settings, 1)
     recorder = RunRecorder(run_dir, summary_header(settings, 1, base))
     recorder.complete_round(0)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     strategy = connect(build_strategy(settings, run_dir, base), recorder, [0, 1])
     replies = []
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # set by Flower in real runs
     for client, name in enumerate(("qwen_a", "qwen_b")):
         ref = CheckpointRef.for_directory(suite.copy(name, run_dir / "round_1" / f"client_{client}"))
         instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")

@@ -19,16 +19,28 @@ a local or centralized run) in round, then step order, and prints
 * per run, the median and range of ``timing_s/step`` and ``timing_s/gen`` over the steps after
   the run's first (whose time includes the session's start-up), and how many steps that is.
 
+A file is usually ``keep_steps``'s (finite numbers only), but a subprocess-mode job killed by
+SIGTERM (the ClientApp's timeout) leaves verl's own file-logger lines instead (docs/gpu.md, verl's
+loggers): the same ``{"step", "data"}`` form with every value verl logged, NaN and infinity as
+``null``, strings and lists too, and possibly a last line cut off mid-write. Such a file reads as
+``keep_steps`` would have kept it: of each step's values only the finite numbers, as floats
+(:func:`numeric_values`); the rest counts as missing, shown as ``–`` in the table and as ``absent``
+by the first difference, like a key a step does not have (a NaN kept would differ from itself). A
+last line without its newline that is not JSON is the killed write: skipped, with a note on stderr
+naming the file and line. Any other line that is no step is an error naming the file and line.
+
 ``--write`` keeps the same steps as one flat JSON line per (run, round, step), keys sorted: ``run``,
 ``round``, ``step`` and the chosen keys a step has, as ``docs/gpu-runs/2026-12-04/metrics/
 repro-rs-steps.jsonl`` holds batch 17's pair. Values are written as read (that file's have six
-decimals at most because they were copied from verl's console lines).
+decimals at most because they were copied from verl's console lines; a number verl wrote as an
+integer is written as a float, as ``keep_steps`` keeps it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -86,9 +98,59 @@ def step_files(run_dir: Path) -> dict[tuple[int, int], Path]:
     return found
 
 
+def numeric_values(data: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of one step's ``data`` as floats, the rest (``null`` for NaN, strings,
+    lists) left out: what the trainer's ``keep_steps`` keeps of a step (``numeric_metrics`` in
+    ``fedagent_flwr/trainers/verl/verl_log.py``, applied here to the values as JSON holds them; not
+    imported, because that package needs omegaconf and ``arms.py steps`` runs on a bare python3)."""
+    values: dict[str, float] = {}
+    for key, value in data.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            values[str(key)] = number
+    return values
+
+
+def read_step_file(path: Path) -> dict[int, dict[str, float]]:
+    """``step -> numeric values`` of one ``round_<r>-client_<c>.jsonl``, whether ``keep_steps`` wrote
+    it or a killed job left verl's raw lines (the module docstring); a step logged twice keeps its
+    later line, as the trainer's reader does. A last line without its newline that is not JSON (cut
+    off mid-write) is skipped with a note on stderr. Raises StepsError naming the file and line for
+    any other line that is not ``{"step": n, "data": {...}}``."""
+    # Bytes, split at newlines only: a write cut off inside a multi-byte character would not decode
+    # as text, and a string value may hold a character that str.splitlines splits at (U+2028, which
+    # orjson writes unescaped). A file ending in its newline ends in an empty item, so a last item
+    # with text is a line never finished; json.loads decodes each line (a bad byte: ValueError).
+    lines = path.read_bytes().split(b"\n")
+    steps: dict[int, dict[str, float]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as exc:
+            if number == len(lines):
+                print(f"arms.py steps: note: {path}:{number}: last line cut off (a killed job's half-written step), "
+                      "skipped", file=sys.stderr)
+                continue
+            raise StepsError(f'{path}:{number}: not a step line ({{"step": n, "data": {{...}}}}): {exc}') from exc
+        try:
+            if not isinstance(entry["data"], dict):
+                raise TypeError(f"data is {type(entry['data']).__name__}, not an object")
+            steps[int(entry["step"])] = numeric_values(entry["data"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StepsError(f'{path}:{number}: not a step line ({{"step": n, "data": {{...}}}}): '
+                             f"{type(exc).__name__}: {exc}") from exc
+    return steps
+
+
 def read_steps(run_dir: Path, client: int) -> tuple[Steps, list[int]]:
     """``client``'s steps of the run (round, then step, numerically: round 10 after round 2) and the
-    clients that have step files. Raises StepsError when ``client`` has none, or a line is no step."""
+    clients that have step files. Raises StepsError when ``client`` has none, or a line is no step
+    (:func:`read_step_file`)."""
     files = step_files(run_dir)
     clients = sorted({c for _, c in files})
     if client not in clients:
@@ -96,14 +158,8 @@ def read_steps(run_dir: Path, client: int) -> tuple[Steps, list[int]]:
                          f"{', '.join(map(str, clients))}); choose one with --client")
     steps: Steps = {}
     for (round_, _), path in sorted((key, path) for key, path in files.items() if key[1] == client):
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-                steps[(round_, int(entry["step"]))] = dict(entry["data"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise StepsError(f'{path}:{number}: not a step line ({{"step": n, "data": {{...}}}}): {exc}') from exc
+        for step, data in read_step_file(path).items():
+            steps[(round_, step)] = data
     if not steps:
         raise StepsError(f"{run_dir / STEPS_FOLDER}: client {client}'s files hold no step")
     return dict(sorted(steps.items())), clients

@@ -1,9 +1,10 @@
 #!/bin/bash
 # Pack what a GPU session must keep (the device machine keeps nothing) into one archive under
-# $OUT: every run's summary, metrics, curve, the arms report, the verl sessions' phases
-# (phases.md, and each phases.jsonl), verl's per-step metrics of every client-round (metrics.jsonl
-# keeps a round's last step only) and its request fingerprints where they were on, the node's memory
-# samples (hostmem.jsonl), and the tail of each log.
+# $OUT: every run's summary, metrics, curve, the arms report (arms.*) and the matrix launched
+# (matrix.json), the verl sessions' phases (phases.md, and each phases.jsonl), verl's per-step metrics
+# of every client-round (metrics.jsonl keeps a round's last step only) and its request fingerprints
+# where they were on, the node's memory samples (hostmem.jsonl), and the tails of the logs: $OUT's
+# own *.log and each persistent trainer's server.log (not the client-rounds' logs).
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -26,7 +27,7 @@ keep_per_client_round() {
 }
 cp "$OUT"/arms.* "$OUT"/phases.md "$OUT"/matrix.json "$OUT"/hostmem.jsonl "$STAGE/results/" 2>/dev/null
 # a glob that matches nothing stays the pattern itself: a session without runs (or without top-level
-# logs) would otherwise leave a results/*/ folder (an empty results/*.log.tail)
+# logs) would otherwise leave a results/*/ folder (an empty results/*.log.tail); each loop skips it
 for run in "$OUT"/runs/*/; do
   [ -d "$run" ] || continue
   name=$(basename "$run")
@@ -40,13 +41,16 @@ for run in "$OUT"/runs/*/; do
   # verl's metrics of every training step, which each client-round writes under its output in both
   # trainer modes (round_<r>/client_<c>/verl/steps.jsonl), as results/<run>/steps/round_<r>-client_<c>.jsonl:
   # a round's first step is where two runs of one config can first differ (docs/results.md, the
-  # reproducibility pairs)
+  # reproducibility pairs). A subprocess job killed by its timeout leaves verl's raw step lines there
+  # instead, perhaps with a cut-off last line; arms.py steps reads those too (tools/gpu/arms_steps.py)
   keep_per_client_round "$run" "$name" steps.jsonl steps
-  # the agent loop's per-request fingerprints where trainer.request_fingerprints was on, as
-  # results/<run>/fingerprints/round_<r>-client_<c>.jsonl: two runs' files joined request by request
-  # name the first request whose prompt, tokens or log-probs differ
+  # the agent loop's per-request fingerprints where trainer.request_fingerprints was on
+  # (round_<r>/client_<c>/verl/request_fingerprints.jsonl), as
+  # results/<run>/fingerprints/round_<r>-client_<c>.jsonl: tools/gpu/fingerprints.py joins two runs'
+  # files request by request and names the first request whose prompt, tokens or log-probs differ
   keep_per_client_round "$run" "$name" request_fingerprints.jsonl fingerprints
-  # each client's last round log and the persistent trainers' logs, tails only
+  # the persistent trainers' logs (trainers/client_<c>/server.log), tails only, as
+  # results/<run>/client_<c>-server.log.tail; no client-round's own log is kept
   for log in "$run"/trainers/client_*/server.log; do
     [ -f "$log" ] && tail -c 200000 "$log" > "$STAGE/results/$name/$(basename "$(dirname "$log")")-server.log.tail"
   done

@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
 
 from fedagent_flwr.trainers.verl.job import STEPS_FILE, keep_steps
+from fedagent_flwr.trainers.verl.verl_log import FILE_LOGGER_ENV, StepFile
 from testkit.gpu_tools import collected, gpu_tool
 
 REPO = Path(__file__).resolve().parents[3]
@@ -142,3 +148,92 @@ def test_a_run_without_steps_is_refused_naming_the_folder(tmp_path: Path, capsys
     assert arms.main(["steps", "--run", f"A={runs['A']}", "--run", f"A={runs['B']}"]) == 2
     assert "--run label(s) A given twice" in capsys.readouterr().err
     assert not written.exists()
+
+
+def _verl_logs(tracking: Any) -> None:
+    """Two steps as verl's trainer logs them: NumPy scalars, an integer, NaN, infinity, a string,
+    a list and a non-ASCII string alongside the numbers."""
+    tracking.log({"critic/score/mean": np.float32(0.25), "actor/entropy": float("nan"), "timing_s/step": 12.5,
+                  "training/global_step": 1, "actor/grad_norm": float("inf"), "note": "stopped é",
+                  "hist": [1, 2], "response_length/mean": np.float64(101.5)}, step=1)
+    tracking.log({"critic/score/mean": 0.5, "actor/entropy": np.float64(2.5), "timing_s/step": 10.0,
+                  "training/global_step": 2, "note": "1.5", "actor/grad_norm": 0.5,
+                  "response_length/mean": 99.0}, step=2)
+
+
+def test_a_killed_jobs_raw_verl_lines_read_as_keep_steps_would_have_kept_them(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A subprocess job killed by SIGTERM leaves ``verl/steps.jsonl`` as verl's own file logger
+    wrote it (NaN and infinity as null, strings, lists, integers) and its last line cut off mid-write
+    (here inside a multi-byte character): arms.py steps reads it as ``keep_steps`` would have kept
+    the same steps, finite numbers only, so it compares identical with such a run; the cut-off line
+    is skipped with a note naming the file and line; a value left out shows as missing."""
+    from verl.utils.tracking import Tracking
+
+    arms = _arms_module()
+    out = tmp_path / "out"
+    killed = out / "runs" / "killed" / "round_1" / "client_0" / "verl" / STEPS_FILE
+    killed.parent.mkdir(parents=True)
+    monkeypatch.setenv(FILE_LOGGER_ENV, str(killed))
+    tracking = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    _verl_logs(tracking)
+    # step 3's write, cut off by the kill two bytes into the "é" (two bytes in UTF-8) of its last value
+    line = orjson.dumps({"step": 3, "data": {"critic/score/mean": 0.75, "note": "é"}},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+    tracking.logger["file"].fp.write(line[:line.index("é".encode()) + 1])
+    tracking.logger["file"].finish()
+    # the same steps where the job ended: the trainer's own reader, then keep_steps
+    whole = tmp_path / "whole.jsonl"
+    monkeypatch.setenv(FILE_LOGGER_ENV, str(whole))
+    tracking = Tracking(project_name="p", experiment_name="e", default_backend=["file"])
+    _verl_logs(tracking)
+    tracking.logger["file"].finish()
+    reader = StepFile(whole)
+    reader.poll()
+    keep_steps(out / "runs" / "kept" / "round_1" / "client_0" / "verl" / STEPS_FILE, reader.steps)
+    results = collected(out, tmp_path)
+    written = tmp_path / "pair.jsonl"
+    keys = ["critic/score/mean", "actor/entropy", "actor/grad_norm", "training/global_step", "note", "timing_s/step"]
+    assert arms.main(["steps", "--run", f"K={results / 'killed'}", "--run", f"W={results / 'kept'}",
+                      "--keys", *keys, "--write", str(written)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"arms.py steps: note: {results / 'killed' / 'steps' / 'round_1-client_0.jsonl'}:3: "
+                            "last line cut off (a killed job's half-written step), skipped\n")
+    assert ("K and W: identical in every step shown (critic/score/mean, actor/entropy, actor/grad_norm, "
+            "training/global_step, note)\n") in captured.out
+    # NaN, infinity and text are missing: a dash; a numeric string and an integer are numbers
+    assert "| 1 | 1 | 0.25 | 0.25 | – | – | – | – | 1 | 1 | – | – | 12.5 | 12.5 |" in captured.out
+    assert "| 1 | 2 | 0.5 | 0.5 | 2.5 | 2.5 | 0.5 | 0.5 | 2 | 2 | 1.5 | 1.5 | 10 | 10 |" in captured.out
+    flat = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [{k: v for k, v in row.items() if k != "run"} for row in flat[:2]] == \
+        [{k: v for k, v in row.items() if k != "run"} for row in flat[2:]]
+    assert flat[0] == {"run": "K", "round": 1, "step": 1, "critic/score/mean": 0.25, "training/global_step": 1.0,
+                       "timing_s/step": 12.5}
+
+
+def _steps_folder(tmp_path: Path, lines: bytes) -> Path:
+    run = tmp_path / "run"
+    (run / "steps").mkdir(parents=True)
+    (run / "steps" / "round_1-client_0.jsonl").write_bytes(lines)
+    return run
+
+
+@pytest.mark.parametrize(("lines", "where", "why"), [
+    # a cut-off line that is not the last: the file was not just killed mid-write
+    (b'{"step":1,"data":{"a":1.0}}\n{"step":2,"da\n{"step":3,"data":{"a":2.0}}\n', 2, "Unterminated string"),
+    # the last line whole (its newline written) but not JSON
+    (b'{"step":1,"data":{"a":1.0}}\n{"step":2,"da\n', 2, "Unterminated string"),
+    (b'{"step":1,"data":{"a":1.0}}\n{"step":2}\n', 2, "KeyError: 'data'"),
+    (b'{"step":1,"data":[1.0]}\n{"step":2,"data":{"a":2.0}}\n', 1, "TypeError: data is list, not an object"),
+    (b'{"step":"one","data":{"a":1.0}}\n', 1, "ValueError: invalid literal"),
+])
+def test_any_other_line_that_is_no_step_fails_naming_the_file_and_line(
+        lines: bytes, where: int, why: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Only the last line without its newline may be cut off; any other line that is not a
+    ``{"step": n, "data": {...}}`` record stops the command with one message naming the file and line."""
+    run = _steps_folder(tmp_path, lines)
+    assert _arms_module().main(["steps", "--run", f"A={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'arms.py steps: {run / "steps" / "round_1-client_0.jsonl"}:{where}: not a step line '
+                          '({"step": n, "data": {...}}): ')
+    assert why in err and err.count("\n") == 1
