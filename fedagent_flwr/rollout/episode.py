@@ -75,17 +75,15 @@ def stop_token_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> set[i
 
 
 def stop_texts(tokenizer: Any, stop_ids: Iterable[int]) -> list[str]:
-    """The text of each stop id, in id order (the order :meth:`ChatRenderer.glue` tries them)."""
+    """The text of each stop id, in id order (the order :func:`_reply_stop_id` tries them)."""
     return [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]
 
 
 def leading_stop(closing: str, eos_texts: Sequence[str]) -> int | None:
-    """Index of the first (non-empty) text of ``eos_texts`` that starts ``closing``, else None.
-
-    The one search both :meth:`ChatRenderer.glue` (which strips the text a sampled stop id already
-    wrote) and :func:`tokenize_conversation` (which appends that stop id to a recorded reply) make,
-    so that the two always agree on which stop id closes a turn.
-    """
+    """Index of the first (non-empty) text of ``eos_texts`` that starts ``closing``, else None:
+    which stop id :func:`tokenize_conversation` appends to a recorded reply (the one the template
+    closes turns with, so that :meth:`ChatRenderer.glue` then strips exactly that text, as it does
+    for a sampled reply that ended with it)."""
     for index, text in enumerate(eos_texts):
         if text and closing.startswith(text):
             return index
@@ -232,22 +230,20 @@ class ChatRenderer:
         history: list[dict[str, str]],
         reply: str,
         observation: str,
-        ended_with_eos: bool,
-        eos_texts: Iterable[str],
+        sampled_stop: str | None,
     ) -> tuple[str, str]:
         """Text between the sampled reply and the next generation, and the next prompt's text.
 
         ``history`` ends with the assistant ``reply``; ``prompt_text`` is the rendered history
-        before that reply, with the generation prompt.
+        before that reply, with the generation prompt; ``sampled_stop`` is the text of the stop id
+        that ended the reply (None when it was cut at ``max_new_tokens``).
         """
         with_reply, closing = self.closing(prompt_text, history, reply)
-        if ended_with_eos:
-            # The sampled EOS already closed the turn when the template closes turns with it;
-            # otherwise the template's own closing follows the sampled EOS.
-            texts = list(eos_texts)
-            index = leading_stop(closing, texts)
-            if index is not None:
-                closing = closing[len(texts[index]):]
+        if sampled_stop and closing.startswith(sampled_stop):
+            # The sampled stop already closed the turn when the template closes turns with that very
+            # token; any other stop (Qwen2.5 stops on <|endoftext|> as well as on its closing
+            # <|im_end|>) is followed by the template's whole closing.
+            closing = closing[len(sampled_stop):]
         next_prompt = self.render(
             [*history, {"role": "user", "content": observation}], add_generation_prompt=True
         )
@@ -279,7 +275,6 @@ async def run_episode(
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     stop_ids = stop_token_ids(tokenizer, eos_token_ids)
-    eos_texts = stop_texts(tokenizer, stop_ids)
     renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     try:
         system = await env.system_prompt()
@@ -302,6 +297,7 @@ async def run_episode(
                 break
             new_ids = await generate_turn(generate, context, sampling)
             ended_with_eos = bool(new_ids) and new_ids[-1] in stop_ids
+            sampled_stop = tokenizer.decode([new_ids[-1]], skip_special_tokens=False) if ended_with_eos else None
             response_ids += new_ids
             response_mask += [1] * len(new_ids)
             context += new_ids
@@ -319,7 +315,7 @@ async def run_episode(
                 break  # nothing follows the last reply, so no observation tokens are added
 
             glue_text, next_prompt = renderer.glue(
-                prompt_text, messages, reply, observation, ended_with_eos, eos_texts
+                prompt_text, messages, reply, observation, sampled_stop
             )
             glue_ids = renderer.encode(glue_text)
             if (len(context) + len(glue_ids) + sampling.max_new_tokens > max_model_len
@@ -400,7 +396,9 @@ def tokenize_conversation(
     same :meth:`ChatRenderer.glue` the runner uses. A conversation that ends with a user message
     (an episode truncated before its next turn) ends with that message's glue.
 
-    Round trip: for an episode whose replies each ended with a stop id (what a chat policy emits),
+    Round trip: for an episode whose replies each ended with the stop id the template closes turns
+    with (what a chat policy emits; a reply ended by another stop id, e.g. Qwen2.5's <|endoftext|>,
+    is recorded as text only, so it comes back ended by the template's),
     ``tokenize_conversation(episode.messages)`` equals the episode's ids and mask. It cannot when
     a reply's sampled ids are not the tokenizer's own encoding of its decoded text (a
     non-canonical split, special tokens that ``skip_special_tokens`` dropped, a text that
@@ -426,7 +424,8 @@ def tokenize_conversation(
             break
         observation = messages[index + 1]["content"]
         glue_text, prompt_text = renderer.glue(
-            prompt_text, history, reply, observation, stop_id is not None, eos_texts
+            prompt_text, history, reply, observation,
+            None if stop_id is None else tokenizer.decode([stop_id], skip_special_tokens=False),
         )
         glue_ids = renderer.encode(glue_text)
         history.append({"role": "user", "content": observation})

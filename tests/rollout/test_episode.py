@@ -70,6 +70,29 @@ def test_concatenation_equals_the_rendered_conversation(smollm2_tokenizer: Any) 
     assert len(episode.response_mask) == len(episode.response_ids)
 
 
+def test_a_turn_ended_by_another_stop_id_keeps_the_templates_whole_closing(smollm2_tokenizer: Any) -> None:
+    # Two stop ids, as Qwen2.5 has (<|im_end|> and <|endoftext|>): a turn the policy ends with
+    # <|endoftext|> is not closed by the template's <|im_end|>, so the glue keeps that closing,
+    # while a turn ended with <|im_end|> itself gets only what follows it.
+    tok = smollm2_tokenizer
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext != tok.eos_token_id
+    replies = iter([([*tok.encode("<answer>25</answer>", add_special_tokens=False), endoftext]),
+                    ([*tok.encode("<answer>12</answer>", add_special_tokens=False), tok.eos_token_id]),
+                    ([*tok.encode("<answer>7</answer>", add_special_tokens=False), tok.eos_token_id])])
+
+    async def generate(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+        return next(replies)
+
+    episode = asyncio.run(run_episode(TinyGuess({"lo": 1, "hi": 50, "max_turns": 6}), 6, tok, generate, SAMPLING,
+                                      max_turns=6, max_model_len=2048,
+                                      eos_token_ids=[endoftext, tok.eos_token_id]))
+    assert [t.ended_with_eos for t in episode.turns] == [True, True, True]
+    glue = [tok.decode(ids) for m, ids in mask_runs(episode) if m == 0]
+    assert glue == ["<|im_end|>\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n",
+                    "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"]
+
+
 def test_turns_cut_at_max_new_tokens_are_closed_by_the_template(smollm2_tokenizer: Any, tiny_model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
