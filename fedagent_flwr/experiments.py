@@ -224,8 +224,8 @@ def config_has_epochs() -> bool:
 def not_reproduced(with_epochs: bool) -> list[str]:
     """What of FedAgent's paper setting these runs do not reproduce yet (issue 15)."""
     notes = ["windowed rollout (one sample per turn, 2-step history): available as rollout.mode=windowed, but "
-             "the presets keep the concat agent loop, with FedAgent's concat-mode token budgets, until the "
-             "windowed verl path has run for more than one round on a GPU (one round ran: docs/gpu.md §6)"]
+             "the presets keep the concat agent loop, with FedAgent's concat-mode token budgets: the windowed "
+             "verl path has run 2 rounds of 2 clients on a GPU (docs/gpu.md §6), end to end, not yet learning"]
     if not with_epochs:
         notes.insert(1, f"E local epochs ({EPOCHS_KEY}): each round is train.local_steps = 1 step instead of E")
     return notes
