@@ -24,10 +24,10 @@ torch version may pick other kernels (bf16 autocast makes such differences visib
 
 The output directory is written under a temporary name, its files and itself fsynced, and renamed
 into place; the weights in fp32 unless ``--save-dtype bfloat16`` (half the bytes, each weight rounded
-once; the config's ``dtype`` says which); besides the model and tokenizer it holds ``warm_start.json`` (:data:`RECORD_FILE`): the
-sha256 of the data bytes as read (not re-read after training), the examples used and dropped,
-epochs, steps, losses, seed and base model, so a run whose base model it is records where that
-model came from.
+once; the config's ``dtype`` says which); besides the model and tokenizer it holds
+``warm_start.json`` (:data:`RECORD_FILE`): the sha256 of the data bytes as read (not re-read after
+training), the examples used and dropped, epochs, steps, losses, seed, saved dtype and base model, so
+a run whose base model it is records where that model came from.
 """
 
 from __future__ import annotations
