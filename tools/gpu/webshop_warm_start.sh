@@ -29,6 +29,9 @@ fi
 if [ -d "${FEDAGENT_SITE:-/tmp/site}" ]; then source tools/gpu/node_env.sh  # the node: its tree, cache dir
 else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
 PY=${PYTHON:-python3}
+# cuBLAS is deterministic only with this set before the process starts (README, "Supervised warm
+# start"): two GPU sessions on the same node type and wheels then make the same model more likely.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 SECONDS=0
 # The expert plays exactly the recipe's windowed limits (turns, per-turn budgets, history), read from
 # the composed recipe, so the warm start sees the windows the RL run will show.
