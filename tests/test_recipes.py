@@ -3,7 +3,9 @@ overrides that verl's own config validation accepts: a recipe must not fail on t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +22,7 @@ ARMS = ["", "experiment=local", "experiment=centralized", "strategy=fedprox"]
 
 
 def test_there_are_recipes() -> None:
-    assert "tinyguess_verl" in RECIPES and "webshop_verl" in RECIPES
+    assert {"tinyguess_verl", "webshop_verl", "webshop_windowed_verl"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -75,3 +77,71 @@ def test_webshop_recipe_splits_the_training_goals_between_two_clients_and_bounds
     trainer = settings.trainer
     assert trainer["max_new_tokens"] * train["max_turns"] < trainer["max_response_length"]
     assert settings.raw["env"]["service"]["pool_size"] >= train["n_envs"] * trainer["rollout_n"]
+
+
+def test_webshop_windowed_recipe_keeps_fedagents_windowed_layout_for_every_launched_arm(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The windowed WebShop recipe (the warm-started RL run): FedAgent's windowed loop and lengths
+    (one row per turn, 2-step history, prompt 4096 + response 512 per turn, 15 turns), as
+    ``tools/gpu/arms.py launch`` composes it for each arm with a local model directory as the base
+    model, and verl's own validation accepts the job it becomes, with the windowed manager and rows
+    padded to whole 32-row mini-batches."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from fedagent_flwr.trainers.verl.overrides import WINDOWED_MANAGER
+    from fedagent_flwr.trainers.verl.windowed import row_divisor
+    from testkit.gpu_tools import gpu_tool
+
+    extra = f"env.data_dir={WEBSHOP_DATA} model.path={tiny_model_dir}"
+    runs = gpu_tool("arms").plan("webshop_windowed_verl", [1], ["federated", "local", "centralized"], extra, 39400)
+    for run in runs:
+        settings = load_settings("config", run["overrides"])
+        assert settings.raw["rollout"] == {"mode": "windowed", "history_length": 2}, run["name"]
+        trainer = settings.trainer
+        assert (trainer["rollout_mode"], trainer["history_length"]) == ("windowed", 2)  # what the jobs carry
+        assert (trainer["max_prompt_length"], trainer["max_response_length"], trainer["max_new_tokens"]) == \
+            (4096, 512, 512), run["name"]
+        assert settings.raw["model"]["path"] == str(tiny_model_dir)
+        (train,) = settings.train_env_spec["envs"]
+        (val,) = settings.val_env_spec["envs"]
+        assert train["max_turns"] == val["max_turns"] == 15 and val["config"]["split"] == "val"
+        assert settings.raw["env"]["service"]["pool_size"] >= train["n_envs"] * trainer["rollout_n"]
+        assert settings.run.eval.num_episodes == 64
+
+        verl_settings, unknown = VerlSettings.from_mapping(
+            {k: v for k, v in trainer.items() if k not in CLIENTAPP_TRAINER_KEYS and k not in RULE_KEYS})
+        assert not unknown and verl_settings.max_model_len == 4608
+        paths = job_paths(tmp_path / run["name"], str(tiny_model_dir), "", "/tmp/fa-ray-test")
+        cfg = compose_verl_config(build_overrides(
+            algorithm=settings.run.algorithm, settings=verl_settings, paths=paths, batch_size=train["n_envs"],
+            local_steps=settings.run.train.local_steps, seed=1, experiment_name="round1_client0"))
+        validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        rollout = cfg.actor_rollout_ref.rollout
+        assert (rollout.prompt_length, rollout.response_length) == (4096, 512)
+        assert rollout.agent.agent_loop_manager_class == WINDOWED_MANAGER
+        assert row_divisor(cfg) == 32  # 4 prompts x 8 rollouts a mini-batch; micro-batches of 4 divide it
+
+
+@pytest.mark.skipif(not (WEBSHOP_DATA / "items_shuffle_1000.json").exists(),
+                    reason=f"WebShop data not found at {WEBSHOP_DATA}")
+def test_webshop_windowed_recipe_fits_whole_expert_episodes(tmp_path: Path, smollm2_tokenizer: Any) -> None:
+    """Under the windowed recipe's own limits the expert's episodes are never cut: every window fits
+    the prompt budget with room to spare and every purchase fits the turn cap (the concat recipe cut
+    319 of 500 before "buy now"), so a warm start and the RL run see whole episodes."""
+    from fedagent_flwr.envs.webshop.expert import EpisodeSettings, expert_env_config, write_expert_file
+    from fedagent_flwr.rollout.episode import ChatRenderer
+
+    settings = load_settings("config", f"recipe=webshop_windowed_verl env.data_dir={WEBSHOP_DATA}")
+    trainer, (train,) = settings.trainer, settings.train_env_spec["envs"]
+    episode = EpisodeSettings("windowed", train["max_turns"], trainer["max_new_tokens"], trainer["max_prompt_length"],
+                              trainer["max_response_length"], settings.raw["rollout"]["history_length"])
+    out = tmp_path / "expert.jsonl"
+    summary = write_expert_file(out, expert_env_config(WEBSHOP_DATA, max_turns=train["max_turns"]),
+                                smollm2_tokenizer, range(12), episode)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary.episodes == 12 and summary.truncated == 0 and summary.successes >= 9
+    assert max(line["num_turns"] for line in lines) < train["max_turns"]
+    renderer = ChatRenderer(smollm2_tokenizer, None)  # as the windowed runner renders a window
+    windows = [len(renderer.prompt(line["messages"][:1])[1]) for line in lines]
+    assert len(windows) == summary.turns and max(windows) < trainer["max_prompt_length"] - 1000

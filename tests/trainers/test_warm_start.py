@@ -335,3 +335,57 @@ def test_one_epoch_prints_its_first_and_last_step_loss(tiny_model_dir: Path, dat
     printed = capsys.readouterr().out
     assert f"step loss {record['loss_first_step']:.4f} -> {record['loss_last_step']:.4f} over 2 steps" in printed
     assert torch.are_deterministic_algorithms_enabled()  # --seed seeds everything (seed_everything), not only the RNGs
+
+
+def test_a_warm_start_output_is_a_base_model_the_run_and_both_trainers_load(
+        tiny_model_dir: Path, data: Path, tmp_path: Path, smollm2_tokenizer: Any) -> None:
+    """The output directory as ``model.path``: the server's base-model check takes it, the evaluator
+    and reference trainer load it (``evaluator.load_model``), verl's tokenizer loader renders the
+    same chat template as the base model's tokenizer, and verl's windowed agent loop plays an
+    episode with it. ``--save-dtype bfloat16`` writes half the bytes, every weight the fp32 one
+    rounded once, and loads the same way."""
+    import asyncio
+
+    from safetensors import safe_open
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.utils import hf_tokenizer
+
+    from fedagent_flwr.models.smollm2 import resolve_model_path
+    from fedagent_flwr.rollout.episode import ChatRenderer
+    from fedagent_flwr.serverapp import preflight
+    from fedagent_flwr.trainers.common.evaluator import load_model
+    from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
+    from fedagent_flwr.trainers.verl.dataset import EnvEpisodeDataset
+    from testkit.verl_agent_loop import HFServer, loop_config
+
+    outs = {dtype: tmp_path / dtype for dtype in ws.SAVE_DTYPES}
+    for dtype, out in outs.items():
+        assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 1, "--lr", 1e-3,
+                   "--batch-size", 2, "--device", "cpu", "--save-dtype", dtype) == 0
+        assert json.loads((out / ws.RECORD_FILE).read_text())["save_dtype"] == dtype
+        assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+        with safe_open(str(out / "model.safetensors"), "pt") as weights:
+            assert {weights.get_tensor(k).dtype for k in weights.keys()} == {getattr(torch, dtype)}
+    sizes = {d: (o / "model.safetensors").stat().st_size for d, o in outs.items()}
+    assert sizes["bfloat16"] < 0.55 * sizes["float32"]
+
+    window = [{"role": "user", "content": "Guess the secret integer in [1, 50]. Current observation: too low."}]
+    base_ids = ChatRenderer(smollm2_tokenizer, None).prompt(window)[1]
+    (full, _), (half, _) = (load_model(resolve_model_path(str(o)), 0) for o in outs.values())
+    for name, param in full.state_dict().items():  # the same training, saved two ways
+        assert torch.equal(half.state_dict()[name], param.to(torch.bfloat16).float()), name
+    for out in outs.values():
+        ref = preflight.base_model(resolve_model_path(str(out)), str(out))  # the server's check of model.path
+        assert ref.path == str(out.resolve()) and ref.format == "hf-safetensors"
+        model, tokenizer = load_model(resolve_model_path(str(out)), 0)  # evaluator and reference trainer
+        assert model.dtype == torch.float32 and tokenizer.eos_token == "<|im_end|>"
+        verl_tokenizer = hf_tokenizer(str(out))  # what verl's workers load from actor_rollout_ref.model.path
+        assert ChatRenderer(verl_tokenizer, None).prompt(window)[1] == base_ids
+        assert verl_tokenizer.eos_token_id == smollm2_tokenizer.eos_token_id == model.generation_config.eos_token_id
+        cfg = loop_config(prompt_length=4096, response_length=16)
+        loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=HFServer(model.eval()),
+                            tokenizer=verl_tokenizer, processor=None, dataset_cls=EnvEpisodeDataset,
+                            data_config=DictConfigWrap(cfg.data), max_new_tokens=8, history_length=2)
+        turns = asyncio.run(loop.run_windowed({"temperature": 0.0}, validate=False, env_name="TinyGuess",
+                                              env_config={"lo": 1, "hi": 50}, seed=3, max_turns=2))
+        assert len(turns) == 2 and all(t.num_turns == 1 and t.response_ids for t in turns)

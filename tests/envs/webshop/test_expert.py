@@ -243,3 +243,48 @@ def test_the_summary_counts_turns_once_one_reply_a_turn() -> None:
                      "truncated": False})
     assert summary.turns == 8 and not hasattr(summary, "replies")
     assert "mean turns 4.00, format-valid replies 7/8," in summary.line()
+
+
+def _replayed(tokenizer: Any, replies: list[str]) -> Any:
+    """A ``generate`` that answers turn k with ``replies[k]`` (tokenised, then the EOS), as the expert did."""
+    answers = iter(replies)
+
+    async def generate(prompt_ids: list[int], sampling: Any) -> list[int]:
+        return [*tokenizer.encode(next(answers), add_special_tokens=False), tokenizer.eos_token_id]
+
+    return generate
+
+
+@needs_data
+def test_windowed_expert_windows_are_the_ones_a_webshop_service_serves(tmp_path: Path, smollm2_tokenizer: Any) -> None:
+    """The warm start trains on windows the expert rendered in process (it reads the engine); the
+    windowed RL run renders them on the client from a WebShop service's replies
+    (``ServiceTextEnv.window_prompt``). Replaying the expert's replies through a real service process,
+    at the windowed recipe's limits, gives the same windows token for token and the same return, on
+    goals of both clients' halves: a warm-started model is shown, in RL, what it was trained on."""
+    from fedagent_flwr.envs.service.client import ServiceTextEnv
+    from fedagent_flwr.envs.service.launch import ServiceLaunch
+    from fedagent_flwr.envs.service.manager import EnvServiceManager
+    from fedagent_flwr.rollout.episode import SamplingParams
+    from fedagent_flwr.rollout.windowed import run_windowed_episode
+
+    settings = EpisodeSettings("windowed", max_turns=15, max_new_tokens=512, max_prompt_length=4096,
+                               max_response_length=512, history_length=2)  # conf/recipe/webshop_windowed_verl.yaml
+    env = WebShopEnv(expert_env_config(DATA_DIR, max_turns=settings.max_turns))
+    launch = ServiceLaunch(env="WebShop", config={"data_dir": str(DATA_DIR), "split": "train"}, pool_size=1)
+    with EnvServiceManager(launch, tmp_path / "svc.json", stop_grace_s=5.0) as manager:
+        url = manager.ensure_running()
+        for seed in (0, 3205, 5608):  # training goals 500, 3705 and 6108: client 0's and client 1's halves
+            episode, record = asyncio.run(play_expert_episode(env, seed, smollm2_tokenizer, settings))
+            replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+            served = asyncio.run(run_windowed_episode(
+                ServiceTextEnv({"url": url, "env": "WebShop"}), seed, smollm2_tokenizer,
+                _replayed(smollm2_tokenizer, replies),
+                SamplingParams(settings.max_new_tokens, temperature=0.0), settings.max_turns,
+                settings.max_prompt_length + settings.max_response_length, history_length=settings.history_length,
+                max_prompt_len=settings.max_prompt_length))
+            assert len(replies) == episode.num_turns >= 3 and not episode.truncated, seed
+            assert served.messages == episode.messages, seed
+            assert [w.prompt_ids for w in served.windows] == [w.prompt_ids for w in episode.windows], seed
+            assert (served.reward, served.success, served.num_turns) == (episode.reward, episode.success,
+                                                                          episode.num_turns), seed

@@ -1,0 +1,84 @@
+#!/bin/bash
+# The supervised warm start of the windowed WebShop run (conf/recipe/webshop_windowed_verl.yaml), on
+# the GPU node: expert episodes on training goals in the recipe's windowed layout, then
+# `fedagent warm-start` on every turn of the successful ones; the model lands in OUT_DIR (outside the
+# checkout: `flwr run .` packs the checkout, and a 540 MB model is no part of the app), for
+# `model.path=OUT_DIR`. Prints one summary line last.
+# usage: bash tools/gpu/webshop_warm_start.sh OUT_DIR      (repository root; on the node after
+#        tools/gpu/prepare_node.sh, with .gpu-data/webshop carried: docs/gpu.md §7)
+# Settings (environment; defaults are the GPU plan's, docs/gpu.md §7 says why):
+#   EPISODES=1000 SHARDS=8     expert episodes, played by SHARDS processes; shard k starts at seed
+#                              k * 6410 / SHARDS, so the episodes cover both clients' halves of the
+#                              training goals evenly (seed s plays training goal 500 + s % 6410)
+#   DEVICE=cuda EPOCHS=1 LR=5e-5 BATCH=8 MAX_LEN=4608 SEED=0 SAVE_DTYPE=float32
+#   DATA=.gpu-data/webshop     WORK=/tmp/ws-warm-work (the expert files)
+#   EXPERT_ONLY=1              stop after the expert episodes (to time them)
+set -eu
+cd "$(dirname "$0")/../.."
+OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
+EPISODES=${EPISODES:-1000}; SHARDS=${SHARDS:-8}
+DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; BATCH=${BATCH:-8}; MAX_LEN=${MAX_LEN:-4608}
+SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}
+DATA=${DATA:-.gpu-data/webshop}; WORK=${WORK:-/tmp/ws-warm-work}
+RECIPE=webshop_windowed_verl
+case "$OUT_DIR" in /*) ;; *) OUT_DIR=$PWD/$OUT_DIR;; esac
+case "$OUT_DIR/" in "$PWD"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
+if [ "$SHARDS" -lt 1 ] || [ "$EPISODES" -lt "$SHARDS" ]; then
+  echo "webshop_warm_start.sh: need 1 <= SHARDS ($SHARDS) <= EPISODES ($EPISODES)" >&2; exit 2
+fi
+if [ -d "${FEDAGENT_SITE:-/tmp/site}" ]; then source tools/gpu/node_env.sh  # the node: its tree, cache dir
+else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
+PY=${PYTHON:-python3}
+# cuBLAS is deterministic only with this set before the process starts (README, "Supervised warm
+# start"): two GPU sessions on the same node type and wheels then make the same model more likely.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+SECONDS=0
+# The expert plays exactly the recipe's windowed limits (turns, per-turn budgets, history), read from
+# the composed recipe, so the warm start sees the windows the RL run will show.
+read -r TURNS NEW PROMPT RESPONSE HISTORY < <($PY - "$RECIPE" "$DATA" <<'PY'
+import sys
+from fedagent_flwr.config import load_settings
+s = load_settings("config", f"recipe={sys.argv[1]} env.data_dir={sys.argv[2]}")
+(train,) = s.train_env_spec["envs"]
+t = s.trainer
+assert s.raw["rollout"]["mode"] == "windowed", s.raw["rollout"]
+print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_response_length"],
+      s.raw["rollout"]["history_length"])
+PY
+) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
+rm -rf "$WORK"; mkdir -p "$WORK"
+PER=$(( (EPISODES + SHARDS - 1) / SHARDS )); left=$EPISODES; pids=()
+for k in $(seq 0 $((SHARDS - 1))); do
+  n=$(( left < PER ? left : PER )); left=$(( left - n ))
+  [ "$n" -gt 0 ] || break
+  $PY -m fedagent_flwr.cli webshop-expert --data-dir "$DATA" --mode windowed --episodes "$n" \
+      --first-seed $(( k * 6410 / SHARDS )) --max-turns "$TURNS" --max-new-tokens "$NEW" \
+      --max-prompt-length "$PROMPT" --max-response-length "$RESPONSE" --history-length "$HISTORY" \
+      --out "$WORK/expert-$k.jsonl" --quiet > "$WORK/expert-$k.log" 2>&1 &
+  pids+=($!)
+done
+for k in "${!pids[@]}"; do
+  wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2; exit 1; }
+done
+cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
+EXPERT_S=$SECONDS
+grep -h "^wrote" "$WORK"/expert-*.log
+echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.jsonl") windows, $(sha256sum "$WORK/expert.jsonl" | cut -c1-16), ${EXPERT_S} s"
+[ "${EXPERT_ONLY:-0}" = 1 ] && exit 0
+# --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
+$PY -m fedagent_flwr.cli warm-start --data "$WORK/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
+    --epochs "$EPOCHS" --lr "$LR" --batch-size "$BATCH" --max-len "$MAX_LEN" --seed "$SEED" --device "$DEVICE" \
+    --save-dtype "$SAVE_DTYPE" --log-every 50
+WARM_S=$(( SECONDS - EXPERT_S ))
+$PY - "$OUT_DIR" "$WORK/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
+import json, sys
+out, data, expert_s, warm_s = sys.argv[1:]
+r = json.load(open(f"{out}/warm_start.json"))
+windows = sum(1 for line in open(data) if line.strip())
+considered = r["examples_used"] + r["examples_dropped_too_long"]
+print(f"ws-warm: windows kept {r['examples_used']} dropped {r['examples_dropped_too_long']} (> {r['max_len']} tokens), "
+      f"{windows - considered} of {windows} skipped (unsuccessful episodes); steps {r['steps']}, "
+      f"loss {r['loss_first_step']:.4f} -> {r['loss_last_step']:.4f}; expert {float(expert_s):.0f} s, "
+      f"warm start {float(warm_s):.0f} s (training {r['seconds']} s) on {r['device']}; {r['save_dtype']} model in {out}",
+      flush=True)
+PY
