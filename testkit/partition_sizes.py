@@ -5,8 +5,9 @@ The package draws them inside :func:`~fedagent_flwr.hetero.task.coverage_assignm
 package caller needs the sizes alone). The tests compare these intermediate sizes with FedAgent's
 own numbers, their bounds and the assignments, so they are derived here from the specification
 (specs/partitions.md §6-§8) with the package's public building blocks, ``default_r`` and
-``generate_client_sizes``: an independent derivation of what the assignments must start from, not
-a read of the package's private setup. Arguments are checked by the assignments, not here.
+``generate_client_sizes``: a restatement of §6-§8 (the same few lines the package's own setup runs,
+written from the specification), not a read of the package's private setup, so a package that drifts
+from the specification disagrees with it. Arguments are checked by the assignments, not here.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Many tests build on the testkit's helpers; a helper that writes a private attrib
 private function ties all of them to an internal detail the package may change without notice, and
 the helper stops exercising the path a run takes (the node registry filled by discovery, the
 partitions' sizes derived from the specification). Read with :mod:`ast`, nothing is imported.
+What it sees: imports of ``_``-prefixed names and ``_``-prefixed attribute access; not private names
+reached through strings (``getattr(x, "_name")``, ``monkeypatch.setattr(module, "_name", ...)``) nor
+private module paths (``fedagent_flwr._x``), none of which the testkit uses today.
 """
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ async def run_episode(
 def _reply_stop_id(closing: str, stop_ids: set[int], eos_texts: list[str], tokenizer: Any) -> int | None:
     """The stop id a policy ends a reply with, given the template's ``closing`` text after the reply.
 
-    The first stop id (in id order, as :meth:`ChatRenderer.glue` tries them) whose text starts the
+    The first stop id (in id order, :func:`leading_stop`) whose text starts the
     closing; when none does, the tokenizer's EOS if it is a stop id, else the smallest stop id;
     None when there are no stop ids at all.
     """

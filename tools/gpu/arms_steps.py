@@ -140,7 +140,11 @@ def read_step_file(path: Path) -> dict[int, dict[str, float]]:
         try:
             if not isinstance(entry["data"], dict):
                 raise TypeError(f"data is {type(entry['data']).__name__}, not an object")
-            steps[int(entry["step"])] = numeric_values(entry["data"])
+            step = entry["step"]
+            # an integer, as the trainer's reader (verl_log.parse_record) requires: not "3", 1.5 or true
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise TypeError(f"step is {step!r}, not an integer")
+            steps[step] = numeric_values(entry["data"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StepsError(f'{path}:{number}: not a step line ({{"step": n, "data": {{...}}}}): '
                              f"{type(exc).__name__}: {exc}") from exc

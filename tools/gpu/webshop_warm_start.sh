@@ -11,20 +11,26 @@
 #                              k * 6410 / SHARDS, so the episodes cover both clients' halves of the
 #                              training goals evenly (seed s plays training goal 500 + s % 6410)
 #   DEVICE=cuda EPOCHS=1 LR=5e-5 BATCH=8 MAX_LEN=4608 SEED=0 SAVE_DTYPE=float32
-#   DATA=.gpu-data/webshop     WORK=/tmp/ws-warm-work (the expert files)
+#   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
+#                              are taken from the caller's directory
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
 set -eu
-cd "$(dirname "$0")/../.."
 OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
+# Resolved from the caller's directory (and .. and links folded) before moving to the repository root.
+OUT_DIR=$(realpath -m "$OUT_DIR")
+WORK=$(realpath -m "${WORK:-/tmp/ws-warm-work}")
+DATA=${DATA:+$(realpath -m "$DATA")}
+cd "$(dirname "$0")/../.."
+DATA=${DATA:-$PWD/.gpu-data/webshop}  # the default is the repository's, where stage_webshop_data.sh puts it
 EPISODES=${EPISODES:-1000}; SHARDS=${SHARDS:-8}
 DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; BATCH=${BATCH:-8}; MAX_LEN=${MAX_LEN:-4608}
 SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}
-DATA=${DATA:-.gpu-data/webshop}; WORK=${WORK:-/tmp/ws-warm-work}
 RECIPE=webshop_windowed_verl
-case "$OUT_DIR" in /*) ;; *) OUT_DIR=$PWD/$OUT_DIR;; esac
-case "$OUT_DIR/" in "$PWD"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
-if [ "$SHARDS" -lt 1 ] || [ "$EPISODES" -lt "$SHARDS" ]; then
-  echo "webshop_warm_start.sh: need 1 <= SHARDS ($SHARDS) <= EPISODES ($EPISODES)" >&2; exit 2
+case "$OUT_DIR/" in "$(realpath -m "$PWD")"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
+# Shard k starts at seed k * 6410 / SHARDS: more episodes than the 6,410 training goals would make
+# shards overlap and repeat goals in the supervised data.
+if [ "$SHARDS" -lt 1 ] || [ "$EPISODES" -lt "$SHARDS" ] || [ "$EPISODES" -gt 6410 ]; then
+  echo "webshop_warm_start.sh: need 1 <= SHARDS ($SHARDS) <= EPISODES ($EPISODES) <= 6410 (the training goals)" >&2; exit 2
 fi
 if [ -d "${FEDAGENT_SITE:-/tmp/site}" ]; then source tools/gpu/node_env.sh  # the node: its tree, cache dir
 else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
@@ -35,7 +41,7 @@ export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 SECONDS=0
 # The expert plays exactly the recipe's windowed limits (turns, per-turn budgets, history), read from
 # the composed recipe, so the warm start sees the windows the RL run will show.
-read -r TURNS NEW PROMPT RESPONSE HISTORY < <($PY - "$RECIPE" "$DATA" <<'PY'
+read -r TURNS NEW PROMPT RESPONSE HISTORY RETURN_N < <($PY - "$RECIPE" "$DATA" <<'PY'
 import sys
 from fedagent_flwr.config import load_settings
 s = load_settings("config", f"recipe={sys.argv[1]} env.data_dir={sys.argv[2]}")
@@ -43,7 +49,7 @@ s = load_settings("config", f"recipe={sys.argv[1]} env.data_dir={sys.argv[2]}")
 t = s.trainer
 assert s.raw["rollout"]["mode"] == "windowed", s.raw["rollout"]
 print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_response_length"],
-      s.raw["rollout"]["history_length"])
+      s.raw["rollout"]["history_length"], train["config"]["search_return_n"])
 PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
 rm -rf "$WORK"; mkdir -p "$WORK"
@@ -51,14 +57,18 @@ PER=$(( (EPISODES + SHARDS - 1) / SHARDS )); left=$EPISODES; pids=()
 for k in $(seq 0 $((SHARDS - 1))); do
   n=$(( left < PER ? left : PER )); left=$(( left - n ))
   [ "$n" -gt 0 ] || break
-  $PY -m fedagent_flwr.cli webshop-expert --data-dir "$DATA" --mode windowed --episodes "$n" \
+  # CPU only, as the env services run (envs/service/launch.py's CPU_ONLY_ENV): importing bm25s runs
+  # JAX, which would otherwise take 75% of the GPU that training sessions beside it are using.
+  CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu $PY -m fedagent_flwr.cli webshop-expert --data-dir "$DATA" --mode windowed --episodes "$n" \
       --first-seed $(( k * 6410 / SHARDS )) --max-turns "$TURNS" --max-new-tokens "$NEW" \
       --max-prompt-length "$PROMPT" --max-response-length "$RESPONSE" --history-length "$HISTORY" \
+      --search-return-n "$RETURN_N" \
       --out "$WORK/expert-$k.jsonl" --quiet > "$WORK/expert-$k.log" 2>&1 &
   pids+=($!)
 done
 for k in "${!pids[@]}"; do
-  wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2; exit 1; }
+  wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2
+                          kill "${pids[@]}" 2>/dev/null || true; exit 1; }
 done
 cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
 EXPERT_S=$SECONDS

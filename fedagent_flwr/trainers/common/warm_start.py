@@ -357,8 +357,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=TrainConfig.max_grad_norm)
     parser.add_argument("--log-every", type=int, default=TrainConfig.log_every, help="steps between progress lines")
     parser.add_argument("--save-dtype", choices=SAVE_DTYPES, default="float32",
-                        help="dtype of the saved weights (training is fp32 either way): float32 (default, as the "
-                             "bundled base model and the run's aggregates) or bfloat16 (half the size, rounded once)")
+                        help="dtype of the saved weights (the weights and optimiser train in fp32 either way, "
+                             "the forward pass under bf16 autocast on CUDA): float32 (default, as the bundled "
+                             "base model and the run's aggregates) or bfloat16 (half the size, rounded once)")
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "max_len", "log_every"):
         if getattr(args, name) < 1:

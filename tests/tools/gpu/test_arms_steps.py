@@ -225,7 +225,11 @@ def _steps_folder(tmp_path: Path, lines: bytes) -> Path:
     (b'{"step":1,"data":{"a":1.0}}\n{"step":2,"da\n', 2, "Unterminated string"),
     (b'{"step":1,"data":{"a":1.0}}\n{"step":2}\n', 2, "KeyError: 'data'"),
     (b'{"step":1,"data":[1.0]}\n{"step":2,"data":{"a":2.0}}\n', 1, "TypeError: data is list, not an object"),
-    (b'{"step":"one","data":{"a":1.0}}\n', 1, "ValueError: invalid literal"),
+    (b'{"step":"one","data":{"a":1.0}}\n', 1, "TypeError: step is 'one', not an integer"),
+    # what int() would have taken, and the trainer's reader refuses
+    (b'{"step":"3","data":{"a":1.0}}\n', 1, "TypeError: step is '3', not an integer"),
+    (b'{"step":1.5,"data":{"a":1.0}}\n', 1, "TypeError: step is 1.5, not an integer"),
+    (b'{"step":true,"data":{"a":1.0}}\n', 1, "TypeError: step is True, not an integer"),
 ])
 def test_any_other_line_that_is_no_step_fails_naming_the_file_and_line(
         lines: bytes, where: int, why: str, tmp_path: Path, capsys) -> None:  # noqa: ANN001
