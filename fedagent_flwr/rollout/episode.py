@@ -74,6 +74,24 @@ def stop_token_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> set[i
     return stop_ids
 
 
+def model_stop_ids(tokenizer: Any, generation_eos: int | Iterable[int] | None) -> tuple[int, ...]:
+    """The ids a sampler ends a reply at, sorted: the generation config's ``eos_token_id`` (one id or
+    a list; None when the model has none) and the tokenizer's EOS.
+
+    Both samplers stop at this set: Hugging Face's ``generate`` and :class:`HFPolicy` at the
+    generation config's ids, and vLLM, which adds the generation config's ids to every request's stop
+    ids. Qwen2.5-Instruct lists two (``<|im_end|>`` and ``<|endoftext|>``), so a runner told only the
+    tokenizer's EOS would record a reply ended with the second as cut short.
+    """
+    stop: set[int] = set()
+    for source in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            stop.add(source)
+        elif source is not None:
+            stop.update(int(s) for s in source)
+    return tuple(sorted(stop))
+
+
 def stop_texts(tokenizer: Any, stop_ids: Iterable[int]) -> list[str]:
     """The text of each stop id, in id order (the order :func:`_reply_stop_id` tries them)."""
     return [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(stop_ids)]

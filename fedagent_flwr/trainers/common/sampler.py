@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedagent_flwr.envs.registry import make_env
-from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, run_episode
+from fedagent_flwr.rollout.episode import Episode, GenerateFn, SamplingParams, model_stop_ids, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, ROLLOUT_MODES, run_windowed_episode
 from fedagent_flwr.schema.trainer import Rollout
 from fedagent_flwr.trainers.common.prefix_cache import (
@@ -54,13 +54,7 @@ class HFPolicy:
         self.batch_size = batch_size
         self.kv_reuse = kv_reuse
         self.prefilled_tokens = 0  # prompt tokens run through prefills so far (what kv_reuse saves)
-        stop: set[int] = set()
-        for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-            if isinstance(source, int):
-                stop.add(source)
-            elif isinstance(source, (list, tuple)):
-                stop.update(int(s) for s in source)
-        self.stop_ids: tuple[int, ...] = tuple(sorted(stop))
+        self.stop_ids = model_stop_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         # transformers 5.2x renamed ``past_key_values`` to ``cache``; accept either.

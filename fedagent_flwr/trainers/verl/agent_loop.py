@@ -31,6 +31,7 @@ config can then be joined request by request (on seed, env seed, row and turn wh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -41,10 +42,11 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from fedagent_flwr.envs.registry import make_env
-from fedagent_flwr.rollout.episode import Episode, SamplingParams, run_episode
+from fedagent_flwr.rollout.episode import Episode, SamplingParams, model_stop_ids, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
 from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
@@ -194,6 +196,27 @@ class ServerGenerate:
         return tokens
 
 
+def cut_replies(episode: Episode) -> int:
+    """How many of the episode's replies ended without a stop id: cut at ``max_new_tokens``."""
+    return sum(1 for turn in episode.turns if not turn.ended_with_eos)
+
+
+@functools.cache
+def generation_eos(model_path: str) -> int | tuple[int, ...] | None:
+    """The ``eos_token_id`` of the generation config saved with the model at ``model_path`` (None
+    without one): the ids vLLM adds to every request's stop ids. Read once per path and process,
+    since verl builds an agent loop for every episode."""
+    from transformers import GenerationConfig
+
+    if not Path(model_path).is_dir():  # a hub name: never fetch from here
+        return None
+    try:
+        value = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json there
+        return None
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 class EnvAgentLoop(AgentLoopBase):
     """Plays one multi-turn text-environment episode and returns it as a verl trajectory.
 
@@ -213,6 +236,9 @@ class EnvAgentLoop(AgentLoopBase):
         self.episode_log = str(episode_log)
         self.history_length = int(history_length)
         self.request_fingerprints = bool(request_fingerprints)
+        # The ids vLLM stops a reply at, so a turn's record says how it really ended.
+        model_path = OmegaConf.select(self.config, "actor_rollout_ref.model.path")
+        self.stop_ids = model_stop_ids(self.tokenizer, generation_eos(str(model_path)) if model_path else None)
 
     def _generate(self, sampling_params: dict[str, Any], request_id: str | None,
                   kwargs: dict[str, Any]) -> ServerGenerate:
@@ -255,6 +281,7 @@ class EnvAgentLoop(AgentLoopBase):
             env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), prompt_length + response_length,
             history_length=self.history_length, chat_template_kwargs=self.apply_chat_template_kwargs,
             max_prompt_len=prompt_length,
+            eos_token_ids=self.stop_ids,
         )
         if not episode.windows:
             raise PromptTooLongError(
@@ -272,6 +299,7 @@ class EnvAgentLoop(AgentLoopBase):
                 "score": episode.reward - self.invalid_action_penalty * invalid,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": episode.trained_tokens,
+                "cut_replies": cut_replies(episode),
                 "samples": len(episode.windows), "pid": os.getpid(),
                 # what verl's GRPO groups and scores: the turn rows of this episode, under the row's uid
                 "turn_scores": scores, **grpo_group(kwargs),
@@ -299,6 +327,7 @@ class EnvAgentLoop(AgentLoopBase):
             prompt_length + response_length,
             chat_template_kwargs=self.apply_chat_template_kwargs,
             max_response_len=response_length,
+            eos_token_ids=self.stop_ids,
         )
         if len(episode.prompt_ids) > prompt_length:
             raise PromptTooLongError(
@@ -313,6 +342,7 @@ class EnvAgentLoop(AgentLoopBase):
                 "env": env_name, "seed": seed, "reward": episode.reward, "score": score,
                 "success": episode.success, "num_turns": episode.num_turns, "invalid": invalid,
                 "truncated": episode.truncated, "response_tokens": sum(episode.response_mask),
+                "cut_replies": cut_replies(episode),
                 "pid": os.getpid(), **grpo_group(kwargs),
             })
         return AgentLoopOutput(

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -187,6 +188,52 @@ def test_agent_loop_returns_the_episode_and_verl_pads_it(tiny_model_dir: Path, s
     assert processed.prompt_ids[0, -n_prompt:].tolist() == output.prompt_ids
     assert processed.response_mask[0, :n_response].tolist() == output.response_mask
     assert int(processed.response_mask[0, n_response:].sum()) == 0
+
+
+class ScriptedServer:
+    """verl's ``server_manager`` contract answering each call with the next scripted reply."""
+
+    def __init__(self, replies: list[list[int]]) -> None:
+        self.replies = iter(replies)
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       **_: Any) -> Any:
+        tokens = next(self.replies)
+        return SimpleNamespace(token_ids=tokens, log_probs=[0.0] * len(tokens))
+
+
+@pytest.mark.parametrize("mode", ["concat", "windowed"])
+def test_agent_loop_stops_at_the_generation_configs_stop_ids_as_vllm_does(
+        mode: str, tiny_model_dir: Path, smollm2_tokenizer: Any, tmp_path: Path) -> None:
+    # A model whose generation config lists two stop ids, as Qwen2.5's does: vLLM ends a reply at
+    # either, so a reply ended by the second is a finished turn, not one cut at max_new_tokens.
+    from transformers import GenerationConfig
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from fedagent_flwr.trainers.verl.agent_loop import EnvAgentLoop
+
+    tok = smollm2_tokenizer
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext != tok.eos_token_id
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    GenerationConfig(eos_token_id=[tok.eos_token_id, endoftext]).save_pretrained(model_dir)
+    cfg = loop_config(prompt_length=256, response_length=96)
+    cfg.actor_rollout_ref.model = {"path": str(model_dir)}
+    say = [*tok.encode("<answer>25</answer>", add_special_tokens=False)]
+    cut = tok.encode("<answer>12</answer> " + "and more " * 20, add_special_tokens=False)[:len(say) + 4]
+    replies = [[*say, endoftext], cut, [*say, tok.eos_token_id]]
+    episode_log = tmp_path / "episodes.jsonl"
+    loop = EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=ScriptedServer(replies), tokenizer=tok,
+                        processor=None, dataset_cls=EnvEpisodeDataset, data_config=DictConfigWrap(cfg.data),
+                        max_new_tokens=len(cut), episode_log=str(episode_log))
+    row = {"env_name": "TinyGuess", "env_config": {"lo": 1, "hi": 50, "max_turns": 3}, "seed": 6,
+           "max_turns": 3, "index": 0}
+    play = loop.run_windowed if mode == "windowed" else loop.run
+    asyncio.run(play({"temperature": 1.0, "top_p": 1.0}, **row))
+    record = json.loads(episode_log.read_text())
+    assert loop.stop_ids == tuple(sorted([tok.eos_token_id, endoftext]))
+    assert (record["num_turns"], record["cut_replies"]) == (3, 1)  # only the reply with no stop id
 
 
 def test_agent_loop_refuses_a_prompt_longer_than_the_budget(tiny_model_dir: Path, smollm2_tokenizer: Any) -> None:
