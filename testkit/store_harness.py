@@ -163,7 +163,7 @@ class StubGateway:
     a JSON list or string). Use as a context manager; ``url`` is the gateway's."""
 
     def __init__(self, replies: dict[str, tuple[int, bytes, str]]) -> None:
-        from fedagent_flwr.checkpoint.http_server import _start_uvicorn
+        from fedagent_flwr.checkpoint.http_server import serve_in_thread
         from fedagent_flwr.checkpoint.store import StorageSettings
         from fedagent_flwr.envs.service.server import bind_socket, socket_url
 
@@ -182,7 +182,7 @@ class StubGateway:
         self._sock = bind_socket("127.0.0.1")
         self.url = socket_url(self._sock)
         settings = StorageSettings(kind="http")
-        self._server, self._thread = _start_uvicorn(app, self._sock, settings)  # type: ignore[arg-type]
+        self._server, self._thread = serve_in_thread(app, self._sock, settings)
 
     def __enter__(self) -> StubGateway:
         return self

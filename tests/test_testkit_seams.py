@@ -20,8 +20,6 @@ TESTKIT = Path(__file__).resolve().parent.parent / "testkit"
 ALLOWED = {
     # torch's FSDP check patched out for the CPU stand-in of verl's workers: torch's private, not the package's
     ("verl_cpu.py", "fsdp_init._check_module_states_for_sync_module_states"),
-    # the store's own uvicorn start-up, reused for a stub gateway; not yet given a public seam
-    ("store_harness.py", "fedagent_flwr.checkpoint.http_server._start_uvicorn"),
 }
 
 

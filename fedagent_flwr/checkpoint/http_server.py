@@ -120,7 +120,7 @@ class HttpServerStore(ServerStore):
         if settings.tls:
             bound = "https" + bound[len("http"):]
         self.url = (settings.url or bound).rstrip("/")
-        self._server, self._thread = _start_uvicorn(create_store_app(self), self._sock, settings)
+        self._server, self._thread = serve_in_thread(create_store_app(self), self._sock, settings)
 
     # -- tokens -------------------------------------------------------------------------------
     def _token(self, purpose: str) -> str:
@@ -433,8 +433,11 @@ def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
         log(WARNING, "no receipt for %s (%s): the aggregation will hash its files", final, exc)
 
 
-def _start_uvicorn(app: FastAPI, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
-    """Serve ``app`` on ``sock`` in a daemon thread; return once it accepts connections."""
+def serve_in_thread(app: Any, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
+    """Serve the ASGI ``app`` on the bound socket ``sock`` in a daemon thread, with TLS when
+    ``settings`` name a certificate; return ``(uvicorn server, thread)`` once it accepts connections
+    (set the server's ``should_exit`` and join the thread to stop it). CheckpointError when it
+    cannot start. The store serves itself with it; tests stand up stand-in gateways with it."""
     import uvicorn
 
     config = uvicorn.Config(
