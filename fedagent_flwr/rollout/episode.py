@@ -281,6 +281,7 @@ async def run_episode(
     eos_token_ids: Iterable[int] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     max_response_len: int | None = None,
+    max_prompt_len: int | None = None,
 ) -> Episode:
     """Play one episode of ``env`` (reset with ``seed``) with the policy behind ``generate``.
 
@@ -288,6 +289,8 @@ async def run_episode(
     is closed when the episode ends, also on error, so pooled sessions always go back.
     ``max_response_len`` additionally bounds the tokens after the prompt (verl pads responses to
     a fixed ``response_length``): a turn that might not fit is not started (``truncated``).
+    ``max_prompt_len`` bounds the first prompt (verl's ``prompt_length``): a longer one plays no
+    turn (``truncated``, ``prompt_ids`` kept; :mod:`fedagent_flwr.rollout.bounds`).
     """
     response_budget = max_model_len if max_response_len is None else max_response_len
     if max_turns < 1:
@@ -306,9 +309,10 @@ async def run_episode(
         response_ids: list[int] = []
         response_mask: list[int] = []
         turns: list[TurnRecord] = []
-        reward, success, truncated = 0.0, False, False
+        reward, success = 0.0, False
+        truncated = max_prompt_len is not None and len(prompt_ids) > max_prompt_len  # no turn is played
 
-        while len(turns) < max_turns:
+        while not truncated and len(turns) < max_turns:
             if (len(context) + sampling.max_new_tokens > max_model_len
                     or len(response_ids) + sampling.max_new_tokens > response_budget):
                 truncated = True

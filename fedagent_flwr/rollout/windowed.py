@@ -10,7 +10,9 @@ trained, mask 1): no observation tokens are ever in a response.
 Like the concat runner (:mod:`fedagent_flwr.rollout.episode`), nothing is truncated silently: a
 turn whose prompt plus ``max_new_tokens`` exceeds ``max_model_len`` (or whose prompt exceeds
 ``max_prompt_len``) is not started and the episode ends ``truncated``. (FedAgent left-truncates
-such prompts instead.)
+such prompts instead.) A turn's response is its reply alone, so ``max_response_len`` caps the
+tokens a turn samples (as verl's windowed loop caps ``max_new_tokens`` at ``response_length``).
+The bounds' meaning in both runners: :mod:`fedagent_flwr.rollout.bounds`.
 
 How the samples are scored is the trainer's business: every turn carries its episode's group and
 return (FedAgent broadcasts the episode return to every turn; its verl loop also subtracts the
@@ -20,6 +22,7 @@ invalid-action penalty on the turns whose own action was invalid, hence ``Window
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from fedagent_flwr.envs.base import BaseTextEnv
@@ -59,6 +62,7 @@ async def run_windowed_episode(
     eos_token_ids: Iterable[int] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
 ) -> Episode:
     """Play one episode of ``env`` (reset with ``seed``), one windowed prompt per turn.
 
@@ -69,6 +73,8 @@ async def run_windowed_episode(
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if history_length < 0:
         raise ValueError(f"history_length must be >= 0, got {history_length}")
+    if max_response_len is not None and sampling.max_new_tokens > max_response_len:
+        sampling = replace(sampling, max_new_tokens=max_response_len)
     stop_ids = stop_token_ids(tokenizer, eos_token_ids)
     renderer = ChatRenderer(tokenizer, chat_template_kwargs)
     try:

@@ -203,3 +203,34 @@ def test_episode_metrics_carry_the_env_score_only_when_every_episode_has_one(smo
     plain = asyncio.run(run_episode(TinyGuess({"max_turns": 1}), 30, tok, generate, SAMPLING, 1, 1024))
     assert "score_mean" not in episode_metrics([plain])
     assert "score_mean" not in episode_metrics([*scored, plain])  # a mean over some episodes would mislead
+
+
+def test_prompt_and_response_bounds_of_both_runners(smollm2_tokenizer: Any) -> None:
+    """verl's budgets (:mod:`fedagent_flwr.rollout.bounds`): concat plays no turn of a first prompt over
+    ``max_prompt_len`` (and plays one that fits it exactly); windowed samples at most ``max_response_len``
+    tokens a turn, and fits its window with that many."""
+    tok = smollm2_tokenizer
+    prompt_len = len(asyncio.run(_prompt_ids(tok)))
+    generate, sent = scripted_policy(tok, ["<answer>1</answer>"] * 2)
+    env = ClosingGuess({"max_turns": 5})
+    over = asyncio.run(run_episode(env, 1, tok, generate, SAMPLING, 5, 4096, max_prompt_len=prompt_len - 1))
+    assert over.truncated and over.num_turns == 0 and sent == [] and env.closed
+    assert len(over.prompt_ids) == prompt_len and over.response_ids == []
+    fits = asyncio.run(run_episode(TinyGuess({"max_turns": 5}), 1, tok, generate, SAMPLING, 1, 4096,
+                                   max_prompt_len=prompt_len))
+    assert fits.num_turns == 1 and not fits.truncated
+
+    asked: list[int] = []
+
+    async def reply(prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
+        asked.append(sampling.max_new_tokens)
+        return tok.encode("no idea", add_special_tokens=False)[:sampling.max_new_tokens]
+
+    first = asyncio.run(run_windowed_episode(TinyGuess({}), 1, tok, reply, SAMPLING, 1, 4096))
+    window = len(first.windows[0].prompt_ids)
+    # room for the window and 4 new tokens, not for SAMPLING's 32: only the response cap lets the turn play
+    capped = asyncio.run(run_windowed_episode(TinyGuess({}), 1, tok, reply, SAMPLING, 1, window + 4,
+                                              max_response_len=4))
+    assert capped.num_turns == 1 and asked == [32, 4] and len(capped.windows[0].response_ids) <= 4
+    uncapped = asyncio.run(run_windowed_episode(TinyGuess({}), 1, tok, reply, SAMPLING, 1, window + 4))
+    assert uncapped.truncated and uncapped.num_turns == 0
