@@ -46,6 +46,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 
 from fedagent_flwr.envs.registry import make_env
+from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, model_stop_ids, run_episode
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
@@ -253,11 +254,14 @@ class EnvAgentLoop(AgentLoopBase):
                                                "step": kwargs.get(REQUEST_STEP_KEY),
                                                "rollout_n": kwargs.get(REQUEST_GROUP_PLACE_KEY)})
 
-    def _episode_setup(self, kwargs: dict[str, Any]) -> tuple[str, int, Any, int, int]:
-        """A row's env name, seed and env, and the rollout's prompt and response budgets."""
+    def _episode_setup(self, kwargs: dict[str, Any]) -> tuple[str, int, Any, TokenBounds]:
+        """A row's env name, seed and env, and the token bounds of the rollout's prompt and response
+        budgets (``data.max_prompt_length`` and ``data.max_response_length``; the Hugging Face
+        evaluator validates under the same, :meth:`VerlSettings.token_bounds`)."""
         env_name, seed = str(kwargs["env_name"]), int(kwargs["seed"])
-        return (env_name, seed, make_env(env_name, dict(kwargs["env_config"])), int(self.rollout_config.prompt_length),
-                int(self.rollout_config.response_length))
+        return (env_name, seed, make_env(env_name, dict(kwargs["env_config"])),
+                TokenBounds.prompt_response(int(self.rollout_config.prompt_length),
+                                            int(self.rollout_config.response_length)))
 
     def _sampling(self, sampling_params: dict[str, Any], max_new_tokens: int) -> SamplingParams:
         """verl's temperature and top-p for this request, with a turn's token budget."""
@@ -274,19 +278,19 @@ class EnvAgentLoop(AgentLoopBase):
         the response is the turn's sampled tokens only (mask 1). verl repeats the row's ``uid`` onto
         every turn (:mod:`.windowed`), so GRPO groups the turns of all rollouts of one env instance.
         """
-        env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
+        env_name, seed, env, bounds = self._episode_setup(kwargs)
         generate = self._generate(sampling_params, None, kwargs)  # a fresh request id per turn
-        sampling = self._sampling(sampling_params, min(self.max_new_tokens, response_length))
+        sampling = self._sampling(sampling_params, self.max_new_tokens)  # capped at the response budget
         episode = await run_windowed_episode(
-            env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), prompt_length + response_length,
+            env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), bounds.max_model_len,
             history_length=self.history_length, chat_template_kwargs=self.apply_chat_template_kwargs,
-            max_prompt_len=prompt_length,
+            max_prompt_len=bounds.max_prompt_len, max_response_len=bounds.max_response_len,
             eos_token_ids=self.stop_ids,
         )
         if not episode.windows:
             raise PromptTooLongError(
                 f"{env_name} seed {seed}: the first windowed prompt does not fit data.max_prompt_length "
-                f"({prompt_length}); raise trainer.max_prompt_length"
+                f"({bounds.max_prompt_len}); raise trainer.max_prompt_length"
             )
         invalid = sum(1 for w in episode.windows if w.invalid)
         # Each turn row's score: the return, less the penalty on a turn whose own action was invalid.
@@ -319,20 +323,20 @@ class EnvAgentLoop(AgentLoopBase):
         return outputs
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        env_name, seed, env, prompt_length, response_length = self._episode_setup(kwargs)
+        env_name, seed, env, bounds = self._episode_setup(kwargs)
         generate = self._generate(sampling_params, uuid4().hex, kwargs)  # sticky
         sampling = self._sampling(sampling_params, self.max_new_tokens)
         episode = await run_episode(
-            env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]),
-            prompt_length + response_length,
+            env, seed, self.tokenizer, generate, sampling, int(kwargs["max_turns"]), bounds.max_model_len,
             chat_template_kwargs=self.apply_chat_template_kwargs,
-            max_response_len=response_length,
+            max_response_len=bounds.max_response_len, max_prompt_len=bounds.max_prompt_len,
             eos_token_ids=self.stop_ids,
         )
-        if len(episode.prompt_ids) > prompt_length:
+        if bounds.max_prompt_len is not None and len(episode.prompt_ids) > bounds.max_prompt_len:
+            # verl cannot pad such a prompt to data.max_prompt_length; the runner played no turn of it
             raise PromptTooLongError(
                 f"{env_name} seed {seed}: the first prompt has {len(episode.prompt_ids)} tokens but "
-                f"data.max_prompt_length is {prompt_length}; raise trainer.max_prompt_length"
+                f"data.max_prompt_length is {bounds.max_prompt_len}; raise trainer.max_prompt_length"
             )
         invalid = count_invalid_actions(episode)
         score = episode.reward - self.invalid_action_penalty * invalid

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.schema import check
 from fedagent_flwr.schema.trainer import VERL_LOGGERS, AgentLoopKnobs, VerlKnobs  # noqa: F401  # VERL_LOGGERS: re-exported
 
@@ -35,6 +36,12 @@ class VerlSettings(AgentLoopKnobs, VerlKnobs):
         return list(dict.fromkeys(("console", "file", *self.verl_logger)))
 
     @property
+    def token_bounds(self) -> TokenBounds:
+        """The bounds the agent loop plays every episode under (``data.max_prompt_length`` and
+        ``data.max_response_length`` are these two keys), and so the ones validation plays under."""
+        return TokenBounds.prompt_response(self.max_prompt_length, self.max_response_length)
+
+    @property
     def max_model_len(self) -> int:
         """Token budget of one episode (prompt plus every turn), as the agent loop enforces it."""
-        return self.max_prompt_length + self.max_response_length
+        return self.token_bounds.max_model_len
