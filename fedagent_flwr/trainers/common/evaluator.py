@@ -3,7 +3,10 @@ in every env of the full (unpartitioned) spec, at the validation temperature, in
 mode (concat or windowed: the agent loop the model is trained with is the one it is scored with).
 
 The verl backend evaluates this way too, on the node's GPU: a 135M-parameter model needs seconds
-for it, whereas a verl job would spend minutes starting Ray and vLLM.
+for it, whereas a verl job would spend minutes starting Ray and vLLM. It passes the token bounds its
+agent loop trains under (:meth:`VerlSettings.token_bounds`: the prompt and response budgets, not
+only their sum), so validation cuts an episode where training would; the reference backend has one
+budget, ``trainer.max_model_len``, for both.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, save
 from fedagent_flwr.envs.registry import get_env_class
 from fedagent_flwr.envs.spec import EnvSpec
+from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.episode import Episode, SamplingParams
 from fedagent_flwr.schema.trainer import AgentLoopKnobs, EvalKnobs
 from fedagent_flwr.trainers.common.checks import InputError, check_eval_job, check_turns_fit
@@ -58,20 +62,37 @@ def load_model(path: Path, num_threads: int) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def evaluate(job: EvalJob, settings: EvalSettings, model_len_key: str = MODEL_LEN_KEY) -> EvalResult:
+def evaluate(job: EvalJob, settings: EvalSettings, model_len_key: str = MODEL_LEN_KEY,
+             bounds: TokenBounds | None = None) -> EvalResult:
     """Check ``job``, load its model and play the validation episodes; writes ``eval_result.json``.
-    ``model_len_key`` names the config key(s) that set ``settings.max_model_len``, for errors."""
+    ``model_len_key`` names the config key(s) that set ``settings.max_model_len``, for errors;
+    ``bounds``: see :func:`episode_bounds`."""
     spec, model_path = check_eval_job(job)
     started = time.monotonic()
     model, tokenizer = load_model(model_path, settings.num_threads)
-    return evaluate_loaded(job, spec, settings, model, tokenizer, started, model_len_key)
+    return evaluate_loaded(job, spec, settings, model, tokenizer, started, model_len_key, bounds)
+
+
+def episode_bounds(settings: EvalSettings, bounds: TokenBounds | None = None) -> TokenBounds:
+    """The token bounds validation plays under: ``bounds``, those of a backend whose training also
+    bounds the prompt and the response (verl: :meth:`VerlSettings.token_bounds`), else
+    ``settings.max_model_len`` alone (the reference trainer's one budget). ``bounds`` must have
+    ``settings.max_model_len`` as its context, or the two would disagree (ValueError)."""
+    if bounds is None:
+        return TokenBounds(settings.max_model_len)
+    if bounds.max_model_len != settings.max_model_len:
+        raise ValueError(f"the evaluator's bounds {bounds} disagree with max_model_len {settings.max_model_len}")
+    return bounds
 
 
 def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: Any, tokenizer: Any,
-                    started: float, model_len_key: str = MODEL_LEN_KEY) -> EvalResult:
-    """Play the validation episodes with ``model`` (fp32, loaded; moved to the device here)."""
+                    started: float, model_len_key: str = MODEL_LEN_KEY,
+                    bounds: TokenBounds | None = None) -> EvalResult:
+    """Play the validation episodes with ``model`` (fp32, loaded; moved to the device here) under
+    :func:`episode_bounds`."""
     import torch
 
+    bounds = episode_bounds(settings, bounds)
     seed_everything(derive_seed("eval", job.round))
     device = torch_device(settings.device)
     policy = HFPolicy(model.to(device=device, dtype=torch_compute_dtype(settings.compute_dtype, device)),
@@ -87,11 +108,12 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
     played: dict[int, Episode] = {}
     for wave in waves:
         episodes = play_episodes(policy, tokenizer, [tasks[i] for i in wave], settings.val_sampling(),
-                                 settings.max_model_len, [generators[i] for i in wave], settings.rollout_mode,
-                                 settings.history_length)
+                                 bounds.max_model_len, [generators[i] for i in wave], settings.rollout_mode,
+                                 settings.history_length, max_prompt_len=bounds.max_prompt_len,
+                                 max_response_len=bounds.max_response_len)
         played.update(zip(wave, episodes, strict=True))
     episodes = [played[i] for i in range(len(tasks))]
-    check_turns_fit(episodes, settings.max_new_tokens, settings.max_model_len, model_len_key)
+    check_turns_fit(episodes, settings.max_new_tokens, bounds.max_model_len, model_len_key, bounds.max_prompt_len)
     metrics = episode_metrics(episodes)
     for j, name in enumerate(env_metric_names(spec)):
         mine = episodes[j * len(job.seeds):(j + 1) * len(job.seeds)]

@@ -282,6 +282,9 @@ def play_episodes(
     generator: Any,
     rollout_mode: str = Rollout.mode,
     history_length: int = DEFAULT_HISTORY_LENGTH,
+    *,
+    max_prompt_len: int | None = None,
+    max_response_len: int | None = None,
 ) -> list[Episode]:
     """Play all ``tasks`` concurrently (batched generation); results in task order.
 
@@ -291,6 +294,12 @@ def play_episodes(
 
     ``rollout_mode`` "concat" plays each episode as one growing conversation, "windowed" as one
     fresh prompt per turn showing the last ``history_length`` steps (:mod:`fedagent_flwr.rollout.windowed`).
+
+    ``max_model_len`` bounds every turn's context; ``max_prompt_len`` and ``max_response_len``, where
+    given, bound the prompt and the response as verl's agent loop bounds them (their meaning in each
+    mode: :mod:`fedagent_flwr.rollout.bounds`), so a verl model's validation cuts its episodes where its
+    training did. The reference trainer has one budget, ``trainer.max_model_len``, and passes neither:
+    it trains and validates under that one bound.
     """
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
@@ -308,10 +317,12 @@ def play_episodes(
                     return await run_windowed_episode(
                         env, task.seed, tokenizer, batcher.generate_fn(index), sampling, task.max_turns,
                         max_model_len, history_length=history_length, eos_token_ids=policy.stop_ids,
+                        max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                     )
                 return await run_episode(
                     env, task.seed, tokenizer, batcher.generate_fn(index), sampling,
                     task.max_turns, max_model_len, eos_token_ids=policy.stop_ids,
+                    max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                 )
             finally:
                 batcher.finished(index)

@@ -396,13 +396,15 @@ def collect_result(job: TrainJob, prep: PreparedTrain, steps: dict[int, dict[str
 
 def evaluate(job: EvalJob) -> EvalResult:
     """Validation episodes with Hugging Face generation on the node's accelerator, with the
-    sampling knobs of the verl settings (the rest at the evaluator's defaults)."""
+    sampling knobs of the verl settings (the rest at the evaluator's defaults), under the token
+    bounds the agent loop trains under (prompt and response budgets, not only their sum)."""
     settings, _ = VerlSettings.from_mapping(job.trainer)
+    bounds = settings.token_bounds
     return evaluator.evaluate(job, EvalSettings(
         max_new_tokens=settings.max_new_tokens,
         val_temperature=settings.val_temperature,
-        max_model_len=settings.max_model_len,
+        max_model_len=bounds.max_model_len,
         device="auto",
         rollout_mode=settings.rollout_mode,  # scored with the agent loop it was trained with
         history_length=settings.history_length,
-    ), model_len_key="trainer.max_prompt_length + trainer.max_response_length")
+    ), model_len_key="trainer.max_prompt_length + trainer.max_response_length", bounds=bounds)
