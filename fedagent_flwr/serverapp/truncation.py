@@ -38,8 +38,8 @@ TRUNCATED_EPISODES = "truncated_n"
 BUDGET_ADVICE = {
     "reference": "raise trainer.max_model_len or lower trainer.max_new_tokens",
     "verl": ("raise trainer.max_response_length (all turns after the first prompt) or trainer.max_prompt_length "
-             "(the first prompt; in rollout.mode=windowed every turn's prompt; validation's budget is the two "
-             "summed), or lower trainer.max_new_tokens"),
+             "(the first prompt; in rollout.mode=windowed every turn's prompt; validation has the same two "
+             "bounds), or lower trainer.max_new_tokens"),
 }
 #: What each phase's truncated episodes do to the run's numbers, for the warning.
 CONSEQUENCE = {
