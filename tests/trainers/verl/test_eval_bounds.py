@@ -132,13 +132,19 @@ def test_concat_validation_plays_no_turn_of_a_first_prompt_over_the_prompt_budge
 
 
 def test_verl_settings_derive_the_agent_loops_bounds() -> None:
-    """The evaluator's bounds for verl come from the one derivation the agent loop uses."""
+    """The evaluator's bounds for verl come from the one derivation the agent loop uses; the reference
+    backend's are its one budget."""
     from fedagent_flwr.rollout.bounds import TokenBounds
+    from fedagent_flwr.trainers.common.evaluator import EvalSettings, episode_bounds
     from fedagent_flwr.trainers.verl.settings import VerlSettings
 
     settings, _ = VerlSettings.from_mapping({"max_prompt_length": 200, "max_response_length": 64})
     assert settings.token_bounds == TokenBounds.prompt_response(200, 64) == TokenBounds(264, 200, 64)
     assert settings.max_model_len == 264
+    assert episode_bounds(EvalSettings(max_model_len=264), settings.token_bounds) == settings.token_bounds
+    assert episode_bounds(EvalSettings(max_model_len=300)) == TokenBounds(300)  # the reference trainer's
+    with pytest.raises(ValueError, match="disagree with max_model_len 300"):
+        episode_bounds(EvalSettings(max_model_len=300), settings.token_bounds)
     for bad in ({"max_model_len": 0}, {"max_model_len": 8, "max_prompt_len": 0}, {"max_model_len": True}):
         with pytest.raises(ValueError, match="must be a positive integer"):
             TokenBounds(**bad)
