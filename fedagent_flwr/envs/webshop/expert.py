@@ -42,6 +42,7 @@ from typing import Any
 from fedagent_flwr.envs.projection import project_action
 from fedagent_flwr.envs.webshop.engine import ITEM, PRODUCTS_PER_PAGE, RESULTS, SEARCH
 from fedagent_flwr.envs.webshop.env import WebShopEnv
+from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.episode import (
     ChatTemplateError,
     ConversationError,
@@ -59,6 +60,10 @@ DEFAULT_SEARCH_RETURN_N = 50
 DEFAULT_MAX_NEW_TOKENS = 96
 DEFAULT_MAX_PROMPT_LENGTH = 512
 DEFAULT_MAX_RESPONSE_LENGTH = 2560
+# Windowed mode's, from conf/recipe/webshop_windowed_verl.yaml (FedAgent's windowed budgets): a window
+# is a whole prompt, so the concat budgets above would cut every episode at its first long window.
+WINDOWED_MAX_PROMPT_LENGTH = 4096
+WINDOWED_MAX_RESPONSE_LENGTH = 512
 #: Result pages the expert looks at before it settles for the best listed product.
 DEFAULT_MAX_PAGES = 3
 #: The only split the expert plays: its output is training data.
@@ -275,7 +280,9 @@ def expert_env_config(
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """How the expert's episodes are played: rollout mode and the recipe's length limits."""
+    """How the expert's episodes are played: rollout mode and the recipe's length limits (the
+    defaults are the concat recipe's; :meth:`for_mode` takes the prompt and response budgets from
+    the mode's recipe)."""
 
     mode: str = "concat"
     max_turns: int = DEFAULT_MAX_TURNS
@@ -283,6 +290,18 @@ class EpisodeSettings:
     max_prompt_length: int = DEFAULT_MAX_PROMPT_LENGTH
     max_response_length: int = DEFAULT_MAX_RESPONSE_LENGTH
     history_length: int = 2
+
+    @classmethod
+    def for_mode(cls, mode: str, max_prompt_length: int | None = None, max_response_length: int | None = None,
+                 **rest: Any) -> EpisodeSettings:
+        """Settings of ``mode`` whose prompt and response budgets, unless given, are the mode's
+        recipe's (concat webshop_verl's, windowed webshop_windowed_verl's)."""
+        windowed = mode == "windowed"
+        if max_prompt_length is None:
+            max_prompt_length = WINDOWED_MAX_PROMPT_LENGTH if windowed else DEFAULT_MAX_PROMPT_LENGTH
+        if max_response_length is None:
+            max_response_length = WINDOWED_MAX_RESPONSE_LENGTH if windowed else DEFAULT_MAX_RESPONSE_LENGTH
+        return cls(mode=mode, max_prompt_length=max_prompt_length, max_response_length=max_response_length, **rest)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -308,15 +327,18 @@ async def play_expert_episode(
         raise ExpertInputError(f"the expert plays only the {EXPERT_SPLIT!r} split, not {env.split!r}")
     expert = WebShopExpert(env, tokenizer, settings.max_turns)
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0)
-    max_model_len = settings.max_prompt_length + settings.max_response_length
+    # The bounds verl's agent loop plays under, so the expert's episodes are cut where training's are.
+    bounds = TokenBounds.prompt_response(settings.max_prompt_length, settings.max_response_length)
     if settings.mode == "windowed":
         from fedagent_flwr.rollout.windowed import run_windowed_episode
 
         episode = await run_windowed_episode(env, seed, tokenizer, expert, sampling, settings.max_turns,
-                                             max_model_len, history_length=settings.history_length)
+                                             bounds.max_model_len, history_length=settings.history_length,
+                                             max_prompt_len=bounds.max_prompt_len,
+                                             max_response_len=bounds.max_response_len)
     else:
-        episode = await run_episode(env, seed, tokenizer, expert, sampling, settings.max_turns, max_model_len,
-                                    max_response_len=settings.max_response_length)
+        episode = await run_episode(env, seed, tokenizer, expert, sampling, settings.max_turns, bounds.max_model_len,
+                                    max_response_len=bounds.max_response_len, max_prompt_len=bounds.max_prompt_len)
     last = episode.turns[-1].info if episode.turns else {}
     record = {
         "env": "webshop",
@@ -434,8 +456,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS)
     parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--max-prompt-length", type=int, default=DEFAULT_MAX_PROMPT_LENGTH)
-    parser.add_argument("--max-response-length", type=int, default=DEFAULT_MAX_RESPONSE_LENGTH)
+    parser.add_argument("--max-prompt-length", type=int, default=None,
+                        help=f"default: the mode's recipe ({DEFAULT_MAX_PROMPT_LENGTH} concat, "
+                             f"{WINDOWED_MAX_PROMPT_LENGTH} windowed)")
+    parser.add_argument("--max-response-length", type=int, default=None,
+                        help=f"default: the mode's recipe ({DEFAULT_MAX_RESPONSE_LENGTH} concat, "
+                             f"{WINDOWED_MAX_RESPONSE_LENGTH} windowed)")
     parser.add_argument("--history-length", type=int, default=2, help="windowed mode: steps each prompt shows")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
     return parser
@@ -472,8 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if Path(args.out).is_dir():
             raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
         config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
-        settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
-                                   args.max_response_length, args.history_length)
+        settings = EpisodeSettings.for_mode(args.mode, args.max_prompt_length, args.max_response_length,
+                                            max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                                            history_length=args.history_length)
         WebShopEnv.check_config(config)  # the data directory holds the catalogue files
         tokenizer = _load_tokenizer(args.model)
         least = WebShopExpert.min_new_tokens(tokenizer)

@@ -65,6 +65,11 @@ def test_defaults_are_the_webshop_recipes() -> None:
     assert recipe["trainer"]["max_prompt_length"] == DEFAULT_MAX_PROMPT_LENGTH
     assert recipe["trainer"]["max_response_length"] == DEFAULT_MAX_RESPONSE_LENGTH
     assert env_defaults["search_return_n"] == DEFAULT_SEARCH_RETURN_N
+    windowed = yaml.safe_load((REPO / "conf" / "recipe" / "webshop_windowed_verl.yaml").read_text())["trainer"]
+    settings = EpisodeSettings.for_mode("windowed")
+    assert (settings.max_prompt_length, settings.max_response_length) == (
+        windowed["max_prompt_length"], windowed["max_response_length"])
+    assert EpisodeSettings.for_mode("concat") == EpisodeSettings()
 
 
 @needs_data
@@ -94,7 +99,7 @@ def test_expert_replies_are_valid_and_it_buys_the_target(smollm2_tokenizer: Any)
 
 @needs_data
 def test_windowed_mode_alternates_user_and_assistant(smollm2_tokenizer: Any) -> None:
-    (episode, record, _), = _play(smollm2_tokenizer, range(1, 2), EpisodeSettings(mode="windowed"))
+    (episode, record, _), = _play(smollm2_tokenizer, range(1, 2), EpisodeSettings.for_mode("windowed"))
     assert record["mode"] == "windowed" and episode.windows and not episode.truncated
     assert [m["role"] for m in record["messages"]] == ["user", "assistant"] * episode.num_turns
     assert all(project_action(m["content"])[1] for m in record["messages"][1::2])
@@ -106,7 +111,7 @@ def test_a_windowed_episode_is_written_one_turn_a_line_as_warm_start_reads_it(
     and its reply), which tokenizes as the windowed rollout's own prompt and reply."""
     from fedagent_flwr.rollout import tokenize_conversation
 
-    settings = EpisodeSettings(mode="windowed")
+    settings = EpisodeSettings.for_mode("windowed")
     out = tmp_path / "w.jsonl"
     expert_module.write_expert_file(out, expert_env_config(DATA_DIR), smollm2_tokenizer, [1], settings)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -288,3 +293,16 @@ def test_windowed_expert_windows_are_the_ones_a_webshop_service_serves(tmp_path:
             assert [w.prompt_ids for w in served.windows] == [w.prompt_ids for w in episode.windows], seed
             assert (served.reward, served.success, served.num_turns) == (episode.reward, episode.success,
                                                                           episode.num_turns), seed
+
+
+@needs_data
+@pytest.mark.parametrize("mode", ["concat", "windowed"])
+def test_the_expert_plays_under_the_prompt_budget_as_verls_loop_does(mode: str, smollm2_tokenizer: Any) -> None:
+    # A prompt budget below the first prompt, with a response budget so large that their sum fits it:
+    # verl's agent loop would not play this episode, so neither does the expert (no turn, truncated).
+    tight = EpisodeSettings(mode=mode, max_prompt_length=64, max_response_length=8192)
+    (episode, record, bought), = _play(smollm2_tokenizer, range(1), tight)
+    assert (episode.num_turns, episode.truncated, record["success"], bought) == (0, True, False, None)
+    roomy = EpisodeSettings(mode=mode, max_prompt_length=4096, max_response_length=8192)
+    (played, _, _), = _play(smollm2_tokenizer, range(1), roomy)
+    assert played.num_turns > 0 and not played.truncated  # the same episode with room for its prompts
