@@ -8,6 +8,13 @@ has FedAgent's tags, whether the projected action is format-valid and whether th
     PYTHONPATH=. .venv/bin/python tools/webshop_diagnose.py --data-dir .gpu-data/webshop --episodes 16
 
 Prints a few transcripts and a table; ``--json`` writes every turn for later inspection.
+
+With ``--rollouts N`` every goal is played N times, each with a sampling stream of its own, as
+verl's GRPO plays a goal ``rollout.n`` times, and the table adds how many of these groups would give
+GRPO a gradient: the groups whose returns differ (a task signal), and the groups whose rows' scores
+differ (what GRPO sees: in windowed mode a group's rows are every turn of its episodes, each scored
+with the return less the invalid-action penalty when that turn's own action was invalid). Before a
+GPU run this says, at the training temperature, whether the starting model's groups are mixed.
 """
 
 from __future__ import annotations
@@ -34,12 +41,20 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=512 + 2560)
+    parser.add_argument("--max-prompt-len", type=int, default=None,
+                        help="verl's trainer.max_prompt_length: a window (or first prompt) over it is not played")
+    parser.add_argument("--max-response-len", type=int, default=None,
+                        help="verl's trainer.max_response_length (with both, --max-model-len is their sum)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=3, help="episodes whose transcript is printed")
     parser.add_argument("--mode", default="concat", choices=("concat", "windowed"),
                         help="rollout mode (the GPU run used concat; FedAgent's paper default is windowed)")
     parser.add_argument("--system", default="", help="replace the system prompt (experiments only)")
     parser.add_argument("--json", default="", help="write every turn as JSON lines here")
+    parser.add_argument("--rollouts", type=int, default=1,
+                        help="episodes per goal (verl's rollout.n); above 1 the table adds the groups' spread")
+    parser.add_argument("--invalid-penalty", type=float, default=0.1,
+                        help="the agent loop's trainer.invalid_action_penalty, for the rows' scores")
     args = parser.parse_args()
 
     import torch
@@ -56,23 +71,36 @@ def main() -> None:
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    policy = HFPolicy(model, tokenizer, batch_size=args.episodes)
+    if args.rollouts < 1:
+        parser.error(f"--rollouts must be at least 1, got {args.rollouts}")
+    policy = HFPolicy(model, tokenizer, batch_size=args.episodes * args.rollouts)
     config = {"split": args.split, "data_dir": args.data_dir, "search_return_n": 50}
-    tasks = [EpisodeTask("WebShop", dict(config), seed, args.max_turns, seed)
-             for seed in range(args.first_seed, args.first_seed + args.episodes)]
-    generators = [torch.Generator().manual_seed(args.seed * 100_003 + t.seed) for t in tasks]
+    seeds = [seed for seed in range(args.first_seed, args.first_seed + args.episodes) for _ in range(args.rollouts)]
+    tasks = [EpisodeTask("WebShop", dict(config), seed, args.max_turns, seed) for seed in seeds]
+    # A goal's first rollout keeps the stream a single episode of it always had (runs stay comparable).
+    generators = [torch.Generator().manual_seed(args.seed * 100_003 + t.seed + 1_000_003 * (i % args.rollouts))
+                  for i, t in enumerate(tasks)]
     sampling = SamplingParams(args.max_new_tokens, args.temperature, 1.0)
     with torch.no_grad():
         episodes = play_episodes(policy, tokenizer, tasks, sampling, args.max_model_len, generators,
-                                 rollout_mode=args.mode)
+                                 rollout_mode=args.mode, max_prompt_len=args.max_prompt_len,
+                                 max_response_len=args.max_response_len)
 
     counts: collections.Counter[str] = collections.Counter()
     scores: collections.Counter[float] = collections.Counter()
     rows: list[dict[str, Any]] = []
+    returns: list[float] = []  # per episode, grouped by goal
+    row_scores: list[float] = []  # per GRPO row: an episode (concat) or a turn (windowed)
+    row_goals: list[int] = []
     for ep in episodes:
         invalid = sum(1 for t in ep.turns if not t.info.get("is_action_valid"))
-        score = round(ep.reward - 0.1 * invalid, 3)  # the agent loop's reward_score (concat mode)
+        score = round(ep.reward - args.invalid_penalty * invalid, 3)  # the agent loop's episode score
         scores[score] += 1
+        returns.append(ep.reward)
+        turn_scores = ([ep.reward - (0.0 if t.info.get("is_action_valid") else args.invalid_penalty)
+                        for t in ep.turns] if args.mode == "windowed" else [score])
+        row_scores += turn_scores
+        row_goals += [ep.seed] * len(turn_scores)
         counts["episodes"] += 1
         counts["ep_item_page"] += any("buy now" in (t.info.get("available_actions") or {}).get("clickables", [])
                                       for t in ep.turns)
@@ -109,10 +137,32 @@ def main() -> None:
     for key in ("ep_item_page", "ep_bought", "ep_truncated"):
         print(f"| episodes {key} | {counts[key]}/{e} |")
     print(f"| score distribution | {dict(sorted(scores.items()))} |")
+    if args.rollouts > 1:
+        print_group_spread(returns, row_scores, row_goals, args.rollouts, [ep.seed for ep in episodes])
     if args.json:
         tmp = Path(args.json + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(args.json)
+
+
+def print_group_spread(returns: list[float], row_scores: list[float], row_goals: list[int], rollouts: int,
+                       episode_goals: list[int]) -> None:
+    """Table rows: the goals' groups whose returns differ, and those whose GRPO rows' scores differ
+    (by the project's own flatness test, the one ``zero-variance-group-share`` counts), each with
+    its Wilson 95% interval over the groups of two rows or more."""
+    from fedagent_flwr.intervals import wilson_interval
+    from fedagent_flwr.rollout.groups import zero_variance_group_share
+
+    for label, values, keys in (("returns differ (a task signal)", returns, episode_goals),
+                                ("row scores differ (what GRPO sees)", row_scores, row_goals)):
+        by_goal: dict[int, list[float]] = collections.defaultdict(list)
+        for key, value in zip(keys, values, strict=True):
+            by_goal[key].append(value)
+        sized = [v for v in by_goal.values() if len(v) > 1]  # a group of one row has no spread
+        mixed = sum(1 for v in sized if zero_variance_group_share(v, [0] * len(v)) == 0.0)
+        low, high = wilson_interval(mixed, len(sized))
+        print(f"| groups ({rollouts} rollouts a goal) whose {label} | {mixed}/{len(sized)} "
+              f"(Wilson 95% [{low:.2f}, {high:.2f}]) |")
 
 
 if __name__ == "__main__":
