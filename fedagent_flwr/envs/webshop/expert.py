@@ -280,32 +280,27 @@ def expert_env_config(
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """How the expert's episodes are played: rollout mode and the recipe's length limits (the
-    defaults are the concat recipe's; :meth:`for_mode` takes the prompt and response budgets from
-    the mode's recipe)."""
+    """How the expert's episodes are played: rollout mode and the recipe's length limits. A prompt
+    or response budget left at 0 is the mode's recipe's (concat webshop_verl's, windowed
+    webshop_windowed_verl's: a window is a whole prompt, so concat's 512 would cut every episode)."""
 
     mode: str = "concat"
     max_turns: int = DEFAULT_MAX_TURNS
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    max_prompt_length: int = DEFAULT_MAX_PROMPT_LENGTH
-    max_response_length: int = DEFAULT_MAX_RESPONSE_LENGTH
+    max_prompt_length: int = 0
+    max_response_length: int = 0
     history_length: int = 2
-
-    @classmethod
-    def for_mode(cls, mode: str, max_prompt_length: int | None = None, max_response_length: int | None = None,
-                 **rest: Any) -> EpisodeSettings:
-        """Settings of ``mode`` whose prompt and response budgets, unless given, are the mode's
-        recipe's (concat webshop_verl's, windowed webshop_windowed_verl's)."""
-        windowed = mode == "windowed"
-        if max_prompt_length is None:
-            max_prompt_length = WINDOWED_MAX_PROMPT_LENGTH if windowed else DEFAULT_MAX_PROMPT_LENGTH
-        if max_response_length is None:
-            max_response_length = WINDOWED_MAX_RESPONSE_LENGTH if windowed else DEFAULT_MAX_RESPONSE_LENGTH
-        return cls(mode=mode, max_prompt_length=max_prompt_length, max_response_length=max_response_length, **rest)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ExpertInputError(f"mode must be one of {MODES}, got {self.mode!r}")
+        windowed = self.mode == "windowed"
+        if self.max_prompt_length == 0:
+            object.__setattr__(self, "max_prompt_length",
+                               WINDOWED_MAX_PROMPT_LENGTH if windowed else DEFAULT_MAX_PROMPT_LENGTH)
+        if self.max_response_length == 0:
+            object.__setattr__(self, "max_response_length",
+                               WINDOWED_MAX_RESPONSE_LENGTH if windowed else DEFAULT_MAX_RESPONSE_LENGTH)
         for name in ("max_turns", "max_new_tokens", "max_prompt_length", "max_response_length"):
             if getattr(self, name) < 1:
                 raise ExpertInputError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -456,11 +451,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS)
     parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N)
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--max-prompt-length", type=int, default=None,
-                        help=f"default: the mode's recipe ({DEFAULT_MAX_PROMPT_LENGTH} concat, "
+    parser.add_argument("--max-prompt-length", type=int, default=0,
+                        help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_PROMPT_LENGTH} concat, "
                              f"{WINDOWED_MAX_PROMPT_LENGTH} windowed)")
-    parser.add_argument("--max-response-length", type=int, default=None,
-                        help=f"default: the mode's recipe ({DEFAULT_MAX_RESPONSE_LENGTH} concat, "
+    parser.add_argument("--max-response-length", type=int, default=0,
+                        help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_RESPONSE_LENGTH} concat, "
                              f"{WINDOWED_MAX_RESPONSE_LENGTH} windowed)")
     parser.add_argument("--history-length", type=int, default=2, help="windowed mode: steps each prompt shows")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
@@ -498,9 +493,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if Path(args.out).is_dir():
             raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
         config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
-        settings = EpisodeSettings.for_mode(args.mode, args.max_prompt_length, args.max_response_length,
-                                            max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                                            history_length=args.history_length)
+        settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
+                                   args.max_response_length, args.history_length)
         WebShopEnv.check_config(config)  # the data directory holds the catalogue files
         tokenizer = _load_tokenizer(args.model)
         least = WebShopExpert.min_new_tokens(tokenizer)

@@ -85,19 +85,25 @@ def check_eval_job(job: EvalJob) -> tuple[EnvSpec, Path]:
 
 
 def check_turns_fit(episodes: Sequence[Episode], max_new_tokens: int, max_model_len: int, budget_key: str,
-                    max_prompt_len: int | None = None) -> None:
+                    max_prompt_len: int | None = None, prompt_key: str = "trainer.max_prompt_length") -> None:
     """Refuse a rollout in which no episode could play even its first turn (its prompt plus
     ``max_new_tokens`` exceeds ``max_model_len``, the token budget the config key ``budget_key``
-    sets, or its prompt exceeds ``max_prompt_len``, a prompt budget where the rollout had one):
-    there is nothing to train on or to score, and going on would report a client that played no
-    turn as one that played its episodes and scored 0."""
+    sets, or its prompt exceeds ``max_prompt_len``, the prompt budget ``prompt_key`` sets where the
+    rollout has one): there is nothing to train on or to score, and going on would report a client
+    that played no turn as one that played its episodes and scored 0. The message names the budget
+    that stopped it: with a prompt budget whose remainder holds ``max_new_tokens`` (verl's, where the
+    schema keeps ``max_new_tokens`` within the response budget) only the prompt budget can."""
     if not episodes or any(e.num_turns > 0 or not e.truncated for e in episodes):
         return
     lengths = [len(e.prompt_ids) for e in episodes if e.prompt_ids]  # concat mode: the first prompt
     prompt = f" (the shortest has {min(lengths)} tokens)" if lengths else ""
-    over = "" if max_prompt_len is None else f", or the prompt exceeds the prompt budget ({max_prompt_len})"
+    if max_prompt_len is not None and max_new_tokens <= max_model_len - max_prompt_len:
+        raise InputError(
+            f"no episode could play a single turn: the first prompt{prompt} exceeds {prompt_key} "
+            f"({max_prompt_len}); raise {prompt_key}"
+        )
     raise InputError(
         f"no episode could play a single turn: the first prompt{prompt} plus trainer.max_new_tokens "
-        f"({max_new_tokens}) does not fit in {budget_key} ({max_model_len}){over}; raise {budget_key} or lower "
+        f"({max_new_tokens}) does not fit in {budget_key} ({max_model_len}); raise {budget_key} or lower "
         "trainer.max_new_tokens"
     )

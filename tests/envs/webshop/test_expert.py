@@ -66,10 +66,11 @@ def test_defaults_are_the_webshop_recipes() -> None:
     assert recipe["trainer"]["max_response_length"] == DEFAULT_MAX_RESPONSE_LENGTH
     assert env_defaults["search_return_n"] == DEFAULT_SEARCH_RETURN_N
     windowed = yaml.safe_load((REPO / "conf" / "recipe" / "webshop_windowed_verl.yaml").read_text())["trainer"]
-    settings = EpisodeSettings.for_mode("windowed")
+    settings = EpisodeSettings(mode="windowed")
     assert (settings.max_prompt_length, settings.max_response_length) == (
         windowed["max_prompt_length"], windowed["max_response_length"])
-    assert EpisodeSettings.for_mode("concat") == EpisodeSettings()
+    assert (EpisodeSettings().max_prompt_length, EpisodeSettings().max_response_length) == (
+        DEFAULT_MAX_PROMPT_LENGTH, DEFAULT_MAX_RESPONSE_LENGTH)
 
 
 @needs_data
@@ -99,7 +100,7 @@ def test_expert_replies_are_valid_and_it_buys_the_target(smollm2_tokenizer: Any)
 
 @needs_data
 def test_windowed_mode_alternates_user_and_assistant(smollm2_tokenizer: Any) -> None:
-    (episode, record, _), = _play(smollm2_tokenizer, range(1, 2), EpisodeSettings.for_mode("windowed"))
+    (episode, record, _), = _play(smollm2_tokenizer, range(1, 2), EpisodeSettings(mode="windowed"))
     assert record["mode"] == "windowed" and episode.windows and not episode.truncated
     assert [m["role"] for m in record["messages"]] == ["user", "assistant"] * episode.num_turns
     assert all(project_action(m["content"])[1] for m in record["messages"][1::2])
@@ -111,7 +112,7 @@ def test_a_windowed_episode_is_written_one_turn_a_line_as_warm_start_reads_it(
     and its reply), which tokenizes as the windowed rollout's own prompt and reply."""
     from fedagent_flwr.rollout import tokenize_conversation
 
-    settings = EpisodeSettings.for_mode("windowed")
+    settings = EpisodeSettings(mode="windowed")
     out = tmp_path / "w.jsonl"
     expert_module.write_expert_file(out, expert_env_config(DATA_DIR), smollm2_tokenizer, [1], settings)
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -124,7 +124,9 @@ def test_concat_validation_plays_no_turn_of_a_first_prompt_over_the_prompt_budge
     tokenizer = _tokenizer(tiny_model_dir)
     with pytest.raises(PromptTooLongError, match="max_prompt_length is 100"):
         asyncio.run(_loop(tiny_model_dir, tokenizer, 100, 220).run({"temperature": 0.0}, **_rows()[0]))
-    with pytest.raises(InputError, match=r"exceeds the prompt budget \(100\)"):
+    refusal = (r"the first prompt \(the shortest has \d+ tokens\) exceeds trainer.max_prompt_length \(100\); "
+               r"raise trainer.max_prompt_length$")
+    with pytest.raises(InputError, match=refusal):
         _evaluate(tmp_path, tiny_model_dir, "p", rollout_mode="concat", max_prompt_length=100,
                   max_response_length=220)
     [episodes] = played_batches
