@@ -27,6 +27,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.rollout.bounds import TokenBounds
+from fedagent_flwr.rollout.windowed import action_was_invalid
+from fedagent_flwr.schema.trainer import VerlKnobs
+
 _ACTION_LIKE = re.compile(r"\b(search|click)\s*\[[^\]]*\]", re.IGNORECASE)
 
 
@@ -40,11 +44,13 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-model-len", type=int, default=512 + 2560)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the context budget (default: --max-prompt-len + --max-response-len when both are "
+                             "given, as verl's, else 512 + 2560)")
     parser.add_argument("--max-prompt-len", type=int, default=None,
                         help="verl's trainer.max_prompt_length: a window (or first prompt) over it is not played")
     parser.add_argument("--max-response-len", type=int, default=None,
-                        help="verl's trainer.max_response_length (with both, --max-model-len is their sum)")
+                        help="verl's trainer.max_response_length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", type=int, default=3, help="episodes whose transcript is printed")
     parser.add_argument("--mode", default="concat", choices=("concat", "windowed"),
@@ -53,9 +59,12 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write every turn as JSON lines here")
     parser.add_argument("--rollouts", type=int, default=1,
                         help="episodes per goal (verl's rollout.n); above 1 the table adds the groups' spread")
-    parser.add_argument("--invalid-penalty", type=float, default=0.1,
+    parser.add_argument("--invalid-penalty", type=float, default=VerlKnobs.invalid_action_penalty,
                         help="the agent loop's trainer.invalid_action_penalty, for the rows' scores")
     args = parser.parse_args()
+    if args.rollouts < 1:
+        parser.error(f"--rollouts must be at least 1, got {args.rollouts}")
+    bounds = token_bounds(parser, args.max_model_len, args.max_prompt_len, args.max_response_len)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,20 +80,18 @@ def main() -> None:
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    if args.rollouts < 1:
-        parser.error(f"--rollouts must be at least 1, got {args.rollouts}")
     policy = HFPolicy(model, tokenizer, batch_size=args.episodes * args.rollouts)
     config = {"split": args.split, "data_dir": args.data_dir, "search_return_n": 50}
     seeds = [seed for seed in range(args.first_seed, args.first_seed + args.episodes) for _ in range(args.rollouts)]
     tasks = [EpisodeTask("WebShop", dict(config), seed, args.max_turns, seed) for seed in seeds]
-    # A goal's first rollout keeps the stream a single episode of it always had (runs stay comparable).
+    # A goal's first rollout keeps the sampling stream a single episode of it always had.
     generators = [torch.Generator().manual_seed(args.seed * 100_003 + t.seed + 1_000_003 * (i % args.rollouts))
                   for i, t in enumerate(tasks)]
     sampling = SamplingParams(args.max_new_tokens, args.temperature, 1.0)
     with torch.no_grad():
-        episodes = play_episodes(policy, tokenizer, tasks, sampling, args.max_model_len, generators,
-                                 rollout_mode=args.mode, max_prompt_len=args.max_prompt_len,
-                                 max_response_len=args.max_response_len)
+        episodes = play_episodes(policy, tokenizer, tasks, sampling, bounds.max_model_len, generators,
+                                 rollout_mode=args.mode, max_prompt_len=bounds.max_prompt_len,
+                                 max_response_len=bounds.max_response_len)
 
     counts: collections.Counter[str] = collections.Counter()
     scores: collections.Counter[float] = collections.Counter()
@@ -93,11 +100,11 @@ def main() -> None:
     row_scores: list[float] = []  # per GRPO row: an episode (concat) or a turn (windowed)
     row_goals: list[int] = []
     for ep in episodes:
-        invalid = sum(1 for t in ep.turns if not t.info.get("is_action_valid"))
+        invalid = sum(1 for t in ep.turns if action_was_invalid(t.info))
         score = round(ep.reward - args.invalid_penalty * invalid, 3)  # the agent loop's episode score
         scores[score] += 1
         returns.append(ep.reward)
-        turn_scores = ([ep.reward - (0.0 if t.info.get("is_action_valid") else args.invalid_penalty)
+        turn_scores = ([ep.reward - (args.invalid_penalty if action_was_invalid(t.info) else 0.0)
                         for t in ep.turns] if args.mode == "windowed" else [score])
         row_scores += turn_scores
         row_goals += [ep.seed] * len(turn_scores)
@@ -143,6 +150,20 @@ def main() -> None:
         tmp = Path(args.json + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(args.json)
+
+
+def token_bounds(parser: argparse.ArgumentParser, max_model_len: int | None, max_prompt_len: int | None,
+                 max_response_len: int | None) -> TokenBounds:
+    """The bounds the episodes are played under: verl's (:meth:`TokenBounds.prompt_response`) when
+    both budgets are given, a context of ``max_model_len`` (default 512 + 2560) otherwise; a
+    ``max_model_len`` that disagrees with the two budgets' sum is refused."""
+    if max_prompt_len is not None and max_response_len is not None:
+        bounds = TokenBounds.prompt_response(max_prompt_len, max_response_len)
+        if max_model_len not in (None, bounds.max_model_len):
+            parser.error(f"--max-model-len {max_model_len} is not --max-prompt-len + --max-response-len "
+                         f"({bounds.max_model_len}); leave it out")
+        return bounds
+    return TokenBounds(max_model_len or 512 + 2560, max_prompt_len, max_response_len)
 
 
 def print_group_spread(returns: list[float], row_scores: list[float], row_goals: list[int], rollouts: int,

@@ -73,3 +73,15 @@ def test_a_goals_first_rollout_is_the_episode_a_single_run_plays(tiny_model_dir:
         firsts += rows[: turns_per_episode[seed]]
     assert [r["reply"] for r in firsts] == [r["reply"] for r in single]
     assert len({r["reply"] for r in grouped}) > len({r["reply"] for r in single})  # other rollouts, other replies
+
+
+def test_the_context_is_verls_sum_when_both_budgets_are_given() -> None:
+    import argparse
+
+    tool = _tool()
+    parser = argparse.ArgumentParser()
+    assert tool.token_bounds(parser, None, 4096, 512) == tool.TokenBounds(4608, 4096, 512)
+    assert tool.token_bounds(parser, 4608, 4096, 512) == tool.TokenBounds(4608, 4096, 512)
+    assert tool.token_bounds(parser, None, None, None) == tool.TokenBounds(3072)
+    with pytest.raises(SystemExit):  # argparse's error: a context that is not the two budgets' sum
+        tool.token_bounds(parser, 3072, 4096, 512)

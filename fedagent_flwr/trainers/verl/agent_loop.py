@@ -48,7 +48,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, model_stop_ids, run_episode
-from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, run_windowed_episode
+from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, action_was_invalid, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
 from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
 from fedagent_flwr.trainers.verl.phases import append_json_line
@@ -67,7 +67,7 @@ class PromptTooLongError(ValueError):
 def count_invalid_actions(episode: Episode) -> int:
     """Turns whose action the environment flagged invalid: ``is_action_valid`` present and falsy
     (WebShop reports 0/1, ALFWorld booleans); environments without the key are never penalised."""
-    return sum(1 for turn in episode.turns if "is_action_valid" in turn.info and not turn.info["is_action_valid"])
+    return sum(1 for turn in episode.turns if action_was_invalid(turn.info))
 
 
 def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -> list[float]:
