@@ -10,7 +10,7 @@
 #   EPISODES=1000 SHARDS=8     expert episodes, played by SHARDS processes; shard k starts at seed
 #                              k * 6410 / SHARDS, so the episodes cover both clients' halves of the
 #                              training goals evenly (seed s plays training goal 500 + s % 6410)
-#   DEVICE=cuda EPOCHS=1 LR=5e-5 BATCH=8 (1 with DEVICE=cpu) MAX_LEN=4608 SEED=0 SAVE_DTYPE=float32
+#   DEVICE=cuda EPOCHS=1 LR=5e-5 BATCH=8 (1 unless DEVICE=cuda) MAX_LEN=4608 SEED=0 SAVE_DTYPE=float32
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
 #                              are taken from the caller's directory
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
@@ -24,8 +24,9 @@ cd "$(dirname "$0")/../.."
 DATA=${DATA:-$PWD/.gpu-data/webshop}  # the default is the repository's, where stage_webshop_data.sh puts it
 EPISODES=${EPISODES:-1000}; SHARDS=${SHARDS:-8}
 DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; MAX_LEN=${MAX_LEN:-4608}
-# On a CPU a batch of 8 windows keeps their attention for the backward pass: OOM-killed on 23 GB.
-if [ "$DEVICE" = cpu ]; then BATCH=${BATCH:-1}; else BATCH=${BATCH:-8}; fi
+# Off CUDA (cpu, or auto on a box without a GPU) a batch of 8 windows keeps their attention for the
+# backward pass: killed for memory on a 23 GB machine.
+if [ "$DEVICE" = cuda ]; then BATCH=${BATCH:-8}; else BATCH=${BATCH:-1}; fi
 SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}
 RECIPE=webshop_windowed_verl
 case "$OUT_DIR/" in "$(realpath -m "$PWD")"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
