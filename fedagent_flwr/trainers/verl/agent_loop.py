@@ -36,6 +36,7 @@ import hashlib
 import math
 import os
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -204,17 +205,21 @@ def cut_replies(episode: Episode) -> int:
 
 @functools.cache
 def generation_eos(model_path: str) -> int | tuple[int, ...] | None:
-    """The ``eos_token_id`` of the generation config saved with the model at ``model_path`` (None
-    without one): the ids vLLM adds to every request's stop ids. Read once per path and process,
-    since verl builds an agent loop for every episode."""
-    from transformers import GenerationConfig
+    """The ``eos_token_id`` of the model's generation config at ``model_path``: the ids vLLM adds to
+    every request's stop ids. Like vLLM, a directory without ``generation_config.json`` falls back
+    to the one its ``config.json`` implies; None when ``model_path`` is not a local directory (a
+    hub name is never fetched from here). Read once per path and process, since verl builds an agent
+    loop for every episode."""
+    from transformers import AutoConfig, GenerationConfig
 
-    if not Path(model_path).is_dir():  # a hub name: never fetch from here
+    if not Path(model_path).is_dir():
+        print(f"agent loop: {model_path} is not a local model directory; a turn counts as finished only "
+              "at the tokenizer's EOS", file=sys.stderr)
         return None
     try:
         value = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json there
-        return None
+        value = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
     return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 

@@ -474,3 +474,17 @@ def test_a_fedprox_job_whose_workers_did_not_all_run_the_rule_fails_instead_of_b
     (prep.marker_dir / "actor-second.json").write_text(json.dumps({"rules": [FEDPROX_RULE]}))
     result = collect()
     assert result.metrics["fedprox/active_workers"] == 2.0 and result.metrics["proximal_mu"] == 0.1
+
+
+def test_a_model_without_a_generation_config_stops_at_its_configs_eos_as_vllm_does(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fedagent_flwr.trainers.verl.agent_loop import generation_eos
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["eos_token_id"] = [2, 7]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert generation_eos(str(model_dir)) == (2, 7)
+    assert generation_eos(str(tmp_path / "not-a-model-dir")) is None
