@@ -163,11 +163,13 @@ class StubGateway:
     a JSON list or string). Use as a context manager; ``url`` is the gateway's."""
 
     def __init__(self, replies: dict[str, tuple[int, bytes, str]]) -> None:
+        from starlette.types import Receive, Scope, Send
+
         from fedagent_flwr.checkpoint.http_server import serve_in_thread
         from fedagent_flwr.checkpoint.store import StorageSettings
         from fedagent_flwr.envs.service.server import bind_socket, socket_url
 
-        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http":
                 return
             while (await receive()).get("more_body"):  # drain the request body

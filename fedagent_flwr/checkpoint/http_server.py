@@ -48,6 +48,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from flwr.common.logger import log
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp
 
 from fedagent_flwr.atomic import fsync_dir, write_json_atomic
 from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256
@@ -433,7 +434,7 @@ def _write_receipt(store: HttpServerStore, final: Path, manifest: Manifest,
         log(WARNING, "no receipt for %s (%s): the aggregation will hash its files", final, exc)
 
 
-def serve_in_thread(app: Any, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
+def serve_in_thread(app: ASGIApp, sock: Any, settings: StorageSettings) -> tuple[Any, threading.Thread]:
     """Serve the ASGI ``app`` on the bound socket ``sock`` in a daemon thread, with TLS when
     ``settings`` name a certificate; return ``(uvicorn server, thread)`` once it accepts connections
     (set the server's ``should_exit`` and join the thread to stop it). CheckpointError when it
