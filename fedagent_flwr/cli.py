@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "outcome": ("fedagent_flwr.outcome", "a run's outcome as an exit status (wraps flwr run)"),
     "warm-start": ("fedagent_flwr.trainers.common.warm_start", "supervised warm start (SFT) on recorded conversations"),
     "tiny-model": ("fedagent_flwr.models.tiny", "write the tiny random-weight smoke model"),
-    "webshop-expert": ("fedagent_flwr.envs.webshop.expert", "write expert WebShop episodes (train goals) as SFT data"),
+    "webshop-expert": ("fedagent_flwr.envs.webshop.expert_cli", "write expert WebShop episodes (train goals) as SFT"),
     "download-webshop": ("fedagent_flwr.envs.webshop.download", "fetch the WebShop data files"),
     "download-alfworld": ("fedagent_flwr.envs.alfworld.download", "fetch the ALFWorld game data"),
     "alfworld-venv": ("fedagent_flwr.envs.alfworld.service_venv", "build the ALFWorld service venv"),

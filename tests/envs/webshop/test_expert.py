@@ -13,6 +13,7 @@ import yaml
 from fedagent_flwr import cli
 from fedagent_flwr.envs.projection import project_action
 from fedagent_flwr.envs.webshop import expert as expert_module
+from fedagent_flwr.envs.webshop import expert_cli
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.envs.webshop.expert import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -228,7 +229,7 @@ def test_a_max_new_tokens_too_small_for_a_goal_is_one_line_and_exit_2(
 
 def _tokenizer_of_the_command() -> Any:
     """The tokenizer ``--model ''`` loads (the bundled SmolLM2's)."""
-    return expert_module._load_tokenizer("")
+    return expert_cli._load_tokenizer("")
 
 
 def test_the_floor_is_the_longest_goal_independent_reply(smollm2_tokenizer: Any) -> None:

@@ -1,0 +1,122 @@
+"""``fedagent webshop-expert``: play WebShop training goals with the expert policy
+(:mod:`fedagent_flwr.envs.webshop.expert`) and write the episodes as JSON lines, SFT data for a
+warm start; 0 on success, 2 with one line naming the culprit on bad input.
+
+    fedagent webshop-expert --data-dir /work/shared/data/webshop --episodes 100 --out expert.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.envs.webshop.env import WebShopEnv
+from fedagent_flwr.envs.webshop.expert import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_PROMPT_LENGTH,
+    DEFAULT_MAX_RESPONSE_LENGTH,
+    DEFAULT_MAX_TURNS,
+    DEFAULT_SEARCH_RETURN_N,
+    EXPERT_SPLIT,
+    FIXED_ACTIONS,
+    MODES,
+    WINDOWED_MAX_PROMPT_LENGTH,
+    WINDOWED_MAX_RESPONSE_LENGTH,
+    EpisodeSettings,
+    ExpertInputError,
+    ReplyTooLongError,
+    WebShopExpert,
+    expert_env_config,
+    write_expert_file,
+)
+from fedagent_flwr.rollout.episode import ChatTemplateError, require_chat_template
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedagent webshop-expert",
+        description="Play WebShop training goals with the expert (oracle) policy and write the episodes "
+                    "as JSON lines (SFT data for a warm start).")
+    parser.add_argument("--data-dir", default=None,
+                        help="WebShop data directory (default: $FEDAGENT_WEBSHOP_DATA)")
+    parser.add_argument("--split", default=EXPERT_SPLIT, help="goal split; only 'train' is accepted (default)")
+    parser.add_argument("--episodes", type=int, default=100, help="episodes to play (default 100)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="episodes use seeds first-seed, first-seed+1, ... (seed s plays train goal s %% 6410)")
+    parser.add_argument("--model", default="",
+                        help="model directory whose tokenizer renders the chat "
+                             "('' = the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--out", required=True, help="output JSON-lines file (written via a temp name + rename)")
+    parser.add_argument("--mode", default="concat", choices=MODES, help="rollout mode (default concat, the recipe's)")
+    parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS)
+    parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--max-prompt-length", type=int, default=0,
+                        help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_PROMPT_LENGTH} concat, "
+                             f"{WINDOWED_MAX_PROMPT_LENGTH} windowed)")
+    parser.add_argument("--max-response-length", type=int, default=0,
+                        help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_RESPONSE_LENGTH} concat, "
+                             f"{WINDOWED_MAX_RESPONSE_LENGTH} windowed)")
+    parser.add_argument("--history-length", type=int, default=2, help="windowed mode: steps each prompt shows")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary line")
+    return parser
+
+
+def _load_tokenizer(model: str) -> Any:
+    from fedagent_flwr.models.smollm2 import ModelResolutionError, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+    except ModelResolutionError as exc:
+        raise ExpertInputError(str(exc)) from None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ExpertInputError(f"no usable tokenizer in {path}: {exc}") from None
+    try:
+        require_chat_template(tokenizer, str(path))
+    except ChatTemplateError as exc:
+        raise ExpertInputError(str(exc)) from None
+    return tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fedagent webshop-expert``: write expert episodes; 0 on success, 2 on bad input."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.episodes < 1:
+            raise ExpertInputError(f"--episodes must be >= 1, got {args.episodes}")
+        if args.first_seed < 0:
+            raise ExpertInputError(f"--first-seed must be >= 0, got {args.first_seed}")
+        if Path(args.out).is_dir():
+            raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
+        config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
+        settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
+                                   args.max_response_length, args.history_length)
+        WebShopEnv.check_config(config)  # the data directory holds the catalogue files
+        tokenizer = _load_tokenizer(args.model)
+        least = WebShopExpert.min_new_tokens(tokenizer)
+        if args.max_new_tokens < least:
+            raise ExpertInputError(f"--max-new-tokens must be >= {least} (the expert's shortest reply, "
+                                   f"{FIXED_ACTIONS[-1]!r}, with EOS), got {args.max_new_tokens}")
+    except ValueError as exc:  # ExpertInputError and the env's config errors
+        print(f"fedagent webshop-expert: error: {exc}", file=sys.stderr)
+        return 2
+    seeds = range(args.first_seed, args.first_seed + args.episodes)
+    try:
+        summary = write_expert_file(args.out, config, tokenizer, seeds, settings,
+                                    log=None if args.quiet else lambda line: print(line, flush=True))
+    except ReplyTooLongError as exc:  # a goal whose product or option name does not fit; no file written
+        print(f"fedagent webshop-expert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {summary.line()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
