@@ -27,6 +27,22 @@ _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # verl/utils/tracking.py); a test checks this list against the installed verl.
 VERL_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio",
                 "file", "rl_insight")
+# verl keys the backend writes from a setting or a round's plan and then relies on outside verl (validation
+# plays under the same token bounds, request seeds and the zero-variance share count GRPO groups of
+# rollout_n, the client reads the checkpoint the last step saves): a second value in extra_overrides
+# would make verl train under one value while the project acts on the other. Key -> what sets it.
+DERIVED_VERL_KEYS = {
+    "data.max_prompt_length": "trainer.max_prompt_length",
+    "actor_rollout_ref.rollout.prompt_length": "trainer.max_prompt_length",
+    "data.max_response_length": "trainer.max_response_length",
+    "actor_rollout_ref.rollout.response_length": "trainer.max_response_length",
+    "actor_rollout_ref.rollout.n": "trainer.rollout_n",
+    "data.train_batch_size": "env.train's n_envs (one row per env instance a step)",
+    "trainer.total_training_steps": "train.local_steps and train.epochs",
+    "trainer.total_epochs": "train.epochs",
+    "trainer.save_freq": "train.local_steps and train.epochs (the last step is saved)",
+    "trainer.default_local_dir": "the client's output folder",
+}
 
 
 @dataclass
@@ -225,6 +241,14 @@ class VerlKnobs(OptimizerStateKeys):
             if name not in VERL_LOGGERS:
                 raise SettingError(f"{prefix}.verl_logger entry {name!r} is not one of verl's loggers; choose from "
                                    f"{list(VERL_LOGGERS)} (console and file are always on)")
+        for item in self.extra_overrides:
+            key = item.split("=", 1)[0].strip().lstrip("+~")
+            if key in DERIVED_VERL_KEYS:
+                raise SettingError(
+                    f"config key '{prefix}.extra_overrides' entry {item!r} sets verl's {key}, which the verl backend "
+                    f"sets from {DERIVED_VERL_KEYS[key]} and relies on outside verl too: drop the entry"
+                    + (f" and set {DERIVED_VERL_KEYS[key]} instead" if DERIVED_VERL_KEYS[key].startswith("trainer.")
+                       else ""))
         if self.cudagraph_capture_sizes and self.enforce_eager:
             raise SettingError(
                 f"{prefix}.cudagraph_capture_sizes needs {prefix}.enforce_eager=false (eager vLLM "
