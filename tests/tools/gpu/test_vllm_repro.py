@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from testkit.gpu_tools import gpu_tool
+from testkit.vllm_source import STAGE_ROOTS, vllm_source_file
 
 REPO = Path(__file__).resolve().parents[3]
 PROBES = REPO / "docs" / "gpu-runs" / "2026-12-04" / "vllm-repro"
@@ -216,18 +217,16 @@ def test_engine_args_are_verl_s_defaults_with_the_flags_applied() -> None:
     assert tool.engine_args("/m", 16384, max_num_batched_tokens=256)["max_num_batched_tokens"] == 256
 
 
-#: vLLM 0.24's source where tools/gpu/prepare_node.sh staged it on a machine that ran the GPU tools
-VLLM_ARG_UTILS = Path("/tmp/gpu-stage-work/site/vllm/engine/arg_utils.py")
-
-
 def test_engine_args_are_fields_of_vllm_s_engine_args() -> None:
     """Every key :func:`engine_args` gives is a field of vLLM 0.24's ``EngineArgs`` (a misspelt one
     would cost a GPU call): an optional cross-check, skipped where vLLM's source is not at hand."""
-    if not VLLM_ARG_UTILS.is_file():
-        pytest.skip(f"vLLM's source is not on this machine ({VLLM_ARG_UTILS})")
+    arg_utils = vllm_source_file("engine/arg_utils.py")
+    if arg_utils is None:
+        pytest.skip("vLLM's source is not on this machine (not installed, not staged under "
+                    f"{' or '.join(str(root) for root in STAGE_ROOTS)})")
     tool = gpu_tool("vllm_repro")
     changed = tool.engine_args("/m", 16384, prefix_caching=False, chunked_prefill=False, async_scheduling=False)
-    tree = ast.parse(VLLM_ARG_UTILS.read_text())
+    tree = ast.parse(arg_utils.read_text())
     fields = {node.target.id for cls in tree.body if isinstance(cls, ast.ClassDef) and cls.name == "EngineArgs"
               for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     assert set(changed) <= fields, set(changed) - fields

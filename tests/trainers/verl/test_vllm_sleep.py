@@ -26,6 +26,7 @@ from fedagent_flwr.trainers.verl import vllm_sleep
 from fedagent_flwr.trainers.verl.engine_hooks import PatchOnImport
 from fedagent_flwr.trainers.verl.job import job_environment
 from fedagent_flwr.trainers.verl.vllm_sleep import MESSAGE, tolerate_shared_gpu_check
+from testkit.vllm_source import STAGE_ROOTS, vllm_source_file
 
 #: ``vllm/v1/worker/gpu_worker.py``'s shape: free memory read, allocator asleep, then the assert.
 STAND_IN = '''
@@ -201,26 +202,11 @@ def test_a_verl_job_process_gets_the_worker_wrapped_unless_strict(tmp_path: Path
     assert kept.returncode == 1 and kept.stderr.strip().splitlines()[-1] == f"AssertionError: {MESSAGE}"
 
 
-#: Where ``../shared/gpu/stage.sh`` stages the GPU wheel set: its default, and the node312 set's
-#: folder (docs/gpu.md, §1). An installed vLLM, if any, is read first.
-STAGE_ROOTS = (Path("/tmp/gpu-stage-node312"), Path("/tmp/gpu-stage-work"))
-
-
-def _vllm_gpu_worker_source() -> Path | None:
-    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
-    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
-    folders += [root / "site" / "vllm" for root in STAGE_ROOTS]
-    for folder in folders:
-        if (folder / "v1" / "worker" / "gpu_worker.py").is_file():
-            return folder / "v1" / "worker" / "gpu_worker.py"
-    return None
-
-
 def test_vllms_worker_sleep_asserts_after_its_allocator_slept_then_only_logs() -> None:
     """vLLM-source cross-check: the assertion the wrapper tolerates is the one in ``Worker.sleep``,
     after two device-wide free-memory reads around ``allocator.sleep``, and only logging follows
     it (so returning ``None`` there loses nothing else). Skipped where vLLM's source is not at hand."""
-    source = _vllm_gpu_worker_source()
+    source = vllm_source_file("v1/worker/gpu_worker.py")
     if source is None:
         pytest.skip("vLLM's source is not on this machine (not installed, not staged under "
                     f"{' or '.join(str(r / 'site/vllm') for r in STAGE_ROOTS)})")
