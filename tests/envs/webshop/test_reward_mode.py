@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fedagent_flwr.config import ConfigError, load_settings
 from fedagent_flwr.envs.base import EnvConfigError
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.envs.webshop.reward import REWARD_MODES, WIN_REWARD, service_reward
@@ -86,6 +87,20 @@ def test_bad_reward_value_names_the_key(bad: Any) -> None:
     with pytest.raises(EnvConfigError, match=r"'reward' must be one of \('success', 'score'\)") as caught:
         WebShopEnv._check_fields({"reward": bad})
     assert caught.value.key == "reward"
+
+
+@needs_data
+def test_the_run_config_sets_it_and_the_start_up_check_names_a_bad_value() -> None:
+    """``+env.train.envs.0.config.reward=score`` passes the ServerApp's start-up check; a bad value is
+    refused there, named by its run-config key."""
+    from fedagent_flwr.serverapp.preflight import check_env_specs
+
+    base = f"env=webshop env.data_dir={DATA_DIR}"
+    assert check_env_specs(load_settings(overrides=f"{base} +env.train.envs.0.config.reward=score"),
+                           data_is_local=True) == []
+    bad = load_settings(overrides=f"{base} +env.train.envs.0.config.reward=graded")
+    with pytest.raises(ConfigError, match=r"^config key 'env.train.envs.0.config.reward' = 'graded': "):
+        check_env_specs(bad, data_is_local=True)
 
 
 def test_service_reward_modes() -> None:
