@@ -15,6 +15,15 @@ GRPO a gradient: the groups whose returns differ (a task signal), and the groups
 differ (what GRPO sees: in windowed mode a group's rows are every turn of its episodes, each scored
 with the return less the invalid-action penalty when that turn's own action was invalid). Before a
 GPU run this says, at the training temperature, whether the starting model's groups are mixed.
+
+``--reward score`` plays under the env's graded reward (10 × the purchase's task score, a departure
+from FedAgent's 10-iff-1.0; see the WebShop env's ``reward`` key). ``--reread TURNS.jsonl`` loads no
+model: it re-reads a ``--json`` file of a grouped run (its goals' rollouts one after another) and
+prints the groups' spread as that run would have had it under ``--reward`` (``--mode`` and
+``--invalid-penalty`` as the run's), e.g. the 2026-12-05 CPU probe under the graded reward:
+
+    tools/webshop_diagnose.py --mode windowed --reward score \
+        --reread docs/gpu-runs/2026-12-05/warm-start-grpo-probe-cpu/probe-turns.jsonl
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.envs.webshop.reward import REWARD_MODES, service_reward
 from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.windowed import action_was_invalid
 from fedagent_flwr.schema.trainer import VerlKnobs
@@ -36,7 +46,7 @@ _ACTION_LIKE = re.compile(r"\b(search|click)\s*\[[^\]]*\]", re.IGNORECASE)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--data-dir", default="", help="the WebShop data (required unless --reread)")
     parser.add_argument("--model", default="", help="model dir; '' = the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--first-seed", type=int, default=0, help="episodes use seeds first-seed, first-seed+1, ...")
@@ -61,7 +71,16 @@ def main() -> None:
                         help="episodes per goal (verl's rollout.n); above 1 the table adds the groups' spread")
     parser.add_argument("--invalid-penalty", type=float, default=VerlKnobs.invalid_action_penalty,
                         help="the agent loop's trainer.invalid_action_penalty, for the rows' scores")
+    parser.add_argument("--reward", default="success", choices=REWARD_MODES,
+                        help="the env's reward mode: 'success' (FedAgent's 10 iff score 1.0) or 'score' (10 x score)")
+    parser.add_argument("--reread", default="",
+                        help="a --json file of a grouped run: print its groups' spread under --reward, no model")
     args = parser.parse_args()
+    if args.reread:
+        reread(Path(args.reread), args.reward, args.mode, args.invalid_penalty)
+        return
+    if not args.data_dir:
+        parser.error("--data-dir is required to play episodes")
     if args.rollouts < 1:
         parser.error(f"--rollouts must be at least 1, got {args.rollouts}")
     bounds = token_bounds(parser, args.max_model_len, args.max_prompt_len, args.max_response_len)
@@ -81,7 +100,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     policy = HFPolicy(model, tokenizer, batch_size=args.episodes * args.rollouts)
-    config = {"split": args.split, "data_dir": args.data_dir, "search_return_n": 50}
+    config = {"split": args.split, "data_dir": args.data_dir, "search_return_n": 50, "reward": args.reward}
     seeds = [seed for seed in range(args.first_seed, args.first_seed + args.episodes) for _ in range(args.rollouts)]
     tasks = [EpisodeTask("WebShop", dict(config), seed, args.max_turns, seed) for seed in seeds]
     # A goal's first rollout keeps the sampling stream a single episode of it always had.
@@ -184,6 +203,31 @@ def print_group_spread(returns: list[float], row_scores: list[float], row_goals:
         low, high = wilson_interval(mixed, len(sized))
         print(f"| groups ({rollouts} rollouts a goal) whose {label} | {mixed}/{len(sized)} "
               f"(Wilson 95% [{low:.2f}, {high:.2f}]) |")
+
+
+def reread(path: Path, reward_mode: str, mode: str, invalid_penalty: float) -> None:
+    """Print the group-spread rows of a recorded ``--json`` run with its rewards re-mapped under
+    ``reward_mode`` from each turn's recorded task score (an episode starts at its turn 1)."""
+    episodes: list[list[dict[str, Any]]] = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["turn"] == 1 or not episodes:
+            episodes.append([])
+        episodes[-1].append(row)
+    returns, row_scores, row_goals = [], [], []
+    for turns in episodes:
+        ret = sum(service_reward(float(t["task_score"] or 0.0), bool(t["done"]), reward_mode).reward for t in turns)
+        invalid = [t["format_valid"] is not None and not t["format_valid"] for t in turns]
+        returns.append(ret)
+        scores = ([ret - (invalid_penalty if bad else 0.0) for bad in invalid] if mode == "windowed"
+                  else [round(ret - invalid_penalty * sum(invalid), 3)])
+        row_scores += scores
+        row_goals += [turns[0]["seed"]] * len(scores)
+    goals = [turns[0]["seed"] for turns in episodes]
+    rollouts = max(collections.Counter(goals).values(), default=0)
+    print(f"| episodes re-read (reward {reward_mode}) | {len(episodes)} |")
+    print(f"| return distribution | {dict(sorted(collections.Counter(round(r, 3) for r in returns).items()))} |")
+    print_group_spread(returns, row_scores, row_goals, rollouts, goals)
 
 
 if __name__ == "__main__":

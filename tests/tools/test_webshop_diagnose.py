@@ -1,6 +1,6 @@
 """``tools/webshop_diagnose.py --rollouts``: GRPO-style groups of episodes per goal, played through the
 real in-process WebShop environment and the project's sampler, and the table rows that count the
-groups with a spread."""
+groups with a spread; ``--reread``: a recorded run's groups re-scored under a reward mode."""
 
 from __future__ import annotations
 
@@ -85,3 +85,47 @@ def test_the_context_is_verls_sum_when_both_budgets_are_given() -> None:
     assert tool.token_bounds(parser, None, None, None) == tool.TokenBounds(3072)
     with pytest.raises(SystemExit):  # argparse's error: a context that is not the two budgets' sum
         tool.token_bounds(parser, 3072, 4096, 512)
+
+
+PROBE = REPO / "docs" / "gpu-runs" / "2026-12-05" / "warm-start-grpo-probe-cpu" / "probe-turns.jsonl"
+
+
+@pytest.mark.parametrize(("reward", "spread"), [("success", "0/4"), ("score", "3/4")])
+def test_reread_of_the_cpu_probe_under_each_reward(
+    reward: str, spread: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The 2026-12-05 probe (windowed, 4 goals x 8): every purchase below 1.0, so FedAgent's reward is
+    # flat in all four groups (as its log says); the graded reward differs within goals 600-602.
+    _tool().reread(PROBE, reward, "windowed", 0.1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"| episodes re-read (reward {reward}) | 32 |"
+    for label in ("returns differ (a task signal)", "row scores differ (what GRPO sees)"):
+        assert any(line.startswith(f"| groups (8 rollouts a goal) whose {label} | {spread} ") for line in lines)
+    if reward == "success":
+        assert lines[1] == "| return distribution | {0.0: 32} |"
+        recorded = [json.loads(line)["reward"] for line in PROBE.read_text().splitlines()]
+        assert recorded == [0.0] * 149  # the re-read mapping reproduces what the run recorded
+    else:
+        assert "{0.0: 2, 2.857: 7, 4.0: 8," in lines[1]
+
+
+def test_reread_windowed_rows_and_concat_episodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two goals x 2 rollouts. Goal 0 bought at 0.5 and 1.0: differs in both modes. Goal 1 bought at 0.5
+    # twice, one episode with an invalid turn: returns equal, but its rows differ (penalty) in both layouts.
+    def turn(seed: int, n: int, score: float, done: bool, valid: int = 1) -> dict[str, object]:
+        return {"seed": seed, "turn": n, "task_score": score, "done": done, "format_valid": valid}
+
+    rows = [turn(0, 1, 0.0, False), turn(0, 2, 0.5, True), turn(0, 1, 1.0, True),
+            turn(1, 1, 0.5, True), turn(1, 1, 0.0, False, 0), turn(1, 2, 0.5, True)]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tool = _tool()
+    for mode in ("windowed", "concat"):
+        tool.reread(path, "score", mode, 0.1)
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[1] == "| return distribution | {5.0: 3, 10.0: 1} |"
+        assert lines[2].startswith("| groups (2 rollouts a goal) whose returns differ (a task signal) | 1/2 ")
+        assert lines[3].startswith("| groups (2 rollouts a goal) whose row scores differ (what GRPO sees) | 2/2 ")
+    tool.reread(path, "success", "windowed", 0.1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| groups (2 rollouts a goal) whose returns differ (a task signal) | 1/2 ")

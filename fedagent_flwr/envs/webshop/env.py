@@ -4,7 +4,8 @@ One instance runs one episode at a time over a world (products, reward prices, t
 and a search index that are built once per process and shared by every instance with the same data
 config. The env speaks FedAgent's protocol: the model's reply is projected to an action
 (``<action>…</action>``), the engine applies it, and the step reward is FedAgent's service mapping
-(10 iff the purchase scores exactly 1.0; the raw score is ``info["task_score"]``).
+(10 iff the purchase scores exactly 1.0; the raw score is ``info["task_score"]``) unless the config
+asks for the graded one (``reward: score``).
 
 Config keys (all optional except the data location):
 
@@ -22,7 +23,10 @@ Config keys (all optional except the data location):
   ``bm25_in_memory`` ({fields, k1, b}: FedAgent's in-memory BM25Okapi backend instead of the
   Lucene-style one; also chosen, with FedAgent's default fields, when extra products are given),
   ``rank_wrapper`` ({type, seed, shuffle_k, p}: FedAgent's V5 re-ranking over the in-memory BM25,
-  one RNG per env instance; see :mod:`fedagent_flwr.envs.webshop.variants`).
+  one RNG per env instance; see :mod:`fedagent_flwr.envs.webshop.variants`),
+  ``reward`` ("success", FedAgent's 10-iff-score-1.0 mapping, default; or "score", 10 × the raw
+  purchase score, an explicit departure from FedAgent that gives GRPO groups of near-miss purchases
+  a signal; ``info["success"]``/``info["won"]`` stay FedAgent's win either way).
 
 Environment-level heterogeneity (``catalog_split``, ``bm25_field_subset``, ``bm25_reweight``,
 ``lookalike``, ``rank_wrapper``) reaches a service as a small ``variant`` request, which
@@ -56,7 +60,7 @@ from fedagent_flwr.envs.webshop.prompts import (
     render_window,
     task_from_observation,
 )
-from fedagent_flwr.envs.webshop.reward import service_reward
+from fedagent_flwr.envs.webshop.reward import REWARD_MODES, service_reward
 from fedagent_flwr.envs.webshop.search import (
     DEFAULT_TOP_K,
     IN_MEMORY_FIELDS,
@@ -183,6 +187,7 @@ class WebShopEnv(BaseTextEnv):
         self.top_k = _int(self.config, "search_return_n", DEFAULT_TOP_K, 1)
         self.search_seed = _int(self.config, "search_seed", 0, 0)
         self.observation_format = self.config.get("observation_format", "raw")
+        self.reward_mode: str = self.config.get("reward", "success")
         catalog = self.config.get("catalog")
         self.world, self.search_index = shared_world(self.config)
         if self.config.get("rank_wrapper") is not None:
@@ -202,7 +207,7 @@ class WebShopEnv(BaseTextEnv):
 
     @staticmethod
     def _check_fields(config: Mapping[str, Any]) -> None:
-        """The config values that need no data loaded: split, integers, formats, search backend."""
+        """The config values that need no data loaded: split, integers, formats, reward mode, search backend."""
         _split(config)
         _int(config, "max_turns", DEFAULT_MAX_TURNS, 1)
         _int(config, "search_return_n", DEFAULT_TOP_K, 1)
@@ -213,6 +218,10 @@ class WebShopEnv(BaseTextEnv):
                 f"WebShop config 'observation_format' must be one of {_OBS_FORMATS}, got {observation_format!r}",
                 key="observation_format",
             )
+        reward_mode = config.get("reward", "success")
+        if reward_mode not in REWARD_MODES:
+            raise EnvConfigError(
+                f"WebShop config 'reward' must be one of {REWARD_MODES}, got {reward_mode!r}", key="reward")
         catalog = config.get("catalog")
         if catalog is not None and (isinstance(catalog, str) or not isinstance(catalog, Sequence)):
             raise EnvConfigError(f"WebShop config 'catalog' must be a list of ASINs, got {catalog!r}", key="catalog")
@@ -322,7 +331,7 @@ class WebShopEnv(BaseTextEnv):
         self._turn += 1
         action, valid = project_action(action_text)
         result = self.engine.step(action)
-        mapped = service_reward(result.score, result.done)
+        mapped = service_reward(result.score, result.done, self.reward_mode)
         self._done = result.done or self._turn >= self.max_turns  # type: ignore[operator]  # as top_k
         available = self.engine.available_actions()
         info: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""WebShop's purchase reward (spec §6) and FedAgent's service mapping of it.
+"""WebShop's purchase reward (spec §6), FedAgent's service mapping of it, and an opt-in graded mapping.
 
 reward = (attribute matches + option matches + price ok) / (#attributes + #options + 1) × r_type
 
@@ -39,6 +39,10 @@ COLOR_SET: tuple[str, ...] = (
 MATCH_THRESHOLD = 85
 #: FedAgent's service reward for a purchase that scores exactly 1.0 (0 otherwise).
 WIN_REWARD = 10.0
+#: How a step's score becomes its reward (the env config's ``reward`` key): "success" is FedAgent's
+#: mapping (WIN_REWARD iff the purchase scores exactly 1.0); "score" is WIN_REWARD × the raw score,
+#: a documented departure from FedAgent for runs whose groups never reach 1.0 (docs/results.md §4).
+REWARD_MODES: tuple[str, ...] = ("success", "score")
 
 _LATIN1_RE = re.compile("[\u0080-\u00ff]")
 _NON_WORD_RE = re.compile(r"\W", re.UNICODE)
@@ -200,14 +204,26 @@ def get_reward(
 
 @dataclass(frozen=True)
 class ServiceReward:
-    """FedAgent's mapping of a step's score: reward 10 iff a purchase scores exactly 1.0."""
+    """A step's mapped reward, its raw score and FedAgent's win (a purchase scoring exactly 1.0)."""
 
     reward: float
     task_score: float
     success: bool
 
 
-def service_reward(score: float, done: bool) -> ServiceReward:
-    """``reward`` = 10.0 if done and score == 1.0 else 0.0; ``task_score`` raw; ``success`` = that win."""
+def service_reward(score: float, done: bool, mode: str = "success") -> ServiceReward:
+    """Map a step's raw ``score`` to its training reward under ``mode`` (one of :data:`REWARD_MODES`).
+
+    "success" (FedAgent): ``reward`` = 10.0 if done and score == 1.0 else 0.0. "score": ``reward`` =
+    10.0 × score on the step that ends the episode with a purchase, else 0.0, so a GRPO group whose
+    purchases all miss 1.0 still carries signal. In both modes ``task_score`` is the raw score and
+    ``success`` is FedAgent's win (done and score == 1.0): success rates keep their meaning.
+    """
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward mode must be one of {REWARD_MODES}, got {mode!r}")
     won = bool(done) and score == 1.0
-    return ServiceReward(reward=WIN_REWARD if won else 0.0, task_score=float(score), success=won)
+    if mode == "score":
+        reward = WIN_REWARD * float(score) if done else 0.0
+    else:
+        reward = WIN_REWARD if won else 0.0
+    return ServiceReward(reward=reward, task_score=float(score), success=won)
