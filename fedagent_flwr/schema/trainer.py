@@ -29,19 +29,35 @@ VERL_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "con
                 "file", "rl_insight")
 # verl keys the backend writes from a setting or a round's plan and then relies on outside verl (validation
 # plays under the same token bounds, request seeds and the zero-variance share count GRPO groups of
-# rollout_n, the client reads the checkpoint the last step saves): a second value in extra_overrides
-# would make verl train under one value while the project acts on the other. Key -> what sets it.
-DERIVED_VERL_KEYS = {
-    "data.max_prompt_length": "trainer.max_prompt_length",
-    "actor_rollout_ref.rollout.prompt_length": "trainer.max_prompt_length",
-    "data.max_response_length": "trainer.max_response_length",
-    "actor_rollout_ref.rollout.response_length": "trainer.max_response_length",
-    "actor_rollout_ref.rollout.n": "trainer.rollout_n",
-    "data.train_batch_size": "env.train's n_envs (one row per env instance a step)",
-    "trainer.total_training_steps": "train.local_steps and train.epochs",
-    "trainer.total_epochs": "train.epochs",
-    "trainer.save_freq": "train.local_steps and train.epochs (the last step is saved)",
-    "trainer.default_local_dir": "the client's output folder",
+# rollout_n, the client reads the model, the checkpoint and the file log the job writes): a second value
+# in extra_overrides would make verl run one way while the project acts on the other.
+# Key -> (what sets it, the setting to change instead or "" where none is the user's).
+DERIVED_VERL_KEYS: dict[str, tuple[str, str]] = {
+    "data.max_prompt_length": ("trainer.max_prompt_length", "trainer.max_prompt_length"),
+    "actor_rollout_ref.rollout.prompt_length": ("trainer.max_prompt_length", "trainer.max_prompt_length"),
+    "data.max_response_length": ("trainer.max_response_length", "trainer.max_response_length"),
+    "actor_rollout_ref.rollout.response_length": ("trainer.max_response_length", "trainer.max_response_length"),
+    "actor_rollout_ref.rollout.n": ("trainer.rollout_n", "trainer.rollout_n"),
+    "actor_rollout_ref.rollout.agent.num_workers": ("trainer.agent_workers", "trainer.agent_workers"),
+    "trainer.use_v1": ("trainer.use_v1", "trainer.use_v1"),
+    "trainer.logger": ("trainer.verl_logger (console and file always on: the client reads the file)",
+                       "trainer.verl_logger"),
+    "data.train_batch_size": ("env.train's n_envs (one row per env instance a step)", "env.train's n_envs"),
+    "trainer.total_training_steps": ("train.local_steps and train.epochs", "train.local_steps or train.epochs"),
+    "trainer.total_epochs": ("train.epochs", "train.epochs"),
+    "trainer.save_freq": ("train.local_steps and train.epochs (the last step is saved)", ""),
+    "trainer.default_local_dir": ("the client's output folder", ""),
+    "trainer.resume_mode": ("the round (every job starts from the global model)", ""),
+    "actor_rollout_ref.model.path": ("the round's global model", ""),
+    "actor_rollout_ref.actor.checkpoint.save_contents": ("what the client reads back (model and extra)", ""),
+    "data.train_files": ("the round's row plan", ""),
+    "data.val_files": ("the round's row plan", ""),
+    "data.custom_cls.path": ("the project's dataset of env rows", ""),
+    "data.custom_cls.name": ("the project's dataset of env rows", ""),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": ("the project's agent loop", ""),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": ("the project's agent loop", ""),
+    "actor_rollout_ref.rollout.agent.agent_loop_manager_class": ("rollout.mode and trainer.request_seeds",
+                                                                 "rollout.mode or trainer.request_seeds"),
 }
 
 
@@ -243,12 +259,15 @@ class VerlKnobs(OptimizerStateKeys):
                                    f"{list(VERL_LOGGERS)} (console and file are always on)")
         for item in self.extra_overrides:
             key = item.split("=", 1)[0].strip().lstrip("+~")
-            if key in DERIVED_VERL_KEYS:
+            # the key itself, or a node above it (data={...} replaces data.max_prompt_length too)
+            derived = key if key in DERIVED_VERL_KEYS else next(
+                (k for k in DERIVED_VERL_KEYS if k.startswith(key + ".")), None)
+            if derived is not None:
+                source, instead = DERIVED_VERL_KEYS[derived]
                 raise SettingError(
-                    f"config key '{prefix}.extra_overrides' entry {item!r} sets verl's {key}, which the verl backend "
-                    f"sets from {DERIVED_VERL_KEYS[key]} and relies on outside verl too: drop the entry"
-                    + (f" and set {DERIVED_VERL_KEYS[key]} instead" if DERIVED_VERL_KEYS[key].startswith("trainer.")
-                       else ""))
+                    f"config key '{prefix}.extra_overrides' entry {item!r} sets verl's {derived}, which the verl "
+                    f"backend sets from {source} and relies on outside verl too: drop the entry"
+                    + (f" and set {instead} instead" if instead else ""))
         if self.cudagraph_capture_sizes and self.enforce_eager:
             raise SettingError(
                 f"{prefix}.cudagraph_capture_sizes needs {prefix}.enforce_eager=false (eager vLLM "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -86,33 +85,6 @@ def test_extra_overrides_come_last_and_bad_settings_name_the_key() -> None:
                      ({"max_new_tokens": 600, "max_response_length": 512}, "trainer.max_new_tokens")]:
         with pytest.raises(SettingError, match=key.replace(".", r"\.")):
             VerlSettings.from_mapping(raw)
-
-
-def test_extra_overrides_may_not_reset_keys_the_backend_derives_and_relies_on() -> None:
-    """A second value for a derived key would make verl train under one bound while validation, the
-    request seeds or the checkpoint reader act on the other; the error names the setting to use."""
-    from fedagent_flwr.config import ConfigError, load_settings
-    from fedagent_flwr.schema.trainer import DERIVED_VERL_KEYS
-
-    paths = job_paths(Path("/tmp/x/verl"), "/m", "/c", "/tmp/fa-ray-x")
-    written = {item.split("=", 1)[0].lstrip("+") for item in build_overrides(
-        algorithm="grpo", settings=VerlSettings(), paths=paths, batch_size=2, local_steps=3, seed=1,
-        experiment_name="e")}
-    # Every key refused is one the backend writes itself, except verl's own interpolations of the
-    # data bounds into the rollout (rollout.yaml reads data.max_*_length), which the agent loop uses.
-    assert set(DERIVED_VERL_KEYS) - written == {"actor_rollout_ref.rollout.prompt_length",
-                                                "actor_rollout_ref.rollout.response_length"}
-    for entry, advice in [("data.max_prompt_length=4096", "set trainer.max_prompt_length instead"),
-                          ("+actor_rollout_ref.rollout.response_length=64", "set trainer.max_response_length instead"),
-                          ("actor_rollout_ref.rollout.n=8", "set trainer.rollout_n instead"),
-                          ("trainer.save_freq=1", "drop the entry")]:
-        with pytest.raises(SettingError, match=re.escape(advice)):
-            VerlSettings.from_mapping({"extra_overrides": [entry]})
-        with pytest.raises(ConfigError, match=r"trainer\.extra_overrides.*" + re.escape(entry)):
-            load_settings("config", ["trainer=verl", f"trainer.extra_overrides=['{entry}']"])
-    # A key the backend sets but does not rely on stays the user's to change (docs/extending.md).
-    settings, _ = VerlSettings.from_mapping({"extra_overrides": ["algorithm.adv_estimator=rloo"]})
-    assert settings.extra_overrides == ["algorithm.adv_estimator=rloo"]
 
 
 def test_start_up_knobs_reach_verl_only_when_they_leave_its_defaults(tiny_model_dir: Path, tmp_path: Path) -> None:
