@@ -77,7 +77,7 @@ def tolerate_shared_gpu_check(module: Any) -> bool:
             if str(exc) != MESSAGE or not _raised_by(exc, code):
                 raise
             print(f"{TAG} pid {os.getpid()}: vLLM's device-wide free-memory check saw GPU memory grow while "
-                  f"this engine slept (another process on the GPU allocated); the allocator did sleep; "
+                  f"this engine slept (most likely another process on the GPU allocated); the allocator did sleep; "
                   "continuing", flush=True)
             return None
 
