@@ -38,6 +38,7 @@ from typing import Any
 
 from fedagent_flwr.envs.webshop.reward import REWARD_MODES, service_reward
 from fedagent_flwr.rollout.bounds import TokenBounds
+from fedagent_flwr.rollout.groups import row_scores as agent_loop_row_scores
 from fedagent_flwr.rollout.windowed import action_was_invalid
 from fedagent_flwr.schema.trainer import VerlKnobs
 
@@ -119,12 +120,12 @@ def main() -> None:
     row_scores: list[float] = []  # per GRPO row: an episode (concat) or a turn (windowed)
     row_goals: list[int] = []
     for ep in episodes:
-        invalid = sum(1 for t in ep.turns if action_was_invalid(t.info))
-        score = round(ep.reward - args.invalid_penalty * invalid, 3)  # the agent loop's episode score
-        scores[score] += 1
+        invalid = [action_was_invalid(t.info) for t in ep.turns]
+        # the agent loop's episode score (concat's one row)
+        [score] = agent_loop_row_scores(ep.reward, invalid, args.invalid_penalty, windowed=False)
+        scores[round(score, 3)] += 1
         returns.append(ep.reward)
-        turn_scores = ([ep.reward - (args.invalid_penalty if action_was_invalid(t.info) else 0.0)
-                        for t in ep.turns] if args.mode == "windowed" else [score])
+        turn_scores = agent_loop_row_scores(ep.reward, invalid, args.invalid_penalty, windowed=args.mode == "windowed")
         row_scores += turn_scores
         row_goals += [ep.seed] * len(turn_scores)
         counts["episodes"] += 1
@@ -219,8 +220,8 @@ def reread(path: Path, reward_mode: str, mode: str, invalid_penalty: float) -> N
         ret = sum(service_reward(float(t["task_score"] or 0.0), bool(t["done"]), reward_mode).reward for t in turns)
         invalid = [t["format_valid"] is not None and not t["format_valid"] for t in turns]
         returns.append(ret)
-        scores = ([ret - (invalid_penalty if bad else 0.0) for bad in invalid] if mode == "windowed"
-                  else [round(ret - invalid_penalty * sum(invalid), 3)])
+        scores = [round(s, 3) if mode != "windowed" else s
+                  for s in agent_loop_row_scores(ret, invalid, invalid_penalty, windowed=mode == "windowed")]
         row_scores += scores
         row_goals += [turns[0]["seed"]] * len(scores)
     goals = [turns[0]["seed"] for turns in episodes]

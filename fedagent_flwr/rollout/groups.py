@@ -50,3 +50,12 @@ def zero_variance_group_share(rewards: Sequence[float], groups: Sequence[Hashabl
     if not sized:
         return 0.0
     return sum(1 for values in sized if _is_flat(values, rel_tol)) / len(sized)
+
+
+def row_scores(episode_return: float, invalid: Sequence[bool], penalty: float, windowed: bool) -> list[float]:
+    """The scores one episode's GRPO rows get, as verl's agent loop sets them: concat mode has one row,
+    the return less ``penalty`` per invalid action; windowed mode a row per turn (``invalid`` one flag a
+    turn), the return less ``penalty`` on a turn whose own action was invalid."""
+    if windowed:
+        return [episode_return - (penalty if bad else 0.0) for bad in invalid]
+    return [episode_return - penalty * sum(invalid)]

@@ -49,6 +49,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from fedagent_flwr.envs.registry import make_env
 from fedagent_flwr.rollout.bounds import TokenBounds
 from fedagent_flwr.rollout.episode import Episode, SamplingParams, model_stop_ids, run_episode
+from fedagent_flwr.rollout.groups import row_scores
 from fedagent_flwr.rollout.windowed import DEFAULT_HISTORY_LENGTH, action_was_invalid, run_windowed_episode
 from fedagent_flwr.schema.trainer import VerlKnobs
 from fedagent_flwr.trainers.verl.dataset import FINGERPRINT_FILE
@@ -65,10 +66,10 @@ class PromptTooLongError(ValueError):
     """An episode's first prompt does not fit ``data.max_prompt_length``."""
 
 
-def count_invalid_actions(episode: Episode) -> int:
-    """Turns whose action the environment flagged invalid: ``is_action_valid`` present and falsy
-    (WebShop reports 0/1, ALFWorld booleans); environments without the key are never penalised."""
-    return sum(1 for turn in episode.turns if action_was_invalid(turn.info))
+def invalid_action_flags(episode: Episode) -> list[bool]:
+    """Per turn, whether the environment flagged its action invalid: ``is_action_valid`` present and
+    falsy (WebShop reports 0/1, ALFWorld booleans); environments without the key are never penalised."""
+    return [action_was_invalid(turn.info) for turn in episode.turns]
 
 
 def response_logprobs(response_mask: list[int], sampled_logprobs: list[float]) -> list[float]:
@@ -299,8 +300,8 @@ class EnvAgentLoop(AgentLoopBase):
             )
         invalid = sum(1 for w in episode.windows if w.invalid)
         # Each turn row's score: the return, less the penalty on a turn whose own action was invalid.
-        scores = [episode.reward - (0.0 if validate or not w.invalid else self.invalid_action_penalty)
-                  for w in episode.windows]
+        scores = row_scores(episode.reward, [w.invalid for w in episode.windows],
+                            0.0 if validate else self.invalid_action_penalty, windowed=True)
         episode_log = episode_log_path(kwargs, self.episode_log)
         if episode_log:
             append_json_line(episode_log, {
@@ -343,8 +344,9 @@ class EnvAgentLoop(AgentLoopBase):
                 f"{env_name} seed {seed}: the first prompt has {len(episode.prompt_ids)} tokens but "
                 f"data.max_prompt_length is {bounds.max_prompt_len}; raise trainer.max_prompt_length"
             )
-        invalid = count_invalid_actions(episode)
-        score = episode.reward - self.invalid_action_penalty * invalid
+        flags = invalid_action_flags(episode)
+        invalid = sum(flags)
+        [score] = row_scores(episode.reward, flags, self.invalid_action_penalty, windowed=False)
         episode_log = episode_log_path(kwargs, self.episode_log)
         if episode_log:
             append_json_line(episode_log, {

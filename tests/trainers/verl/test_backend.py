@@ -430,7 +430,8 @@ def test_a_job_without_checkpoint_or_episodes_is_a_failure_not_a_result(tmp_path
 
 def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() -> None:
     from fedagent_flwr.rollout.episode import Episode, TurnRecord
-    from fedagent_flwr.trainers.verl.agent_loop import count_invalid_actions
+    from fedagent_flwr.rollout.groups import row_scores
+    from fedagent_flwr.trainers.verl.agent_loop import invalid_action_flags
 
     def turn(info: dict[str, Any]) -> TurnRecord:
         return TurnRecord("a", "o", 0.0, False, info, 1, True)
@@ -439,7 +440,11 @@ def test_invalid_actions_are_counted_whether_envs_report_booleans_or_integers() 
                       num_turns=5, truncated=False, messages=[],
                       turns=[turn({"is_action_valid": 0}), turn({"is_action_valid": 1}),
                              turn({"is_action_valid": False}), turn({"is_action_valid": True}), turn({})])
-    assert count_invalid_actions(episode) == 2
+    flags = invalid_action_flags(episode)
+    assert flags == [True, False, True, False, False]
+    # the agent loop's row scores: concat, one row less 0.1 per invalid action; windowed, a row a turn
+    assert row_scores(1.0, flags, 0.1, windowed=False) == [1.0 - 0.2]
+    assert row_scores(1.0, flags, 0.1, windowed=True) == [0.9, 1.0, 0.9, 1.0, 1.0]
 
 
 def test_a_fedprox_job_whose_workers_did_not_all_run_the_rule_fails_instead_of_being_fedavg(
