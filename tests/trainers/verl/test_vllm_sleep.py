@@ -140,16 +140,21 @@ def test_a_module_of_another_shape_is_left_alone(capsys: pytest.CaptureFixture[s
         assert "left as it is" in capsys.readouterr().out
 
 
-@pytest.fixture
-def stand_in_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A package ``vllm.v1.worker.gpu_worker`` holding the stand-in, first on ``sys.path``; this
-    test's import hooks and ``vllm`` modules are dropped afterwards."""
-    root = tmp_path / "site"
+def _write_stand_in_package(root: Path) -> Path:
+    """``root/vllm/v1/worker/gpu_worker.py`` holding the stand-in (with the packages above it); ``root``."""
     package = root / "vllm" / "v1" / "worker"
     package.mkdir(parents=True)
     for folder in (root / "vllm", root / "vllm" / "v1", package):
         (folder / "__init__.py").write_text("")
     (package / "gpu_worker.py").write_text(STAND_IN)
+    return root
+
+
+@pytest.fixture
+def stand_in_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A package ``vllm.v1.worker.gpu_worker`` holding the stand-in, first on ``sys.path``; this
+    test's import hooks and ``vllm`` modules are dropped afterwards."""
+    root = _write_stand_in_package(tmp_path / "site")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.delenv(vllm_sleep.ENV_CHECK, raising=False)
@@ -185,12 +190,7 @@ _PROBE = ("import vllm.v1.worker.gpu_worker as m; w = m.Worker(); "
 
 def test_a_verl_job_process_gets_the_worker_wrapped_unless_strict(tmp_path: Path) -> None:
     """The job's real ``sitecustomize``, in a fresh process with the job's environment."""
-    root = tmp_path / "site"
-    package = root / "vllm" / "v1" / "worker"
-    package.mkdir(parents=True)
-    for folder in (root / "vllm", root / "vllm" / "v1", package):
-        (folder / "__init__.py").write_text("")
-    (package / "gpu_worker.py").write_text(STAND_IN)
+    root = _write_stand_in_package(tmp_path / "site")
     base = {k: v for k, v in os.environ.items() if k != vllm_sleep.ENV_CHECK}
     env = job_environment({**base, "PYTHONPATH": str(root)})
     armed = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
