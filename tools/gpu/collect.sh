@@ -4,7 +4,8 @@
 # (matrix.json), the verl sessions' phases (phases.md, and each phases.jsonl), verl's per-step metrics
 # of every client-round (metrics.jsonl keeps a round's last step only) and its request fingerprints
 # where they were on, the node's memory samples (hostmem.jsonl), and the tails of the logs: $OUT's
-# own *.log and each persistent trainer's server.log (not the client-rounds' logs).
+# own *.log and each persistent trainer's server.log (not the client-rounds' logs), and every line of
+# those server logs that the job's hooks print when they act (<run>/client_<c>-hooks.log).
 # usage: OUT=/tmp/out bash tools/gpu/collect.sh [ARCHIVE]   (ARCHIVE default $OUT/results.tgz)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -52,7 +53,14 @@ for run in "$OUT"/runs/*/; do
   # the persistent trainers' logs (trainers/client_<c>/server.log), tails only, as
   # results/<run>/client_<c>-server.log.tail; no client-round's own log is kept
   for log in "$run"/trainers/client_*/server.log; do
-    [ -f "$log" ] && tail -c 200000 "$log" > "$STAGE/results/$name/$(basename "$(dirname "$log")")-server.log.tail"
+    [ -f "$log" ] || continue
+    client=$(basename "$(dirname "$log")")
+    tail -c 200000 "$log" > "$STAGE/results/$name/$client-server.log.tail"
+    # every line the job's hooks print when they act (a weight sync waiting for the host lock; vLLM's
+    # sleep check tolerated on a shared GPU), from the whole log: a tail may have lost them, and they
+    # are how a batch shows whether the hooks ever acted (docs/gpu.md, "Stalls"); none, no file
+    grep -a -e '[weight-sync lock]' -e '[vllm sleep]' -F "$log" > "$STAGE/results/$name/$client-hooks.log" \
+      || rm -f "$STAGE/results/$name/$client-hooks.log"
   done
 done
 for log in "$OUT"/*.log; do

@@ -171,6 +171,25 @@ def test_collect_packs_a_tail_only_for_each_log_there_is(tmp_path: Path) -> None
     assert (tails / "local-s1.log.tail").read_text() == "round 1 of 1\n"
 
 
+def test_collect_keeps_every_hook_line_of_a_server_log_that_has_any(tmp_path: Path) -> None:
+    """The lines the job's hooks print when they act, from the whole log (the tail alone lost this
+    one), and no hooks file for a log without any."""
+    out = tmp_path / "out"
+    lines = ["[weight-sync lock] waiting 30 s for another verl job's weight sync on this host (/tmp/x.lock)",
+             "(Worker pid=9) [vllm sleep] pid 9: vLLM's device-wide free-memory check saw GPU memory grow"]
+    logs = {"client_0": lines[0] + "\n" + "x" * 250_000 + "\n" + lines[1] + "\nround 2 done\n",
+            "client_1": "session started\nno hook acted\n"}
+    for client, text in logs.items():
+        trainer = out / "runs" / "federated-s1" / "trainers" / client
+        trainer.mkdir(parents=True)
+        (trainer / "server.log").write_text(text)
+    results = collected(out, tmp_path)
+    assert (results / "federated-s1" / "client_0-hooks.log").read_text().splitlines() == lines
+    assert lines[0] not in (results / "federated-s1" / "client_0-server.log.tail").read_text()
+    assert not (results / "federated-s1" / "client_1-hooks.log").exists()
+    assert (results / "federated-s1" / "client_1-server.log.tail").is_file()
+
+
 def test_phase_tables_need_only_the_standard_library(tmp_path: Path) -> None:
     """A GPU node runs ``arms.py phases`` with its plain ``python3``, whose path lacks the staged
     packages (omegaconf, torch): ``-S`` (no site-packages) reproduces that; the tables still come."""
