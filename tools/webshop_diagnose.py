@@ -220,8 +220,7 @@ def reread(path: Path, reward_mode: str, mode: str, invalid_penalty: float) -> N
         ret = sum(service_reward(float(t["task_score"] or 0.0), bool(t["done"]), reward_mode).reward for t in turns)
         invalid = [t["format_valid"] is not None and not t["format_valid"] for t in turns]
         returns.append(ret)
-        scores = [round(s, 3) if mode != "windowed" else s
-                  for s in agent_loop_row_scores(ret, invalid, invalid_penalty, windowed=mode == "windowed")]
+        scores = agent_loop_row_scores(ret, invalid, invalid_penalty, windowed=mode == "windowed")
         row_scores += scores
         row_goals += [turns[0]["seed"]] * len(scores)
     goals = [turns[0]["seed"] for turns in episodes]
