@@ -4,9 +4,10 @@
 cache (``<work dir>/cache/<sha256>/``): every file is checked against the server's manifest and
 the directory against the reference's content hash before it is renamed into place, so the cache
 only ever holds complete, verified models, and a later round or evaluation of the same model
-downloads nothing. ``put`` uploads a checkpoint file by file (the server checks each sha256) and
-commits it. Both resume an interrupted transfer where it stopped: a download from the partial
-file it left (HTTP ``Range``), an upload from the offset the server reports.
+downloads nothing; node config ``cache-keep`` bounds it (:mod:`.node_cache`). ``put`` uploads a
+checkpoint file by file (the server checks each sha256) and commits it. Both resume an interrupted
+transfer where it stopped: a download from the partial file it left (HTTP ``Range``), an upload
+from the offset the server reports.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from filelock import FileLock
 
 from fedagent_flwr.atomic import fsync_dir, fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
+from fedagent_flwr.checkpoint.node_cache import evict, lock_path, mark_used
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_parts
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
@@ -61,13 +63,16 @@ class HttpClientStore(ClientStore):
     kind = "http"
 
     def __init__(self, url: str, run_key: str, read_token: str, work_dir: str | os.PathLike[str], *,
-                 upload_token: str = "", ca_pem: str = "", retries: int = 5, timeout_s: float = 120.0) -> None:
+                 upload_token: str = "", ca_pem: str = "", retries: int = 5, timeout_s: float = 120.0,
+                 cache_keep: int = 0) -> None:
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise CheckpointError(f"store url {url!r} is not an http(s) URL")
         self.run_key = run_key
         self.work_dir = Path(work_dir)
         self.retries = retries
+        self.cache_keep = cache_keep  # 0: the node's cache keeps every model
+        self._fetched: set[str] = set()  # models this process handed out: never evicted by it
         self.report = TransferReport()
         # A CA from the instruction pins the store's certificate; without one, the system's CAs.
         self._verify: Any = ssl.create_default_context(cadata=ca_pem) if ca_pem else True
@@ -102,16 +107,22 @@ class HttpClientStore(ClientStore):
         digest = check_sha256(ref.sha256, f"global model {ref.path}")
         self.report = TransferReport(started=time.monotonic())
         target = self._fetch(ref, digest)
+        self._fetched.add(digest)
         print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
+        if self.cache_keep > 0:
+            line = evict(self.cache_dir, self.cache_keep, self._fetched).describe(self.cache_keep)
+            if line:
+                print(line, flush=True)
         return target
 
     def _fetch(self, ref: CheckpointRef, digest: str) -> Path:
         target = self.cache_dir / digest
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         # One download per model per node, even with several ClientApp processes at once.
-        with FileLock(str(self.cache_dir / f".{digest}.lock")), self._session():
+        with FileLock(str(lock_path(self.cache_dir, digest))), self._session():
             if target.is_dir():
                 self.report.cache_hit = True
+                mark_used(target)
                 return target
             staging = self.cache_dir / f".partial-{digest}"
             staging.mkdir(exist_ok=True)
@@ -126,6 +137,7 @@ class HttpClientStore(ClientStore):
                     f"says {digest[:16]}...; discarded"
                 )
             staging.replace(target)
+            mark_used(target)
             fsync_dir(self.cache_dir)
         return target
 

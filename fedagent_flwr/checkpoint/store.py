@@ -297,11 +297,13 @@ class SharedFsClientStore(ClientStore):
         return CheckpointRef.for_directory(directory, kind)
 
 
-def open_client_store(config: Mapping[str, Any], run_id: int, work_dir: Callable[[], Path]) -> ClientStore:
+def open_client_store(config: Mapping[str, Any], run_id: int, work_dir: Callable[[], Path],
+                      cache_keep: int = 0) -> ClientStore:
     """The client store an instruction describes (``store-kind`` absent means shared-fs).
 
     ``work_dir`` is called only by stores that keep files on the node (http), so a shared-fs
-    node needs no working-directory setting.
+    node needs no working-directory setting; ``cache_keep`` bounds the http store's node cache
+    (:mod:`.node_cache`; 0 keeps every model).
     """
     kind = str(config.get(KIND_FIELD, "shared-fs"))
     if kind == "shared-fs":
@@ -321,5 +323,6 @@ def open_client_store(config: Mapping[str, Any], run_id: int, work_dir: Callable
         return HttpClientStore(
             url, run_key, read_token, work_dir(),
             upload_token=str(config.get(UPLOAD_TOKEN_FIELD, "")), ca_pem=str(config.get(CA_FIELD, "")),
+            cache_keep=cache_keep,
         )
     raise CheckpointError(f"instruction names unknown store kind {kind!r} (expected one of {STORE_KINDS})")

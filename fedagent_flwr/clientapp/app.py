@@ -66,19 +66,31 @@ def node_partition(context: Context) -> tuple[int, int]:
     usage = "start it with --node-config 'partition-id=<i> num-partitions=<N>', 0 <= i < N"
     if "partition-id" not in config or "num-partitions" not in config:
         raise ValueError(f"this SuperNode has no partition: {usage}")
-    values = {}
-    for key in ("partition-id", "num-partitions"):
-        value = config[key]
-        # Whole numbers only: int() would take 1.5 or true for partition 1 and serve the wrong one.
-        text = str(value).strip()
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdecimal()):
-            raise ValueError(f"node config {key!r} = {value!r} is not a whole number >= 0: {usage}")
-        values[key] = int(value)
-    partition, count = values["partition-id"], values["num-partitions"]
+    partition, count = (_node_whole_number(config, key, usage) for key in ("partition-id", "num-partitions"))
     if not 0 <= partition < count:
         raise ValueError(f"node config 'partition-id' = {partition} is out of range for "
                          f"'num-partitions' = {count}: {usage}")
     return partition, count
+
+
+def _node_whole_number(config: Mapping[str, Any], key: str, usage: str) -> int:
+    """Node config ``key`` as a whole number >= 0, refused naming the key otherwise."""
+    value = config[key]
+    # Whole numbers only: int() would take 1.5 or true for partition 1 and serve the wrong one.
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdecimal()):
+        raise ValueError(f"node config {key!r} = {value!r} is not a whole number >= 0: {usage}")
+    return int(value)
+
+
+def node_cache_keep(context: Context) -> int:
+    """How many global models this node's http-store cache keeps (node config ``cache-keep``;
+    absent or 0: all of them)."""
+    if "cache-keep" not in context.node_config:
+        return 0
+    return _node_whole_number(context.node_config, "cache-keep",
+                              "set it to the number of most recently used global models to keep, "
+                              "at least 2 (0 keeps all)")
 
 
 def node_work_dir(context: Context) -> Path:
@@ -94,13 +106,15 @@ def node_work_dir(context: Context) -> Path:
 
 def client_store(fields: Mapping[str, Any], context: Context) -> ClientStore:
     """The checkpoint store an instruction's store ``fields`` describe, as seen from this node."""
-    return open_client_store(fields, context.run_id, lambda: node_work_dir(context))
+    return open_client_store(fields, context.run_id, lambda: node_work_dir(context), node_cache_keep(context))
 
 
 @app.query("partition")
 def report_partition(msg: Message, context: Context) -> Message:
-    """Tell the server which client partition this node trains."""
+    """Tell the server which client partition this node trains (a bad node config is refused here,
+    before round 0, naming its key)."""
     partition, count = node_partition(context)
+    node_cache_keep(context)
     return Message(PartitionReply(partition, count).to_record(), reply_to=msg)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedagent_flwr.clientapp.app import node_partition
+from fedagent_flwr.clientapp.app import node_cache_keep, node_partition
 
 
 def _context(**node_config: Any) -> Context:
@@ -34,3 +34,14 @@ def test_a_bad_partition_is_refused_naming_the_key(config: dict[str, Any], needl
     with pytest.raises(ValueError) as info:
         node_partition(_context(**config))
     assert needle in str(info.value) and "--node-config 'partition-id=<i> num-partitions=<N>'" in str(info.value)
+
+
+def test_cache_keep_is_read_and_a_bad_value_is_refused_naming_the_key() -> None:
+    assert node_cache_keep(_context()) == 0  # absent: the cache keeps every model
+    assert node_cache_keep(_context(**{"cache-keep": 3})) == 3
+    assert node_cache_keep(_context(**{"cache-keep": "2"})) == 2
+    for bad in (-1, 1.5, True, "two"):
+        with pytest.raises(ValueError) as info:
+            node_cache_keep(_context(**{"cache-keep": bad}))
+        assert f"node config 'cache-keep' = {bad!r} is not a whole number >= 0" in str(info.value)
+        assert "at least 2 (0 keeps all)" in str(info.value)

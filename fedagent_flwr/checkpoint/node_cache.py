@@ -1,0 +1,88 @@
+"""Bounding a node's cache of global models (node config ``cache-keep``).
+
+With the http store every node keeps each global model it downloads in
+``<work dir>/cache/<sha256>/``. Over a 10-round run of a 7B model that is 10 copies of 28 GB on every
+node, so a node may cap the cache at its ``cache-keep`` most recently used models (0, the default,
+keeps all). Eviction runs after every fetch (a listing of the cache), and it never removes:
+
+- a model this ClientApp process fetched (a training message fetches the actor and then the PPO
+  critic: with ``cache-keep=1`` the second fetch must not take the first away from its trainer);
+- a model whose per-model lock another process holds (it is being downloaded or checked);
+- a model among the ``keep`` most recently used ones (last use is the directory's mtime, set at
+  every fetch and cache hit).
+
+A model is removed by renaming it out of its content-addressed name first, under its lock, so a
+concurrent fetch sees the whole model or none and downloads it again. Runs that share a node's work
+dir share its cache and its count: a model another run is about to load can go once this node has
+fetched ``keep`` newer ones, so keep at least 2 (the model being trained from and the next).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from fedagent_flwr.checkpoint.ref import is_sha256
+
+
+@dataclass
+class Eviction:
+    """What one eviction pass removed, and what it had to leave."""
+
+    removed: list[str] = field(default_factory=list)  # content hashes
+    bytes_freed: int = 0
+    busy: list[str] = field(default_factory=list)  # locked by another process: left for a later pass
+
+    def describe(self, keep: int) -> str:
+        """One log line (empty when nothing was removed or left)."""
+        if not self.removed and not self.busy:
+            return ""
+        busy = f"; {len(self.busy)} in use elsewhere left" if self.busy else ""
+        return (f"[store] node cache: removed {len(self.removed)} older global model(s), "
+                f"{self.bytes_freed / 1e6:.1f} MB, to keep the {keep} most recently used "
+                f"(node config 'cache-keep'){busy}")
+
+
+def lock_path(cache_dir: Path, digest: str) -> Path:
+    """The lock a fetch of model ``digest`` holds while it downloads and checks it."""
+    return cache_dir / f".{digest}.lock"
+
+
+def mark_used(model_dir: Path) -> None:
+    """Record a use of a cached model (its directory's mtime: the eviction order)."""
+    os.utime(model_dir)
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def evict(cache_dir: Path, keep: int, protected: set[str]) -> Eviction:
+    """Remove cached models beyond the ``keep`` most recently used, sparing ``protected`` hashes
+    (those this process fetched) and models another process holds the lock of."""
+    result = Eviction()
+    if keep <= 0 or not cache_dir.is_dir():
+        return result
+    cached = [p for p in cache_dir.iterdir() if p.is_dir() and is_sha256(p.name)]
+    cached.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for model in cached[keep:]:
+        if model.name in protected:
+            continue
+        try:
+            with FileLock(str(lock_path(cache_dir, model.name)), timeout=0):
+                if not model.is_dir():  # removed by another process's pass meanwhile
+                    continue
+                size = _size(model)
+                doomed = cache_dir / f".evicting-{model.name}"
+                model.replace(doomed)  # gone from its name at once: a fetch now downloads it again
+                shutil.rmtree(doomed)
+        except Timeout:
+            result.busy.append(model.name)
+            continue
+        result.removed.append(model.name)
+        result.bytes_freed += size
+    return result

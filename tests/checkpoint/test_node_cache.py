@@ -1,0 +1,103 @@
+"""A node's cache of global models bounded by node config ``cache-keep``, on a real http store
+(uvicorn on loopback): the least recently used models go after each fetch, never a model this
+process fetched, never one another process holds the lock of, and ``0`` keeps everything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint.http_server import HttpServerStore
+from fedagent_flwr.checkpoint.node_cache import lock_path
+from fedagent_flwr.checkpoint.store import StorageSettings
+from testkit.store_harness import RUN, node
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[HttpServerStore]:
+    (tmp_path / "run").mkdir()
+    with HttpServerStore(StorageSettings(kind="http"), tmp_path / "run", RUN) as running:
+        yield running  # type: ignore[misc]
+
+
+def _models(store: HttpServerStore, tmp_path: Path, names: str) -> dict[str, CheckpointRef]:
+    """One small shared model per letter of ``names`` (distinct contents, so distinct hashes)."""
+    shared = {}
+    for name in names:
+        directory = tmp_path / "run" / f"round_{ord(name)}" / "global"
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text(f'{{"model": "{name}"}}')
+        (directory / "model.safetensors").write_bytes(name.encode() * 50_000)
+        shared[name] = store.share(CheckpointRef.for_directory(directory))
+    return shared
+
+
+def _cached(work: Path, models: dict[str, CheckpointRef]) -> str:
+    """The letters of the models in ``work``'s cache, sorted."""
+    return "".join(sorted(n for n, ref in models.items() if (work / "cache" / ref.sha256).is_dir()))
+
+
+def test_the_least_recently_used_models_go_after_each_fetch(
+        store: HttpServerStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    models = _models(store, tmp_path, "ABCD")
+    work = tmp_path / "node0"
+    for name in "AB":  # one message each, as rounds go
+        node(store, work, cache_keep=2).fetch(models[name])
+    hit = node(store, work, cache_keep=2)
+    hit.fetch(models["A"])  # evaluation or the next round: a use, so A is now newer than B
+    assert hit.report.cache_hit and _cached(work, models) == "AB"
+    node(store, work, cache_keep=2).fetch(models["C"])
+    assert _cached(work, models) == "AC"
+    assert "removed 1 older global model(s), 0.1 MB, to keep the 2 most recently used" in capsys.readouterr().out
+    again = node(store, work, cache_keep=2)
+    assert again.fetch(models["B"]) == work / "cache" / models["B"].sha256  # downloaded again, whole
+    assert not again.report.cache_hit and again.report.bytes_received >= 50_000
+    assert _cached(work, models) == "BC"
+    assert not list((work / "cache").glob(".evicting-*"))
+
+
+def test_a_model_this_process_fetched_is_never_evicted_by_it(store: HttpServerStore, tmp_path: Path) -> None:
+    """A PPO training message fetches the actor, then the critic: with ``cache-keep=1`` the second
+    fetch must leave the first where its trainer will read it."""
+    models = _models(store, tmp_path, "ABC")
+    work = tmp_path / "node0"
+    node(store, work, cache_keep=1).fetch(models["A"])  # an older round
+    message = node(store, work, cache_keep=1)
+    actor, critic = message.fetch(models["B"]), message.fetch(models["C"])
+    assert actor.is_dir() and critic.is_dir()
+    assert _cached(work, models) == "BC"  # A went; both of this message's models stay
+
+
+def test_a_model_another_process_holds_the_lock_of_is_left(
+        store: HttpServerStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    models = _models(store, tmp_path, "AB")
+    work = tmp_path / "node0"
+    node(store, work, cache_keep=1).fetch(models["A"])
+    holder = subprocess.Popen(  # another ClientApp process of this node, e.g. checking model A
+        [sys.executable, "-c", "import sys; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+         "lock.acquire(); print('held', flush=True); sys.stdin.read()",
+         str(lock_path(work / "cache", models["A"].sha256))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        node(store, work, cache_keep=1).fetch(models["B"])
+        assert _cached(work, models) == "AB"
+        assert "removed 0 older global model(s), 0.0 MB, to keep the 1 most recently used " \
+               "(node config 'cache-keep'); 1 in use elsewhere left" in capsys.readouterr().out
+    finally:
+        holder.communicate("")
+    node(store, work, cache_keep=1).fetch(models["A"])  # a later fetch (a hit): the lock is free now
+    assert _cached(work, models) == "A"
+
+
+def test_without_cache_keep_every_model_stays(store: HttpServerStore, tmp_path: Path) -> None:
+    models = _models(store, tmp_path, "ABC")
+    work = tmp_path / "node0"
+    for name in "ABC":
+        node(store, work).fetch(models[name])
+    assert _cached(work, models) == "ABC"
