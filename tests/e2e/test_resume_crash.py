@@ -1,5 +1,6 @@
 """Crash tests: SIGKILL the ServerApp of a real simulation run while clients train, right after
-a round's aggregate was renamed into place, and inside the summary write that commits a round;
+a round's aggregate was renamed into place, inside the summary write that commits a round, and,
+with the http checkpoint store, once a client's upload of the round was committed to the store;
 re-run the same config; the run completes with the same round records and bit-identical global
 models as an uninterrupted run with the same seeds, each round exactly once, and the completed
 rounds untouched.
@@ -7,15 +8,17 @@ rounds untouched.
 Every case runs 2 rounds with 3 clients (2 a round, so the selection differs per round) and is
 killed in round 2, so the re-run recomputes round 2 only; the crash-point case kills the re-run
 too, at the next point, so a run resumed twice is checked as well. One uninterrupted run, shared
-by the cases and run on the session's SuperLink, is the reference. Each case has a SuperLink of its
-own: the re-run goes to the SuperLink that outlived the killed ServerApp, and stopping it
-afterwards clears whatever the killed simulation left behind.
+by the cases and run on the session's SuperLink with the shared-filesystem store, is the
+reference (for the http case too: the store moves files and changes no weight). Each case has a
+SuperLink of its own: the re-run goes to the SuperLink that outlived the killed ServerApp, and
+stopping it afterwards clears whatever the killed simulation left behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -64,12 +67,12 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
 _PER_RUN_KEYS = ("wall_seconds", "aggregated_sha256", "aggregated_critic_sha256")
 
 
-def _portable(value: Any, run_dir: Path) -> Any:
+def _portable(value: Any, run_dir: Path, leave_out: tuple[str, ...] = ()) -> Any:
     """``value`` with the run directory's absolute path replaced and what differs between any two
-    runs left out (:data:`_PER_RUN_KEYS`), to compare two runs."""
+    runs left out (:data:`_PER_RUN_KEYS`, and ``leave_out``), to compare two runs."""
     portable = json.loads(json.dumps(value).replace(str(run_dir), "<run>"))
     if isinstance(portable, list):
-        portable = [{k: v for k, v in e.items() if k not in _PER_RUN_KEYS} if isinstance(e, dict) else e
+        portable = [{k: v for k, v in e.items() if k not in _PER_RUN_KEYS + leave_out} if isinstance(e, dict) else e
                     for e in portable]
     return portable
 
@@ -90,10 +93,11 @@ def _unchanged_part(run_dir: Path) -> dict[str, int]:
 
 
 def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Path], bool] | None,
-           extra: str = "") -> Path:
+           extra: str = "", trainers_in: Path | None = None) -> Path:
     """Start the run; SIGKILL its ServerApp from outside once ``kill_when(run_dir)`` holds (or, with
-    ``None``, let it kill itself at its armed crash point); wait until nothing of it works in the
-    run directory any more."""
+    ``None``, let it kill itself at its armed crash point); wait until no trainer of it works in
+    ``trainers_in`` (by default the run directory; with the http store, the clients' own work
+    directory) any more."""
     run_dir = workdir / "out" / "job"
     log = workdir / f"crashed-run-{len(list(workdir.glob('crashed-run-*.log'))) + 1}.log"  # one per crash
     job = link.start(_overrides(workdir, model, extra), SUPERNODES, log)
@@ -105,7 +109,7 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
         _wait_for(lambda: not is_running(serverapp), "the ServerApp to die")
         # Subprocess trainers go down with the simulation; persistent ones finish their job and
         # exit when they see their node (the raylet) gone. Be sure before re-running.
-        _wait_for(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
+        _wait_for(lambda: not pids_with_cmdline(str(trainers_in or run_dir)), "the killed run's trainers to exit")
     finally:
         job.terminate()  # `flwr run --stream` would wait for the dead run for ever
         job.wait()
@@ -113,9 +117,11 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
 
 
 def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Path, baseline: Path,
-                        resumes: int = 1, extra: str = "") -> str:
+                        resumes: int = 1, extra: str = "", store_keys: tuple[str, ...] = ()) -> str:
     """Re-run the same config and check it against the uninterrupted run (``resumes``: how many
-    attempts resumed it after round 1, this one included); return the re-run's output."""
+    attempts resumed it after round 1, this one included; ``store_keys``: keys of the summary's
+    round entries that name where the checkpoint store put a file, left out, for the caller to
+    check, when the run uses another store than the uninterrupted one); return the re-run's output."""
     untouched = _unchanged_part(run_dir)
     rerun = link.run(_overrides(workdir, model, extra), supernodes=SUPERNODES)
     output = rerun.stdout + rerun.stderr
@@ -124,7 +130,7 @@ def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Pa
     assert summary["last_completed_round"] == 2
     assert [entry["after_round"] for entry in summary["resumed"]] == [1] * resumes
     for key in ("rounds", "val_curve", "client_curve", "final_model"):
-        assert _portable(summary[key], run_dir) == _portable(reference[key], baseline), key
+        assert _portable(summary[key], run_dir, store_keys) == _portable(reference[key], baseline, store_keys), key
     assert [e["round"] for e in summary["rounds"]] == [1, 2]
     assert [e["clients"] for e in summary["rounds"]] == [select_clients(r, 3, 2, 42) for r in (1, 2)]
     assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
@@ -222,3 +228,68 @@ def test_killed_between_the_new_global_model_and_its_record_then_while_committin
         assert [p["round"] for p in summary["val_curve"]] == [0, 1, 2]
         assert list(run_dir.glob(".federated_summary.json.*"))
         _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline, resumes=2)
+
+
+HTTP_STORE = "storage.kind=http storage.host=127.0.0.1"  # loopback: no TLS needed; port 0 picks a free one
+
+
+def test_killed_after_round_2_uploads_to_the_http_store(baseline: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """With ``storage.kind=http``: the clients download global models into their node's cache and
+    upload their checkpoints into the store's slots (``<run dir>/round_<r>/client_<c>/actor``). The
+    ServerApp is killed once a round-2 upload was committed, so the killed attempt leaves final
+    upload slots that the re-run's clients, retraining round 2, could not upload into again. The
+    re-run discards them, serves its store under its own Flower run id, and ends bit-identical to
+    the uninterrupted shared-filesystem run: the store moves files, it changes no weight."""
+    # Simulated clients have no node config, so each works in "fedagent-work" in the app's cwd
+    # (the SuperLink's working directory, here tmp_path), all three nodes in the same one.
+    node_dir = tmp_path / "fedagent-work"
+    with simulation_superlink(tmp_path, pythonpath=[REPO]) as link:
+
+        def uploaded(run: Path) -> bool:
+            return any((run / "round_2").glob("client_*/actor"))
+
+        run_dir = _crash(link, tmp_path, tiny_model_dir, kill_when=uploaded, extra=HTTP_STORE, trainers_in=node_dir)
+        summary = _summary(run_dir)
+        killed_run = summary["run_id"]
+        assert summary["status"] == "running" and summary["last_completed_round"] == 1
+        assert [e["round"] for e in summary["rounds"]] == [1]
+        # What the killed attempt's store received in round 2: at least one committed slot, maybe
+        # another client's upload half-way (its staging folder).
+        slots = sorted(p for p in (run_dir / "round_2").glob("client_*/*")
+                       if p.name in ("actor", "critic") or p.name.startswith(".upload-"))
+        committed = {p: p.stat().st_ino for p in slots if p.name == "actor"}
+        assert committed, slots
+        # The killed attempt's clients worked under its run id, in their node's directory only.
+        assert (node_dir / f"run-{killed_run}" / "round_2").is_dir()
+        # Every node of a simulation shares this cache, and it already holds round 1's global model
+        # (round 2's clients fetched it): emptied, the re-run's clients must download it again, from
+        # the re-run's store.
+        round_1_global = summary["rounds"][0]["aggregated_sha256"]
+        assert (node_dir / "cache" / round_1_global).is_dir()
+        shutil.rmtree(node_dir / "cache")
+
+        # The one difference from the shared-filesystem run is where the server read the clients'
+        # checkpoints: the trainer's own folder there, the store's upload slot here (checked below).
+        output = _resume_and_compare(link, tmp_path, tiny_model_dir, run_dir, baseline, extra=HTTP_STORE,
+                                     store_keys=("client_actors",))
+
+        for slot in slots:
+            assert f"[fedagent] removed {slot} (written after the last completed round)" in output, slot
+        # The slots the killed attempt committed hold the re-run's uploads now: new directories.
+        for slot, inode in committed.items():
+            assert slot.is_dir() and slot.stat().st_ino != inode, slot
+        assert not list((run_dir / "round_2").glob("client_*/.upload-*"))
+        summary = _summary(run_dir)
+        for entry in summary["rounds"]:
+            assert entry["client_actors"] == [str(run_dir / f"round_{entry['round']}" / f"client_{c}" / "actor")
+                                              for c in entry["clients"]], entry
+        rerun = summary["run_id"]
+        assert rerun != killed_run and [e["run_id"] for e in summary["resumed"]] == [rerun]
+        # The re-run's clients worked under the new run id (a store instruction names its run, and a
+        # node refuses one of another run), from round 1's global model downloaded through it.
+        assert (node_dir / "cache" / round_1_global).is_dir()
+        for client in select_clients(2, 3, 2, 42):
+            client_dir = node_dir / f"run-{rerun}" / "round_2" / f"client_{client}"
+            job = json.loads((client_dir / "train_job.json").read_text())
+            assert job["model_path"] == str(node_dir / "cache" / round_1_global), job["model_path"]
+        assert not (node_dir / f"run-{rerun}" / "round_1").exists()  # round 1 not retrained
