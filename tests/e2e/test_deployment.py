@@ -1,8 +1,10 @@
 """End to end in Flower's deployment runtime: a real SuperLink and two real SuperNodes on
 loopback, with TLS (a self-signed CA generated here) and SuperNode authentication, running the
-default job with the tiny model, once on a shared filesystem and once through the http
-checkpoint store with no shared path (where the clients' step lines, too, can only reach the
-ServerApp's log through the store); and a SuperNode whose key was never registered is refused.
+job with the tiny model, once on a shared filesystem with the persistent trainer and the
+service-backed environment (each node's env services started by one message and found again by
+the later ones) and once with the default in-process environment through the http checkpoint
+store with no shared path (where the clients' step lines, too, can only reach the ServerApp's log
+through the store); and a SuperNode whose key was never registered is refused.
 The fast tests at the end check the generated certificates, keys and connection config."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint.manifest import build_manifest
 from fedagent_flwr.deploy import connection_toml, make_node_key, make_tls_files
-from fedagent_flwr.procs import ProcessRef
+from fedagent_flwr.procs import ProcessRef, pids_with_cmdline
 from testkit.audit import audit_run
 from testkit.deployment_harness import CONNECTION, Deployment, tls_deployment
 from testkit.run_end import ran_every_round
@@ -41,11 +43,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
     deployment: Deployment, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    # The persistent trainer here (the http-store test below uses subprocess mode): every message
-    # runs in a fresh flwr-clientapp process, so each must find the node's trainer again.
+    # The persistent trainer and the env services here (the http-store test below uses subprocess
+    # mode and the in-process env): every message runs in a fresh flwr-clientapp process, so each
+    # must find the node's trainer and its services again.
     proc = deployment.run(
         f"model.path={tiny_model_dir} num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
-        f"output_dir={tmp_path} run_name=job trainer.mode=persistent storage.keep_client_checkpoints=true"
+        f"output_dir={tmp_path} run_name=job trainer.mode=persistent storage.keep_client_checkpoints=true "
+        "env=tinyguess_service partition.min_goals_per_client=5"  # 5 of the 10 secrets to each client
     )
     output = proc.stdout + proc.stderr
     run_dir = tmp_path / "job"
@@ -72,7 +76,50 @@ def test_two_supernodes_with_tls_and_node_auth_run_two_rounds(
         watch = json.loads(starts[0])["watch"]
         assert watch["name"] == "flower-superexe" and (
             ProcessRef(watch["pid"], watch["since_boot"], watch["boot"]).alive()), starts
-    assert "2 persistent trainer(s) stopped" in output, output[-4000:]
+    # ... and one train and one validation service per node served every message of the run: each
+    # started once (one start line in its log, appended to by every start), by the first message
+    # that needed it, and every later job played against that same service (its URL, a port the
+    # kernel chose at its start). They watched the SuperNode, not the message's short-lived
+    # process (they would have gone with it, and the next message started another), and were
+    # stopped by the run's final message while the SuperNodes run on.
+    assert "run over: 2 node(s) told, 4 env service(s) and 2 persistent trainer(s) stopped" in output, \
+        output[-4000:]
+    partitions = {}
+    for client in (0, 1):
+        services = run_dir / "services" / f"client_{client}"
+        logs = sorted(p.name for p in services.glob("*.log"))
+        assert logs == ["train_0.json.log", "val_0.json.log"], logs
+        for name in logs:
+            log = (services / name).read_text()
+            assert log.count("=== starting env service TinyGuess ") == 1, log[-2000:]
+            assert "owner process" not in log, log[-2000:]  # what it watched (the SuperNode) ran on
+        assert not list(services.glob("*.json")), list(services.iterdir())  # stopped, forgotten
+        train_urls = set()
+        for server_round in (1, 2):
+            client_dir = run_dir / f"round_{server_round}" / f"client_{client}"
+            (health,) = json.loads((client_dir / "service_health.json").read_text())
+            assert health["ready"] and health["env"] == "TinyGuess", health
+            assert health["partition"]["client_id"] == client, health
+            partitions.setdefault(client, health["partition"]["goal_indices"])
+            assert health["partition"]["goal_indices"] == partitions[client], health  # the same world
+            # The trainer played only over HTTP, against this node's service, and played episodes.
+            (served,) = json.loads((client_dir / "train_job.json").read_text())["env_spec"]["envs"]
+            assert served["name"] == "Service", served
+            train_urls.add(served["config"]["url"])
+            assert json.loads((client_dir / "train_result.json").read_text())["num_episodes"] > 0
+        val_urls = set()
+        for server_round in (0, 1, 2):
+            eval_dir = run_dir / f"round_{server_round}" / "eval" / f"client_{client}"
+            (served,) = json.loads((eval_dir / "evaluate_job.json").read_text())["env_spec"]["envs"]
+            assert served["name"] == "Service", served
+            val_urls.add(served["config"]["url"])
+            assert json.loads((eval_dir / "eval_result.json").read_text())["num_episodes"] > 0
+        assert len(train_urls) == 1 and len(val_urls) == 1 and train_urls != val_urls, (train_urls, val_urls)
+    assert partitions == {0: [0, 1, 2, 3, 4], 1: [5, 6, 7, 8, 9]}  # each node's service, its own slice
+    # None outlives the run's end, while the SuperNodes run on. (The services inherit their
+    # SuperNode's working directory, so the fixture's check after the SuperNodes stop counts them
+    # too; this one finds them by the run directory in their command line.)
+    assert pids_with_cmdline(str(run_dir / "services")) == []
     # Each message ran in a fresh flwr-clientapp process under its SuperNode.
     for node in deployment.supernodes:
         log = node.log()

@@ -233,9 +233,12 @@ class EnvServiceManager:
                     logger.warning("%s", said)
                 existing = None
             # The owner is whoever started the service; another process of the same node may ask
-            # for the same service (a simulation node can move between Ray actors).
+            # for the same service (a simulation node can move between Ray actors) and reuses it.
+            # The returned manager carries the caller's launch, owner included: should the service
+            # have died (with its owner, say), the restart watches the caller's owner, not the
+            # recorded one, which may be gone, so that the new service would exit at once.
             if existing is not None and replace(existing.launch, owner_pid=None) == replace(launch, owner_pid=None):
-                return existing
+                return cls(launch, path, **kwargs)
             if existing is not None:
                 existing.stop()
         return cls(launch, path, **kwargs)

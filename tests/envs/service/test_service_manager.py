@@ -293,6 +293,15 @@ def test_service_exits_with_its_owner_so_a_crash_leaves_no_orphan(tmp_path: Path
             time.sleep(0.2)
         assert not Path(f"/proc/{service_pid}").exists(), "the service outlived its owner"
         assert "owner process" in manager.log_file.read_text()
+        # The next caller restarts it watching its own owner, not the recorded one that is gone
+        # (the new service would exit at once: a node that lost its service would never get one).
+        restarted = EnvServiceManager.attach_or_create(tmp_path / "svc.json",
+                                                       dataclasses.replace(launch, owner_pid=os.getpid()))
+        restarted.ensure_running()
+        new_pid = restarted.pid
+        assert new_pid is not None and new_pid != service_pid and restarted.is_alive()
+        assert psutil.Process(new_pid).cmdline()[-2:] == ["--owner-pid", str(os.getpid())]
+        assert json.loads((tmp_path / "svc.json").read_text())["launch"]["owner_pid"] == os.getpid()
     finally:
         if owner.poll() is None:
             owner.kill()
