@@ -79,11 +79,13 @@ class Deployment:
         return output
 
     def start_supernode(self, partition_id: int, num_partitions: int, key: NodeKey,
-                        name: str | None = None) -> SuperNode:
-        """Start ``flower-supernode`` in a working directory (and Flower home) of its own."""
+                        name: str | None = None, extra_node_config: str = "") -> SuperNode:
+        """Start ``flower-supernode`` in a working directory (and Flower home) of its own
+        (``extra_node_config``: more ``key=value`` pairs for its ``--node-config``)."""
         name = name or f"supernode-{partition_id}"
         workdir = self.root / name
         node_config = f'partition-id={partition_id} num-partitions={num_partitions} work-dir="{workdir / "work"}"'
+        node_config = f"{node_config} {extra_node_config}".strip()
         home = workdir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         env = dict(self.env, FLWR_HOME=str(home))
@@ -154,10 +156,12 @@ def _wait_healthy(process: subprocess.Popen[bytes], port: int, ca_cert: Path, lo
 
 
 @contextmanager
-def tls_deployment(root: Path, num_supernodes: int = 2) -> Iterator[Deployment]:
+def tls_deployment(root: Path, num_supernodes: int = 2,
+                   extra_node_config: dict[int, str] | None = None) -> Iterator[Deployment]:
     """A SuperLink with TLS + SuperNode auth and ``num_supernodes`` registered SuperNodes.
 
-    The SuperNodes serve partitions ``0..num_supernodes-1`` of ``num_supernodes``.
+    The SuperNodes serve partitions ``0..num_supernodes-1`` of ``num_supernodes``;
+    ``extra_node_config`` adds node config pairs by partition (``{1: "cache-keep=1"}``).
     """
     tls = make_tls_files(root / "tls", hosts=("127.0.0.1",))
     link_dir = root / "superlink"
@@ -183,7 +187,8 @@ def tls_deployment(root: Path, num_supernodes: int = 2) -> Iterator[Deployment]:
         for i in range(num_supernodes):
             key = deployment.new_node_key(f"supernode-{i}")
             deployment.register(key)
-            deployment.start_supernode(i, num_supernodes, key)
+            deployment.start_supernode(i, num_supernodes, key,
+                                       extra_node_config=(extra_node_config or {}).get(i, ""))
         yield deployment
     finally:
         deployment.stop()

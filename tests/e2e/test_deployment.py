@@ -28,7 +28,9 @@ from testkit.run_end import ran_every_round
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    with tls_deployment(tmp_path_factory.mktemp("deploy"), num_supernodes=2) as running:
+    # SuperNode 1 bounds its http-store cache to one model (node config cache-keep); 0 keeps all.
+    with tls_deployment(tmp_path_factory.mktemp("deploy"), num_supernodes=2,
+                        extra_node_config={1: "cache-keep=1"}) as running:
         yield running
     # Stopped by process group: nothing started in the deployment's directories survives. Processes
     # re-parented out of it (the SuperLink's SuperExec) may take a moment to exit under load.
@@ -194,8 +196,13 @@ def test_two_supernodes_without_a_shared_filesystem_exchange_checkpoints_through
     # Only the server's run directory holds run outputs; the nodes' directories hold their own.
     for node in nodes:
         assert not (node.workdir / "outputs").exists()
-        cached = [p.name for p in (node.store_dir / "cache").iterdir() if p.is_dir()]
-        assert len(cached) == 3, cached  # the base model and the two aggregates, each fetched once
+    cached = [sorted(p.name for p in (node.store_dir / "cache").iterdir() if p.is_dir()) for node in nodes]
+    assert len(cached[0]) == 3, cached  # the base model and the two aggregates, each fetched once
+    # Node 1 (cache-keep=1) dropped the base model when round 1's aggregate came (evaluation of
+    # round 1), and that one when round 2's came: only the last global model is left.
+    assert cached[1] == [summary["rounds"][-1]["aggregated_sha256"]] and cached[1][0] in cached[0], cached
+    assert nodes[1].log().count("[store] node cache: removed 1 older global model(s)") == 2, nodes[1].log()[-3000:]
+    assert "[store] node cache" not in nodes[0].log()
     audit = audit_run(run_dir)
     assert audit.returncode == 0 and audit.stdout.count(" ok") == 2, audit.stdout + audit.stderr
 
