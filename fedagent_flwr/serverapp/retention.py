@@ -12,6 +12,10 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
 - **Global models** older than the last ``storage.keep_last_k`` aggregated ones (0 keeps them all).
   The newest aggregate is the next round's starting model and what a re-run resumes from, so it is
   never removed, whatever ``k``; the critics of PPO follow the same rule.
+- **Server optimiser states** (``round_<r>/server_optimizer/``: FedAvgM's momentum, FedAdam's m
+  and v, ...) of every global model but the newest, whatever ``keep_last_k``: only the newest is
+  stepped from, by the next round or by a re-run redoing it, and for a 7B model with Adam they
+  are 56 GB a round.
 
 Files are removed only after the commit, so a crash in between leaves files that the next commit
 removes, never a committed round without its global model. What was removed is noted in the
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 
 from fedagent_flwr.schema.run import Storage
+from fedagent_flwr.serverapp.resume import STATE_DIR
 
 if TYPE_CHECKING:
     from fedagent_flwr.checkpoint.store import StorageSettings
@@ -69,6 +74,11 @@ class Retention:
                     expected = self.run_dir / f"round_{entry['round']}" / kind_dir
                     if path == expected:  # only what the server itself wrote
                         self._note(freed, int(entry["round"]), label, _remove(path))
+        for key, kind_dir in (("aggregated_actor", "global"), ("aggregated_critic", "global_critic")):
+            for entry in [e for r, e in sorted(entries.items()) if e.get(key)][:-1]:
+                state = self.run_dir / f"round_{entry['round']}" / STATE_DIR / f"{kind_dir}.safetensors"
+                if state.is_file() and not state.is_symlink():
+                    self._note(freed, int(entry["round"]), "server_optimizer_state", _remove(state))
         total = sum(sum(kinds.values()) for kinds in freed.values())
         if not freed:
             return 0

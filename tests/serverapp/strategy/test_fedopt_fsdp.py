@@ -13,14 +13,17 @@ from typing import Any
 
 import pytest
 import torch
+from flwr.app import Message, RecordDict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.resume import discard_uncommitted
+from fedagent_flwr.serverapp.retention import Retention
 from fedagent_flwr.serverapp.strategy import (
     FedAdagradFSDP,
     FedAdamFSDP,
@@ -31,7 +34,7 @@ from fedagent_flwr.serverapp.strategy import (
 from fedagent_flwr.serverapp.strategy.server_optimizer import ServerOptimizerStateError, state_file
 from testkit.ckpt_factory import Suite
 from testkit.client_replies import train_reply
-from testkit.round_harness import connect
+from testkit.round_harness import connect, train_round
 from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint
 
 # (client checkpoint names, episodes) of client 0 and 1 in rounds 1, 2, 3
@@ -209,3 +212,49 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path: Path, tiny_model_dir:
     strategy = build_strategy(load_settings(overrides="strategy=fedavgm +strategy.kwargs.server_momentum=0.9"),
                               tmp_path, base)
     assert isinstance(strategy, FedAvgMFSDP) and strategy.buffers() == ("momentum",)
+
+
+def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newest(
+    suite: Suite, tmp_path: Path,
+) -> None:
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    initial = initial_checkpoint(tmp_path)
+    recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated",
+                                      "strategy": "fedadam"})
+    strategy = FedAdamFSDP(run_root=str(run_root), initial_model=initial, num_clients=2, clients_per_round=2, eta=1e-3)
+    connect(strategy, recorder, range(2))
+
+    def ppo_reply(client: int, server_round: int) -> Message:
+        slot = client_slot(run_root, client, server_round)
+        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], slot / "a"))
+        critic = CheckpointRef.for_directory(suite.copy(["qwen_b", "qwen_c"][client], slot / "c"), "critic")
+        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+        content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": 1 + client})
+        return Message(content.to_record(), reply_to=instruction)
+
+    def step_of(path: Path) -> str:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {})["fedagent.step"]
+
+    for server_round in (1, 2, 3):
+        train_round(strategy, server_round, [ppo_reply(0, server_round), ppo_reply(1, server_round)])
+    states = run_root / "round_1" / "server_optimizer"
+    # Round 1's critics have no global critic to step from: FedAvg's mean, and no critic state yet.
+    assert sorted(p.name for p in states.iterdir()) == ["global.safetensors"]
+    with safe_open(str(run_root / "round_1" / "global_critic" / "model.safetensors"), framework="pt") as handle:
+        assert (handle.metadata() or {})["fedagent.aggregation"] == "weighted_mean"
+    round_3 = run_root / "round_3" / "server_optimizer"
+    assert (step_of(round_3 / "global.safetensors"), step_of(round_3 / "global_critic.safetensors")) == ("3", "2")
+    actor_state, critic_state = load_file(str(round_3 / "global.safetensors")), load_file(
+        str(round_3 / "global_critic.safetensors"))
+    assert actor_state.keys() == critic_state.keys()
+    assert not torch.equal(actor_state["v/model.norm.weight"], critic_state["v/model.norm.weight"])
+
+    # Once round 3 is committed only its states are needed; every global model stays (keep_last_k 0).
+    freed = Retention(run_root).after_commit(recorder, 3)
+    kept = sorted(p.relative_to(run_root).as_posix() for p in run_root.glob("round_*/server_optimizer/*"))
+    assert freed > 0 and kept == ["round_3/server_optimizer/global.safetensors",
+                                  "round_3/server_optimizer/global_critic.safetensors"]
+    assert all((run_root / f"round_{r}" / "global").is_dir() for r in (1, 2, 3))
+    assert recorder.summary["rounds"][1]["removed"]["server_optimizer_state"] > 0
