@@ -214,7 +214,7 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path: Path, tiny_model_dir:
     assert isinstance(strategy, FedAvgMFSDP) and strategy.buffers() == ("momentum",)
 
 
-def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newest(
+def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newest_state(
     suite: Suite, tmp_path: Path,
 ) -> None:
     run_root = tmp_path / "run"
@@ -258,3 +258,14 @@ def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newes
                                   "round_3/server_optimizer/global_critic.safetensors"]
     assert all((run_root / f"round_{r}" / "global").is_dir() for r in (1, 2, 3))
     assert recorder.summary["rounds"][1]["removed"]["server_optimizer_state"] > 0
+    # Round 4 keeps round 3's model (a refused reply, a silent client): round 3's states stay; a
+    # state round 4 left without its model (an aggregation redone without success) goes.
+    slot = client_slot(run_root, 0, 4)
+    train_round(strategy, 4, [train_reply(0, CheckpointRef.for_directory(suite.copy("qwen_a", slot)), 0)])
+    assert strategy.global_model.path == str(run_root / "round_3" / "global")
+    stray = run_root / "round_4" / "server_optimizer" / "global.safetensors"
+    stray.parent.mkdir(parents=True)
+    stray.write_bytes((round_3 / "global.safetensors").read_bytes())
+    Retention(run_root).after_commit(recorder, 4)
+    assert not stray.exists() and sorted(p.name for p in round_3.iterdir()) == ["global.safetensors",
+                                                                                 "global_critic.safetensors"]
