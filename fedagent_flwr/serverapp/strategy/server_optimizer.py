@@ -144,14 +144,9 @@ class ServerOptimizerFSDP(FedAvgFSDP):
         previous = _PreviousState.find(reference, self.run_root, self.rule_name, names, entries)
         step = previous.step + 1 if previous is not None else 1
         writer: SafetensorsStreamWriter | None = None
-        if names:
-            target = state_file(out_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            metadata = {"format": "pt", "fedagent.server_optimizer": self.rule_name,
-                        "fedagent.buffers": json.dumps(list(names)), "fedagent.round": str(server_round),
-                        "fedagent.step": str(step), "fedagent.hyperparameters": json.dumps(self.hyperparameters())}
-            writer = SafetensorsStreamWriter(target, [(f"{n}/{key}", shape) for key, shape in entries for n in names],
-                                             metadata)
+        metadata = {"format": "pt", "fedagent.server_optimizer": self.rule_name,
+                    "fedagent.buffers": json.dumps(list(names)), "fedagent.round": str(server_round),
+                    "fedagent.step": str(step), "fedagent.hyperparameters": json.dumps(self.hyperparameters())}
 
         def rule(key: str, tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
             # FedAvg's mean with weighted_mean's arithmetic (first source scaled, then each next added)
@@ -168,6 +163,10 @@ class ServerOptimizerFSDP(FedAvgFSDP):
             return new
 
         try:
+            if names:  # the buffers of every float key, in the order aggregate_by_key calls the rule
+                state_file(out_dir).parent.mkdir(parents=True, exist_ok=True)
+                writer = SafetensorsStreamWriter(
+                    state_file(out_dir), [(f"{n}/{key}", shape) for key, shape in entries for n in names], metadata)
             report = aggregate_by_key(sources, out_dir, rule, name=self.rule_name, reference=reference,
                                       model_files=self.model_files)
             if writer is not None:
