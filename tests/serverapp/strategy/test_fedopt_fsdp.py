@@ -1,8 +1,10 @@
 """The server optimisers (FedAvgMFSDP, FedAdamFSDP, FedYogiFSDP, FedAdagradFSDP) on real FSDP
 checkpoints: three rounds against the update computed independently in float64 on the full
-tensors, FedAvgM without momentum and learning rate 1 is FedAvg bit for bit, a redone round (as a
-resumed run redoes it) gives the same bits without touching the previous round's state, a lost
-state stops the run, and bad settings are refused naming the key."""
+tensors and against Flower's own strategy fed the same tensors as arrays; FedAvgM without momentum
+and learning rate 1 is FedAvg bit for bit; a redone round (as a resumed run redoes it) gives the
+same bits without touching the previous round's state, a lost state stops the run; PPO critics
+keep their own state and a committed round keeps only the newest; bad settings are refused naming
+the key."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -131,6 +133,41 @@ def test_three_rounds_match_the_update_computed_independently(
             metadata = handle.metadata() or {}
         assert metadata["fedagent.server_optimizer"] == rule and metadata["fedagent.step"] == str(server_round)
         assert not any(p.name == "server_optimizer" for p in global_dir.iterdir())  # clients download global/
+
+
+@pytest.mark.parametrize(("cls", "settings"), CASES, ids=[c.__name__ for c, _ in CASES])
+def test_three_rounds_match_flowers_own_strategy_on_the_same_tensors(
+    suite: Suite, tmp_path: Path, cls: type[FedAvgFSDP], settings: dict[str, float],
+) -> None:
+    from flwr.serverapp import strategy as flower
+
+    initial = initial_checkpoint(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, initial, cls, clients=2, **settings)
+    reference = getattr(flower, cls.__name__.removesuffix("FSDP"))(**settings)  # Flower's FedAdam, ...
+    x0 = load_file(str(Path(initial.path) / "model.safetensors"))
+    current: dict[str, torch.Tensor] = {}
+    for server_round in (1, 2, 3):
+        written = load_file(str(_play(strategy, run_root, suite, server_round) / "model.safetensors"))
+        if not current:
+            current = {k: x0[k] for k in written}
+        # Flower's strategy keeps the model it sent (configure_train) and steps from it.
+        if isinstance(reference, flower.FedAvgM):
+            reference.current_arrays = reference.current_arrays or ArrayRecord(current)
+        else:
+            reference.current_arrays = {k: v.numpy() for k, v in current.items()}
+        names, episodes = ROUNDS[server_round - 1]
+        replies = []
+        for client, (name, count) in enumerate(zip(names, episodes)):
+            state = suite.expected(name)
+            content = RecordDict({"arrays": ArrayRecord({k: state[k].float() for k in written}),
+                                  "metrics": MetricRecord({"num-examples": count})})
+            replies.append(Message(content, reply_to=Message(RecordDict(), dst_node_id=100 + client,
+                                                             message_type="train")))
+        arrays, _ = reference.aggregate_train(server_round, replies)
+        assert arrays is not None
+        current = {k: torch.from_numpy(v.numpy()) for k, v in arrays.items()}
+        error = max(float((written[k].double() - current[k].double()).abs().max()) for k in written)
+        assert error < 2e-6, (server_round, error)
 
 
 def test_fedavgm_with_learning_rate_1_and_no_momentum_is_fedavg_bit_for_bit(suite: Suite, tmp_path: Path) -> None:
