@@ -5,6 +5,7 @@ initial checkpoint, and where each client's checkpoints go."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -14,15 +15,16 @@ from testkit.round_harness import connect
 
 
 def connected_strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgFSDP] = FedAvgFSDP,
-                       clients: int = 6, served: int | None = None) -> tuple[FedAvgFSDP, Path]:
+                       clients: int = 6, served: int | None = None, **kwargs: Any) -> tuple[FedAvgFSDP, Path]:
     """A ``cls`` strategy starting from ``initial``, with its run directory (``tmp_path/run``, also
     returned) and recorder: all ``clients`` selected every round; node 100 + c serves client c for
-    the first ``served`` (default: all)."""
+    the first ``served`` (default: all). ``kwargs`` go to ``cls`` (a strategy's own settings)."""
     run_root = tmp_path / "run"
     run_root.mkdir()
     recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated",
                                       "strategy": "fedavg"})
-    strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients)
+    strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients,
+                   **kwargs)
     connect(strategy, recorder, range(clients if served is None else served))
     return strategy, run_root
 

@@ -41,7 +41,8 @@ def test_per_round_larger_than_total_means_all_clients() -> None:
         ("trainer.top_p=2", "config key 'trainer.top_p'"),
         ("trainer.stall_timeout_s=-1", "config key 'trainer.stall_timeout_s'"),
         ("trainer=verl trainer.stall_timeout_s=-1", "config key 'trainer.stall_timeout_s'"),
-        ("strategy=nope", "config group 'strategy' has no option 'nope' (available: fedavg fedprox)"),
+        ("strategy=nope", "config group 'strategy' has no option 'nope' (available: fedadagrad fedadam fedavg fedavgm "
+                           "fedprox fedyogi)"),
         ("strategy.weights=[1,0]", "config key 'strategy.weights'"),
         ("strategy.weights=[1,2,3]", "has 3 entries but clients.total is 2"),
         ("strategy.proximal_mu=-0.1", "config key 'strategy.proximal_mu'"),

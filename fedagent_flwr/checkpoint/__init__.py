@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         AggregateReport,
         KeyRule,
         aggregate_by_key,
+        aggregation_entries,
         check_compatible,
         normalise_weights,
         tied_weight_keys,
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
 
 #: name -> the submodule (torch-based) that defines it, imported when the name is first used
 _LAZY = {
-    **dict.fromkeys(("AggregateReport", "KeyRule", "aggregate_by_key", "check_compatible", "normalise_weights",
-                     "tied_weight_keys", "verify_mean", "weighted_mean"), "aggregate"),
+    **dict.fromkeys(("AggregateReport", "KeyRule", "aggregate_by_key", "aggregation_entries", "check_compatible",
+                     "normalise_weights", "tied_weight_keys", "verify_mean", "weighted_mean"), "aggregate"),
     "FsdpShardReader": "fsdp_reader",
     "open_checkpoint": "open_ref",
     "CheckpointReader": "reader",
@@ -86,6 +87,7 @@ __all__ = [
     "SafetensorsReader",
     "SafetensorsStreamWriter",
     "aggregate_by_key",
+    "aggregation_entries",
     "check_compatible",
     "hash_checkpoint_dir",
     "hashed_files",

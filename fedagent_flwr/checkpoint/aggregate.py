@@ -58,6 +58,7 @@ __all__ = [
     "AggregateReport",
     "KeyRule",
     "aggregate_by_key",
+    "aggregation_entries",
     "check_compatible",
     "normalise_weights",
     "tied_weight_keys",
@@ -264,15 +265,14 @@ def _write_aggregate(
     hf_dir = config_dir(readers[0], reference, model_files)
     ties = tied_weight_keys(hf_dir)
     head = readers[0]
-    keys = effective_keys(head, ties)
     for reader, name in zip(readers[1:], names[1:]):
         compare_keys(reader, head, ties, name, names[0])
     if reference is not None:
         for reader, name in zip(readers, names):
             compare_keys(reader, reference, ties, name, f"reference ({reference.directory})")
-    tied_out = tuple(k for k in head.keys() if k not in keys)
+    entries = _entries(head, ties)
+    tied_out = tuple(k for k in head.keys() if k not in {key for key, _, _ in entries})
 
-    entries = [(key, head.shape(key), _output_dtype(head.dtype(key))) for key in keys]
     metadata = {
         "format": "pt",
         "fedagent.aggregation": rule_name,
@@ -356,6 +356,24 @@ def _write_aggregate(
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def aggregation_entries(
+    sources: Sequence[tuple[CheckpointReader, float]],
+    reference: CheckpointReader | None = None,
+    model_files: str | os.PathLike[str] | None = None,
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(key, shape, output dtype) of every tensor :func:`weighted_mean` and :func:`aggregate_by_key`
+    write for these arguments, in the order they write them, which is the order ``rule`` is called
+    for the floating-point keys. A rule that streams a file of its own per key (a server
+    optimiser's state) declares that file's keys from it; the keys are not checked here."""
+    head = sources[0][0]
+    return _entries(head, tied_weight_keys(config_dir(head, reference, model_files)))
+
+
+def _entries(head: CheckpointReader, ties: dict[str, str]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The output's (key, shape, dtype) list: the first source's keys without tied copies."""
+    return [(key, head.shape(key), _output_dtype(head.dtype(key))) for key in effective_keys(head, ties)]
 
 
 def _agreed_integer_tensor(key: str, readers: list[CheckpointReader], context: _KeyContext) -> torch.Tensor:

@@ -44,6 +44,10 @@ from fedagent_flwr.serverapp.recorder import CURVE_FILE, METRICS_FILE, SUMMARY_F
 LOCK_FILE = ".serverapp.lock"
 _ROUND_DIR = re.compile(r"round_(\d+)")
 
+#: The directory beside a round's ``global`` (and ``global_critic``) holding a server optimiser's
+#: state (:mod:`fedagent_flwr.serverapp.strategy.server_optimizer`); uncommitted rounds' go too.
+STATE_DIR = "server_optimizer"
+
 
 class ResumeError(ValueError):
     """The run directory holds a run that this run cannot continue."""
@@ -217,7 +221,8 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
     """Remove what the server wrote for rounds after ``last_completed_round``; return the paths.
 
     Those are the global models (and PPO critics) renamed into place by a round that never
-    committed (the rerun aggregates again, and aggregation refuses to overwrite), the staging
+    committed (the rerun aggregates again, and aggregation refuses to overwrite) with a server
+    optimiser's state written beside them (``round_<r>/server_optimizer``), the staging
     directories of an interrupted aggregation, the http store's upload slots of such rounds
     (``round_<r>/client_<c>/{actor,critic,.upload-*}``: a committed slot is final, so a client
     re-training the round could not upload again), and the temporary files of interrupted
@@ -232,8 +237,10 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
             continue
         # weighted_mean writes the aggregate into ".global.staging-<id>" beside "global" and renames.
         leftovers = list(round_dir.glob(".global.staging-*")) + list(round_dir.glob(".global_critic.staging-*"))
+        # a server optimiser's state (strategy/server_optimizer.py), streamed to ".<name>.partial-<pid>"
+        leftovers += list((round_dir / STATE_DIR).glob(".*.partial-*"))
         if last_completed_round is None or int(match.group(1)) > last_completed_round:
-            leftovers += [round_dir / "global", round_dir / "global_critic"]
+            leftovers += [round_dir / "global", round_dir / "global_critic", round_dir / STATE_DIR]
             for client_dir in sorted(round_dir.glob("client_*")):
                 leftovers += [client_dir / "actor", client_dir / "critic", *client_dir.glob(".upload-*")]
         for path in leftovers:

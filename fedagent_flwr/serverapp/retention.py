@@ -12,6 +12,10 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
 - **Global models** older than the last ``storage.keep_last_k`` aggregated ones (0 keeps them all).
   The newest aggregate is the next round's starting model and what a re-run resumes from, so it is
   never removed, whatever ``k``; the critics of PPO follow the same rule.
+- **Server optimiser states** (``round_<r>/server_optimizer/``: FedAvgM's momentum, FedAdam's m
+  and v, ...) of committed rounds, but the one beside the newest global model (and critic),
+  whatever ``keep_last_k``: only that one is stepped from, by the next round or by a re-run
+  redoing it, and for a 7B model with Adam they are 56 GB a round.
 
 Files are removed only after the commit, so a crash in between leaves files that the next commit
 removes, never a committed round without its global model. What was removed is noted in the
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 
 from fedagent_flwr.schema.run import Storage
+from fedagent_flwr.serverapp.resume import STATE_DIR
 
 if TYPE_CHECKING:
     from fedagent_flwr.checkpoint.store import StorageSettings
@@ -69,6 +74,8 @@ class Retention:
                     expected = self.run_dir / f"round_{entry['round']}" / kind_dir
                     if path == expected:  # only what the server itself wrote
                         self._note(freed, int(entry["round"]), label, _remove(path))
+        for r, state in self._old_optimizer_states(entries, server_round):
+            self._note(freed, r, "server_optimizer_state", _remove(state))
         total = sum(sum(kinds.values()) for kinds in freed.values())
         if not freed:
             return 0
@@ -97,6 +104,24 @@ class Retention:
                 paths = [client_dir / name for name in CLIENT_CHECKPOINT_DIRS] + sorted(client_dir.glob(".upload-*")) \
                     + sorted(client_dir.glob(".receipt-*.json"))
                 found += [(int(match.group(1)), p) for p in paths if p.exists() or p.is_symlink()]
+        return found
+
+    def _old_optimizer_states(self, entries: dict[int, dict[str, Any]], server_round: int) -> list[tuple[int, Path]]:
+        """Server optimiser states of committed rounds that are not beside the newest global model
+        (or critic): the older ones, and any a round left without its model."""
+        newest = {}
+        for key, kind_dir in (("aggregated_actor", "global"), ("aggregated_critic", "global_critic")):
+            aggregated = [r for r, e in sorted(entries.items()) if e.get(key)]
+            newest[kind_dir] = aggregated[-1] if aggregated else None
+        found = []
+        for round_dir in sorted(self.run_dir.glob(f"round_*/{STATE_DIR}")):
+            match = _ROUND_DIR.fullmatch(round_dir.parent.name)
+            if not match or int(match.group(1)) > server_round or round_dir.is_symlink():
+                continue
+            for kind_dir, keep in newest.items():
+                state = round_dir / f"{kind_dir}.safetensors"
+                if int(match.group(1)) != keep and state.is_file() and not state.is_symlink():
+                    found.append((int(match.group(1)), state))
         return found
 
     @staticmethod

@@ -1,0 +1,264 @@
+"""Server-side optimisers over checkpoint references: the streamed step and its state on disk.
+
+Flower's ``FedAvgM``, ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` treat the clients' weighted mean
+as a pseudo-gradient step of a server optimiser: with ``x`` the current global model and ``a``
+FedAvg's weighted mean of the clients' models, ``delta = a - x`` feeds momentum (FedAvgM) or
+Adam-style moments (FedOpt) kept on the server across rounds. Those strategies average
+``ArrayRecord`` s in memory; here the models are checkpoints on disk, so
+:class:`ServerOptimizerFSDP` runs the same step tensor by tensor inside ``aggregate_by_key``
+(fp32, one key of every source, of ``x`` and of each buffer in memory at a time, whatever the
+model size) and streams both the new global model and the new optimiser state to disk.
+
+**Where the state lives.** Next to the global model it belongs to, never inside it (clients
+download that directory): the state after round r of the actor is
+``<run_root>/round_<r>/server_optimizer/global.safetensors`` (PPO's critic:
+``.../global_critic.safetensors``), one safetensors file with a ``<buffer>/<key>`` tensor per
+buffer and floating-point key, written under a temporary name and renamed once the round's
+global model is in place. Round r+1 finds it from its starting model's directory alone, so a
+resumed run (:mod:`fedagent_flwr.serverapp.resume`: it restarts from the last committed global
+model, removes what uncommitted rounds wrote and redoes them) needs no extra bookkeeping, and
+redoing round r reads round r-1's file, which nothing ever rewrites, so it gives the same bits.
+A round that keeps the previous global model (no usable client) keeps its state too.
+
+**When there is no state.** The run's base model (round 1), and a global model outside the
+run's ``round_<r>/`` directories, start the buffers at zero (a new run continuing from another
+run's model starts a fresh optimiser). A global model that this rule wrote but whose state file
+is missing stops the run (:class:`ServerOptimizerStateError`): silently restarting the moments
+would change the result. PPO's first critic has no global critic to step from, so round 1
+averages the critics as FedAvg does and the critic's optimiser starts in round 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from abc import abstractmethod
+from collections.abc import Sequence
+from logging import INFO
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from flwr.common import log
+
+from fedagent_flwr.checkpoint import (
+    AggregateReport,
+    CheckpointReader,
+    SafetensorsStreamWriter,
+    aggregate_by_key,
+    aggregation_entries,
+)
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
+from fedagent_flwr.serverapp.resume import STATE_DIR
+
+from .fedavg_fsdp import FedAvgFSDP
+
+__all__ = ["STATE_DIR", "ServerOptimizerFSDP", "ServerOptimizerStateError", "checked_number", "state_file"]
+
+_GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
+
+
+class ServerOptimizerStateError(RuntimeError):
+    """A server optimiser's state that is missing or does not fit its model: the run stops (not a
+    client's fault, so no client is refused for it)."""
+
+
+def state_file(global_dir: str | Path) -> Path:
+    """The optimiser state written with the global model (or critic) at ``global_dir``."""
+    directory = Path(global_dir)
+    return directory.parent / STATE_DIR / f"{directory.name}.safetensors"
+
+
+def checked_number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
+                   below: float | None = None) -> float:
+    """``value`` as a float, or ValueError naming ``strategy.kwargs.<name>`` and the allowed range.
+
+    Numbers written as strings (``1e-4`` read by a YAML 1.1 loader) are accepted; booleans,
+    NaN and infinities are not."""
+    bounds = [f"> {above}" if above is not None else "", f">= {at_least}" if at_least is not None else "",
+              f"< {below}" if below is not None else ""]
+    wanted = " and ".join(b for b in bounds if b) or "finite"
+    problem = f"strategy.kwargs.{name} = {value!r} must be a number {wanted}"
+    if isinstance(value, bool):
+        raise ValueError(problem)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(problem) from None
+    if (not math.isfinite(number) or (above is not None and not number > above)
+            or (at_least is not None and not number >= at_least) or (below is not None and not number < below)):
+        raise ValueError(problem)
+    return number
+
+
+class ServerOptimizerFSDP(FedAvgFSDP):
+    """FedAvgFSDP whose new global model is a server optimiser's step from the current one.
+
+    A subclass names its rule (:attr:`rule_name`, recorded as ``fedagent.aggregation`` in the
+    global model's header and in its state file), the buffers it keeps per floating-point key
+    (:meth:`buffers`) and the step (:meth:`server_step`). Integer tensors are copied as FedAvg
+    copies them. Everything else (selection, checks, refusals, PPO critics, resume) is FedAvgFSDP's.
+    """
+
+    rule_name: ClassVar[str] = ""
+
+    def buffers(self) -> tuple[str, ...]:
+        """Names of the per-key tensors kept across rounds (none: no state file is written)."""
+        return ()
+
+    def plain_mean(self) -> bool:
+        """True when the settings make the step FedAvg's mean itself (then FedAvg's code writes it)."""
+        return False
+
+    def hyperparameters(self) -> dict[str, float]:
+        """The settings recorded in the state file (for audits)."""
+        return {}
+
+    @abstractmethod
+    def server_step(self, server_round: int, x: torch.Tensor, delta: torch.Tensor,
+                    state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The new fp32 value of one key from the current one ``x`` and ``delta = mean - x``.
+
+        ``state`` holds the key's previous buffers (none in the optimiser's first step); the
+        step puts every buffer of :meth:`buffers` in it, updated. ``x``, ``delta`` and the
+        buffers are the caller's own copies: they may be changed in place."""
+
+    def aggregate_checkpoints(
+        self, server_round: int, sources: Sequence[tuple[CheckpointReader, float]], out_dir: Path,
+        reference: CheckpointReader | None,
+    ) -> AggregateReport:
+        """The server step from ``reference`` (the current global model or critic) towards the
+        clients' weighted mean, streamed key by key, with the optimiser state of ``out_dir``
+        written beside it (see the module docstring)."""
+        if reference is None or self.plain_mean():
+            if reference is None:
+                log(INFO, "round %d: no global %s to step from yet: weighted mean; %s starts next round",
+                    server_round, out_dir.name, self.rule_name)
+            return super().aggregate_checkpoints(server_round, sources, out_dir, reference)
+        start = reference  # the current global model (or critic): x
+        names = self.buffers()
+        entries = [(key, shape) for key, shape, dtype in aggregation_entries(sources, reference, self.model_files)
+                   if dtype.is_floating_point]
+        previous = _PreviousState.find(reference, self.run_root, self.rule_name, names, entries)
+        step = previous.step + 1 if previous is not None else 1
+        writer: SafetensorsStreamWriter | None = None
+        metadata = {"format": "pt", "fedagent.server_optimizer": self.rule_name,
+                    "fedagent.buffers": json.dumps(list(names)), "fedagent.round": str(server_round),
+                    "fedagent.step": str(step), "fedagent.hyperparameters": json.dumps(self.hyperparameters())}
+
+        def rule(key: str, tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+            # FedAvg's mean with weighted_mean's arithmetic (first source scaled, then each next added)
+            delta = torch.mul(tensors[0], weights[0])
+            for tensor, weight in zip(tensors[1:], weights[1:]):
+                delta.add_(tensor, alpha=weight)
+            x = start.read(key)
+            delta.sub_(x)
+            state = previous.read(key) if previous is not None else {}
+            new = self.server_step(server_round, x, delta, state)
+            if writer is not None:
+                for name in names:
+                    writer.write(f"{name}/{key}", state[name])
+            return new
+
+        try:
+            if names:  # the buffers of every float key, in the order aggregate_by_key calls the rule
+                state_file(out_dir).parent.mkdir(parents=True, exist_ok=True)
+                writer = SafetensorsStreamWriter(
+                    state_file(out_dir), [(f"{n}/{key}", shape) for key, shape in entries for n in names], metadata)
+            report = aggregate_by_key(sources, out_dir, rule, name=self.rule_name, reference=reference,
+                                      model_files=self.model_files)
+            if writer is not None:
+                try:
+                    writer.close()
+                except BaseException:
+                    shutil.rmtree(out_dir, ignore_errors=True)  # no global model without its state
+                    raise
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        finally:
+            if previous is not None:
+                previous.close()
+        log(INFO, "round %d: %s step %d of the %s (%s)", server_round, self.rule_name, step,
+            "global model" if out_dir.name == "global" else out_dir.name.replace("_", " "),
+            f"state {state_file(out_dir)}" if names else "no state kept")
+        return report
+
+
+class _PreviousState:
+    """The optimiser state written with a global model, read one key at a time."""
+
+    def __init__(self, path: Path, handle: Any, step: int, names: tuple[str, ...]) -> None:
+        self.path, self._handle, self.step, self._names = path, handle, step, names
+
+    @classmethod
+    def find(cls, reference: CheckpointReader, run_root: str, rule_name: str, names: tuple[str, ...],
+             entries: list[tuple[str, tuple[int, ...]]]) -> _PreviousState | None:
+        """The state of ``reference``'s model, checked against ``entries``; None when it has none
+        (the base model, a model outside the run, or a rule that keeps no buffers)."""
+        directory = Path(reference.directory).resolve()
+        try:
+            inside = directory.relative_to(Path(run_root).resolve()).as_posix()
+        except ValueError:
+            return None
+        if not names or not _GLOBAL_DIR.fullmatch(inside):
+            return None
+        path = state_file(directory)
+        if not path.is_file():
+            written_by = _header(directory / MODEL_FILE).get("fedagent.aggregation")
+            if written_by == rule_name:
+                raise ServerOptimizerStateError(
+                    f"{directory} was written by {rule_name} but its optimiser state {path} is missing; "
+                    "the run cannot go on with the same result (restore the file or start a new run)")
+            return None  # a model written by FedAvg's mean (PPO's first critic): the buffers start at zero
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+            handle.__enter__()
+        except Exception as exc:  # SafetensorError, OSError: truncated or not safetensors
+            raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
+        state = cls(path, handle, 0, names)
+        try:
+            metadata = handle.metadata() or {}
+            if metadata.get("fedagent.server_optimizer") != rule_name or \
+                    json.loads(metadata.get("fedagent.buffers", "[]")) != list(names):
+                raise ServerOptimizerStateError(
+                    f"optimiser state {path} holds {metadata.get('fedagent.buffers')} of "
+                    f"{metadata.get('fedagent.server_optimizer')!r}, this run's {rule_name} needs {list(names)}")
+            state.step = int(metadata.get("fedagent.step", "0"))
+            wanted = {f"{n}/{key}": shape for key, shape in entries for n in names}
+            stored = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            if stored != wanted:
+                odd = sorted(set(stored) ^ set(wanted)) or sorted(k for k in wanted if stored[k] != wanted[k])
+                raise ServerOptimizerStateError(
+                    f"optimiser state {path} does not fit the global model {directory} (first difference: {odd[0]})")
+        except BaseException:
+            state.close()
+            raise
+        return state
+
+    def read(self, key: str) -> dict[str, torch.Tensor]:
+        """Every buffer of ``key`` as a new fp32 tensor (the file is never changed)."""
+        return {name: self._handle.get_tensor(f"{name}/{key}").to(torch.float32, copy=True) for name in self._names}
+
+    def close(self) -> None:
+        """Release the file."""
+        try:
+            self._handle.__exit__(None, None, None)
+        except Exception:  # closed already: nothing to free
+            pass
+
+
+def _header(model_file: Path) -> dict[str, str]:
+    """The safetensors metadata of ``model_file`` ({} when it has none or cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(model_file), framework="pt") as handle:
+            return dict(handle.metadata() or {})
+    except Exception:  # not a single-file safetensors model: not one this rule wrote
+        return {}
