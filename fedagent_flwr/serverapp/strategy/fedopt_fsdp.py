@@ -17,10 +17,16 @@ than the paper's step count, kept so results match Flower's). The keyword argume
 defaults are Flower's; ``eta_l`` (the clients' learning rate in the paper) is accepted and
 recorded, as Flower does, but the clients' learning rate is the trainer's own setting.
 
-**Choosing eta.** The step moves every weight by about ``eta`` in the first rounds (``m / sqrt(v)``
-is about +-1 per element), whatever the size of the clients' change. Flower's defaults (0.1, 0.01)
-suit small models trained from scratch; an LLM fine-tuned by RL changes its weights by roughly
-1e-6 to 1e-4 per round, so ``eta`` must be of that order (a warning is logged for eta >= 1e-3).
+**Choosing eta and tau.** Per weight the step is ``step m / (sqrt(v) + tau)``, and which term of
+the denominator wins decides its size. Where the clients' change is well above ``tau``, ``m /
+sqrt(v)`` is about +-1 and every weight moves by about ``eta``, however small its change (Adam's
+regime). Where it is well below ``tau`` (an LLM fine-tuned by RL changes by roughly 1e-6 to 1e-4 a
+round, under the default tau 1e-3), ``sqrt(v)`` is negligible and the step is ``(step / tau) m``:
+FedAvg's change, momentum-averaged, scaled by about ``eta / tau``. With Flower's FedAdam defaults
+(eta 0.1, tau 1e-3) that is about 7 times FedAvg's change in round 1 and 30 times by round 10 for a
+steady change (beta_1 0.9, bias-corrected); eta = tau gives about 0.07 to 0.3 times. A warning is
+logged when ``eta / tau > 10`` with ``tau > 1e-4`` (an LLM's change is then below tau), or when
+``eta >= 1e-3`` with ``tau <= 1e-4``.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ from .server_optimizer import ServerOptimizerFSDP, checked_number
 
 __all__ = ["FedAdagradFSDP", "FedAdamFSDP", "FedOptFSDP", "FedYogiFSDP"]
 
-#: eta at or above this logs a warning: larger than any per-round change of an LLM's weights.
-LARGE_ETA = 1e-3
+#: eta / tau above this, with tau above SMALL_TAU, logs a warning: the step is up to that many times
+#: FedAvg's change where the change is below tau (an LLM's per-round change is).
+LARGE_GAIN = 10.0
+#: eta at or above this with tau at or below SMALL_TAU logs a warning: about eta per weight a round.
+LARGE_ETA, SMALL_TAU = 1e-3, 1e-4
 
 
 class FedOptFSDP(ServerOptimizerFSDP):
@@ -66,9 +75,15 @@ class FedOptFSDP(ServerOptimizerFSDP):
         self.beta_2 = checked_number("beta_2", beta_2, at_least=0.0, below=1.0)
         self.tau = checked_number("tau", tau, above=0.0)
         super().__init__(**kwargs)
-        if self.eta >= LARGE_ETA:
-            log(WARNING, "%s: eta = %g moves every weight by about %g per round; an LLM's own per-round change "
-                "is ~1e-6..1e-4 (set +strategy.kwargs.eta)", type(self).__name__, self.eta, self.eta)
+        if self.tau > SMALL_TAU and self.eta / self.tau > LARGE_GAIN:
+            log(WARNING, "%s: eta / tau = %g: where the clients' change is below tau = %g (an LLM's per-round change "
+                "is ~1e-6..1e-4), each round moves the weights by up to about %g times FedAvg's change "
+                "(set +strategy.kwargs.eta, docs/extending.md §4)", type(self).__name__, self.eta / self.tau,
+                self.tau, self.eta / self.tau)
+        elif self.eta >= LARGE_ETA and self.tau <= SMALL_TAU:
+            log(WARNING, "%s: eta = %g with tau = %g: where the clients' change is above tau, every weight moves by "
+                "about %g a round, far more than an LLM's own per-round change (~1e-6..1e-4)",
+                type(self).__name__, self.eta, self.tau, self.eta)
 
     def buffers(self) -> tuple[str, ...]:
         """m (unless beta_1 = 0, where m is delta) and v."""

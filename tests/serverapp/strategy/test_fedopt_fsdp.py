@@ -9,6 +9,7 @@ the key."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,29 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path: Path, tiny_model_dir:
     strategy = build_strategy(load_settings(overrides="strategy=fedavgm +strategy.kwargs.server_momentum=0.9"),
                               tmp_path, base)
     assert isinstance(strategy, FedAvgMFSDP) and strategy.buffers() == ("momentum",)
+
+
+def test_a_step_far_larger_than_fedavgs_is_warned_about(
+        tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Flower's defaults (eta / tau = 100) and Adam's regime with a large eta are warned about, with
+    the factor; eta of FedAvg's order (3 tau) is not."""
+    base = CheckpointRef.for_directory(tiny_model_dir)
+    expected = {
+        "strategy=fedadam": "eta / tau = 100: where the clients' change is below tau = 0.001",
+        "strategy=fedadagrad": "up to about 100 times FedAvg's change",
+        "strategy=fedadam +strategy.kwargs.eta=1e-3 +strategy.kwargs.tau=1e-8": "every weight moves by about 0.001",
+        "strategy=fedadam +strategy.kwargs.eta=3e-3": None,
+        "strategy=fedyogi": None,  # Flower's eta / tau there is 10
+    }
+    for overrides, needle in expected.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="flwr"):
+            build_strategy(load_settings(overrides=overrides), tmp_path, base)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "eta" in r.getMessage()]
+        if needle is None:
+            assert warned == [], (overrides, warned)
+        else:
+            assert len(warned) == 1 and needle in warned[0], (overrides, warned)
 
 
 def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newest_state(
