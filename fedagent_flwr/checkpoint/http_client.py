@@ -27,7 +27,7 @@ from filelock import FileLock
 
 from fedagent_flwr.atomic import fsync_dir, fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
-from fedagent_flwr.checkpoint.node_cache import evict, lock_path, mark_used
+from fedagent_flwr.checkpoint.node_cache import PARTIAL_PREFIX, evict, lock_path, mark_used
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_parts
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
@@ -124,7 +124,7 @@ class HttpClientStore(ClientStore):
                 self.report.cache_hit = True
                 mark_used(target)
                 return target
-            staging = self.cache_dir / f".partial-{digest}"
+            staging = self.cache_dir / f"{PARTIAL_PREFIX}{digest}"
             staging.mkdir(exist_ok=True)
             manifest = Manifest.from_json(self._get_json(ref.path)["files"])
             for entry in manifest.files:

@@ -11,6 +11,9 @@ keeps all). Eviction runs after every fetch (a listing of the cache), and it nev
 - a model among the ``keep`` most recently used ones (last use is the directory's mtime, set at
   every fetch and cache hit).
 
+An interrupted download (``.partial-<sha256>/``, resumed by the next fetch of that model) is
+removed by the same pass once it is older than the oldest model kept, under the same two guards.
+
 A model is removed by renaming it out of its content-addressed name first, under its lock, so a
 concurrent fetch sees the whole model or none and downloads it again. Runs that share a node's work
 dir share its cache and its count: a model another run is about to load can go once this node has
@@ -33,7 +36,7 @@ from fedagent_flwr.checkpoint.ref import is_sha256
 class Eviction:
     """What one eviction pass removed, and what it had to leave."""
 
-    removed: list[str] = field(default_factory=list)  # content hashes
+    removed: list[str] = field(default_factory=list)  # content hashes (".partial-<hash>": a partial download)
     bytes_freed: int = 0
     busy: list[str] = field(default_factory=list)  # locked by another process: left for a later pass
 
@@ -42,9 +45,17 @@ class Eviction:
         if not self.removed and not self.busy:
             return ""
         busy = f"; {len(self.busy)} in use elsewhere left" if self.busy else ""
-        return (f"[store] node cache: removed {len(self.removed)} older global model(s), "
+        partial = sum(name.startswith(PARTIAL_PREFIX) for name in self.removed)
+        partial_note = f" ({partial} of them partial downloads)" if partial else ""
+        return (f"[store] node cache: removed {len(self.removed)} older global model(s){partial_note}, "
                 f"{self.bytes_freed / 1e6:.1f} MB, to keep the {keep} most recently used "
                 f"(node config 'cache-keep'){busy}")
+
+
+#: The folder a download fills before it is checked and renamed to the model's hash.
+PARTIAL_PREFIX = ".partial-"
+#: A folder being removed (renamed out of its name first, so no fetch reads half of it).
+EVICTING_PREFIX = ".evicting-"
 
 
 def lock_path(cache_dir: Path, digest: str) -> Path:
@@ -67,22 +78,30 @@ def evict(cache_dir: Path, keep: int, protected: set[str]) -> Eviction:
     result = Eviction()
     if keep <= 0 or not cache_dir.is_dir():
         return result
+    for leftover in cache_dir.glob(f"{EVICTING_PREFIX}*"):  # a pass that died half-way
+        shutil.rmtree(leftover, ignore_errors=True)
     cached = [p for p in cache_dir.iterdir() if p.is_dir() and is_sha256(p.name)]
     cached.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    for model in cached[keep:]:
-        if model.name in protected:
+    doomed = cached[keep:]
+    if len(cached) >= keep:  # the cache is full: partial downloads older than the oldest model kept go
+        oldest_kept = cached[keep - 1].stat().st_mtime_ns
+        doomed += [p for p in cache_dir.glob(f"{PARTIAL_PREFIX}*") if p.is_dir()
+                   and is_sha256(p.name[len(PARTIAL_PREFIX):]) and p.stat().st_mtime_ns < oldest_kept]
+    for directory in doomed:
+        digest = directory.name.removeprefix(PARTIAL_PREFIX)
+        if digest in protected:
             continue
         try:
-            with FileLock(str(lock_path(cache_dir, model.name)), timeout=0):
-                if not model.is_dir():  # removed by another process's pass meanwhile
+            with FileLock(str(lock_path(cache_dir, digest)), timeout=0):
+                if not directory.is_dir():  # removed by another process's pass meanwhile
                     continue
-                size = _size(model)
-                doomed = cache_dir / f".evicting-{model.name}"
-                model.replace(doomed)  # gone from its name at once: a fetch now downloads it again
-                shutil.rmtree(doomed)
+                size = _size(directory)
+                moved = cache_dir / f"{EVICTING_PREFIX}{directory.name.lstrip('.')}"
+                directory.replace(moved)  # gone from its name at once: a fetch now downloads it again
+                shutil.rmtree(moved)
         except Timeout:
-            result.busy.append(model.name)
+            result.busy.append(directory.name)
             continue
-        result.removed.append(model.name)
+        result.removed.append(directory.name)
         result.bytes_freed += size
     return result

@@ -4,6 +4,7 @@ process fetched, never one another process holds the lock of, and ``0`` keeps ev
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -101,3 +102,30 @@ def test_without_cache_keep_every_model_stays(store: HttpServerStore, tmp_path: 
     for name in "ABC":
         node(store, work).fetch(models[name])
     assert _cached(work, models) == "ABC"
+
+
+def test_a_partial_download_older_than_the_models_kept_goes_too(
+        store: HttpServerStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A download cut off half-way leaves ``.partial-<hash>/`` for the next fetch to resume; once
+    the cache holds ``keep`` models and the partial is older than every one of them, it is removed
+    too (a half-way pass's ``.evicting-*`` leftover at once), while a newer partial stays."""
+    models = _models(store, tmp_path, "AB")
+    work = tmp_path / "node0"
+    cache = work / "cache"
+    cache.mkdir(parents=True)
+    old_partial = cache / f".partial-{'d' * 64}"
+    old_partial.mkdir()
+    (old_partial / "model.safetensors.part").write_bytes(b"D" * 1000)
+    os.utime(old_partial, (1, 1))  # interrupted long ago
+    leftover = cache / ".evicting-0123"
+    (leftover / "sub").mkdir(parents=True)
+    node(store, work, cache_keep=2).fetch(models["A"])
+    assert old_partial.is_dir()  # one model of two: room left, the partial may still be resumed
+    assert not leftover.exists()
+    new_partial = cache / f".partial-{'e' * 64}"
+    new_partial.mkdir()  # a download interrupted after A's
+    capsys.readouterr()
+    node(store, work, cache_keep=2).fetch(models["B"])
+    assert _cached(work, models) == "AB"
+    assert not old_partial.exists() and new_partial.is_dir()
+    assert "removed 1 older global model(s) (1 of them partial downloads), 0.0 MB" in capsys.readouterr().out
