@@ -20,11 +20,11 @@ import tempfile
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil
@@ -36,6 +36,7 @@ from fedagent_flwr.procs import ProcessRef, pids_with_cmdline, signal_each
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 
 @functools.cache
@@ -217,3 +218,27 @@ def simulation_superlink(workdir: Path, pythonpath: list[Path] | None = None,
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:  # already reaped by stop_superlink_tree
             pass
+
+
+def wait_until(check: Callable[[], T], what: str, limit_s: float = 600.0) -> T:
+    """Poll ``check`` until it returns something true and return that; a hang guard, not a
+    timing bound (AssertionError naming ``what`` after ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def run_to_crash_point(link: SuperLink, overrides: str, supernodes: int, log: Path, run_dir: Path) -> None:
+    """Start a run on ``link`` (a SuperLink started with a crash point armed, ``CRASH_FILE_ENV``)
+    and wait until its ServerApp has killed itself there and the run's trainers have exited."""
+    job = link.start(overrides, supernodes, log)
+    try:
+        serverapp = wait_until(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
+        wait_until(lambda: not is_running(serverapp), "the ServerApp to kill itself at its crash point")
+        wait_until(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
+    finally:
+        job.terminate()  # `flwr run --stream` would wait for the dead run for ever
+        job.wait()

@@ -7,7 +7,6 @@ from round 1's state and ends with the uninterrupted run's model and state, bit 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
-from testkit.flower_harness import REPO, SuperLink, is_running, simulation_superlink
+from testkit.flower_harness import REPO, SuperLink, run_to_crash_point, simulation_superlink
 from testkit.run_end import ran_every_round
 from testkit.simulation_runs import client_state, run_job
 
@@ -66,14 +64,6 @@ def test_fedavgm_two_rounds_keeps_its_momentum_beside_the_global_model(
     assert not list((run_dir / "round_2" / "global").glob("*server_optimizer*"))
 
 
-def _wait(check, what: str, limit_s: float = 600.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit_s  # a hang guard only
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-    return value
-
 
 def test_fedadam_killed_after_round_2_aggregated_resumes_to_the_uninterrupted_runs_bits(
     superlink: SuperLink, tmp_path: Path, tiny_model_dir: Path,
@@ -92,14 +82,7 @@ def test_fedadam_killed_after_round_2_aggregated_resumes_to_the_uninterrupted_ru
     run_dir = out / "job"
     overrides = f"output_dir={out} run_name=job {settings}"
     with simulation_superlink(tmp_path, pythonpath=[REPO], env_extra={CRASH_FILE_ENV: str(crash_file)}) as link:
-        job = link.start(overrides, 2, tmp_path / "crashed.log")
-        try:
-            serverapp = _wait(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
-            _wait(lambda: not is_running(serverapp), "the ServerApp to kill itself at its crash point")
-            _wait(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
-        finally:
-            job.terminate()  # `flwr run --stream` would wait for the dead run for ever
-            job.wait()
+        run_to_crash_point(link, overrides, 2, tmp_path / "crashed.log", run_dir)
         assert not crash_file.exists(), (tmp_path / "crashed.log").read_text()[-4000:]
         assert json.loads((run_dir / "federated_summary.json").read_text())["last_completed_round"] == 1
         assert (run_dir / "round_2" / "server_optimizer" / "global.safetensors").is_file()  # uncommitted

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import time
 from pathlib import Path
 
 import pytest
 
-from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from testkit.audit import audit_run
-from testkit.flower_harness import REPO, is_running, simulation_superlink
+from testkit.flower_harness import REPO, run_to_crash_point, simulation_superlink
 from testkit.run_end import ran_every_round
 
 # Persistent trainers (one start per node, not one per job: this run and its re-run would start ~18
@@ -24,14 +22,6 @@ from testkit.run_end import ran_every_round
 SETTINGS = ("clients.total=2 clients.per_round=2 num_rounds=3 eval.num_episodes=2 trainer.max_new_tokens=8 "
             "trainer.lr=1e-3 storage.keep_last_k=1 trainer.mode=persistent")  # keep_client_checkpoints: false
 
-
-def _wait(check, what: str, limit_s: float = 600.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit_s  # a hang guard only
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 def _sizes(run_dir: Path) -> dict[str, int]:
@@ -69,14 +59,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     run_dir = tmp_path / "out" / "job"
     overrides = f"output_dir={tmp_path / 'out'} run_name=job model.path={tiny_model_dir} {SETTINGS}"
     with simulation_superlink(tmp_path, pythonpath=[REPO], env_extra={CRASH_FILE_ENV: str(crash_file)}) as link:
-        job = link.start(overrides, 2, tmp_path / "crashed.log")
-        try:
-            serverapp = _wait(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
-            _wait(lambda: not is_running(serverapp), "the ServerApp to kill itself at its crash point")
-            _wait(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
-        finally:
-            job.terminate()  # `flwr run --stream` would wait for the dead run for ever
-            job.wait()
+        run_to_crash_point(link, overrides, 2, tmp_path / "crashed.log", run_dir)
         assert not crash_file.exists(), (tmp_path / "crashed.log").read_text()[-4000:]
 
         summary = json.loads((run_dir / "federated_summary.json").read_text())
