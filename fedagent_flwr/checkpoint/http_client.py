@@ -72,7 +72,7 @@ class HttpClientStore(ClientStore):
         self.work_dir = Path(work_dir)
         self.retries = retries
         self.cache_keep = cache_keep  # 0: the node's cache keeps every model
-        self._fetched: set[str] = set()  # models this process handed out: never evicted by it
+        self._fetched: set[str] = set()  # models this store (one message) handed out: never evicted by it
         self.report = TransferReport()
         # A CA from the instruction pins the store's certificate; without one, the system's CAs.
         self._verify: Any = ssl.create_default_context(cadata=ca_pem) if ca_pem else True
@@ -110,7 +110,10 @@ class HttpClientStore(ClientStore):
         self._fetched.add(digest)
         print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
         if self.cache_keep > 0:
-            line = evict(self.cache_dir, self.cache_keep, self._fetched).describe(self.cache_keep)
+            try:  # housekeeping: the message has its model, and a failed pass must not cost it that
+                line = evict(self.cache_dir, self.cache_keep, self._fetched).describe(self.cache_keep)
+            except OSError as exc:
+                line = f"[store] node cache: eviction skipped this time ({exc})"
             if line:
                 print(line, flush=True)
         return target

@@ -5,9 +5,10 @@ With the http store every node keeps each global model it downloads in
 node, so a node may cap the cache at its ``cache-keep`` most recently used models (0, the default,
 keeps all). Eviction runs after every fetch (a listing of the cache), and it never removes:
 
-- a model this ClientApp process fetched (a training message fetches the actor and then the PPO
+- a model the current message fetched (a training message fetches the actor and then the PPO
   critic: with ``cache-keep=1`` the second fetch must not take the first away from its trainer);
-- a model whose per-model lock another process holds (it is being downloaded or checked);
+- a model whose per-model lock another process holds (it is being downloaded or checked), or one
+  used since the pass listed the cache (a cache hit marks the use under that lock);
 - a model among the ``keep`` most recently used ones (last use is the directory's mtime, set at
   every fetch and cache hit).
 
@@ -72,33 +73,61 @@ def _size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+def _mtime(path: Path) -> int | None:
+    """``path``'s mtime in ns, None if another process removed or renamed it since the listing."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def _digest_of(name: str) -> str:
+    """The model hash a cache folder's name carries (``<hash>``, ``.partial-<hash>``, ``.evicting-...``)."""
+    for prefix in (EVICTING_PREFIX, PARTIAL_PREFIX, "partial-"):
+        name = name.removeprefix(prefix)
+    return name
+
+
+def _remove_leftovers(cache_dir: Path) -> None:
+    """``.evicting-*`` folders a pass left when it died half-way; one another pass is removing
+    right now is left to it (that pass holds the model's lock)."""
+    for leftover in cache_dir.glob(f"{EVICTING_PREFIX}*"):
+        try:
+            with FileLock(str(lock_path(cache_dir, _digest_of(leftover.name))), timeout=0):
+                shutil.rmtree(leftover, ignore_errors=True)
+        except Timeout:
+            continue
+
+
 def evict(cache_dir: Path, keep: int, protected: set[str]) -> Eviction:
     """Remove cached models beyond the ``keep`` most recently used, sparing ``protected`` hashes
-    (those this process fetched) and models another process holds the lock of."""
+    (those the calling store fetched for its message) and models another process holds the lock
+    of or used since the listing."""
     result = Eviction()
     if keep <= 0 or not cache_dir.is_dir():
         return result
-    for leftover in cache_dir.glob(f"{EVICTING_PREFIX}*"):  # a pass that died half-way
-        shutil.rmtree(leftover, ignore_errors=True)
-    cached = [p for p in cache_dir.iterdir() if p.is_dir() and is_sha256(p.name)]
-    cached.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    doomed = cached[keep:]
-    if len(cached) >= keep:  # the cache is full: partial downloads older than the oldest model kept go
-        oldest_kept = cached[keep - 1].stat().st_mtime_ns
-        doomed += [p for p in cache_dir.glob(f"{PARTIAL_PREFIX}*") if p.is_dir()
-                   and is_sha256(p.name[len(PARTIAL_PREFIX):]) and p.stat().st_mtime_ns < oldest_kept]
-    for directory in doomed:
-        digest = directory.name.removeprefix(PARTIAL_PREFIX)
+    _remove_leftovers(cache_dir)
+    dated = [(mtime, p) for p in cache_dir.iterdir()
+             if is_sha256(p.name) and (mtime := _mtime(p)) is not None and p.is_dir()]
+    dated.sort(key=lambda item: item[0], reverse=True)
+    doomed = dated[keep:]
+    if len(dated) >= keep:  # the cache is full: partial downloads older than the oldest model kept go
+        cutoff = dated[keep - 1][0]
+        doomed += [(mtime, p) for p in cache_dir.glob(f"{PARTIAL_PREFIX}*")
+                   if is_sha256(_digest_of(p.name)) and (mtime := _mtime(p)) is not None and mtime < cutoff]
+    for listed, directory in doomed:
+        digest = _digest_of(directory.name)
         if digest in protected:
             continue
         try:
             with FileLock(str(lock_path(cache_dir, digest)), timeout=0):
-                if not directory.is_dir():  # removed by another process's pass meanwhile
+                # A fetch marks a use under this lock: a folder gone or used since the listing stays.
+                if _mtime(directory) != listed or not directory.is_dir():
                     continue
                 size = _size(directory)
                 moved = cache_dir / f"{EVICTING_PREFIX}{directory.name.lstrip('.')}"
                 directory.replace(moved)  # gone from its name at once: a fetch now downloads it again
-                shutil.rmtree(moved)
+                shutil.rmtree(moved, ignore_errors=True)
         except Timeout:
             result.busy.append(directory.name)
             continue

@@ -89,8 +89,8 @@ def node_cache_keep(context: Context) -> int:
     if "cache-keep" not in context.node_config:
         return 0
     return _node_whole_number(context.node_config, "cache-keep",
-                              "set it to the number of most recently used global models to keep, "
-                              "at least 2 (0 keeps all)")
+                              "set it to the number of most recently used global models to keep "
+                              "(2 or more advised; 0 keeps all)")
 
 
 def node_work_dir(context: Context) -> Path:

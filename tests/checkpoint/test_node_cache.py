@@ -129,3 +129,49 @@ def test_a_partial_download_older_than_the_models_kept_goes_too(
     assert _cached(work, models) == "AB"
     assert not old_partial.exists() and new_partial.is_dir()
     assert "removed 1 older global model(s) (1 of them partial downloads), 0.0 MB" in capsys.readouterr().out
+
+
+def test_two_passes_at_once_on_one_cache_both_finish_and_leave_one_model(tmp_path: Path) -> None:
+    """SuperNodes sharing a work dir fetch the same model at a round's start, so their eviction
+    passes overlap: both finish, each skipping what the other holds or already moved, and one
+    model is left. (Whether the passes interleave is up to the scheduler; the sweep of leftovers
+    that could break a pass in progress is pinned by the next test.)"""
+    cache = tmp_path / "cache"
+    for index in range(6):
+        model = cache / (f"{index:x}" * 64)
+        model.mkdir(parents=True)
+        for part in range(1500):  # many small files: removal takes long enough to overlap
+            (model / f"f{part}").write_bytes(b"x")
+        os.utime(model, (1000 + index, 1000 + index))
+    start = tmp_path / "go"
+    script = ("import sys, time, pathlib; from fedagent_flwr.checkpoint.node_cache import evict\n"
+              "go = pathlib.Path(sys.argv[2])\n"
+              "while not go.exists(): time.sleep(0.001)\n"
+              "print(evict(pathlib.Path(sys.argv[1]), 1, set()).describe(1))\n")
+    passes = [subprocess.Popen([sys.executable, "-c", script, str(cache), str(start)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    start.touch()
+    outputs = [p.communicate(timeout=120) for p in passes]
+    assert [p.returncode for p in passes] == [0, 0], outputs
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["5" * 64], outputs
+
+
+def test_a_leftover_another_pass_is_removing_is_left_to_it(store: HttpServerStore, tmp_path: Path) -> None:
+    models = _models(store, tmp_path, "A")
+    work = tmp_path / "node0"
+    cache = work / "cache"
+    digest = "c" * 64
+    leftover = cache / f".evicting-{digest}"
+    (leftover / "sub").mkdir(parents=True)
+    holder = subprocess.Popen(  # the pass that is removing it, holding the model's lock
+        [sys.executable, "-c", "import sys; from filelock import FileLock; lock = FileLock(sys.argv[1]); "
+         "lock.acquire(); print('held', flush=True); sys.stdin.read()", str(lock_path(cache, digest))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        node(store, work, cache_keep=1).fetch(models["A"])
+        assert leftover.is_dir()
+    finally:
+        holder.communicate("")
+    node(store, work, cache_keep=1).fetch(models["A"])
+    assert not leftover.exists()

@@ -44,4 +44,4 @@ def test_cache_keep_is_read_and_a_bad_value_is_refused_naming_the_key() -> None:
         with pytest.raises(ValueError) as info:
             node_cache_keep(_context(**{"cache-keep": bad}))
         assert f"node config 'cache-keep' = {bad!r} is not a whole number >= 0" in str(info.value)
-        assert "at least 2 (0 keeps all)" in str(info.value)
+        assert "(2 or more advised; 0 keeps all)" in str(info.value)

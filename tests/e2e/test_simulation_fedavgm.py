@@ -45,13 +45,16 @@ def test_fedavgm_two_rounds_keeps_its_momentum_beside_the_global_model(
                             ["num_episodes"]) for c in (0, 1)}
         states = {c: client_state(run_dir / f"round_{r}" / f"client_{c}") for c in (0, 1)}
         written = load_file(str(Path(entry["aggregated_actor"]) / "model.safetensors"))
+        previous, moved = dict(x), 0.0
         for key in written:
             mean = sum(states[c][key].double() * (w / sum(weights.values())) for c, w in weights.items())
             gradient = x[key] - mean
             momentum[key] = gradient if key not in momentum else MOMENTUM * momentum[key] + gradient
             x[key] = x[key] - LR * momentum[key]
             assert float((written[key].double() - x[key]).abs().max()) < 1e-5, (r, key)
+            moved = max(moved, float((written[key].double() - previous[key]).abs().max()))
             x[key] = written[key].double()  # the next round steps from the model as written
+        assert moved > 1e-4, (r, moved)  # the round's step: ten times the comparison's tolerance or more
         with safe_open(str(Path(entry["aggregated_actor"]) / "model.safetensors"), framework="pt") as handle:
             assert (handle.metadata() or {})["fedagent.aggregation"] == "fedavgm"
     # Round 2's state is next to its global model (not in it); round 1's went when round 2 committed.

@@ -22,11 +22,11 @@ the denominator wins decides its size. Where the clients' change is well above `
 sqrt(v)`` is about +-1 and every weight moves by about ``eta``, however small its change (Adam's
 regime). Where it is well below ``tau`` (an LLM fine-tuned by RL changes by roughly 1e-6 to 1e-4 a
 round, under the default tau 1e-3), ``sqrt(v)`` is negligible and the step is ``(step / tau) m``:
-FedAvg's change, momentum-averaged, scaled by about ``eta / tau``. With Flower's FedAdam defaults
-(eta 0.1, tau 1e-3) that is about 7 times FedAvg's change in round 1 and 30 times by round 10 for a
-steady change (beta_1 0.9, bias-corrected); eta = tau gives about 0.07 to 0.3 times. A warning is
-logged when ``eta / tau > 10`` with ``tau > 1e-4`` (an LLM's change is then below tau), or when
-``eta >= 1e-3`` with ``tau <= 1e-4``.
+FedAvg's change, momentum-averaged, scaled by up to ``eta / tau``, which every rule's step tends to
+for a steady change (FedAdagrad from round 1; FedAdam with Flower's defaults, eta / tau = 100: about
+7 times FedAvg's change in round 1, 30 times by round 10, 51 by round 30). docs/extending.md §4
+tabulates the factors. A warning is logged when ``eta / tau >= 10`` with ``tau > 1e-4`` (an LLM's
+change is then below tau), or when ``eta >= 1e-3`` with ``tau <= 1e-4``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .server_optimizer import ServerOptimizerFSDP, checked_number
 
 __all__ = ["FedAdagradFSDP", "FedAdamFSDP", "FedOptFSDP", "FedYogiFSDP"]
 
-#: eta / tau above this, with tau above SMALL_TAU, logs a warning: the step is up to that many times
+#: eta / tau at or above this, with tau above SMALL_TAU, logs a warning: the step tends to that many times
 #: FedAvg's change where the change is below tau (an LLM's per-round change is).
 LARGE_GAIN = 10.0
 #: eta at or above this with tau at or below SMALL_TAU logs a warning: about eta per weight a round.
@@ -75,9 +75,9 @@ class FedOptFSDP(ServerOptimizerFSDP):
         self.beta_2 = checked_number("beta_2", beta_2, at_least=0.0, below=1.0)
         self.tau = checked_number("tau", tau, above=0.0)
         super().__init__(**kwargs)
-        if self.tau > SMALL_TAU and self.eta / self.tau > LARGE_GAIN:
+        if self.tau > SMALL_TAU and self.eta / self.tau >= LARGE_GAIN:
             log(WARNING, "%s: eta / tau = %g: where the clients' change is below tau = %g (an LLM's per-round change "
-                "is ~1e-6..1e-4), each round moves the weights by up to about %g times FedAvg's change "
+                "is ~1e-6..1e-4), each round's step tends to %g times FedAvg's change "
                 "(set +strategy.kwargs.eta, docs/extending.md §4)", type(self).__name__, self.eta / self.tau,
                 self.tau, self.eta / self.tau)
         elif self.eta >= LARGE_ETA and self.tau <= SMALL_TAU:

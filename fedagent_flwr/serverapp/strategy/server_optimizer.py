@@ -224,12 +224,15 @@ class _PreviousState:
         state = cls(path, handle, 0, names)
         try:
             metadata = handle.metadata() or {}
-            if metadata.get("fedagent.server_optimizer") != rule_name or \
-                    json.loads(metadata.get("fedagent.buffers", "[]")) != list(names):
+            try:
+                buffers, state.step = json.loads(metadata.get("fedagent.buffers", "[]")), int(metadata.get(
+                    "fedagent.step", "0"))
+            except ValueError as exc:
+                raise ServerOptimizerStateError(f"optimiser state {path} has an unreadable header ({exc})") from None
+            if metadata.get("fedagent.server_optimizer") != rule_name or buffers != list(names):
                 raise ServerOptimizerStateError(
                     f"optimiser state {path} holds {metadata.get('fedagent.buffers')} of "
                     f"{metadata.get('fedagent.server_optimizer')!r}, this run's {rule_name} needs {list(names)}")
-            state.step = int(metadata.get("fedagent.step", "0"))
             wanted = {f"{n}/{key}": shape for key, shape in entries for n in names}
             stored = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
             if stored != wanted:
