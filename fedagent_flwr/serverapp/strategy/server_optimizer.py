@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 from flwr.common import log
 
+from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint import (
     AggregateReport,
     CheckpointReader,
@@ -165,6 +166,7 @@ class ServerOptimizerFSDP(FedAvgFSDP):
         try:
             if names:  # the buffers of every float key, in the order aggregate_by_key calls the rule
                 state_file(out_dir).parent.mkdir(parents=True, exist_ok=True)
+                fsync_dir(state_file(out_dir).parent.parent)  # the new folder's entry survives a power cut
                 writer = SafetensorsStreamWriter(
                     state_file(out_dir), [(f"{n}/{key}", shape) for key, shape in entries for n in names], metadata)
             report = aggregate_by_key(sources, out_dir, rule, name=self.rule_name, reference=reference,
