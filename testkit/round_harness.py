@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedagent_flwr.clientapp.app import report_partition
 from fedagent_flwr.protocol import QUERY_PARTITION
@@ -23,6 +24,11 @@ from fedagent_flwr.serverapp.rounds import aggregate_round, evaluate_round
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
 
 _RECORDERS: weakref.WeakKeyDictionary[FedAvgFSDP, RunRecorder] = weakref.WeakKeyDictionary()
+
+
+# Messages read their run id from the task identity Flower sets in a real run; tests that build
+# them through this harness must not depend on another test module having set it first.
+TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
 
 
 class _Federation:
