@@ -26,6 +26,7 @@ from fedagent_flwr.checkpoint.s3_store import (
     MANIFEST_OBJECT,
     bucket_path,
     download_verified,
+    named_s3_errors,
     open_filesystem,
     read_json_object,
     upload_files,
@@ -72,9 +73,10 @@ class S3ClientStore(ClientStore):
         digest = check_sha256(ref.sha256, f"global model {ref.path}")
         model_key = "/".join((self.base, "runs", self.run_key, *segments))
         self.report = TransferReport(started=time.monotonic())
-        target, self.report.cache_hit = fill_cache(
-            self.cache_dir, digest, f"global model {ref.path}",
-            lambda staging: self._download_all(model_key, digest, staging))
+        with named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url):
+            target, self.report.cache_hit = fill_cache(
+                self.cache_dir, digest, f"global model {ref.path}",
+                lambda staging: self._download_all(model_key, digest, staging))
         self._fetched.add(digest)
         print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
         evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
@@ -99,12 +101,14 @@ class S3ClientStore(ClientStore):
         slot_key = "/".join((self.base, "runs", self.run_key, *segments))
         self.report = TransferReport(started=time.monotonic())
         commit = f"{slot_key}/{COMMIT_OBJECT}"
-        if self.fs.exists(commit):  # a retried put: the server must never see a commit over changing files
-            self.fs.rm_file(commit)
-        self.report.bytes_sent = upload_files(self.fs, Path(directory), manifest, f"{slot_key}/{FILES_DIR}")
         body = {"files": manifest.to_json(), "format": local.format, "world_size": local.world_size,
                 "sha256": local.sha256}
-        self.fs.pipe_file(commit, json.dumps(body).encode())
+        with named_s3_errors(f"upload of client {client}'s {kind} of round {server_round}", self.url,
+                             self.endpoint_url):
+            if self.fs.exists(commit):  # a retried put: the server must never see a commit over changing files
+                self.fs.rm_file(commit)
+            self.report.bytes_sent = upload_files(self.fs, Path(directory), manifest, f"{slot_key}/{FILES_DIR}")
+            self.fs.pipe_file(commit, json.dumps(body).encode())
         print(self.report.describe(f"client {client}'s {kind} of round {server_round} uploaded"), flush=True)
         return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/{'/'.join(segments)}", kind=kind,
                              format=local.format, world_size=local.world_size, sha256=local.sha256)

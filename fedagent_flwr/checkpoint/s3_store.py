@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,6 +79,26 @@ def open_filesystem(endpoint_url: str = "") -> Any:
         endpoint_url=endpoint_url or None, skip_instance_cache=True,
         config_kwargs={"connect_timeout": 10, "read_timeout": 300, "retries": {"max_attempts": 3}},
     )
+
+
+@contextmanager
+def named_s3_errors(what: str, url: str, endpoint_url: str) -> Iterator[None]:
+    """Turn an S3 client error (botocore's, or a refused permission) met while doing ``what`` into
+    a CheckpointError naming the bucket, the endpoint and this machine's credentials: a node's log
+    then says what to fix instead of ending in a bare ``EndpointConnectionError``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, PermissionError) and type(exc).__module__.split(".")[0] not in (
+                "botocore", "aiobotocore", "s3fs"):
+            raise
+        endpoint = endpoint_url or "AWS (no endpoint_url)"
+        raise CheckpointError(
+            f"{what}: the s3 store {url} at {endpoint} failed ({type(exc).__name__}: {str(exc)[:300]}); check that "
+            "this machine reaches the endpoint and that its own AWS credentials may read and write there"
+        ) from exc
 
 
 def read_json_object(fs: Any, key: str, what: str) -> dict[str, Any]:
@@ -198,8 +220,12 @@ class S3ServerStore(ServerStore):
     def share(self, ref: CheckpointRef) -> CheckpointRef:
         """Upload the model's files once, then ``_manifest.json`` (the completion marker)."""
         cache_key = (ref.path, ref.sha256)
-        if cache_key in self._shared:
-            return self._shared[cache_key]
+        if cache_key not in self._shared:
+            with named_s3_errors(f"sharing {ref.path}", self.url, self.settings.endpoint_url):
+                self._shared[cache_key] = self._share(ref)
+        return self._shared[cache_key]
+
+    def _share(self, ref: CheckpointRef) -> CheckpointRef:
         require_hash(ref, "the server")
         directory = Path(ref.path).resolve()
         try:
@@ -216,10 +242,8 @@ class S3ServerStore(ServerStore):
             upload_files(self.fs, directory, manifest, f"{model_key}/{FILES_DIR}")
             body = {"files": manifest.to_json(), "sha256": ref.sha256}
             self.fs.pipe_file(marker, json.dumps(body).encode())
-        shared = CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}", kind=ref.kind,
-                               format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
-        self._shared[cache_key] = shared
-        return shared
+        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}", kind=ref.kind,
+                             format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
 
     def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
         """Download client ``client``'s committed upload of ``server_round`` from its own slot only,
@@ -233,6 +257,12 @@ class S3ServerStore(ServerStore):
                 f"{who} reference {ref.path[:120]!r} does not name its own upload location of round "
                 f"{server_round} ({self.url}/runs/{self.run_key}/{'/'.join(expected)})"
             )
+        with named_s3_errors(f"download of {who}'s {ref.kind}", self.url, self.settings.endpoint_url):
+            return self._download_upload(ref, server_round, client, expected)
+
+    def _download_upload(self, ref: CheckpointRef, server_round: int, client: int,
+                         expected: list[str]) -> CheckpointRef:
+        who = f"client {client}"
         slot_key = self._key(*expected)
         commit = read_json_object(self.fs, f"{slot_key}/{COMMIT_OBJECT}", f"{who}'s upload commit")
         if commit.get("sha256") != ref.sha256 or commit.get("format") != ref.format \

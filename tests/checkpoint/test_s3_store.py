@@ -205,6 +205,12 @@ def test_an_unusable_bucket_stops_the_run_before_round_0_naming_the_settings(
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     refused(StorageSettings(kind="s3", url=f"s3://{bucket}/fed", endpoint_url=dead),
             "the endpoint cannot be reached", "check storage.endpoint_url")
+    # A node that cannot reach the endpoint says so, naming the store, not a bare botocore error.
+    lost = S3ClientStore(f"s3://{bucket}/fed", RUN, tmp_path / "node", endpoint_url=dead)
+    model = CheckpointRef(path=f"s3://{bucket}/fed/runs/{RUN}/models/global", sha256="a" * 64)
+    with pytest.raises(CheckpointError, match=f"the s3 store s3://{bucket}/fed at {dead} failed "
+                       r"\(EndpointConnectionError.*check that this machine reaches the endpoint"):
+        lost.fetch(model)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
     refused(StorageSettings(kind="s3", url=f"s3://{bucket}/fed", endpoint_url=endpoint),
@@ -224,3 +230,28 @@ def test_the_s3_settings_are_checked_when_the_config_loads() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_settings(overrides=override)
+
+
+def test_node_config_cache_keep_bounds_the_cache_as_with_the_http_store(
+        store: S3ServerStore, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same cache code as the http client's (node_cache.fill_cache, evict): with ``cache-keep=2``
+    the least recently used model goes after a fetch, and is downloaded again, whole, when needed."""
+    models = {}
+    for name in "ABC":
+        directory = store.run_root / f"round_{ord(name)}" / "global"
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text(f'{{"model": "{name}"}}')
+        (directory / "model.safetensors").write_bytes(name.encode() * 50_000)
+        models[name] = store.share(CheckpointRef.for_directory(directory))
+    work = tmp_path / "node0"
+
+    def cached() -> str:
+        return "".join(sorted(n for n, ref in models.items() if (work / "cache" / ref.sha256).is_dir()))
+
+    for name in "ABC":  # one message each, as rounds go
+        client_of(store, work, cache_keep=2).fetch(models[name])
+    assert cached() == "BC"
+    assert "removed 1 older global model(s)" in capsys.readouterr().out
+    again = client_of(store, work, cache_keep=2)
+    again.fetch(models["A"])
+    assert not again.report.cache_hit and again.report.bytes_received >= 50_000 and cached() == "AC"

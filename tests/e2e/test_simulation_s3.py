@@ -1,0 +1,63 @@
+"""End to end with ``storage.kind=s3``: one round of a real Flower simulation whose checkpoints
+travel through a bucket.
+
+No real S3 can run here: moto's S3 server, a subprocess on a free loopback port
+(:mod:`testkit.s3_harness`), stands in for the service, reached through the real s3fs/boto stack.
+The fake key pair is in the environment of the SuperLink's processes only, never in the run's
+config, its messages or its summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.checkpoint.ref import is_sha256
+from testkit.flower_harness import REPO, simulation_superlink
+from testkit.run_end import ran_every_round
+from testkit.simulation_runs import run_job
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("s3fs", reason="the s3 extra (s3fs) is not installed")
+pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+
+from fedagent_flwr.checkpoint.s3_store import open_filesystem  # noqa: E402
+from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3  # noqa: E402
+
+SECRET = "fedagent-e2e-secret-never-in-a-message"
+
+
+def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clients fetch the base model from the bucket into their node cache and upload their
+    checkpoints to their own upload locations; the server downloads, checks and averages them."""
+    # moto accepts any key pair: a distinctive secret, to look for it where it must never be.
+    environment = {**FAKE_CREDENTIALS, "AWS_SECRET_ACCESS_KEY": SECRET,
+                   "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with moto_s3(tmp_path) as endpoint, \
+            simulation_superlink(tmp_path, pythonpath=[REPO], env_extra=environment) as link:
+        fs = open_filesystem(endpoint)
+        fs.mkdir("fedagent-e2e")
+        summary, run_dir, output = run_job(
+            link, tmp_path,
+            f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 trainer.max_new_tokens=8 "
+            f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint} "
+            "storage.keep_client_checkpoints=true", supernodes=2)
+        assert ran_every_round(summary), output[-4000:]
+        run = summary["run_id"]
+        base = f"fedagent-e2e/fed/runs/{run}"
+        for client in (0, 1):
+            commit = json.loads(fs.cat_file(f"{base}/uploads/1/{client}/actor/_commit.json"))
+            landed = run_dir / "round_1" / f"client_{client}" / "actor"
+            assert landed.is_dir() and commit["sha256"]
+        assert fs.glob(f"{base}/models/external/*/_manifest.json")  # the base model, shared once
+    # Simulated nodes work in "fedagent-work" in the app's cwd: the base model is in their cache.
+    cache = tmp_path / "fedagent-work" / "cache"
+    assert [p for p in cache.iterdir() if is_sha256(p.name)], sorted(cache.iterdir())
+    # The secret is in no file the run wrote and in nothing it logged.
+    written = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl", ".yaml", ".log")]
+    assert written and not [p for p in written if SECRET in p.read_text(errors="replace")]
+    assert SECRET not in output
