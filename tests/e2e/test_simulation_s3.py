@@ -31,7 +31,8 @@ SECRET = "fedagent-e2e-secret-never-in-a-message"
 
 def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The clients fetch the base model from the bucket into their node cache and upload their
-    checkpoints to their own upload locations; the server downloads, checks and averages them."""
+    checkpoints to their own upload locations; the server downloads, checks and averages them, and
+    once the round is committed removes its local copies (storage.keep_client_checkpoints=false)."""
     # moto accepts any key pair: a distinctive secret, to look for it where it must never be.
     environment = {**FAKE_CREDENTIALS, "AWS_SECRET_ACCESS_KEY": SECRET,
                    "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
@@ -44,15 +45,21 @@ def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, mo
         summary, run_dir, output = run_job(
             link, tmp_path,
             f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 trainer.max_new_tokens=8 "
-            f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint} "
-            "storage.keep_client_checkpoints=true", supernodes=2)
+            f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint}", supernodes=2)
         assert ran_every_round(summary), output[-4000:]
         run = summary["run_id"]
         base = f"fedagent-e2e/fed/runs/{run}"
+        (entry,) = summary["rounds"]
+        assert entry["client_actor_ids"] == [0, 1] and not entry["rejected"], entry
+        assert entry["removed"]["client_checkpoints"] > 0
         for client in (0, 1):
             commit = json.loads(fs.cat_file(f"{base}/uploads/1/{client}/actor/_commit.json"))
-            landed = run_dir / "round_1" / f"client_{client}" / "actor"
-            assert landed.is_dir() and commit["sha256"]
+            assert commit["sha256"] and commit["format"] == "fsdp-shards"
+            slot = run_dir / "round_1" / f"client_{client}"
+            # The trainer ran in the node's own work dir (no shared filesystem), under the run's id.
+            node_slot = tmp_path / "fedagent-work" / f"run-{run}" / "round_1" / f"client_{client}"
+            assert (node_slot / "train_result.json").is_file()
+            assert not (slot / "actor").exists() and not list(slot.glob(".download-*"))  # downloaded, then removed
         assert fs.glob(f"{base}/models/external/*/_manifest.json")  # the base model, shared once
     # Simulated nodes work in "fedagent-work" in the app's cwd: the base model is in their cache.
     cache = tmp_path / "fedagent-work" / "cache"
