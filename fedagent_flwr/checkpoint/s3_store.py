@@ -81,18 +81,26 @@ def open_filesystem(endpoint_url: str = "") -> Any:
     )
 
 
+def from_s3_client(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the S3 client stack (botocore's own errors, or s3fs's translation
+    of one, whose cause is botocore's), not from this machine's filesystem."""
+    for error in (exc, exc.__cause__):
+        if error is not None and type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs"):
+            return True
+    return False
+
+
 @contextmanager
 def named_s3_errors(what: str, url: str, endpoint_url: str) -> Iterator[None]:
-    """Turn an S3 client error (botocore's, or a refused permission) met while doing ``what`` into
-    a CheckpointError naming the bucket, the endpoint and this machine's credentials: a node's log
-    then says what to fix instead of ending in a bare ``EndpointConnectionError``."""
+    """Turn an S3 client error met while doing ``what`` into a CheckpointError naming the bucket,
+    the endpoint and this machine's credentials: a node's log then says what to fix instead of
+    ending in a bare ``EndpointConnectionError``. Local errors (a full disk) pass unchanged."""
     try:
         yield
     except CheckpointError:
         raise
     except Exception as exc:
-        if not isinstance(exc, PermissionError) and type(exc).__module__.split(".")[0] not in (
-                "botocore", "aiobotocore", "s3fs"):
+        if not from_s3_client(exc):
             raise
         endpoint = endpoint_url or "AWS (no endpoint_url)"
         raise CheckpointError(
@@ -190,7 +198,7 @@ def check_bucket(fs: Any, settings: StorageSettings, base: str) -> None:
         if "Credential" in name or "credential" in str(exc):
             problem = (f"no credentials ({name}: {exc}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
                        "AWS_PROFILE or an instance role on every machine of the run (never in the config)")
-        elif "Connect" in name or "Connection" in str(exc) or isinstance(exc, OSError):
+        elif "Connect" in name or "Endpoint" in name or "connect" in str(exc).lower():
             problem = (f"the endpoint cannot be reached ({name}: {str(exc)[:300]}); check storage.endpoint_url "
                        "and that the service runs and is reachable from this machine")
         else:
