@@ -61,6 +61,15 @@ def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, mo
             assert (node_slot / "train_result.json").is_file()
             assert not (slot / "actor").exists() and not list(slot.glob(".download-*"))  # downloaded, then removed
         assert fs.glob(f"{base}/models/external/*/_manifest.json")  # the base model, shared once
+        # A bucket that does not exist stops the next run before round 0, naming the settings.
+        failed, _, failed_output = run_job(
+            link, tmp_path / "missing",
+            f"model.path={tiny_model_dir} num_rounds=1 storage.kind=s3 storage.url=s3://no-such-bucket/fed "
+            f"storage.endpoint_url={endpoint}", supernodes=2)
+        assert failed["status"] == "failed", failed_output[-3000:]
+        assert failed["error"].startswith("cannot start the checkpoint store: config keys 'storage.url' = "
+                                          "'s3://no-such-bucket/fed' and 'storage.endpoint_url'"), failed["error"]
+        assert "the bucket does not exist" in failed["error"] and "[ROUND 0]" not in failed_output
     # Simulated nodes work in "fedagent-work" in the app's cwd: the base model is in their cache.
     cache = tmp_path / "fedagent-work" / "cache"
     assert [p for p in cache.iterdir() if is_sha256(p.name)], sorted(cache.iterdir())
