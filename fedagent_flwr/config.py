@@ -173,10 +173,20 @@ def _existing_file(value: str, key: str) -> str:
 
 def _storage(store: Storage) -> StorageSettings:
     """The ``storage`` group: the http store serves checkpoints and tokens, so it binds to
-    loopback unless configured otherwise, and anywhere else only with TLS."""
+    loopback unless configured otherwise, and anywhere else only with TLS; the s3 store needs its
+    bucket URL (whether the bucket is usable is checked when the ServerApp opens the store)."""
     settings = StorageSettings(**{**asdict(store), **{
         name: _existing_file(getattr(store, name), f"storage.{name}")
         for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certfile")}})
+    if settings.kind == "s3":
+        if not settings.url.startswith("s3://"):
+            raise ConfigError(f"config key 'storage.url' = {settings.url!r} must name the run's bucket, "
+                              "s3://<bucket>/<prefix>, when storage.kind is s3")
+        return settings
+    if settings.url.startswith("s3://") or settings.endpoint_url:
+        raise ConfigError(f"config keys 'storage.url' = {settings.url!r} and 'storage.endpoint_url' = "
+                          f"{settings.endpoint_url!r} name a bucket, which only storage.kind=s3 uses "
+                          f"(storage.kind is {settings.kind!r})")
     if settings.kind != "http":
         return settings
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):

@@ -25,6 +25,7 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import (
     CA_FIELD,
+    ENDPOINT_FIELD,
     KIND_FIELD,
     READ_TOKEN_FIELD,
     RUN_FIELD,
@@ -91,7 +92,8 @@ ZERO_VARIANCE_GROUP_SHARE = "zero-variance-group-share"
 # (trainer.optimizer_state: keep), 0.0 when it started fresh; sent by persistent trainers, and by a
 # fresh trainer process rerunning a keep job (a subprocess trainer's reset rounds do not send it)
 OPTIMIZER_STATE_KEPT = "optimizer-state-kept"
-STORE_FIELDS = (KIND_FIELD, RUN_ROOT_FIELD, URL_FIELD, RUN_FIELD, READ_TOKEN_FIELD, UPLOAD_TOKEN_FIELD, CA_FIELD)
+STORE_FIELDS = (KIND_FIELD, RUN_ROOT_FIELD, URL_FIELD, RUN_FIELD, READ_TOKEN_FIELD, UPLOAD_TOKEN_FIELD, CA_FIELD,
+                ENDPOINT_FIELD)
 
 
 class ProtocolError(ValueError):

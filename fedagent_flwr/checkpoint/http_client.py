@@ -13,7 +13,6 @@ from the offset the server reports.
 from __future__ import annotations
 
 import os
-import shutil
 import ssl
 import time
 from collections.abc import Iterator
@@ -23,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from filelock import FileLock
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file
+from fedagent_flwr.atomic import fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
-from fedagent_flwr.checkpoint.node_cache import PARTIAL_PREFIX, evict, lock_path, mark_used
-from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_parts
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
@@ -106,43 +104,19 @@ class HttpClientStore(ClientStore):
             raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
         digest = check_sha256(ref.sha256, f"global model {ref.path}")
         self.report = TransferReport(started=time.monotonic())
-        target = self._fetch(ref, digest)
+        with self._session():
+            target, self.report.cache_hit = fill_cache(
+                self.cache_dir, digest, f"global model {ref.path}",
+                lambda staging: self._download_all(ref.path, staging))
         self._fetched.add(digest)
         print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
-        if self.cache_keep > 0:
-            try:  # housekeeping: the message has its model, and a failed pass must not cost it that
-                line = evict(self.cache_dir, self.cache_keep, self._fetched).describe(self.cache_keep)
-            except OSError as exc:
-                line = f"[store] node cache: eviction skipped this time ({exc})"
-            if line:
-                print(line, flush=True)
+        evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
         return target
 
-    def _fetch(self, ref: CheckpointRef, digest: str) -> Path:
-        target = self.cache_dir / digest
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        # One download per model per node, even with several ClientApp processes at once.
-        with FileLock(str(lock_path(self.cache_dir, digest))), self._session():
-            if target.is_dir():
-                self.report.cache_hit = True
-                mark_used(target)
-                return target
-            staging = self.cache_dir / f"{PARTIAL_PREFIX}{digest}"
-            staging.mkdir(exist_ok=True)
-            manifest = Manifest.from_json(self._get_json(ref.path)["files"])
-            for entry in manifest.files:
-                self._download(ref.path, entry, staging)
-            actual = hash_checkpoint_dir(staging)
-            if actual != digest:
-                shutil.rmtree(staging)
-                raise CheckpointError(
-                    f"global model {ref.path}: downloaded files hash to {actual[:16]}..., the reference "
-                    f"says {digest[:16]}...; discarded"
-                )
-            staging.replace(target)
-            mark_used(target)
-            fsync_dir(self.cache_dir)
-        return target
+    def _download_all(self, model_url: str, staging: Path) -> None:
+        manifest = Manifest.from_json(self._get_json(model_url)["files"])
+        for entry in manifest.files:
+            self._download(model_url, entry, staging)
 
     def _get_json(self, url: str) -> Any:
         response = self._request("GET", url, headers=self._read_headers)

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from fedagent_flwr.checkpoint.ref import is_sha256
+from fedagent_flwr.atomic import fsync_dir
+from fedagent_flwr.checkpoint.ref import CheckpointError, hash_checkpoint_dir, is_sha256
 
 
 @dataclass
@@ -67,6 +69,51 @@ def lock_path(cache_dir: Path, digest: str) -> Path:
 def mark_used(model_dir: Path) -> None:
     """Record a use of a cached model (its directory's mtime: the eviction order)."""
     os.utime(model_dir)
+
+
+def fill_cache(cache_dir: Path, digest: str, what: str, download: Callable[[Path], None]) -> tuple[Path, bool]:
+    """``<cache_dir>/<digest>/``, downloading it first unless cached; returns ``(directory, cache hit)``.
+
+    The one way a store client fills the node cache (http and s3): under the model's lock (one
+    download per model per node, even with several ClientApp processes), ``download`` fills
+    ``.partial-<digest>/`` with verified files (keeping those an interrupted pass left), the folder
+    is checked against ``digest`` and only then renamed to its content-addressed name, so the cache
+    holds only complete, verified models. A mismatch is discarded and raised naming ``what``.
+    """
+    target = cache_dir / digest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path(cache_dir, digest))):
+        if target.is_dir():
+            mark_used(target)
+            return target, True
+        staging = cache_dir / f"{PARTIAL_PREFIX}{digest}"
+        staging.mkdir(exist_ok=True)
+        download(staging)
+        actual = hash_checkpoint_dir(staging)
+        if actual != digest:
+            shutil.rmtree(staging)
+            raise CheckpointError(
+                f"{what}: downloaded files hash to {actual[:16]}..., the reference says {digest[:16]}...; discarded"
+            )
+        staging.replace(target)
+        mark_used(target)
+        fsync_dir(cache_dir)
+    return target, False
+
+
+def evict_and_report(cache_dir: Path, keep: int, protected: set[str]) -> None:
+    """Run :func:`evict` when ``keep`` bounds the cache and print its line, if any (after each fetch).
+
+    Housekeeping only: the message already has its model, so a pass that fails (a folder another
+    process removed under it, a permission error) is reported and never fails the message."""
+    if keep <= 0:
+        return
+    try:
+        line = evict(cache_dir, keep, protected).describe(keep)
+    except OSError as exc:
+        line = f"[store] node cache: eviction skipped this time ({exc})"
+    if line:
+        print(line, flush=True)
 
 
 def _size(directory: Path) -> int:

@@ -10,6 +10,10 @@ reference's files are:
   their checkpoint into a slot the server opened for them (:mod:`.http_client`). References are
   URLs under ``<store url>/runs/<run id>/``; every file is checked against its sha256 on both
   ends and transfers resume where they stopped.
+- ``s3``: no shared filesystem, but a bucket every machine reaches (AWS S3 or an S3-compatible
+  service): the server uploads global models there and downloads the clients' uploads
+  (:mod:`.s3_store`, :mod:`.s3_client`). References are ``s3://`` URLs under
+  ``<storage.url>/runs/<run id>/``; credentials come from each machine's own environment.
 
 Each store has a server half (:class:`ServerStore`: share the global model, check a client's
 reference and turn it into a local directory under the run root) and a client half
@@ -52,6 +56,7 @@ RUN_FIELD = "store-run"
 READ_TOKEN_FIELD = "store-read-token"
 UPLOAD_TOKEN_FIELD = "store-upload-token"
 CA_FIELD = "store-ca-pem"
+ENDPOINT_FIELD = "store-endpoint-url"
 
 
 @dataclass
@@ -225,6 +230,10 @@ def open_server_store(settings: StorageSettings, run_root: str | os.PathLike[str
         from fedagent_flwr.checkpoint.http_server import HttpServerStore
 
         return HttpServerStore(settings, run_root, run_key)
+    if settings.kind == "s3":
+        from fedagent_flwr.checkpoint.s3_store import S3ServerStore
+
+        return S3ServerStore(settings, run_root, run_key)
     raise CheckpointError(f"unknown storage kind {settings.kind!r} (expected one of {STORE_KINDS})")
 
 
@@ -301,8 +310,8 @@ def open_client_store(config: Mapping[str, Any], run_id: int, work_dir: Callable
                       cache_keep: int = 0) -> ClientStore:
     """The client store an instruction describes (``store-kind`` absent means shared-fs).
 
-    ``work_dir`` is called only by stores that keep files on the node (http), so a shared-fs
-    node needs no working-directory setting; ``cache_keep`` bounds the http store's node cache
+    ``work_dir`` is called only by stores that keep files on the node (http, s3), so a shared-fs
+    node needs no working-directory setting; ``cache_keep`` bounds the http and s3 stores' node cache
     (:mod:`.node_cache`; 0 keeps every model).
     """
     kind = str(config.get(KIND_FIELD, "shared-fs"))
@@ -325,4 +334,15 @@ def open_client_store(config: Mapping[str, Any], run_id: int, work_dir: Callable
             upload_token=str(config.get(UPLOAD_TOKEN_FIELD, "")), ca_pem=str(config.get(CA_FIELD, "")),
             cache_keep=cache_keep,
         )
+    if kind == "s3":
+        from fedagent_flwr.checkpoint.s3_client import S3ClientStore
+
+        try:
+            run_key, url = str(config[RUN_FIELD]), str(config[URL_FIELD])
+        except KeyError as exc:
+            raise CheckpointError(f"an s3 store instruction must carry {exc}") from None
+        if run_key != str(run_id):
+            raise CheckpointError(f"instruction for run {run_key} reached this node in run {run_id}")
+        return S3ClientStore(url, run_key, work_dir(), endpoint_url=str(config.get(ENDPOINT_FIELD, "")),
+                             cache_keep=cache_keep)
     raise CheckpointError(f"instruction names unknown store kind {kind!r} (expected one of {STORE_KINDS})")

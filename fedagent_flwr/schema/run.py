@@ -18,13 +18,15 @@ from fedagent_flwr.schema.trainer import Rollout
 
 MODES = ("federated", "centralized", "local")
 ALGORITHMS = ("grpo", "ppo")
-STORE_KINDS = ("shared-fs", "http")
+STORE_KINDS = ("shared-fs", "http", "s3")
 FALLBACKS = ("skip", "shared", "trial-only")
 UNITS = ("game", "scene")
 # catalog_split's catalog_targets: "served" = ASINs of the goals the client is actually served (default;
 # fixes FedAgent's quirk); "unshuffled" = FedAgent's, from the unshuffled goal order (spec §8 V1 step 3).
 CATALOG_TARGETS = ("served", "unshuffled")
 _HOST = r"[A-Za-z0-9.:-]{1,253}"
+_HTTP_URL = r"https?://[A-Za-z0-9.:\[\]-]+/?"
+_S3_URL = r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_-][A-Za-z0-9._-]*)*/?"  # a bucket, a plain prefix
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+"
 
 
@@ -60,7 +62,7 @@ class Eval:
 class Storage:
     """How checkpoints travel between the server and the clients (docs/deployment.md)."""
 
-    # shared-fs: one filesystem everywhere (HPC) | http: the ServerApp serves a store
+    # shared-fs: one filesystem everywhere (HPC) | http: the ServerApp serves a store | s3: an S3-compatible bucket
     kind: str = setting("shared-fs", choices=STORE_KINDS)
     keep_client_checkpoints: bool = setting(False)  # false: a round's client checkpoints go once it is committed
     # the k newest global models are kept (the latest always stays, so resume works)
@@ -68,8 +70,12 @@ class Storage:
     # http: bind address of the store (loopback unless set; 0.0.0.0 needs url and TLS)
     host: str = setting("127.0.0.1", pattern=_HOST, note="an IP address or host name")
     port: int = setting(0, ge=0, le=65535)  # http: 0 picks a free port (one machine); across machines a fixed one
-    # http: the address clients use, e.g. https://10.0.0.5:8470 ("" -> host:port)
-    url: str = setting("", pattern=r"|https?://[A-Za-z0-9.:\[\]-]+/?", note="'' or http(s)://host:port")
+    # http: the address clients use, e.g. https://10.0.0.5:8470 ("" -> host:port);
+    # s3: the bucket and prefix the run's checkpoints go to, e.g. s3://my-bucket/fedagent (required)
+    url: str = setting("", pattern=rf"|{_HTTP_URL}|{_S3_URL}", note="'' or http(s)://host:port or s3://bucket/prefix")
+    # s3: endpoint of an S3-compatible service (MinIO, Ceph), e.g. http://10.0.0.5:9000; "" -> AWS (or the
+    # AWS_ENDPOINT_URL of each machine). Credentials never go here: each machine's own AWS environment/config
+    endpoint_url: str = setting("", pattern=rf"|{_HTTP_URL}", note="'' or http(s)://host:port")
     ssl_certfile: str = setting("")  # http: server certificate (PEM); required unless host is loopback
     ssl_keyfile: str = setting("")
     ssl_ca_certfile: str = setting("")  # http: CA of ssl_certfile, sent to clients to verify the store

@@ -225,7 +225,8 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
     optimiser's state written beside them (``round_<r>/server_optimizer``), the staging
     directories of an interrupted aggregation, the http store's upload slots of such rounds
     (``round_<r>/client_<c>/{actor,critic,.upload-*}``: a committed slot is final, so a client
-    re-training the round could not upload again), and the temporary files of interrupted
+    re-training the round could not upload again) and the s3 store's downloads of them
+    (``actor``, ``critic``, ``.download-*``), and the temporary files of interrupted
     summary, metrics and plot writes. Client outputs of such rounds are left alone: their trainer
     replaces its checkpoint and result on the rerun, and a client of a deployment may be on
     another machine.
@@ -242,7 +243,8 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
         if last_completed_round is None or int(match.group(1)) > last_completed_round:
             leftovers += [round_dir / "global", round_dir / "global_critic", round_dir / STATE_DIR]
             for client_dir in sorted(round_dir.glob("client_*")):
-                leftovers += [client_dir / "actor", client_dir / "critic", *client_dir.glob(".upload-*")]
+                leftovers += [client_dir / "actor", client_dir / "critic", *client_dir.glob(".upload-*"),
+                              *client_dir.glob(".download-*")]
         for path in leftovers:
             if path.is_symlink() or path.is_file():
                 path.unlink()

@@ -8,7 +8,8 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
   Removed unless ``storage.keep_client_checkpoints`` (keep them to audit every round's mean with
   ``python -m fedagent_flwr.checkpoint.verify``). What goes: ``round_<r>/client_<c>/checkpoints/``
   (what the trainers write) and ``actor/``, ``critic/``, ``.upload-*`` and ``.receipt-*.json``
-  (the http store's upload slots and receipts). Jobs, results, logs and episode records stay.
+  (the http store's upload slots and receipts; the s3 store's downloads and ``.download-*``).
+  Jobs, results, logs and episode records stay.
 - **Global models** older than the last ``storage.keep_last_k`` aggregated ones (0 keeps them all).
   The newest aggregate is the next round's starting model and what a re-run resumes from, so it is
   never removed, whatever ``k``; the critics of PPO follow the same rule.
@@ -102,7 +103,7 @@ class Retention:
                 if not _CLIENT_DIR.fullmatch(client_dir.name) or client_dir.is_symlink():
                     continue
                 paths = [client_dir / name for name in CLIENT_CHECKPOINT_DIRS] + sorted(client_dir.glob(".upload-*")) \
-                    + sorted(client_dir.glob(".receipt-*.json"))
+                    + sorted(client_dir.glob(".download-*")) + sorted(client_dir.glob(".receipt-*.json"))
                 found += [(int(match.group(1)), p) for p in paths if p.exists() or p.is_symlink()]
         return found
 

@@ -378,13 +378,14 @@ def test_a_ppo_run_resumes_with_its_last_aggregated_critic(tmp_path: Path, base:
 
 def test_upload_slots_of_an_uncommitted_round_go_and_trainer_outputs_stay(tmp_path: Path) -> None:
     client_dir = tmp_path / "round_2" / "client_0"
-    for path in ("actor", "critic", ".upload-actor", "checkpoints/global_step_1/actor"):
+    for path in ("actor", "critic", ".upload-actor", ".download-critic", "checkpoints/global_step_1/actor"):
         (client_dir / path).mkdir(parents=True)
         (client_dir / path / "model_world_size_1_rank_0.pt").write_bytes(b"x")
     (tmp_path / "round_2" / ".global_critic.staging-1234abcd").mkdir()
     removed = discard_uncommitted(tmp_path, last_completed_round=1)
     assert {p.relative_to(tmp_path).as_posix() for p in removed} == {
         "round_2/client_0/actor", "round_2/client_0/critic", "round_2/client_0/.upload-actor",
+        "round_2/client_0/.download-critic",  # the s3 store's interrupted download
         "round_2/.global_critic.staging-1234abcd"}
     assert (client_dir / "checkpoints" / "global_step_1" / "actor").is_dir()
 

@@ -1,0 +1,114 @@
+"""The ClientApp's side of the S3 checkpoint store (the server side and the bucket layout: :mod:`.s3_store`).
+
+``fetch`` reads a global model of the current run into the node's content-addressed cache
+(``<work dir>/cache/<sha256>/``) exactly as the http store's client does (:func:`.node_cache.fill_cache`:
+every file checked against the model's ``_manifest.json``, the folder against the reference's
+content hash, then renamed; node config ``cache-keep`` honoured). ``put`` uploads a checkpoint's
+manifest files into the client's own upload location and writes ``_commit.json`` last, so the
+server never reads half an upload. Credentials are this machine's own (boto's usual lookup).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.checkpoint.http_client import TransferReport
+from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_sha256
+from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
+from fedagent_flwr.checkpoint.s3_store import (
+    COMMIT_OBJECT,
+    FILES_DIR,
+    MANIFEST_OBJECT,
+    bucket_path,
+    download_verified,
+    named_s3_errors,
+    open_filesystem,
+    read_json_object,
+    upload_files,
+)
+from fedagent_flwr.checkpoint.store import ClientStore, store_ref_parts
+
+
+class S3ClientStore(ClientStore):
+    """Fetch global models from and put checkpoints into the run's bucket."""
+
+    kind = "s3"
+
+    def __init__(self, url: str, run_key: str, work_dir: str | os.PathLike[str], *, endpoint_url: str = "",
+                 cache_keep: int = 0, fs: Any = None) -> None:
+        self.url = url.rstrip("/")
+        self.base = bucket_path(self.url)
+        self.run_key = run_key
+        self.work_dir = Path(work_dir)
+        self.cache_keep = cache_keep  # 0: the node's cache keeps every model
+        self.endpoint_url = endpoint_url
+        self._fs = fs
+        self._fetched: set[str] = set()  # models this process handed out: never evicted by it
+        self.report = TransferReport()
+
+    @property
+    def fs(self) -> Any:
+        """The s3fs filesystem, opened at first use (a cache hit never touches the bucket)."""
+        if self._fs is None:
+            self._fs = open_filesystem(self.endpoint_url)
+        return self._fs
+
+    @property
+    def run_root(self) -> Path:
+        return self.work_dir / f"run-{self.run_key}"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.work_dir / "cache"
+
+    def fetch(self, ref: CheckpointRef) -> Path:
+        segments = store_ref_parts(ref.path, self.url, self.run_key, "global model")
+        if len(segments) < 2 or segments[0] != "models":
+            raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
+        digest = check_sha256(ref.sha256, f"global model {ref.path}")
+        model_key = "/".join((self.base, "runs", self.run_key, *segments))
+        self.report = TransferReport(started=time.monotonic())
+        with named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url):
+            target, self.report.cache_hit = fill_cache(
+                self.cache_dir, digest, f"global model {ref.path}",
+                lambda staging: self._download_all(model_key, digest, staging))
+        self._fetched.add(digest)
+        print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
+        evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
+        return target
+
+    def _download_all(self, model_key: str, digest: str, staging: Path) -> None:
+        marker = read_json_object(self.fs, f"{model_key}/{MANIFEST_OBJECT}", "global model manifest")
+        if marker.get("sha256") != digest:
+            raise CheckpointError(f"global model s3://{model_key}/ is another model than the reference's "
+                                  f"{digest[:16]}... (or is being replaced); refused")
+        manifest = Manifest.from_json(marker.get("files"))
+        for entry in manifest.files:
+            received = download_verified(self.fs, f"{model_key}/{FILES_DIR}", entry, staging, "global model")
+            self.report.bytes_received += received
+            self.report.files_skipped += received == 0 and entry.size > 0
+
+    def put(self, directory: str | os.PathLike[str], kind: CheckpointKind, server_round: int,
+            client: int) -> CheckpointRef:
+        local = CheckpointRef.for_directory(directory, kind)
+        manifest = build_manifest(directory)
+        segments = ("uploads", str(server_round), str(client), kind)
+        slot_key = "/".join((self.base, "runs", self.run_key, *segments))
+        self.report = TransferReport(started=time.monotonic())
+        commit = f"{slot_key}/{COMMIT_OBJECT}"
+        body = {"files": manifest.to_json(), "format": local.format, "world_size": local.world_size,
+                "sha256": local.sha256}
+        with named_s3_errors(f"upload of client {client}'s {kind} of round {server_round}", self.url,
+                             self.endpoint_url):
+            if self.fs.exists(commit):  # a retried put: the server must never see a commit over changing files
+                self.fs.rm_file(commit)
+            self.report.bytes_sent = upload_files(self.fs, Path(directory), manifest, f"{slot_key}/{FILES_DIR}")
+            self.fs.pipe_file(commit, json.dumps(body).encode())
+        print(self.report.describe(f"client {client}'s {kind} of round {server_round} uploaded"), flush=True)
+        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/{'/'.join(segments)}", kind=kind,
+                             format=local.format, world_size=local.world_size, sha256=local.sha256)

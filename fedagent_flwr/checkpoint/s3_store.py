@@ -1,0 +1,315 @@
+"""The ServerApp's checkpoint store in an S3-compatible bucket (``storage.kind=s3``), via fsspec/s3fs.
+
+For federations without a shared filesystem whose machines all reach one bucket (AWS S3, MinIO,
+Ceph RGW, ...). Messages still carry references only: ``s3://<bucket>/<prefix>/runs/<run>/...``
+plus a content hash. Layout under ``<storage.url>/runs/<run id>/``:
+
+``models/<model id>/_files/<name>``            a global model's files (those :func:`.manifest.build_manifest` lists)
+``models/<model id>/_manifest.json``           written last: a client reads a model only once it exists
+``uploads/<round>/<client>/<kind>/_files/<name>``  a client's checkpoint files
+``uploads/<round>/<client>/<kind>/_commit.json``   written last by the client: manifest, format, world size, hash
+
+Credentials never travel: each machine's boto configuration (environment variables, ``~/.aws``,
+an instance role) is used; instructions carry only the bucket URL, the run and
+``storage.endpoint_url``. The bucket is not a trust boundary between clients (with one shared
+credential any client can write anywhere), so the server reads an upload only from the slot of the
+(round, client, kind) it expects, checks every file against the committed manifest and the directory
+against the hash in the client's Flower reply, and refuses a mismatch naming the client; clients
+check a global model against the hash in the server's instruction. Per-client bucket policies that
+limit each client to its own ``uploads/*/<client>/`` keys turn tampering into a refused write
+instead of a refused round (docs/deployment.md, "Trust boundaries").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from fedagent_flwr.atomic import fsync_dir, fsync_file
+from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, file_sha256
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.store import (
+    ENDPOINT_FIELD,
+    KIND_FIELD,
+    RUN_FIELD,
+    URL_FIELD,
+    ServerStore,
+    StorageSettings,
+    client_slot,
+    require_hash,
+    store_ref_parts,
+)
+
+FILES_DIR = "_files"
+MANIFEST_OBJECT = "_manifest.json"
+COMMIT_OBJECT = "_commit.json"
+MAX_JSON_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
+_PROBE = "_store-check"
+
+
+def bucket_path(url: str) -> str:
+    """``bucket/prefix`` (what s3fs calls a path) of ``s3://bucket/prefix``, without a trailing slash."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise CheckpointError(f"{url[:120]!r} is not an s3://bucket/prefix URL")
+    return f"{parts.netloc}{parts.path}".rstrip("/")
+
+
+def open_filesystem(endpoint_url: str = "") -> Any:
+    """An s3fs filesystem using this machine's own credentials; ``endpoint_url`` for an
+    S3-compatible service ("" uses AWS, or the ``AWS_ENDPOINT_URL`` of this machine's environment).
+
+    A new instance each time (fsspec caches instances by argument, which would keep credentials
+    and endpoints of an earlier store), with short connection timeouts so that an unreachable
+    endpoint fails in seconds; s3fs retries transient errors itself.
+    """
+    try:
+        import s3fs
+    except ImportError:
+        raise CheckpointError(
+            "storage.kind=s3 needs s3fs on every machine of the run: pip install 'fedagent-flwr[s3]'"
+        ) from None
+    return s3fs.S3FileSystem(
+        endpoint_url=endpoint_url or None, skip_instance_cache=True,
+        config_kwargs={"connect_timeout": 10, "read_timeout": 300, "retries": {"max_attempts": 3}},
+    )
+
+
+def from_s3_client(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the S3 client stack (botocore's own errors, or s3fs's translation
+    of one, whose cause is botocore's), not from this machine's filesystem."""
+    for error in (exc, exc.__cause__):
+        if error is not None and type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs"):
+            return True
+    return False
+
+
+@contextmanager
+def named_s3_errors(what: str, url: str, endpoint_url: str) -> Iterator[None]:
+    """Turn an S3 client error met while doing ``what`` into a CheckpointError naming the bucket,
+    the endpoint and this machine's credentials: a node's log then says what to fix instead of
+    ending in a bare ``EndpointConnectionError``. Local errors (a full disk) pass unchanged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        if not from_s3_client(exc):
+            raise
+        endpoint = endpoint_url or "AWS (no endpoint_url)"
+        raise CheckpointError(
+            f"{what}: the s3 store {url} at {endpoint} failed ({type(exc).__name__}: {str(exc)[:300]}); check that "
+            "this machine reaches the endpoint and that its own AWS credentials may read and write there"
+        ) from exc
+
+
+def read_json_object(fs: Any, key: str, what: str) -> dict[str, Any]:
+    """A small JSON object from the bucket (at most MAX_JSON_BYTES); CheckpointError naming ``what``."""
+    try:
+        size = int(fs.info(key)["size"])
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{what} ({key}) holds {size} bytes, more than {MAX_JSON_BYTES}")
+        data = json.loads(fs.cat_file(key))
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: s3://{key} does not exist") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{what} (s3://{key}) is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} (s3://{key}) is not a JSON object")
+    return data
+
+
+def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, who: str) -> int:
+    """Download one manifest file into ``staging`` (``<name>.part``, checked, then renamed);
+    return the bytes downloaded (0 when an earlier, interrupted pass left it complete).
+
+    The object's size is checked before a byte is read and its sha256 after, so an object that
+    is not what the manifest says is refused naming ``who`` and never kept.
+    """
+    final = staging / entry.name
+    if final.is_file():  # verified and renamed by an earlier, interrupted pass
+        return 0
+    key = f"{files_key}/{entry.name}"
+    try:
+        size = int(fs.info(key)["size"])
+    except FileNotFoundError:
+        raise CheckpointError(f"{who}: {entry.name} is missing from s3://{files_key}/") from None
+    if size != entry.size:
+        raise CheckpointError(
+            f"{who}: s3://{key} holds {size} bytes, the manifest says {entry.size}; refused"
+        )
+    part = final.with_name(final.name + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    if entry.size == 0:
+        part.write_bytes(b"")
+    else:
+        fs.get_file(key, str(part))
+    fsync_file(part)
+    actual = file_sha256(part)
+    if actual != entry.sha256:
+        part.unlink()
+        raise CheckpointError(
+            f"{who}: {entry.name} in s3://{files_key}/ hashes to {actual[:16]}..., the manifest says "
+            f"{entry.sha256[:16]}...; refused and discarded"
+        )
+    part.replace(final)
+    return entry.size
+
+
+def upload_files(fs: Any, directory: Path, manifest: Manifest, files_key: str) -> int:
+    """Upload ``manifest``'s files of ``directory`` under ``files_key``; return the bytes sent.
+
+    Each object appears whole or not at all (an S3 PUT, or a multipart upload's completion, is
+    atomic); the reader still waits for the completion marker written after all of them.
+    """
+    sent = 0
+    for entry in manifest.files:
+        fs.put_file(str(directory / entry.name), f"{files_key}/{entry.name}")
+        sent += entry.size
+    return sent
+
+
+def check_bucket(fs: Any, settings: StorageSettings, base: str) -> None:
+    """Write, read and delete a probe object under ``base``: a missing bucket, missing
+    credentials, missing permissions or an unreachable endpoint stop the run before round 0 with
+    one message naming the settings and what to do."""
+    probe = f"{base}/{_PROBE}"
+    endpoint = settings.endpoint_url or "(AWS, or AWS_ENDPOINT_URL of this machine)"
+    where = f"config keys 'storage.url' = {settings.url!r} and 'storage.endpoint_url' = {endpoint}"
+    try:
+        fs.pipe_file(probe, b"fedagent store check\n")
+        fs.cat_file(probe)
+        fs.rm_file(probe)
+        return
+    except FileNotFoundError as exc:
+        problem = (f"the bucket does not exist ({exc}); create it (e.g. `aws s3 mb s3://{base.split('/')[0]}`) "
+                   "or fix storage.url")
+    except PermissionError as exc:
+        problem = (f"access denied ({exc}); the credentials of this machine need s3:PutObject, GetObject, "
+                   "DeleteObject and ListBucket on that prefix")
+    except Exception as exc:  # noqa: BLE001 -- botocore's errors have no common base the run can name better
+        name = type(exc).__name__
+        if "Credential" in name or "credential" in str(exc):
+            problem = (f"no credentials ({name}: {exc}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                       "AWS_PROFILE or an instance role on every machine of the run (never in the config)")
+        elif "Connect" in name or "Endpoint" in name or "connect" in str(exc).lower():
+            problem = (f"the endpoint cannot be reached ({name}: {str(exc)[:300]}); check storage.endpoint_url "
+                       "and that the service runs and is reachable from this machine")
+        else:
+            problem = f"{name}: {str(exc)[:300]}"
+    raise CheckpointError(f"{where}: the checkpoint bucket is not usable: {problem}")
+
+
+class S3ServerStore(ServerStore):
+    """Shares global models into the bucket and downloads the clients' committed uploads."""
+
+    kind = "s3"
+
+    def __init__(self, settings: StorageSettings, run_root: str | os.PathLike[str], run_key: str,
+                 fs: Any = None) -> None:
+        super().__init__(run_root)
+        self.settings = settings
+        self.run_key = run_key
+        self.url = settings.url.rstrip("/")
+        self.base = bucket_path(self.url)
+        self.fs = fs if fs is not None else open_filesystem(settings.endpoint_url)
+        check_bucket(self.fs, settings, f"{self.base}/runs/{run_key}")
+        self._shared: dict[tuple[str, str], CheckpointRef] = {}
+
+    def _key(self, *segments: str) -> str:
+        return "/".join((self.base, "runs", self.run_key, *segments))
+
+    def share(self, ref: CheckpointRef) -> CheckpointRef:
+        """Upload the model's files once, then ``_manifest.json`` (the completion marker)."""
+        cache_key = (ref.path, ref.sha256)
+        if cache_key not in self._shared:
+            with named_s3_errors(f"sharing {ref.path}", self.url, self.settings.endpoint_url):
+                self._shared[cache_key] = self._share(ref)
+        return self._shared[cache_key]
+
+    def _share(self, ref: CheckpointRef) -> CheckpointRef:
+        require_hash(ref, "the server")
+        directory = Path(ref.path).resolve()
+        try:
+            model_id = directory.relative_to(self.run_root).as_posix()
+        except ValueError:  # the base model, outside the run root: named by its hash
+            model_id = f"external/{ref.sha256[:16]}"
+        model_key = self._key("models", model_id)
+        marker = f"{model_key}/{MANIFEST_OBJECT}"
+        done = self.fs.exists(marker) and read_json_object(self.fs, marker, "shared model").get("sha256") == ref.sha256
+        if not done:  # a restarted server finds a model it shared complete and sends nothing again
+            if self.fs.exists(marker):
+                self.fs.rm_file(marker)  # another model under this id: readers wait for the new marker
+            manifest = build_manifest(directory)
+            upload_files(self.fs, directory, manifest, f"{model_key}/{FILES_DIR}")
+            body = {"files": manifest.to_json(), "sha256": ref.sha256}
+            self.fs.pipe_file(marker, json.dumps(body).encode())
+        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}", kind=ref.kind,
+                             format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
+
+    def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
+        """Download client ``client``'s committed upload of ``server_round`` from its own slot only,
+        checking every file and the whole directory; return it as a local directory."""
+        who = f"client {client}"
+        require_hash(ref, who)
+        segments = store_ref_parts(ref.path, self.url, self.run_key, who)
+        expected = ["uploads", str(server_round), str(client), ref.kind]
+        if segments != expected:
+            raise CheckpointError(
+                f"{who} reference {ref.path[:120]!r} does not name its own upload location of round "
+                f"{server_round} ({self.url}/runs/{self.run_key}/{'/'.join(expected)})"
+            )
+        with named_s3_errors(f"download of {who}'s {ref.kind}", self.url, self.settings.endpoint_url):
+            return self._download_upload(ref, server_round, client, expected)
+
+    def _download_upload(self, ref: CheckpointRef, server_round: int, client: int,
+                         expected: list[str]) -> CheckpointRef:
+        who = f"client {client}"
+        slot_key = self._key(*expected)
+        commit = read_json_object(self.fs, f"{slot_key}/{COMMIT_OBJECT}", f"{who}'s upload commit")
+        if commit.get("sha256") != ref.sha256 or commit.get("format") != ref.format \
+                or commit.get("world_size") != ref.world_size:
+            raise CheckpointError(f"{who}'s upload commit in s3://{slot_key}/ does not match its reply "
+                                  "(content hash, format or world size); refused")
+        manifest = Manifest.from_json(commit.get("files"), self.settings.max_file_bytes)
+        slot = client_slot(self.run_root, server_round, client)
+        final = slot / ref.kind
+        if final.is_dir():
+            if hash_checkpoint_dir(final) == ref.sha256:  # resolved before (a repeated reply)
+                return _local(ref, final)
+            shutil.rmtree(final)
+        staging = slot / f".download-{ref.kind}"
+        staging.mkdir(parents=True, exist_ok=True)
+        try:
+            for entry in manifest.files:
+                download_verified(self.fs, f"{slot_key}/{FILES_DIR}", entry, staging, who)
+        except CheckpointError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        actual = hash_checkpoint_dir(staging)
+        if actual != ref.sha256:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"{who}'s upload s3://{slot_key}/ hashes to {actual[:16]}..., its reply says "
+                                  f"{ref.sha256[:16]}...; refused")
+        staging.replace(final)
+        fsync_dir(slot)
+        return _local(ref, final)
+
+    def instruction_fields(self) -> dict[str, Any]:
+        return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,
+                ENDPOINT_FIELD: self.settings.endpoint_url}
+
+    def describe(self) -> str:
+        endpoint = f" at {self.settings.endpoint_url}" if self.settings.endpoint_url else ""
+        return f"s3 store {self.url}{endpoint} (run {self.run_key}) -> {self.run_root}"
+
+
+def _local(ref: CheckpointRef, directory: Path) -> CheckpointRef:
+    return CheckpointRef(path=str(directory), kind=ref.kind, format=ref.format,
+                         world_size=ref.world_size, sha256=ref.sha256)
