@@ -21,13 +21,13 @@ import pytest
 from fedagent_flwr.checkpoint.manifest import build_manifest
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir
-from fedagent_flwr.checkpoint.s3_client import S3ClientStore  # noqa: E402
-from fedagent_flwr.checkpoint.s3_store import S3ServerStore, open_filesystem  # noqa: E402
+from fedagent_flwr.checkpoint.s3_client import S3ClientStore
+from fedagent_flwr.checkpoint.s3_store import S3ServerStore, open_filesystem
 from fedagent_flwr.checkpoint.store import StorageSettings, open_client_store, open_server_store
 from fedagent_flwr.config import ConfigError, load_settings
 from testkit.ckpt_factory import Suite
 from testkit.flower_harness import free_port
-from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3  # noqa: E402
+from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3
 from testkit.store_harness import RUN, SHARD, manifest_bytes
 
 _BUCKETS = itertools.count()

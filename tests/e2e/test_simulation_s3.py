@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.checkpoint.ref import is_sha256
+from fedagent_flwr.checkpoint.s3_store import open_filesystem
 from testkit.flower_harness import REPO, simulation_superlink
 from testkit.run_end import ran_every_round
+from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3
 from testkit.simulation_runs import run_job
 
 pytestmark = pytest.mark.slow
-
-from fedagent_flwr.checkpoint.s3_store import open_filesystem  # noqa: E402
-from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3  # noqa: E402
 
 SECRET = "fedagent-e2e-secret-never-in-a-message"
 
