@@ -27,7 +27,7 @@ from fedagent_flwr.atomic import fsync_file
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
 from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
-from fedagent_flwr.checkpoint.store import ClientStore, progress_url, store_ref_parts
+from fedagent_flwr.checkpoint.store import NodeClientStore, progress_url, store_ref_parts
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
 _CHUNK = 1024 * 1024
@@ -55,7 +55,7 @@ class TransferReport:
                 f"({moved / 1e6 / seconds:.1f} MB/s){skipped}")
 
 
-class HttpClientStore(ClientStore):
+class HttpClientStore(NodeClientStore):
     """Fetch global models from and put checkpoints into the run's HTTP store."""
 
     kind = "http"
@@ -78,14 +78,6 @@ class HttpClientStore(ClientStore):
         self._read_headers = {"Authorization": f"Bearer {read_token}"}
         self._upload_headers = {"Authorization": f"Bearer {upload_token}"}
         self._http: httpx.Client | None = None
-
-    @property
-    def run_root(self) -> Path:
-        return self.work_dir / f"run-{self.run_key}"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.work_dir / "cache"
 
     @contextmanager
     def _session(self) -> Iterator[httpx.Client]:

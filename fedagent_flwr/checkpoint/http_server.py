@@ -64,8 +64,7 @@ from fedagent_flwr.checkpoint.store import (
     ServerStore,
     StorageSettings,
     client_slot,
-    require_hash,
-    store_ref_parts,
+    own_upload_parts,
 )
 from fedagent_flwr.checkpoint.upload_staging import (
     FILES,
@@ -156,14 +155,7 @@ class HttpServerStore(ServerStore):
 
     def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
         who = f"client {client}"
-        require_hash(ref, who)
-        segments = store_ref_parts(ref.path, self.url, self.run_key, who)
-        expected = ["uploads", str(server_round), str(client), ref.kind]
-        if segments != expected:
-            raise CheckpointError(
-                f"{who} reference {ref.path[:120]!r} does not name its own upload slot of round "
-                f"{server_round} ({upload_url(self.url, self.run_key, server_round, client, ref.kind)})"
-            )
+        own_upload_parts(ref, self.url, self.run_key, server_round, client)
         directory = self.slot_dir(server_round, client, ref.kind)
         if not directory.is_dir():
             raise CheckpointError(f"{who} reference {ref.path!r}: the upload was never committed")

@@ -31,10 +31,10 @@ from fedagent_flwr.checkpoint.s3_store import (
     read_json_object,
     upload_files,
 )
-from fedagent_flwr.checkpoint.store import ClientStore, store_ref_parts
+from fedagent_flwr.checkpoint.store import NodeClientStore, store_ref_parts
 
 
-class S3ClientStore(ClientStore):
+class S3ClientStore(NodeClientStore):
     """Fetch global models from and put checkpoints into the run's bucket."""
 
     kind = "s3"
@@ -57,14 +57,6 @@ class S3ClientStore(ClientStore):
         if self._fs is None:
             self._fs = open_filesystem(self.endpoint_url)
         return self._fs
-
-    @property
-    def run_root(self) -> Path:
-        return self.work_dir / f"run-{self.run_key}"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.work_dir / "cache"
 
     def fetch(self, ref: CheckpointRef) -> Path:
         segments = store_ref_parts(ref.path, self.url, self.run_key, "global model")

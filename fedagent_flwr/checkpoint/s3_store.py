@@ -42,8 +42,8 @@ from fedagent_flwr.checkpoint.store import (
     ServerStore,
     StorageSettings,
     client_slot,
+    own_upload_parts,
     require_hash,
-    store_ref_parts,
 )
 
 FILES_DIR = "_files"
@@ -257,14 +257,7 @@ class S3ServerStore(ServerStore):
         """Download client ``client``'s committed upload of ``server_round`` from its own slot only,
         checking every file and the whole directory; return it as a local directory."""
         who = f"client {client}"
-        require_hash(ref, who)
-        segments = store_ref_parts(ref.path, self.url, self.run_key, who)
-        expected = ["uploads", str(server_round), str(client), ref.kind]
-        if segments != expected:
-            raise CheckpointError(
-                f"{who} reference {ref.path[:120]!r} does not name its own upload location of round "
-                f"{server_round} ({self.url}/runs/{self.run_key}/{'/'.join(expected)})"
-            )
+        expected = own_upload_parts(ref, self.url, self.run_key, server_round, client)
         with named_s3_errors(f"download of {who}'s {ref.kind}", self.url, self.settings.endpoint_url):
             return self._download_upload(ref, server_round, client, expected)
 

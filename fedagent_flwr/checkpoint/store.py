@@ -129,6 +129,22 @@ def store_ref_parts(path: str, base_url: str, run_key: str, who: str) -> list[st
 # ------------------------------------------------------------------------------------- server half
 
 
+def own_upload_parts(ref: CheckpointRef, base_url: str, run_key: str, server_round: int, client: int) -> list[str]:
+    """The store path segments of client ``client``'s own upload of ``ref.kind`` in ``server_round``
+    (``uploads/<round>/<client>/<kind>``), after checking that ``ref`` carries a content hash and
+    names exactly that location; CheckpointError naming the client otherwise. A remote store reads
+    nothing a client reference names elsewhere."""
+    who = f"client {client}"
+    require_hash(ref, who)
+    expected = ["uploads", str(server_round), str(client), ref.kind]
+    if store_ref_parts(ref.path, base_url, run_key, who) != expected:
+        raise CheckpointError(
+            f"{who} reference {ref.path[:120]!r} does not name its own upload slot of round "
+            f"{server_round} ({base_url}/runs/{run_key}/{'/'.join(expected)})"
+        )
+    return expected
+
+
 class ServerStore(ABC):
     """The ServerApp's side of a store (one per run)."""
 
@@ -266,6 +282,22 @@ class ClientStore(ABC):
     def send_progress(self, data: bytes, server_round: int, client: int) -> None:  # noqa: B027 - optional
         """Put the bytes of the client's progress file into its slot of ``server_round`` on the
         server (:mod:`fedagent_flwr.progress`); a no-op where nothing needs to travel."""
+
+
+class NodeClientStore(ClientStore):
+    """A client store that keeps files on the node (http, s3): the run's files in
+    ``<work dir>/run-<run id>/`` and the global models in the content-addressed ``<work dir>/cache/``."""
+
+    work_dir: Path
+    run_key: str
+
+    @property
+    def run_root(self) -> Path:
+        return self.work_dir / f"run-{self.run_key}"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.work_dir / "cache"
 
 
 class SharedFsClientStore(ClientStore):

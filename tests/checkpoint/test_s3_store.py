@@ -171,9 +171,9 @@ def test_a_reference_outside_the_clients_own_upload_location_is_refused(
     theirs = client_of(store, tmp_path / "node0").put(source, "actor", 1, 0)
     shared = store.share(CheckpointRef.for_directory(suite.copy("qwen_a", store.run_root / "global")))
     for path, message in [
-        (theirs.path, "does not name its own upload location of round 1"),  # client 0's upload as client 1's
-        (theirs.path.replace("/uploads/1/", "/uploads/0/"), "does not name its own upload location"),
-        (shared.path, "does not name its own upload location"),  # a global model
+        (theirs.path, "does not name its own upload slot of round 1"),  # client 0's upload as client 1's
+        (theirs.path.replace("/uploads/1/", "/uploads/0/"), "does not name its own upload slot"),
+        (shared.path, "does not name its own upload slot"),  # a global model
         (theirs.path.replace(store.url, "s3://another-bucket/fed/runs-here"), "is not on this run's store"),
         (theirs.path.replace("/0/actor", "/../1/actor"), "malformed segment"),
         (str(source), "uses scheme 'none'"),
