@@ -89,3 +89,10 @@ def json_text(payload: Any) -> str:
 def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
     """Replace ``path`` with ``payload`` as indented, key-sorted JSON, atomically."""
     write_text_atomic(path, json_text(payload))
+
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """fsync ``root`` and every directory below it, so that the renames done inside them (each
+    checked file's ``.part`` to its name) are on disk before ``root`` itself is renamed into place."""
+    for directory in (Path(root), *sorted(p for p in Path(root).rglob("*") if p.is_dir())):
+        fsync_dir(directory)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from fedagent_flwr.atomic import fsync_dir
+from fedagent_flwr.atomic import fsync_dir, fsync_tree
 from fedagent_flwr.checkpoint.ref import CheckpointError, hash_checkpoint_dir, is_sha256
 
 
@@ -95,6 +95,7 @@ def fill_cache(cache_dir: Path, digest: str, what: str, download: Callable[[Path
             raise CheckpointError(
                 f"{what}: downloaded files hash to {actual[:16]}..., the reference says {digest[:16]}...; discarded"
             )
+        fsync_tree(staging)  # the cache trusts a renamed folder without checking it again
         staging.replace(target)
         mark_used(target)
         fsync_dir(cache_dir)

@@ -2,14 +2,16 @@
 
 ``fetch`` reads a global model of the current run into the node's content-addressed cache
 (``<work dir>/cache/<sha256>/``) exactly as the http store's client does (:func:`.node_cache.fill_cache`:
-every file checked against the model's ``_manifest.json``, the folder against the reference's
-content hash, then renamed; node config ``cache-keep`` honoured). ``put`` uploads a checkpoint's
-manifest files into the client's own upload location and writes ``_commit.json`` last, so the
-server never reads half an upload. Credentials are this machine's own (boto's usual lookup).
+every file checked against the manifest object the reference pins by its sha256, the folder
+against the reference's content hash, then renamed; node config ``cache-keep`` honoured). ``put``
+uploads a checkpoint's manifest files into the client's own upload location and writes its commit
+object last, named by its sha256, which the returned reference pins, so the server never reads
+half an upload nor a commit a peer rewrote. Credentials are this machine's own (boto's usual lookup).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -21,13 +23,15 @@ from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_sh
 from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.s3_store import (
-    COMMIT_OBJECT,
+    COMMIT_TAG,
     FILES_DIR,
-    MANIFEST_OBJECT,
+    MANIFEST_TAG,
     bucket_path,
     download_verified,
+    marker_object,
     named_s3_errors,
     open_filesystem,
+    pinned,
     read_json_object,
     upload_files,
 )
@@ -59,7 +63,10 @@ class S3ClientStore(NodeClientStore):
         return self._fs
 
     def fetch(self, ref: CheckpointRef) -> Path:
-        segments = store_ref_parts(ref.path, self.url, self.run_key, "global model")
+        """The global model ``ref`` names, in this node's cache: downloaded unless cached, each file
+        checked against the manifest the reference pins and the folder against its content hash."""
+        path, manifest_digest = pinned(ref.path, MANIFEST_TAG, "global model")
+        segments = store_ref_parts(path, self.url, self.run_key, "global model")
         if len(segments) < 2 or segments[0] != "models":
             raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
         digest = check_sha256(ref.sha256, f"global model {ref.path}")
@@ -68,14 +75,15 @@ class S3ClientStore(NodeClientStore):
         with named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url):
             target, self.report.cache_hit = fill_cache(
                 self.cache_dir, digest, f"global model {ref.path}",
-                lambda staging: self._download_all(model_key, digest, staging))
+                lambda staging: self._download_all(model_key, digest, manifest_digest, staging))
         self._fetched.add(digest)
         print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
         evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
         return target
 
-    def _download_all(self, model_key: str, digest: str, staging: Path) -> None:
-        marker = read_json_object(self.fs, f"{model_key}/{MANIFEST_OBJECT}", "global model manifest")
+    def _download_all(self, model_key: str, digest: str, manifest_digest: str, staging: Path) -> None:
+        marker = read_json_object(self.fs, marker_object(model_key, MANIFEST_TAG, manifest_digest),
+                                  "global model manifest", manifest_digest)
         if marker.get("sha256") != digest:
             raise CheckpointError(f"global model s3://{model_key}/ is another model than the reference's "
                                   f"{digest[:16]}... (or is being replaced); refused")
@@ -87,20 +95,22 @@ class S3ClientStore(NodeClientStore):
 
     def put(self, directory: str | os.PathLike[str], kind: CheckpointKind, server_round: int,
             client: int) -> CheckpointRef:
+        """Upload checkpoint ``directory`` to this client's own location of the round, the commit
+        last; the reference returned pins that commit's bytes (``.../c-<sha256>``)."""
         local = CheckpointRef.for_directory(directory, kind)
         manifest = build_manifest(directory)
         segments = ("uploads", str(server_round), str(client), kind)
         slot_key = "/".join((self.base, "runs", self.run_key, *segments))
         self.report = TransferReport(started=time.monotonic())
-        commit = f"{slot_key}/{COMMIT_OBJECT}"
-        body = {"files": manifest.to_json(), "format": local.format, "world_size": local.world_size,
-                "sha256": local.sha256}
+        body = json.dumps({"files": manifest.to_json(), "format": local.format, "world_size": local.world_size,
+                           "sha256": local.sha256}).encode()
+        commit_digest = hashlib.sha256(body).hexdigest()
         with named_s3_errors(f"upload of client {client}'s {kind} of round {server_round}", self.url,
                              self.endpoint_url):
-            if self.fs.exists(commit):  # a retried put: the server must never see a commit over changing files
-                self.fs.rm_file(commit)
+            # The commit is named by its digest and written last; a retried put writes the same files
+            # and the same commit again (no HEAD or list: a client may hold only Put/Get on its keys).
             self.report.bytes_sent = upload_files(self.fs, Path(directory), manifest, f"{slot_key}/{FILES_DIR}")
-            self.fs.pipe_file(commit, json.dumps(body).encode())
+            self.fs.pipe_file(marker_object(slot_key, COMMIT_TAG, commit_digest), body)
         print(self.report.describe(f"client {client}'s {kind} of round {server_round} uploaded"), flush=True)
-        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/{'/'.join(segments)}", kind=kind,
-                             format=local.format, world_size=local.world_size, sha256=local.sha256)
+        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/{'/'.join(segments)}/{COMMIT_TAG}-{commit_digest}",
+                             kind=kind, format=local.format, world_size=local.world_size, sha256=local.sha256)

@@ -5,35 +5,45 @@ Ceph RGW, ...). Messages still carry references only: ``s3://<bucket>/<prefix>/r
 plus a content hash. Layout under ``<storage.url>/runs/<run id>/``:
 
 ``models/<model id>/_files/<name>``            a global model's files (those :func:`.manifest.build_manifest` lists)
-``models/<model id>/_manifest.json``           written last: a client reads a model only once it exists
+``models/<model id>/_manifest-<sha256>.json``  written last: a client reads a model only once it exists
 ``uploads/<round>/<client>/<kind>/_files/<name>``  a client's checkpoint files
-``uploads/<round>/<client>/<kind>/_commit.json``   written last by the client: manifest, format, world size, hash
+``uploads/<round>/<client>/<kind>/_commit-<sha256>.json``  written last by the client: manifest, hash, ...
+
+A reference names its manifest (or commit) by the sha256 of that object's bytes, as a last path
+segment ``m-<sha256>`` (``c-<sha256>``), and the reader checks the bytes against it before parsing
+them: the per-file hashes a reader checks every file against therefore come from the trusted
+channel (the server's instruction, the client's reply), not from an object a peer could rewrite.
+The directory's content hash alone covers only the weights and top-level JSON files; the pinned
+manifest covers the tokenizer, chat template and ``huggingface/`` files as well.
 
 Credentials never travel: each machine's boto configuration (environment variables, ``~/.aws``,
 an instance role) is used; instructions carry only the bucket URL, the run and
 ``storage.endpoint_url``. The bucket is not a trust boundary between clients (with one shared
 credential any client can write anywhere), so the server reads an upload only from the slot of the
-(round, client, kind) it expects, checks every file against the committed manifest and the directory
-against the hash in the client's Flower reply, and refuses a mismatch naming the client; clients
-check a global model against the hash in the server's instruction. Per-client bucket policies that
+(round, client, kind) it expects, checks the commit against the digest in the client's Flower reply,
+every file against that commit's manifest and the directory against the reply's content hash, and
+refuses a mismatch naming the client; clients check a global model the same way against the
+server's instruction. Per-client bucket policies that
 limit each client to its own ``uploads/*/<client>/`` keys turn tampering into a refused write
 instead of a refused round (docs/deployment.md, "Trust boundaries").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file
+from fedagent_flwr.atomic import fsync_dir, fsync_file, fsync_tree
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, file_sha256
-from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir, is_sha256
 from fedagent_flwr.checkpoint.store import (
     ENDPOINT_FIELD,
     KIND_FIELD,
@@ -47,10 +57,26 @@ from fedagent_flwr.checkpoint.store import (
 )
 
 FILES_DIR = "_files"
-MANIFEST_OBJECT = "_manifest.json"
-COMMIT_OBJECT = "_commit.json"
+MANIFEST_TAG, COMMIT_TAG = "m", "c"  # a reference's last segment: m-<sha256 of the manifest object>, c-<...>
 MAX_JSON_BYTES = 1024 * 1024  # a manifest of MAX_FILES entries is ~0.5 MiB
 _PROBE = "_store-check"
+_CHUNK = 8 * 1024 * 1024  # bytes one ranged read fetches
+
+
+def marker_object(key: str, tag: str, digest: str) -> str:
+    """The manifest (``tag`` m) or commit (c) object of ``key`` whose bytes hash to ``digest``."""
+    return f"{key}/_{'manifest' if tag == MANIFEST_TAG else 'commit'}-{digest}.json"
+
+
+def pinned(path: str, tag: str, who: str) -> tuple[str, str]:
+    """``(reference path without its last segment, the sha256 that segment pins)`` for a reference
+    ``<path>/<tag>-<sha256>``; CheckpointError naming ``who`` otherwise."""
+    head, _, last = path.rstrip("/").rpartition("/")
+    digest = last[len(tag) + 1:]
+    if not last.startswith(f"{tag}-") or not is_sha256(digest):
+        what = "manifest" if tag == MANIFEST_TAG else "commit"
+        raise CheckpointError(f"{who} reference {path[:120]!r} does not pin its {what} (.../{tag}-<sha256>)")
+    return head, digest
 
 
 def bucket_path(url: str) -> str:
@@ -85,7 +111,7 @@ def from_s3_client(exc: BaseException) -> bool:
     """Whether ``exc`` came from the S3 client stack (botocore's own errors, or s3fs's translation
     of one, whose cause is botocore's), not from this machine's filesystem."""
     for error in (exc, exc.__cause__):
-        if error is not None and type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs"):
+        if error is not None and type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs", "aiohttp"):
             return True
     return False
 
@@ -109,20 +135,25 @@ def named_s3_errors(what: str, url: str, endpoint_url: str) -> Iterator[None]:
         ) from exc
 
 
-def read_json_object(fs: Any, key: str, what: str) -> dict[str, Any]:
-    """A small JSON object from the bucket (at most MAX_JSON_BYTES); CheckpointError naming ``what``."""
+def read_json_object(fs: Any, key: str, what: str, sha256: str) -> dict[str, Any]:
+    """A small JSON object from the bucket whose bytes hash to ``sha256`` (at most MAX_JSON_BYTES
+    are read, whatever the object's size); CheckpointError naming ``what`` otherwise."""
     try:
-        size = int(fs.info(key)["size"])
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{what} ({key}) holds {size} bytes, more than {MAX_JSON_BYTES}")
-        data = json.loads(fs.cat_file(key))
+        data = fs.cat_file(key, start=0, end=MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{what}: s3://{key} does not exist") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{what} (s3://{key}) holds more than {MAX_JSON_BYTES} bytes")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{what} (s3://{key}) is not the one its reference pins (sha256 {sha256[:16]}...); "
+                              "it was changed in the bucket: refused")
+    try:
+        body = json.loads(data)
     except ValueError as exc:
         raise CheckpointError(f"{what} (s3://{key}) is not JSON: {exc}") from None
-    if not isinstance(data, dict):
+    if not isinstance(body, dict):
         raise CheckpointError(f"{what} (s3://{key}) is not a JSON object")
-    return data
+    return body
 
 
 def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, who: str) -> int:
@@ -146,10 +177,18 @@ def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, 
         )
     part = final.with_name(final.name + ".part")
     part.parent.mkdir(parents=True, exist_ok=True)
-    if entry.size == 0:
-        part.write_bytes(b"")
-    else:
-        fs.get_file(key, str(part))
+    # At most entry.size bytes, in ranged reads: an object replaced by a larger one after the size
+    # check cannot fill this disk.
+    with open(part, "wb") as sink:
+        if entry.size:
+            with fs.open(key, "rb", cache_type="none") as source:
+                while sink.tell() < entry.size and (chunk := source.read(min(_CHUNK, entry.size - sink.tell()))):
+                    sink.write(chunk)
+    if part.stat().st_size != entry.size:
+        got = part.stat().st_size
+        part.unlink()
+        raise CheckpointError(f"{who}: the transfer of s3://{key} stopped at {got} of {entry.size} bytes; "
+                              "try again")
     fsync_file(part)
     actual = file_sha256(part)
     if actual != entry.sha256:
@@ -226,7 +265,7 @@ class S3ServerStore(ServerStore):
         return "/".join((self.base, "runs", self.run_key, *segments))
 
     def share(self, ref: CheckpointRef) -> CheckpointRef:
-        """Upload the model's files once, then ``_manifest.json`` (the completion marker)."""
+        """Upload the model's files once per run, then its manifest object (the completion marker)."""
         cache_key = (ref.path, ref.sha256)
         if cache_key not in self._shared:
             with named_s3_errors(f"sharing {ref.path}", self.url, self.settings.endpoint_url):
@@ -241,31 +280,29 @@ class S3ServerStore(ServerStore):
         except ValueError:  # the base model, outside the run root: named by its hash
             model_id = f"external/{ref.sha256[:16]}"
         model_key = self._key("models", model_id)
-        marker = f"{model_key}/{MANIFEST_OBJECT}"
-        done = self.fs.exists(marker) and read_json_object(self.fs, marker, "shared model").get("sha256") == ref.sha256
-        if not done:  # a restarted server finds a model it shared complete and sends nothing again
-            if self.fs.exists(marker):
-                self.fs.rm_file(marker)  # another model under this id: readers wait for the new marker
-            manifest = build_manifest(directory)
-            upload_files(self.fs, directory, manifest, f"{model_key}/{FILES_DIR}")
-            body = {"files": manifest.to_json(), "sha256": ref.sha256}
-            self.fs.pipe_file(marker, json.dumps(body).encode())
-        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}", kind=ref.kind,
-                             format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
+        manifest = build_manifest(directory)
+        upload_files(self.fs, directory, manifest, f"{model_key}/{FILES_DIR}")
+        body = json.dumps({"files": manifest.to_json(), "sha256": ref.sha256}).encode()
+        digest = hashlib.sha256(body).hexdigest()
+        self.fs.pipe_file(marker_object(model_key, MANIFEST_TAG, digest), body)  # last: the model is complete
+        return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-{digest}",
+                             kind=ref.kind, format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
 
     def resolve(self, ref: CheckpointRef, server_round: int, client: int) -> CheckpointRef:
         """Download client ``client``'s committed upload of ``server_round`` from its own slot only,
         checking every file and the whole directory; return it as a local directory."""
         who = f"client {client}"
-        expected = own_upload_parts(ref, self.url, self.run_key, server_round, client)
+        path, commit_digest = pinned(ref.path, COMMIT_TAG, who)
+        expected = own_upload_parts(replace(ref, path=path), self.url, self.run_key, server_round, client)
         with named_s3_errors(f"download of {who}'s {ref.kind}", self.url, self.settings.endpoint_url):
-            return self._download_upload(ref, server_round, client, expected)
+            return self._download_upload(ref, server_round, client, expected, commit_digest)
 
     def _download_upload(self, ref: CheckpointRef, server_round: int, client: int,
-                         expected: list[str]) -> CheckpointRef:
+                         expected: list[str], commit_digest: str) -> CheckpointRef:
         who = f"client {client}"
         slot_key = self._key(*expected)
-        commit = read_json_object(self.fs, f"{slot_key}/{COMMIT_OBJECT}", f"{who}'s upload commit")
+        commit = read_json_object(self.fs, marker_object(slot_key, COMMIT_TAG, commit_digest),
+                                  f"{who}'s upload commit", commit_digest)
         if commit.get("sha256") != ref.sha256 or commit.get("format") != ref.format \
                 or commit.get("world_size") != ref.world_size:
             raise CheckpointError(f"{who}'s upload commit in s3://{slot_key}/ does not match its reply "
@@ -290,6 +327,7 @@ class S3ServerStore(ServerStore):
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(f"{who}'s upload s3://{slot_key}/ hashes to {actual[:16]}..., its reply says "
                                   f"{ref.sha256[:16]}...; refused")
+        fsync_tree(staging)
         staging.replace(final)
         fsync_dir(slot)
         return _local(ref, final)

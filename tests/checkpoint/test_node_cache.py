@@ -175,3 +175,20 @@ def test_a_leftover_another_pass_is_removing_is_left_to_it(store: HttpServerStor
         holder.communicate("")
     node(store, work, cache_keep=1).fetch(models["A"])
     assert not leftover.exists()
+
+
+def test_an_eviction_pass_that_fails_never_fails_the_fetch(
+        store: HttpServerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Eviction is housekeeping: the message already has its model when a pass fails (a folder
+    another process removed under it, a permission error), so the fetch returns it and says so."""
+    from fedagent_flwr.checkpoint import node_cache
+
+    def broken(cache_dir: Path, keep: int, protected: set[str]) -> node_cache.Eviction:
+        raise PermissionError(13, "Permission denied", str(cache_dir / ("9" * 64)))
+
+    monkeypatch.setattr(node_cache, "evict", broken)
+    models = _models(store, tmp_path, "A")
+    work = tmp_path / "node0"
+    assert node(store, work, cache_keep=1).fetch(models["A"]) == work / "cache" / models["A"].sha256
+    assert "[store] node cache: eviction skipped this time ([Errno 13] Permission denied" in capsys.readouterr().out

@@ -50,14 +50,15 @@ def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, mo
         assert entry["client_actor_ids"] == [0, 1] and not entry["rejected"], entry
         assert entry["removed"]["client_checkpoints"] > 0
         for client in (0, 1):
-            commit = json.loads(fs.cat_file(f"{base}/uploads/1/{client}/actor/_commit.json"))
+            (commit_key,) = fs.glob(f"{base}/uploads/1/{client}/actor/_commit-*.json")
+            commit = json.loads(fs.cat_file(commit_key))
             assert commit["sha256"] and commit["format"] == "fsdp-shards"
             slot = run_dir / "round_1" / f"client_{client}"
             # The trainer ran in the node's own work dir (no shared filesystem), under the run's id.
             node_slot = tmp_path / "fedagent-work" / f"run-{run}" / "round_1" / f"client_{client}"
             assert (node_slot / "train_result.json").is_file()
             assert not (slot / "actor").exists() and not list(slot.glob(".download-*"))  # downloaded, then removed
-        assert fs.glob(f"{base}/models/external/*/_manifest.json")  # the base model, shared once
+        assert len(fs.glob(f"{base}/models/external/*/_manifest-*.json")) == 1  # the base model, shared once
         # A bucket that does not exist stops the next run before round 0, naming the settings.
         failed, _, failed_output = run_job(
             link, tmp_path / "missing",
