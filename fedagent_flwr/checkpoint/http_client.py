@@ -23,8 +23,13 @@ from typing import Any
 
 import httpx
 
-from fedagent_flwr.atomic import fsync_file
-from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, check_sha256, file_sha256
+from fedagent_flwr.checkpoint.manifest import (
+    FileEntry,
+    Manifest,
+    accept_part,
+    build_manifest,
+    check_sha256,
+)
 from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.store import NodeClientStore, progress_url, store_ref_parts
@@ -150,15 +155,7 @@ class HttpClientStore(NodeClientStore):
                 _pause(attempt, self.retries, f"download of {entry.name}",
                        f"got {part.stat().st_size} of {entry.size} bytes")
                 continue
-            fsync_file(part)  # the cache trusts a renamed file without hashing it again
-            actual = file_sha256(part)
-            if actual != entry.sha256:
-                part.unlink()
-                raise CheckpointError(
-                    f"downloaded {entry.name} of {model_url}: sha256 {actual[:16]}... differs from the "
-                    f"manifest's {entry.sha256[:16]}...; discarded"
-                )
-            part.replace(final)
+            accept_part(part, final, entry, f"download of {model_url}")
             return
 
     # -- upload -------------------------------------------------------------------------------

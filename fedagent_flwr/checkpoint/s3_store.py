@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file, fsync_tree
-from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest, file_sha256
+from fedagent_flwr.atomic import fsync_dir, fsync_tree
+from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, accept_part, build_manifest
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir, is_sha256
 from fedagent_flwr.checkpoint.store import (
     ENDPOINT_FIELD,
@@ -189,15 +189,7 @@ def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, 
         part.unlink()
         raise CheckpointError(f"{who}: the transfer of s3://{key} stopped at {got} of {entry.size} bytes; "
                               "try again")
-    fsync_file(part)
-    actual = file_sha256(part)
-    if actual != entry.sha256:
-        part.unlink()
-        raise CheckpointError(
-            f"{who}: {entry.name} in s3://{files_key}/ hashes to {actual[:16]}..., the manifest says "
-            f"{entry.sha256[:16]}...; refused and discarded"
-        )
-    part.replace(final)
+    accept_part(part, final, entry, f"{who}: s3://{files_key}/")
     return entry.size
 
 

@@ -110,7 +110,7 @@ def test_a_tampered_global_model_never_enters_the_cache(
     data[-1] ^= 1  # same size, other bytes
     store.fs.pipe_file(key, bytes(data))
     work = tmp_path / "node0"
-    with pytest.raises(CheckpointError, match=f"{SHARD} in s3://.* hashes to .* refused"):
+    with pytest.raises(CheckpointError, match=f"s3://.*: {SHARD} has sha256 .* differs from the manifest's .* refused"):
         client_of(store, work).fetch(shared)
     assert not (work / "cache" / shared.sha256).exists()
     # A model of another run is refused before anything is read.
@@ -173,7 +173,7 @@ def test_a_tampered_upload_is_refused_naming_the_client(
     key = f"{store.base}/runs/{RUN}/uploads/2/3/actor/_files/{SHARD}"
     original = store.fs.cat_file(key)
     store.fs.pipe_file(key, original[:-1] + bytes([original[-1] ^ 1]))
-    with pytest.raises(CheckpointError, match=f"client 3: {SHARD} in s3://.* hashes to"):
+    with pytest.raises(CheckpointError, match=f"client 3: s3://.*: {SHARD} has sha256 .* differs from the manifest's"):
         store.resolve(ref, 2, 3)
     slot = store.run_root / "round_2" / "client_3"
     assert not (slot / "actor").exists() and not (slot / ".download-actor").exists()

@@ -20,10 +20,9 @@ import json
 import os
 import shutil
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from fedagent_flwr.procs import pids_with_cmdline
 from fedagent_flwr.seeding import select_clients
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from testkit.audit import audit_run
-from testkit.flower_harness import REPO, SuperLink, is_running, simulation_superlink
+from testkit.flower_harness import REPO, SuperLink, is_running, simulation_superlink, wait_until
 from testkit.run_end import ran_every_round
 
 pytestmark = pytest.mark.slow
@@ -42,8 +41,6 @@ SETTINGS = ("clients.total=3 clients.per_round=2 num_rounds=2 eval.num_episodes=
             "trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true")  # audited after
 SUPERNODES = 3
 PERSISTENT = "trainer.mode=persistent"
-HANG_GUARD_S = 600.0  # only against a hang: a healthy run takes a minute or two
-T = TypeVar("T")
 
 
 def _overrides(workdir: Path, model: Path, extra: str = "") -> str:
@@ -77,15 +74,6 @@ def _portable(value: Any, run_dir: Path, leave_out: tuple[str, ...] = ()) -> Any
     return portable
 
 
-def _wait_for(check: Callable[[], T], what: str) -> T:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
 def _unchanged_part(run_dir: Path) -> dict[str, int]:
     """Modification times of everything the completed rounds 0 and 1 wrote."""
     return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns
@@ -102,14 +90,14 @@ def _crash(link: SuperLink, workdir: Path, model: Path, kill_when: Callable[[Pat
     log = workdir / f"crashed-run-{len(list(workdir.glob('crashed-run-*.log'))) + 1}.log"  # one per crash
     job = link.start(_overrides(workdir, model, extra), SUPERNODES, log)
     try:
-        serverapp = _wait_for(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
+        serverapp = wait_until(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
         if kill_when is not None:
-            _wait_for(lambda: kill_when(run_dir), "the moment to kill the ServerApp")
+            wait_until(lambda: kill_when(run_dir), "the moment to kill the ServerApp")
             os.kill(serverapp, signal.SIGKILL)
-        _wait_for(lambda: not is_running(serverapp), "the ServerApp to die")
+        wait_until(lambda: not is_running(serverapp), "the ServerApp to die")
         # Subprocess trainers go down with the simulation; persistent ones finish their job and
         # exit when they see their node (the raylet) gone. Be sure before re-running.
-        _wait_for(lambda: not pids_with_cmdline(str(trainers_in or run_dir)), "the killed run's trainers to exit")
+        wait_until(lambda: not pids_with_cmdline(str(trainers_in or run_dir)), "the killed run's trainers to exit")
     finally:
         job.terminate()  # `flwr run --stream` would wait for the dead run for ever
         job.wait()
