@@ -17,7 +17,6 @@ import ssl
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,36 +27,14 @@ from fedagent_flwr.checkpoint.manifest import (
     Manifest,
     accept_part,
     build_manifest,
-    check_sha256,
 )
-from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
+from fedagent_flwr.checkpoint.node_store import NodeClientStore, TransferReport
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
-from fedagent_flwr.checkpoint.store import NodeClientStore, progress_url, store_ref_parts
+from fedagent_flwr.checkpoint.store import progress_url
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
 _CHUNK = 1024 * 1024
 _MAX_DETAIL_CHARS = 2000  # of an error body quoted in a CheckpointError (a proxy's HTML page can be long)
-
-
-@dataclass
-class TransferReport:
-    """Bytes moved by the last ``fetch`` or ``put`` (what a resumed transfer saved shows here)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    files_skipped: int = 0  # already complete on the other side (or in the cache)
-    cache_hit: bool = False
-    started: float = 0.0  # time.monotonic() at the start
-
-    def describe(self, what: str) -> str:
-        """One log line: what moved, its size, time and rate (a 28 GB transfer must not look like a hang)."""
-        seconds = max(time.monotonic() - self.started, 1e-9)
-        moved = self.bytes_sent + self.bytes_received
-        if self.cache_hit:
-            return f"[store] {what}: from this node's cache"
-        skipped = f", {self.files_skipped} file(s) already there" if self.files_skipped else ""
-        return (f"[store] {what}: {moved / 1e6:.1f} MB in {seconds:.1f} s "
-                f"({moved / 1e6 / seconds:.1f} MB/s){skipped}")
 
 
 class HttpClientStore(NodeClientStore):
@@ -68,15 +45,10 @@ class HttpClientStore(NodeClientStore):
     def __init__(self, url: str, run_key: str, read_token: str, work_dir: str | os.PathLike[str], *,
                  upload_token: str = "", ca_pem: str = "", retries: int = 5, timeout_s: float = 120.0,
                  cache_keep: int = 0) -> None:
-        self.url = url.rstrip("/")
-        if not self.url.startswith(("http://", "https://")):
+        if not url.startswith(("http://", "https://")):
             raise CheckpointError(f"store url {url!r} is not an http(s) URL")
-        self.run_key = run_key
-        self.work_dir = Path(work_dir)
+        super().__init__(url, run_key, Path(work_dir), cache_keep)
         self.retries = retries
-        self.cache_keep = cache_keep  # 0: the node's cache keeps every model
-        self._fetched: set[str] = set()  # models this store (one message) handed out: never evicted by it
-        self.report = TransferReport()
         # A CA from the instruction pins the store's certificate; without one, the system's CAs.
         self._verify: Any = ssl.create_default_context(cadata=ca_pem) if ca_pem else True
         self._timeout = httpx.Timeout(timeout_s, connect=30.0)
@@ -96,19 +68,8 @@ class HttpClientStore(NodeClientStore):
 
     # -- download -----------------------------------------------------------------------------
     def fetch(self, ref: CheckpointRef) -> Path:
-        segments = store_ref_parts(ref.path, self.url, self.run_key, "global model")
-        if len(segments) < 2 or segments[0] != "models":
-            raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
-        digest = check_sha256(ref.sha256, f"global model {ref.path}")
-        self.report = TransferReport(started=time.monotonic())
-        with self._session():
-            target, self.report.cache_hit = fill_cache(
-                self.cache_dir, digest, f"global model {ref.path}",
-                lambda staging: self._download_all(ref.path, staging))
-        self._fetched.add(digest)
-        print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
-        evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
-        return target
+        _, digest = self.model_segments(ref.path, ref)
+        return self.cached_fetch(ref, digest, lambda staging: self._download_all(ref.path, staging), self._session())
 
     def _download_all(self, model_url: str, staging: Path) -> None:
         manifest = Manifest.from_json(self._get_json(model_url)["files"])

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.checkpoint.http_client import TransferReport
-from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_sha256
-from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
+from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest
+from fedagent_flwr.checkpoint.node_store import NodeClientStore, TransferReport
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.s3_store import (
     COMMIT_TAG,
@@ -35,7 +34,6 @@ from fedagent_flwr.checkpoint.s3_store import (
     read_json_object,
     upload_files,
 )
-from fedagent_flwr.checkpoint.store import NodeClientStore, store_ref_parts
 
 
 class S3ClientStore(NodeClientStore):
@@ -45,15 +43,10 @@ class S3ClientStore(NodeClientStore):
 
     def __init__(self, url: str, run_key: str, work_dir: str | os.PathLike[str], *, endpoint_url: str = "",
                  cache_keep: int = 0, fs: Any = None) -> None:
-        self.url = url.rstrip("/")
+        super().__init__(url, run_key, Path(work_dir), cache_keep)
         self.base = bucket_path(self.url)
-        self.run_key = run_key
-        self.work_dir = Path(work_dir)
-        self.cache_keep = cache_keep  # 0: the node's cache keeps every model
         self.endpoint_url = endpoint_url
         self._fs = fs
-        self._fetched: set[str] = set()  # models this process handed out: never evicted by it
-        self.report = TransferReport()
 
     @property
     def fs(self) -> Any:
@@ -66,20 +59,11 @@ class S3ClientStore(NodeClientStore):
         """The global model ``ref`` names, in this node's cache: downloaded unless cached, each file
         checked against the manifest the reference pins and the folder against its content hash."""
         path, manifest_digest = pinned(ref.path, MANIFEST_TAG, "global model")
-        segments = store_ref_parts(path, self.url, self.run_key, "global model")
-        if len(segments) < 2 or segments[0] != "models":
-            raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
-        digest = check_sha256(ref.sha256, f"global model {ref.path}")
+        segments, digest = self.model_segments(path, ref)
         model_key = "/".join((self.base, "runs", self.run_key, *segments))
-        self.report = TransferReport(started=time.monotonic())
-        with named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url):
-            target, self.report.cache_hit = fill_cache(
-                self.cache_dir, digest, f"global model {ref.path}",
-                lambda staging: self._download_all(model_key, digest, manifest_digest, staging))
-        self._fetched.add(digest)
-        print(self.report.describe(f"global model {digest[:12]} fetched"), flush=True)
-        evict_and_report(self.cache_dir, self.cache_keep, self._fetched)
-        return target
+        return self.cached_fetch(
+            ref, digest, lambda staging: self._download_all(model_key, digest, manifest_digest, staging),
+            named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url))
 
     def _download_all(self, model_key: str, digest: str, manifest_digest: str, staging: Path) -> None:
         marker = read_json_object(self.fs, marker_object(model_key, MANIFEST_TAG, manifest_digest),

@@ -284,22 +284,6 @@ class ClientStore(ABC):
         server (:mod:`fedagent_flwr.progress`); a no-op where nothing needs to travel."""
 
 
-class NodeClientStore(ClientStore):
-    """A client store that keeps files on the node (http, s3): the run's files in
-    ``<work dir>/run-<run id>/`` and the global models in the content-addressed ``<work dir>/cache/``."""
-
-    work_dir: Path
-    run_key: str
-
-    @property
-    def run_root(self) -> Path:
-        return self.work_dir / f"run-{self.run_key}"
-
-    @property
-    def cache_dir(self) -> Path:
-        return self.work_dir / "cache"
-
-
 class SharedFsClientStore(ClientStore):
     """The client side of :class:`SharedFsServerStore`: paths are read where they are."""
 
