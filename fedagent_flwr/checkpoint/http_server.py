@@ -52,7 +52,7 @@ from starlette.types import ASGIApp
 
 from fedagent_flwr.atomic import fsync_dir, write_json_atomic
 from fedagent_flwr.checkpoint.manifest import Manifest, build_manifest, check_file_name, check_sha256
-from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, write_receipt
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_key, write_receipt
 from fedagent_flwr.checkpoint.ref import KINDS, CheckpointError, CheckpointRef, resolve_inside
 from fedagent_flwr.checkpoint.store import (
     CA_FIELD,
@@ -133,9 +133,8 @@ class HttpServerStore(ServerStore):
         return self._token(f"upload:{server_round}:{client}")
 
     def receipt_key(self) -> bytes:
-        """The key that authenticates this store's receipts (derived from the run's secret: a
-        receipt of another run, or one written by anything but this store, is not trusted)."""
-        return hmac.new(self._secret, f"{self.run_key}:receipt".encode(), hashlib.sha256).digest()
+        """The key that authenticates this store's receipts (:func:`~.receipts.receipt_key`)."""
+        return receipt_key(self._secret, self.run_key)
 
     # -- ServerStore --------------------------------------------------------------------------
     def share(self, ref: CheckpointRef) -> CheckpointRef:

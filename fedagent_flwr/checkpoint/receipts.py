@@ -1,8 +1,10 @@
-"""Receipts: the http store's record of the file digests it verified on upload, trusted while the
-files' stat data is unchanged, so the aggregation need not hash those bytes a second time.
+"""Receipts: the record of the file digests a store verified on upload (http, s3), trusted while
+the files' stat data is unchanged, so the aggregation need not hash those bytes a second time.
 
-The store's server half hashes every uploaded file as it receives it and keeps it only when the
-digest matches the one the client declared (:mod:`.http_server`). At commit it writes a receipt
+The store's server half hashes every uploaded file once it has it on disk and keeps it only when
+the digest matches the one the client declared (:mod:`.http_server` on receipt, :mod:`.s3_store`
+after each download, both through :func:`~.upload_staging.hash_and_sync`). At commit (s3: once the
+downloaded folder is in place) it writes a receipt
 beside the checkpoint directory (:func:`receipt_path`): per file its sha256 and its stat data
 (size, ``st_mtime_ns``, ``st_ctime_ns``, ``st_ino``, ``st_dev``), authenticated with an HMAC keyed
 by the store's per-run secret. When the aggregation opens the checkpoint
@@ -50,6 +52,7 @@ __all__ = [
     "FileStat",
     "ReceiptCheck",
     "TrustedFile",
+    "receipt_key",
     "receipt_path",
     "wait_for_tick",
     "write_receipt",
@@ -82,6 +85,12 @@ class TrustedFile:
 
     digest: bytes  # raw sha256 of the file, as the content hash uses it
     stat: FileStat
+
+
+def receipt_key(secret: bytes, run_key: str) -> bytes:
+    """The key that authenticates a store's receipts, derived from its random per-run ``secret``:
+    a receipt of another run, or one written by anything but that store, is not trusted."""
+    return hmac.new(secret, f"{run_key}:receipt".encode(), hashlib.sha256).digest()
 
 
 def receipt_path(directory: str | os.PathLike[str]) -> Path:

@@ -33,16 +33,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from flwr.common.logger import log
+
 from fedagent_flwr.atomic import fsync_dir, fsync_tree
 from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, accept_part, build_manifest
+from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_key, write_receipt
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir, is_sha256
 from fedagent_flwr.checkpoint.store import (
     ENDPOINT_FIELD,
@@ -55,6 +60,7 @@ from fedagent_flwr.checkpoint.store import (
     own_upload_parts,
     require_hash,
 )
+from fedagent_flwr.checkpoint.upload_staging import hash_and_sync
 
 FILES_DIR = "_files"
 MANIFEST_TAG, COMMIT_TAG = "m", "c"  # a reference's last segment: m-<sha256 of the manifest object>, c-<...>
@@ -156,16 +162,32 @@ def read_json_object(fs: Any, key: str, what: str, sha256: str) -> dict[str, Any
     return body
 
 
-def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, who: str) -> int:
+def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, who: str,
+                      checked: dict[str, tuple[str, FileStat | None]] | None = None) -> int:
     """Download one manifest file into ``staging`` (``<name>.part``, checked, then renamed);
     return the bytes downloaded (0 when an earlier, interrupted pass left it complete).
 
     The object's size is checked before a byte is read and its sha256 after, so an object that
     is not what the manifest says is refused naming ``who`` and never kept.
+
+    With ``checked`` (the server's download of a client's upload, into a staging folder that no
+    reader opens before it is renamed whole): the file is renamed to its name in ``staging`` first
+    and hashed there by :func:`~.upload_staging.hash_and_sync`, as the http store does on receipt,
+    so that the stat recorded with its digest in ``checked`` (None when it may have changed while
+    hashed) is the one taken before these very bytes were hashed (a file rename moves ``ctime``);
+    the store's receipt is written from it (:mod:`.receipts`). A file found complete in ``staging``
+    may then predate a crash between that rename and its check, so it is hashed again, and
+    downloaded again when it does not match.
     """
     final = staging / entry.name
-    if final.is_file():  # verified and renamed by an earlier, interrupted pass
-        return 0
+    if final.is_file():
+        if checked is None:  # verified and renamed by an earlier, interrupted pass (accept_part)
+            return 0
+        try:
+            _check_in_place(final, entry, checked, who, files_key)
+            return 0
+        except CheckpointError:
+            pass  # deleted: downloaded again below
     key = f"{files_key}/{entry.name}"
     try:
         size = int(fs.info(key)["size"])
@@ -189,8 +211,24 @@ def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, 
         part.unlink()
         raise CheckpointError(f"{who}: the transfer of s3://{key} stopped at {got} of {entry.size} bytes; "
                               "try again")
-    accept_part(part, final, entry, f"{who}: s3://{files_key}/")
+    if checked is None:
+        accept_part(part, final, entry, f"{who}: s3://{files_key}/")
+    else:
+        part.replace(final)
+        _check_in_place(final, entry, checked, who, files_key)
     return entry.size
+
+
+def _check_in_place(final: Path, entry: FileEntry, checked: dict[str, tuple[str, FileStat | None]], who: str,
+                    files_key: str) -> None:
+    """Hash ``final`` (fsynced first) against ``entry``: noted in ``checked`` with its stat when it
+    matches, else deleted and CheckpointError naming ``who``."""
+    actual, stat = hash_and_sync(final)
+    if actual != entry.sha256:
+        final.unlink()
+        raise CheckpointError(f"{who}: s3://{files_key}/: {entry.name} has sha256 {actual[:16]}..., which differs "
+                              f"from the manifest's {entry.sha256[:16]}...; refused and discarded")
+    checked[entry.name] = (actual, stat)
 
 
 def upload_files(fs: Any, directory: Path, manifest: Manifest, files_key: str) -> int:
@@ -252,6 +290,9 @@ class S3ServerStore(ServerStore):
         self.fs = fs if fs is not None else open_filesystem(settings.endpoint_url)
         check_bucket(self.fs, settings, f"{self.base}/runs/{run_key}")
         self._shared: dict[tuple[str, str], CheckpointRef] = {}
+        # The key of the receipts this store writes for the uploads it verified (:mod:`.receipts`):
+        # random per run and kept in memory only, as the http store's.
+        self._secret = secrets.token_bytes(32)
 
     def _key(self, *segments: str) -> str:
         return "/".join((self.base, "runs", self.run_key, *segments))
@@ -302,27 +343,49 @@ class S3ServerStore(ServerStore):
         manifest = Manifest.from_json(commit.get("files"), self.settings.max_file_bytes)
         slot = client_slot(self.run_root, server_round, client)
         final = slot / ref.kind
+        receipts = self.receipt_check()
         if final.is_dir():
-            if hash_checkpoint_dir(final) == ref.sha256:  # resolved before (a repeated reply)
+            trusted = receipts.trusted(final) if receipts is not None else {}
+            known = {name: (t.stat.size, t.digest) for name, t in trusted.items()}
+            if hash_checkpoint_dir(final, known=known) == ref.sha256:  # resolved before (a repeated reply)
                 return _local(ref, final)
             shutil.rmtree(final)
         staging = slot / f".download-{ref.kind}"
         staging.mkdir(parents=True, exist_ok=True)
+        checked: dict[str, tuple[str, FileStat | None]] = {}
         try:
             for entry in manifest.files:
-                download_verified(self.fs, f"{slot_key}/{FILES_DIR}", entry, staging, who)
+                download_verified(self.fs, f"{slot_key}/{FILES_DIR}", entry, staging, who, checked)
         except CheckpointError:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        actual = hash_checkpoint_dir(staging)
+        # Every file was just hashed against the pinned manifest, so the content hash is combined
+        # from those digests (a file in the folder that this pass did not check is hashed): the
+        # reply's hash must be the manifest's, and nothing is read a second time for it.
+        sizes = {entry.name: entry.size for entry in manifest.files}
+        actual = hash_checkpoint_dir(staging, known={name: (sizes[name], bytes.fromhex(digest))
+                                                     for name, (digest, _) in checked.items()})
         if actual != ref.sha256:
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(f"{who}'s upload s3://{slot_key}/ hashes to {actual[:16]}..., its reply says "
                                   f"{ref.sha256[:16]}...; refused")
         fsync_tree(staging)
-        staging.replace(final)
+        staging.replace(final)  # renames the folder: the files' own stat (ctime included) stays
         fsync_dir(slot)
+        if receipts is not None:
+            stable = {name: (digest, stat) for name, (digest, stat) in checked.items() if stat is not None}
+            try:
+                write_receipt(final, stable, self.receipt_key())
+            except OSError as exc:
+                log(WARNING, "no receipt for %s (%s): the aggregation will hash its files", final, exc)
         return _local(ref, final)
+
+    def receipt_key(self) -> bytes:
+        """The key of this store's receipts (:func:`~.receipts.receipt_key`, from the run's secret)."""
+        return receipt_key(self._secret, self.run_key)
+
+    def receipt_check(self) -> ReceiptCheck | None:
+        return ReceiptCheck(self.receipt_key()) if self.settings.trust_store_receipts else None
 
     def instruction_fields(self) -> dict[str, Any]:
         return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,

@@ -70,7 +70,8 @@ def name_conflict(staging: Path, name: str) -> str:
 
 def hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
     """The sha256 (hex) of the received file, and its stat from before it was hashed if nothing
-    can have changed it since without changing that stat (else None).
+    can have changed it since without changing that stat (else None). The http store calls it on
+    receipt, the s3 store after each download of an upload (the stat goes into their receipts).
 
     The filesystem's clock is let tick past the file's ``ctime`` before hashing starts (as
     :func:`~.receipts.write_receipt` does for its stamp), so a write during the hashing or after it

@@ -83,7 +83,7 @@ class Storage:
     # A healthy link never pauses a minute inside one request body; a stalled upload loses its slot's
     # lock after this long without a byte (HTTP 408), keeping what arrived for the next attempt.
     upload_idle_timeout_s: float = setting(60.0, gt=0)
-    # http: the aggregation takes a file's sha256 from the store's receipt (written when the upload was
+    # http, s3: the aggregation takes a file's sha256 from the store's receipt (written when the upload was
     # verified) while the file's stat data is unchanged, instead of hashing it again (docs/performance.md)
     trust_store_receipts: bool = setting(True)
 

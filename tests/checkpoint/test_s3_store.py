@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from fedagent_flwr.checkpoint.content_hash import hashed_files
+from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
 from fedagent_flwr.checkpoint.manifest import build_manifest
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
+from fedagent_flwr.checkpoint.receipts import receipt_path
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.s3_client import S3ClientStore
 from fedagent_flwr.checkpoint.s3_store import S3ServerStore, open_filesystem
@@ -29,7 +32,7 @@ from fedagent_flwr.config import ConfigError, load_settings
 from testkit.ckpt_factory import Suite
 from testkit.flower_harness import free_port
 from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3
-from testkit.store_harness import RUN, SHARD, manifest_bytes
+from testkit.store_harness import RUN, SHARD, HashCounter, manifest_bytes
 
 _BUCKETS = itertools.count()
 
@@ -284,3 +287,67 @@ def test_node_config_cache_keep_bounds_the_cache_as_with_the_http_store(
     again = client_of(store, work, cache_keep=2)
     again.fetch(models["A"])
     assert not again.report.cache_hit and again.report.bytes_received >= 50_000 and cached() == "AC"
+
+
+def test_a_downloaded_upload_is_hashed_once_and_aggregated_from_its_receipt(
+        store: S3ServerStore, suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is hashed once, when it has been downloaded; the content hash is combined from
+    those digests and the aggregation takes them from the store's receipt while the files are
+    unchanged. A file changed after that is hashed while read and the checkpoint refused."""
+    source = suite.copy("qwen_b", tmp_path / "node0")
+    ref = client_of(store, tmp_path / "node0").put(source, "actor", 1, 0)
+    hashed = HashCounter().install(monkeypatch)  # the content hash's sha256 (the per-file check is not counted)
+    local = store.resolve(ref, 1, 0)
+    landed = Path(local.path)
+    assert hashed.bytes < 1024, hashed.bytes  # combined from the digests checked on download: no file re-read
+    assert receipt_path(landed).is_file()
+    checker = store.receipt_check()
+    assert checker is not None
+    with open_checkpoint(local, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+        assert isinstance(reader, FsdpShardReader)
+        assert reader.receipt_files == [p.name for p in hashed_files(landed)]
+        for key in reader.keys():
+            reader.read(key)
+        reader.verify_content()
+    assert hashed.bytes < 2048, hashed.bytes
+    # A rank file changed in place after the receipt: not vouched for, hashed while read, refused.
+    shard = sorted(landed.glob("model_world_size_*_rank_*.pt"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with open_checkpoint(local, root=store.run_root, check_hash="while-reading", receipts=checker) as reader:
+        assert shard.name not in reader.receipt_files
+        for key in reader.keys():
+            reader.read(key)
+        with pytest.raises(CheckpointError, match="content hash of .* is .*files changed or incomplete"):
+            reader.verify_content()
+    # Another store (a restarted server: a new secret) trusts none of these receipts.
+    other = open_server_store(store.settings, store.run_root, RUN)
+    other_check = other.receipt_check()
+    assert other_check is not None and other_check.trusted(landed) == {}
+
+
+def test_a_file_left_in_the_download_folder_is_checked_again(
+        store: S3ServerStore, suite: Suite, tmp_path: Path) -> None:
+    """A file is renamed to its name in ``.download-<kind>/`` before it is hashed (so that its
+    receipt's stat is the hashed one's): a crash in between leaves it there unchecked, and the next
+    resolve hashes it again and downloads it afresh when it does not match."""
+    source = suite.copy("qwen_a", tmp_path / "node1")
+    ref = client_of(store, tmp_path / "node1").put(source, "actor", 3, 1)
+    staging = store.run_root / "round_3" / "client_1" / ".download-actor"
+    staging.mkdir(parents=True)
+    original = (source / SHARD).read_bytes()
+    (staging / SHARD).write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # same size, wrong bytes
+    local = store.resolve(ref, 3, 1)
+    assert (Path(local.path) / SHARD).read_bytes() == original
+    assert hash_checkpoint_dir(local.path) == ref.sha256
+
+
+def test_no_receipts_when_the_run_trusts_none(settings: StorageSettings, suite: Suite, tmp_path: Path) -> None:
+    settings.trust_store_receipts = False
+    (tmp_path / "run").mkdir()
+    store = open_server_store(settings, tmp_path / "run", RUN)
+    assert isinstance(store, S3ServerStore) and store.receipt_check() is None
+    source = suite.copy("qwen_b", tmp_path / "node2")
+    local = store.resolve(client_of(store, tmp_path / "node2").put(source, "actor", 1, 2), 1, 2)
+    assert not receipt_path(local.path).exists()
