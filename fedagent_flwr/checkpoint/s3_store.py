@@ -26,6 +26,11 @@ refuses a mismatch naming the client; clients check a global model the same way 
 server's instruction. Per-client bucket policies that
 limit each client to its own ``uploads/*/<client>/`` keys turn tampering into a refused write
 instead of a refused round (docs/deployment.md, "Trust boundaries").
+
+Each file of an upload is hashed once, on the server's disk, after its download; the directory's
+content hash is combined from those digests, and the store writes a receipt beside the folder
+(:mod:`.receipts`, as the http store does) so that the aggregation need not hash the files again
+while they are unchanged (docs/performance.md, "Server-side passes over one upload").
 """
 
 from __future__ import annotations

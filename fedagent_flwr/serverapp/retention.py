@@ -8,7 +8,7 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
   Removed unless ``storage.keep_client_checkpoints`` (keep them to audit every round's mean with
   ``python -m fedagent_flwr.checkpoint.verify``). What goes: ``round_<r>/client_<c>/checkpoints/``
   (what the trainers write) and ``actor/``, ``critic/``, ``.upload-*`` and ``.receipt-*.json``
-  (the http store's upload slots and receipts; the s3 store's downloads and ``.download-*``).
+  (the http store's upload slots; the s3 store's downloads and ``.download-*``; both stores' receipts).
   Jobs, results, logs and episode records stay.
 - **Global models** older than the last ``storage.keep_last_k`` aggregated ones (0 keeps them all).
   The newest aggregate is the next round's starting model and what a re-run resumes from, so it is
