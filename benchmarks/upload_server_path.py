@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     torch.set_num_threads(1)
+    print(f"code: {_measured_code()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="upload-bench-"))
     try:
         source = work / "client"
@@ -210,6 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _measured_code() -> str:
+    """Which checkout's ``fedagent_flwr`` this run measures (its folder and git commit)."""
+    import fedagent_flwr
+
+    root = Path(fedagent_flwr.__file__).resolve().parent.parent
+    done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return f"{root} at {done.stdout.strip() or 'unknown commit'}{' (modified)' if dirty else ''}"
 
 
 @contextmanager
