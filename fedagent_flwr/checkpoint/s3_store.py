@@ -49,6 +49,8 @@ from fedagent_flwr.checkpoint.store import (
     KIND_FIELD,
     RUN_FIELD,
     URL_FIELD,
+    Release,
+    Released,
     ServerStore,
     StorageSettings,
     client_slot,
@@ -252,6 +254,7 @@ class S3ServerStore(ServerStore):
         self.fs = fs if fs is not None else open_filesystem(settings.endpoint_url)
         check_bucket(self.fs, settings, f"{self.base}/runs/{run_key}")
         self._shared: dict[tuple[str, str], CheckpointRef] = {}
+        self._models: dict[str, tuple[Path, str]] = {}  # model id -> (local directory, kind), for release
 
     def _key(self, *segments: str) -> str:
         return "/".join((self.base, "runs", self.run_key, *segments))
@@ -277,6 +280,7 @@ class S3ServerStore(ServerStore):
         body = json.dumps({"files": manifest.to_json(), "sha256": ref.sha256}).encode()
         digest = hashlib.sha256(body).hexdigest()
         self.fs.pipe_file(marker_object(model_key, MANIFEST_TAG, digest), body)  # last: the model is complete
+        self._models[model_id] = (directory, ref.kind)
         return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-{digest}",
                              kind=ref.kind, format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
 
@@ -323,6 +327,19 @@ class S3ServerStore(ServerStore):
         staging.replace(final)
         fsync_dir(slot)
         return _local(ref, final)
+
+    def release(self, plan: Release) -> Released:
+        """Delete this run's objects that ``plan`` no longer needs (:mod:`.s3_retention`: uploads of
+        committed rounds, models not kept, each marker before its files); never raises. A model that
+        went is uploaded again should it be shared again."""
+        from fedagent_flwr.checkpoint.s3_retention import release_bucket
+
+        released, gone = release_bucket(self.fs, self._key(), plan, self._models, self.run_root)
+        for model_id in gone:
+            self._models.pop(model_id, None)
+            where = f"/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-"
+            self._shared = {k: v for k, v in self._shared.items() if where not in v.path}
+        return released
 
     def instruction_fields(self) -> dict[str, Any]:
         return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,
