@@ -9,6 +9,9 @@ plus a content hash. Layout under ``<storage.url>/runs/<run id>/``:
 ``uploads/<round>/<client>/<kind>/_files/<name>``  a client's checkpoint files
 ``uploads/<round>/<client>/<kind>/_commit-<sha256>.json``  written last by the client: manifest, hash, ...
 
+After each commit, what nothing reads any more (uploads of committed rounds, models retention does
+not keep) is deleted, marker first (:meth:`S3ServerStore.release`, :mod:`.s3_retention`).
+
 A reference names its manifest (or commit) by the sha256 of that object's bytes, as a last path
 segment ``m-<sha256>`` (``c-<sha256>``), and the reader checks the bytes against it before parsing
 them: the per-file hashes a reader checks every file against therefore come from the trusted
