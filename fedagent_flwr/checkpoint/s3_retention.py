@@ -70,6 +70,8 @@ def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tu
         for group in groups:
             if any(key in failed for key in group.markers()):
                 continue  # its marker stays, so do its files
+            if group.label != "client_checkpoints":  # no reference to it is valid any more: share uploads again
+                gone.append(group.key[len(f"{run_key}/models/"):])
             files = [key for key in group.objects if key not in group.markers()]
             failed.update(_delete(fs, files))
             for key, size in group.objects.items():
@@ -77,8 +79,6 @@ def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tu
                     kinds = released.removed.setdefault(group.server_round, {})
                     kinds[group.label] = kinds.get(group.label, 0) + size
                     released.objects[group.server_round] = released.objects.get(group.server_round, 0) + 1
-            if group.label != "client_checkpoints" and not any(key in failed for key in group.objects):
-                gone.append(group.key[len(f"{run_key}/models/"):])
         if failed:
             released.failure = _advice(run_key, f"could not delete {len(failed)} object(s)",
                                        next(iter(failed.values())))
@@ -149,10 +149,10 @@ def _model_fate(model_id: str, keep: Mapping[str, frozenset[Path]], models: Mapp
     match = _ROUND_MODEL.fullmatch(model_id)
     if match and int(match.group(1)) > committed_round:
         return None
-    if model_id in models:
-        directory, kind = models[model_id]
-    elif match:  # shared by an earlier server process of this run id
+    if match:  # an aggregate: its kind is where the aggregation wrote it
         directory, kind = run_root / model_id, "actor" if match.group(2) == "global" else "critic"
+    elif model_id in models:  # the base model (or an initial critic), outside the run root
+        directory, kind = models[model_id]
     else:
         return None
     kept = keep.get(kind)

@@ -414,10 +414,13 @@ def test_a_denied_delete_is_reported_in_one_line_and_never_leaves_a_marker_witho
     with pytest.raises(CheckpointError, match="does not exist"):
         client_of(store, tmp_path / "node8").fetch(shared["global1"])
     assert 1 in released.objects  # client 1's round-1 slot went
+    # Shared again (its marker went), the model is uploaded again, whole.
+    assert client_of(store, tmp_path / "node7").fetch(
+        store.share(CheckpointRef.for_directory(store.run_root / "round_1" / "global"))).is_dir()
 
     store.fs.call_s3("delete_bucket_policy", Bucket=bucket)
     released = store.release(Release(2, True, {"actor": frozenset({store.run_root / "round_2" / "global"})}))
-    assert not released.failure and released.objects == {1: 3 + 2}
+    assert not released.failure and released.objects == {1: 3 + 3}
     stayed = (f"{run}/uploads/1/", f"{run}/models/round_1/global/")
     assert not [k for k in _objects(store.fs, bucket) if k.startswith(stayed)]
 
