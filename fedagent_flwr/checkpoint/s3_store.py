@@ -9,6 +9,9 @@ plus a content hash. Layout under ``<storage.url>/runs/<run id>/``:
 ``uploads/<round>/<client>/<kind>/_files/<name>``  a client's checkpoint files
 ``uploads/<round>/<client>/<kind>/_commit-<sha256>.json``  written last by the client: manifest, hash, ...
 
+After each commit, what nothing reads any more (uploads of committed rounds, models retention does
+not keep) is deleted, marker first (:meth:`S3ServerStore.release`, :mod:`.s3_retention`).
+
 A reference names its manifest (or commit) by the sha256 of that object's bytes, as a last path
 segment ``m-<sha256>`` (``c-<sha256>``), and the reader checks the bytes against it before parsing
 them: the per-file hashes a reader checks every file against therefore come from the trusted
@@ -59,6 +62,8 @@ from fedagent_flwr.checkpoint.store import (
     KIND_FIELD,
     RUN_FIELD,
     URL_FIELD,
+    Release,
+    Released,
     ServerStore,
     StorageSettings,
     client_slot,
@@ -298,6 +303,7 @@ class S3ServerStore(ServerStore):
         # The key of the receipts this store writes for the uploads it verified (:mod:`.receipts`):
         # random per run and kept in memory only, as the http store's.
         self._secret = secrets.token_bytes(32)
+        self._models: dict[str, tuple[Path, str]] = {}  # model id -> (local directory, kind), for release
 
     def _key(self, *segments: str) -> str:
         return "/".join((self.base, "runs", self.run_key, *segments))
@@ -323,6 +329,7 @@ class S3ServerStore(ServerStore):
         body = json.dumps({"files": manifest.to_json(), "sha256": ref.sha256}).encode()
         digest = hashlib.sha256(body).hexdigest()
         self.fs.pipe_file(marker_object(model_key, MANIFEST_TAG, digest), body)  # last: the model is complete
+        self._models[model_id] = (directory, ref.kind)
         return CheckpointRef(path=f"{self.url}/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-{digest}",
                              kind=ref.kind, format=ref.format, world_size=ref.world_size, sha256=ref.sha256)
 
@@ -391,6 +398,19 @@ class S3ServerStore(ServerStore):
 
     def receipt_check(self) -> ReceiptCheck | None:
         return ReceiptCheck(self.receipt_key()) if self.settings.trust_store_receipts else None
+
+    def release(self, plan: Release) -> Released:
+        """Delete this run's objects that ``plan`` no longer needs (:mod:`.s3_retention`: uploads of
+        committed rounds, models not kept, each marker before its files); never raises. A model that
+        went is uploaded again should it be shared again."""
+        from fedagent_flwr.checkpoint.s3_retention import release_bucket
+
+        released, gone = release_bucket(self.fs, self._key(), plan, self._models, self.run_root)
+        for model_id in gone:
+            self._models.pop(model_id, None)
+            where = f"/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-"
+            self._shared = {k: v for k, v in self._shared.items() if where not in v.path}
+        return released
 
     def instruction_fields(self) -> dict[str, Any]:
         return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,

@@ -35,7 +35,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -145,6 +145,30 @@ def own_upload_parts(ref: CheckpointRef, base_url: str, run_key: str, server_rou
     return expected
 
 
+@dataclass(frozen=True)
+class Release:
+    """What a commit lets a store drop from copies of its own outside the run directory
+    (:meth:`ServerStore.release`), in the terms of :mod:`fedagent_flwr.serverapp.retention`."""
+
+    committed_round: int
+    client_uploads: bool  # the clients' uploads of rounds up to committed_round may go
+    # Per checkpoint kind ("actor", "critic"): the local directories of the global models to keep
+    # (the newest aggregated ones; the newest always among them). Every other shared model of that
+    # kind may go; a kind absent keeps all its models (none aggregated yet: the one shared is the
+    # newest); None keeps every model (storage.keep_last_k=0).
+    keep_models: Mapping[str, frozenset[Path]] | None
+
+
+@dataclass
+class Released:
+    """What :meth:`ServerStore.release` removed, for the round's summary entry."""
+
+    where: str  # the store's location of this run, for the log
+    removed: dict[int, dict[str, int]] = field(default_factory=dict)  # round -> kind -> bytes (retention's kinds)
+    objects: dict[int, int] = field(default_factory=dict)  # round -> objects removed
+    failure: str = ""  # one line (what failed, what stays, what to do); the run goes on
+
+
 class ServerStore(ABC):
     """The ServerApp's side of a store (one per run)."""
 
@@ -174,6 +198,12 @@ class ServerStore(ABC):
         """What lets the aggregation take a file's digest from the store's receipt instead of hashing
         it (:mod:`.receipts`); None (the default, and shared-fs: the clients write those files
         themselves) hashes every file while reading."""
+        return None
+
+    def release(self, plan: Release) -> Released | None:
+        """After a commit, remove the store's own copies that ``plan`` no longer needs; never raises
+        (a failure is :attr:`Released.failure`). None (the default; shared-fs and http, whose files
+        are all in the run directory, which retention cleans itself): the store keeps nothing else."""
         return None
 
     def describe(self) -> str:

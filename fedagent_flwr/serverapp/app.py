@@ -339,7 +339,7 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
     except ConfigError as exc:
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
-    retention = Retention.from_settings(settings.storage, run_dir)
+    retention = Retention.from_settings(settings.storage, run_dir, store)
     loop = RoundLoop(strategy, grid, recorder, timeout=settings.run.round_timeout, last_completed=last_completed,
                      after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir,
                      max_empty_rounds=settings.run.max_empty_rounds)

@@ -95,7 +95,7 @@ class RunRecorder:
             if previous.last_aggregate is not None:
                 self.summary["final_model"] = previous.last_aggregate["aggregated_actor"]
             # written once (round 0's commit) or after a commit that freed something: a re-run may do neither
-            for key in ("initial_eval_seconds", "disk_freed_bytes"):
+            for key in ("initial_eval_seconds", "disk_freed_bytes", "store_freed_bytes", "store_freed_objects"):
                 if getattr(previous, key) is not None:
                     self.summary[key] = getattr(previous, key)
             self.events = list(previous.events)

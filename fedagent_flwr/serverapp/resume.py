@@ -14,7 +14,7 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
 **A re-run** therefore
 1. checks the config fingerprint stored in the summary (a different config is refused);
 2. keeps the summary entries and metrics lines of completed rounds only, and the totals they make
-   (``initial_eval_seconds`` once round 0 completed, ``disk_freed_bytes``);
+   (``initial_eval_seconds`` once round 0 completed, ``disk_freed_bytes``, ``store_freed_bytes``);
 3. removes the server's uncommitted outputs (global models of later rounds, aggregation
    staging directories, temporary files of interrupted writes);
 4. checks that global model (and PPO critic) against the content hash recorded when its round
@@ -22,6 +22,9 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
 5. starts from the last completed round's global model, and the ServerApp's round loop
    (:mod:`.rounds`) skips the completed rounds. Client selection and seeds are functions of the round number alone
    (``fedagent_flwr.seeding``), so round k+1 is sent exactly what an uninterrupted run sends.
+   With a remote store the start model is shared again from the run directory's copy (the s3 store
+   uploads it under the new Flower run id's prefix, ``runs/<run id>/``), so a re-run needs nothing a
+   store removed after a commit; the earlier attempt's objects stay under its own run id.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class PreviousRun:
     eval_failures: list[dict[str, Any]] = field(default_factory=list)  # evaluations that recorded nothing
     initial_eval_seconds: float | None = None  # round 0's time, once round 0 was committed
     disk_freed_bytes: int | None = None  # what retention removed after the completed rounds' commits
+    store_freed_bytes: int | None = None  # what it removed from the store's own copies (s3: the bucket)
+    store_freed_objects: int | None = None
 
     @property
     def last_aggregate(self) -> dict[str, Any] | None:
@@ -178,6 +183,11 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         # retention's own total over the kept rounds' ``removed`` (it notes committed rounds only)
         disk_freed_bytes=(sum(sum(e.get("removed", {}).values()) for e in rounds)
                           if any("removed" in e for e in rounds) else None),
+        # and the store's (an s3 bucket's) beside it
+        store_freed_bytes=(sum(sum(e.get("store_removed", {}).values()) for e in rounds)
+                           if any("store_removed" in e for e in rounds) else None),
+        store_freed_objects=(sum(e.get("store_removed_objects", 0) for e in rounds)
+                             if any("store_removed" in e for e in rounds) else None),
     )
 
 

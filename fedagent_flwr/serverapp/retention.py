@@ -21,24 +21,34 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
 Files are removed only after the commit, so a crash in between leaves files that the next commit
 removes, never a committed round without its global model. What was removed is noted in the
 round's summary entry (``removed``: bytes per kind) and totalled in ``disk_freed_bytes``.
+
+**The store's own copies.** A store that keeps copies outside the run directory (the s3 store's
+bucket: the clients' uploads, the shared global models) is then told the same rules through
+:meth:`~fedagent_flwr.checkpoint.store.ServerStore.release` (a :class:`~fedagent_flwr.checkpoint.store.Release`:
+the committed round, whether client checkpoints go, the global models kept). What it removed is
+noted beside ``removed``: ``store_removed`` (bytes per kind) and ``store_removed_objects`` in the
+entry of the round the objects belonged to, totalled in ``store_freed_bytes`` and
+``store_freed_objects``. A failure (no delete permission, the network) never fails the run: one
+warning line, and the committed round's entry keeps it as ``store_retention_failed``.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flwr.common import log
 
+from fedagent_flwr.checkpoint.store import Release, Released
 from fedagent_flwr.schema.run import Storage
 from fedagent_flwr.serverapp.resume import STATE_DIR
 
 if TYPE_CHECKING:
-    from fedagent_flwr.checkpoint.store import StorageSettings
+    from fedagent_flwr.checkpoint.store import ServerStore, StorageSettings
     from fedagent_flwr.serverapp.recorder import RunRecorder
 
 _ROUND_DIR = re.compile(r"round_(\d+)")
@@ -53,10 +63,11 @@ class Retention:
     run_dir: Path
     keep_client_checkpoints: bool = Storage.keep_client_checkpoints
     keep_last_k: int = Storage.keep_last_k  # global models kept (the newest aggregated ones); 0: all
+    store: ServerStore | None = field(default=None, compare=False)  # told to release its own copies
 
     @classmethod
-    def from_settings(cls, storage: StorageSettings, run_dir: Path) -> Retention:
-        return cls(Path(run_dir), storage.keep_client_checkpoints, storage.keep_last_k)
+    def from_settings(cls, storage: StorageSettings, run_dir: Path, store: ServerStore | None = None) -> Retention:
+        return cls(Path(run_dir), storage.keep_client_checkpoints, storage.keep_last_k, store)
 
     def after_commit(self, recorder: RunRecorder, server_round: int) -> int:
         """Remove what nothing needs once rounds up to ``server_round`` are committed; return the
@@ -78,20 +89,70 @@ class Retention:
         for r, state in self._old_optimizer_states(entries, server_round):
             self._note(freed, r, "server_optimizer_state", _remove(state))
         total = sum(sum(kinds.values()) for kinds in freed.values())
-        if not freed:
+        released = self._release_store(entries, server_round)
+        noted = self._note_released(released, entries, server_round)
+        if not freed and not noted:
             return 0
         for r, kinds in freed.items():
             if r in entries:
                 removed = entries[r].setdefault("removed", {})
                 for kind, size in kinds.items():
                     removed[kind] = removed.get(kind, 0) + size
-        recorder.summary["disk_freed_bytes"] = sum(
-            sum(e.get("removed", {}).values()) for e in recorder.summary.get("rounds", []))
+        rounds = recorder.summary.get("rounds", [])
+        if freed:
+            recorder.summary["disk_freed_bytes"] = sum(sum(e.get("removed", {}).values()) for e in rounds)
+        if released is not None and released.objects:
+            recorder.summary["store_freed_bytes"] = sum(sum(e.get("store_removed", {}).values()) for e in rounds)
+            recorder.summary["store_freed_objects"] = sum(e.get("store_removed_objects", 0) for e in rounds)
         recorder.write()
-        log(INFO, "[fedagent] round %d committed: removed %s no longer needed (%.1f MB; "
-            "storage.keep_client_checkpoints=%s, storage.keep_last_k=%d)", server_round, _describe(freed), total / 1e6,
-            str(self.keep_client_checkpoints).lower(), self.keep_last_k)
+        settings = (f"storage.keep_client_checkpoints={str(self.keep_client_checkpoints).lower()}, "
+                    f"storage.keep_last_k={self.keep_last_k}")
+        if freed:
+            log(INFO, "[fedagent] round %d committed: removed %s no longer needed (%.1f MB; %s)", server_round,
+                _describe(freed), total / 1e6, settings)
+        if released is not None and released.objects:
+            log(INFO, "[fedagent] round %d committed: removed %s from %s (%d objects, %.1f MB; %s)", server_round,
+                _describe(released.removed), released.where, sum(released.objects.values()),
+                sum(sum(kinds.values()) for kinds in released.removed.values()) / 1e6, settings)
         return total
+
+    def _release_store(self, entries: dict[int, dict[str, Any]], server_round: int) -> Released | None:
+        """Tell the store the rules above for its own copies; None when it keeps none. Never raises."""
+        if self.store is None:
+            return None
+        keep: dict[str, frozenset[Path]] | None = None
+        if self.keep_last_k > 0:
+            keep = {}
+            for key, kind in (("aggregated_actor", "actor"), ("aggregated_critic", "critic")):
+                aggregated = [Path(e[key]) for _, e in sorted(entries.items()) if e.get(key)]
+                if aggregated:
+                    keep[kind] = frozenset(aggregated[-self.keep_last_k:])
+        plan = Release(server_round, not self.keep_client_checkpoints, keep)
+        try:
+            released = self.store.release(plan)
+        except Exception as exc:  # noqa: BLE001 -- a store's cleanup never fails the run
+            released = Released(where=self.store.describe(), failure=f"{type(exc).__name__}: {exc}")
+        if released is not None and released.failure:
+            log(WARNING, "[fedagent] round %d committed, but %s", server_round, released.failure)
+        return released
+
+    @staticmethod
+    def _note_released(released: Released | None, entries: dict[int, dict[str, Any]], server_round: int) -> bool:
+        """Note what the store removed in the rounds' entries (a round without one: the committed
+        round's); return whether there was anything to note."""
+        if released is None or not (released.objects or released.failure):
+            return False
+        for r, kinds in released.removed.items():
+            entry = entries.get(r, entries.get(server_round))
+            if entry is None:
+                continue
+            removed = entry.setdefault("store_removed", {})
+            for kind, size in kinds.items():
+                removed[kind] = removed.get(kind, 0) + size
+            entry["store_removed_objects"] = entry.get("store_removed_objects", 0) + released.objects.get(r, 0)
+        if released.failure and server_round in entries:
+            entries[server_round]["store_retention_failed"] = released.failure
+        return True
 
     def _client_checkpoints(self, server_round: int) -> list[tuple[int, Path]]:
         found = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +28,10 @@ from fedagent_flwr.checkpoint.receipts import receipt_path
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.s3_client import S3ClientStore
 from fedagent_flwr.checkpoint.s3_store import S3ServerStore, open_filesystem
-from fedagent_flwr.checkpoint.store import StorageSettings, open_client_store, open_server_store
+from fedagent_flwr.checkpoint.store import Release, StorageSettings, open_client_store, open_server_store
 from fedagent_flwr.config import ConfigError, load_settings
+from fedagent_flwr.serverapp.recorder import RunRecorder
+from fedagent_flwr.serverapp.retention import Retention
 from testkit.ckpt_factory import Suite
 from testkit.flower_harness import free_port
 from testkit.s3_harness import FAKE_CREDENTIALS, moto_s3
@@ -351,3 +354,175 @@ def test_no_receipts_when_the_run_trusts_none(settings: StorageSettings, suite: 
     source = suite.copy("qwen_b", tmp_path / "node2")
     local = store.resolve(client_of(store, tmp_path / "node2").put(source, "actor", 1, 2), 1, 2)
     assert not receipt_path(local.path).exists()
+
+
+# ------------------------------------------------------------------------------- retention in the bucket
+
+
+def _model(directory: Path, tag: str) -> Path:
+    """A small model directory (what share and put send: its manifest's files)."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model": tag}))
+    (directory / "model.safetensors").write_bytes(tag.encode() * 20_000)
+    return directory
+
+
+def _objects(fs: object, prefix: str) -> dict[str, int]:
+    fs.invalidate_cache()  # type: ignore[attr-defined]
+    return {key: info["size"] for key, info in fs.find(prefix, detail=True).items()}  # type: ignore[attr-defined]
+
+
+def _run_with_uploads(store: S3ServerStore, tmp_path: Path) -> dict[str, CheckpointRef]:
+    """The bucket of a run after its round 2 (and an upload of round 3, in progress): the base model
+    (outside the run root), round 1's and round 2's global models and round 1's critic, shared;
+    clients 0 and 1's uploads of rounds 1 and 2, client 0's of round 3; and, beside it, another
+    run's objects and an object of no run."""
+    shared = {"base": store.share(CheckpointRef.for_directory(_model(tmp_path / "base-model", "base")))}
+    for r in (1, 2):
+        shared[f"global{r}"] = store.share(CheckpointRef.for_directory(_model(store.run_root / f"round_{r}" / "global",
+                                                                              f"g{r}")))
+    critic = _model(store.run_root / "round_1" / "global_critic", "c1")
+    shared["critic1"] = store.share(CheckpointRef.for_directory(critic, "critic"))
+    for r, client in ((1, 0), (1, 1), (2, 0), (2, 1), (3, 0)):
+        client_of(store, tmp_path / f"node{client}").put(_model(tmp_path / f"up-{r}-{client}", f"u{r}{client}"),
+                                                         "actor", r, client)
+    other = S3ServerStore(store.settings, store.run_root, "111")  # a run whose id starts with ours
+    other.share(CheckpointRef.for_directory(store.run_root / "round_1" / "global"))
+    store.fs.pipe_file(f"{store.base}/runs/111/uploads/1/0/actor/_files/config.json", b"{}")
+    store.fs.pipe_file(f"{store.base.split('/')[0]}/unrelated/notes.txt", b"not the run's")
+    store.fs.pipe_file(f"{store.base}/runs/{RUN}/uploads.bak/1/0/actor/_files/x", b"no slot of the store's")
+    return shared
+
+
+def test_retention_removes_committed_uploads_and_models_not_kept_from_the_run_prefix_only(
+        store: S3ServerStore, tmp_path: Path) -> None:
+    shared = _run_with_uploads(store, tmp_path)
+    bucket = store.base.split("/")[0]
+    run = f"{store.base}/runs/{RUN}"
+    everything = _objects(store.fs, bucket)
+    outside = {k: v for k, v in everything.items() if not k.startswith(f"{run}/")}
+    assert len(outside) >= 4 and len([k for k in everything if k.startswith(f"{run}/uploads/")]) == 5 * 3
+
+    # keep_last_k=1 after round 2's commit: round 2's global model stays (the newest); round 1's and the
+    # base model go; the critic (no critic aggregated yet: the newest) stays; uploads of rounds 1-2 go.
+    keep = {"actor": frozenset({store.run_root / "round_2" / "global"})}
+    released = store.release(Release(2, True, keep))
+    after = _objects(store.fs, bucket)
+    assert not released.failure, released.failure
+    assert {k: v for k, v in after.items() if not k.startswith(f"{run}/")} == outside  # nothing else touched
+    remaining = sorted({k[len(run) + 1:].rsplit("/_", 1)[0] for k in after if k.startswith(f"{run}/")})
+    assert remaining == ["models/round_1/global_critic", "models/round_2/global", "uploads.bak/1/0/actor",
+                         "uploads/3/0/actor"], remaining
+    gone = {k: v for k, v in everything.items() if k not in after}
+    assert sum(released.objects.values()) == len(gone) == 4 * 3 + 2 * 3  # 4 slots, 2 models: files + marker
+    assert released.removed == {
+        1: {"client_checkpoints": sum(v for k, v in gone.items() if "/uploads/1/" in k),
+            "global_model": sum(v for k, v in gone.items() if "/models/round_1/" in k)},
+        2: {"client_checkpoints": sum(v for k, v in gone.items() if "/uploads/2/" in k),
+            "global_model": sum(v for k, v in gone.items() if "/models/external/" in k)},  # noted at the commit
+    }
+    assert released.where == f"s3://{run}/"
+    # What stays is whole and fetched as before; a model that went is uploaded again if shared again.
+    work = tmp_path / "node9"
+    assert client_of(store, work).fetch(shared["global2"]).is_dir()
+    again = store.share(CheckpointRef.for_directory(tmp_path / "base-model"))
+    assert again == shared["base"] and client_of(store, work).fetch(again).is_dir()
+    # A reference to what went finds no manifest: refused, never read as a half model.
+    with pytest.raises(CheckpointError, match="does not exist"):
+        client_of(store, tmp_path / "node8").fetch(shared["global1"])
+
+    # keep_client_checkpoints and keep_last_k=0: nothing goes, round 3's upload included.
+    before = _objects(store.fs, bucket)
+    nothing = store.release(Release(3, False, None))
+    assert not nothing.objects and not nothing.failure and _objects(store.fs, bucket) == before
+    # The next commit removes the uploads of the round it commits.
+    assert sum(store.release(Release(3, True, None)).objects.values()) == 3
+    assert not [k for k in _objects(store.fs, bucket) if k.startswith(f"{run}/uploads/")]
+    # A model of a round after the committed one (not committed yet) stays whatever the plan keeps.
+    store.share(CheckpointRef.for_directory(_model(store.run_root / "round_4" / "global", "g4")))
+    assert set(store.release(Release(3, True, keep)).removed[3]) == {"global_model"}  # the base, shared again
+    assert sorted({k[len(run) + 1:].rsplit("/_", 1)[0] for k in _objects(store.fs, f"{run}/models")}) == [
+        "models/round_1/global_critic", "models/round_2/global", "models/round_4/global"]
+
+
+def _deny_deletes(store: S3ServerStore, *resources: str) -> None:
+    """A bucket policy denying s3:DeleteObject on ``resources`` (keys under the run, wildcards allowed)."""
+    bucket = store.base.split("/")[0]
+    run = store.base[len(bucket) + 1:] + f"/runs/{RUN}"
+    policy = {"Version": "2012-10-17", "Statement": [{
+        "Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
+        "Resource": [f"arn:aws:s3:::{bucket}/{run}/{resource}" for resource in resources]}]}
+    store.fs.call_s3("put_bucket_policy", Bucket=bucket, Policy=json.dumps(policy))
+
+
+def test_a_denied_delete_is_reported_in_one_line_and_never_leaves_a_marker_without_its_files(
+        store: S3ServerStore, tmp_path: Path) -> None:
+    """With a policy that refuses s3:DeleteObject, release reports what to do and raises nothing;
+    a slot whose marker could not go keeps its files, one whose files could not go has lost its
+    marker first, and the next commit, once allowed, removes what stayed."""
+    shared = _run_with_uploads(store, tmp_path)
+    bucket = store.base.split("/")[0]
+    run = f"{store.base}/runs/{RUN}"
+    before = _objects(store.fs, bucket)
+    _deny_deletes(store, "*")
+    released = store.release(Release(2, True, {"actor": frozenset({store.run_root / "round_2" / "global"})}))
+    assert _objects(store.fs, bucket) == before and not released.objects
+    assert f"s3://{run}/" in released.failure and "s3:DeleteObject" in released.failure
+    assert "AccessDenied" in released.failure and "\n" not in released.failure
+
+    # Only client 0's round-1 slot denied whole, and the files (not the marker) of round 1's model.
+    _deny_deletes(store, "uploads/1/0/*", "models/round_1/global/_files/*")
+    released = store.release(Release(2, True, {"actor": frozenset({store.run_root / "round_2" / "global"})}))
+    assert "could not delete" in released.failure
+    after = _objects(store.fs, bucket)
+    assert len([k for k in after if f"{run}/uploads/1/0/actor/" in k]) == 3  # marker and files
+    model = [k for k in after if f"{run}/models/round_1/global/" in k]
+    assert model and not [k for k in model if "/_manifest-" in k]  # files without their marker
+    with pytest.raises(CheckpointError, match="does not exist"):
+        client_of(store, tmp_path / "node8").fetch(shared["global1"])
+    assert 1 in released.objects  # client 1's round-1 slot went
+    # Shared again (its marker went), the model is uploaded again, whole.
+    assert client_of(store, tmp_path / "node7").fetch(
+        store.share(CheckpointRef.for_directory(store.run_root / "round_1" / "global"))).is_dir()
+
+    store.fs.call_s3("delete_bucket_policy", Bucket=bucket)
+    released = store.release(Release(2, True, {"actor": frozenset({store.run_root / "round_2" / "global"})}))
+    assert not released.failure and released.objects == {1: 3 + 3}
+    stayed = (f"{run}/uploads/1/", f"{run}/models/round_1/global/")
+    assert not [k for k in _objects(store.fs, bucket) if k.startswith(stayed)]
+
+
+def test_retention_after_a_commit_releases_the_bucket_and_a_denied_delete_only_warns(
+        store: S3ServerStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The run's retention step (a real recorder): a denied delete is one warning line and a note in
+    the committed round's entry, and the commit goes on; once allowed, the next commit removes the
+    bucket's objects and the entries note them beside the run directory's ``removed``."""
+    _run_with_uploads(store, tmp_path)
+    recorder = RunRecorder(store.run_root, {"base_model": str(tmp_path / "base-model"), "env_kind": "test"})
+    for r in (1, 2):
+        model = store.run_root / f"round_{r}" / "global"
+        recorder.summary["rounds"].append({"round": r, "aggregated_actor": str(model)})
+    retention = Retention.from_settings(StorageSettings(kind="s3", keep_last_k=1), store.run_root, store)
+    bucket = store.base.split("/")[0]
+    _deny_deletes(store, "*")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        retention.after_commit(recorder, 1)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith("[fedagent] round 1 committed, but could not delete") and "s3:DeleteObject" in warning
+    first, second = json.loads(recorder.summary_path.read_text())["rounds"]
+    assert "s3:DeleteObject" in first["store_retention_failed"] and "store_removed" not in first
+    assert (store.run_root / "round_1" / "global").is_dir()  # keep_last_k=1 after round 1: round 1's stays
+
+    store.fs.call_s3("delete_bucket_policy", Bucket=bucket)
+    retention.after_commit(recorder, 2)
+    summary = json.loads(recorder.summary_path.read_text())
+    first, second = summary["rounds"]
+    assert not (store.run_root / "round_1" / "global").exists() and first["removed"]["global_model"] > 0
+    assert set(first["store_removed"]) == {"client_checkpoints", "global_model"} and first["store_removed_objects"] == 9
+    assert set(second["store_removed"]) == {"client_checkpoints", "global_model"}  # the base model: at the commit
+    assert second["store_removed_objects"] == 9 and "store_retention_failed" not in second
+    assert summary["store_freed_objects"] == 18
+    assert summary["store_freed_bytes"] == sum(sum(e["store_removed"].values()) for e in (first, second))
+    run = f"{store.base}/runs/{RUN}"
+    assert sorted({k[len(run) + 1:].rsplit("/_", 1)[0] for k in _objects(store.fs, run)}) == [
+        "models/round_1/global_critic", "models/round_2/global", "uploads.bak/1/0/actor", "uploads/3/0/actor"]

@@ -9,7 +9,6 @@ config, its messages or its summary.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,9 @@ SECRET = "fedagent-e2e-secret-never-in-a-message"
 def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The clients fetch the base model from the bucket into their node cache and upload their
     checkpoints to their own upload locations; the server downloads, checks and averages them, and
-    once the round is committed removes its local copies (storage.keep_client_checkpoints=false)."""
+    once the round is committed removes its local copies and, from the bucket, the uploads and the
+    base model (storage.keep_client_checkpoints=false, storage.keep_last_k=1): the run's prefix holds
+    only the newest global model, and nothing else in the bucket is touched."""
     # moto accepts any key pair: a distinctive secret, to look for it where it must never be.
     environment = {**FAKE_CREDENTIALS, "AWS_SECRET_ACCESS_KEY": SECRET,
                    "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
@@ -39,26 +40,36 @@ def test_one_round_through_an_s3_bucket(tmp_path: Path, tiny_model_dir: Path, mo
             simulation_superlink(tmp_path, pythonpath=[REPO], env_extra=environment) as link:
         fs = open_filesystem(endpoint)
         fs.mkdir("fedagent-e2e")
+        others = {"fedagent-e2e/fed/runs/7/uploads/1/0/actor/_commit-x.json": b"{}",  # another run's
+                  "fedagent-e2e/fed/notes.txt": b"not a run's"}
+        for key, data in others.items():
+            fs.pipe_file(key, data)
         summary, run_dir, output = run_job(
             link, tmp_path,
             f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 trainer.max_new_tokens=8 "
-            f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint}", supernodes=2)
+            f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint} "
+            "storage.keep_last_k=1", supernodes=2)
         assert ran_every_round(summary), output[-4000:]
         run = summary["run_id"]
         base = f"fedagent-e2e/fed/runs/{run}"
         (entry,) = summary["rounds"]
         assert entry["client_actor_ids"] == [0, 1] and not entry["rejected"], entry
         assert entry["removed"]["client_checkpoints"] > 0
+        # The bucket keeps what retention keeps: round 1's global model; the uploads (commit and
+        # files of each client) and the base model went once the round was committed.
+        fs.invalidate_cache()
+        kept = {key.rsplit("/_", 1)[0] for key in fs.find(base)}
+        assert kept == {f"{base}/models/round_1/global"}, kept
+        assert entry["store_removed"]["client_checkpoints"] > 0 and entry["store_removed"]["global_model"] > 0
+        assert entry["store_removed_objects"] >= 2 * 2 + 2 and "store_retention_failed" not in entry
+        assert summary["store_freed_bytes"] == sum(entry["store_removed"].values())
+        assert all(fs.cat_file(key) == data for key, data in others.items())
         for client in (0, 1):
-            (commit_key,) = fs.glob(f"{base}/uploads/1/{client}/actor/_commit-*.json")
-            commit = json.loads(fs.cat_file(commit_key))
-            assert commit["sha256"] and commit["format"] == "fsdp-shards"
             slot = run_dir / "round_1" / f"client_{client}"
             # The trainer ran in the node's own work dir (no shared filesystem), under the run's id.
             node_slot = tmp_path / "fedagent-work" / f"run-{run}" / "round_1" / f"client_{client}"
             assert (node_slot / "train_result.json").is_file()
             assert not (slot / "actor").exists() and not list(slot.glob(".download-*"))  # downloaded, then removed
-        assert len(fs.glob(f"{base}/models/external/*/_manifest-*.json")) == 1  # the base model, shared once
         # A bucket that does not exist stops the next run before round 0, naming the settings.
         failed, _, failed_output = run_job(
             link, tmp_path / "missing",

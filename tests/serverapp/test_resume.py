@@ -123,6 +123,10 @@ def test_a_rerun_keeps_the_initial_evaluation_time_and_the_disk_freed(tmp_path: 
     (checkpoint / "model.pt").write_bytes(b"w" * 1234)
     _record_round(recorder, 1, shutil.copytree(base.path, run_dir / "round_1" / "global"), commit=True)
     assert Retention(run_dir).after_commit(recorder, 1) == 1234
+    # What an s3 store's release noted (tests/checkpoint/test_s3_store.py) is kept the same way.
+    recorder.summary["rounds"][-1].update(store_removed={"client_checkpoints": 99}, store_removed_objects=3)
+    recorder.summary.update(store_freed_bytes=99, store_freed_objects=3)
+    recorder.write()
     _record_round(recorder, 2, shutil.copytree(base.path, run_dir / "round_2" / "global"), commit=False)  # killed
     before = json.loads(recorder.summary_path.read_text())
     assert before["disk_freed_bytes"] == 1234 and before["initial_eval_seconds"] >= 0
@@ -137,6 +141,7 @@ def test_a_rerun_keeps_the_initial_evaluation_time_and_the_disk_freed(tmp_path: 
         summary = json.loads(again.summary_path.read_text())
         assert summary["initial_eval_seconds"] == before["initial_eval_seconds"], attempt
         assert summary["disk_freed_bytes"] == 1234, attempt
+        assert (summary["store_freed_bytes"], summary["store_freed_objects"]) == (99, 3), attempt
     # A run whose round 0 never committed has no initial evaluation time to keep.
     early = RunRecorder(tmp_path / "early", header)
     early.record_eval(server_round=0, model="base", metrics=_metrics(0.0))

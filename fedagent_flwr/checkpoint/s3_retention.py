@@ -1,0 +1,175 @@
+"""Retention in the bucket (``storage.kind=s3``): after each commit, this run's objects that nothing
+reads any more are deleted, by the rules the run directory follows (:mod:`fedagent_flwr.serverapp.retention`).
+
+What goes, under the run's own prefix ``<storage.url>/runs/<run id>/`` only (nothing outside it is
+listed or deleted, so other runs and unrelated objects in the bucket are never touched):
+
+- ``uploads/<round>/<client>/<kind>/``: the clients' uploads of committed rounds, unless
+  ``storage.keep_client_checkpoints``. The server downloaded and checked them before the commit and
+  never reads them again; a late upload (a client that missed its round) goes at the next commit.
+- ``models/<model id>/``: shared global models (and PPO critics) that are not among the ``keep_last_k``
+  newest aggregated ones, the base model included once a round has aggregated one; nothing when
+  ``keep_last_k`` is 0. The newest aggregate always stays: the next round's clients fetch it. A
+  resumed run needs nothing here: it starts from the run directory's copy of its last committed
+  model and shares it again under its own run id (:mod:`fedagent_flwr.serverapp.resume`).
+
+Order: the objects are grouped by slot or model, and each group's marker (``_commit-<sha256>.json``,
+``_manifest-<sha256>.json``), which a reference pins and a reader reads first, is deleted before its
+files, in a request of its own; a group's files go only once its marker is gone. A reference to a
+half-deleted group therefore finds no marker ("does not exist"), never a marker whose files are
+missing. Whatever fails (a policy without ``s3:DeleteObject``, the network) stays, is reported in
+one line, and is listed and tried again at the next commit: the run goes on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.checkpoint.s3_store import FILES_DIR, from_s3_client
+from fedagent_flwr.checkpoint.store import Release, Released
+
+_BATCH = 1000  # keys one DeleteObjects request takes (S3's limit)
+_MARKERS = ("_manifest-", "_commit-")  # s3_store.marker_object's names
+_ROUND_MODEL = re.compile(r"round_(\d+)/(global|global_critic)")
+_KIND_LABEL = {"actor": "global_model", "critic": "global_critic"}  # retention's kinds
+
+
+@dataclass
+class _Group:
+    """A client's upload slot or a shared model: the objects deleted together, marker first."""
+
+    key: str
+    server_round: int  # the summary entry the bytes are noted in
+    label: str  # retention's kind: client_checkpoints, global_model, global_critic
+    objects: dict[str, int] = field(default_factory=dict)  # key -> bytes
+
+    def markers(self) -> list[str]:
+        return [key for key in self.objects if key.rpartition("/")[2].startswith(_MARKERS)]
+
+
+def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tuple[Path, str]],
+                   run_root: Path) -> tuple[Released, list[str]]:
+    """Delete what ``plan`` no longer needs under ``run_key`` (``bucket/prefix/runs/<run>``); return what
+    was removed and the model ids that went (the store forgets their references). ``models``: model
+    id -> (local directory, checkpoint kind) of the models this store shared. Never raises."""
+    released = Released(where=f"s3://{run_key}/")
+    gone: list[str] = []
+    doing = "list"
+    try:
+        groups = []
+        if plan.client_uploads:
+            groups += _upload_groups(_sizes(fs, f"{run_key}/uploads"), f"{run_key}/uploads", plan.committed_round)
+        if plan.keep_models is not None:
+            groups += _model_groups(_sizes(fs, f"{run_key}/models"), f"{run_key}/models", plan, models, run_root)
+        doing = "delete"
+        failed = _delete(fs, [key for group in groups for key in group.markers()])
+        for group in groups:
+            if any(key in failed for key in group.markers()):
+                continue  # its marker stays, so do its files
+            if group.label != "client_checkpoints":  # no reference to it is valid any more: share uploads again
+                gone.append(group.key[len(f"{run_key}/models/"):])
+            files = [key for key in group.objects if key not in group.markers()]
+            failed.update(_delete(fs, files))
+            for key, size in group.objects.items():
+                if key not in failed:
+                    kinds = released.removed.setdefault(group.server_round, {})
+                    kinds[group.label] = kinds.get(group.label, 0) + size
+                    released.objects[group.server_round] = released.objects.get(group.server_round, 0) + 1
+        if failed:
+            released.failure = _advice(run_key, f"could not delete {len(failed)} object(s)",
+                                       next(iter(failed.values())))
+    except Exception as exc:  # noqa: BLE001 -- the run goes on whatever the bucket answers
+        what = "could not list the run's objects" if doing == "list" else "deleting the run's objects failed"
+        origin = "" if from_s3_client(exc) or isinstance(exc, OSError) else " (not an S3 error: please report it)"
+        released.failure = _advice(run_key, what, f"{type(exc).__name__}: {str(exc)[:200]}{origin}")
+    fs.invalidate_cache()  # no listing of deleted objects survives in s3fs's cache
+    return released, gone
+
+
+def _advice(run_key: str, what: str, reason: str) -> str:
+    return (f"{what} in s3://{run_key}/ ({reason}); they stay there and the next commit tries again (the run "
+            f"goes on): the ServerApp's credentials need s3:ListBucket and s3:DeleteObject on s3://{run_key}/* "
+            "(an IAM or bucket policy without DeleteObject keeps every checkpoint in the bucket), or remove "
+            f"them yourself after the run (aws s3 rm --recursive s3://{run_key}/) or with a lifecycle rule")
+
+
+def _sizes(fs: Any, prefix: str) -> dict[str, int]:
+    """Every object under ``prefix/`` and its size, listed afresh (s3fs caches listings)."""
+    fs.invalidate_cache()
+    try:
+        found = fs.find(prefix, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {key: int(info.get("size") or 0) for key, info in found.items()
+            if info.get("type") != "directory" and key.startswith(f"{prefix}/")}  # never a sibling's
+
+
+def _upload_groups(objects: dict[str, int], uploads: str, committed_round: int) -> list[_Group]:
+    """``uploads/<round>/<client>/<kind>/`` slots of rounds up to ``committed_round``."""
+    groups: dict[str, _Group] = {}
+    for key, size in objects.items():
+        parts = key[len(uploads) + 1:].split("/")
+        if len(parts) < 4 or not parts[0].isdigit() or int(parts[0]) > committed_round:
+            continue  # a later round's (in progress), or nothing the store writes
+        slot = "/".join((uploads, *parts[:3]))
+        groups.setdefault(slot, _Group(slot, int(parts[0]), "client_checkpoints")).objects[key] = size
+    return list(groups.values())
+
+
+def _model_groups(objects: dict[str, int], prefix: str, plan: Release, models: Mapping[str, tuple[Path, str]],
+                  run_root: Path) -> list[_Group]:
+    """Shared models that ``plan`` does not keep (``models/<model id>/``, the id possibly of several segments)."""
+    assert plan.keep_models is not None
+    groups: dict[str, _Group] = {}
+    for key, size in objects.items():
+        parts = key[len(prefix) + 1:].split("/")
+        ends = [i for i, part in enumerate(parts) if part == FILES_DIR or part.startswith(_MARKERS)]
+        if not ends or ends[0] == 0:
+            continue  # not laid out by the store: left alone
+        model_id = "/".join(parts[:ends[0]])
+        if model_id not in groups:
+            fate = _model_fate(model_id, plan.keep_models, models, run_root, plan.committed_round)
+            if fate is None:
+                groups[model_id] = _Group("", 0, "")  # kept
+                continue
+            groups[model_id] = _Group(f"{prefix}/{model_id}", *fate)
+        if groups[model_id].key:
+            groups[model_id].objects[key] = size
+    return [group for group in groups.values() if group.key]
+
+
+def _model_fate(model_id: str, keep: Mapping[str, frozenset[Path]], models: Mapping[str, tuple[Path, str]],
+                run_root: Path, committed_round: int) -> tuple[int, str] | None:
+    """``(round noted, kind label)`` when the model may go; None when it stays (kept, of a kind
+    without an aggregate yet, of a round not committed yet, or a model this store cannot place)."""
+    match = _ROUND_MODEL.fullmatch(model_id)
+    if match and int(match.group(1)) > committed_round:
+        return None
+    if match:  # an aggregate: its kind is where the aggregation wrote it
+        directory, kind = run_root / model_id, "actor" if match.group(2) == "global" else "critic"
+    elif model_id in models:  # the base model (or an initial critic), outside the run root
+        directory, kind = models[model_id]
+    else:
+        return None
+    kept = keep.get(kind)
+    if kept is None or kind not in _KIND_LABEL or directory.resolve() in {path.resolve() for path in kept}:
+        return None
+    return (int(match.group(1)) if match else committed_round), _KIND_LABEL[kind]
+
+
+def _delete(fs: Any, keys: list[str]) -> dict[str, str]:
+    """Delete ``keys`` (``bucket/key``) in DeleteObjects requests; return the keys not deleted and why.
+    s3fs's own ``rm`` drops the per-key errors of such a request, so it is called directly."""
+    failed: dict[str, str] = {}
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start:start + _BATCH]
+        bucket = batch[0].split("/", 1)[0]
+        answer = fs.call_s3("delete_objects", Bucket=bucket, Delete={
+            "Objects": [{"Key": key.split("/", 1)[1]} for key in batch], "Quiet": True})
+        for error in answer.get("Errors", []):
+            failed[f"{bucket}/{error.get('Key')}"] = f"{error.get('Code')}: {error.get('Message')}"
+    return failed
