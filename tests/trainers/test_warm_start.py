@@ -86,6 +86,21 @@ def test_labels_are_the_reply_tokens_only(smollm2_tokenizer: Any) -> None:
     assert [t for t in other.labels if t != ws.IGNORE] == [t for t in example.labels if t != ws.IGNORE]
 
 
+def mean_reply_nll(model: Any, examples: list[ws.Example], pad_id: int, device: Any, batch_size: int = 4) -> float:
+    """Mean negative log-likelihood per reply token of ``examples`` under ``model`` (no gradients):
+    the test's own measure of what training did, from the command's :func:`ws.collate` and
+    :func:`ws.reply_loss`."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            loss, n = ws.reply_loss(model, *ws.collate(examples[start:start + batch_size], pad_id, device))
+            total, count = total + float(loss), count + n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
 def test_training_lowers_the_reply_loss(smollm2_tokenizer: Any, tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -95,11 +110,11 @@ def test_training_lowers_the_reply_loss(smollm2_tokenizer: Any, tiny_model_dir: 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     cpu = torch.device("cpu")
-    before = ws.mean_reply_nll(model, examples, tok.pad_token_id, cpu)
+    before = mean_reply_nll(model, examples, tok.pad_token_id, cpu)
     lines: list[str] = []
     stats = ws.train(model, examples, ws.TrainConfig(epochs=30, lr=3e-3, batch_size=2, log_every=10),
                      tok.pad_token_id, cpu, lines.append)
-    after = ws.mean_reply_nll(model, examples, tok.pad_token_id, cpu)
+    after = mean_reply_nll(model, examples, tok.pad_token_id, cpu)
     assert stats.steps == 30 and len(lines) == 3 and lines[-1].startswith("step 30/30 epoch 30: loss ")
     assert "tokens/s" in lines[0]
     assert after < 0.5 * before, (before, after)

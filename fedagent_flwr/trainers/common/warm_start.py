@@ -232,21 +232,6 @@ def reply_loss(model: Any, ids: Any, attention: Any, labels: Any) -> tuple[Any, 
     return loss, int((target != IGNORE).sum())
 
 
-def mean_reply_nll(model: Any, examples: Sequence[Example], pad_id: int, device: Any, batch_size: int = 4) -> float:
-    """Mean negative log-likelihood per reply token of ``examples`` under ``model`` (no gradients)."""
-    import torch
-
-    total, count = 0.0, 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(examples), batch_size):
-            loss, n = reply_loss(model, *collate(examples[start:start + batch_size], pad_id, device))
-            total, count = total + float(loss), count + n
-    model.train(was_training)
-    return total / max(count, 1)
-
-
 def shuffled_batches(examples: Sequence[Example], batch_size: int, generator: Any) -> Iterator[list[Example]]:
     """One epoch's batches in an order drawn from ``generator`` (a seeded ``torch.Generator``)."""
     import torch
