@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,10 +236,6 @@ def synthesize_goals(
                 "goal_options": goal_options,
                 "instruction_text": product["instruction_text"] + option_text + price_text,
             })
-    counts = Counter(a for g in goals for a in g["attributes"])
-    for g in goals:
-        # Only used by upstream's weighted sampling without an integer session; kept for completeness.
-        g["weight"] = sum(1.0 / counts[a] for a in g["attributes"]) / len(g["attributes"]) if g["attributes"] else 0.0
     return goals
 
 
