@@ -47,7 +47,7 @@ def open_checkpoint(
     :meth:`~CheckpointReader.verify_content`, which the aggregation calls before it commits.
     Safetensors directories are hashed at opening either way (their files are memory-mapped).
 
-    ``receipts`` (the http store's, :meth:`~.store.ServerStore.receipt_check`): a file whose
+    ``receipts`` (the http and s3 stores', :meth:`~.store.ServerStore.receipt_check`): a file whose
     receipt holds and whose stat is unchanged since it was verified on upload contributes the
     recorded digest instead of being hashed (:mod:`.receipts`); the reference's content hash is
     still checked over every file's digest, and with ``"while-reading"`` the stat is checked

@@ -18,7 +18,11 @@ Order: the objects are grouped by slot or model, and each group's marker (``_com
 files, in a request of its own; a group's files go only once its marker is gone. A reference to a
 half-deleted group therefore finds no marker ("does not exist"), never a marker whose files are
 missing. Whatever fails (a policy without ``s3:DeleteObject``, the network) stays, is reported in
-one line, and is listed and tried again at the next commit: the run goes on.
+one line, and is listed and tried again at the next commit: the run goes on. After the last
+commit nothing tries again: what stays then (a failed last release, an upload that arrived after
+the last commit, a run stopped before committing its last round) is removed by hand or a lifecycle
+rule. On a versioned bucket a delete only adds a delete marker: the bytes counted as freed stay
+as noncurrent versions until a lifecycle rule expires them.
 """
 
 from __future__ import annotations
@@ -67,18 +71,18 @@ def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tu
             groups += _model_groups(_sizes(fs, f"{run_key}/models"), f"{run_key}/models", plan, models, run_root)
         doing = "delete"
         failed = _delete(fs, [key for group in groups for key in group.markers()])
-        for group in groups:
-            if any(key in failed for key in group.markers()):
-                continue  # its marker stays, so do its files
-            if group.label != "client_checkpoints":  # no reference to it is valid any more: share uploads again
-                gone.append(group.key[len(f"{run_key}/models/"):])
+        # A group whose marker went is unreadable from here on, whatever happens to its files: its
+        # model is forgotten (shared again, it is uploaded again) and its marker counted before any
+        # file request, which may raise and end this pass (its files are found again next commit).
+        going = [group for group in groups if not any(key in failed for key in group.markers())]
+        gone += [group.key[len(f"{run_key}/models/"):] for group in going if group.label != "client_checkpoints"]
+        for group in going:
+            _note(released, group, group.markers())
+        for group in going:
             files = [key for key in group.objects if key not in group.markers()]
-            failed.update(_delete(fs, files))
-            for key, size in group.objects.items():
-                if key not in failed:
-                    kinds = released.removed.setdefault(group.server_round, {})
-                    kinds[group.label] = kinds.get(group.label, 0) + size
-                    released.objects[group.server_round] = released.objects.get(group.server_round, 0) + 1
+            missed = _delete(fs, files)
+            failed.update(missed)
+            _note(released, group, [key for key in files if key not in missed])
         if failed:
             released.failure = _advice(run_key, f"could not delete {len(failed)} object(s)",
                                        next(iter(failed.values())))
@@ -90,11 +94,24 @@ def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tu
     return released, gone
 
 
+def _note(released: Released, group: _Group, keys: list[str]) -> None:
+    """Count ``keys`` of ``group`` as removed, in the summary entry of the group's round."""
+    for key in keys:
+        kinds = released.removed.setdefault(group.server_round, {})
+        kinds[group.label] = kinds.get(group.label, 0) + group.objects[key]
+        released.objects[group.server_round] = released.objects.get(group.server_round, 0) + 1
+
+
 def _advice(run_key: str, what: str, reason: str) -> str:
+    bucket, _, prefix = run_key.partition("/")
+    # IAM: ListBucket is granted on the bucket (narrowed by an s3:prefix condition), DeleteObject on
+    # the objects' ARNs; a ListBucket on "bucket/prefix/*" would never match a listing.
     return (f"{what} in s3://{run_key}/ ({reason}); they stay there and the next commit tries again (the run "
-            f"goes on): the ServerApp's credentials need s3:ListBucket and s3:DeleteObject on s3://{run_key}/* "
-            "(an IAM or bucket policy without DeleteObject keeps every checkpoint in the bucket), or remove "
-            f"them yourself after the run (aws s3 rm --recursive s3://{run_key}/) or with a lifecycle rule")
+            f"goes on; after the last round, nothing does): the ServerApp's credentials need s3:ListBucket on "
+            f"arn:aws:s3:::{bucket} (condition s3:prefix \"{prefix}/*\") and s3:DeleteObject on "
+            f"arn:aws:s3:::{run_key}/* (an IAM or bucket policy without DeleteObject keeps every checkpoint in "
+            f"the bucket), or remove them yourself after the run (aws s3 rm --recursive s3://{run_key}/) or "
+            "with a lifecycle rule")
 
 
 def _sizes(fs: Any, prefix: str) -> dict[str, int]:

@@ -236,7 +236,7 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
     directories of an interrupted aggregation, the http store's upload slots of such rounds
     (``round_<r>/client_<c>/{actor,critic,.upload-*}``: a committed slot is final, so a client
     re-training the round could not upload again) and the s3 store's downloads of them
-    (``actor``, ``critic``, ``.download-*``), and the temporary files of interrupted
+    (``actor``, ``critic``, ``.download-*``), the stores' receipts of those slots, and the temporary files of interrupted
     summary, metrics and plot writes. Client outputs of such rounds are left alone: their trainer
     replaces its checkpoint and result on the rerun, and a client of a deployment may be on
     another machine.
@@ -254,7 +254,8 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
             leftovers += [round_dir / "global", round_dir / "global_critic", round_dir / STATE_DIR]
             for client_dir in sorted(round_dir.glob("client_*")):
                 leftovers += [client_dir / "actor", client_dir / "critic", *client_dir.glob(".upload-*"),
-                              *client_dir.glob(".download-*")]
+                              *client_dir.glob(".download-*"), *client_dir.glob(".receipt-*.json"),
+                              *client_dir.glob("..receipt-*.json")]  # receipts of the slots removed here
         for path in leftovers:
             if path.is_symlink() or path.is_file():
                 path.unlink()

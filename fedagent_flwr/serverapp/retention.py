@@ -164,7 +164,8 @@ class Retention:
                 if not _CLIENT_DIR.fullmatch(client_dir.name) or client_dir.is_symlink():
                     continue
                 paths = [client_dir / name for name in CLIENT_CHECKPOINT_DIRS] + sorted(client_dir.glob(".upload-*")) \
-                    + sorted(client_dir.glob(".download-*")) + sorted(client_dir.glob(".receipt-*.json"))
+                    + sorted(client_dir.glob(".download-*")) + sorted(client_dir.glob(".receipt-*.json")) \
+                    + sorted(client_dir.glob("..receipt-*.json"))  # a receipt's temporary name (atomic_path)
                 found += [(int(match.group(1)), p) for p in paths if p.exists() or p.is_symlink()]
         return found
 

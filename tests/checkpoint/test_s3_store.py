@@ -492,6 +492,37 @@ def test_a_denied_delete_is_reported_in_one_line_and_never_leaves_a_marker_witho
     assert not [k for k in _objects(store.fs, bucket) if k.startswith(stayed)]
 
 
+def test_a_connection_lost_after_the_markers_went_forgets_every_model_whose_marker_went(
+        store: S3ServerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The markers go in one request; if the connection drops at the first files request, every
+    model whose marker went is already unreadable: shared again, it is uploaded again (not handed
+    out from the store's cache), and the next commit removes the files left behind."""
+    shared = _run_with_uploads(store, tmp_path)
+    run = f"{store.base}/runs/{RUN}"
+    real = store.fs.call_s3
+    calls: list[str] = []
+
+    def drop_after_the_markers(method: str, *args: object, **kwargs: object) -> object:
+        calls.append(method)
+        if method == "delete_objects" and calls.count("delete_objects") == 2:
+            raise ConnectionError("connection reset by peer")  # the network, between two requests
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "call_s3", drop_after_the_markers)
+    keep = {"actor": frozenset({store.run_root / "round_2" / "global"})}
+    released = store.release(Release(2, True, keep))
+    assert "deleting the run's objects failed" in released.failure and "ConnectionError" in released.failure
+    assert sum(released.objects.values()) == 6  # the six markers (4 slots, 2 models) went, and are counted
+    monkeypatch.setattr(store.fs, "call_s3", real)
+    for name in ("base", "global1"):  # both lost their marker: shared again, uploaded again, fetched whole
+        source = tmp_path / "base-model" if name == "base" else store.run_root / "round_1" / "global"
+        again = store.share(CheckpointRef.for_directory(source))
+        assert again == shared[name] and client_of(store, tmp_path / f"node-{name}").fetch(again).is_dir()
+    released = store.release(Release(2, True, keep))
+    assert not released.failure
+    assert not [k for k in _objects(store.fs, f"{run}/uploads") if "/uploads/1/" in k or "/uploads/2/" in k]
+
+
 def test_retention_after_a_commit_releases_the_bucket_and_a_denied_delete_only_warns(
         store: S3ServerStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The run's retention step (a real recorder): a denied delete is one warning line and a note in

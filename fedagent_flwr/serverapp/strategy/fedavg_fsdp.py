@@ -336,7 +336,7 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
-                    # verified before the mean is committed; from the http store's receipts where they hold
+                    # verified before the mean is committed; from the http or s3 store's receipts where they hold
                     reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
                                              check_hash="while-reading", receipts=self.store.receipt_check())
                     try:
