@@ -236,10 +236,10 @@ def discard_uncommitted(run_dir: Path, last_completed_round: int | None) -> list
     directories of an interrupted aggregation, the http store's upload slots of such rounds
     (``round_<r>/client_<c>/{actor,critic,.upload-*}``: a committed slot is final, so a client
     re-training the round could not upload again) and the s3 store's downloads of them
-    (``actor``, ``critic``, ``.download-*``), the stores' receipts of those slots, and the temporary files of interrupted
-    summary, metrics and plot writes. Client outputs of such rounds are left alone: their trainer
-    replaces its checkpoint and result on the rerun, and a client of a deployment may be on
-    another machine.
+    (``actor``, ``critic``, ``.download-*``), the stores' receipts of those slots, and the
+    temporary files of interrupted summary, metrics and plot writes. Client outputs of such rounds
+    are left alone: their trainer replaces its checkpoint and result on the rerun, and a client of
+    a deployment may be on another machine.
     """
     removed: list[Path] = []
     for round_dir in sorted(run_dir.glob("round_*")):
