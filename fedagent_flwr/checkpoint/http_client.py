@@ -22,15 +22,11 @@ from typing import Any
 
 import httpx
 
-from fedagent_flwr.checkpoint.manifest import (
-    FileEntry,
-    Manifest,
-    accept_part,
-    build_manifest,
-)
+from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest
 from fedagent_flwr.checkpoint.node_store import NodeClientStore, TransferReport
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.store import progress_url
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
 _CHUNK = 1024 * 1024
@@ -71,21 +67,30 @@ class HttpClientStore(NodeClientStore):
         _, digest = self.model_segments(ref.path, ref)
         return self.cached_fetch(ref, digest, lambda staging: self._download_all(ref.path, staging), self._session())
 
-    def _download_all(self, model_url: str, staging: Path) -> None:
+    def _download_all(self, model_url: str, staging: Path) -> CheckedFiles:
         manifest = Manifest.from_json(self._get_json(model_url)["files"])
+        checked: CheckedFiles = {}
         for entry in manifest.files:
-            self._download(model_url, entry, staging)
+            self._download(model_url, entry, staging, checked)
+        return checked
 
     def _get_json(self, url: str) -> Any:
         response = self._request("GET", url, headers=self._read_headers)
         _raise_for_store(response, f"GET {url}")
         return response.json()
 
-    def _download(self, model_url: str, entry: FileEntry, staging: Path) -> None:
+    def _download(self, model_url: str, entry: FileEntry, staging: Path, checked: CheckedFiles) -> None:
+        """One file into ``staging`` (``<name>.part``, resumed; renamed, then checked against
+        ``entry`` and noted in ``checked``: :func:`~.upload_staging.check_in_place`)."""
         final = staging / entry.name
-        if final.is_file():  # verified and renamed by an earlier, interrupted fetch
-            self.report.files_skipped += 1
-            return
+        what = f"download of {model_url}"
+        if final.is_file():  # left by an interrupted fetch, perhaps before its check: checked again
+            try:
+                check_in_place(final, entry, checked, what)
+                self.report.files_skipped += 1
+                return
+            except CheckpointError:
+                pass  # deleted: downloaded again below
         part = final.with_name(final.name + ".part")
         part.parent.mkdir(parents=True, exist_ok=True)
         if entry.size == 0:
@@ -116,7 +121,8 @@ class HttpClientStore(NodeClientStore):
                 _pause(attempt, self.retries, f"download of {entry.name}",
                        f"got {part.stat().st_size} of {entry.size} bytes")
                 continue
-            accept_part(part, final, entry, f"download of {model_url}")
+            part.replace(final)
+            check_in_place(final, entry, checked, what)
             return
 
     # -- upload -------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import fsync_file
 from fedagent_flwr.checkpoint.ref import CheckpointError, is_hidden, is_sha256, update_from_file
 
 HF_SUBDIR = "huggingface"
@@ -168,19 +167,6 @@ def transfer_files(directory: str | os.PathLike[str]) -> list[str]:
 def file_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of one file (hex), streamed."""
     return str(update_from_file(hashlib.sha256(), path).hexdigest())
-
-
-def accept_part(part: Path, final: Path, entry: FileEntry, what: str) -> None:
-    """Rename a downloaded ``part`` to ``final`` once it is on disk and its sha256 is the one
-    ``entry`` lists (the folder it lands in is trusted without hashing it again); otherwise delete
-    it and raise CheckpointError naming ``what`` (where it came from)."""
-    fsync_file(part)
-    actual = file_sha256(part)
-    if actual != entry.sha256:
-        part.unlink()
-        raise CheckpointError(f"{what}: {entry.name} has sha256 {actual[:16]}..., which differs from the "
-                              f"manifest's {entry.sha256[:16]}...; refused and discarded")
-    part.replace(final)
 
 
 def build_manifest(directory: str | os.PathLike[str]) -> Manifest:

@@ -32,7 +32,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from fedagent_flwr.atomic import fsync_dir, fsync_tree
+from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError, hash_checkpoint_dir, is_sha256
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles
 
 
 @dataclass
@@ -71,14 +73,22 @@ def mark_used(model_dir: Path) -> None:
     os.utime(model_dir)
 
 
-def fill_cache(cache_dir: Path, digest: str, what: str, download: Callable[[Path], None]) -> tuple[Path, bool]:
+def fill_cache(cache_dir: Path, digest: str, what: str,
+               download: Callable[[Path], CheckedFiles]) -> tuple[Path, bool]:
     """``<cache_dir>/<digest>/``, downloading it first unless cached; returns ``(directory, cache hit)``.
 
     The one way a store client fills the node cache (http and s3): under the model's lock (one
     download per model per node, even with several ClientApp processes), ``download`` fills
-    ``.partial-<digest>/`` with verified files (keeping those an interrupted pass left), the folder
-    is checked against ``digest`` and only then renamed to its content-addressed name, so the cache
-    holds only complete, verified models. A mismatch is discarded and raised naming ``what``.
+    ``.partial-<digest>/`` with files it checked against the manifest (those an interrupted pass
+    left are checked again) and returns their digests and stats
+    (:func:`~.upload_staging.check_in_place`). The folder is checked against ``digest`` and only
+    then renamed to its content-addressed name, so the cache holds only complete, verified models;
+    a mismatch is discarded and raised naming ``what``.
+
+    That check reads nothing again: the content hash is combined from the digests the download
+    just checked, for each file whose stat is still exactly the one it was hashed under (any
+    write since moves its ``ctime``); any other file in the folder (one changed since, one the
+    download did not check) is hashed (:func:`_still_checked`).
     """
     target = cache_dir / digest
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -88,8 +98,8 @@ def fill_cache(cache_dir: Path, digest: str, what: str, download: Callable[[Path
             return target, True
         staging = cache_dir / f"{PARTIAL_PREFIX}{digest}"
         staging.mkdir(exist_ok=True)
-        download(staging)
-        actual = hash_checkpoint_dir(staging)
+        checked = download(staging)
+        actual = hash_checkpoint_dir(staging, known=_still_checked(staging, checked))
         if actual != digest:
             shutil.rmtree(staging)
             raise CheckpointError(
@@ -100,6 +110,22 @@ def fill_cache(cache_dir: Path, digest: str, what: str, download: Callable[[Path
         mark_used(target)
         fsync_dir(cache_dir)
     return target, False
+
+
+def _still_checked(staging: Path, checked: CheckedFiles) -> dict[str, tuple[int, bytes]]:
+    """``{name: (size, raw sha256)}`` of the ``checked`` files whose stat is still the one they
+    were hashed under (all five fields): the content hash takes their digests without reading
+    them. A file without a trustworthy stat (it may have changed while hashed), one changed or
+    gone since, is left out, so it is hashed (or missed) like any file nobody checked."""
+    known: dict[str, tuple[int, bytes]] = {}
+    for name, (sha256, stat) in checked.items():
+        try:
+            now = FileStat.of(os.stat(staging / name))
+        except FileNotFoundError:
+            continue
+        if stat is not None and now == stat:
+            known[name] = (stat.size, bytes.fromhex(sha256))
+    return known
 
 
 def evict_and_report(cache_dir: Path, keep: int, protected: set[str]) -> None:

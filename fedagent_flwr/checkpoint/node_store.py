@@ -19,6 +19,7 @@ from fedagent_flwr.checkpoint.manifest import check_sha256
 from fedagent_flwr.checkpoint.node_cache import evict_and_report, fill_cache
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.store import ClientStore, store_ref_parts
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles
 
 
 @dataclass
@@ -76,11 +77,12 @@ class NodeClientStore(ClientStore):
             raise CheckpointError(f"global model reference {ref.path!r} names no shared model of this run")
         return segments, check_sha256(ref.sha256, f"global model {ref.path}")
 
-    def cached_fetch(self, ref: CheckpointRef, digest: str, download: Callable[[Path], None],
+    def cached_fetch(self, ref: CheckpointRef, digest: str, download: Callable[[Path], CheckedFiles],
                      transfers: AbstractContextManager[object]) -> Path:
         """Model ``digest`` in the node cache, ``download`` filling a staging folder unless it is
-        cached (inside ``transfers``: the store's connection or error naming); then the log line
-        and the cache bound."""
+        cached (inside ``transfers``: the store's connection or error naming) and returning the
+        files it checked (:func:`.node_cache.fill_cache` combines the content hash from them);
+        then the log line and the cache bound."""
         self.report = TransferReport(started=time.monotonic())
         with transfers:
             target, self.report.cache_hit = fill_cache(self.cache_dir, digest, f"global model {ref.path}", download)

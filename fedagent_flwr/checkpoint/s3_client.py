@@ -34,6 +34,7 @@ from fedagent_flwr.checkpoint.s3_store import (
     read_json_object,
     upload_files,
 )
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles
 
 
 class S3ClientStore(NodeClientStore):
@@ -65,17 +66,19 @@ class S3ClientStore(NodeClientStore):
             ref, digest, lambda staging: self._download_all(model_key, digest, manifest_digest, staging),
             named_s3_errors(f"fetch of global model {digest[:12]}", self.url, self.endpoint_url))
 
-    def _download_all(self, model_key: str, digest: str, manifest_digest: str, staging: Path) -> None:
+    def _download_all(self, model_key: str, digest: str, manifest_digest: str, staging: Path) -> CheckedFiles:
         marker = read_json_object(self.fs, marker_object(model_key, MANIFEST_TAG, manifest_digest),
                                   "global model manifest", manifest_digest)
         if marker.get("sha256") != digest:
             raise CheckpointError(f"global model s3://{model_key}/ is another model than the reference's "
                                   f"{digest[:16]}... (or is being replaced); refused")
         manifest = Manifest.from_json(marker.get("files"))
+        checked: CheckedFiles = {}
         for entry in manifest.files:
-            received = download_verified(self.fs, f"{model_key}/{FILES_DIR}", entry, staging, "global model")
+            received = download_verified(self.fs, f"{model_key}/{FILES_DIR}", entry, staging, "global model", checked)
             self.report.bytes_received += received
             self.report.files_skipped += received == 0 and entry.size > 0
+        return checked
 
     def put(self, directory: str | os.PathLike[str], kind: CheckpointKind, server_round: int,
             client: int) -> CheckpointRef:

@@ -54,8 +54,8 @@ from urllib.parse import urlsplit
 from flwr.common.logger import log
 
 from fedagent_flwr.atomic import fsync_dir, fsync_tree
-from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, accept_part, build_manifest
-from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_key, write_receipt
+from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifest
+from fedagent_flwr.checkpoint.receipts import ReceiptCheck, receipt_key, write_receipt
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, hash_checkpoint_dir, is_sha256
 from fedagent_flwr.checkpoint.store import (
     ENDPOINT_FIELD,
@@ -70,7 +70,7 @@ from fedagent_flwr.checkpoint.store import (
     own_upload_parts,
     require_hash,
 )
-from fedagent_flwr.checkpoint.upload_staging import hash_and_sync
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place
 
 FILES_DIR = "_files"
 MANIFEST_TAG, COMMIT_TAG = "m", "c"  # a reference's last segment: m-<sha256 of the manifest object>, c-<...>
@@ -173,28 +173,27 @@ def read_json_object(fs: Any, key: str, what: str, sha256: str) -> dict[str, Any
 
 
 def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, who: str,
-                      checked: dict[str, tuple[str, FileStat | None]] | None = None) -> int:
-    """Download one manifest file into ``staging`` (``<name>.part``, checked, then renamed);
+                      checked: CheckedFiles) -> int:
+    """Download one manifest file into ``staging`` (``<name>.part``, renamed, then checked);
     return the bytes downloaded (0 when an earlier, interrupted pass left it complete).
 
     The object's size is checked before a byte is read and its sha256 after, so an object that
     is not what the manifest says is refused naming ``who`` and never kept.
 
-    With ``checked`` (the server's download of a client's upload, into a staging folder that no
-    reader opens before it is renamed whole): the file is renamed to its name in ``staging`` first
-    and hashed there by :func:`~.upload_staging.hash_and_sync`, as the http store does on receipt,
-    so that the stat recorded with its digest in ``checked`` (None when it may have changed while
-    hashed) is the one taken before these very bytes were hashed (a file rename moves ``ctime``);
-    the store's receipt is written from it (:mod:`.receipts`). A file found complete in ``staging``
-    may then predate a crash between that rename and its check, so it is hashed again, and
-    downloaded again when it does not match.
+    The file is renamed to its name in ``staging`` first and hashed there by
+    :func:`~.upload_staging.check_in_place` (:func:`~.upload_staging.hash_and_sync`), so that the
+    stat recorded with its digest in ``checked`` (None when it may have changed while hashed) is
+    the one taken before these very bytes were hashed (a file rename moves ``ctime``). The
+    server's download of an upload writes its receipt from it (:mod:`.receipts`); the node's
+    download of a global model combines the content hash from it (:func:`.node_cache.fill_cache`).
+    A file found complete in ``staging`` may predate a crash between that rename and its check,
+    so it is hashed again, and downloaded again when it does not match.
     """
     final = staging / entry.name
+    what = f"{who}: s3://{files_key}/"
     if final.is_file():
-        if checked is None:  # verified and renamed by an earlier, interrupted pass (accept_part)
-            return 0
         try:
-            _check_in_place(final, entry, checked, who, files_key)
+            check_in_place(final, entry, checked, what)
             return 0
         except CheckpointError:
             pass  # deleted: downloaded again below
@@ -221,24 +220,9 @@ def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, 
         part.unlink()
         raise CheckpointError(f"{who}: the transfer of s3://{key} stopped at {got} of {entry.size} bytes; "
                               "try again")
-    if checked is None:
-        accept_part(part, final, entry, f"{who}: s3://{files_key}/")
-    else:
-        part.replace(final)
-        _check_in_place(final, entry, checked, who, files_key)
+    part.replace(final)
+    check_in_place(final, entry, checked, what)
     return entry.size
-
-
-def _check_in_place(final: Path, entry: FileEntry, checked: dict[str, tuple[str, FileStat | None]], who: str,
-                    files_key: str) -> None:
-    """Hash ``final`` (fsynced first) against ``entry``: noted in ``checked`` with its stat when it
-    matches, else deleted and CheckpointError naming ``who``."""
-    actual, stat = hash_and_sync(final)
-    if actual != entry.sha256:
-        final.unlink()
-        raise CheckpointError(f"{who}: s3://{files_key}/: {entry.name} has sha256 {actual[:16]}..., which differs "
-                              f"from the manifest's {entry.sha256[:16]}...; refused and discarded")
-    checked[entry.name] = (actual, stat)
 
 
 def upload_files(fs: Any, directory: Path, manifest: Manifest, files_key: str) -> int:
@@ -364,7 +348,7 @@ class S3ServerStore(ServerStore):
             shutil.rmtree(final)
         staging = slot / f".download-{ref.kind}"
         staging.mkdir(parents=True, exist_ok=True)
-        checked: dict[str, tuple[str, FileStat | None]] = {}
+        checked: CheckedFiles = {}
         try:
             for entry in manifest.files:
                 download_verified(self.fs, f"{slot_key}/{FILES_DIR}", entry, staging, who, checked)

@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import fsync_file
-from fedagent_flwr.checkpoint.manifest import HF_SUBDIR, file_sha256
+from fedagent_flwr.checkpoint.manifest import HF_SUBDIR, FileEntry, file_sha256
 from fedagent_flwr.checkpoint.receipts import FileStat, wait_for_tick
+from fedagent_flwr.checkpoint.ref import CheckpointError
+
+#: ``{name: (sha256 hex, stat it was hashed under or None)}`` of the files one pass checked
+#: (:func:`check_in_place`): what a receipt, or the node cache's content hash, is built from.
+CheckedFiles = dict[str, tuple[str, FileStat | None]]
 
 RECEIVED = "received.json"
 FILES = "files"
@@ -84,6 +89,25 @@ def hash_and_sync(path: Path) -> tuple[str, FileStat | None]:
     digest = file_sha256(path)
     after = FileStat.of(os.stat(path))
     return digest, before if ticked and after == before else None
+
+
+def check_in_place(final: Path, entry: FileEntry, checked: CheckedFiles, what: str) -> None:
+    """Hash the downloaded file ``final`` (already under its own name, fsynced first) against
+    ``entry``: noted in ``checked`` with its stat (:func:`hash_and_sync`) when it matches, else
+    deleted and CheckpointError naming ``what`` (where it came from).
+
+    The s3 store's download of an upload and the node's download of a global model (http, s3)
+    check each file this way, once, so that the folder's content hash can be combined from these
+    digests while each file's stat is still the one it was hashed under, instead of reading the
+    folder again. A file under its own name may predate a crash between its rename and this
+    check, so a caller checks a file it finds there again rather than trusting it.
+    """
+    actual, stat = hash_and_sync(final)
+    if actual != entry.sha256:
+        final.unlink()
+        raise CheckpointError(f"{what}: {entry.name} has sha256 {actual[:16]}..., which differs from the "
+                              f"manifest's {entry.sha256[:16]}...; refused and discarded")
+    checked[entry.name] = (actual, stat)
 
 
 def write_through(handle: Any, chunk: bytes) -> None:

@@ -346,6 +346,28 @@ def test_a_file_left_in_the_download_folder_is_checked_again(
     assert hash_checkpoint_dir(local.path) == ref.sha256
 
 
+def test_a_node_hashes_each_file_of_a_global_model_once_and_checks_a_leftover_again(
+        store: S3ServerStore, suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's fetch, as the http client's (tests/checkpoint/test_node_fetch_hash.py): each file
+    is checked once against the pinned manifest and the content hash combined from those digests;
+    a file an interrupted fetch left under its own name (unchecked) is hashed and, being wrong,
+    downloaded again."""
+    source = suite.copy("qwen_a", store.run_root / "global")
+    shared = store.share(CheckpointRef.for_directory(source))
+    work = tmp_path / "node0"
+    staging = work / "cache" / f".partial-{shared.sha256}"
+    staging.mkdir(parents=True)
+    original = (source / SHARD).read_bytes()
+    (staging / SHARD).write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # same size, wrong bytes
+    hashed = HashCounter().install(monkeypatch)  # the content hash's sha256 (the per-file check is not counted)
+    client = client_of(store, work)
+    local = client.fetch(shared)
+    assert hashed.bytes < 1024, hashed.bytes  # combined from the digests just checked: no file re-read
+    monkeypatch.undo()
+    assert (local / SHARD).read_bytes() == original and hash_checkpoint_dir(local) == shared.sha256
+    assert client.report.bytes_received == manifest_bytes(source)
+
+
 def test_no_receipts_when_the_run_trusts_none(settings: StorageSettings, suite: Suite, tmp_path: Path) -> None:
     settings.trust_store_receipts = False
     (tmp_path / "run").mkdir()
