@@ -19,7 +19,10 @@ into an empty node cache, then once more (a later round's cache hit):
   process), and the node reads the model as above, against the manifest the reference pins.
 
 The child reports the fetch's wall time and its own CPU seconds (``fetch_wall_s``,
-``fetch_cpu_s``) and the cache hit's wall time (``hit_wall_s``). The page cache is warm (the files
+``fetch_cpu_s``), the cache hit's wall time (``hit_wall_s``), and the bytes of files it hashed
+during the fetch and the cache hit (``hashed_mb``, ``hit_hashed_mb``: every file hash of a fetch
+goes through ``update_from_file``, which the child counts; ``hashed_passes`` is ``hashed_mb`` over
+the model's transferred bytes, exact where the CPU figures are noisy). The page cache is warm (the files
 were just written), so the figures show what this benchmark is about: how many times the node
 hashes (sha256) the model's bytes before its trainer can start.
 
@@ -59,19 +62,31 @@ KINDS = ("shared-fs", "http", "s3")
 _NODE = r"""
 import json, os, sys, time
 from pathlib import Path
-from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint import CheckpointRef, content_hash, manifest
 from fedagent_flwr.checkpoint.store import open_client_store
 fields, ref = json.loads(sys.argv[1]), CheckpointRef(**json.loads(sys.argv[2]))
 work, run = Path(sys.argv[3]), int(sys.argv[4])
+hashed = [0]
+def counted(real):
+    def update_from_file(digest, path):
+        hashed[0] += os.path.getsize(path)
+        return real(digest, path)
+    return update_from_file
+# Every file hash of a fetch goes through one of these two (the per-file check, the content hash).
+manifest.update_from_file = counted(manifest.update_from_file)
+content_hash.update_from_file = counted(content_hash.update_from_file)
 client = open_client_store(fields, run, lambda: work)
 t0, cpu0 = time.perf_counter(), time.process_time()
 model = client.fetch(ref)
 wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+fetch_hashed = hashed[0]
 t0 = time.perf_counter()
 again = open_client_store(fields, run, lambda: work).fetch(ref)
 hit = time.perf_counter() - t0
 assert again == model and any(model.iterdir())
-print("FETCH " + json.dumps({"fetch_wall_s": wall, "fetch_cpu_s": cpu, "hit_wall_s": hit}), flush=True)
+print("FETCH " + json.dumps({"fetch_wall_s": wall, "fetch_cpu_s": cpu, "hit_wall_s": hit,
+                             "hashed_mb": fetch_hashed / 1e6, "hit_hashed_mb": (hashed[0] - fetch_hashed) / 1e6}),
+      flush=True)
 """
 
 
@@ -137,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             med = {k: statistics.median(r[k] for r in rows[kind]) for k in rows[kind][0]}
             print(f"{kind}: fetch_wall_s={med['fetch_wall_s']:.3f} fetch_cpu_s={med['fetch_cpu_s']:.3f} "
                   f"hit_wall_s={med['hit_wall_s']:.3f} passes={med['fetch_cpu_s'] / hash_s:.2f} "
-                  f"wall_vs_hash={med['fetch_wall_s'] / hash_s:.2f}")
+                  f"wall_vs_hash={med['fetch_wall_s'] / hash_s:.2f} "
+                  f"hashed_passes={med['hashed_mb'] * 1e6 / sticks[0]['bytes']:.2f} "
+                  f"hit_hashed_mb={med['hit_hashed_mb']:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
