@@ -10,7 +10,8 @@ plus a content hash. Layout under ``<storage.url>/runs/<run id>/``:
 ``uploads/<round>/<client>/<kind>/_commit-<sha256>.json``  written last by the client: manifest, hash, ...
 
 After each commit, what nothing reads any more (uploads of committed rounds, models retention does
-not keep) is deleted, marker first (:meth:`S3ServerStore.release`, :mod:`.s3_retention`).
+not keep) is deleted, marker first (:meth:`S3ServerStore.release`, :mod:`.s3_retention`); a resumed
+run deletes its earlier attempts' objects by the same rules (:meth:`S3ServerStore.release_earlier`).
 
 A reference names its manifest (or commit) by the sha256 of that object's bytes, as a last path
 segment ``m-<sha256>`` (``c-<sha256>``), and the reader checks the bytes against it before parsing
@@ -43,7 +44,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from logging import WARNING
@@ -395,6 +396,17 @@ class S3ServerStore(ServerStore):
             where = f"/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-"
             self._shared = {k: v for k, v in self._shared.items() if where not in v.path}
         return released
+
+    def release_earlier(self, run_ids: Sequence[int], client_uploads: bool, models: bool) -> Released | None:
+        """Delete the objects of this run's earlier attempts (:func:`.s3_retention.release_earlier_attempts`),
+        under ``runs/<id>/`` of exactly those ids: only non-negative integers (Flower's run ids, named
+        by ``str(id)`` as this store names its own), never this run's own; None when nothing may go."""
+        from fedagent_flwr.checkpoint.s3_retention import release_earlier_attempts
+
+        keys = sorted({str(run_id) for run_id in run_ids if type(run_id) is int and run_id >= 0} - {self.run_key})
+        if not keys or not (client_uploads or models):
+            return None
+        return release_earlier_attempts(self.fs, self.base, keys, client_uploads, models)
 
     def instruction_fields(self) -> dict[str, Any]:
         return {KIND_FIELD: self.kind, URL_FIELD: self.url, RUN_FIELD: self.run_key,

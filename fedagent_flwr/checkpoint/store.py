@@ -34,7 +34,7 @@ import ipaddress
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,6 +204,13 @@ class ServerStore(ABC):
         """After a commit, remove the store's own copies that ``plan`` no longer needs; never raises
         (a failure is :attr:`Released.failure`). None (the default; shared-fs and http, whose files
         are all in the run directory, which retention cleans itself): the store keeps nothing else."""
+        return None
+
+    def release_earlier(self, run_ids: Sequence[int], client_uploads: bool, models: bool) -> Released | None:
+        """When a run resumes: remove the copies the store kept for the run's earlier attempts (Flower
+        run ids ``run_ids``, as the run's summary records them): their clients' uploads if
+        ``client_uploads``, their shared models if ``models``; never raises. None (the default; stores
+        keeping nothing outside the run directory): nothing to remove."""
         return None
 
     def describe(self) -> str:

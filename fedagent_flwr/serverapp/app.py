@@ -340,6 +340,7 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
     retention = Retention.from_settings(settings.storage, run_dir, store)
+    retention.after_resume(recorder)  # a resumed run: the store's copies of its earlier attempts
     loop = RoundLoop(strategy, grid, recorder, timeout=settings.run.round_timeout, last_completed=last_completed,
                      after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir,
                      max_empty_rounds=settings.run.max_empty_rounds)

@@ -84,8 +84,10 @@ class RunRecorder:
         if previous is not None:
             self.summary.update(
                 last_completed_round=previous.last_completed_round,
-                resumed=[*previous.resumed,
-                         {"run_id": header.get("run_id"), "after_round": previous.last_completed_round}],
+                # earlier_run_id: the attempt resumed (its run id is about to be overwritten by the header's)
+                resumed=[*previous.resumed, {"run_id": header.get("run_id"),
+                                             "after_round": previous.last_completed_round,
+                                             "earlier_run_id": previous.run_id}],
                 val_curve=list(previous.val_curve),
                 client_curve=list(previous.client_curve),
                 client_val_curve=list(previous.client_val_curve),

@@ -24,7 +24,9 @@ summary entry, curve points, metrics lines, client outputs) is uncommitted and i
    (``fedagent_flwr.seeding``), so round k+1 is sent exactly what an uninterrupted run sends.
    With a remote store the start model is shared again from the run directory's copy (the s3 store
    uploads it under the new Flower run id's prefix, ``runs/<run id>/``), so a re-run needs nothing a
-   store removed after a commit; the earlier attempt's objects stay under its own run id.
+   store removed after a commit. The earlier attempts' objects in the store are removed by
+   retention's rules when the re-run starts (:meth:`.retention.Retention.after_resume`); their run
+   ids are those :func:`earlier_run_ids` reads from the summary.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class PreviousRun:
     disk_freed_bytes: int | None = None  # what retention removed after the completed rounds' commits
     store_freed_bytes: int | None = None  # what it removed from the store's own copies (s3: the bucket)
     store_freed_objects: int | None = None
+    run_id: Any = None  # the Flower run id of the attempt that wrote the summary (the one resumed)
 
     @property
     def last_aggregate(self) -> dict[str, Any] | None:
@@ -166,6 +169,8 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
     metrics_path = run_dir / METRICS_FILE
     lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
     rounds = kept(stored.get("rounds", []))
+    resumed = list(stored.get("resumed", []))
+    store_freed = store_freed_totals(rounds, resumed)
     return PreviousRun(
         run_dir=run_dir,
         last_completed_round=last,
@@ -175,7 +180,7 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         client_curve=kept(stored.get("client_curve", [])),
         rounds=rounds,
         events=kept([json.loads(line) for line in lines if line.strip()]),
-        resumed=list(stored.get("resumed", [])),
+        resumed=resumed,
         wall_seconds=float(stored.get("wall_seconds", 0.0)),
         client_val_curve=kept(stored.get("client_val_curve", [])),
         eval_failures=kept(stored.get("eval_failures", [])),
@@ -183,12 +188,36 @@ def load_previous_run(run_dir: Path, header: dict[str, Any]) -> PreviousRun | No
         # retention's own total over the kept rounds' ``removed`` (it notes committed rounds only)
         disk_freed_bytes=(sum(sum(e.get("removed", {}).values()) for e in rounds)
                           if any("removed" in e for e in rounds) else None),
-        # and the store's (an s3 bucket's) beside it
-        store_freed_bytes=(sum(sum(e.get("store_removed", {}).values()) for e in rounds)
-                           if any("store_removed" in e for e in rounds) else None),
-        store_freed_objects=(sum(e.get("store_removed_objects", 0) for e in rounds)
-                             if any("store_removed" in e for e in rounds) else None),
+        # and the store's (an s3 bucket's) beside it, with what resumes removed of earlier attempts
+        store_freed_bytes=store_freed[0] if store_freed else None,
+        store_freed_objects=store_freed[1] if store_freed else None,
+        run_id=stored.get("run_id"),
     )
+
+
+def store_freed_totals(rounds: list[dict[str, Any]], resumed: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """``(store_freed_bytes, store_freed_objects)``: what the store removed after the commits of
+    ``rounds`` (their entries' ``store_removed``) and, when the run resumed, of its earlier attempts
+    (the ``resumed`` entries' ``store_removed``); None when nothing was noted."""
+    noted = [entry for entry in (*rounds, *resumed) if "store_removed" in entry]
+    if not noted:
+        return None
+    return (sum(sum(entry["store_removed"].values()) for entry in noted),
+            sum(int(entry.get("store_removed_objects", 0)) for entry in noted))
+
+
+def earlier_run_ids(summary: dict[str, Any]) -> list[int]:
+    """The Flower run ids of the run's earlier attempts, as its summary records them: each
+    ``resumed`` entry's ``run_id`` (the attempt that resumed) and ``earlier_run_id`` (the attempt
+    it continued, the summary's ``run_id`` before that resume), but this attempt's own ``run_id``.
+    An entry written before ``earlier_run_id`` was recorded names no first attempt."""
+    ids: list[int] = []
+    for entry in summary.get("resumed", []):
+        for key in ("earlier_run_id", "run_id"):
+            run_id = entry.get(key)
+            if type(run_id) is int and run_id != summary.get("run_id") and run_id not in ids:
+                ids.append(run_id)
+    return ids
 
 
 def _difference(stored: dict[str, Any], header: dict[str, Any]) -> str:

@@ -30,6 +30,15 @@ noted beside ``removed``: ``store_removed`` (bytes per kind) and ``store_removed
 entry of the round the objects belonged to, totalled in ``store_freed_bytes`` and
 ``store_freed_objects``. A failure (no delete permission, the network) never fails the run: one
 warning line, and the committed round's entry keeps it as ``store_retention_failed``.
+
+**Earlier attempts.** A resumed run runs under a new Flower run id, so the store's copies of its
+earlier attempts (the s3 store's ``runs/<earlier id>/``) are no longer this run's: when it starts,
+:meth:`Retention.after_resume` tells the store to remove them by the same rules (uploads unless
+``keep_client_checkpoints``, shared models unless ``keep_last_k`` is 0: the run directory keeps the
+models kept, and the resumed run shares again what it needs). That is noted in this resume's
+``resumed`` entry (``store_removed``, ``store_removed_objects``, or ``store_retention_failed``), not
+in a round's: those objects were no committed round's, and the entries of the rounds run again
+are replaced. ``store_freed_bytes``/``store_freed_objects`` count them too.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from flwr.common import log
 
 from fedagent_flwr.checkpoint.store import Release, Released
 from fedagent_flwr.schema.run import Storage
-from fedagent_flwr.serverapp.resume import STATE_DIR
+from fedagent_flwr.serverapp.resume import STATE_DIR, earlier_run_ids, store_freed_totals
 
 if TYPE_CHECKING:
     from fedagent_flwr.checkpoint.store import ServerStore, StorageSettings
@@ -102,11 +111,9 @@ class Retention:
         if freed:
             recorder.summary["disk_freed_bytes"] = sum(sum(e.get("removed", {}).values()) for e in rounds)
         if released is not None and released.objects:
-            recorder.summary["store_freed_bytes"] = sum(sum(e.get("store_removed", {}).values()) for e in rounds)
-            recorder.summary["store_freed_objects"] = sum(e.get("store_removed_objects", 0) for e in rounds)
+            self._store_totals(recorder)
         recorder.write()
-        settings = (f"storage.keep_client_checkpoints={str(self.keep_client_checkpoints).lower()}, "
-                    f"storage.keep_last_k={self.keep_last_k}")
+        settings = self._settings()
         if freed:
             log(INFO, "[fedagent] round %d committed: removed %s no longer needed (%.1f MB; %s)", server_round,
                 _describe(freed), total / 1e6, settings)
@@ -115,6 +122,47 @@ class Retention:
                 _describe(released.removed), released.where, sum(released.objects.values()),
                 sum(sum(kinds.values()) for kinds in released.removed.values()) / 1e6, settings)
         return total
+
+    def after_resume(self, recorder: RunRecorder) -> None:
+        """When the run resumed: tell the store to remove its copies of the run's earlier attempts
+        (:func:`~.resume.earlier_run_ids`), and note what went in this resume's ``resumed`` entry.
+        Never raises: a failure is one warning line and the entry's ``store_retention_failed``."""
+        resumed = recorder.summary.get("resumed") or []
+        if self.store is None or not resumed or (self.keep_client_checkpoints and self.keep_last_k == 0):
+            return
+        try:
+            released = self.store.release_earlier(earlier_run_ids(recorder.summary), not self.keep_client_checkpoints,
+                                                  self.keep_last_k > 0)
+        except Exception as exc:  # noqa: BLE001 -- a store's cleanup never fails the run
+            released = Released(where=self.store.describe(), failure=f"{type(exc).__name__}: {exc}")
+        if released is None or not (released.objects or released.failure):
+            return
+        entry = resumed[-1]
+        if released.objects:
+            kinds: dict[str, int] = {}
+            for found in released.removed.values():
+                for kind, size in found.items():
+                    kinds[kind] = kinds.get(kind, 0) + size
+            entry["store_removed"] = kinds
+            entry["store_removed_objects"] = sum(released.objects.values())
+            self._store_totals(recorder)
+            log(INFO, "[fedagent] resumed: removed the earlier attempts' %s from %s (%d objects, %.1f MB; %s)",
+                ", ".join(kind.replace("_", " ") for kind in sorted(kinds)), released.where,
+                entry["store_removed_objects"], sum(kinds.values()) / 1e6, self._settings())
+        if released.failure:
+            entry["store_retention_failed"] = released.failure
+            log(WARNING, "[fedagent] resumed, but %s", released.failure)
+        recorder.write()
+
+    @staticmethod
+    def _store_totals(recorder: RunRecorder) -> None:
+        totals = store_freed_totals(recorder.summary.get("rounds", []), recorder.summary.get("resumed", []))
+        if totals is not None:
+            recorder.summary["store_freed_bytes"], recorder.summary["store_freed_objects"] = totals
+
+    def _settings(self) -> str:
+        return (f"storage.keep_client_checkpoints={str(self.keep_client_checkpoints).lower()}, "
+                f"storage.keep_last_k={self.keep_last_k}")
 
     def _release_store(self, entries: dict[int, dict[str, Any]], server_round: int) -> Released | None:
         """Tell the store the rules above for its own copies; None when it keeps none. Never raises."""

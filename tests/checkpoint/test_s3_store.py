@@ -17,6 +17,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,7 +80,8 @@ def store(settings: StorageSettings, tmp_path: Path) -> S3ServerStore:
 
 def client_of(store: S3ServerStore, work: Path, **kwargs: object) -> S3ClientStore:
     """The client store an instruction of ``store`` opens (through the instruction's fields only)."""
-    client = open_client_store(store.instruction_fields(), int(RUN), lambda: work, **kwargs)  # type: ignore[arg-type]
+    client = open_client_store(store.instruction_fields(), int(store.run_key), lambda: work,  # type: ignore[arg-type]
+                               **kwargs)
     assert isinstance(client, S3ClientStore)
     return client
 
@@ -467,10 +469,10 @@ def test_retention_removes_committed_uploads_and_models_not_kept_from_the_run_pr
         "models/round_1/global_critic", "models/round_2/global", "models/round_4/global"]
 
 
-def _deny_deletes(store: S3ServerStore, *resources: str) -> None:
-    """A bucket policy denying s3:DeleteObject on ``resources`` (keys under the run, wildcards allowed)."""
+def _deny_deletes(store: S3ServerStore, *resources: str, run_key: str = RUN) -> None:
+    """A bucket policy denying s3:DeleteObject on ``resources`` (keys under run ``run_key``, wildcards allowed)."""
     bucket = store.base.split("/")[0]
-    run = store.base[len(bucket) + 1:] + f"/runs/{RUN}"
+    run = store.base[len(bucket) + 1:] + f"/runs/{run_key}"
     policy = {"Version": "2012-10-17", "Statement": [{
         "Effect": "Deny", "Principal": "*", "Action": "s3:DeleteObject",
         "Resource": [f"arn:aws:s3:::{bucket}/{run}/{resource}" for resource in resources]}]}
@@ -579,3 +581,129 @@ def test_retention_after_a_commit_releases_the_bucket_and_a_denied_delete_only_w
     run = f"{store.base}/runs/{RUN}"
     assert sorted({k[len(run) + 1:].rsplit("/_", 1)[0] for k in _objects(store.fs, run)}) == [
         "models/round_1/global_critic", "models/round_2/global", "uploads.bak/1/0/actor", "uploads/3/0/actor"]
+
+
+def _layout(fs: object, run: str) -> list[str]:
+    """The groups (upload slots, models, other folders) of the objects under ``run``."""
+    return sorted({key[len(run) + 1:].rsplit("/_", 1)[0] for key in _objects(fs, f"{run}/")})
+
+
+def _killed_attempt(settings: StorageSettings, store: S3ServerStore, tmp_path: Path) -> str:
+    """Run 1's objects (``_run_with_uploads``: its id is a prefix of this run's, 11, and of run 111's),
+    with two objects under its prefix that the store did not lay out; return its prefix."""
+    _run_with_uploads(S3ServerStore(settings, store.run_root, "1"), tmp_path)
+    old = f"{store.base}/runs/1"
+    store.fs.pipe_file(f"{old}/models/by-hand/_files/x", b"put there by someone")
+    store.fs.pipe_file(f"{old}/uploads/1/0/notes.txt", b"no slot of the store's")
+    return old
+
+
+def test_a_resumed_run_removes_its_earlier_attempts_objects_by_the_retention_rules_and_nothing_else(
+        settings: StorageSettings, store: S3ServerStore, tmp_path: Path) -> None:
+    """Run 1 was killed after round 2; this run (11) resumed it: it shared its start model again and
+    took an upload of round 3. Only ``runs/1/``'s store-laid-out objects go, uploads unless
+    keep_client_checkpoints, models unless keep_last_k=0; runs 11 and 111 are never touched."""
+    old = _killed_attempt(settings, store, tmp_path)
+    start = store.share(CheckpointRef.for_directory(store.run_root / "round_2" / "global"))
+    client_of(store, tmp_path / "node5").put(_model(tmp_path / "up-now", "now"), "actor", 3, 0)
+    bucket = store.base.split("/")[0]
+    everything = _objects(store.fs, bucket)
+    outside = {k: v for k, v in everything.items() if not k.startswith(f"{old}/")}
+    assert [k for k in outside if f"/runs/{RUN}/uploads/3/0/" in k] and [k for k in outside if "/runs/111/" in k]
+
+    # Nothing but an earlier attempt's exact run id: never this run's own, a string, a bool.
+    assert store.release_earlier([int(RUN), "1", True], True, True) is None  # type: ignore[list-item]
+    assert store.release_earlier([1], False, False) is None  # keep everything: nothing is even listed
+    assert _objects(store.fs, bucket) == everything
+
+    # keep_last_k=0: the uploads of every round go (round 3's too: that attempt is over), the models stay.
+    released = store.release_earlier([1], True, False)
+    assert released is not None and not released.failure and released.where == f"s3://{old}/"
+    external = f"models/external/{CheckpointRef.for_directory(tmp_path / 'base-model').sha256[:16]}"
+    assert _layout(store.fs, old) == ["models/by-hand", external, "models/round_1/global",
+                                      "models/round_1/global_critic", "models/round_2/global", "uploads/1/0/notes.txt"]
+    gone = {k: v for k, v in everything.items() if k not in _objects(store.fs, bucket)}
+    assert sum(released.objects.values()) == len(gone) == 5 * 3
+    assert released.removed == {r: {"client_checkpoints": sum(v for k, v in gone.items() if f"/uploads/{r}/" in k)}
+                                for r in (1, 2, 3)}
+
+    # With keep_client_checkpoints the uploads would stay; the models go, each noted under its round.
+    before = _objects(store.fs, bucket)
+    released = store.release_earlier([1], False, True)
+    assert released is not None and not released.failure
+    assert _layout(store.fs, old) == ["models/by-hand", "uploads/1/0/notes.txt"]
+    gone = {k: v for k, v in before.items() if k not in _objects(store.fs, bucket)}
+    assert sum(released.objects.values()) == len(gone) == 4 * 3
+    assert released.removed == {
+        0: {"global_model": sum(v for k, v in gone.items() if "/models/external/" in k)},
+        1: {"global_model": sum(v for k, v in gone.items() if "/models/round_1/global/" in k),
+            "global_critic": sum(v for k, v in gone.items() if "/models/round_1/global_critic/" in k)},
+        2: {"global_model": sum(v for k, v in gone.items() if "/models/round_2/global/" in k)}}
+    after = _objects(store.fs, bucket)
+    assert {k: v for k, v in after.items() if not k.startswith(f"{old}/")} == outside  # nothing else touched
+    assert client_of(store, tmp_path / "node6").fetch(start).is_dir()  # this attempt's model is whole
+    assert store.release_earlier([1], True, True) is not None and _objects(store.fs, bucket) == after
+
+
+def test_a_resume_whose_delete_is_denied_only_warns_and_the_next_resume_removes_every_earlier_attempt(
+        settings: StorageSettings, store: S3ServerStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Run 1 was killed; run 11 resumed it with DeleteObject denied (one warning, noted in its resumed
+    entry, the run goes on) and was killed too; run 12 resumes that (the earlier ids from the summary
+    the recorders wrote: 1, which only the summary's run_id named before 11 overwrote it, and 11)
+    and removes both attempts' objects, noted in its entry and in store_freed_bytes/objects."""
+    from fedagent_flwr.serverapp.app import summary_header
+    from fedagent_flwr.serverapp.resume import earlier_run_ids, load_previous_run
+
+    old = _killed_attempt(settings, store, tmp_path)
+    this = f"{store.base}/runs/{RUN}"
+    store.share(CheckpointRef.for_directory(store.run_root / "round_2" / "global"))  # run 11's start model
+    base = CheckpointRef.for_directory(tmp_path / "base-model")
+
+    def header(run_id: int) -> dict[str, Any]:
+        return summary_header(load_settings(overrides=f"output_dir={tmp_path} run_name=run model.path={base.path}"),
+                              run_id, base)
+
+    first = RunRecorder(store.run_root, header(1))
+    first.summary["rounds"].append({"round": 1, "aggregated_actor": str(store.run_root / "round_1" / "global"),
+                                    "store_removed": {"client_checkpoints": 7}, "store_removed_objects": 1})
+    first.complete_round(1)
+    retention = Retention.from_settings(StorageSettings(kind="s3", keep_last_k=1), store.run_root, store)
+    resumed = RunRecorder(store.run_root, header(11), load_previous_run(store.run_root, header(11)))
+    assert earlier_run_ids(resumed.summary) == [1]
+    bucket = store.base.split("/")[0]
+    everything = _objects(store.fs, bucket)
+    _deny_deletes(store, "*", run_key="1")
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        retention.after_resume(resumed)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # the 9 markers (5 slots, 4 models) were refused, so none of their files was tried
+    assert warning.startswith(f"[fedagent] resumed, but could not delete 9 object(s) in s3://{old}/ (AccessDenied")
+    assert "next resume of this run tries again" in warning and "\n" not in warning
+    (entry,) = json.loads(resumed.summary_path.read_text())["resumed"]
+    assert entry["earlier_run_id"] == 1 and entry["run_id"] == 11
+    assert "s3:DeleteObject" in entry["store_retention_failed"] and "store_removed" not in entry
+    assert _objects(store.fs, bucket) == everything
+
+    store.fs.call_s3("delete_bucket_policy", Bucket=bucket)
+    later = S3ServerStore(settings, store.run_root, "12")
+    later.share(CheckpointRef.for_directory(store.run_root / "round_2" / "global"))
+    again = RunRecorder(store.run_root, header(12), load_previous_run(store.run_root, header(12)))
+    assert earlier_run_ids(again.summary) == [1, 11]
+    Retention.from_settings(StorageSettings(kind="s3", keep_last_k=1), store.run_root, later).after_resume(again)
+    summary = json.loads(again.summary_path.read_text())
+    assert "store_retention_failed" in summary["resumed"][0]  # what run 11 noted stays its own
+    entry = summary["resumed"][-1]
+    assert "store_retention_failed" not in entry
+    assert entry["store_removed_objects"] == (5 + 4) * 3 + 3  # run 1's slots and models, run 11's model
+    assert set(entry["store_removed"]) == {"client_checkpoints", "global_model", "global_critic"}
+    gone = {k: v for k, v in everything.items() if k not in _objects(store.fs, bucket)}
+    assert sum(entry["store_removed"].values()) == sum(gone.values())
+    assert summary["store_freed_bytes"] == 7 + sum(gone.values()) and summary["store_freed_objects"] == 1 + 30
+    assert _layout(store.fs, old) == ["models/by-hand", "uploads/1/0/notes.txt"]
+    assert _layout(store.fs, this) == ["uploads.bak/1/0/actor"]  # not laid out by the store: stays
+    assert _layout(store.fs, f"{store.base}/runs/111") == ["models/round_1/global", "uploads/1/0/actor"]
+    assert _layout(store.fs, f"{store.base}/runs/12") == ["models/round_2/global"]
+    # A resume of run 12 keeps the totals, the earlier attempts' included.
+    previous = load_previous_run(store.run_root, header(13))
+    assert previous is not None and (previous.store_freed_bytes, previous.store_freed_objects) == (
+        summary["store_freed_bytes"], summary["store_freed_objects"])

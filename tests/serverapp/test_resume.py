@@ -33,6 +33,7 @@ from fedagent_flwr.serverapp.resume import (
     ResumeError,
     config_fingerprint,
     discard_uncommitted,
+    earlier_run_ids,
     exclusive_run_directory,
     load_previous_run,
 )
@@ -93,7 +94,9 @@ def test_a_rerun_keeps_the_completed_rounds_only(tmp_path: Path, base: Checkpoin
     again = RunRecorder(run_dir, resumed_header, previous)
     summary = json.loads(again.summary_path.read_text())
     assert summary["run_id"] == 2 and summary["last_completed_round"] == 1
-    assert summary["resumed"] == [{"run_id": 2, "after_round": 1}]
+    # earlier_run_id: the attempt resumed (the summary's run_id until this re-run replaced it)
+    assert summary["resumed"] == [{"run_id": 2, "after_round": 1, "earlier_run_id": 1}]
+    assert earlier_run_ids(summary) == [1]
     assert summary["final_model"] == str(round_1)
     assert summary["status"] == "running"
     # Round 2 runs again: its lines appear once, not twice.
@@ -142,6 +145,8 @@ def test_a_rerun_keeps_the_initial_evaluation_time_and_the_disk_freed(tmp_path: 
         assert summary["initial_eval_seconds"] == before["initial_eval_seconds"], attempt
         assert summary["disk_freed_bytes"] == 1234, attempt
         assert (summary["store_freed_bytes"], summary["store_freed_objects"]) == (99, 3), attempt
+        # every earlier attempt's run id, the first one's included (the store removes their objects)
+        assert earlier_run_ids(summary) == list(range(1, attempt)), attempt
     # A run whose round 0 never committed has no initial evaluation time to keep.
     early = RunRecorder(tmp_path / "early", header)
     early.record_eval(server_round=0, model="base", metrics=_metrics(0.0))

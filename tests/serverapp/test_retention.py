@@ -64,6 +64,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
 
         summary = json.loads((run_dir / "federated_summary.json").read_text())
         assert summary["last_completed_round"] == 2
+        killed_id = summary["run_id"]
         first, second = summary["rounds"]
         # Round 1's global model went when round 2 committed; round 2's is the one a resume needs.
         assert not (run_dir / "round_1" / "global").exists() and (run_dir / "round_2" / "global").is_dir()
@@ -85,7 +86,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     summary = json.loads((run_dir / "federated_summary.json").read_text())
     assert ran_every_round(summary) and summary["last_completed_round"] == 3, output[-4000:]
     assert all(e["client_actor_ids"] == [0, 1] and not e["rejected"] for e in summary["rounds"])  # real configs pass
-    assert summary["resumed"] == [{"after_round": 2, "run_id": summary["run_id"]}]
+    assert summary["resumed"] == [{"after_round": 2, "run_id": summary["run_id"], "earlier_run_id": killed_id}]
     assert summary["rounds"][2]["started_from"] == str(run_dir / "round_2" / "global")
     assert summary["final_model"] == str(run_dir / "round_3" / "global")
     assert sorted(p.name for p in run_dir.glob("round_*/global*")) == ["global"]  # round 3's only
