@@ -99,6 +99,7 @@ def fill_cache(cache_dir: Path, digest: str, what: str,
         staging = cache_dir / f"{PARTIAL_PREFIX}{digest}"
         staging.mkdir(exist_ok=True)
         checked = download(staging)
+        _drop_unlisted(staging, checked)
         actual = hash_checkpoint_dir(staging, known=_still_checked(staging, checked))
         if actual != digest:
             shutil.rmtree(staging)
@@ -110,6 +111,23 @@ def fill_cache(cache_dir: Path, digest: str, what: str,
         mark_used(target)
         fsync_dir(cache_dir)
     return target, False
+
+
+def _drop_unlisted(staging: Path, checked: CheckedFiles) -> None:
+    """Remove from ``staging`` every file and folder the download did not check against the
+    manifest: the content hash covers weights and configs only, so a leftover of an interrupted
+    fetch whose manifest listed other files (a tokenizer, a ``.part``, a clock probe) would
+    otherwise enter the cache unchecked beside this model."""
+    listed = {Path(name) for name in checked}
+    parents = {parent for name in listed for parent in name.parents}
+    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        relative = path.relative_to(staging)
+        if relative in listed or (relative in parents and path.is_dir() and not path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def _still_checked(staging: Path, checked: CheckedFiles) -> dict[str, tuple[int, bytes]]:

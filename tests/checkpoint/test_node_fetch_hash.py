@@ -105,3 +105,19 @@ def test_a_file_an_interrupted_fetch_left_is_checked_again(
     assert (local / WEIGHTS).read_bytes() == weights and hash_checkpoint_dir(local) == shared.sha256
     assert client.report.files_skipped == 1  # config.json kept
     assert client.report.bytes_received == manifest_bytes(source) - (source / "config.json").stat().st_size
+
+
+def test_files_the_manifest_does_not_list_never_enter_the_cache(
+        store: HttpServerStore, shared: CheckpointRef, tmp_path: Path) -> None:
+    """The content hash covers weights and configs only: what an interrupted fetch of another
+    manifest left in ``.partial-<hash>/`` (a tokenizer file this model lacks, a half download, a
+    clock probe, a folder) is removed before the model is checked and renamed into the cache."""
+    staging = tmp_path / "node0" / "cache" / f".partial-{shared.sha256}"
+    (staging / "extra" / "deep").mkdir(parents=True)
+    strays = {"merges.txt": b"a b", "merges.txt.part": b"half", ".clock-abc": b"", "extra/deep/x.bin": b"x"}
+    for name, data in strays.items():
+        (staging / name).write_bytes(data)
+    local = node(store, tmp_path / "node0").fetch(shared)
+    listed = sorted(entry.name for entry in build_manifest(store.run_root / "round_1" / "global").files)
+    assert sorted(p.relative_to(local).as_posix() for p in local.rglob("*")) == listed
+    assert hash_checkpoint_dir(local) == shared.sha256
