@@ -40,17 +40,14 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aggregate_throughput import write_plain_client  # noqa: E402 -- the sibling benchmark's model
-from upload_server_path import _measured_code, s3_endpoint, yardsticks  # noqa: E402 -- same yardsticks
+from upload_server_path import _measured_code, measure_kinds  # noqa: E402 -- same yardsticks and loop
 
 from fedagent_flwr.checkpoint import CheckpointRef  # noqa: E402
 from fedagent_flwr.checkpoint.store import StorageSettings, open_server_store  # noqa: E402
@@ -133,36 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = work / "model"
         write_plain_client(source, seed=1, layers=args.layers)
-        rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-        sticks: list[dict[str, float]] = []
-        context = s3_endpoint(work) if "s3" in kinds else _no_endpoint()
-        with context as endpoint:
-            for repeat in range(args.repeats):
-                sticks.append(yardsticks(source))
-                print(f"repeat {repeat}: read_s={sticks[-1]['read_s']:.3f} hash_s={sticks[-1]['hash_s']:.3f} "
-                      f"({sticks[-1]['bytes'] / 1e6:.0f} MB) load={os.getloadavg()[0]:.2f}", flush=True)
-                for kind in kinds:
-                    row = one_kind(kind, source, work, endpoint, repeat)
-                    rows[kind].append(row)
-                    print(f"  {kind}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
-        hash_s = statistics.median(s["hash_s"] for s in sticks)
-        read_s = statistics.median(s["read_s"] for s in sticks)
-        print(f"median read_s={read_s:.3f} hash_s={hash_s:.3f} MB={sticks[0]['bytes'] / 1e6:.0f}")
+        med_rows, hash_s, _, measured_bytes = measure_kinds(kinds, source, work, args.repeats, one_kind)
         for kind in kinds:
-            med = {k: statistics.median(r[k] for r in rows[kind]) for k in rows[kind][0]}
+            med = med_rows[kind]
             print(f"{kind}: fetch_wall_s={med['fetch_wall_s']:.3f} fetch_cpu_s={med['fetch_cpu_s']:.3f} "
                   f"hit_wall_s={med['hit_wall_s']:.3f} passes={med['fetch_cpu_s'] / hash_s:.2f} "
                   f"wall_vs_hash={med['fetch_wall_s'] / hash_s:.2f} "
-                  f"hashed_passes={med['hashed_mb'] * 1e6 / sticks[0]['bytes']:.2f} "
+                  f"hashed_passes={med['hashed_mb'] * 1e6 / measured_bytes:.2f} "
                   f"hit_hashed_mb={med['hit_hashed_mb']:.1f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-@contextmanager
-def _no_endpoint() -> Iterator[str]:
-    yield ""
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -187,23 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = work / "client"
         write_plain_client(source, seed=1, layers=args.layers)
-        rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
-        sticks: list[dict[str, float]] = []
-        context = s3_endpoint(work) if "s3" in kinds else _no_endpoint()
-        with context as endpoint:
-            for repeat in range(args.repeats):
-                sticks.append(yardsticks(source))
-                print(f"repeat {repeat}: read_s={sticks[-1]['read_s']:.3f} hash_s={sticks[-1]['hash_s']:.3f} "
-                      f"({sticks[-1]['bytes'] / 1e6:.0f} MB) load={os.getloadavg()[0]:.2f}", flush=True)
-                for kind in kinds:
-                    row = one_kind(kind, source, work, endpoint, repeat)
-                    rows[kind].append(row)
-                    print(f"  {kind}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
-        hash_s = statistics.median(s["hash_s"] for s in sticks)
-        read_s = statistics.median(s["read_s"] for s in sticks)
-        print(f"median read_s={read_s:.3f} hash_s={hash_s:.3f} MB={sticks[0]['bytes'] / 1e6:.0f}")
+        med_rows, hash_s, read_s, _ = measure_kinds(kinds, source, work, args.repeats, one_kind)
         for kind in kinds:
-            med = {k: statistics.median(r[k] for r in rows[kind]) for k in rows[kind][0]}
+            med = med_rows[kind]
             print(f"{kind}: upload_wall_s={med['upload_wall_s']:.3f} upload_cpu_s={med['upload_cpu_s']:.3f} "
                   f"agg_wall_s={med['agg_wall_s']:.3f} agg_cpu_s={med['agg_cpu_s']:.3f} "
                   f"passes={med['server_cpu_s'] / hash_s:.2f} agg_vs_read={med['agg_wall_s'] / read_s:.2f} "
@@ -211,6 +197,32 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def measure_kinds(kinds: list[str], source: Path, work: Path, repeats: int,
+                  one_kind: Callable[[str, Path, Path, str, int], dict[str, float]],
+                  ) -> tuple[dict[str, dict[str, float]], float, float, float]:
+    """Run ``one_kind`` for every kind ``repeats`` times, each repeat after a fresh measure of the
+    yardsticks (one read, one sha256 pass of ``source``), with moto's server up when s3 is among
+    them; print every row, and return each kind's medians, the median hash and read seconds and
+    the bytes measured (the same loop for this benchmark and node_fetch_path.py)."""
+    rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    sticks: list[dict[str, float]] = []
+    context = s3_endpoint(work) if "s3" in kinds else _no_endpoint()
+    with context as endpoint:
+        for repeat in range(repeats):
+            sticks.append(yardsticks(source))
+            print(f"repeat {repeat}: read_s={sticks[-1]['read_s']:.3f} hash_s={sticks[-1]['hash_s']:.3f} "
+                  f"({sticks[-1]['bytes'] / 1e6:.0f} MB) load={os.getloadavg()[0]:.2f}", flush=True)
+            for kind in kinds:
+                row = one_kind(kind, source, work, endpoint, repeat)
+                rows[kind].append(row)
+                print(f"  {kind}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()), flush=True)
+    hash_s = statistics.median(s["hash_s"] for s in sticks)
+    read_s = statistics.median(s["read_s"] for s in sticks)
+    print(f"median read_s={read_s:.3f} hash_s={hash_s:.3f} MB={sticks[0]['bytes'] / 1e6:.0f}")
+    medians = {kind: {k: statistics.median(r[k] for r in rows[kind]) for k in rows[kind][0]} for kind in kinds}
+    return medians, hash_s, read_s, sticks[0]["bytes"]
 
 
 def _measured_code() -> str:
