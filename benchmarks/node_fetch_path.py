@@ -36,7 +36,6 @@ checkout (``PYTHONPATH=<checkout>``): the yardsticks make the ratios comparable 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -47,13 +46,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aggregate_throughput import write_plain_client  # noqa: E402 -- the sibling benchmark's model
-from upload_server_path import _measured_code, measure_kinds  # noqa: E402 -- same yardsticks and loop
+from upload_server_path import measure_kinds, parse_args  # noqa: E402 -- same yardsticks and loop
 
 from fedagent_flwr.checkpoint import CheckpointRef  # noqa: E402
 from fedagent_flwr.checkpoint.store import StorageSettings, open_server_store  # noqa: E402
 
 RUN = "7"  # the run id the instructions name (the clients check it)
-KINDS = ("shared-fs", "http", "s3")
 
 # The node: one fetch into an empty cache, then the same reference again (a later round).
 _NODE = r"""
@@ -119,13 +117,7 @@ def one_kind(kind: str, source: Path, work: Path, endpoint: str, repeat: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6, help="model depth (6: ~350 MB fp32)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
-    args = parser.parse_args(argv)
-    kinds = [k for k in args.kinds.split(",") if k]
-    print(f"code: {_measured_code()}", flush=True)
+    args, kinds = parse_args(__doc__, argv)
     work = Path(tempfile.mkdtemp(prefix="node-fetch-bench-"))
     try:
         source = work / "model"

@@ -175,14 +175,8 @@ def one_kind(kind: str, source: Path, work: Path, endpoint: str, repeat: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6, help="model depth (6: ~350 MB fp32)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
-    args = parser.parse_args(argv)
-    kinds = [k for k in args.kinds.split(",") if k]
+    args, kinds = parse_args(__doc__, argv)
     torch.set_num_threads(1)
-    print(f"code: {_measured_code()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="upload-bench-"))
     try:
         source = work / "client"
@@ -197,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def parse_args(doc: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options this benchmark and node_fetch_path.py share (``--layers``, ``--repeats``,
+    ``--kinds``) and the kinds asked for; prints which checkout is measured."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6, help="model depth (6: ~350 MB fp32)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {KINDS}")
+    args = parser.parse_args(argv)
+    print(f"code: {_measured_code()}", flush=True)
+    return args, [k for k in args.kinds.split(",") if k]
 
 
 def measure_kinds(kinds: list[str], source: Path, work: Path, repeats: int,
