@@ -69,12 +69,15 @@ class _Group:
 
 
 def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tuple[Path, str]],
-                   run_root: Path) -> tuple[Released, list[str]]:
+                   run_root: Path) -> tuple[Released, list[str], list[str]]:
     """Delete what ``plan`` no longer needs under ``run_key`` (``bucket/prefix/runs/<run>``); return what
-    was removed and the model ids that went (the store forgets their references). ``models``: model
-    id -> (local directory, checkpoint kind) of the models this store shared. Never raises."""
+    was removed, the model ids that went (the store forgets them) and those whose marker may have
+    gone (all the models sent for deletion: a request that raises may still have deleted them, so
+    the store drops its references to them and shares them again if asked). ``models``: model id ->
+    (local directory, checkpoint kind) of the models this store shared. Never raises."""
     released = Released(where=f"s3://{run_key}/")
     gone: list[str] = []
+    stale: list[str] = []
     doing = "list"
     try:
         groups = []
@@ -85,11 +88,12 @@ def release_bucket(fs: Any, run_key: str, plan: Release, models: Mapping[str, tu
             groups += _model_groups(_sizes(fs, f"{run_key}/models"), f"{run_key}/models",
                                     lambda model_id: _model_fate(model_id, keep, models, run_root, last))
         doing = "delete"
+        stale += [group.key[len(f"{run_key}/models/"):] for group in groups if group.label != "client_checkpoints"]
         _delete_groups(fs, run_key, groups, released, gone, _NEXT_COMMIT)
     except Exception as exc:  # noqa: BLE001 -- the run goes on whatever the bucket answers
         released.failure = _failed(run_key, doing, exc, _NEXT_COMMIT)
     fs.invalidate_cache()  # no listing of deleted objects survives in s3fs's cache
-    return released, gone
+    return released, gone, stale
 
 
 def release_earlier_attempts(fs: Any, base: str, run_keys: Sequence[str], client_uploads: bool,

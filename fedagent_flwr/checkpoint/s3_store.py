@@ -390,9 +390,10 @@ class S3ServerStore(ServerStore):
         went is uploaded again should it be shared again."""
         from fedagent_flwr.checkpoint.s3_retention import release_bucket
 
-        released, gone = release_bucket(self.fs, self._key(), plan, self._models, self.run_root)
-        for model_id in gone:
+        released, gone, stale = release_bucket(self.fs, self._key(), plan, self._models, self.run_root)
+        for model_id in gone:  # went: nothing of it to release later
             self._models.pop(model_id, None)
+        for model_id in stale:  # its marker may be gone (a request that raised): share it again if asked
             where = f"/runs/{self.run_key}/models/{model_id}/{MANIFEST_TAG}-"
             self._shared = {k: v for k, v in self._shared.items() if where not in v.path}
         return released

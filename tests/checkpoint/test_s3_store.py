@@ -547,6 +547,33 @@ def test_a_connection_lost_after_the_markers_went_forgets_every_model_whose_mark
     assert not [k for k in _objects(store.fs, f"{run}/uploads") if "/uploads/1/" in k or "/uploads/2/" in k]
 
 
+def test_a_lost_reply_to_the_markers_request_drops_the_cached_references(
+        store: S3ServerStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The markers request is carried out but its reply is lost: the store cannot know which markers
+    went, so it hands out no cached reference of any model it sent: shared again, each is
+    uploaded again and fetched whole; the next commit removes the files left behind."""
+    shared = _run_with_uploads(store, tmp_path)
+    real = store.fs.call_s3
+    calls: list[str] = []
+
+    def lose_the_reply(method: str, *args: object, **kwargs: object) -> object:
+        answer = real(method, *args, **kwargs)
+        calls.append(method)
+        if method == "delete_objects" and calls.count("delete_objects") == 1:
+            raise ConnectionError("connection reset by peer")  # done on the server, the answer lost
+        return answer
+
+    monkeypatch.setattr(store.fs, "call_s3", lose_the_reply)
+    keep = {"actor": frozenset({store.run_root / "round_2" / "global"})}
+    released = store.release(Release(2, True, keep))
+    assert "ConnectionError" in released.failure and not released.objects
+    monkeypatch.setattr(store.fs, "call_s3", real)
+    again = store.share(CheckpointRef.for_directory(store.run_root / "round_1" / "global"))
+    assert again == shared["global1"] and client_of(store, tmp_path / "node-g1").fetch(again).is_dir()
+    assert client_of(store, tmp_path / "node-g2").fetch(shared["global2"]).is_dir()  # kept: never sent
+    assert not store.release(Release(2, True, keep)).failure
+
+
 def test_retention_after_a_commit_releases_the_bucket_and_a_denied_delete_only_warns(
         store: S3ServerStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The run's retention step (a real recorder): a denied delete is one warning line and a note in
