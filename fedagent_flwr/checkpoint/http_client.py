@@ -26,7 +26,7 @@ from fedagent_flwr.checkpoint.manifest import FileEntry, Manifest, build_manifes
 from fedagent_flwr.checkpoint.node_store import NodeClientStore, TransferReport
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointKind, CheckpointRef
 from fedagent_flwr.checkpoint.store import progress_url
-from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place, recheck_leftover
 from fedagent_flwr.progress import MAX_PROGRESS_BYTES
 
 _CHUNK = 1024 * 1024
@@ -84,13 +84,9 @@ class HttpClientStore(NodeClientStore):
         ``entry`` and noted in ``checked``: :func:`~.upload_staging.check_in_place`)."""
         final = staging / entry.name
         what = f"download of {model_url}"
-        if final.is_file():  # left by an interrupted fetch, perhaps before its check: checked again
-            try:
-                check_in_place(final, entry, checked, what)
-                self.report.files_skipped += 1
-                return
-            except CheckpointError:
-                pass  # deleted: downloaded again below
+        if recheck_leftover(final, entry, checked, what):  # left by an interrupted fetch
+            self.report.files_skipped += 1
+            return
         part = final.with_name(final.name + ".part")
         part.parent.mkdir(parents=True, exist_ok=True)
         if entry.size == 0:

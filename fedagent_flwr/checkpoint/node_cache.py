@@ -32,9 +32,8 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from fedagent_flwr.atomic import fsync_dir, fsync_tree
-from fedagent_flwr.checkpoint.receipts import FileStat
-from fedagent_flwr.checkpoint.ref import CheckpointError, hash_checkpoint_dir, is_sha256
-from fedagent_flwr.checkpoint.upload_staging import CheckedFiles
+from fedagent_flwr.checkpoint.ref import CheckpointError, is_sha256
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, checked_content_hash
 
 
 @dataclass
@@ -88,7 +87,8 @@ def fill_cache(cache_dir: Path, digest: str, what: str,
     That check reads nothing again: the content hash is combined from the digests the download
     just checked, for each file whose stat is still exactly the one it was hashed under (any
     write since moves its ``ctime``); any other file in the folder (one changed since, one the
-    download did not check) is hashed (:func:`_still_checked`).
+    download did not check) is hashed, and a file the manifest does not list is removed first
+    (:func:`~.upload_staging.checked_content_hash`).
     """
     target = cache_dir / digest
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -99,8 +99,7 @@ def fill_cache(cache_dir: Path, digest: str, what: str,
         staging = cache_dir / f"{PARTIAL_PREFIX}{digest}"
         staging.mkdir(exist_ok=True)
         checked = download(staging)
-        _drop_unlisted(staging, checked)
-        actual = hash_checkpoint_dir(staging, known=_still_checked(staging, checked))
+        actual = checked_content_hash(staging, checked)
         if actual != digest:
             shutil.rmtree(staging)
             raise CheckpointError(
@@ -111,39 +110,6 @@ def fill_cache(cache_dir: Path, digest: str, what: str,
         mark_used(target)
         fsync_dir(cache_dir)
     return target, False
-
-
-def _drop_unlisted(staging: Path, checked: CheckedFiles) -> None:
-    """Remove from ``staging`` every file and folder the download did not check against the
-    manifest: the content hash covers weights and configs only, so a leftover of an interrupted
-    fetch whose manifest listed other files (a tokenizer, a ``.part``, a clock probe) would
-    otherwise enter the cache unchecked beside this model."""
-    listed = {Path(name) for name in checked}
-    parents = {parent for name in listed for parent in name.parents}
-    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        relative = path.relative_to(staging)
-        if relative in listed or (relative in parents and path.is_dir() and not path.is_symlink()):
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-
-
-def _still_checked(staging: Path, checked: CheckedFiles) -> dict[str, tuple[int, bytes]]:
-    """``{name: (size, raw sha256)}`` of the ``checked`` files whose stat is still the one they
-    were hashed under (all five fields): the content hash takes their digests without reading
-    them. A file without a trustworthy stat (it may have changed while hashed), one changed or
-    gone since, is left out, so it is hashed (or missed) like any file nobody checked."""
-    known: dict[str, tuple[int, bytes]] = {}
-    for name, (sha256, stat) in checked.items():
-        try:
-            now = FileStat.of(os.stat(staging / name))
-        except FileNotFoundError:
-            continue
-        if stat is not None and now == stat:
-            known[name] = (stat.size, bytes.fromhex(sha256))
-    return known
 
 
 def evict_and_report(cache_dir: Path, keep: int, protected: set[str]) -> None:

@@ -71,7 +71,7 @@ from fedagent_flwr.checkpoint.store import (
     own_upload_parts,
     require_hash,
 )
-from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place
+from fedagent_flwr.checkpoint.upload_staging import CheckedFiles, check_in_place, checked_content_hash, recheck_leftover
 
 FILES_DIR = "_files"
 MANIFEST_TAG, COMMIT_TAG = "m", "c"  # a reference's last segment: m-<sha256 of the manifest object>, c-<...>
@@ -192,12 +192,8 @@ def download_verified(fs: Any, files_key: str, entry: FileEntry, staging: Path, 
     """
     final = staging / entry.name
     what = f"{who}: s3://{files_key}/"
-    if final.is_file():
-        try:
-            check_in_place(final, entry, checked, what)
-            return 0
-        except CheckpointError:
-            pass  # deleted: downloaded again below
+    if recheck_leftover(final, entry, checked, what):
+        return 0
     key = f"{files_key}/{entry.name}"
     try:
         size = int(fs.info(key)["size"])
@@ -357,11 +353,9 @@ class S3ServerStore(ServerStore):
             shutil.rmtree(staging, ignore_errors=True)
             raise
         # Every file was just hashed against the pinned manifest, so the content hash is combined
-        # from those digests (a file in the folder that this pass did not check is hashed): the
-        # reply's hash must be the manifest's, and nothing is read a second time for it.
-        sizes = {entry.name: entry.size for entry in manifest.files}
-        actual = hash_checkpoint_dir(staging, known={name: (sizes[name], bytes.fromhex(digest))
-                                                     for name, (digest, _) in checked.items()})
+        # from those digests (as a node's fetch does): the reply's hash must be the manifest's, and
+        # nothing unchanged since its check is read a second time for it.
+        actual = checked_content_hash(staging, checked)
         if actual != ref.sha256:
             shutil.rmtree(staging, ignore_errors=True)
             raise CheckpointError(f"{who}'s upload s3://{slot_key}/ hashes to {actual[:16]}..., its reply says "

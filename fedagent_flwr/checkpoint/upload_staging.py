@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import fsync_file
 from fedagent_flwr.checkpoint.manifest import HF_SUBDIR, FileEntry, file_sha256
 from fedagent_flwr.checkpoint.receipts import FileStat, wait_for_tick
-from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.ref import CheckpointError, hash_checkpoint_dir
 
 #: ``{name: (sha256 hex, stat it was hashed under or None)}`` of the files one pass checked
 #: (:func:`check_in_place`): what a receipt, or the node cache's content hash, is built from.
@@ -108,6 +109,61 @@ def check_in_place(final: Path, entry: FileEntry, checked: CheckedFiles, what: s
         raise CheckpointError(f"{what}: {entry.name} has sha256 {actual[:16]}..., which differs from the "
                               f"manifest's {entry.sha256[:16]}...; refused and discarded")
     checked[entry.name] = (actual, stat)
+
+
+def recheck_leftover(final: Path, entry: FileEntry, checked: CheckedFiles, what: str) -> bool:
+    """True when ``final`` is already there and matches ``entry`` (checked again, noted in
+    ``checked``: an interrupted pass may have left it between its rename and its check); False
+    when the caller must download it (absent, or found wrong and deleted)."""
+    if not final.is_file():
+        return False
+    try:
+        check_in_place(final, entry, checked, what)
+    except CheckpointError:
+        return False  # deleted by the check
+    return True
+
+
+def checked_content_hash(staging: Path, checked: CheckedFiles) -> str:
+    """The content hash of the downloaded folder ``staging``, reading only what it must: files the
+    manifest does not list are removed first, each ``checked`` file whose stat is unchanged since
+    its check contributes its digest, and any other file is hashed. The node's fetch of a global
+    model (:func:`.node_cache.fill_cache`) and the s3 store's download of an upload both end here."""
+    _drop_unlisted(staging, checked)
+    return hash_checkpoint_dir(staging, known=_still_checked(staging, checked))
+
+
+def _drop_unlisted(staging: Path, checked: CheckedFiles) -> None:
+    """Remove from ``staging`` every file and folder the download did not check against the
+    manifest: the content hash covers weights and configs only, so a leftover of an interrupted
+    fetch whose manifest listed other files (a tokenizer, a ``.part``, a clock probe) would
+    otherwise enter the cache unchecked beside this model."""
+    listed = {Path(name) for name in checked}
+    parents = {parent for name in listed for parent in name.parents}
+    for path in sorted(staging.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        relative = path.relative_to(staging)
+        if relative in listed or (relative in parents and path.is_dir() and not path.is_symlink()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _still_checked(staging: Path, checked: CheckedFiles) -> dict[str, tuple[int, bytes]]:
+    """``{name: (size, raw sha256)}`` of the ``checked`` files whose stat is still the one they
+    were hashed under (all five fields): the content hash takes their digests without reading
+    them. A file without a trustworthy stat (it may have changed while hashed), one changed or
+    gone since, is left out, so it is hashed (or missed) like any file nobody checked."""
+    known: dict[str, tuple[int, bytes]] = {}
+    for name, (sha256, stat) in checked.items():
+        try:
+            now = FileStat.of(os.stat(staging / name))
+        except FileNotFoundError:
+            continue
+        if stat is not None and now == stat:
+            known[name] = (stat.size, bytes.fromhex(sha256))
+    return known
 
 
 def write_through(handle: Any, chunk: bytes) -> None:
