@@ -45,7 +45,7 @@ from fedagent_flwr.checkpoint.key_checks import (
 from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
-from fedagent_flwr.checkpoint.safetensors_writer import SafetensorsStreamWriter
+from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata, SafetensorsStreamWriter
 from fedagent_flwr.checkpoint.update_stats import (
     DEFAULT_MAX_BYTES,
     UpdateStats,
@@ -201,6 +201,8 @@ def aggregate_by_key(
     update_stats: bool = True,
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
     model_files: str | os.PathLike[str] | None = None,
+    metadata: dict[str, str] | None = None,
+    late_metadata: LateMetadata | None = None,
 ) -> AggregateReport:
     """Like :func:`weighted_mean`, with the tensor arithmetic of ``rule`` (median, trimmed mean, ...).
 
@@ -208,7 +210,10 @@ def aggregate_by_key(
     integer tensors must agree across sources and are copied. ``rule`` is called once per
     floating-point key with every source's full fp32 tensor of that key, so memory is the
     number of sources times the largest tensor. ``name`` is recorded in the output's header
-    (``fedagent.aggregation``) so audits know which rule wrote it.
+    (``fedagent.aggregation``) so audits know which rule wrote it; ``metadata`` adds the rule's own
+    header entries (a server optimiser's settings and starting model), ``late_metadata`` entries
+    whose values exist only once every key is computed (its state's content hash): they are filled
+    in after the last key, before the directory is renamed into place.
     """
 
     def combine(key: str, readers: list[CheckpointReader], weights: list[float], shape: tuple[int, ...],
@@ -234,7 +239,7 @@ def aggregate_by_key(
         return result
 
     return _write_aggregate(sources, out_dir, reference, num_threads, name, combine, update_stats, stats_max_bytes,
-                            model_files)
+                            model_files, extra_metadata=metadata, late_metadata=late_metadata)
 
 
 def _write_aggregate(
@@ -248,8 +253,11 @@ def _write_aggregate(
     stats_max_bytes: int = DEFAULT_MAX_BYTES,
     model_files: str | os.PathLike[str] | None = None,
     read_ahead: bool = False,
+    extra_metadata: dict[str, str] | None = None,
+    late_metadata: LateMetadata | None = None,
 ) -> AggregateReport:
-    """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`).
+    """The checks, layout and atomic write shared by every tensor rule (see :func:`weighted_mean`
+    and, for the metadata, :func:`aggregate_by_key`).
 
     ``read_ahead`` feeds ``combine`` through :meth:`_KeyContext.fetch` from a background reader;
     only a combiner that fetches every source of a key in order, one at a time, may ask for it.
@@ -283,6 +291,10 @@ def _write_aggregate(
             ]
         ),
     }
+    clash = sorted(set(metadata) & set(extra_metadata or {}))
+    if clash:
+        raise CheckpointError(f"aggregation rule {rule_name!r} may not set the header entry {clash[0]!r}")
+    metadata.update(extra_metadata or {})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = out_dir.parent / f".{out_dir.name}.staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -313,7 +325,7 @@ def _write_aggregate(
             plan = [ReadItem(key, index, reader, shape, dtype if dtype.is_floating_point else reader.dtype(key))
                     for key, shape, dtype in entries for index, reader in enumerate(readers)]
             context.ahead = ReadAhead(plan, ring_bytes(max((item.nbytes for item in plan), default=0)))
-        with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata) as writer:
+        with SafetensorsStreamWriter(staging / MODEL_FILE, entries, metadata, late_metadata) as writer:
             for key, shape, dtype in entries:
                 if dtype.is_floating_point:
                     value = combine(key, readers, weights, shape, context)

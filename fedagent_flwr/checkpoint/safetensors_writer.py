@@ -8,6 +8,12 @@ sees a partial file under the final name. Every ``FLUSH_EVERY`` bytes a helper t
 ``fdatasync`` on what was written so far, so the disk writes it while the next tensors are being
 computed, and the fsync in :meth:`SafetensorsStreamWriter.close` has little left to wait for.
 
+**Late metadata.** A header entry whose value is known only once every tensor is written (the
+content hash of a file written alongside: a server optimiser's state, recorded in the global
+model's header) is declared up front with its length (:class:`LateMetadata`); the header holds a
+placeholder of that length and :meth:`SafetensorsStreamWriter.close` overwrites it in place before
+the file is flushed and renamed, so no byte offset moves and no reader ever sees the placeholder.
+
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length, a JSON
 header ``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` padded
 with spaces to a multiple of 8, then the raw little-endian tensor bytes back to back.
@@ -20,8 +26,9 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -31,7 +38,7 @@ import torch
 from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
-__all__ = ["SAFETENSORS_DTYPE_NAMES", "SafetensorsStreamWriter"]
+__all__ = ["SAFETENSORS_DTYPE_NAMES", "LateMetadata", "SafetensorsStreamWriter"]
 
 SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -52,6 +59,21 @@ TensorSpec = tuple[str, Sequence[int]] | tuple[str, Sequence[int], torch.dtype]
 FLUSH_EVERY = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class LateMetadata:
+    """Header entries filled in when the file is closed (module docstring).
+
+    ``lengths`` maps each key to the exact length of its value (the header keeps its size);
+    ``values`` is called once by :meth:`SafetensorsStreamWriter.close`, after the last tensor and
+    before the flush and rename, and returns every key's value: printable ASCII without ``"`` or
+    ``\\`` (JSON would escape those and change the length), e.g. a hex digest. A failure in it, or a
+    value of another length, aborts the file.
+    """
+
+    lengths: Mapping[str, int]
+    values: Callable[[], Mapping[str, str]]
+
+
 class SafetensorsStreamWriter:
     """Streams tensors into a safetensors file whose header is written first.
 
@@ -70,13 +92,20 @@ class SafetensorsStreamWriter:
         path: str | os.PathLike[str],
         entries: Sequence[TensorSpec],
         metadata: Mapping[str, str] | None = None,
+        late: LateMetadata | None = None,
     ) -> None:
         if sys.byteorder != "little":  # safetensors is little-endian; tensors are written raw
             raise CheckpointError("the streaming safetensors writer needs a little-endian host")
         self.path = Path(path)
         self._tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
         self._order: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
-        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        fields = dict(metadata or {"format": "pt"})
+        self._late = late
+        for key, length in (late.lengths.items() if late is not None else ()):
+            if key in fields or length < 1:
+                raise CheckpointError(f"late metadata '{key}' of {self.path} is also given a value, or has no length")
+            fields[key] = "0" * length  # the placeholder close() overwrites
+        header: dict[str, object] = {"__metadata__": fields}
         offset = 0
         for entry in entries:
             key, shape = entry[0], tuple(int(s) for s in entry[1])
@@ -95,6 +124,12 @@ class SafetensorsStreamWriter:
             offset += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+        # Where each late value's placeholder sits in the file: '"key":"' cannot occur inside another
+        # string of the header (JSON escapes a quote there), so the first match is the entry itself.
+        self._late_at: dict[str, int] = {}
+        for key, length in (late.lengths.items() if late is not None else ()):
+            placed = (json.dumps(key) + ":" + json.dumps("0" * length)).encode()
+            self._late_at[key] = 8 + encoded.index(placed) + len(placed) - 1 - length
         self._next = 0
         self._unflushed = 0  # bytes written since the last background fdatasync began
         self._flusher: ThreadPoolExecutor | None = None
@@ -176,6 +211,7 @@ class SafetensorsStreamWriter:
                 f"(next was '{missing}')"
             )
         try:
+            self._fill_late_metadata()
             self._stop_flushing()
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -187,6 +223,22 @@ class SafetensorsStreamWriter:
             raise
         fsync_dir(self.path.parent)
         return self.path
+
+    def _fill_late_metadata(self) -> None:
+        """Overwrite the late entries' placeholders with their values (LateMetadata)."""
+        if self._late is None or self._file is None:
+            return
+        values = dict(self._late.values())
+        if set(values) != set(self._late_at):
+            raise CheckpointError(f"late metadata of {self.path}: got {sorted(values)}, "
+                                  f"declared {sorted(self._late_at)}")
+        self._file.flush()  # the buffered bytes go first: the overwrite must not be overwritten
+        for key, value in values.items():
+            length = self._late.lengths[key]
+            if len(value) != length or not all(32 <= ord(ch) < 127 and ch not in '"\\' for ch in value):
+                raise CheckpointError(f"late metadata '{key}' of {self.path} must be {length} printable ASCII "
+                                      f"characters without quotes or backslashes, got {value[:80]!r}")
+            os.pwrite(self._file.fileno(), value.encode(), self._late_at[key])
 
     def abort(self) -> None:
         """Drop the partial file."""

@@ -231,3 +231,32 @@ def test_stream_writer_flushes_in_the_background_and_a_failed_flush_commits_noth
                 writer.write(key, value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no partial file
     assert not [t for t in threading.enumerate() if t.name.startswith("safetensors-flush")]
+
+
+def test_late_metadata_is_written_into_the_header_at_close_and_a_bad_value_aborts(tmp_path: Path) -> None:
+    """A header value known only after the tensors (a state's hash) replaces its placeholder in place:
+    offsets unchanged, the tensors intact; a value of another length or with a quote leaves no file."""
+    from safetensors import safe_open
+
+    from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
+
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    entries = [(k, tuple(v.shape)) for k, v in tensors.items()]
+    path = tmp_path / "model.safetensors"
+    digest = "ab" * 32
+    late = LateMetadata({"fedagent.late": 64}, lambda: {"fedagent.late": digest})
+    with SafetensorsStreamWriter(path, entries, {"format": "pt", "fedagent.late_too": '"fedagent.late":"0"'},
+                                 late) as writer:
+        for key, value in tensors.items():
+            writer.write(key, value)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    assert metadata == {"format": "pt", "fedagent.late_too": '"fedagent.late":"0"', "fedagent.late": digest}
+    assert all(torch.equal(load_file(str(path))[k], v) for k, v in tensors.items())
+    for value, problem in (("ab" * 31, "must be 64 printable ASCII"), ('"' * 64, "without quotes")):
+        bad = tmp_path / "bad.safetensors"
+        with pytest.raises(CheckpointError, match=problem):
+            with SafetensorsStreamWriter(bad, entries, None, LateMetadata({"k": 64}, lambda v=value: {"k": v})) as w:
+                for key, tensor in tensors.items():
+                    w.write(key, tensor)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no partial file
