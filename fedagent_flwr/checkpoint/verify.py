@@ -4,11 +4,17 @@
 
 Each global model records its sources (path, sha256, weight) in its safetensors header; this
 command re-opens those client checkpoints (hashes checked), recomputes the weighted mean
-independently in float64 and prints the max abs error per round. Exit status 1 if any round is
-off by more than the tolerance or cannot be checked. A round whose client checkpoints (or global
-model) the run removed after its commit (``storage.keep_client_checkpoints=false``, the default,
-or ``storage.keep_last_k``) is reported as removed and not checked; keep the client checkpoints to
-audit a run.
+independently in float64 and prints the max abs error per round. A round written by a server
+optimiser (``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the
+clients' mean, the previous global model and the previous optimiser state, all hash-checked, with
+Flower's formulas restated independently (:mod:`.verify_optimizer`); both the new global model and
+the new state are compared, and the global model must still have the content hash its round
+committed. PPO's global critics are audited the same way (``round <r> critic``). Exit status 1 if
+any round is off by more than the tolerance or cannot be checked. A round whose client
+checkpoints, previous global model or previous optimiser state the run removed after its commit
+(``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is reported as
+removed and not checked; keep the client checkpoints to audit a run (that also keeps every
+round's optimiser state).
 """
 
 from __future__ import annotations
@@ -26,19 +32,30 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.key_checks import verify_mean
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.verify_optimizer import (
+    OPTIMIZER_RULES,
+    InputRemoved,
+    header_of,
+    verify_optimizer_round,
+)
+
+#: (summary key of the aggregate, of its content hash, retention's label, the line's suffix)
+_KINDS = (("aggregated_actor", "aggregated_sha256", "global_model", ""),
+          ("aggregated_critic", "aggregated_critic_sha256", "global_critic", " critic"))
 
 
-def recorded_sources(global_dir: Path) -> list[dict[str, Any]]:
-    """The (path, sha256, weight) list written into an aggregate's safetensors header."""
+def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean",)) -> list[dict[str, Any]]:
+    """The (path, sha256, weight) list written into an aggregate's safetensors header, refused
+    (CheckpointError) when a rule other than ``rules`` wrote it."""
     with safe_open(str(global_dir / MODEL_FILE), framework="pt") as handle:
         metadata = handle.metadata() or {}
     if "fedagent.sources" not in metadata:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources (not written by weighted_mean)")
     rule = metadata.get("fedagent.aggregation", "weighted_mean")
-    if rule != "weighted_mean":
+    if rule not in rules:
         # A strategy's own rule (aggregate_by_key): a weighted mean would not be expected to match.
         raise CheckpointError(f"{global_dir / MODEL_FILE} was written by the rule {rule!r}; this audit "
-                              "recomputes weighted means only")
+                              f"recomputes weighted means and the server optimisers {list(OPTIMIZER_RULES)} only")
     return list(json.loads(metadata["fedagent.sources"]))
 
 
@@ -76,30 +93,74 @@ def main(argv: list[str] | None = None) -> int:
     if not check_hashes:
         print(f"note: this run recorded checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
               f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
+    by_round = {int(e["round"]): e for e in summary.get("rounds", [])}
+
+    def state_removed(path: Path) -> bool:
+        # retention notes a state it removed in the entry of the round that wrote it
+        match = path.parent.parent.name.removeprefix("round_")
+        entry = by_round.get(int(match)) if match.isdigit() else None
+        return entry is not None and "server_optimizer_state" in entry.get("removed", {})
+
     for entry in summary.get("rounds", []):
         if not entry.get("aggregated_actor"):
             print(f"round {entry['round']}: no aggregate (previous global model kept)")
             continue
-        removed = entry.get("removed", {})
-        if "global_model" in removed:
-            print(f"round {entry['round']}: global model removed by the run (storage.keep_last_k); not checked")
-            continue
-        try:
-            if "client_checkpoints" in removed:
-                recorded_sources(Path(entry["aggregated_actor"]))  # a rule this audit cannot check is still reported
-                print(f"round {entry['round']}: client checkpoints removed by the run after the round was committed "
-                      "(storage.keep_client_checkpoints=false); not checked")
-                continue
-            error = verify_round(Path(entry["aggregated_actor"]), args.run_dir.resolve(), check_hashes)
-        except CheckpointError as exc:
-            print(f"round {entry['round']}: cannot verify: {exc}")
-            ok = False
-            continue
-        good = error <= args.tolerance
-        ok &= good
-        print(f"round {entry['round']}: clients {entry['client_actor_ids']} max abs error {error:.3e} "
-              f"{'ok' if good else 'ABOVE TOLERANCE'}")
+        for path_key, hash_key, label, what in _KINDS:
+            who = (f"clients {entry.get('client_actor_ids')}" if not what
+                   else f"critics of {len(entry.get('client_critics', []))} clients")
+            if entry.get(path_key):
+                ok &= _audit(entry, Path(entry[path_key]), entry.get(hash_key), label, what, who,
+                             args.run_dir.resolve(), check_hashes, args.tolerance, state_removed)
     return 0 if ok else 1
+
+
+def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label: str, what: str, clients: str,
+           run_root: Path, check_hashes: bool, tolerance: float, state_removed: Any) -> bool:
+    """Audit one aggregate (the global model or PPO's critic) of one round, print one line; False
+    when it fails."""
+    name = f"round {entry['round']}{what}"
+    removed = entry.get("removed", {})
+    if label in removed:
+        print(f"{name}: {label.replace('_', ' ')} removed by the run (storage.keep_last_k); not checked")
+        return True
+    try:
+        if "client_checkpoints" in removed:
+            recorded_sources(global_dir, ("weighted_mean", *OPTIMIZER_RULES))  # a rule this audit cannot check
+            # is still reported
+            print(f"{name}: client checkpoints removed by the run after the round was committed "
+                  "(storage.keep_client_checkpoints=false); not checked")
+            return True
+        if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
+            return _audit_optimizer(entry, global_dir, committed, name, clients, run_root, check_hashes, tolerance,
+                                    state_removed)
+        error = verify_round(global_dir, run_root, check_hashes)
+    except CheckpointError as exc:
+        print(f"{name}: cannot verify: {exc}")
+        return False
+    good = error <= tolerance
+    print(f"{name}: {clients} max abs error {error:.3e} {'ok' if good else 'ABOVE TOLERANCE'}")
+    return good
+
+
+def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | None, name: str, clients: str,
+                     run_root: Path, check_hashes: bool, tolerance: float, state_removed: Any) -> bool:
+    """A server optimiser's round (:mod:`.verify_optimizer`): its header is an input (the previous
+    global model, the state's hash), so the global model must first be the one its round committed."""
+    if check_hashes and committed and CheckpointRef.for_directory(global_dir).sha256 != committed:
+        print(f"{name}: cannot verify: {global_dir} changed since its round was committed (content hash differs "
+              "from the run record)")
+        return False
+    try:
+        audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, state_removed)
+    except InputRemoved as exc:
+        print(f"{name}: {exc}; not checked")
+        return True
+    good = audit.error <= tolerance and not audit.problems
+    remarks = "".join(f"; {text}" for text in audit.problems + audit.notes)
+    print(f"{name}: {clients} {audit.rule} step {audit.step} max abs error {audit.error:.3e} (global model "
+          f"{audit.global_error:.3e}, state {audit.state_error:.3e}) "
+          f"{'ok' if good else 'ABOVE TOLERANCE' if audit.error > tolerance else 'FAILED'}{remarks}")
+    return good
 
 
 if __name__ == "__main__":

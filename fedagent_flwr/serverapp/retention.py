@@ -16,7 +16,10 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
 - **Server optimiser states** (``round_<r>/server_optimizer/``: FedAvgM's momentum, FedAdam's m
   and v, ...) of committed rounds, but the one beside the newest global model (and critic),
   whatever ``keep_last_k``: only that one is stepped from, by the next round or by a re-run
-  redoing it, and for a 7B model with Adam they are 56 GB a round.
+  redoing it, and for a 7B model with Adam they are 56 GB a round. Kept with
+  ``storage.keep_client_checkpoints``: auditing a round with ``checkpoint.verify`` needs the state
+  it stepped from as much as the clients' checkpoints (a state is one or two models' size, the
+  clients' checkpoints of a round M of them).
 
 Files are removed only after the commit, so a crash in between leaves files that the next commit
 removes, never a committed round without its global model. What was removed is noted in the
@@ -219,19 +222,20 @@ class Retention:
 
     def _old_optimizer_states(self, entries: dict[int, dict[str, Any]], server_round: int) -> list[tuple[int, Path]]:
         """Server optimiser states of committed rounds that are not beside the newest global model
-        (or critic): the older ones, and any a round left without its model."""
-        newest = {}
+        (or critic): the older ones, and any a round left without its model. With
+        ``keep_client_checkpoints`` (an audit needs them) only the latter."""
+        kept: dict[str, set[int]] = {}
         for key, kind_dir in (("aggregated_actor", "global"), ("aggregated_critic", "global_critic")):
             aggregated = [r for r, e in sorted(entries.items()) if e.get(key)]
-            newest[kind_dir] = aggregated[-1] if aggregated else None
+            kept[kind_dir] = set(aggregated if self.keep_client_checkpoints else aggregated[-1:])
         found = []
         for round_dir in sorted(self.run_dir.glob(f"round_*/{STATE_DIR}")):
             match = _ROUND_DIR.fullmatch(round_dir.parent.name)
             if not match or int(match.group(1)) > server_round or round_dir.is_symlink():
                 continue
-            for kind_dir, keep in newest.items():
+            for kind_dir, keep in kept.items():
                 state = round_dir / f"{kind_dir}.safetensors"
-                if int(match.group(1)) != keep and state.is_file() and not state.is_symlink():
+                if int(match.group(1)) not in keep and state.is_file() and not state.is_symlink():
                     found.append((int(match.group(1)), state))
         return found
 

@@ -1,12 +1,15 @@
 """End to end: real Flower simulations with a server optimiser. ``strategy=fedavgm`` with momentum:
 the global models and the momentum state kept beside them equal FedAvgM recomputed from the
-clients' checkpoint files, and once round 2 commits only its state is left. ``strategy=fedadam``
+clients' checkpoint files, every round's state is kept with the clients' checkpoints
+(``storage.keep_client_checkpoints=true``), and ``checkpoint.verify`` recomputes both rounds. ``strategy=fedadam``
 killed after round 2's model and state were written, before the commit: the re-run redoes round 2
 from round 1's state and ends with the uninterrupted run's model and state, bit for bit."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,14 +60,19 @@ def test_fedavgm_two_rounds_keeps_its_momentum_beside_the_global_model(
         assert moved > 1e-4, (r, moved)  # the round's step: ten times the comparison's tolerance or more
         with safe_open(str(Path(entry["aggregated_actor"]) / "model.safetensors"), framework="pt") as handle:
             assert (handle.metadata() or {})["fedagent.aggregation"] == "fedavgm"
-    # Round 2's state is next to its global model (not in it); round 1's went when round 2 committed.
+    # Round 2's state is next to its global model (not in it); round 1's stays, with the clients' checkpoints.
     state_path = run_dir / "round_2" / "server_optimizer" / "global.safetensors"
     state = load_file(str(state_path))
     assert set(state) == {f"momentum/{k}" for k in momentum}
     assert max(float((state[f"momentum/{k}"].double() - m).abs().max()) for k, m in momentum.items()) < 1e-5
-    assert not (run_dir / "round_1" / "server_optimizer" / "global.safetensors").exists()
-    assert summary["rounds"][0]["removed"]["server_optimizer_state"] > 0
+    assert (run_dir / "round_1" / "server_optimizer" / "global.safetensors").is_file()
+    assert "server_optimizer_state" not in summary["rounds"][0].get("removed", {})
     assert not list((run_dir / "round_2" / "global").glob("*server_optimizer*"))
+    # The audit command recomputes both rounds (model and momentum) from what the run kept.
+    audit = subprocess.run([sys.executable, "-m", "fedagent_flwr.checkpoint.verify", str(run_dir)],
+                           capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    assert audit.stdout.count(" fedavgm step ") == 2 and audit.stdout.count(" ok") == 2, audit.stdout
 
 
 

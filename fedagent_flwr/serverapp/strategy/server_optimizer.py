@@ -26,6 +26,24 @@ run's model starts a fresh optimiser). A global model that this rule wrote but w
 is missing stops the run (:class:`ServerOptimizerStateError`): silently restarting the moments
 would change the result. PPO's first critic has no global critic to step from, so round 1
 averages the critics as FedAvg does and the critic's optimiser starts in round 2.
+
+**Tamper-evidence.** The global model's safetensors header records what the step started from and
+the state it wrote: ``fedagent.previous_global`` (path and content hash of ``x``), the rule's
+``fedagent.hyperparameters``, ``fedagent.round``, ``fedagent.step``, ``fedagent.buffers`` and
+``fedagent.state_sha256``, the sha256 of the state file's bytes (filled in once the state is
+complete, before the global model is renamed into place: :class:`~fedagent_flwr.checkpoint.
+safetensors_writer.LateMetadata`). Why there and not in the state file itself or a sidecar beside
+it: whoever replaces the state file (another round's, another run's, a damaged copy) replaces its
+own metadata or sidecar with it, and a hash of a file stored next to the file proves only that
+the two were copied together. The global model's header is part of the global model's content
+hash, which the run record commits with the round and a resume checks before it starts
+(:mod:`fedagent_flwr.serverapp.resume`), so the state's hash is as trustworthy as the model it
+belongs to. The next round (or a resumed run) hashes the state file before it reads a buffer
+(one more read of the file a round, as client safetensors checkpoints are hashed at opening) and
+stops with :class:`ServerOptimizerStateError` naming the file when it differs. A state whose model
+records no hash (written before fedagent-flwr recorded one) is loaded unchecked with a one-line
+warning, so older runs still resume. ``python -m fedagent_flwr.checkpoint.verify`` audits these
+rounds from the same records (:mod:`fedagent_flwr.checkpoint.verify_optimizer`).
 """
 
 from __future__ import annotations
@@ -33,10 +51,9 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from abc import abstractmethod
 from collections.abc import Sequence
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -51,12 +68,18 @@ from fedagent_flwr.checkpoint import (
     aggregate_by_key,
     aggregation_entries,
 )
+from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
+from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
 from fedagent_flwr.serverapp.resume import STATE_DIR
 
 from .fedavg_fsdp import FedAvgFSDP
 
-__all__ = ["STATE_DIR", "ServerOptimizerFSDP", "ServerOptimizerStateError", "checked_number", "state_file"]
+__all__ = ["PREVIOUS_GLOBAL", "STATE_DIR", "STATE_SHA256", "ServerOptimizerFSDP", "ServerOptimizerStateError",
+           "checked_number", "state_file"]
+
+#: Global-model header entries of a server optimiser's round (module docstring, "Tamper-evidence").
+STATE_SHA256, PREVIOUS_GLOBAL = "fedagent.state_sha256", "fedagent.previous_global"
 
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
 
@@ -145,9 +168,21 @@ class ServerOptimizerFSDP(FedAvgFSDP):
         previous = _PreviousState.find(reference, self.run_root, self.rule_name, names, entries)
         step = previous.step + 1 if previous is not None else 1
         writer: SafetensorsStreamWriter | None = None
-        metadata = {"format": "pt", "fedagent.server_optimizer": self.rule_name,
-                    "fedagent.buffers": json.dumps(list(names)), "fedagent.round": str(server_round),
-                    "fedagent.step": str(step), "fedagent.hyperparameters": json.dumps(self.hyperparameters())}
+        recorded = {"fedagent.server_optimizer": self.rule_name, "fedagent.buffers": json.dumps(list(names)),
+                    "fedagent.round": str(server_round), "fedagent.step": str(step),
+                    "fedagent.hyperparameters": json.dumps(self.hyperparameters())}
+        metadata = {"format": "pt", **recorded}
+        # The global model's header says what the step started from (an audit re-opens it) and, once
+        # the state is complete, the state's hash (the next round checks it before using it).
+        header = {**recorded, PREVIOUS_GLOBAL: json.dumps({"path": str(reference.directory),
+                                                           "sha256": reference.ref.sha256})}
+
+        def close_state() -> dict[str, str]:
+            # Called once every key is computed, before the global model is renamed into place: the
+            # state lands first, so a global model never exists without the state it names.
+            assert writer is not None
+            path = writer.close()
+            return {STATE_SHA256: file_digest(path).hex()}
 
         def rule(key: str, tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
             # FedAvg's mean with weighted_mean's arithmetic (first source scaled, then each next added)
@@ -170,16 +205,13 @@ class ServerOptimizerFSDP(FedAvgFSDP):
                 writer = SafetensorsStreamWriter(
                     state_file(out_dir), [(f"{n}/{key}", shape) for key, shape in entries for n in names], metadata)
             report = aggregate_by_key(sources, out_dir, rule, name=self.rule_name, reference=reference,
-                                      model_files=self.model_files)
-            if writer is not None:
-                try:
-                    writer.close()
-                except BaseException:
-                    shutil.rmtree(out_dir, ignore_errors=True)  # no global model without its state
-                    raise
+                                      model_files=self.model_files, metadata=header,
+                                      late_metadata=LateMetadata({STATE_SHA256: 64}, close_state) if names else None)
         except BaseException:
             if writer is not None:
                 writer.abort()
+                if not out_dir.exists():  # the state is in place but its global model did not follow
+                    state_file(out_dir).unlink(missing_ok=True)
             raise
         finally:
             if previous is not None:
@@ -209,13 +241,15 @@ class _PreviousState:
         if not names or not _GLOBAL_DIR.fullmatch(inside):
             return None
         path = state_file(directory)
+        model_header = _header(directory / MODEL_FILE)
         if not path.is_file():
-            written_by = _header(directory / MODEL_FILE).get("fedagent.aggregation")
+            written_by = model_header.get("fedagent.aggregation")
             if written_by == rule_name:
                 raise ServerOptimizerStateError(
                     f"{directory} was written by {rule_name} but its optimiser state {path} is missing; "
                     "the run cannot go on with the same result (restore the file or start a new run)")
             return None  # a model written by FedAvg's mean (PPO's first critic): the buffers start at zero
+        _check_state_hash(path, directory, model_header.get(STATE_SHA256))
         from safetensors import safe_open
 
         try:
@@ -256,6 +290,24 @@ class _PreviousState:
             self._handle.__exit__(None, None, None)
         except Exception:  # closed already: nothing to free
             pass
+
+
+def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> None:
+    """Refuse a state file whose bytes are not those its global model's header recorded (module
+    docstring); one that has no recorded hash (an older run's) is loaded with a warning."""
+    if recorded is None:
+        log(WARNING, "optimiser state %s: its global model %s records no content hash (written before fedagent-flwr "
+            "recorded one); loaded unchecked", path, directory)
+        return
+    try:
+        actual = file_digest(path).hex()
+    except OSError as exc:
+        raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
+    if actual != recorded:
+        raise ServerOptimizerStateError(
+            f"optimiser state {path} is not the file written with {directory}: its sha256 is {actual[:16]}..., the "
+            f"global model's header recorded {recorded[:16]}... (changed, damaged or replaced since). Stepping from it "
+            "would change the result: restore the file from a copy of the run, or start a new run")
 
 
 def _header(model_file: Path) -> dict[str, str]:

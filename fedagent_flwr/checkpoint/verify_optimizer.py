@@ -1,0 +1,281 @@
+"""The audit of a server optimiser's round (FedAvgM, FedAdam, FedYogi, FedAdagrad), in float64.
+
+:mod:`.verify` recomputes weighted means; a round written by a server optimiser
+(:mod:`fedagent_flwr.serverapp.strategy.server_optimizer`) is a step from the previous global model
+``x`` towards the clients' weighted mean ``a``, with buffers kept across rounds, so its audit needs
+more inputs, all of which the run recorded:
+
+- the clients' checkpoints (the global model's ``fedagent.sources``: path, sha256, weight; hashes
+  checked, as for a weighted mean);
+- ``x``: the global model's ``fedagent.previous_global`` (path and content hash, checked);
+- the previous buffers: the state file beside ``x`` (``round_<k>/server_optimizer/<global or
+  global_critic>.safetensors``) when ``x`` is a global model this rule wrote inside the run, its
+  bytes checked against the ``fedagent.state_sha256`` in ``x``'s header; zeros otherwise (the
+  base model, a model from outside the run, PPO's first critic, which FedAvg's mean wrote);
+- the rule's ``fedagent.hyperparameters``, ``fedagent.round`` (FedAdam's bias correction uses the
+  server round, Flower's ``r + 1`` exponent) and ``fedagent.step`` (checked: 1 where the buffers
+  start at zero, the previous state's step + 1 otherwise).
+
+The step is restated here from Flower's formulas (``FedAvgM``: ``g = x - a``, ``momentum = mu
+momentum + g``, ``x - lr momentum``; ``FedOpt``: ``delta = a - x``, ``m = beta_1 m + (1 - beta_1)
+delta``, FedAdam/FedYogi/FedAdagrad's ``v``, ``x + step m / (sqrt(v) + tau)``), never by calling the
+strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both
+the new global model and the new state's buffers are compared with the files on disk; the round's
+error is the larger of the two max abs errors. The buffers are small numbers (``v`` is about
+``delta^2``), so a change to a state file below the tolerance is caught by its hash instead (and
+by the next round's step, which the change would move).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fedagent_flwr.checkpoint.content_hash import file_digest
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
+from fedagent_flwr.checkpoint.key_checks import check_finite, effective_keys, normalise_weights
+from fedagent_flwr.checkpoint.open_ref import open_checkpoint
+from fedagent_flwr.checkpoint.reader import CheckpointReader
+from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
+
+__all__ = ["OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "state_path", "verify_optimizer_round"]
+
+#: The rules this audit recomputes (``fedagent.aggregation`` of the global model's header).
+OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
+# The layout and header entries as server_optimizer's docstring documents them, restated here so
+# that the audit reads what the run wrote, not what the strategy's code would compute.
+_STATE_DIR, _STATE_SHA256, _PREVIOUS = "server_optimizer", "fedagent.state_sha256", "fedagent.previous_global"
+_GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
+
+
+class InputRemoved(Exception):
+    """An input of the round that the run's retention removed: the round is not checked."""
+
+
+@dataclass
+class OptimizerAudit:
+    """What the audit of one round found: the errors, the step, and problems that fail the round
+    whatever the errors (a hash that differs, a step count that does not follow)."""
+
+    rule: str
+    step: int
+    global_error: float = 0.0
+    state_error: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def error(self) -> float:
+        """The larger of the two max abs errors."""
+        return max(self.global_error, self.state_error)
+
+
+def header_of(model_file: Path) -> dict[str, str]:
+    """The safetensors metadata of ``model_file`` (CheckpointError when it cannot be read)."""
+    try:
+        with safe_open(str(model_file), framework="pt") as handle:
+            return dict(handle.metadata() or {})
+    except Exception as exc:  # SafetensorError, OSError
+        raise CheckpointError(f"{model_file} is not a readable safetensors file ({exc})") from None
+
+
+def state_path(global_dir: Path) -> Path:
+    """Where the state written with the global model (or critic) at ``global_dir`` lies."""
+    return global_dir.parent / _STATE_DIR / f"{global_dir.name}.safetensors"
+
+
+def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, check_hashes: bool = True,
+                           state_removed: Callable[[Path], bool] = lambda path: False) -> OptimizerAudit:
+    """Recompute the round that wrote ``global_dir`` (module docstring) and compare.
+
+    ``check_hashes`` False skips the content-hash comparisons (a run recorded with another content
+    hash version); ``state_removed(path)`` says whether the run's retention removed that state file
+    (then the round is not checked, :class:`InputRemoved`, rather than failed). Raises
+    CheckpointError when the round cannot be recomputed at all (an input missing or altered)."""
+    header = header_of(global_dir / MODEL_FILE)
+    rule = header.get("fedagent.aggregation", "")
+    if rule not in OPTIMIZER_RULES:
+        raise CheckpointError(f"{global_dir / MODEL_FILE} was not written by a server optimiser ({rule!r})")
+    if _PREVIOUS not in header:
+        raise CheckpointError(f"{global_dir / MODEL_FILE} records no previous global model (written before "
+                              "fedagent-flwr recorded one): this round cannot be recomputed")
+    try:
+        settings = {k: float(v) for k, v in json.loads(header["fedagent.hyperparameters"]).items()}
+        buffers = list(json.loads(header["fedagent.buffers"]))
+        step, recorded_round = int(header["fedagent.step"]), int(header["fedagent.round"])
+        previous = json.loads(header[_PREVIOUS])
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{global_dir / MODEL_FILE} has an unreadable optimiser header ({exc!r})") from None
+    audit = OptimizerAudit(rule, step)
+    if recorded_round != server_round:
+        audit.problems.append(f"its header says round {recorded_round}")
+    expected_buffers = _buffers(rule, settings)
+    if buffers != expected_buffers:
+        audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
+    x_dir = Path(previous["path"])
+    if not x_dir.is_dir():
+        raise InputRemoved(f"previous global model {x_dir} removed (storage.keep_last_k)")
+    with ExitStack() as stack:
+        sources = _sources(header, global_dir, run_root, check_hashes, stack)
+        x_ref = CheckpointRef.for_directory(x_dir)
+        if check_hashes and previous.get("sha256") and x_ref.sha256 != previous["sha256"]:
+            raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped from it "
+                                  "(hash differs)")
+        x_reader = stack.enter_context(_closing(open_checkpoint(x_ref, check_hash=False)))
+        old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, check_hashes, state_removed, stack)
+        new_state = _new_state(global_dir, header, buffers, step, audit, check_hashes, state_removed, stack)
+        written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
+        keys = set(effective_keys(sources[0][0], tied_weight_keys(global_dir)))
+        if set(written.keys()) != keys:
+            raise CheckpointError(f"{global_dir} holds keys {sorted(set(written.keys()) ^ keys)[:5]} that differ "
+                                  "from the sources")
+        wanted = {f"{n}/{k}" for k in keys if sources[0][0].dtype(k).is_floating_point for n in buffers}
+        if old_state is not None and set(old_state.keys()) != wanted:
+            raise CheckpointError(f"previous optimiser state of {x_dir} does not hold the buffers {buffers} of "
+                                  "this model's keys")
+        if new_state is not None and set(new_state.keys()) != wanted:
+            audit.problems.append(f"{state_path(global_dir)} does not hold the buffers {buffers} of this model's keys")
+            new_state = None
+        weights = normalise_weights([w for _, w in sources])
+        for key in sorted(keys):
+            actual = written.get_tensor(key)
+            if not sources[0][0].dtype(key).is_floating_point:
+                if not torch.equal(actual, sources[0][0].read(key, dtype=None)):
+                    raise CheckpointError(f"{global_dir}: integer tensor '{key}' differs from the sources")
+                continue
+            check_finite(key, actual, str(global_dir))
+            mean = torch.zeros(sources[0][0].shape(key), dtype=torch.float64)
+            for (reader, _), weight in zip(sources, weights):
+                mean += weight * reader.read(key).double()
+            x = x_reader.read(key).double()
+            state = {n: old_state.get_tensor(f"{n}/{key}").double() if old_state is not None else torch.zeros_like(x)
+                     for n in buffers}
+            expected = _step(rule, settings, server_round, x, mean, state)
+            audit.global_error = max(audit.global_error, _max_abs(actual.double() - expected))
+            if new_state is not None:
+                for name in buffers:
+                    stored = new_state.get_tensor(f"{name}/{key}").double()
+                    audit.state_error = max(audit.state_error, _max_abs(stored - state[name]))
+    return audit
+
+
+def _buffers(rule: str, settings: dict[str, float]) -> list[str]:
+    """The buffers Flower's rule keeps with these settings (FedAvgM's only with momentum, m only
+    with beta_1 > 0)."""
+    if rule == "fedavgm":
+        return ["momentum"] if settings.get("server_momentum", 0.0) > 0.0 else []
+    return ["m", "v"] if settings.get("beta_1", 0.0) > 0.0 else ["v"]
+
+
+def _step(rule: str, settings: dict[str, float], server_round: int, x: torch.Tensor, mean: torch.Tensor,
+          state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The new ``x`` in float64 from Flower's formulas; ``state`` (zeros at first) is updated in place."""
+    if rule == "fedavgm":
+        gradient = x - mean
+        if "momentum" in state:  # zeros at first: mu 0 + g is Flower's first-round momentum = g
+            state["momentum"] = settings["server_momentum"] * state["momentum"] + gradient
+            gradient = state["momentum"]
+        return x - settings["server_learning_rate"] * gradient
+    beta_1, beta_2, eta, tau = settings["beta_1"], settings["beta_2"], settings["eta"], settings["tau"]
+    delta = mean - x
+    m = beta_1 * state["m"] + (1.0 - beta_1) * delta if "m" in state else delta
+    if "m" in state:
+        state["m"] = m
+    v, squared = state["v"], delta * delta
+    if rule == "fedadam":
+        v = beta_2 * v + (1.0 - beta_2) * squared
+        eta = eta * math.sqrt(1.0 - beta_2 ** (server_round + 1.0)) / (1.0 - beta_1 ** (server_round + 1.0))
+    elif rule == "fedyogi":
+        v = v - (1.0 - beta_2) * squared * torch.sign(v - squared)
+    else:  # fedadagrad
+        v = v + squared
+    state["v"] = v
+    return x + eta * m / (torch.sqrt(v) + tau)
+
+
+def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool,
+             stack: ExitStack) -> list[tuple[CheckpointReader, float]]:
+    """The clients' checkpoints the header names, opened (hashes checked unless told not to)."""
+    if "fedagent.sources" not in header:
+        raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
+    sources = []
+    for source in json.loads(header["fedagent.sources"]):
+        ref = CheckpointRef.for_directory(source["path"])
+        if check_hashes and source["sha256"] and ref.sha256 != source["sha256"]:
+            raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
+        sources.append((stack.enter_context(_closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
+    if not sources:
+        raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
+    return sources
+
+
+def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], step: int, audit: OptimizerAudit,
+                    check_hashes: bool, state_removed: Callable[[Path], bool], stack: ExitStack) -> Any:
+    """The state the step started from, opened (None: the buffers start at zero)."""
+    try:
+        inside = x_dir.resolve().relative_to(run_root.resolve()).as_posix()
+    except ValueError:
+        inside = ""
+    x_header = header_of(x_dir / MODEL_FILE)
+    stepped = bool(buffers) and bool(_GLOBAL_DIR.fullmatch(inside)) and x_header.get("fedagent.aggregation") == rule
+    if not stepped:
+        if step != 1:
+            audit.problems.append(f"step {step} recorded, but {x_dir} has no {rule} state to continue (step 1)")
+        return None
+    path = state_path(x_dir)
+    if not path.is_file():
+        if state_removed(path):
+            raise InputRemoved(f"previous optimiser state {path} removed by the run after the round was committed")
+        raise CheckpointError(f"previous optimiser state {path} is missing")
+    recorded = x_header.get(_STATE_SHA256)
+    if recorded is None:
+        audit.notes.append(f"{path} has no recorded hash (an older run's)")
+    elif check_hashes and file_digest(path).hex() != recorded:
+        raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
+                              f"the one {x_dir / MODEL_FILE} records)")
+    handle = stack.enter_context(safe_open(str(path), framework="pt"))
+    old_step = int((handle.metadata() or {}).get("fedagent.step", "0"))
+    if old_step + 1 != step:
+        audit.problems.append(f"step {step} recorded, the previous state {path} is step {old_step}")
+    return handle
+
+
+def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], step: int, audit: OptimizerAudit,
+               check_hashes: bool, state_removed: Callable[[Path], bool], stack: ExitStack) -> Any:
+    """The state written with the round, opened and its hash checked (None: no buffers, or removed)."""
+    if not buffers:
+        return None
+    path = state_path(global_dir)
+    if not path.is_file():
+        if state_removed(path):
+            audit.notes.append("its state was removed by the run: global model checked only")
+            return None
+        raise CheckpointError(f"optimiser state {path} is missing")
+    recorded = header.get(_STATE_SHA256)
+    if check_hashes and recorded is not None and file_digest(path).hex() != recorded:
+        audit.problems.append(f"{path} differs from the hash its global model recorded")
+    handle = stack.enter_context(safe_open(str(path), framework="pt"))
+    if int((handle.metadata() or {}).get("fedagent.step", "-1")) != step:
+        audit.problems.append(f"{path} is not step {step}")
+    return handle
+
+
+@contextmanager
+def _closing(reader: CheckpointReader) -> Iterator[CheckpointReader]:
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def _max_abs(delta: torch.Tensor) -> float:
+    return float(delta.abs().max()) if delta.numel() else 0.0
