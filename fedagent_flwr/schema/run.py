@@ -64,7 +64,9 @@ class Storage:
 
     # shared-fs: one filesystem everywhere (HPC) | http: the ServerApp serves a store | s3: an S3-compatible bucket
     kind: str = setting("shared-fs", choices=STORE_KINDS)
-    keep_client_checkpoints: bool = setting(False)  # false: a round's client checkpoints go once it is committed
+    # false: a round's client checkpoints go once it is committed; true keeps them, and every round's server
+    # optimiser state (the audit, checkpoint.verify, needs both)
+    keep_client_checkpoints: bool = setting(False)
     # the k newest global models are kept (the latest always stays, so resume works)
     keep_last_k: int = setting(0, ge=0, note="the number of newest global models kept; 0 keeps all")
     # http: bind address of the store (loopback unless set; 0.0.0.0 needs url and TLS)
