@@ -13,12 +13,14 @@ model size) and streams both the new global model and the new optimiser state to
 download that directory): the state after round r of the actor is
 ``<run_root>/round_<r>/server_optimizer/global.safetensors`` (PPO's critic:
 ``.../global_critic.safetensors``), one safetensors file with a ``<buffer>/<key>`` tensor per
-buffer and floating-point key, written under a temporary name and renamed once the round's
-global model is in place. Round r+1 finds it from its starting model's directory alone, so a
-resumed run (:mod:`fedagent_flwr.serverapp.resume`: it restarts from the last committed global
-model, removes what uncommitted rounds wrote and redoes them) needs no extra bookkeeping, and
-redoing round r reads round r-1's file, which nothing ever rewrites, so it gives the same bits.
-A round that keeps the previous global model (no usable client) keeps its state too.
+buffer and floating-point key, written under a temporary name and renamed into place once its
+last key is written, just before the round's global model (whose header records its hash; a
+state the global model did not follow is removed, and a redone round overwrites one). Round r+1
+finds it from its starting model's directory alone, so a resumed run
+(:mod:`fedagent_flwr.serverapp.resume`: it restarts from the last committed global model, removes
+what uncommitted rounds wrote and redoes them) needs no extra bookkeeping, and redoing round r
+reads round r-1's file, which nothing ever rewrites, so it gives the same bits. A round that
+keeps the previous global model (no usable client) keeps its state too.
 
 **When there is no state.** The run's base model (round 1), and a global model outside the
 run's ``round_<r>/`` directories, start the buffers at zero (a new run continuing from another
