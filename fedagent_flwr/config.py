@@ -27,7 +27,7 @@ from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
 from fedagent_flwr.schema import RunSchema, SettingError, check, declared_type, register
 from fedagent_flwr.schema.run import Storage, StrategyKwargs
-from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, ClientAppKeys
+from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, CHAT_TEMPLATE_KEY, CHAT_TEMPLATE_USAGE, ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
 
 
@@ -63,7 +63,8 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
     # "+trainer.per_client=...": the form from before per_client was a schema field (Hydra refuses "+"
     # for a key the schema declares); it sets the key as it always did. strategy.kwargs is an open
     # mapping (Hydra wants "+" to add a key to it), but the keys StrategyKwargs declares are
-    # settings: "strategy.kwargs.discovery_timeout=..." sets one whether a file set it or not.
+    # settings: "strategy.kwargs.discovery_timeout=..." sets one whether a file set it or not. So are
+    # model.chat_template_kwargs and its keys ("model.chat_template_kwargs.enable_thinking=false").
     items = [_declared_form(item) for item in parse_overrides(overrides)]
     for item in items:
         if "=" not in item:
@@ -72,6 +73,8 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
         if declared_type(key) is bool and value.strip().lower() not in ("true", "false"):
             # Hydra would also read yes/no/on/off/1/0; a setting here is true or false
             raise ConfigError(f"config key '{key}' must be bool, got {value!r}")
+        if key == CHAT_TEMPLATE_KEY:
+            _check_mapping_override(item, key, value)
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -80,6 +83,20 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
         raise ConfigError(_explain_hydra_error(exc, items)) from None
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _check_mapping_override(item: str, key: str, value: str) -> None:
+    """ConfigError unless the override ``item`` gives ``model.chat_template_kwargs`` a mapping (Hydra
+    would refuse anything else with a message that names neither the key nor the form it takes)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([item])[0].value()
+    except HydraException as exc:
+        raise ConfigError(f"config key '{key}' = {value!r} cannot be parsed ({' '.join(str(exc).split())[:120]}): "
+                          f"{CHAT_TEMPLATE_USAGE}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"config key '{key}' = {value!r} is not a mapping: {CHAT_TEMPLATE_USAGE}")
 
 
 def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
@@ -116,15 +133,17 @@ def _declared_form(item: str) -> str:
     if item.startswith("+trainer.per_client="):
         return item.removeprefix("+")
     key = item.partition("=")[0]
+    if key == CHAT_TEMPLATE_KEY or key.startswith(f"{CHAT_TEMPLATE_KEY}."):
+        return f"++{item}"  # an open mapping (the template's own keywords), set or extended as verl's is
     if key.startswith(_STRATEGY_KWARGS) and key.removeprefix(_STRATEGY_KWARGS) in StrategyKwargs.__dataclass_fields__:
         return f"++{item}"
     return item
 
 
 def _unknown_key(key: str) -> str:
-    """An unknown key, or a trainer key that the run sets from the ``rollout`` group."""
-    if (name := AGENT_LOOP_KEYS.get(key.removeprefix("trainer."))) and key.startswith("trainer."):
-        return f"config key '{key}' is set from 'rollout.{name}'; set rollout.{name} instead"
+    """An unknown key, or a trainer key that the run sets from another key (``rollout.*``, ``model.*``)."""
+    if (source := AGENT_LOOP_KEYS.get(key.removeprefix("trainer."))) and key.startswith("trainer."):
+        return f"config key '{key}' is set from '{source}'; set {source} instead"
     if key.startswith(_STRATEGY_KWARGS):
         return (f"unknown config key '{key}': strategy.kwargs is an open mapping for a custom Strategy's own "
                 f"arguments; add a key to it with '+{key}=...'")
@@ -220,6 +239,14 @@ def _tracking(names: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(["jsonl", *names]))
 
 
+def _run_value(run: RunSchema, dotted: str) -> Any:
+    """The checked value of the run key ``dotted`` (``rollout.mode``)."""
+    node: Any = run
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def _check_client_trainer(trainer: dict[str, Any], where: str) -> None:
     """One client's trainer group (the run's with its ``per_client`` values) checked by its backend's
     schema; typed in place (:func:`fedagent_flwr.per_client.resolve` keeps the typed values)."""
@@ -240,15 +267,15 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     raw: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     if isinstance(raw.get("trainer"), dict) and raw["trainer"].get(PER_CLIENT_KEY, {}) is None:
         del raw["trainer"][PER_CLIENT_KEY]  # unset: the run's config (and its resume fingerprint) as without the key
-    for key in AGENT_LOOP_KEYS:  # added with "+": would be overwritten by the rollout group without a word
+    for key in AGENT_LOOP_KEYS:  # added with "+": would be overwritten by the run key without a word
         if key in (raw.get("trainer") or {}):
             raise ConfigError(_unknown_key(f"trainer.{key}"))
     try:
         run, _ = check(RunSchema, raw)  # trainer: checked next, by its backend's schema
-        # the jobs carry the agent loop (the rollout group) as trainer keys
+        # the jobs carry the agent loop (the rollout group, the chat template's arguments) as trainer keys
         # trainer.per_client (single clients' own resources) is resolved below, against the checked group
         trainer_settings = check_trainer({**{k: v for k, v in _get(raw, "trainer").items() if k != PER_CLIENT_KEY},
-                                          **{key: getattr(run.rollout, name) for key, name in AGENT_LOOP_KEYS.items()}})
+                                          **{key: _run_value(run, source) for key, source in AGENT_LOOP_KEYS.items()}})
     except SettingError as exc:
         raise ConfigError(str(exc)) from None
     total = run.clients.total

@@ -47,6 +47,8 @@ def declared_default(dotted: str) -> Any:
     declared = getattr(node, "__dataclass_fields__", {}).get(last)
     if declared is None or dotted.startswith("trainer."):
         return dataclasses.MISSING
+    if declared.default is dataclasses.MISSING and declared.default_factory is not dataclasses.MISSING:
+        return declared.default_factory()  # a list or mapping: a fresh one ({} for model.chat_template_kwargs)
     return declared.default
 
 

@@ -10,6 +10,8 @@ A verl preset such as ``verl_ppo`` is a YAML file over the verl schema, not a sc
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,6 +24,7 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 PREFILL_MODES = ("incremental", "full")  # EvalKnobs.prefill
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZER_STATES = ("reset", "keep")  # OptimizerStateKeys.optimizer_state
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
 # verl/utils/tracking.py); a test checks this list against the installed verl.
@@ -58,6 +61,9 @@ DERIVED_VERL_KEYS: dict[str, tuple[str, str]] = {
     "actor_rollout_ref.rollout.agent.default_agent_loop": ("the project's agent loop", ""),
     "actor_rollout_ref.rollout.agent.agent_loop_manager_class": ("rollout.mode and trainer.request_seeds",
                                                                  "rollout.mode or trainer.request_seeds"),
+    # the agent loop, verl's own rendering and the evaluator's validation must render prompts alike
+    "data.apply_chat_template_kwargs": ("model.chat_template_kwargs (validation renders with it too)",
+                                        "model.chat_template_kwargs"),
 }
 
 
@@ -126,13 +132,65 @@ class Rollout:
     history_length: int = setting(2, ge=0, note="the (observation, action) pairs a windowed prompt shows")
 
 
-#: the trainer keys that carry the ``rollout`` group to the jobs -> its field (set there, not in ``trainer``)
-AGENT_LOOP_KEYS = {"rollout_mode": "mode", "history_length": "history_length"}
+#: the trainer keys that carry run settings outside ``trainer`` to the jobs -> the run key that sets them
+#: (set there, not in ``trainer``): the ``rollout`` group and the model's chat-template arguments
+AGENT_LOOP_KEYS = {"rollout_mode": "rollout.mode", "history_length": "rollout.history_length",
+                   "chat_template_kwargs": "model.chat_template_kwargs"}
+CHAT_TEMPLATE_KEY = "model.chat_template_kwargs"
+CHAT_TEMPLATE_USAGE = (f"set {CHAT_TEMPLATE_KEY} to a mapping of the template's keyword names to true/false, numbers, "
+                       f"strings, null or lists of them, e.g. {CHAT_TEMPLATE_KEY}={{enable_thinking:false}}")
+# apply_chat_template's own arguments that the renderers set (or that change what it returns): a
+# template keyword of the same name would clash with them or break the rendering
+_RENDERER_ARGS = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+                  "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def _json_leaf(value: Any) -> bool:
+    """A value a chat template keyword may take: a JSON scalar (finite number) or a list of them."""
+    if isinstance(value, list):
+        return all(_json_leaf(item) for item in value)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        return "${" not in value  # Hydra and OmegaConf would read an interpolation in verl's config
+    return value is None or isinstance(value, (bool, int))
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """SettingError, naming ``model.chat_template_kwargs``, unless ``kwargs`` maps keyword names
+    (identifiers: the template reads them as variables, verl gets them as a Hydra mapping) to JSON
+    scalars or lists of them, none of them an argument the renderers give ``apply_chat_template``
+    themselves."""
+    usage = CHAT_TEMPLATE_USAGE
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not _IDENTIFIER.fullmatch(key):
+            raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}' has the key {key!r}, not a keyword name "
+                               f"(letters, digits and '_', not starting with a digit): {usage}")
+        if key in _RENDERER_ARGS:
+            raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}.{key}' is an argument of apply_chat_template "
+                               "that the agent loop sets itself; leave it out")
+        if not _json_leaf(value):
+            raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}.{key}' = {value!r} is not a JSON scalar or list "
+                               f"of them (a string without '${{'): {usage}")
 
 
 @dataclass
-class AgentLoopKnobs:
-    """The ``rollout`` group as a job's trainer keys: :class:`Rollout`'s fields (default, bound) renamed."""
+class ChatTemplateKnobs:
+    """How prompts are rendered: keyword arguments of the tokenizer's chat template, declared once for
+    the run's ``model`` group and the jobs (the reference trainer, the evaluator, verl's
+    ``data.apply_chat_template_kwargs`` and the agent loop all render with them)."""
+
+    # e.g. {enable_thinking: false} for Qwen3's template; {} renders with the template's own defaults
+    chat_template_kwargs: dict[str, Any] = setting(factory=dict)
+
+    def __post_init__(self) -> None:
+        check_chat_template_kwargs(self.chat_template_kwargs)
+
+
+@dataclass
+class AgentLoopKnobs(ChatTemplateKnobs):
+    """What the jobs' agent loop takes from outside ``trainer``: :class:`Rollout`'s fields (default,
+    bound) renamed, and the model's chat-template arguments."""
 
     rollout_mode: str = renamed(Rollout, "mode")
     history_length: int = renamed(Rollout, "history_length")
@@ -259,9 +317,10 @@ class VerlKnobs(OptimizerStateKeys):
                                    f"{list(VERL_LOGGERS)} (console and file are always on)")
         for item in self.extra_overrides:
             key = item.split("=", 1)[0].strip().lstrip("+~")
-            # the key itself, or a node above it (data={...} replaces data.max_prompt_length too)
+            # the key itself, a node above it (data={...} replaces data.max_prompt_length too) or below it
+            # (data.apply_chat_template_kwargs.enable_thinking=false changes the derived mapping)
             derived = key if key in DERIVED_VERL_KEYS else next(
-                (k for k in DERIVED_VERL_KEYS if k.startswith(key + ".")), None)
+                (k for k in DERIVED_VERL_KEYS if k.startswith(key + ".") or key.startswith(k + ".")), None)
             if derived is not None:
                 source, instead = DERIVED_VERL_KEYS[derived]
                 raise SettingError(

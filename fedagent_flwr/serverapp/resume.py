@@ -248,7 +248,9 @@ def _only_new_defaults(stored: dict[str, Any], header: dict[str, Any]) -> bool:
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
+    # an empty mapping is a value of its own (model.chat_template_kwargs = {}, a key a run recorded
+    # before it existed lacks), not nothing
+    if not isinstance(tree, dict) or (not tree and prefix):
         return {prefix: tree}
     flat: dict[str, Any] = {}
     for key, value in tree.items():

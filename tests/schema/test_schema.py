@@ -29,7 +29,6 @@ from fedagent_flwr.schema.trainer import (
     AgentLoopKnobs,
     ClientAppKeys,
     ReferenceTrainer,
-    Rollout,
     VerlTrainer,
     trainer_settings,
 )
@@ -87,12 +86,23 @@ def test_every_leaf_setting_is_declared_in_exactly_one_field() -> None:
     assert len(trees["trainer/reference"]) > 20 and len(trees["trainer/verl"]) > 25 and len(trees["run"]) > 40
 
 
+def _run_field(dotted: str) -> dataclasses.Field[Any]:
+    """The schema field of the run key ``dotted`` (``rollout.mode``)."""
+    *parents, last = dotted.split(".")
+    node: Any = RunSchema
+    for part in parents:
+        node = field_schema(node, part)
+    return node.__dataclass_fields__[last]  # type: ignore[no-any-return]
+
+
 def test_the_agent_loop_is_declared_once_in_the_rollout_group() -> None:
-    """The jobs' rollout_mode/history_length are the rollout group's fields renamed (same default and
-    bound objects); the trainer groups a user sets do not declare them."""
-    for key, name in AGENT_LOOP_KEYS.items():
-        mine, theirs = AgentLoopKnobs.__dataclass_fields__[key], Rollout.__dataclass_fields__[name]
+    """The jobs' rollout_mode/history_length are the rollout group's fields renamed, chat_template_kwargs
+    the model group's (same default and bound objects); the trainer groups a user sets do not declare them."""
+    assert AGENT_LOOP_KEYS["chat_template_kwargs"] == "model.chat_template_kwargs"
+    for key, source in AGENT_LOOP_KEYS.items():
+        mine, theirs = AgentLoopKnobs.__dataclass_fields__[key], _run_field(source)
         assert mine.default == theirs.default and mine.metadata["bound"] is theirs.metadata["bound"]
+        assert mine.default_factory == theirs.default_factory
         assert all(key not in group.__dataclass_fields__ for group in TRAINER_GROUPS.values())
         assert all(issubclass(schema, AgentLoopKnobs) for schema in TRAINER_SCHEMAS.values())
 

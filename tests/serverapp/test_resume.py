@@ -453,3 +453,20 @@ def test_a_run_recorded_before_a_setting_existed_resumes_at_its_default_only(
         load_previous_run(run_dir, _header(tmp_path, base, "max_empty_rounds=5"))
     with pytest.raises(ResumeError, match=r"config key 'num_rounds' = 2 there, 3 now"):
         load_previous_run(run_dir, _header(tmp_path, base, "num_rounds=3"))
+
+
+def test_a_run_recorded_before_chat_template_kwargs_existed_resumes_at_its_default_only(
+    tmp_path: Path, base: CheckpointRef
+) -> None:
+    """A setting whose default is an empty mapping (``model.chat_template_kwargs``), absent from a run
+    recorded before it existed: the same run while it is empty, another configuration once set."""
+    run_dir = tmp_path / "job"
+    RunRecorder(run_dir, _header(tmp_path, base))
+    stored = json.loads((run_dir / "federated_summary.json").read_text())
+    del stored["config"]["model"]["chat_template_kwargs"]
+    stored["config_sha256"] = config_fingerprint(stored["config"], stored["base_model_sha256"])
+    (run_dir / "federated_summary.json").write_text(json.dumps(stored))
+    assert load_previous_run(run_dir, _header(tmp_path, base)) is not None
+    with pytest.raises(ResumeError, match=r"config key 'model.chat_template_kwargs.enable_thinking' = '<unset>' there, "
+                                          r"False now"):
+        load_previous_run(run_dir, _header(tmp_path, base, "model.chat_template_kwargs.enable_thinking=false"))

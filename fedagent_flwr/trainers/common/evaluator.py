@@ -110,7 +110,8 @@ def evaluate_loaded(job: EvalJob, spec: EnvSpec, settings: EvalSettings, model: 
         episodes = play_episodes(policy, tokenizer, [tasks[i] for i in wave], settings.val_sampling(),
                                  bounds.max_model_len, [generators[i] for i in wave], settings.rollout_mode,
                                  settings.history_length, max_prompt_len=bounds.max_prompt_len,
-                                 max_response_len=bounds.max_response_len)
+                                 max_response_len=bounds.max_response_len,
+                                 chat_template_kwargs=settings.chat_template_kwargs)
         played.update(zip(wave, episodes, strict=True))
     episodes = [played[i] for i in range(len(tasks))]
     check_turns_fit(episodes, settings.max_new_tokens, bounds.max_model_len, model_len_key, bounds.max_prompt_len)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +285,7 @@ def play_episodes(
     *,
     max_prompt_len: int | None = None,
     max_response_len: int | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Episode]:
     """Play all ``tasks`` concurrently (batched generation); results in task order.
 
@@ -300,6 +301,9 @@ def play_episodes(
     mode: :mod:`fedagent_flwr.rollout.bounds`), so a verl model's validation cuts its episodes where its
     training did. The reference trainer has one budget, ``trainer.max_model_len``, and passes neither:
     it trains and validates under that one bound.
+
+    ``chat_template_kwargs`` (``model.chat_template_kwargs``) go to every rendering of the chat template,
+    as verl's agent loop passes ``data.apply_chat_template_kwargs``.
     """
     if rollout_mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {rollout_mode!r}")
@@ -318,11 +322,13 @@ def play_episodes(
                         env, task.seed, tokenizer, batcher.generate_fn(index), sampling, task.max_turns,
                         max_model_len, history_length=history_length, eos_token_ids=policy.stop_ids,
                         max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                        chat_template_kwargs=chat_template_kwargs,
                     )
                 return await run_episode(
                     env, task.seed, tokenizer, batcher.generate_fn(index), sampling,
                     task.max_turns, max_model_len, eos_token_ids=policy.stop_ids,
                     max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
             finally:
                 batcher.finished(index)

@@ -125,7 +125,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
         # a run without epochs), so a replayed instance gets new rollouts, as in verl.
         generator = torch.Generator().manual_seed(derive_seed("rollout", job.data_seed, update))
         episodes = play_episodes(policy, tokenizer, tasks, sampling, cfg.max_model_len, generator,
-                                 cfg.rollout_mode, cfg.history_length)
+                                 cfg.rollout_mode, cfg.history_length, chat_template_kwargs=cfg.chat_template_kwargs)
         rollout_seconds = time.monotonic() - step_started
         groups = [t.group for t in tasks]
         samples: Sequence[TokenSample]

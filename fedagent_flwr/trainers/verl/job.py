@@ -407,4 +407,5 @@ def evaluate(job: EvalJob) -> EvalResult:
         device="auto",
         rollout_mode=settings.rollout_mode,  # scored with the agent loop it was trained with
         history_length=settings.history_length,
+        chat_template_kwargs=settings.chat_template_kwargs,  # rendered as the agent loop renders (verl's data key)
     ), model_len_key="trainer.max_prompt_length + trainer.max_response_length", bounds=bounds)

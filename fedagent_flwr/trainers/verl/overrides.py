@@ -21,14 +21,20 @@ Choices that are not plain knobs:
   blocks") when clients sharing a GPU start their engines at the same time (seen on an H200).
 * **Logging.** verl's ``console`` logger (the job's log) and its ``file`` logger, whose JSONL
   the client reads for per-step metrics (:mod:`.verl_log`), plus the user's ``trainer.verl_logger``.
+* **Chat template.** ``model.chat_template_kwargs`` becomes ``data.apply_chat_template_kwargs``, which
+  verl's agent loop (and so ours) and its own dataset rendering read; written only when non-empty.
 * **PPO.** ``adv_estimator=gae`` with a critic that starts from the aggregated critic of the
   previous round (``job.critic_path``), or from the base model in the first round.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fedagent_flwr.schema.run import ALGORITHMS, Train
 from fedagent_flwr.trainers.verl.settings import VerlSettings
@@ -205,8 +211,28 @@ def build_overrides(
         # the same GPU allocates or frees memory meanwhile (clients sharing a GPU start together).
         overrides.append("+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes="
                          f"{int(s.kv_cache_gib * 2**30)}")
+    if s.chat_template_kwargs:
+        # the agent loop renders every prompt with verl's data.apply_chat_template_kwargs; the run's
+        # validation (the Hugging Face evaluator) renders with the same model.chat_template_kwargs
+        # "++": verl declares the key as an empty mapping, to which Hydra adds keys only so
+        overrides.append(f"++data.apply_chat_template_kwargs={hydra_value(s.chat_template_kwargs)}")
     overrides += list(s.extra_overrides)
     return overrides
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` (a mapping with identifier keys, JSON scalars, lists; what the schema lets
+    ``model.chat_template_kwargs`` hold) in Hydra's override grammar, read back as the same value:
+    strings quoted, so that ``true``, ``1`` or ``null`` stay strings (Hydra's quoting: a quote, and the
+    backslashes before a quote or the closing one, escaped; the schema refuses ``${``, an interpolation)."""
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{key}:{hydra_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        text = re.sub(r"(\\+)(?='|$)", r"\1\1", value)
+        return "'" + text.replace("'", "\\'") + "'"
+    return json.dumps(value)  # true/false, null, numbers (finite: the schema refuses nan and inf)
 
 
 def job_paths(work_dir: Path, model_path: str, critic_path: str, ray_temp_dir: str) -> JobPaths:

@@ -28,8 +28,9 @@ def _written(**settings: object) -> set[str]:
 
 
 def test_every_refused_key_is_one_the_backend_writes_or_verl_fills_from_one() -> None:
-    # the agent-loop manager is written in windowed mode (and with request seeds) only
-    written = _written() | _written(rollout_mode="windowed")
+    # the agent-loop manager is written in windowed mode (and with request seeds) only, the chat
+    # template's arguments when model.chat_template_kwargs is set
+    written = _written() | _written(rollout_mode="windowed") | _written(chat_template_kwargs={"enable_thinking": False})
     assert set(DERIVED_VERL_KEYS) - written == INTERPOLATED
 
 
@@ -44,6 +45,11 @@ def test_every_refused_key_is_one_the_backend_writes_or_verl_fills_from_one() ->
     ("actor_rollout_ref.model.path=/elsewhere", "the round's global model"),
     # a node above a derived key replaces it too
     ("data={max_prompt_length:64}", "sets verl's data."),
+    # the chat template's arguments: whole, or one key of them (a node below the derived key)
+    ("data.apply_chat_template_kwargs={enable_thinking:false}", "sets verl's data.apply_chat_template_kwargs, "
+     "which the verl backend sets from model.chat_template_kwargs"),
+    ("+data.apply_chat_template_kwargs.enable_thinking=false", "drop the entry and set model.chat_template_kwargs "
+     "instead"),
 ])
 def test_a_derived_key_is_refused_on_the_server_and_in_a_job(entry: str, advice: str) -> None:
     with pytest.raises(SettingError, match=re.escape(advice)):
