@@ -397,6 +397,8 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     device = torch_device(args.device)
     cap = apply_memory_cap(args.max_gpu_memory_fraction, device)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
+    if args.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise WarmStartError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # the reply-only loss is the model's own only where its logits are head(body(x)): checked on the model
     probe = torch.tensor([examples[0].input_ids[:64]], device=device)
