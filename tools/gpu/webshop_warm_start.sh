@@ -11,6 +11,11 @@
 #                              k * 6410 / SHARDS, so the episodes cover both clients' halves of the
 #                              training goals evenly (seed s plays training goal 500 + s % 6410)
 #   DEVICE=cuda EPOCHS=1 LR=5e-5 BATCH=8 (1 unless DEVICE=cuda) MAX_LEN=4608 SEED=0 SAVE_DTYPE=float32
+#   GRAD_CKPT=1 (0 unless DEVICE=cuda)  --gradient-checkpointing: the 30 layers' activations at 8 x 4,608
+#                              tokens are tens of GB; recomputed in the backward pass instead (~1/3 more
+#                              compute), so the warm start leaves room for GPU work beside it
+#   MAX_GPU_MEM_FRACTION=      unset: no cap; F: --max-gpu-memory-fraction F, the process's share of the
+#                              card (it then stops with its own out-of-memory line, not its neighbours)
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
 #                              are taken from the caller's directory
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
@@ -28,6 +33,10 @@ DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; MAX_LEN=${MAX_LEN:-
 # backward pass: killed for memory on a 23 GB machine.
 if [ "$DEVICE" = cuda ]; then BATCH=${BATCH:-8}; else BATCH=${BATCH:-1}; fi
 SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}
+if [ "$DEVICE" = cuda ]; then GRAD_CKPT=${GRAD_CKPT:-1}; else GRAD_CKPT=${GRAD_CKPT:-0}; fi
+MEMORY_ARGS=()
+[ "$GRAD_CKPT" = 1 ] && MEMORY_ARGS+=(--gradient-checkpointing)
+[ -n "${MAX_GPU_MEM_FRACTION:-}" ] && MEMORY_ARGS+=(--max-gpu-memory-fraction "$MAX_GPU_MEM_FRACTION")
 RECIPE=webshop_windowed_verl
 case "$OUT_DIR/" in "$(realpath -m "$PWD")"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
 # Shard k starts at seed k * 6410 / SHARDS: more episodes than the 6,410 training goals would make
@@ -81,7 +90,7 @@ echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.
 # --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
 $PY -m fedagent_flwr.cli warm-start --data "$WORK/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
     --epochs "$EPOCHS" --lr "$LR" --batch-size "$BATCH" --max-len "$MAX_LEN" --seed "$SEED" --device "$DEVICE" \
-    --save-dtype "$SAVE_DTYPE" --log-every 50
+    --save-dtype "$SAVE_DTYPE" --log-every 50 ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"}
 WARM_S=$(( SECONDS - EXPERT_S ))
 $PY - "$OUT_DIR" "$WORK/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
 import json, sys
@@ -92,6 +101,8 @@ considered = r["examples_used"] + r["examples_dropped_too_long"]
 print(f"ws-warm: windows kept {r['examples_used']} dropped {r['examples_dropped_too_long']} (> {r['max_len']} tokens), "
       f"{windows - considered} of {windows} skipped (unsuccessful episodes); steps {r['steps']}, "
       f"loss {r['loss_first_step']:.4f} -> {r['loss_last_step']:.4f}; expert {float(expert_s):.0f} s, "
-      f"warm start {float(warm_s):.0f} s (training {r['seconds']} s) on {r['device']}; {r['save_dtype']} model in {out}",
-      flush=True)
+      f"warm start {float(warm_s):.0f} s (training {r['seconds']} s) on {r['device']}; {r['save_dtype']} model in {out}"
+      + (f"; peak GPU memory {r['peak_gpu_memory_gib']} GiB allocated" if r.get("peak_gpu_memory_gib") is not None else "")
+      + f" (gradient checkpointing {'on' if r.get('gradient_checkpointing') else 'off'}, cap "
+      f"{r.get('max_gpu_memory_fraction') or 'none'})", flush=True)
 PY

@@ -8,7 +8,11 @@ Hugging Face model directory, used as a run's base model (``model.path``).
 What: each JSONL line ``{"messages": [...], "reward": float?}`` is laid out by
 :func:`~fedagent_flwr.rollout.episode.tokenize_conversation`, i.e. exactly as the concat rollout
 lays out the episode, and the loss is the cross-entropy of the reply tokens only (mask 1; the
-prompt and the template glue around observations carry label -100). Plain torch: AdamW at a
+prompt and the template glue around observations carry label -100), with the output head applied at
+those positions only (:mod:`~fedagent_flwr.trainers.common.reply_loss`: the full logits of a batch of
+8 x 4,608 tokens took tens of GB of an H100). GPU memory: ``--gradient-checkpointing`` recomputes the
+layers' activations in the backward pass; ``--max-gpu-memory-fraction`` caps the process, so beside
+other GPU work it stops with its own out-of-memory line instead of starving them. Plain torch: AdamW at a
 constant learning rate, gradient clipping, a shuffle drawn from ``torch.Generator`` seeded with
 ``--seed``, bf16 autocast on CUDA and fp32 on the CPU (the weights stay fp32). Conversations
 longer than ``--max-len`` tokens are dropped (never truncated: a cut reply would teach the model
@@ -26,8 +30,9 @@ The output directory is written under a temporary name, its files and itself fsy
 into place; the weights in fp32 unless ``--save-dtype bfloat16`` (half the bytes, each weight rounded
 once; the config's ``dtype`` says which); besides the model and tokenizer it holds
 ``warm_start.json`` (:data:`RECORD_FILE`): the sha256 of the data bytes as read (not re-read after
-training), the examples used and dropped, epochs, steps, losses, seed, saved dtype and base model, so
-a run whose base model it is records where that model came from.
+training), the examples used and dropped, epochs, steps, losses, seed, saved dtype and base model,
+the loss's logits, checkpointing, memory cap and peak GPU memory, so a run whose base model it is
+records where that model came from.
 """
 
 from __future__ import annotations
@@ -53,9 +58,9 @@ from fedagent_flwr.rollout.episode import (
     tokenize_conversation,
     windowed_turns,
 )
+from fedagent_flwr.trainers.common.reply_loss import IGNORE, head_matches_full_logits, reply_loss
 
 RECORD_FILE = "warm_start.json"
-IGNORE = -100  # torch's cross-entropy ignore_index: positions without a label
 #: ``--save-dtype`` choices: the weights train in fp32 either way; bfloat16 halves the saved model
 #: (SmolLM2-135M: ~538 MB in fp32, ~269 MB in bf16) at the price of rounding every weight once.
 SAVE_DTYPES = ("float32", "bfloat16")
@@ -85,6 +90,11 @@ class TrainConfig:
     seed: int = 0
     max_grad_norm: float = 1.0
     log_every: int = 10
+    #: the output head only at the positions that predict a reply token (reply_loss.py says why)
+    reply_only_logits: bool = True
+    #: transformers' non-reentrant activation checkpointing: the decoder layers' activations are
+    #: recomputed in the backward pass instead of kept (less memory, one more forward's compute)
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -218,20 +228,6 @@ def collate(batch: Sequence[Example], pad_id: int, device: Any) -> tuple[Any, An
     return ids.to(device), attention.to(device), labels.to(device)
 
 
-def reply_loss(model: Any, ids: Any, attention: Any, labels: Any) -> tuple[Any, int]:
-    """Summed cross-entropy of the labelled (reply) tokens, each predicted from the position before
-    it, and their count. bf16 autocast on CUDA, fp32 elsewhere; the loss itself in fp32."""
-    import torch
-
-    with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
-        logits = model(input_ids=ids, attention_mask=attention).logits
-    target = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-        ignore_index=IGNORE, reduction="sum")
-    return loss, int((target != IGNORE).sum())
-
-
 def shuffled_batches(examples: Sequence[Example], batch_size: int, generator: Any) -> Iterator[list[Example]]:
     """One epoch's batches in an order drawn from ``generator`` (a seeded ``torch.Generator``)."""
     import torch
@@ -251,13 +247,15 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     total_steps = config.epochs * math.ceil(len(examples) / config.batch_size)
     stats = TrainStats()
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     window_tokens, window_start = 0, time.monotonic()
     for epoch in range(1, config.epochs + 1):
         epoch_loss, epoch_tokens = 0.0, 0
         for batch in shuffled_batches(examples, config.batch_size, generator):
             ids, attention, labels = collate(batch, pad_id, device)
-            loss_sum, n = reply_loss(model, ids, attention, labels)
+            loss_sum, n = reply_loss(model, ids, attention, labels, config.reply_only_logits)
             loss = loss_sum / max(n, 1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -276,6 +274,8 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
                     f"{window_tokens / elapsed:.0f} tokens/s")
                 window_tokens, window_start = 0, time.monotonic()
         stats.epoch_losses.append(epoch_loss / max(epoch_tokens, 1))
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_disable()  # leave the model as it came
     return stats
 
 
@@ -345,7 +345,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="dtype of the saved weights (the weights and optimiser train in fp32 either way, "
                              "the forward pass under bf16 autocast on CUDA): float32 (default, as the bundled "
                              "base model and the run's aggregates) or bfloat16 (half the size, rounded once)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute the decoder layers' activations in the backward pass instead of keeping "
+                             "them (transformers' non-reentrant checkpointing): less GPU memory, ~1/3 more compute")
+    parser.add_argument("--max-gpu-memory-fraction", type=float, default=None, metavar="F",
+                        help="cap this process at fraction F (0 < F <= 1) of the GPU's memory "
+                             "(torch.cuda.set_per_process_memory_fraction), so that beside other GPU work it stops "
+                             "with its own out-of-memory error instead of starving its neighbours; CUDA only")
     args = parser.parse_args(argv)
+    fraction = args.max_gpu_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        parser.error("--max-gpu-memory-fraction must be in (0, 1]")
     for name in ("epochs", "batch_size", "max_len", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -385,14 +395,28 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
                              f"({len(conversations)} after --min-reward, {dropped} too long)")
     seed_everything(args.seed)
     device = torch_device(args.device)
+    cap = apply_memory_cap(args.max_gpu_memory_fraction, device)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
+    if args.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise WarmStartError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # the reply-only loss is the model's own only where its logits are head(body(x)): checked on the model
+    probe = torch.tensor([examples[0].input_ids[:64]], device=device)
+    reply_only = head_matches_full_logits(model, probe)
+    if not reply_only:
+        log("warm start: this model's logits are not its output head applied to its body's hidden states; "
+            "computing the logits of every position (more memory)")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                         max_grad_norm=args.max_grad_norm, log_every=args.log_every)
+                         max_grad_norm=args.max_grad_norm, log_every=args.log_every, reply_only_logits=reply_only,
+                         gradient_checkpointing=args.gradient_checkpointing)
     reply_tokens = sum(len(e.labels) - e.labels.count(IGNORE) for e in examples)
     log(f"warm start: {len(examples)} conversations, {reply_tokens} reply tokens, base {base}, device {device}")
     started = time.monotonic()
-    stats = train(model, examples, config, int(pad_id), device, log)
+    try:
+        stats = train(model, examples, config, int(pad_id), device, log)
+    except torch.OutOfMemoryError:
+        raise WarmStartError(out_of_memory_message(device, cap, config)) from None
+    peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
     record = {
         "data": str(args.data.resolve()),
         "data_sha256": data_sha256,
@@ -411,11 +435,41 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         "loss_first_step": stats.first_step_loss,
         "loss_last_step": stats.last_step_loss,
         "save_dtype": args.save_dtype,
+        "max_gpu_memory_fraction": args.max_gpu_memory_fraction,
+        "peak_gpu_memory_gib": peak,
     }
     save_output(model.to(device="cpu", dtype=getattr(torch, args.save_dtype)), tokenizer, record, args.out)
+    if peak is not None:
+        log(f"peak GPU memory allocated by the warm start: {peak} GiB"
+            + (f" (cap {cap / 2**30:.1f} GiB)" if cap is not None else ""))
     log(f"saved {args.out} (step loss {stats.first_step_loss:.4f} -> {stats.last_step_loss:.4f} over "
         f"{stats.steps} steps; epoch loss {stats.epoch_losses[0]:.4f} -> {stats.epoch_losses[-1]:.4f})")
     return record
+
+
+def apply_memory_cap(fraction: float | None, device: Any) -> int | None:
+    """Cap the caching allocator at ``fraction`` of ``device``'s memory and return the cap in bytes
+    (None without a fraction). WarmStartError when a fraction is given for a device that is not CUDA."""
+    import torch
+
+    if fraction is None:
+        return None
+    if device.type != "cuda":
+        raise WarmStartError(f"--max-gpu-memory-fraction {fraction} needs a CUDA device, not {device}")
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+
+
+def out_of_memory_message(device: Any, cap: int | None, config: TrainConfig) -> str:
+    """The one line for a CUDA out-of-memory error: under which limit, and what to lower."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = (f"the cap --max-gpu-memory-fraction ({cap / 2**30:.1f} GiB of the card's {total / 2**30:.1f} GiB)"
+             if cap is not None else f"the card's {total / 2**30:.1f} GiB (no cap; other processes' memory counts too)")
+    hint = "" if config.gradient_checkpointing else ", or pass --gradient-checkpointing"
+    return (f"out of GPU memory under {limit}; peak allocated by the warm start "
+            f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB: lower --batch-size or --max-len{hint}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
