@@ -7,10 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flwr.app import Message, RecordDict
+
 from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.strategy import FedAvgFSDP
-from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
+from testkit.client_replies import train_reply
 from testkit.round_harness import connect
 
 
@@ -33,6 +37,29 @@ def client_slot(run_root: Path, client: int, server_round: int = 1) -> Path:
     """Where client ``client`` writes its checkpoints of ``server_round`` (the only place the server
     takes them from)."""
     return run_root / f"round_{server_round}" / f"client_{client}"
+
+
+def suite_replies(run_root: Path, suite: Suite, names: tuple[str, ...], episodes: tuple[int, ...],
+                  server_round: int) -> list[Message]:
+    """Round ``server_round``'s train replies: client c returns a copy of the suite's model ``names[c]``
+    in its slot (made once, so a redone round reuses it), with ``episodes[c]`` episodes."""
+    replies = []
+    for client, (name, count) in enumerate(zip(names, episodes)):
+        slot = client_slot(run_root, client, server_round)
+        source = slot / name if (slot / name).is_dir() else suite.copy(name, slot)
+        replies.append(train_reply(client, CheckpointRef.for_directory(source), count))
+    return replies
+
+
+def suite_ppo_reply(run_root: Path, suite: Suite, client: int, server_round: int) -> Message:
+    """Client ``client``'s PPO train reply of ``server_round`` (node 100 + client): an actor copied from
+    the suite's ``qwen_a``/``qwen_b`` and a critic from ``qwen_b``/``qwen_c``, ``1 + client`` examples."""
+    slot = client_slot(run_root, client, server_round)
+    actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], slot / "a"))
+    critic = CheckpointRef.for_directory(suite.copy(["qwen_b", "qwen_c"][client], slot / "c"), "critic")
+    instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
+    content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": 1 + client})
+    return Message(content.to_record(), reply_to=instruction)
 
 
 def stub_model(tmp_path: Path) -> Path:

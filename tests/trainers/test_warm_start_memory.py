@@ -14,29 +14,14 @@ import torch
 
 from fedagent_flwr.trainers.common import reply_loss as rl
 from fedagent_flwr.trainers.common import warm_start as ws
-
-SYSTEM = "Guess the secret integer in [1, 50]. Reply as <answer>N</answer>."
-
-
-def conversation(guesses: list[int], answers: list[str]) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Guess the number."}]
-    for index, guess in enumerate(guesses):
-        messages.append({"role": "assistant", "content": f"<think>halve the range</think><answer>{guess}</answer>"})
-        if index < len(answers):
-            messages.append({"role": "user", "content": answers[index]})
-    return messages
-
-
-CONVERSATIONS = [conversation([25, 12, 7], ["lower", "lower"]), conversation([25, 37], ["higher"])]
+from testkit.guess_conversations import CONVERSATIONS
+from testkit.torch_state import deterministic_algorithms_restored
 
 
 @pytest.fixture(autouse=True)
 def _restore_deterministic_algorithms() -> Iterator[None]:
     """The command turns on torch's deterministic algorithms (process-wide); put them back."""
-    before = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    yield
-    torch.use_deterministic_algorithms(before, warn_only=warn_only)
+    yield from deterministic_algorithms_restored()
 
 
 def load(tiny_model_dir: Path) -> Any:

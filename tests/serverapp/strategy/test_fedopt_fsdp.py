@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.config import ConfigError, load_settings
-from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.app import build_strategy
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.resume import discard_uncommitted
@@ -38,7 +37,7 @@ from fedagent_flwr.serverapp.strategy.server_optimizer import ServerOptimizerSta
 from testkit.ckpt_factory import Suite
 from testkit.client_replies import train_reply
 from testkit.round_harness import connect, train_round
-from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint
+from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint, suite_ppo_reply, suite_replies
 
 # (client checkpoint names, episodes) of client 0 and 1 in rounds 1, 2, 3
 ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6)), (("qwen_plain", "qwen_a"), (10, 2))]
@@ -46,12 +45,7 @@ ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6)), (("qw
 
 def _play(strategy: FedAvgFSDP, run_root: Path, suite: Suite, server_round: int) -> Path:
     """Round ``server_round`` of :data:`ROUNDS`: the clients' copies, their replies, the aggregation."""
-    names, episodes = ROUNDS[server_round - 1]
-    replies = []
-    for client, (name, count) in enumerate(zip(names, episodes)):
-        slot = client_slot(run_root, client, server_round)
-        source = slot / name if (slot / name).is_dir() else suite.copy(name, slot)
-        replies.append(train_reply(client, CheckpointRef.for_directory(source), count))
+    replies = suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round)
     strategy.aggregate_train(server_round, replies)
     assert strategy.global_model.path == str(run_root / f"round_{server_round}" / "global")
     return Path(strategy.global_model.path)
@@ -287,12 +281,7 @@ def test_ppo_critic_keeps_its_own_state_and_committed_rounds_keep_only_the_newes
     connect(strategy, recorder, range(2))
 
     def ppo_reply(client: int, server_round: int) -> Message:
-        slot = client_slot(run_root, client, server_round)
-        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], slot / "a"))
-        critic = CheckpointRef.for_directory(suite.copy(["qwen_b", "qwen_c"][client], slot / "c"), "critic")
-        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
-        content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": 1 + client})
-        return Message(content.to_record(), reply_to=instruction)
+        return suite_ppo_reply(run_root, suite, client, server_round)
 
     def step_of(path: Path) -> str:
         with safe_open(str(path), framework="pt") as handle:

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.verify import main as verify
-from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
 from fedagent_flwr.serverapp.strategy import (
@@ -35,9 +34,8 @@ from fedagent_flwr.serverapp.strategy import (
 )
 from fedagent_flwr.serverapp.strategy.server_optimizer import ServerOptimizerStateError, state_file
 from testkit.ckpt_factory import Suite
-from testkit.client_replies import train_reply
 from testkit.round_harness import connect, train_round
-from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint
+from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_ppo_reply, suite_replies
 
 # client checkpoint names and episodes of clients 0 and 1 in rounds 1, 2
 ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6))]
@@ -54,12 +52,7 @@ STATE_SHA256 = "fedagent.state_sha256"  # the global model's header entry (serve
 
 def _round(strategy: FedAvgFSDP, run_root: Path, suite: Suite, server_round: int) -> Path:
     """Round ``server_round`` of :data:`ROUNDS`, aggregated and recorded; the new global model."""
-    names, episodes = ROUNDS[server_round - 1]
-    replies = []
-    for client, (name, count) in enumerate(zip(names, episodes)):
-        slot = client_slot(run_root, client, server_round)
-        source = slot / name if (slot / name).is_dir() else suite.copy(name, slot)
-        replies.append(train_reply(client, CheckpointRef.for_directory(source), count))
+    replies = suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round)
     train_round(strategy, server_round, replies)
     assert strategy.global_model.path == str(run_root / f"round_{server_round}" / "global")
     return Path(strategy.global_model.path)
@@ -204,12 +197,7 @@ def test_ppo_critics_are_audited_too_the_first_as_a_mean_then_as_steps(
     strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2, **ADAM)
 
     def ppo_reply(client: int, server_round: int) -> Message:
-        slot = client_slot(run_root, client, server_round)
-        actor = CheckpointRef.for_directory(suite.copy(["qwen_a", "qwen_b"][client], slot / "a"))
-        critic = CheckpointRef.for_directory(suite.copy(["qwen_b", "qwen_c"][client], slot / "c"), "critic")
-        instruction = Message(RecordDict(), dst_node_id=100 + client, message_type="train")
-        content = TrainReply(client_id=client, actor=actor, critic=critic, metrics={"num-examples": 1 + client})
-        return Message(content.to_record(), reply_to=instruction)
+        return suite_ppo_reply(run_root, suite, client, server_round)
 
     for server_round in (1, 2, 3):
         train_round(strategy, server_round, [ppo_reply(0, server_round), ppo_reply(1, server_round)])
