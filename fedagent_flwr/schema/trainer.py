@@ -10,6 +10,7 @@ A verl preset such as ``verl_ppo`` is a YAML file over the verl schema, not a sc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -154,6 +155,19 @@ def _json_leaf(value: Any) -> bool:
     if isinstance(value, str):
         return "${" not in value  # Hydra and OmegaConf would read an interpolation in verl's config
     return value is None or isinstance(value, (bool, int))
+
+
+def chat_template_kwargs_from_json(text: str) -> dict[str, Any]:
+    """A command line's ``--chat-template-kwargs`` JSON object, checked as ``model.chat_template_kwargs``
+    is (ValueError, SettingError among them, saying what is wrong)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    check_chat_template_kwargs(value)
+    return value
 
 
 def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:

@@ -198,3 +198,36 @@ def test_verl_gets_them_as_data_apply_chat_template_kwargs_and_its_agent_loop_re
     output = asyncio.run(loop.run({"temperature": 0.0, "top_p": 1.0, "logprobs": True}, **row))
     assert tokenizer.decode(output.prompt_ids).startswith(MARKER)
     assert dict(loop.apply_chat_template_kwargs) == KWARGS
+
+
+def test_the_warm_start_renders_its_examples_with_the_kwargs(thinking_model_dir: Path) -> None:
+    """The supervised warm start trains on the prompts the run renders: with the kwargs its examples
+    carry the template's marker, without them they do not."""
+    from transformers import AutoTokenizer
+
+    from fedagent_flwr.trainers.common import warm_start as ws
+    from testkit.guess_conversations import CONVERSATIONS
+
+    tokenizer = AutoTokenizer.from_pretrained(str(thinking_model_dir))
+    conversations = list(enumerate(CONVERSATIONS, 1))
+    args = ws.parse_args(["--data", "x.jsonl", "--out", "o", "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.chat_template_kwargs == KWARGS
+    with_kwargs, _ = ws.build_examples(tokenizer, conversations, 4096, chat_template_kwargs=args.chat_template_kwargs)
+    without, _ = ws.build_examples(tokenizer, conversations, 4096)
+    assert all(MARKER in tokenizer.decode(e.input_ids) for e in with_kwargs)
+    assert not any(MARKER in tokenizer.decode(e.input_ids) for e in without)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{enable_thinking: false}", "not JSON"),
+    ("[1]", "must be a JSON object"),
+    ('{"tokenize": true}', "model.chat_template_kwargs.tokenize"),
+])
+def test_the_warm_start_refuses_bad_kwargs_in_one_line(value: str, message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from fedagent_flwr.trainers.common import warm_start as ws
+
+    with pytest.raises(SystemExit) as exited:
+        ws.parse_args(["--data", "x.jsonl", "--out", "o", "--chat-template-kwargs", value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and "--chat-template-kwargs: " in err and message in err

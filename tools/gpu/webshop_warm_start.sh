@@ -53,15 +53,17 @@ export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 SECONDS=0
 # The expert plays exactly the recipe's windowed limits (turns, per-turn budgets, history), read from
 # the composed recipe, so the warm start sees the windows the RL run will show.
-read -r TURNS NEW PROMPT RESPONSE HISTORY RETURN_N < <($PY - "$RECIPE" "$DATA" <<'PY'
-import sys
+# ... and renders with the recipe's model.chat_template_kwargs (last: a JSON object, to the line's end).
+read -r TURNS NEW PROMPT RESPONSE HISTORY RETURN_N TEMPLATE_KWARGS < <($PY - "$RECIPE" "$DATA" <<'PY'
+import json, sys
 from fedagent_flwr.config import load_settings
 s = load_settings("config", f"recipe={sys.argv[1]} env.data_dir={sys.argv[2]}")
 (train,) = s.train_env_spec["envs"]
 t = s.trainer
 assert s.raw["rollout"]["mode"] == "windowed", s.raw["rollout"]
 print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_response_length"],
-      s.raw["rollout"]["history_length"], train["config"]["search_return_n"])
+      s.raw["rollout"]["history_length"], train["config"]["search_return_n"],
+      json.dumps(dict(s.raw["model"].get("chat_template_kwargs") or {})))
 PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
 rm -rf "$WORK"; mkdir -p "$WORK"
@@ -90,7 +92,8 @@ echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.
 # --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
 $PY -m fedagent_flwr.cli warm-start --data "$WORK/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
     --epochs "$EPOCHS" --lr "$LR" --batch-size "$BATCH" --max-len "$MAX_LEN" --seed "$SEED" --device "$DEVICE" \
-    --save-dtype "$SAVE_DTYPE" --log-every 50 ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"}
+    --save-dtype "$SAVE_DTYPE" --log-every 50 --chat-template-kwargs "$TEMPLATE_KWARGS" \
+    ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"}
 WARM_S=$(( SECONDS - EXPERT_S ))
 $PY - "$OUT_DIR" "$WORK/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
 import json, sys

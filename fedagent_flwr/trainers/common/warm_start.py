@@ -45,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from fedagent_flwr.rollout.episode import (
     tokenize_conversation,
     windowed_turns,
 )
+from fedagent_flwr.schema.trainer import chat_template_kwargs_from_json
 from fedagent_flwr.trainers.common.reply_loss import IGNORE, head_matches_full_logits, reply_loss
 
 RECORD_FILE = "warm_start.json"
@@ -188,9 +189,11 @@ def make_example(line: int, prompt_ids: list[int], response_ids: list[int], resp
 
 
 def build_examples(
-    tokenizer: Any, conversations: Sequence[tuple[int, list[dict[str, str]]]], max_len: int, source: str = "data"
+    tokenizer: Any, conversations: Sequence[tuple[int, list[dict[str, str]]]], max_len: int, source: str = "data",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Example], int]:
-    """The examples of ``conversations`` and how many were dropped for being longer than ``max_len``.
+    """The examples of ``conversations`` and how many were dropped for being longer than ``max_len``,
+    rendered with ``chat_template_kwargs`` (the run's ``model.chat_template_kwargs``: the RL run's prompts).
 
     WarmStartError (naming ``source:line``) for a conversation without a reply, with a layout the
     rollout never produces, or that the chat template refuses to render (transformers' ValueError,
@@ -202,7 +205,8 @@ def build_examples(
     dropped = 0
     for line, messages in conversations:
         try:
-            example = make_example(line, *tokenize_conversation(tokenizer, messages))
+            example = make_example(line, *tokenize_conversation(tokenizer, messages,
+                                                                chat_template_kwargs=chat_template_kwargs))
         except (ValueError, TemplateError) as exc:  # ConversationError, ChatTemplateError, the template's own
             raise WarmStartError(f"{source}:{line}: {exc}") from None
         if len(example.input_ids) > max_len:
@@ -352,7 +356,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="cap this process at fraction F (0 < F <= 1) of the GPU's memory "
                              "(torch.cuda.set_per_process_memory_fraction), so that beside other GPU work it stops "
                              "with its own out-of-memory error instead of starving its neighbours; CUDA only")
+    parser.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="the run's "
+                        "model.chat_template_kwargs (e.g. '{\"enable_thinking\": false}'): render as the run does")
     args = parser.parse_args(argv)
+    try:
+        args.chat_template_kwargs = chat_template_kwargs_from_json(args.chat_template_kwargs)
+    except ValueError as exc:
+        parser.error(f"--chat-template-kwargs: {exc}")
     fraction = args.max_gpu_memory_fraction
     if fraction is not None and not 0 < fraction <= 1:
         parser.error("--max-gpu-memory-fraction must be in (0, 1]")
@@ -387,7 +397,8 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
         raise WarmStartError(f"no usable tokenizer in {base}: {exc}" if not isinstance(exc, ChatTemplateError)
                              else str(exc)) from None
-    examples, dropped = build_examples(tokenizer, conversations, args.max_len, str(args.data))
+    examples, dropped = build_examples(tokenizer, conversations, args.max_len, str(args.data),
+                                       args.chat_template_kwargs)
     if dropped:
         log(f"dropped {dropped} of {len(conversations)} conversations longer than --max-len {args.max_len} tokens")
     if not examples:
@@ -435,6 +446,7 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         "loss_first_step": stats.first_step_loss,
         "loss_last_step": stats.last_step_loss,
         "save_dtype": args.save_dtype,
+        "chat_template_kwargs": args.chat_template_kwargs,
         "max_gpu_memory_fraction": args.max_gpu_memory_fraction,
         "peak_gpu_memory_gib": peak,
     }
