@@ -26,6 +26,8 @@ PREFILL_MODES = ("incremental", "full")  # EvalKnobs.prefill
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZER_STATES = ("reset", "keep")  # OptimizerStateKeys.optimizer_state
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# keyword names that Hydra's override grammar reads back as other values (any letter case)
+_NOT_STRING_KEYS = frozenset({"true", "false", "null", "nan", "inf"})
 _MODULE = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 # The backends verl 0.9.1's Tracking accepts (``Tracking.supported_backend`` in
 # verl/utils/tracking.py); a test checks this list against the installed verl.
@@ -180,6 +182,10 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:
         if not isinstance(key, str) or not _IDENTIFIER.fullmatch(key):
             raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}' has the key {key!r}, not a keyword name "
                                f"(letters, digits and '_', not starting with a digit): {usage}")
+        if key.lower() in _NOT_STRING_KEYS:
+            # Hydra reads these bare words back as a boolean, None or a float, not as a name
+            raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}' has the key {key!r}, which verl's config would "
+                               f"read as {key.lower()}, not as a keyword name: {usage}")
         if key in _RENDERER_ARGS:
             raise SettingError(f"config key '{CHAT_TEMPLATE_KEY}.{key}' is an argument of apply_chat_template "
                                "that the agent loop sets itself; leave it out")

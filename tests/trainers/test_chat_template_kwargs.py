@@ -94,6 +94,8 @@ def test_the_setting_reaches_the_jobs_from_the_run_config() -> None:
     ("model.chat_template_kwargs.tokenize=true", "config key 'model.chat_template_kwargs.tokenize' is an argument of "
                                                  "apply_chat_template that the agent loop sets itself"),
     ("model.chat_template_kwargs.budget=nan", "config key 'model.chat_template_kwargs.budget' = nan is not"),
+    ("model.chat_template_kwargs.True=1", "config key 'model.chat_template_kwargs' has the key 'True', which verl's "
+                                          "config would read as true"),
 ])
 def test_a_bad_value_stops_the_run_at_config_load_naming_the_setting(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -222,6 +224,7 @@ def test_the_warm_start_renders_its_examples_with_the_kwargs(thinking_model_dir:
     ("{enable_thinking: false}", "not JSON"),
     ("[1]", "must be a JSON object"),
     ('{"tokenize": true}', "model.chat_template_kwargs.tokenize"),
+    ('{"Null": 1}', "would read as null"),
 ])
 def test_the_warm_start_refuses_bad_kwargs_in_one_line(value: str, message: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,3 +234,4 @@ def test_the_warm_start_refuses_bad_kwargs_in_one_line(value: str, message: str,
         ws.parse_args(["--data", "x.jsonl", "--out", "o", "--chat-template-kwargs", value])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert exited.value.code == 2 and "--chat-template-kwargs: " in err and message in err
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -141,3 +142,18 @@ def test_the_command_records_checkpointing_and_the_memory_cap(tiny_model_dir: Pa
         with pytest.raises(SystemExit):
             ws.parse_args([str(a) for a in [*common, "--out", tmp_path / "c", "--max-gpu-memory-fraction", bad]])
     assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_the_memory_cap_names_the_current_cuda_device_by_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device auto``/``cuda`` give ``torch.device("cuda")``, with no index, which
+    ``set_per_process_memory_fraction`` refuses; the cap passes the current device's index. (No GPU
+    here: torch.cuda's three calls are replaced by recorders; on a GPU the real ones run.)"""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.append(("cap", (fraction, device))))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: calls.append(("size", device)) or SimpleNamespace(total_memory=80 * 2**30))
+    assert ws.apply_memory_cap(0.25, torch.device("cuda")) == 20 * 2**30
+    assert ws.apply_memory_cap(0.5, torch.device("cuda", 1)) == 40 * 2**30
+    assert calls == [("cap", (0.25, 3)), ("size", 3), ("cap", (0.5, 1)), ("size", 1)]

@@ -8,7 +8,7 @@ docs/gpu.md §7). So :func:`reply_loss` runs the model's body (transformers' ``m
 decoder with its final norm), gathers the hidden states at the positions that predict a labelled token
 (position ``t`` predicts token ``t + 1``), and applies the output head (``get_output_embeddings()``)
 to those rows only. The loss is the same sum of ``-log p(token | tokens before it)`` as the full
-computation, up to floating-point rounding (tests/trainers/test_warm_start.py compares the loss and
+computation, up to floating-point rounding (tests/trainers/test_warm_start_memory.py compares the loss and
 every parameter's gradient).
 
 That holds only where the causal LM's logits *are* ``head(body(x).last_hidden_state)``. Some

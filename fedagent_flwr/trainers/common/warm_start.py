@@ -59,6 +59,7 @@ from fedagent_flwr.rollout.episode import (
     windowed_turns,
 )
 from fedagent_flwr.schema.trainer import chat_template_kwargs_from_json
+from fedagent_flwr.trainers.common.gpu_memory_cap import apply_memory_cap, out_of_memory_message
 from fedagent_flwr.trainers.common.reply_loss import IGNORE, head_matches_full_logits, reply_loss
 
 RECORD_FILE = "warm_start.json"
@@ -406,7 +407,10 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
                              f"({len(conversations)} after --min-reward, {dropped} too long)")
     seed_everything(args.seed)
     device = torch_device(args.device)
-    cap = apply_memory_cap(args.max_gpu_memory_fraction, device)
+    try:
+        cap = apply_memory_cap(args.max_gpu_memory_fraction, device)
+    except ValueError as exc:
+        raise WarmStartError(str(exc)) from None
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
     if args.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise WarmStartError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
@@ -426,7 +430,7 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     try:
         stats = train(model, examples, config, int(pad_id), device, log)
     except torch.OutOfMemoryError:
-        raise WarmStartError(out_of_memory_message(device, cap, config)) from None
+        raise WarmStartError(out_of_memory_message(device, cap, config.gradient_checkpointing)) from None
     peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
     record = {
         "data": str(args.data.resolve()),
@@ -457,31 +461,6 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
     log(f"saved {args.out} (step loss {stats.first_step_loss:.4f} -> {stats.last_step_loss:.4f} over "
         f"{stats.steps} steps; epoch loss {stats.epoch_losses[0]:.4f} -> {stats.epoch_losses[-1]:.4f})")
     return record
-
-
-def apply_memory_cap(fraction: float | None, device: Any) -> int | None:
-    """Cap the caching allocator at ``fraction`` of ``device``'s memory and return the cap in bytes
-    (None without a fraction). WarmStartError when a fraction is given for a device that is not CUDA."""
-    import torch
-
-    if fraction is None:
-        return None
-    if device.type != "cuda":
-        raise WarmStartError(f"--max-gpu-memory-fraction {fraction} needs a CUDA device, not {device}")
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
-
-
-def out_of_memory_message(device: Any, cap: int | None, config: TrainConfig) -> str:
-    """The one line for a CUDA out-of-memory error: under which limit, and what to lower."""
-    import torch
-
-    total = torch.cuda.get_device_properties(device).total_memory
-    limit = (f"the cap --max-gpu-memory-fraction ({cap / 2**30:.1f} GiB of the card's {total / 2**30:.1f} GiB)"
-             if cap is not None else f"the card's {total / 2**30:.1f} GiB (no cap; other processes' memory counts too)")
-    hint = "" if config.gradient_checkpointing else ", or pass --gradient-checkpointing"
-    return (f"out of GPU memory under {limit}; peak allocated by the warm start "
-            f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB: lower --batch-size or --max-len{hint}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,8 @@ Choices that are not plain knobs:
 * **Logging.** verl's ``console`` logger (the job's log) and its ``file`` logger, whose JSONL
   the client reads for per-step metrics (:mod:`.verl_log`), plus the user's ``trainer.verl_logger``.
 * **Chat template.** ``model.chat_template_kwargs`` becomes ``data.apply_chat_template_kwargs``, which
-  verl's agent loop (and so ours) and its own dataset rendering read; written only when non-empty.
+  verl's agent-loop base class reads (and hands to ours; our episode dataset renders nothing);
+  written only when non-empty.
 * **PPO.** ``adv_estimator=gae`` with a critic that starts from the aggregated critic of the
   previous round (``job.critic_path``), or from the base model in the first round.
 """
