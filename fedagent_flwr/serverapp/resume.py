@@ -225,9 +225,12 @@ def _difference(stored: dict[str, Any], header: dict[str, Any]) -> str:
     if "config_sha256" not in stored:
         return "its summary has no config fingerprint: it was written by an older fedagent-flwr"
     before, now = _flatten(stored.get("config", {})), _flatten(header["config"])
-    for key in sorted(set(before) | set(now)):
+    keys = sorted(set(before) | set(now))
+    for key in keys:
         if key not in before and now[key] == declared_default(key):
             continue  # a setting added since, at the default the older run had in effect
+        if {} in (before.get(key), now.get(key)) and any(k.startswith(key + ".") for k in keys):
+            continue  # an empty mapping on one side, keys under it on the other: name those keys
         if before.get(key, "<unset>") != now.get(key, "<unset>"):
             return f"config key '{key}' = {before.get(key, '<unset>')!r} there, {now.get(key, '<unset>')!r} now"
     return (f"the base model's content differs: sha256 {stored.get('base_model_sha256')} there, "

@@ -185,6 +185,10 @@ def test_another_config_in_the_same_directory_is_refused_by_name(tmp_path: Path,
         load_previous_run(run_dir, _header(tmp_path, base, "num_rounds=3"))
     with pytest.raises(ResumeError, match=r"config key 'trainer.lr' = .* there, 0.5 now"):
         load_previous_run(run_dir, _header(tmp_path, base, "trainer.lr=0.5"))
+    # An empty mapping there, a key under it now: the key is named, not the mapping.
+    with pytest.raises(ResumeError, match=r"config key 'model.chat_template_kwargs.enable_thinking' = '<unset>' "
+                                          r"there, False now"):
+        load_previous_run(run_dir, _header(tmp_path, base, "model.chat_template_kwargs.enable_thinking=false"))
     # The same config with a base model whose content changed is another run too.
     with pytest.raises(ResumeError, match="base model's content differs"):
         load_previous_run(run_dir, _header(tmp_path, dataclasses.replace(base, sha256="0" * 64)))
