@@ -21,9 +21,42 @@ momentum + g``, ``x - lr momentum``; ``FedOpt``: ``delta = a - x``, ``m = beta_1
 delta``, FedAdam/FedYogi/FedAdagrad's ``v``, ``x + step m / (sqrt(v) + tau)``), never by calling the
 strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both
 the new global model and the new state's buffers are compared with the files on disk; the round's
-error is the larger of the two max abs errors. The buffers are small numbers (``v`` is about
-``delta^2``), so a change to a state file below the tolerance is caught by its hash instead (and
+error reported is the larger of the two max abs errors. The buffers are small numbers (``v`` is
+about ``delta^2``), so a change to a state file below the bound is caught by its hash instead (and
 by the next round's step, which the change would move).
+
+**Pass or fail: a per-element bound, not a flat tolerance.** The strategy computes in fp32 and
+from fp32 inputs: ``delta = a - x`` is a difference of two nearly equal numbers, so its rounding
+(about ``eps32 |x|``, 6e-8 for a weight near 1) is large next to ``delta`` itself (an LLM's change
+is 1e-6..1e-4 a round), and the step multiplies it by a gain: where ``sqrt(v)`` is below ``tau``
+the update is about ``(step / tau) m``, up to ``eta / tau`` = 100 with Flower's defaults. A correct
+FedAdagrad round with weights near 1 is then 1e-5 off the float64 recomputation, far above 1e-6.
+So every element is held to ``|written - expected| <= tolerance + bound``, with the bound the
+first-order propagation of fp32 rounding through the same formulas (``eps32`` = 2^-23; a factor 2
+of margin on each rounding, never on the tolerance):
+
+- ``delta``: ``e = 2 eps32 ((n + 1) sum_i w_i |a_i| + |x|)`` for ``n`` sources (the weighted
+  sum's roundings, the weights' fp32 rounding, the subtraction);
+- FedAvgM: ``g = x - a`` carries ``e``; ``momentum`` carries ``e + 2 eps32 (mu |momentum_old| +
+  |momentum|)``; the model ``lr`` times that, plus ``2 eps32 (lr |g| + |x_new|)``;
+- FedOpt: ``m`` carries ``(1 - beta_1) e`` (``e`` when ``m = delta``) plus its own rounding;
+  ``delta^2`` carries ``2 |delta| e + e^2``, so ``v`` carries ``(1 - beta_2)`` (FedAdam, FedYogi)
+  or 1 (FedAdagrad) times that, plus its rounding, and FedYogi's whole ``2 (1 - beta_2) delta^2``
+  where ``v - delta^2`` is too close to zero for its sign to be sure; ``sqrt(v)`` then moves by at
+  most ``ds = sqrt(v) - sqrt(max(v - e_v, 0))``, and the model carries ``step (e_m / d_low + |m|
+  ds / (d d_low)) + 4 eps32 |update| + 2 eps32 |x_new|`` with ``d = sqrt(v) + tau`` and ``d_low =
+  d - ds``: the gain ``step (1 - beta_1) / (sqrt(v) + tau)`` on ``delta``'s rounding, and the
+  roundings of the last operations.
+
+Each round starts from the files the run wrote (``x`` and the previous state as stored), so the
+bound does not grow with the rounds. The audit prints the worst ratio of error to bound (``worst
+0.3 of it``): an altered tensor shows up far above 1.
+
+**What is trusted.** The previous global model's path comes from the header: it is opened only if
+it lies inside the run directory or is the run's base model (``base_model`` of the run record,
+whose ``base_model_sha256`` it must then match where recorded), and its content hash must be the
+recorded one (an empty or missing record fails the round unless hashes are not compared). It is
+reported as removed, not failed, only where the run record says retention removed it.
 """
 
 from __future__ import annotations
@@ -55,6 +88,8 @@ OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 # that the audit reads what the run wrote, not what the strategy's code would compute.
 _STATE_DIR, _STATE_SHA256, _PREVIOUS = "server_optimizer", "fedagent.state_sha256", "fedagent.previous_global"
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
+#: fp32's machine epsilon: the strategy's arithmetic (module docstring, "Pass or fail").
+EPS32 = torch.finfo(torch.float32).eps
 
 
 class InputRemoved(Exception):
@@ -63,13 +98,15 @@ class InputRemoved(Exception):
 
 @dataclass
 class OptimizerAudit:
-    """What the audit of one round found: the errors, the step, and problems that fail the round
-    whatever the errors (a hash that differs, a step count that does not follow)."""
+    """What the audit of one round found: the errors, their worst ratio to the per-element bound
+    (tolerance + fp32 rounding bound, module docstring; above 1 fails), the step, and problems that
+    fail the round whatever the errors (a hash that differs, a step count that does not follow)."""
 
     rule: str
     step: int
     global_error: float = 0.0
     state_error: float = 0.0
+    ratio: float = 0.0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -77,6 +114,11 @@ class OptimizerAudit:
     def error(self) -> float:
         """The larger of the two max abs errors."""
         return max(self.global_error, self.state_error)
+
+    @property
+    def within_bound(self) -> bool:
+        """Every element within its bound (problems aside)."""
+        return self.ratio <= 1.0
 
 
 def header_of(model_file: Path) -> dict[str, str]:
@@ -94,13 +136,18 @@ def state_path(global_dir: Path) -> Path:
 
 
 def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, check_hashes: bool = True,
-                           state_removed: Callable[[Path], bool] = lambda path: False) -> OptimizerAudit:
+                           removed_by_run: Callable[[Path], bool] = lambda path: False, *,
+                           tolerance: float = 1e-6, base_model: str | None = None,
+                           base_model_sha256: str | None = None) -> OptimizerAudit:
     """Recompute the round that wrote ``global_dir`` (module docstring) and compare.
 
     ``check_hashes`` False skips the content-hash comparisons (a run recorded with another content
-    hash version); ``state_removed(path)`` says whether the run's retention removed that state file
-    (then the round is not checked, :class:`InputRemoved`, rather than failed). Raises
-    CheckpointError when the round cannot be recomputed at all (an input missing or altered)."""
+    hash version); ``removed_by_run(path)`` says whether the run record notes that its retention
+    removed that global model or state file (then the round is not checked, :class:`InputRemoved`,
+    rather than failed); ``tolerance`` is added to every element's fp32 bound; ``base_model`` and
+    ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``).
+    Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
+    not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
     rule = header.get("fedagent.aggregation", "")
     if rule not in OPTIMIZER_RULES:
@@ -121,18 +168,23 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     expected_buffers = _buffers(rule, settings)
     if buffers != expected_buffers:
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
-    x_dir = Path(previous["path"])
-    if not x_dir.is_dir():
-        raise InputRemoved(f"previous global model {x_dir} removed (storage.keep_last_k)")
+    x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
     with ExitStack() as stack:
         sources = _sources(header, global_dir, run_root, check_hashes, stack)
         x_ref = CheckpointRef.for_directory(x_dir)
-        if check_hashes and previous.get("sha256") and x_ref.sha256 != previous["sha256"]:
-            raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped from it "
-                                  "(hash differs)")
+        if check_hashes:
+            if not previous.get("sha256"):
+                raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its previous global "
+                                      f"model {x_dir}: it cannot be trusted")
+            if x_ref.sha256 != previous["sha256"]:
+                raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped "
+                                      "from it (hash differs)")
+            if base_model_sha256 and _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
+                raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
+                                      "from the run record's base_model_sha256)")
         x_reader = stack.enter_context(_closing(open_checkpoint(x_ref, check_hash=False)))
-        old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, check_hashes, state_removed, stack)
-        new_state = _new_state(global_dir, header, buffers, step, audit, check_hashes, state_removed, stack)
+        old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, check_hashes, removed_by_run, stack)
+        new_state = _new_state(global_dir, header, buffers, step, audit, check_hashes, removed_by_run, stack)
         written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
         keys = set(effective_keys(sources[0][0], tied_weight_keys(global_dir)))
         if set(written.keys()) != keys:
@@ -154,18 +206,50 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                 continue
             check_finite(key, actual, str(global_dir))
             mean = torch.zeros(sources[0][0].shape(key), dtype=torch.float64)
+            magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
             for (reader, _), weight in zip(sources, weights):
-                mean += weight * reader.read(key).double()
+                tensor = reader.read(key).double()
+                mean += weight * tensor
+                magnitude += weight * tensor.abs()
             x = x_reader.read(key).double()
             state = {n: old_state.get_tensor(f"{n}/{key}").double() if old_state is not None else torch.zeros_like(x)
                      for n in buffers}
-            expected = _step(rule, settings, server_round, x, mean, state)
-            audit.global_error = max(audit.global_error, _max_abs(actual.double() - expected))
+            slack = 2.0 * EPS32 * ((len(sources) + 1) * magnitude + x.abs())  # delta's fp32 error
+            expected, bound, state_bounds = _step(rule, settings, server_round, x, mean, state, slack)
+            error = (actual.double() - expected).abs()
+            audit.global_error = max(audit.global_error, _max(error))
+            audit.ratio = max(audit.ratio, _max(error / (tolerance + bound)))
             if new_state is not None:
                 for name in buffers:
-                    stored = new_state.get_tensor(f"{name}/{key}").double()
-                    audit.state_error = max(audit.state_error, _max_abs(stored - state[name]))
+                    error = (new_state.get_tensor(f"{name}/{key}").double() - state[name]).abs()
+                    audit.state_error = max(audit.state_error, _max(error))
+                    audit.ratio = max(audit.ratio, _max(error / (tolerance + state_bounds[name])))
     return audit
+
+
+def _same(path: Path, other: str | None) -> bool:
+    return other is not None and path.resolve() == Path(other).resolve()
+
+
+def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str | None,
+                      removed_by_run: Callable[[Path], bool]) -> Path:
+    """The previous global model's directory, if the audit may open it (module docstring, "What is
+    trusted"): inside the run, or the run's base model. InputRemoved only where the run record says
+    its retention removed it (it never removes the base model); CheckpointError otherwise."""
+    x_dir = Path(previous["path"])
+    try:
+        x_dir.resolve().relative_to(run_root.resolve())
+        inside = True
+    except ValueError:
+        inside = False
+    if not inside and not _same(x_dir, base_model):
+        raise CheckpointError(f"previous global model {x_dir} is neither inside the run {run_root} nor its base model "
+                              f"{base_model}: not opened")
+    if not x_dir.is_dir():
+        if inside and removed_by_run(x_dir):
+            raise InputRemoved(f"previous global model {x_dir} removed by the run (storage.keep_last_k)")
+        raise CheckpointError(f"previous global model {x_dir} is missing")
+    return x_dir
 
 
 def _buffers(rule: str, settings: dict[str, float]) -> list[str]:
@@ -177,29 +261,53 @@ def _buffers(rule: str, settings: dict[str, float]) -> list[str]:
 
 
 def _step(rule: str, settings: dict[str, float], server_round: int, x: torch.Tensor, mean: torch.Tensor,
-          state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The new ``x`` in float64 from Flower's formulas; ``state`` (zeros at first) is updated in place."""
+          state: dict[str, torch.Tensor], slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                       dict[str, torch.Tensor]]:
+    """The new ``x`` in float64 from Flower's formulas, with its fp32 bound and each new buffer's
+    (module docstring, "Pass or fail"; ``slack`` bounds the fp32 error of ``delta``); ``state``
+    (zeros at first) is updated in place."""
+    twice = 2.0 * EPS32  # one fp32 rounding of a result, with the docstring's margin
     if rule == "fedavgm":
-        gradient = x - mean
+        rate, bounds = settings["server_learning_rate"], {}
+        gradient, error = x - mean, slack
         if "momentum" in state:  # zeros at first: mu 0 + g is Flower's first-round momentum = g
-            state["momentum"] = settings["server_momentum"] * state["momentum"] + gradient
+            mu, old = settings["server_momentum"], state["momentum"]
+            state["momentum"] = mu * old + gradient
+            error = bounds["momentum"] = slack + twice * (mu * old.abs() + state["momentum"].abs())
             gradient = state["momentum"]
-        return x - settings["server_learning_rate"] * gradient
+        new = x - rate * gradient
+        return new, rate * error + twice * (rate * gradient.abs() + new.abs()), bounds
     beta_1, beta_2, eta, tau = settings["beta_1"], settings["beta_2"], settings["eta"], settings["tau"]
     delta = mean - x
-    m = beta_1 * state["m"] + (1.0 - beta_1) * delta if "m" in state else delta
+    m, m_error, bounds = delta, slack, {}
     if "m" in state:
+        m = beta_1 * state["m"] + (1.0 - beta_1) * delta
+        m_error = bounds["m"] = (1.0 - beta_1) * slack + twice * (beta_1 * state["m"].abs() + m.abs())
         state["m"] = m
     v, squared = state["v"], delta * delta
+    squared_error = 2.0 * delta.abs() * slack + slack * slack + twice * squared
     if rule == "fedadam":
         v = beta_2 * v + (1.0 - beta_2) * squared
+        v_error = (1.0 - beta_2) * squared_error + twice * (beta_2 * state["v"].abs() + v.abs())
         eta = eta * math.sqrt(1.0 - beta_2 ** (server_round + 1.0)) / (1.0 - beta_1 ** (server_round + 1.0))
     elif rule == "fedyogi":
+        unsure = (v - squared).abs() <= squared_error + twice * (v.abs() + squared)  # fp32 may take the other sign
         v = v - (1.0 - beta_2) * squared * torch.sign(v - squared)
+        v_error = ((1.0 - beta_2) * squared_error + twice * (state["v"].abs() + v.abs())
+                   + torch.where(unsure, 2.0 * (1.0 - beta_2) * (squared + squared_error), 0.0))
     else:  # fedadagrad
         v = v + squared
-    state["v"] = v
-    return x + eta * m / (torch.sqrt(v) + tau)
+        v_error = squared_error + twice * v.abs()
+    state["v"], bounds["v"] = v, v_error
+    root = torch.sqrt(v.clamp(min=0.0))
+    shift = root - torch.sqrt((v - v_error).clamp(min=0.0))  # the most sqrt moves for v within v_error
+    denominator = root + tau
+    lowest = denominator - shift  # >= tau
+    update = eta * m / denominator
+    new = x + update
+    error = (eta * (m_error / lowest + (m.abs() + m_error) * shift / (denominator * lowest))
+             + 2.0 * twice * update.abs() + twice * new.abs())
+    return new, error, bounds
 
 
 def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool,
@@ -219,7 +327,7 @@ def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_has
 
 
 def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], step: int, audit: OptimizerAudit,
-                    check_hashes: bool, state_removed: Callable[[Path], bool], stack: ExitStack) -> Any:
+                    check_hashes: bool, removed_by_run: Callable[[Path], bool], stack: ExitStack) -> Any:
     """The state the step started from, opened (None: the buffers start at zero)."""
     try:
         inside = x_dir.resolve().relative_to(run_root.resolve()).as_posix()
@@ -233,7 +341,7 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
         return None
     path = state_path(x_dir)
     if not path.is_file():
-        if state_removed(path):
+        if removed_by_run(path):
             raise InputRemoved(f"previous optimiser state {path} removed by the run after the round was committed")
         raise CheckpointError(f"previous optimiser state {path} is missing")
     recorded = x_header.get(_STATE_SHA256)
@@ -250,13 +358,13 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
 
 
 def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], step: int, audit: OptimizerAudit,
-               check_hashes: bool, state_removed: Callable[[Path], bool], stack: ExitStack) -> Any:
+               check_hashes: bool, removed_by_run: Callable[[Path], bool], stack: ExitStack) -> Any:
     """The state written with the round, opened and its hash checked (None: no buffers, or removed)."""
     if not buffers:
         return None
     path = state_path(global_dir)
     if not path.is_file():
-        if state_removed(path):
+        if removed_by_run(path):
             audit.notes.append("its state was removed by the run: global model checked only")
             return None
         raise CheckpointError(f"optimiser state {path} is missing")
@@ -277,5 +385,5 @@ def _closing(reader: CheckpointReader) -> Iterator[CheckpointReader]:
         reader.close()
 
 
-def _max_abs(delta: torch.Tensor) -> float:
-    return float(delta.abs().max()) if delta.numel() else 0.0
+def _max(values: torch.Tensor) -> float:
+    return float(values.max()) if values.numel() else 0.0

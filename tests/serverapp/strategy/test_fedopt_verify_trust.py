@@ -1,0 +1,147 @@
+"""The server-optimiser audit judged fairly and trusting only what the run recorded, on real
+checkpoints aggregated by the real strategies: a correct round whose change is far below ``tau``
+(an LLM's 1e-5 on weights near 1) passes although fp32 rounding times the step's gain puts it well
+above the flat 1e-6 tolerance, and is reported with its worst ratio to the per-element bound; a
+previous global model that is missing fails the audit unless the run record says retention
+removed it; a header that records no hash of its previous global model, or names one outside the
+run that is not its base model, fails it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.checkpoint.verify import main as verify
+from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
+from testkit.client_replies import train_reply
+from testkit.round_harness import train_round
+from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint, suite_replies
+
+MODEL = "model.safetensors"
+CHANGE = 1e-5  # an LLM's per-round change, well below tau (1e-3 by Flower's defaults)
+# Flower's defaults (no settings), and FedAvgM with momentum
+RULES: list[tuple[type[FedAvgFSDP], dict[str, float]]] = [
+    (FedAdamFSDP, {}), (FedYogiFSDP, {}), (FedAdagradFSDP, {}), (FedAvgMFSDP, {"server_momentum": 0.9})]
+ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6))]
+ADAM = {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99}
+
+
+def _rewrite(model: Path, change: Any) -> None:
+    """Replace every float tensor ``t`` of ``model`` by ``change(t)`` (fp32), its header kept."""
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    tensors = {k: change(t).to(t.dtype) if t.is_floating_point() else t for k, t in load_file(str(model)).items()}
+    save_file(tensors, str(model), metadata)
+
+
+def _near_one(tmp_path: Path, seed: int) -> CheckpointRef:
+    """A real HF checkpoint whose weights are 1 + 0.1 N(0, 1): where fp32's spacing (1.2e-7) is
+    large next to a 1e-5 change."""
+    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
+    generator = torch.Generator().manual_seed(seed)
+    _rewrite(tmp_path / "base" / MODEL, lambda t: 1.0 + 0.1 * torch.randn(t.shape, generator=generator))
+    return CheckpointRef.for_directory(tmp_path / "base")
+
+
+def _small_change_round(strategy: FedAvgFSDP, run_root: Path, server_round: int, seed: int) -> None:
+    """Each of two clients returns the current global model plus CHANGE N(0, 1) (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    replies = []
+    for client in range(2):
+        copy = shutil.copytree(strategy.global_model.path, client_slot(run_root, client, server_round) / "model")
+        _rewrite(Path(copy) / MODEL, lambda t: t + CHANGE * torch.randn(t.shape, generator=generator))
+        replies.append(train_reply(client, CheckpointRef.for_directory(copy), 4 + 8 * client))
+    train_round(strategy, server_round, replies)
+
+
+@pytest.mark.parametrize(("cls", "settings"), RULES, ids=[cls.__name__ for cls, _ in RULES])
+def test_a_change_far_below_tau_on_weights_near_one_passes_within_its_fp32_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], settings: dict[str, float],
+) -> None:
+    strategy, run_root = connected_strategy(tmp_path, _near_one(tmp_path, 3), cls, clients=2, **settings)
+    for server_round in (1, 2):
+        _small_change_round(strategy, run_root, server_round, 10 + server_round)
+    capsys.readouterr()
+    status = verify([str(run_root)])
+    lines = capsys.readouterr().out.splitlines()
+    print("\n".join(lines))  # the measured errors and ratios (pytest -s shows them)
+    assert status == 0 and len(lines) == 2 and all(line.endswith(" ok") for line in lines), lines
+    found = [re.search(r"max abs error (\S+) .*\(worst (\S+) of it\)", line) for line in lines]
+    errors, ratios = [float(m.group(1)) for m in found if m], [float(m.group(2)) for m in found if m]
+    assert len(ratios) == 2 and max(ratios) <= 1.0, lines
+    if cls is FedAdagradFSDP:  # gain eta / tau = 100: fp32's rounding alone is far above the flat tolerance
+        assert max(errors) > 1e-6, lines
+
+
+def test_a_missing_previous_global_model_fails_unless_the_run_removed_it(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    initial = initial_checkpoint(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, initial, FedAdamFSDP, clients=2, **ADAM)
+    for server_round in (1, 2):
+        train_round(strategy, server_round, suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round))
+    shutil.move(initial.path, tmp_path / "moved-away")  # retention never removes the base model
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert f"round 1: cannot verify: previous global model {initial.path} is missing" in out, out
+    shutil.move(tmp_path / "moved-away", initial.path)
+
+    # round 1's global model removed as storage.keep_last_k removes it, noted in the run record
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())
+    shutil.move(run_root / "round_1" / "global", tmp_path / "round-1-global")
+    assert verify([str(run_root)]) == 1  # not noted: missing
+    out = capsys.readouterr().out
+    assert f"round 2: cannot verify: previous global model {run_root / 'round_1' / 'global'} is missing" in out, out
+    summary["rounds"][0]["removed"] = {"global_model": 1}
+    summary_path.write_text(json.dumps(summary))
+    assert verify([str(run_root)]) == 0
+    out = capsys.readouterr().out
+    assert "round 2: previous global model" in out and "removed by the run" in out and "not checked" in out, out
+
+
+def _set_previous(run_root: Path, server_round: int, **changes: str) -> None:
+    """Change round ``server_round``'s recorded previous global model, and commit the changed model
+    in the run record (as a run that wrote it so would have)."""
+    model = run_root / f"round_{server_round}" / "global" / MODEL
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    metadata["fedagent.previous_global"] = json.dumps({**json.loads(metadata["fedagent.previous_global"]), **changes})
+    save_file(load_file(str(model)), str(model), metadata)
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())
+    entry = summary["rounds"][server_round - 1]
+    entry["aggregated_sha256"] = CheckpointRef.for_directory(model.parent).sha256
+    summary_path.write_text(json.dumps(summary))
+
+
+def test_a_previous_global_model_without_a_hash_or_outside_the_run_fails(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    initial = initial_checkpoint(tmp_path)
+    strategy, run_root = connected_strategy(tmp_path, initial, FedAdamFSDP, clients=2, **ADAM)
+    for server_round in (1, 2):
+        train_round(strategy, server_round, suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round))
+    capsys.readouterr()
+    _set_previous(run_root, 2, sha256="")
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert "round 2: cannot verify:" in out and "records no content hash of its previous global model" in out, out
+
+    # the same content, copied outside the run: not the run's base model, so not opened
+    elsewhere = shutil.copytree(run_root / "round_1" / "global", tmp_path / "elsewhere")
+    _set_previous(run_root, 2, path=str(elsewhere), sha256=CheckpointRef.for_directory(elsewhere).sha256)
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert f"round 2: cannot verify: previous global model {elsewhere} is neither inside the run" in out, out
