@@ -10,11 +10,12 @@ clients' mean, the previous global model and the previous optimiser state, all h
 Flower's formulas restated independently (:mod:`.verify_optimizer`); both the new global model and
 the new state are compared (each weight against the tolerance plus the bound of the strategy's fp32
 rounding, which the step amplifies: :mod:`.verify_optimizer`), and the global model must still have
-the content hash its round committed. PPO's global critics are audited the same way (``round <r> critic``). Exit status 1 if
-any round is off by more than the tolerance or cannot be checked. A round whose client
-checkpoints, previous global model or previous optimiser state the run record says it removed
-after its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``)
-is reported as removed and not checked (one missing without that record fails); keep the client checkpoints to audit a run (that also keeps every
+the content hash its round committed. PPO's global critics are audited the same way
+(``round <r> critic``). Exit status 1 if any round is off by more than the tolerance or cannot be
+checked. A round whose client checkpoints, previous global model or previous optimiser state the run
+record says it removed after its commit (``storage.keep_client_checkpoints=false``, the default, or
+``storage.keep_last_k``) is reported as removed and not checked (one missing without that record
+fails); keep the client checkpoints to audit a run (that also keeps every
 round's optimiser state).
 """
 
