@@ -83,13 +83,19 @@ def test_a_change_far_below_tau_on_weights_near_one_passes_within_its_fp32_bound
         assert max(errors) > 1e-6, lines
 
 
-def test_a_missing_previous_global_model_fails_unless_the_run_removed_it(
-    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-) -> None:
+def _two_fedadam_rounds(suite: Suite, tmp_path: Path) -> tuple[CheckpointRef, Path]:
+    """Two FedAdam rounds of :data:`ROUNDS` by the real strategy: the base model and the run root."""
     initial = initial_checkpoint(tmp_path)
     strategy, run_root = connected_strategy(tmp_path, initial, FedAdamFSDP, clients=2, **ADAM)
     for server_round in (1, 2):
         train_round(strategy, server_round, suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round))
+    return initial, run_root
+
+
+def test_a_missing_previous_global_model_fails_unless_the_run_removed_it(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    initial, run_root = _two_fedadam_rounds(suite, tmp_path)
     shutil.move(initial.path, tmp_path / "moved-away")  # retention never removes the base model
     capsys.readouterr()
     assert verify([str(run_root)]) == 1
@@ -129,10 +135,7 @@ def _set_previous(run_root: Path, server_round: int, **changes: str) -> None:
 def test_a_previous_global_model_without_a_hash_or_outside_the_run_fails(
     suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    initial = initial_checkpoint(tmp_path)
-    strategy, run_root = connected_strategy(tmp_path, initial, FedAdamFSDP, clients=2, **ADAM)
-    for server_round in (1, 2):
-        train_round(strategy, server_round, suite_replies(run_root, suite, *ROUNDS[server_round - 1], server_round))
+    initial, run_root = _two_fedadam_rounds(suite, tmp_path)
     capsys.readouterr()
     _set_previous(run_root, 2, sha256="")
     assert verify([str(run_root)]) == 1
