@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)
     args = parser.parse_args(argv)
+    if not args.tolerance >= 0:
+        parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
     summary_path = args.run_dir / "federated_summary.json"
     try:
         summary = json.loads(summary_path.read_text())
@@ -105,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         kind = "server_optimizer_state" if is_state else {"global": "global_model"}.get(path.name, path.name)
         return entry is not None and kind in entry.get("removed", {})
 
-    for entry in summary.get("rounds", []):
+    latest: dict[str, tuple[str, str | None] | None] = {
+        "aggregated_actor": (summary.get("base_model", ""), summary.get("base_model_sha256")),
+        "aggregated_critic": None}  # the first critic is a mean: no optimiser round steps from nothing
+    for entry in sorted(summary.get("rounds", []), key=lambda e: int(e["round"])):
+        previous = dict(latest)  # what this round stepped from: the latest earlier aggregate of each kind
+        for path_key, hash_key, _, _ in _KINDS:
+            if entry.get(path_key):
+                latest[path_key] = (entry[path_key], entry.get(hash_key))
         if not entry.get("aggregated_actor"):
             print(f"round {entry['round']}: no aggregate (previous global model kept)")
             continue
@@ -114,13 +123,14 @@ def main(argv: list[str] | None = None) -> int:
                    else f"critics of {len(entry.get('client_critics', []))} clients")
             if entry.get(path_key):
                 ok &= _audit(entry, Path(entry[path_key]), entry.get(hash_key), label, what, who,
-                             args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, summary)
+                             args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, summary,
+                             previous[path_key])
     return 0 if ok else 1
 
 
 def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label: str, what: str, clients: str,
            run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-           summary: dict[str, Any]) -> bool:
+           summary: dict[str, Any], previous: tuple[str, str | None] | None) -> bool:
     """Audit one aggregate (the global model or PPO's critic) of one round, print one line; False
     when it fails."""
     name = f"round {entry['round']}{what}"
@@ -137,7 +147,7 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
             return True
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, committed, name, clients, run_root, check_hashes, tolerance,
-                                    removed_by_run, summary)
+                                    removed_by_run, summary, previous)
         error = verify_round(global_dir, run_root, check_hashes)
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
@@ -149,7 +159,7 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
 
 def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | None, name: str, clients: str,
                      run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-                     summary: dict[str, Any]) -> bool:
+                     summary: dict[str, Any], previous: tuple[str, str | None] | None) -> bool:
     """A server optimiser's round (:mod:`.verify_optimizer`): its header is an input (the previous
     global model, the state's hash), so the global model must first be the one its round committed."""
     if check_hashes and committed and CheckpointRef.for_directory(global_dir).sha256 != committed:
@@ -159,7 +169,8 @@ def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | N
     try:
         audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, removed_by_run,
                                        tolerance=tolerance, base_model=summary.get("base_model"),
-                                       base_model_sha256=summary.get("base_model_sha256"))
+                                       base_model_sha256=summary.get("base_model_sha256"),
+                                       expected_previous=previous)
     except InputRemoved as exc:
         print(f"{name}: {exc}; not checked")
         return True

@@ -49,14 +49,21 @@ of margin on each rounding, never on the tolerance):
   roundings of the last operations.
 
 Each round starts from the files the run wrote (``x`` and the previous state as stored), so the
-bound does not grow with the rounds. The audit prints the worst ratio of error to bound (``worst
-0.3 of it``): an altered tensor shows up far above 1.
+bound does not grow with the rounds. ``tolerance`` is added to the global model's bound only; the
+state's buffers are held to their fp32 bound alone, since a flat tolerance would be large next to
+``v`` (~``delta^2``) and ``m``, and a buffer off by it would move the next round's step unseen.
+The audit prints the worst ratio of error to bound (``worst 0.3 of it``; an element that must be
+exactly 0 and is not counts as infinite). What the bound cannot see: a change below it, to every
+round in the same direction (up to about 8% of FedAdagrad's honest step on weights near 1); the
+content hashes are the defence there.
 
 **What is trusted.** The previous global model's path comes from the header: it is opened only if
 it lies inside the run directory or is the run's base model (``base_model`` of the run record,
 whose ``base_model_sha256`` it must then match where recorded), and its content hash must be the
 recorded one (an empty or missing record fails the round unless hashes are not compared). It is
-reported as removed, not failed, only where the run record says retention removed it.
+reported as removed, not failed, only where the run record says retention removed it. And it
+must be the run record's previous model: the latest earlier round's aggregate, or the base model
+before the first (a header pointing at an older round's model or at a client's checkpoint fails).
 """
 
 from __future__ import annotations
@@ -138,14 +145,17 @@ def state_path(global_dir: Path) -> Path:
 def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, check_hashes: bool = True,
                            removed_by_run: Callable[[Path], bool] = lambda path: False, *,
                            tolerance: float = 1e-6, base_model: str | None = None,
-                           base_model_sha256: str | None = None) -> OptimizerAudit:
+                           base_model_sha256: str | None = None,
+                           expected_previous: tuple[str, str | None] | None = None) -> OptimizerAudit:
     """Recompute the round that wrote ``global_dir`` (module docstring) and compare.
 
     ``check_hashes`` False skips the content-hash comparisons (a run recorded with another content
     hash version); ``removed_by_run(path)`` says whether the run record notes that its retention
     removed that global model or state file (then the round is not checked, :class:`InputRemoved`,
     rather than failed); ``tolerance`` is added to every element's fp32 bound; ``base_model`` and
-    ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``).
+    ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``);
+    ``expected_previous`` is the run record's model this round must have stepped from (the latest
+    earlier aggregate, or the base model), as path and content hash.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
@@ -182,6 +192,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             if base_model_sha256 and _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
+        if expected_previous is not None:
+            _check_chain(previous, expected_previous, check_hashes, global_dir)
         x_reader = stack.enter_context(_closing(open_checkpoint(x_ref, check_hash=False)))
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, check_hashes, removed_by_run, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, check_hashes, removed_by_run, stack)
@@ -218,13 +230,25 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             expected, bound, state_bounds = _step(rule, settings, server_round, x, mean, state, slack)
             error = (actual.double() - expected).abs()
             audit.global_error = max(audit.global_error, _max(error))
-            audit.ratio = max(audit.ratio, _max(error / (tolerance + bound)))
+            audit.ratio = max(audit.ratio, _worst_ratio(error, tolerance + bound))
             if new_state is not None:
                 for name in buffers:
                     error = (new_state.get_tensor(f"{name}/{key}").double() - state[name]).abs()
                     audit.state_error = max(audit.state_error, _max(error))
-                    audit.ratio = max(audit.ratio, _max(error / (tolerance + state_bounds[name])))
+                    # the buffers by their fp32 bound alone: a flat tolerance is large next to v (~delta^2)
+                    # and m, and a buffer off by it would move the next round's step unseen
+                    audit.ratio = max(audit.ratio, _worst_ratio(error, state_bounds[name]))
     return audit
+
+
+def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], check_hashes: bool,
+                 global_dir: Path) -> None:
+    """CheckpointError unless the header's previous global model is the run record's: a round steps
+    from the latest earlier aggregate (or the base model), not from any trusted directory."""
+    path, sha256 = expected
+    if not _same(Path(previous["path"]), path) or (check_hashes and sha256 and previous.get("sha256") != sha256):
+        raise CheckpointError(f"{global_dir / MODEL_FILE} steps from {previous['path']}, but the run record's "
+                              f"previous global model is {path}")
 
 
 def _same(path: Path, other: str | None) -> bool:
@@ -383,6 +407,13 @@ def _closing(reader: CheckpointReader) -> Iterator[CheckpointReader]:
         yield reader
     finally:
         reader.close()
+
+
+def _worst_ratio(error: torch.Tensor, allowed: torch.Tensor) -> float:
+    """The largest ``error / allowed``, 0 where the error is 0 (an exact zero allowed nothing and got
+    it: 0/0 would be NaN, which max() passes over), infinite where something was not allowed."""
+    ratio = torch.where(error == 0, torch.zeros_like(error), error / allowed)
+    return _max(ratio)
 
 
 def _max(values: torch.Tensor) -> float:

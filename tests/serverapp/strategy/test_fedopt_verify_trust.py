@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.verify import main as verify
+from fedagent_flwr.checkpoint.verify_optimizer import _worst_ratio
 from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.client_replies import train_reply
@@ -148,3 +149,49 @@ def test_a_previous_global_model_without_a_hash_or_outside_the_run_fails(
     assert verify([str(run_root)]) == 1
     out = capsys.readouterr().out
     assert f"round 2: cannot verify: previous global model {elsewhere} is neither inside the run" in out, out
+
+
+def test_a_round_must_step_from_the_run_records_previous_model(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Round 2 claiming to step from the base model (a trusted directory, with its right hash) is not
+    the run's chain: round 1's aggregate is what round 2 started from."""
+    initial, run_root = _two_fedadam_rounds(suite, tmp_path)
+    _set_previous(run_root, 2, path=initial.path, sha256=initial.sha256)
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert (f"round 2: cannot verify: {run_root / 'round_2' / 'global' / MODEL} steps from {initial.path}, but the "
+            f"run record's previous global model is {run_root / 'round_1' / 'global'}") in out, out
+
+
+def test_a_state_buffer_off_by_less_than_the_tolerance_still_fails(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The buffers are held to their fp32 bound alone: round 2's ``m`` moved by half the tolerance
+    (which would move round 3's step) fails the recomputation, hashes off as in a v1 run."""
+    _, run_root = _two_fedadam_rounds(suite, tmp_path)
+    state = run_root / "round_2" / "server_optimizer" / "global.safetensors"
+    tensors = load_file(str(state))
+    with safe_open(str(state), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    key = next(k for k in sorted(tensors) if k.startswith("m/"))
+    tensors[key] = tensors[key] + 5e-7  # below --tolerance 1e-6
+    save_file(tensors, str(state), metadata)
+    summary_path = run_root / "federated_summary.json"
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "content_hash": "v1"}))
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert "round 2: clients [0, 1] fedadam step 2" in out and "ABOVE TOLERANCE" in out, out
+
+
+def test_the_tolerance_is_checked_and_an_exact_zero_is_judged_not_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative --tolerance is refused; where an element's allowed error is 0 (x and every source
+    exactly 0, --tolerance 0) a nonzero error is infinitely over it, not a NaN that max() passes over."""
+    with pytest.raises(SystemExit):
+        verify(["anywhere", "--tolerance", "-1"])
+    assert "--tolerance must be >= 0, got -1.0" in capsys.readouterr().err
+    error, allowed = torch.tensor([0.0, 0.0, 1e-9]), torch.tensor([0.0, 1e-6, 0.0])
+    assert _worst_ratio(error, allowed) == float("inf")
+    assert _worst_ratio(error[:2], allowed[:2]) == 0.0
