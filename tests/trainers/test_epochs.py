@@ -53,8 +53,8 @@ def _train_recorded(tmp: Path, model: Path, monkeypatch: pytest.MonkeyPatch, *, 
     updates = 0
     real_play, real_update = reference.play_episodes, reference.grpo_update
 
-    def play(policy: Any, tokenizer: Any, tasks: Any, *args: Any) -> Any:
-        episodes = real_play(policy, tokenizer, tasks, *args)
+    def play(policy: Any, tokenizer: Any, tasks: Any, *args: Any, **kwargs: Any) -> Any:
+        episodes = real_play(policy, tokenizer, tasks, *args, **kwargs)
         plays.append({"seeds": [t.seed for t in tasks],
                       "responses": [list(e.response_ids) for e in episodes]})
         return episodes
