@@ -4,7 +4,8 @@ recomputes FedAvgM, FedAdam, FedYogi and FedAdagrad rounds (global model and sta
 passes; one tensor changed in a state file or a global model (header kept) fails the audit, by the
 recomputation itself where hashes are not compared; a state whose bytes changed stops the next round
 and a resumed run with ServerOptimizerStateError naming the file; a state from before hashes were
-recorded is loaded with a warning; retention keeps every state with the clients' checkpoints; PPO's
+recorded is loaded with a warning; the hash is recorded from the bytes written (the new state is
+not read back) and checked from disk before use; retention keeps every state with the clients' checkpoints; PPO's
 critics are audited like the actors."""
 
 from __future__ import annotations
@@ -98,6 +99,34 @@ def test_verify_recomputes_every_server_optimiser_round_and_passes(
     assert [line.split(" max abs error")[0] for line in lines] == [
         f"round 1: clients [0, 1] {rule} step 1", f"round 2: clients [0, 1] {rule} step {second}"], lines
     assert all(line.endswith(" ok") for line in lines), lines
+
+
+def test_the_state_hash_is_recorded_without_reading_the_state_back_and_checked_before_use(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The round that writes a state records its sha256 from the bytes it wrote (no file_digest of
+    the new state file); the next round still hashes the previous state from disk before it reads
+    it. file_digest is wrapped, not replaced: every call still hashes the real file."""
+    from fedagent_flwr.checkpoint import safetensors_writer
+    from fedagent_flwr.checkpoint.content_hash import file_digest
+    from fedagent_flwr.serverapp.strategy import server_optimizer
+
+    read: list[Path] = []
+
+    def recording_digest(path: Any) -> bytes:
+        read.append(Path(path))
+        return file_digest(path)
+
+    for module in (server_optimizer, safetensors_writer):
+        monkeypatch.setattr(module, "file_digest", recording_digest)
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2, **ADAM)
+    for server_round in (1, 2):
+        global_dir = _round(strategy, run_root, suite, server_round)
+        with safe_open(str(global_dir / "model.safetensors"), framework="pt") as handle:
+            recorded = (handle.metadata() or {})[STATE_SHA256]
+        assert recorded == hashlib.sha256(state_file(global_dir).read_bytes()).hexdigest()
+        assert state_file(global_dir) not in read, read
+    assert read == [state_file(run_root / "round_1" / "global")]  # round 2's check of round 1's state
 
 
 def test_a_changed_tensor_in_a_state_file_or_a_global_model_fails_the_audit(
