@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from fedagent_flwr.checkpoint.content_hash import combine_file_digests, file_digest, hashed_files
-from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer
+from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, content_mismatch
 from fedagent_flwr.checkpoint.shard_file import Entry, IoMode, ShardFile, wait_hashed
@@ -124,6 +124,8 @@ class FsdpShardReader(CheckpointReader):
         # failed receipt check is: the content hash then accepts the original and refuses another.
         self._trusted = {name: t for name, t in (trusted or {}).items() if name in self._hashed_names}
         self._files: list[ShardFile] = []
+        # read_rows: the blocks of one key read whole, kept while later rows may still need them
+        self._row_blocks: dict[tuple[str, int], torch.Tensor] = {}
         try:
             for path in paths:
                 hash_it = expected_sha256 is not None and path.name not in self._trusted
@@ -187,6 +189,34 @@ class FsdpShardReader(CheckpointReader):
 
         return wait
 
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key`` from the blocks they overlap.
+
+        A block is read whole (a rank file stores it as one piece) and kept until a call for the
+        same key asks for rows past its end, so that rows read in increasing order read every
+        block once: memory is the rows plus the blocks they overlap (one rank's share of the
+        tensor under FSDP's ``Shard(0)``; every block under ``Shard(1)``, whose blocks all span
+        every row)."""
+        self._require(key)
+        layout = self._layouts[key]
+        check_rows(self, key, layout.shape, start, stop)
+        self._row_blocks = {(k, n): t for (k, n), t in self._row_blocks.items()
+                            if k == key and layout.blocks[n].slices[0].stop > start}
+        out = torch.empty((stop - start, *layout.shape[1:]), dtype=dtype or layout.dtype)
+        for number, block in enumerate(layout.blocks):
+            rows = block.slices[0]
+            low, high = max(start, rows.start), min(stop, rows.stop)
+            if low >= high:
+                continue
+            piece = self._row_blocks.get((key, number))
+            if piece is None:
+                piece = self._files[block.rank].read_piece(key, block.index)
+                self._check_replicas(key, layout, piece)  # plain tensors: every rank's copy equal
+                self._row_blocks[(key, number)] = piece
+            out[(slice(low - start, high - start), *block.slices[1:])] = piece[low - rows.start:high - rows.start]
+        self.bytes_read = sum(f.bytes_read for f in self._files)
+        return out
+
     def _check_replicas(self, key: str, layout: _Layout, out: torch.Tensor) -> None:
         for rank in layout.replicas:
             other = self._files[rank].read_piece(key, 0)
@@ -247,6 +277,7 @@ class FsdpShardReader(CheckpointReader):
         return hf if hf.is_dir() else None
 
     def close(self) -> None:
+        self._row_blocks = {}
         for file in self._files:
             file.close()
 

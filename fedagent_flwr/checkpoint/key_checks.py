@@ -20,8 +20,8 @@ from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = [
-    "all_finite", "check_compatible", "check_finite", "compare_keys", "effective_keys", "normalise_weights",
-    "verify_mean",
+    "all_finite", "check_compatible", "check_finite", "compare_keys", "count_non_finite", "effective_keys",
+    "non_finite_error", "normalise_weights", "verify_mean",
 ]
 
 
@@ -130,14 +130,26 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 def check_finite(key: str, tensor: torch.Tensor, source: str) -> None:
     """Refuse NaN and Inf: one such value would poison every weight it is averaged into."""
-    if not all_finite(tensor):
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise CheckpointError(
-            f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
-            "the checkpoint is refused (lower the learning rate or check the client's training)"
-        )
+    bad = count_non_finite(tensor)
+    if bad:
+        raise non_finite_error(key, bad, source)
+
+
+def count_non_finite(tensor: torch.Tensor) -> int:
+    """How many NaN and Inf ``tensor`` holds (a caller reading a tensor in chunks adds them up)."""
+    if all_finite(tensor):
+        return 0
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    return int((~torch.isfinite(tensor)).sum())
+
+
+def non_finite_error(key: str, bad: int, source: str) -> CheckpointError:
+    """:func:`check_finite`'s refusal of ``bad`` non-finite values in tensor ``key`` of ``source``."""
+    return CheckpointError(
+        f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
+        "the checkpoint is refused (lower the learning rate or check the client's training)"
+    )
 
 
 

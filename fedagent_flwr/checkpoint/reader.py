@@ -4,9 +4,10 @@ The server aggregates checkpoints written by clients with any FSDP world size, o
 Hugging Face safetensors directories. :class:`CheckpointReader` hides the on-disk layout:
 ``keys()``, ``shape(key)`` (the global shape) and ``read(key)`` (the full tensor, rebuilt from the
 ranks' blocks). Only one tensor is materialised per ``read`` call, so memory is bounded by the
-largest tensor, not by the model. The layouts live in :mod:`.fsdp_reader` and
-:mod:`.safetensors_reader`; :func:`~fedagent_flwr.checkpoint.open_ref.open_checkpoint` checks a
-reference and picks one.
+largest tensor, not by the model; ``read_rows(key, start, stop)`` reads a range of rows, for a
+caller that must bound it by less than one tensor (the audit of :mod:`.verify_optimizer`). The
+layouts live in :mod:`.fsdp_reader` and :mod:`.safetensors_reader`;
+:func:`~fedagent_flwr.checkpoint.open_ref.open_checkpoint` checks a reference and picks one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
-__all__ = ["CheckpointReader", "check_out_buffer"]
+__all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
 
 
 class CheckpointReader(ABC):
@@ -54,6 +55,18 @@ class CheckpointReader(ABC):
         out = torch.empty(self.shape(key), dtype=dtype or self.dtype(key))
         self.read_into(key, out)
         return out
+
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key`` (along its first dimension) as a new contiguous CPU tensor.
+
+        For a caller whose memory must stay below one chunk of a large tensor (a 7B model's
+        embedding is 545M elements). This default reads the whole tensor and copies the rows out,
+        so it bounds nothing; the safetensors and FSDP readers override it to read only what the
+        rows need. CheckpointError for a 0-d tensor or rows outside the tensor.
+        """
+        self._require(key)
+        check_rows(self, key, self.shape(key), start, stop)
+        return self.read(key, dtype)[start:stop].clone()
 
     @abstractmethod
     def read_into(self, key: str, out: torch.Tensor) -> None:
@@ -128,3 +141,10 @@ def check_out_buffer(reader: CheckpointReader, key: str, shape: tuple[int, ...],
     if not out.is_contiguous():
         raise CheckpointError(f"read_into needs a contiguous buffer for '{key}'")
 
+
+def check_rows(reader: CheckpointReader, key: str, shape: tuple[int, ...], start: int, stop: int) -> None:
+    """CheckpointError unless ``start:stop`` is a range of rows of a tensor of ``shape``."""
+    if not shape:
+        raise CheckpointError(f"{reader.describe()}: '{key}' is 0-d and has no rows to read")
+    if not 0 <= start <= stop <= shape[0]:
+        raise CheckpointError(f"{reader.describe()}: rows {start}:{stop} of '{key}' lie outside its {shape[0]} rows")

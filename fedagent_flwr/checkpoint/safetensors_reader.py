@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer
+from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
 __all__ = ["SafetensorsReader", "safetensors_files"]
@@ -106,6 +106,20 @@ class SafetensorsReader(CheckpointReader):
             raise CheckpointError(f"{path}: cannot read '{key}' ({exc})") from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         out.copy_(tensor)  # never hand out memory that may alias the file mapping
+
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key``: only their bytes are read from the file."""
+        self._require(key)
+        check_rows(self, key, self._shapes[key], start, stop)
+        handle, path = self._where[key]
+        try:
+            rows = handle.get_slice(key)[start:stop]
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read rows {start}:{stop} of '{key}' ({exc})") from None
+        self.bytes_read += rows.numel() * rows.element_size()
+        out = torch.empty(tuple(rows.shape), dtype=dtype or self._dtypes[key])
+        out.copy_(rows)  # a copy of our own, in the dtype asked for
+        return out
 
     def huggingface_dir(self) -> Path | None:
         return self.directory

@@ -1,6 +1,6 @@
 """Audit a finished (or running) federated run: recompute every round's aggregate.
 
-    python -m fedagent_flwr.checkpoint.verify outputs/run-123 [--tolerance 1e-6]
+    python -m fedagent_flwr.checkpoint.verify outputs/run-123 [--tolerance 1e-6] [--allow-unhashed]
 
 Each global model records its sources (path, sha256, weight) in its safetensors header; this
 command re-opens those client checkpoints (hashes checked), recomputes the weighted mean
@@ -17,6 +17,14 @@ record says it removed after its commit (``storage.keep_client_checkpoints=false
 ``storage.keep_last_k``) is reported as removed and not checked (one missing without that record
 fails); keep the client checkpoints to audit a run (that also keeps every
 round's optimiser state).
+
+Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
+computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
+be compared, fails with one line naming the record, and so does a round whose global model records
+no hash of its optimiser state (``fedagent.state_sha256``). ``--allow-unhashed`` accepts a run that
+predates them: the hashes that cannot be compared are skipped with a note, and the rounds are still
+recomputed from the files as they are (a change to a file then shows only where it moves a value
+beyond its bound).
 """
 
 from __future__ import annotations
@@ -82,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)
+    parser.add_argument("--allow-unhashed", action="store_true",
+                        help="audit a run recorded before content hashes (v1, or optimiser states without a "
+                             "recorded hash): skip those hash checks with a note instead of failing")
     args = parser.parse_args(argv)
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
@@ -94,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     hashed_as = summary.get("content_hash", "v1")  # records before the field hashed as v1
     check_hashes = hashed_as == CONTENT_HASH_VERSION
+    if not check_hashes and not args.allow_unhashed:
+        print(f"verify: {summary_path} records checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
+              f"{CONTENT_HASH_VERSION}, so no hash can be checked; pass --allow-unhashed if the run predates content "
+              f"hashes {CONTENT_HASH_VERSION} (the rounds are then recomputed without them)", file=sys.stderr)
+        return 1
     if not check_hashes:
         print(f"note: this run recorded checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
               f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
@@ -124,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             if entry.get(path_key):
                 ok &= _audit(entry, Path(entry[path_key]), entry.get(hash_key), label, what, who,
                              args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, summary,
-                             previous[path_key])
+                             previous[path_key], args.allow_unhashed)
     return 0 if ok else 1
 
 
 def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label: str, what: str, clients: str,
            run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-           summary: dict[str, Any], previous: tuple[str, str | None] | None) -> bool:
+           summary: dict[str, Any], previous: tuple[str, str | None] | None, allow_unhashed: bool) -> bool:
     """Audit one aggregate (the global model or PPO's critic) of one round, print one line; False
     when it fails."""
     name = f"round {entry['round']}{what}"
@@ -147,7 +163,7 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
             return True
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, committed, name, clients, run_root, check_hashes, tolerance,
-                                    removed_by_run, summary, previous)
+                                    removed_by_run, summary, previous, allow_unhashed)
         error = verify_round(global_dir, run_root, check_hashes)
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
@@ -159,7 +175,8 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
 
 def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | None, name: str, clients: str,
                      run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-                     summary: dict[str, Any], previous: tuple[str, str | None] | None) -> bool:
+                     summary: dict[str, Any], previous: tuple[str, str | None] | None,
+                     allow_unhashed: bool) -> bool:
     """A server optimiser's round (:mod:`.verify_optimizer`): its header is an input (the previous
     global model, the state's hash), so the global model must first be the one its round committed."""
     if check_hashes and committed and CheckpointRef.for_directory(global_dir).sha256 != committed:
@@ -170,7 +187,7 @@ def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | N
         audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, removed_by_run,
                                        tolerance=tolerance, base_model=summary.get("base_model"),
                                        base_model_sha256=summary.get("base_model_sha256"),
-                                       expected_previous=previous)
+                                       expected_previous=previous, allow_unhashed=allow_unhashed)
     except InputRemoved as exc:
         print(f"{name}: {exc}; not checked")
         return True

@@ -10,8 +10,10 @@ more inputs, all of which the run recorded:
 - ``x``: the global model's ``fedagent.previous_global`` (path and content hash, checked);
 - the previous buffers: the state file beside ``x`` (``round_<k>/server_optimizer/<global or
   global_critic>.safetensors``) when ``x`` is a global model this rule wrote inside the run, its
-  bytes checked against the ``fedagent.state_sha256`` in ``x``'s header; zeros otherwise (the
-  base model, a model from outside the run, PPO's first critic, which FedAvg's mean wrote);
+  bytes checked against the ``fedagent.state_sha256`` in ``x``'s header (a header without one, as
+  for the new state, fails the round unless ``allow_unhashed``: ``--allow-unhashed``); zeros
+  otherwise (the base model, a model from outside the run, PPO's first critic, which FedAvg's mean
+  wrote);
 - the rule's ``fedagent.hyperparameters``, ``fedagent.round`` (FedAdam's bias correction uses the
   server round, Flower's ``r + 1`` exponent) and ``fedagent.step`` (checked: 1 where the buffers
   start at zero, the previous state's step + 1 otherwise).
@@ -64,6 +66,11 @@ recorded one (an empty or missing record fails the round unless hashes are not c
 reported as removed, not failed, only where the run record says retention removed it. And it
 must be the run record's previous model: the latest earlier round's aggregate, or the base model
 before the first (a header pointing at an older round's model or at a client's checkpoint fails).
+
+**Memory.** Each key is recomputed in chunks of whole rows of at most :data:`CHUNK_ELEMENTS`
+elements, read with :meth:`.CheckpointReader.read_rows` and safetensors slices, so the audit holds a
+few dozen float64 copies of a chunk, not of the key; the arithmetic (:mod:`.verify_step`) is
+element-wise, so the errors and ratios are the whole key's whatever the chunks.
 """
 
 from __future__ import annotations
@@ -82,12 +89,14 @@ from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
-from fedagent_flwr.checkpoint.key_checks import check_finite, effective_keys, normalise_weights
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, worst_ratio
 
-__all__ = ["OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "state_path", "verify_optimizer_round"]
+__all__ = ["CHUNK_ELEMENTS", "OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "row_chunks",
+           "state_path", "verify_optimizer_round"]
 
 #: The rules this audit recomputes (``fedagent.aggregation`` of the global model's header).
 OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
@@ -95,8 +104,15 @@ OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 # that the audit reads what the run wrote, not what the strategy's code would compute.
 _STATE_DIR, _STATE_SHA256, _PREVIOUS = "server_optimizer", "fedagent.state_sha256", "fedagent.previous_global"
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
-#: fp32's machine epsilon: the strategy's arithmetic (module docstring, "Pass or fail").
-EPS32 = torch.finfo(torch.float32).eps
+#: How many elements of one key are recomputed at once (whole rows: a row longer than this is a
+#: chunk alone). The audit holds a few dozen float64 copies of a chunk (the clients' mean, ``x``,
+#: the buffers, their bounds, the step's temporaries, the errors): ~100 MB at 256k elements whatever
+#: the key's size, where a 7B model's embedding (545M elements) held whole would take tens of GB.
+#: Smaller chunks were also faster (they stay in the CPU's caches): benchmarks/verify_memory.py.
+#: The results do not depend on it (every operation is element-wise, :mod:`.verify_step`); tests
+#: set it small.
+CHUNK_ELEMENTS = 1 << 18
+_UNHASHED = "pass --allow-unhashed if the run predates content hashes"
 
 
 class InputRemoved(Exception):
@@ -146,7 +162,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                            removed_by_run: Callable[[Path], bool] = lambda path: False, *,
                            tolerance: float = 1e-6, base_model: str | None = None,
                            base_model_sha256: str | None = None,
-                           expected_previous: tuple[str, str | None] | None = None) -> OptimizerAudit:
+                           expected_previous: tuple[str, str | None] | None = None,
+                           allow_unhashed: bool = False) -> OptimizerAudit:
     """Recompute the round that wrote ``global_dir`` (module docstring) and compare.
 
     ``check_hashes`` False skips the content-hash comparisons (a run recorded with another content
@@ -155,7 +172,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     rather than failed); ``tolerance`` is added to every element's fp32 bound; ``base_model`` and
     ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``);
     ``expected_previous`` is the run record's model this round must have stepped from (the latest
-    earlier aggregate, or the base model), as path and content hash.
+    earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` lets an
+    optimiser state whose global model records no hash of it (``fedagent.state_sha256``, written
+    before fedagent-flwr recorded one) be compared by its values alone, with a note; without it
+    that fails the round. Each key is recomputed in chunks of :data:`CHUNK_ELEMENTS` elements.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
@@ -175,7 +195,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     audit = OptimizerAudit(rule, step)
     if recorded_round != server_round:
         audit.problems.append(f"its header says round {recorded_round}")
-    expected_buffers = _buffers(rule, settings)
+    expected_buffers = buffers_of(rule, settings)
     if buffers != expected_buffers:
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
     x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
@@ -195,8 +215,9 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         if expected_previous is not None:
             _check_chain(previous, expected_previous, check_hashes, global_dir)
         x_reader = stack.enter_context(_closing(open_checkpoint(x_ref, check_hash=False)))
-        old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, check_hashes, removed_by_run, stack)
-        new_state = _new_state(global_dir, header, buffers, step, audit, check_hashes, removed_by_run, stack)
+        hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run)
+        old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
+        new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
         written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
         keys = set(effective_keys(sources[0][0], tied_weight_keys(global_dir)))
         if set(written.keys()) != keys:
@@ -210,35 +231,124 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             audit.problems.append(f"{state_path(global_dir)} does not hold the buffers {buffers} of this model's keys")
             new_state = None
         weights = normalise_weights([w for _, w in sources])
+        inputs = _Inputs(rule, settings, server_round, buffers, tolerance, global_dir,
+                         [(reader, weight) for (reader, _), weight in zip(sources, weights)], x_reader, written,
+                         old_state, new_state)
         for key in sorted(keys):
-            actual = written.get_tensor(key)
-            if not sources[0][0].dtype(key).is_floating_point:
-                if not torch.equal(actual, sources[0][0].read(key, dtype=None)):
-                    raise CheckpointError(f"{global_dir}: integer tensor '{key}' differs from the sources")
-                continue
-            check_finite(key, actual, str(global_dir))
-            mean = torch.zeros(sources[0][0].shape(key), dtype=torch.float64)
-            magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
-            for (reader, _), weight in zip(sources, weights):
-                tensor = reader.read(key).double()
-                mean += weight * tensor
-                magnitude += weight * tensor.abs()
-            x = x_reader.read(key).double()
-            state = {n: old_state.get_tensor(f"{n}/{key}").double() if old_state is not None else torch.zeros_like(x)
-                     for n in buffers}
-            slack = 2.0 * EPS32 * ((len(sources) + 1) * magnitude + x.abs())  # delta's fp32 error
-            expected, bound, state_bounds = _step(rule, settings, server_round, x, mean, state, slack)
-            error = (actual.double() - expected).abs()
-            audit.global_error = max(audit.global_error, _max(error))
-            audit.ratio = max(audit.ratio, _worst_ratio(error, tolerance + bound))
-            if new_state is not None:
-                for name in buffers:
-                    error = (new_state.get_tensor(f"{name}/{key}").double() - state[name]).abs()
-                    audit.state_error = max(audit.state_error, _max(error))
-                    # the buffers by their fp32 bound alone: a flat tolerance is large next to v (~delta^2)
-                    # and m, and a buffer off by it would move the next round's step unseen
-                    audit.ratio = max(audit.ratio, _worst_ratio(error, state_bounds[name]))
+            _audit_key(inputs, key, audit)
     return audit
+
+
+@dataclass
+class _Hashing:
+    """How the round's hashes are checked: compared at all (a run recorded with this content-hash
+    version), a missing state hash let through (``--allow-unhashed``), and retention's record."""
+
+    compare: bool
+    allow_unhashed: bool
+    removed_by_run: Callable[[Path], bool]
+
+
+@dataclass
+class _Inputs:
+    """What the recomputation of one round reads, opened: the clients' checkpoints with their
+    normalised weights, ``x``, the written global model and the two states (None: none)."""
+
+    rule: str
+    settings: dict[str, float]
+    server_round: int
+    buffers: list[str]
+    tolerance: float
+    global_dir: Path
+    sources: list[tuple[CheckpointReader, float]]
+    x: CheckpointReader
+    written: Any
+    old_state: Any
+    new_state: Any
+
+
+def row_chunks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[int, int] | None]:
+    """The ``(start, stop)`` ranges of rows of a tensor of ``shape`` holding at most ``limit``
+    elements each (one row where a row is longer); None once for a 0-d tensor (read whole)."""
+    if not shape:
+        yield None
+        return
+    rows = max(1, limit // max(1, math.prod(shape[1:])))
+    for start in range(0, shape[0], rows):
+        yield start, min(shape[0], start + rows)
+
+
+def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
+    """Recompute ``key`` chunk by chunk (:data:`CHUNK_ELEMENTS`): each chunk's errors and ratios
+    join the audit's maxima, so the result is the whole key's. CheckpointError for an integer
+    tensor that differs, a shape that is not the sources', or a non-finite written value."""
+    reference = inputs.sources[0][0]
+    shape, floating = reference.shape(key), reference.dtype(key).is_floating_point
+    _check_shapes(inputs, key, shape, floating)
+    bad = 0  # non-finite values written, over every chunk (the error names their number)
+    for rows in row_chunks(shape, CHUNK_ELEMENTS):
+        actual = _handle_rows(inputs.written, key, rows)
+        if not floating:
+            if not torch.equal(actual, _reader_rows(reference, key, rows, dtype=None)):
+                raise CheckpointError(f"{inputs.global_dir}: integer tensor '{key}' differs from the sources")
+            continue
+        bad += count_non_finite(actual)
+        if not bad:  # once one is found the key is refused: its other chunks are only counted
+            _audit_rows(inputs, key, rows, actual, audit)
+    if bad:
+        raise non_finite_error(key, bad, str(inputs.global_dir))
+
+
+def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual: torch.Tensor,
+                audit: OptimizerAudit) -> None:
+    """Recompute rows ``rows`` of ``key`` (module docstring) and fold their errors into ``audit``."""
+    mean = torch.zeros(actual.shape, dtype=torch.float64)
+    magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
+    for reader, weight in inputs.sources:
+        tensor = _reader_rows(reader, key, rows).double()
+        mean += weight * tensor
+        magnitude += weight * tensor.abs()
+    x = _reader_rows(inputs.x, key, rows).double()
+    state = {n: _handle_rows(inputs.old_state, f"{n}/{key}", rows).double() if inputs.old_state is not None
+             else torch.zeros_like(x) for n in inputs.buffers}
+    slack = 2.0 * EPS32 * ((len(inputs.sources) + 1) * magnitude + x.abs())  # delta's fp32 error
+    expected, bound, state_bounds = recompute_step(inputs.rule, inputs.settings, inputs.server_round, x, mean, state,
+                                                   slack)
+    error = (actual.double() - expected).abs()
+    audit.global_error = max(audit.global_error, max_of(error))
+    audit.ratio = max(audit.ratio, worst_ratio(error, inputs.tolerance + bound))
+    if inputs.new_state is not None:
+        for name in inputs.buffers:
+            error = (_handle_rows(inputs.new_state, f"{name}/{key}", rows).double() - state[name]).abs()
+            audit.state_error = max(audit.state_error, max_of(error))
+            # the buffers by their fp32 bound alone: a flat tolerance is large next to v (~delta^2)
+            # and m, and a buffer off by it would move the next round's step unseen
+            audit.ratio = max(audit.ratio, worst_ratio(error, state_bounds[name]))
+
+
+def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: bool) -> None:
+    """CheckpointError unless every file read for ``key`` holds it in the sources' shape (rows are
+    read by index: a shorter tensor would otherwise be compared with part of the key)."""
+    found = [(inputs.global_dir / MODEL_FILE, key, tuple(inputs.written.get_slice(key).get_shape()))]
+    if floating:
+        found.append((inputs.x.directory, key, inputs.x.shape(key)))
+        for state, path in ((inputs.old_state, state_path(inputs.x.directory)),
+                            (inputs.new_state, state_path(inputs.global_dir))):
+            names = [f"{name}/{key}" for name in inputs.buffers] if state is not None else []
+            found += [(path, name, tuple(state.get_slice(name).get_shape())) for name in names]
+    for where, name, got in found:
+        if got != shape:
+            raise CheckpointError(f"{where}: '{name}' has shape {got}, the sources have {shape}")
+
+
+def _reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
+                 dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)
+
+
+def _handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+    """Rows of tensor ``name`` of an open safetensors file (only their bytes are read)."""
+    return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0]:rows[1]]
 
 
 def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], check_hashes: bool,
@@ -276,64 +386,6 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
     return x_dir
 
 
-def _buffers(rule: str, settings: dict[str, float]) -> list[str]:
-    """The buffers Flower's rule keeps with these settings (FedAvgM's only with momentum, m only
-    with beta_1 > 0)."""
-    if rule == "fedavgm":
-        return ["momentum"] if settings.get("server_momentum", 0.0) > 0.0 else []
-    return ["m", "v"] if settings.get("beta_1", 0.0) > 0.0 else ["v"]
-
-
-def _step(rule: str, settings: dict[str, float], server_round: int, x: torch.Tensor, mean: torch.Tensor,
-          state: dict[str, torch.Tensor], slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                       dict[str, torch.Tensor]]:
-    """The new ``x`` in float64 from Flower's formulas, with its fp32 bound and each new buffer's
-    (module docstring, "Pass or fail"; ``slack`` bounds the fp32 error of ``delta``); ``state``
-    (zeros at first) is updated in place."""
-    twice = 2.0 * EPS32  # one fp32 rounding of a result, with the docstring's margin
-    if rule == "fedavgm":
-        rate, bounds = settings["server_learning_rate"], {}
-        gradient, error = x - mean, slack
-        if "momentum" in state:  # zeros at first: mu 0 + g is Flower's first-round momentum = g
-            mu, old = settings["server_momentum"], state["momentum"]
-            state["momentum"] = mu * old + gradient
-            error = bounds["momentum"] = slack + twice * (mu * old.abs() + state["momentum"].abs())
-            gradient = state["momentum"]
-        new = x - rate * gradient
-        return new, rate * error + twice * (rate * gradient.abs() + new.abs()), bounds
-    beta_1, beta_2, eta, tau = settings["beta_1"], settings["beta_2"], settings["eta"], settings["tau"]
-    delta = mean - x
-    m, m_error, bounds = delta, slack, {}
-    if "m" in state:
-        m = beta_1 * state["m"] + (1.0 - beta_1) * delta
-        m_error = bounds["m"] = (1.0 - beta_1) * slack + twice * (beta_1 * state["m"].abs() + m.abs())
-        state["m"] = m
-    v, squared = state["v"], delta * delta
-    squared_error = 2.0 * delta.abs() * slack + slack * slack + twice * squared
-    if rule == "fedadam":
-        v = beta_2 * v + (1.0 - beta_2) * squared
-        v_error = (1.0 - beta_2) * squared_error + twice * (beta_2 * state["v"].abs() + v.abs())
-        eta = eta * math.sqrt(1.0 - beta_2 ** (server_round + 1.0)) / (1.0 - beta_1 ** (server_round + 1.0))
-    elif rule == "fedyogi":
-        unsure = (v - squared).abs() <= squared_error + twice * (v.abs() + squared)  # fp32 may take the other sign
-        v = v - (1.0 - beta_2) * squared * torch.sign(v - squared)
-        v_error = ((1.0 - beta_2) * squared_error + twice * (state["v"].abs() + v.abs())
-                   + torch.where(unsure, 2.0 * (1.0 - beta_2) * (squared + squared_error), 0.0))
-    else:  # fedadagrad
-        v = v + squared
-        v_error = squared_error + twice * v.abs()
-    state["v"], bounds["v"] = v, v_error
-    root = torch.sqrt(v.clamp(min=0.0))
-    shift = root - torch.sqrt((v - v_error).clamp(min=0.0))  # the most sqrt moves for v within v_error
-    denominator = root + tau
-    lowest = denominator - shift  # >= tau
-    update = eta * m / denominator
-    new = x + update
-    error = (eta * (m_error / lowest + (m.abs() + m_error) * shift / (denominator * lowest))
-             + 2.0 * twice * update.abs() + twice * new.abs())
-    return new, error, bounds
-
-
 def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool,
              stack: ExitStack) -> list[tuple[CheckpointReader, float]]:
     """The clients' checkpoints the header names, opened (hashes checked unless told not to)."""
@@ -351,8 +403,9 @@ def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_has
 
 
 def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], step: int, audit: OptimizerAudit,
-                    check_hashes: bool, removed_by_run: Callable[[Path], bool], stack: ExitStack) -> Any:
-    """The state the step started from, opened (None: the buffers start at zero)."""
+                    hashing: _Hashing, stack: ExitStack) -> Any:
+    """The state the step started from, opened (None: the buffers start at zero); its hash checked,
+    one that ``x`` does not record failing unless ``--allow-unhashed``."""
     try:
         inside = x_dir.resolve().relative_to(run_root.resolve()).as_posix()
     except ValueError:
@@ -365,13 +418,16 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
         return None
     path = state_path(x_dir)
     if not path.is_file():
-        if removed_by_run(path):
+        if hashing.removed_by_run(path):
             raise InputRemoved(f"previous optimiser state {path} removed by the run after the round was committed")
         raise CheckpointError(f"previous optimiser state {path} is missing")
     recorded = x_header.get(_STATE_SHA256)
     if recorded is None:
+        if not hashing.allow_unhashed:
+            raise CheckpointError(f"previous optimiser state {path} has no content hash recorded in "
+                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {_UNHASHED}")
         audit.notes.append(f"{path} has no recorded hash (an older run's)")
-    elif check_hashes and file_digest(path).hex() != recorded:
+    elif hashing.compare and file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
                               f"the one {x_dir / MODEL_FILE} records)")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))
@@ -382,18 +438,24 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
 
 
 def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], step: int, audit: OptimizerAudit,
-               check_hashes: bool, removed_by_run: Callable[[Path], bool], stack: ExitStack) -> Any:
-    """The state written with the round, opened and its hash checked (None: no buffers, or removed)."""
+               hashing: _Hashing, stack: ExitStack) -> Any:
+    """The state written with the round, opened and its hash checked (None: no buffers, or removed);
+    a global model that records no hash of it fails the round unless ``--allow-unhashed``."""
     if not buffers:
         return None
     path = state_path(global_dir)
     if not path.is_file():
-        if removed_by_run(path):
+        if hashing.removed_by_run(path):
             audit.notes.append("its state was removed by the run: global model checked only")
             return None
         raise CheckpointError(f"optimiser state {path} is missing")
     recorded = header.get(_STATE_SHA256)
-    if check_hashes and recorded is not None and file_digest(path).hex() != recorded:
+    if recorded is None:
+        if not hashing.allow_unhashed:
+            raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} "
+                                  f"({_STATE_SHA256}), so the state cannot be checked; {_UNHASHED}")
+        audit.notes.append(f"{path} has no recorded hash (an older run's): compared by its values only")
+    elif hashing.compare and file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))
     if int((handle.metadata() or {}).get("fedagent.step", "-1")) != step:
@@ -407,14 +469,3 @@ def _closing(reader: CheckpointReader) -> Iterator[CheckpointReader]:
         yield reader
     finally:
         reader.close()
-
-
-def _worst_ratio(error: torch.Tensor, allowed: torch.Tensor) -> float:
-    """The largest ``error / allowed``, 0 where the error is 0 (an exact zero allowed nothing and got
-    it: 0/0 would be NaN, which max() passes over), infinite where something was not allowed."""
-    ratio = torch.where(error == 0, torch.zeros_like(error), error / allowed)
-    return _max(ratio)
-
-
-def _max(values: torch.Tensor) -> float:
-    return float(values.max()) if values.numel() else 0.0

@@ -156,7 +156,9 @@ def test_a_checkpoint_failing_mid_stream_is_dropped_and_the_mean_recomputed(suit
     assert not [p for p in (run_root / "round_1").iterdir() if p.name.startswith(".")]
 
 
-def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tmp_path: Path) -> None:
+def test_verify_command_recomputes_rounds_and_catches_tampering(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
     from fedagent_flwr.checkpoint.verify import main as verify
 
     strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
@@ -167,9 +169,20 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(suite: Suite, tm
     summary_path = run_root / "federated_summary.json"
     summary = json.loads(summary_path.read_text())
     assert summary["content_hash"] == "v2"
-    # a run recorded by an earlier version (content hash v1) still gets its means recomputed
+    # a run recorded by an earlier version (content hash v1): no hash can be compared, which fails the
+    # audit with one line naming the record, unless --allow-unhashed says the run predates them; then
+    # its means are still recomputed
     summary_path.write_text(json.dumps({k: v for k, v in summary.items() if k != "content_hash"}))
-    assert verify([str(run_root)]) == 0
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        f"verify: {summary_path} records checkpoint content hashes v1 and this fedagent-flwr computes v2, so no hash "
+        "can be checked; pass --allow-unhashed if the run predates content hashes v2 (the rounds are then "
+        "recomputed without them)"], captured
+    assert verify([str(run_root), "--allow-unhashed"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("note: this run recorded checkpoint content hashes v1") and out[1].endswith(" ok"), out
     summary_path.write_text(json.dumps(summary))
     shard = Path(refs[1].path) / "model_world_size_2_rank_0.pt"
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")  # a client file altered afterwards

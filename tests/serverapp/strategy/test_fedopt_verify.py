@@ -150,9 +150,10 @@ def test_a_changed_tensor_in_a_state_file_or_a_global_model_fails_the_audit(
     assert "round 1: clients [0, 1] fedadam step 1 max abs error" in out and "ABOVE TOLERANCE" in out, out
     assert "differs from the hash its global model recorded" in out, out
     assert f"round 2: cannot verify: previous optimiser state {round_1_state} changed" in out, out
-    # without hashes (a run recorded with another content-hash version) the recomputation alone catches it
+    # without hashes (a run recorded with another content-hash version, audited with --allow-unhashed)
+    # the recomputation alone catches it
     summary_path.write_text(json.dumps({**summary, "content_hash": "v1"}))
-    assert verify([str(run_root)]) == 1
+    assert verify([str(run_root), "--allow-unhashed"]) == 1
     out = capsys.readouterr().out
     assert "round 1: clients [0, 1] fedadam step 1 max abs error 1.0" in out and "ABOVE TOLERANCE" in out, out
     round_1_state.write_bytes(original)
@@ -165,7 +166,7 @@ def test_a_changed_tensor_in_a_state_file_or_a_global_model_fails_the_audit(
     out = capsys.readouterr().out
     assert "round 2: cannot verify:" in out and "changed since its round was committed" in out, out
     summary_path.write_text(json.dumps({**summary, "content_hash": "v1"}))
-    assert verify([str(run_root)]) == 1
+    assert verify([str(run_root), "--allow-unhashed"]) == 1
     out = capsys.readouterr().out
     assert "round 2: clients [0, 1] fedadam step 2 max abs error 1.0" in out and "ABOVE TOLERANCE" in out, out
 

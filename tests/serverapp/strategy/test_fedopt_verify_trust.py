@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.verify import main as verify
-from fedagent_flwr.checkpoint.verify_optimizer import _worst_ratio
+from fedagent_flwr.checkpoint.verify_step import worst_ratio
 from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.client_replies import train_reply
@@ -169,7 +169,8 @@ def test_a_state_buffer_off_by_less_than_the_tolerance_still_fails(
     suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The buffers are held to their fp32 bound alone: round 2's ``m`` moved by half the tolerance
-    (which would move round 3's step) fails the recomputation, hashes off as in a v1 run."""
+    (which would move round 3's step) fails the recomputation, hashes off as in a v1 run audited with
+    ``--allow-unhashed``."""
     _, run_root = _two_fedadam_rounds(suite, tmp_path)
     state = run_root / "round_2" / "server_optimizer" / "global.safetensors"
     tensors = load_file(str(state))
@@ -181,7 +182,7 @@ def test_a_state_buffer_off_by_less_than_the_tolerance_still_fails(
     summary_path = run_root / "federated_summary.json"
     summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "content_hash": "v1"}))
     capsys.readouterr()
-    assert verify([str(run_root)]) == 1
+    assert verify([str(run_root), "--allow-unhashed"]) == 1
     out = capsys.readouterr().out
     assert "round 2: clients [0, 1] fedadam step 2" in out and "ABOVE TOLERANCE" in out, out
 
@@ -193,5 +194,5 @@ def test_the_tolerance_is_checked_and_an_exact_zero_is_judged_not_skipped(capsys
         verify(["anywhere", "--tolerance", "-1"])
     assert "--tolerance must be >= 0, got -1.0" in capsys.readouterr().err
     error, allowed = torch.tensor([0.0, 0.0, 1e-9]), torch.tensor([0.0, 1e-6, 0.0])
-    assert _worst_ratio(error, allowed) == float("inf")
-    assert _worst_ratio(error[:2], allowed[:2]) == 0.0
+    assert worst_ratio(error, allowed) == float("inf")
+    assert worst_ratio(error[:2], allowed[:2]) == 0.0
