@@ -180,12 +180,18 @@ class SafetensorsStreamWriter:
         data = tensor.detach().to("cpu").contiguous()
         if nbytes:
             view = memoryview(data.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
-            if self._hashing is not None:  # the bytes the file gets, in its order (module docstring)
-                self._hashing.update(view)
-            self._file.write(view)
-            self._unflushed += nbytes
-            if self._unflushed >= FLUSH_EVERY:
-                self._flush_in_background()
+            try:
+                if self._hashing is not None:  # the bytes the file gets, in its order (module docstring)
+                    self._hashing.update(view)
+                self._file.write(view)
+                self._unflushed += nbytes
+                if self._unflushed >= FLUSH_EVERY:
+                    self._flush_in_background()
+            except BaseException:
+                # Part of the tensor may be in the file and all of it in the hash: a retried write
+                # would leave a corrupt file whose digest is not its sha256, so the writer ends here.
+                self.abort()
+                raise
         self._next += 1
 
     def _flush_in_background(self) -> None:
@@ -286,8 +292,11 @@ class SafetensorsStreamWriter:
         except OSError:  # the file is dropped anyway
             pass
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None  # closed for good even if close() fails below
+            try:
+                file.close()
+            except OSError:  # e.g. the descriptor already failed: the file is dropped anyway
+                pass
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> SafetensorsStreamWriter:

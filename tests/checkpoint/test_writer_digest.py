@@ -109,3 +109,21 @@ def test_no_digest_before_close_or_after_an_abort(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="has not closed"):
         writer.digest()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_ends_the_writer_so_no_retry_can_write_a_file_its_digest_does_not_describe(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    path = tmp_path / "state.safetensors"
+    big = 1 << 20  # past Python's file buffer, so the write reaches the descriptor at once
+    writer = SafetensorsStreamWriter(path, [("x", (big,)), ("y", (2,))], sha256=True)
+    assert writer._file is not None
+    writer._file.flush()
+    os.close(writer._file.fileno())  # the descriptor goes away under the writer: its next write fails (EBADF)
+    with pytest.raises(OSError):
+        writer.write("x", torch.ones(big))
+    with pytest.raises(CheckpointError, match="is closed"):  # a retry is refused, not appended
+        writer.write("x", torch.ones(big))
+    assert list(tmp_path.iterdir()) == []  # the partial file is gone
