@@ -22,9 +22,10 @@ from testkit.run_end import NO_SIGNAL, expected_end, ran_every_round
 pytestmark = pytest.mark.slow
 
 COMMON = "eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=1e-3"
-# For the runs whose claims are about the training rounds' failures: no round-0 evaluation of the
-# base model (two trainer processes and their episodes that none of those claims reads).
-NO_BASE_EVAL = "eval.before_train=false"
+# For the runs whose claims are about the training rounds' failures: no evaluation, neither the base
+# model's at round 0 nor the global model's after each round (two trainer processes an evaluation,
+# each ~4.5 s of CPU in subprocess mode, and episodes that none of those claims reads).
+NO_EVAL = "eval.enabled=false"
 
 
 # A hang guard, not a bound on speed: a run that never ends fails here instead of at the suite's timeout.
@@ -157,7 +158,7 @@ def test_a_round_every_client_fails_alike_stops_the_run_with_the_clients_error(
     went on, and ended 'completed'), with the client's own error line as the reason."""
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=3 "
-                   f"strategy.class_path=testkit.strategies.BreaksEveryClientAlike {COMMON} {NO_BASE_EVAL}")
+                   f"strategy.class_path=testkit.strategies.BreaksEveryClientAlike {COMMON} {NO_EVAL}")
     output = "\n".join(lines)
     summary = _summary(tmp_path)
     assert summary["status"] == "failed", output[-3000:]
@@ -180,7 +181,7 @@ def test_a_round_that_aggregated_nothing_makes_the_run_degraded(
     (before: 'completed') and the exit status is 3."""
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=2 "
-                   f"strategy.class_path=testkit.strategies.BreaksEveryClientDifferently {COMMON} {NO_BASE_EVAL}")
+                   f"strategy.class_path=testkit.strategies.BreaksEveryClientDifferently {COMMON} {NO_EVAL}")
     output = "\n".join(lines)
     summary = _summary(tmp_path)
     assert summary["status"] == "degraded", output[-3000:]
@@ -201,7 +202,7 @@ def test_rounds_that_aggregate_nothing_for_different_reasons_stop_the_run_after_
     round, trained nothing and ended 'degraded')."""
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=3 "
-                   f"strategy.class_path=testkit.strategies.BreaksEveryRoundDifferently {COMMON} {NO_BASE_EVAL}")
+                   f"strategy.class_path=testkit.strategies.BreaksEveryRoundDifferently {COMMON} {NO_EVAL}")
     output = "\n".join(lines)
     summary = _summary(tmp_path)
     assert summary["status"] == "failed", output[-3000:]
@@ -220,7 +221,7 @@ def test_a_run_whose_every_round_aggregated_nothing_failed(
     nothing, so it ends 'failed' (before: 'degraded'), naming the last round's client failures."""
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} num_rounds=1 "
-                   f"strategy.class_path=testkit.strategies.BreaksEveryClientDifferently {COMMON} {NO_BASE_EVAL}")
+                   f"strategy.class_path=testkit.strategies.BreaksEveryClientDifferently {COMMON} {NO_EVAL}")
     output = "\n".join(lines)
     summary = _summary(tmp_path)
     assert summary["status"] == "failed", output[-3000:]

@@ -2,16 +2,19 @@
 a round's aggregate was renamed into place, inside the summary write that commits a round, and,
 with the http checkpoint store, once a client's upload of the round was committed to the store;
 re-run the same config; the run completes with the same round records and bit-identical global
-models as an uninterrupted run with the same seeds, each round exactly once, and the completed
-rounds untouched.
+models and server optimiser states as an uninterrupted run with the same seeds, each round exactly
+once, and the completed rounds untouched.
 
 Every case runs 2 rounds with 3 clients (2 a round, so the selection differs per round) and is
 killed in round 2, so the re-run recomputes round 2 only; the crash-point case kills the re-run
-too, at the next point, so a run resumed twice is checked as well. One uninterrupted run, shared
-by the cases and run on the session's SuperLink with the shared-filesystem store, is the
-reference (for the http case too: the store moves files and changes no weight). Each case has a
-SuperLink of its own: the re-run goes to the SuperLink that outlived the killed ServerApp, and
-stopping it afterwards clears whatever the killed simulation left behind.
+too, at the next point, so a run resumed twice is checked as well. Every run uses a server
+optimiser, FedAdam, whose state (``round_<r>/server_optimizer/``: m and v) must survive the crash
+as well: the re-run's round 2 steps from round 1's model and state and ends with the uninterrupted
+run's model and state, bit for bit (the round-2 state would differ had the moments restarted).
+One uninterrupted run, shared by the cases and run on the session's SuperLink with the
+shared-filesystem store, is the reference (for the http case too: the store moves files and changes
+no weight). Each case has a SuperLink of its own: the re-run goes to the SuperLink that outlived the
+killed ServerApp, and stopping it afterwards clears whatever the killed simulation left behind.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ from testkit.run_end import ran_every_round
 pytestmark = pytest.mark.slow
 
 SETTINGS = ("clients.total=3 clients.per_round=2 num_rounds=2 eval.num_episodes=1 "
-            "trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true")  # audited after
+            "trainer.max_new_tokens=8 trainer.lr=1e-3 storage.keep_client_checkpoints=true "  # audited after
+            "strategy=fedadam +strategy.kwargs.eta=1e-3")
+# The server optimiser's state a round writes beside its global model (kept for the audit:
+# keep_client_checkpoints keeps every round's state; retention's removal of it is test_retention's).
+STATE = Path("server_optimizer") / "global.safetensors"
 SUPERNODES = 3
 PERSISTENT = "trainer.mode=persistent"
 
@@ -130,6 +137,10 @@ def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Pa
         mine = load_file(str(run_dir / f"round_{r}" / "global" / "model.safetensors"))
         theirs = load_file(str(baseline / f"round_{r}" / "global" / "model.safetensors"))
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        # FedAdam's state too (its header names no path: the whole file is compared): round 2 was
+        # redone from round 1's state, not from fresh moments.
+        state = Path(f"round_{r}") / STATE
+        assert (run_dir / state).read_bytes() == (baseline / state).read_bytes(), state
     # Rounds 0 and 1 were completed: neither re-trained nor re-evaluated, not a file rewritten.
     assert _unchanged_part(run_dir) == untouched
     assert "round 1 was completed by an earlier attempt" in output, output[-4000:]
@@ -139,6 +150,7 @@ def _resume_and_compare(link: SuperLink, workdir: Path, model: Path, run_dir: Pa
     assert not list(run_dir.glob("round_*/.global.staging-*"))
     audit = audit_run(run_dir)
     assert audit.returncode == 0 and audit.stdout.count(" ok") == 2, audit.stdout + audit.stderr
+    assert audit.stdout.count(" fedadam step ") == 2, audit.stdout  # both rounds recomputed, state included
     return output
 
 
@@ -200,6 +212,8 @@ def test_killed_between_the_new_global_model_and_its_record_then_while_committin
         summary = _summary(run_dir)
         assert summary["last_completed_round"] == 1 and [e["round"] for e in summary["rounds"]] == [1]
         assert (run_dir / "round_2" / "global" / "model.safetensors").exists()  # in place, not recorded
+        assert (run_dir / "round_2" / STATE).is_file()  # its optimiser state too: written, uncommitted
+        assert (run_dir / "round_1" / STATE).is_file()  # what the re-run's round 2 steps from
 
         # The re-run redoes round 2 and is killed inside the summary write that commits it.
         untouched = _unchanged_part(run_dir)

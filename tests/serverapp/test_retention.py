@@ -1,6 +1,7 @@
 """Disk retention on a real simulation: a committed round's client checkpoints go, only the newest
-``storage.keep_last_k`` global models stay, a run killed between two commits resumes from the
-global model it kept, and everything the run writes is readable by the group."""
+``storage.keep_last_k`` global models stay, and of a server optimiser's states (FedAdam's m and v)
+only the newest committed one, a run killed between two commits resumes from the global model and
+the state it kept, and everything the run writes is readable by the group."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from fedagent_flwr.serverapp.crashpoint import CRASH_FILE_ENV
 from fedagent_flwr.serverapp.recorder import RunRecorder
@@ -18,9 +20,12 @@ from testkit.flower_harness import REPO, run_to_crash_point, simulation_superlin
 from testkit.run_end import ran_every_round
 
 # Persistent trainers (one start per node, not one per job: this run and its re-run would start ~18
-# of ~4.5 s of CPU each): retention is the ServerApp's work, whichever way the trainers run.
+# of ~4.5 s of CPU each): retention is the ServerApp's work, whichever way the trainers run. FedAdam,
+# so that each round also writes a server optimiser state for retention to keep or remove.
 SETTINGS = ("clients.total=2 clients.per_round=2 num_rounds=3 eval.num_episodes=2 trainer.max_new_tokens=8 "
-            "trainer.lr=1e-3 storage.keep_last_k=1 trainer.mode=persistent")  # keep_client_checkpoints: false
+            "trainer.lr=1e-3 storage.keep_last_k=1 trainer.mode=persistent "  # keep_client_checkpoints: false
+            "strategy=fedadam +strategy.kwargs.eta=1e-3")
+STATE = Path("server_optimizer") / "global.safetensors"  # a round's state, beside its global model
 
 
 
@@ -75,9 +80,13 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
                 client_dir = run_dir / f"round_{r}" / f"client_{client}"
                 assert not (client_dir / "checkpoints").exists()
                 assert (client_dir / "train_result.json").is_file() and (client_dir / "train.log").is_file()
-        # Round 3 is not committed: its clients' checkpoints and its global model are still there.
+        # Round 1's optimiser state went too (whatever keep_last_k); round 2's is what a resume steps from.
+        assert not (run_dir / "round_1" / STATE).exists() and (run_dir / "round_2" / STATE).is_file()
+        assert first["removed"]["server_optimizer_state"] > 0
+        assert "server_optimizer_state" not in second.get("removed", {})
+        # Round 3 is not committed: its clients' checkpoints, its global model and its state are still there.
         assert all((run_dir / "round_3" / f"client_{c}" / "checkpoints").is_dir() for c in (0, 1))
-        assert (run_dir / "round_3" / "global").is_dir()
+        assert (run_dir / "round_3" / "global").is_dir() and (run_dir / "round_3" / STATE).is_file()
 
         # The re-run resumes from round 2's global model (hash-checked), redoes round 3, and its
         # commit removes what round 3 no longer needs.
@@ -92,6 +101,13 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     assert sorted(p.name for p in run_dir.glob("round_*/global*")) == ["global"]  # round 3's only
     assert (run_dir / "round_3" / "global" / "model.safetensors").is_file()
     assert not list(run_dir.glob("round_*/client_*/checkpoints"))
+    # Round 3 was redone from round 2's state (its step counts on from it: fresh moments would be
+    # step 1), which its commit then removed: only the newest state stays.
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob("round_*/server_optimizer/*")) == [
+        f"round_3/{STATE.as_posix()}"]
+    with safe_open(str(run_dir / "round_3" / STATE), framework="pt") as handle:
+        assert (handle.metadata() or {})["fedagent.step"] == "3"
+    assert summary["rounds"][1]["removed"]["server_optimizer_state"] > 0
     freed = summary["disk_freed_bytes"]
     assert freed == sum(sum(e.get("removed", {}).values()) for e in summary["rounds"])
     kept = sum(_sizes(run_dir).values())
