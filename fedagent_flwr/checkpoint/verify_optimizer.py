@@ -93,7 +93,7 @@ from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, worst_ratio
+from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, require_finite, worst_ratio
 
 __all__ = ["CHUNK_ELEMENTS", "OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "row_chunks",
            "state_path", "verify_optimizer_round"]
@@ -304,22 +304,34 @@ def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual:
     """Recompute rows ``rows`` of ``key`` (module docstring) and fold their errors into ``audit``."""
     mean = torch.zeros(actual.shape, dtype=torch.float64)
     magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
-    for reader, weight in inputs.sources:
+    for index, (reader, weight) in enumerate(inputs.sources):
         tensor = _reader_rows(reader, key, rows).double()
+        require_finite(tensor, key, f"source {index} {reader.directory}", rows)
         mean += weight * tensor
         magnitude += weight * tensor.abs()
     x = _reader_rows(inputs.x, key, rows).double()
+    require_finite(x, key, f"previous global model {inputs.x.directory}", rows)
     state = {n: _handle_rows(inputs.old_state, f"{n}/{key}", rows).double() if inputs.old_state is not None
              else torch.zeros_like(x) for n in inputs.buffers}
+    for name, values in state.items():
+        require_finite(values, f"{name}/{key}", f"previous optimiser state {state_path(inputs.x.directory)}", rows)
     slack = 2.0 * EPS32 * ((len(inputs.sources) + 1) * magnitude + x.abs())  # delta's fp32 error
     expected, bound, state_bounds = recompute_step(inputs.rule, inputs.settings, inputs.server_round, x, mean, state,
                                                    slack)
+    # finite inputs can still give NaN or Inf (a hyperparameter such as tau = 0 or NaN in the header)
+    computed = {"expected value": expected, "bound": bound, **{f"expected {n}": state[n] for n in inputs.buffers},
+                **{f"bound of {n}": b for n, b in state_bounds.items()}}
+    for what, values in computed.items():
+        require_finite(values, key, f"{inputs.global_dir}: the recomputed {what} ({inputs.rule} "
+                       f"{inputs.settings})", rows)
     error = (actual.double() - expected).abs()
     audit.global_error = max(audit.global_error, max_of(error))
     audit.ratio = max(audit.ratio, worst_ratio(error, inputs.tolerance + bound))
     if inputs.new_state is not None:
         for name in inputs.buffers:
-            error = (_handle_rows(inputs.new_state, f"{name}/{key}", rows).double() - state[name]).abs()
+            stored = _handle_rows(inputs.new_state, f"{name}/{key}", rows).double()
+            require_finite(stored, f"{name}/{key}", f"optimiser state {state_path(inputs.global_dir)}", rows)
+            error = (stored - state[name]).abs()
             audit.state_error = max(audit.state_error, max_of(error))
             # the buffers by their fp32 bound alone: a flat tolerance is large next to v (~delta^2)
             # and m, and a buffer off by it would move the next round's step unseen
