@@ -87,6 +87,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.audit_hashes import UNHASHED, unhashed
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
@@ -112,7 +113,6 @@ _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
 #: The results do not depend on it (every operation is element-wise, :mod:`.verify_step`); tests
 #: set it small.
 CHUNK_ELEMENTS = 1 << 18
-_UNHASHED = "pass --allow-unhashed if the run predates content hashes"
 
 
 class InputRemoved(Exception):
@@ -200,7 +200,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
     x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
     with ExitStack() as stack:
-        sources = _sources(header, global_dir, run_root, check_hashes, stack)
+        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes)
         x_ref = CheckpointRef.for_directory(x_dir)
         if check_hashes:
             if not previous.get("sha256"):
@@ -209,7 +209,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             if x_ref.sha256 != previous["sha256"]:
                 raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped "
                                       "from it (hash differs)")
-            if base_model_sha256 and _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
+            if _same(x_dir, base_model) and not base_model_sha256:
+                unhashed("the run record has no base_model_sha256 of the base model this round stepped from",
+                         allow_unhashed, audit.notes)
+            elif _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
         if expected_previous is not None:
@@ -398,15 +401,19 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
     return x_dir
 
 
-def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool,
-             stack: ExitStack) -> list[tuple[CheckpointReader, float]]:
-    """The clients' checkpoints the header names, opened (hashes checked unless told not to)."""
+def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool, stack: ExitStack,
+             allow_unhashed: bool, notes: list[str]) -> list[tuple[CheckpointReader, float]]:
+    """The clients' checkpoints the header names, opened (hashes checked unless told not to; one
+    that is not recorded fails, :func:`.audit_hashes.unhashed`)."""
     if "fedagent.sources" not in header:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     sources = []
     for source in json.loads(header["fedagent.sources"]):
         ref = CheckpointRef.for_directory(source["path"])
-        if check_hashes and source["sha256"] and ref.sha256 != source["sha256"]:
+        if check_hashes and not source.get("sha256"):
+            unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
+                     allow_unhashed, notes)
+        elif check_hashes and ref.sha256 != source["sha256"]:
             raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
         sources.append((stack.enter_context(_closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
     if not sources:
@@ -437,7 +444,7 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
     if recorded is None:
         if not hashing.allow_unhashed:
             raise CheckpointError(f"previous optimiser state {path} has no content hash recorded in "
-                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {_UNHASHED}")
+                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {UNHASHED}")
         audit.notes.append(f"{path} has no recorded hash (an older run's)")
     elif hashing.compare and file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
@@ -465,7 +472,7 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
     if recorded is None:
         if not hashing.allow_unhashed:
             raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} "
-                                  f"({_STATE_SHA256}), so the state cannot be checked; {_UNHASHED}")
+                                  f"({_STATE_SHA256}), so the state cannot be checked; {UNHASHED}")
         audit.notes.append(f"{path} has no recorded hash (an older run's): compared by its values only")
     elif hashing.compare and file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
