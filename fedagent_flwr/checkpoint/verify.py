@@ -21,10 +21,14 @@ round's optimiser state).
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
 be compared, fails with one line naming the record, and so does a round whose global model records
-no hash of its optimiser state (``fedagent.state_sha256``). ``--allow-unhashed`` accepts a run that
-predates them: the hashes that cannot be compared are skipped with a note, and the rounds are still
-recomputed from the files as they are (a change to a file then shows only where it moves a value
-beyond its bound).
+no hash of its optimiser state (``fedagent.state_sha256``), or any other hash the run should have
+recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round,
+a missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
+``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
+skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
+file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
+audit reads or computes fails the round, naming the file and the tensor (NaN compares false with
+every bound and would otherwise pass).
 """
 
 from __future__ import annotations

@@ -59,13 +59,16 @@ exactly 0 and is not counts as infinite). What the bound cannot see: a change be
 round in the same direction (up to about 8% of FedAdagrad's honest step on weights near 1); the
 content hashes are the defence there.
 
-**What is trusted.** The previous global model's path comes from the header: it is opened only if
-it lies inside the run directory or is the run's base model (``base_model`` of the run record,
-whose ``base_model_sha256`` it must then match where recorded), and its content hash must be the
-recorded one (an empty or missing record fails the round unless hashes are not compared). It is
-reported as removed, not failed, only where the run record says retention removed it. And it
-must be the run record's previous model: the latest earlier round's aggregate, or the base model
-before the first (a header pointing at an older round's model or at a client's checkpoint fails).
+**What is trusted.** The previous global model's path comes from the header: it is opened only if it
+lies inside the run directory or is the run's base model (``base_model`` of the run record, whose
+``base_model_sha256`` it must then match; a record without one fails the round unless
+``--allow-unhashed``, :mod:`.audit_hashes`), and its content hash must be the recorded one (an empty
+or missing record fails the round unless hashes are not compared). It is reported as removed, not
+failed, only where the run record says retention removed it. And it must be the run record's
+previous model: the latest earlier round's aggregate, or the base model before the first (a header
+pointing at an older round's model or at a client's checkpoint fails). A NaN or Inf in any input
+read or value computed fails the round with the file and tensor named
+(:func:`.verify_step.require_finite`): NaN compares false with every bound.
 
 **Memory.** Each key is recomputed in chunks of whole rows of at most :data:`CHUNK_ELEMENTS`
 elements, read with :meth:`.CheckpointReader.read_rows` and safetensors slices, so the audit holds a
