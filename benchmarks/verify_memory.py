@@ -1,8 +1,10 @@
-"""Peak memory of the server-optimiser audit (``python -m fedagent_flwr.checkpoint.verify``) on a
-round whose model is one large key: each key recomputed whole vs in chunks.
+"""Peak memory of the checkpoint audit (``python -m fedagent_flwr.checkpoint.verify``) on a round
+whose model is one large key: each key recomputed whole vs in chunks, for a server optimiser's
+rounds (FedAdam) or FedAvg's weighted means.
 
     python benchmarks/verify_memory.py                      # one 2048 x 4096 key (8.4M elements)
     python benchmarks/verify_memory.py --rows 4096 --also 4194304 1048576   # 16.8M; 4M and 1M chunks
+    python benchmarks/verify_memory.py --strategy fedavg    # FedAvg's audit (key_checks.verify_mean)
 
 The audit (:mod:`fedagent_flwr.checkpoint.verify_optimizer`) recomputes a round in float64: the
 clients' weighted mean and its magnitude, ``x``, the buffers, their bounds, the step's temporaries
@@ -14,7 +16,9 @@ The benchmark writes, in a temp dir removed at the end, a base model holding one
 ``--rows`` x ``--cols`` (weights 1 + 0.1 N(0, 1)) and two FedAdam rounds of two clients (the base
 model plus 1e-5 N(0, 1)) aggregated by the real strategy (``FedAdamFSDP``, driven as the tests
 drive it: ``testkit.round_harness``), so that round 2 reads every input: the sources, ``x``, the
-previous state (``m``, ``v``) and the new one. Then, each in a child process of its own so that
+previous state (``m``, ``v``) and the new one. ``--strategy fedavg``: the same rounds by
+``FedAvgFSDP``, whose audit (:mod:`fedagent_flwr.checkpoint.mean_audit`) reads the sources and the
+written mean, with the same ``CHUNK_ELEMENTS``. Then, each in a child process of its own so that
 each peak is its own, the audit of the run (``verify.main``) with:
 
 * ``whole``: ``CHUNK_ELEMENTS`` larger than the key, so each key is one chunk (what the audit held
@@ -86,13 +90,14 @@ print(json.dumps({"status": code, "seconds": seconds, "hwm_mb": status("VmHWM") 
 """
 
 
-def build_run(root: Path, rows: int, cols: int, seed: int) -> Path:
-    """The base model and two FedAdam rounds of two clients (module docstring); the run root."""
+def build_run(root: Path, rows: int, cols: int, seed: int, strategy_name: str = "fedadam") -> Path:
+    """The base model and two rounds of two clients by FedAdam or FedAvg (module docstring); the run
+    root."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from fedagent_flwr.checkpoint import CheckpointRef
-    from fedagent_flwr.serverapp.strategy import FedAdamFSDP
+    from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
     from testkit.client_replies import train_reply
     from testkit.round_harness import train_round
     from testkit.strategy_setup import client_slot, connected_strategy
@@ -103,8 +108,10 @@ def build_run(root: Path, rows: int, cols: int, seed: int) -> Path:
     save_file({KEY: 1.0 + 0.1 * torch.randn(rows, cols, generator=generator)}, str(base / "model.safetensors"))
     # no tie: the audit reads the one key, and transformers is not imported
     (base / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
-    strategy, run_root = connected_strategy(root, CheckpointRef.for_directory(base), FedAdamFSDP, clients=2,
-                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
+    settings: dict[str, Any] = {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99} if strategy_name == "fedadam" else {}
+    strategy, run_root = connected_strategy(root, CheckpointRef.for_directory(base),
+                                            FedAdamFSDP if strategy_name == "fedadam" else FedAvgFSDP, clients=2,
+                                            **settings)
     for server_round in (1, 2):
         replies = []
         for client in range(2):
@@ -139,15 +146,17 @@ def main() -> None:
     parser.add_argument("--also", type=int, nargs="*", default=[1 << 22], metavar="N",
                         help="more variants: CHUNK_ELEMENTS = N")
     parser.add_argument("--checkout", type=Path, help="one more variant: the audit of this checkout")
+    parser.add_argument("--strategy", choices=("fedadam", "fedavg"), default="fedadam",
+                        help="whose rounds are audited: a server optimiser's (FedAdam) or FedAvg's weighted means")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
 
     elements = args.rows * args.cols
     with tempfile.TemporaryDirectory(prefix="verify-memory-") as temp:
         begin = time.perf_counter()
-        run_root = build_run(Path(temp), args.rows, args.cols, args.seed)
-        print(f"key {args.rows} x {args.cols} = {elements / 1e6:.1f}M elements ({elements * 8 / 2**20:.0f} MiB as "
-              f"float64); run written in {time.perf_counter() - begin:.1f} s")
+        run_root = build_run(Path(temp), args.rows, args.cols, args.seed, args.strategy)
+        print(f"{args.strategy}: key {args.rows} x {args.cols} = {elements / 1e6:.1f}M elements "
+              f"({elements * 8 / 2**20:.0f} MiB as float64); run written in {time.perf_counter() - begin:.1f} s")
         variants = {"whole": str(2 * elements), "chunked": "default", **{f"chunk={n}": str(n) for n in args.also}}
         results = {name: audit(run_root, chunk) for name, chunk in variants.items()}
         if args.checkout:

@@ -25,8 +25,9 @@ def connected_strategy(tmp_path: Path, initial: CheckpointRef, cls: type[FedAvgF
     the first ``served`` (default: all). ``kwargs`` go to ``cls`` (a strategy's own settings)."""
     run_root = tmp_path / "run"
     run_root.mkdir()
-    recorder = RunRecorder(run_root, {"base_model": initial.path, "env_kind": "test", "mode": "federated",
-                                      "strategy": "fedavg"})
+    # base_model_sha256 as the ServerApp records it (serverapp/app.py): the audit checks the base model by it
+    recorder = RunRecorder(run_root, {"base_model": initial.path, "base_model_sha256": initial.sha256,
+                                      "env_kind": "test", "mode": "federated", "strategy": "fedavg"})
     strategy = cls(run_root=str(run_root), initial_model=initial, num_clients=clients, clients_per_round=clients,
                    **kwargs)
     connect(strategy, recorder, range(clients if served is None else served))

@@ -11,11 +11,10 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, find_config_dir, tied_weight_keys
+from fedagent_flwr.checkpoint.hf_files import find_config_dir, tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
@@ -65,49 +64,15 @@ def verify_mean(
 ) -> float:
     """Recompute the weighted mean in float64 and return the max abs error of ``out_dir``.
 
-    Independent of :func:`weighted_mean`'s accumulation and writer: it loads the written file
-    with ``safetensors.torch.load_file`` (whole tensors; meant for tests and audits, not for
-    production-size models) and sums in float64. Raises CheckpointError when the written keys
-    are not the sources' keys, or an integer tensor differs.
+    Independent of :func:`weighted_mean`'s accumulation and writer, and read in chunks of rows
+    (:mod:`.mean_audit`, which holds it: tests and the ``verify`` audit). Raises CheckpointError
+    when the written keys or shapes are not the sources', an integer tensor differs, or any value
+    read (the written file's, a source's, a source's tied copy) is NaN or Inf.
     """
-    from safetensors.torch import load_file
+    # imported here: mean_audit builds on this module (and on verify_optimizer, which does too)
+    from fedagent_flwr.checkpoint.mean_audit import recompute_mean
 
-    out_dir = Path(out_dir)
-    readers = [reader for reader, _ in sources]
-    weights = normalise_weights([weight for _, weight in sources])
-    written = load_file(str(out_dir / MODEL_FILE))
-    ties = tied_weight_keys(out_dir)
-    expected_keys = set(effective_keys(readers[0], ties))
-    if set(written) != expected_keys:
-        raise CheckpointError(
-            f"{out_dir} holds keys {sorted(set(written) ^ expected_keys)[:5]} that differ from the sources"
-        )
-    worst = 0.0
-    for key in sorted(expected_keys):
-        actual = written[key]
-        if not readers[0].dtype(key).is_floating_point:
-            if not torch.equal(actual, readers[0].read(key, dtype=None)):
-                raise CheckpointError(f"{out_dir}: integer tensor '{key}' differs from the sources")
-            continue
-        if actual.dtype != torch.float32:
-            raise CheckpointError(f"{out_dir}: '{key}' is {actual.dtype}, expected float32")
-        # NaN compares unequal to everything, so an error of NaN would not exceed a tolerance:
-        # non-finite values are reported as such, in the output and in every source.
-        check_finite(key, actual, str(out_dir))
-        expected = torch.zeros(readers[0].shape(key), dtype=torch.float64)
-        for index, (reader, weight) in enumerate(zip(readers, weights)):
-            value = reader.read(key)
-            check_finite(key, value, f"source {index} ({reader.directory})")
-            expected += weight * value.double()
-        worst = max(worst, _max_abs(actual.double() - expected))
-    # A tied copy left out of the file is rebuilt from its partner on load; that is only right
-    # if every source really held the same values in both.
-    for reader in readers:
-        present = set(reader.keys())
-        for target, source in ties.items():
-            if target in present and source in present:
-                worst = max(worst, _max_abs(reader.read(target) - reader.read(source)))
-    return worst
+    return recompute_mean(sources, out_dir)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

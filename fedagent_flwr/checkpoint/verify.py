@@ -21,10 +21,14 @@ round's optimiser state).
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
 be compared, fails with one line naming the record, and so does a round whose global model records
-no hash of its optimiser state (``fedagent.state_sha256``). ``--allow-unhashed`` accepts a run that
-predates them: the hashes that cannot be compared are skipped with a note, and the rounds are still
-recomputed from the files as they are (a change to a file then shows only where it moves a value
-beyond its bound).
+no hash of its optimiser state (``fedagent.state_sha256``), or any other hash the run should have
+recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round,
+a missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
+``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
+skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
+file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
+audit reads or computes fails the round, naming the file and the tensor (NaN compares false with
+every bound and would otherwise pass).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.key_checks import verify_mean
@@ -69,14 +74,20 @@ def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean"
     return list(json.loads(metadata["fedagent.sources"]))
 
 
-def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True) -> float:
+def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, allow_unhashed: bool = False,
+                 notes: list[str] | None = None) -> float:
     """Max abs error of one aggregate against its recorded sources, hash-checked unless
-    ``check_hashes`` is False (a run recorded with another content-hash version)."""
+    ``check_hashes`` is False (a run recorded with another content-hash version); a source whose
+    hash the header does not record fails unless ``allow_unhashed``, which appends a note to
+    ``notes`` (:func:`.audit_hashes.unhashed`)."""
     sources = []
     try:
         for source in recorded_sources(global_dir):
             ref = CheckpointRef.for_directory(source["path"])
-            if check_hashes and source["sha256"] and ref.sha256 != source["sha256"]:
+            if check_hashes and not source.get("sha256"):
+                unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
+                         allow_unhashed, [] if notes is None else notes)
+            elif check_hashes and ref.sha256 != source["sha256"]:
                 raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
             sources.append((open_checkpoint(ref, root=run_root), float(source["weight"])))
         return verify_mean(sources, global_dir)
@@ -164,12 +175,14 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, committed, name, clients, run_root, check_hashes, tolerance,
                                     removed_by_run, summary, previous, allow_unhashed)
-        error = verify_round(global_dir, run_root, check_hashes)
+        notes: list[str] = []
+        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes)
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
         return False
     good = error <= tolerance
-    print(f"{name}: {clients} max abs error {error:.3e} {'ok' if good else 'ABOVE TOLERANCE'}")
+    remarks = "".join(f"; {text}" for text in notes)
+    print(f"{name}: {clients} max abs error {error:.3e} {'ok' if good else 'ABOVE TOLERANCE'}{remarks}")
     return good
 
 
@@ -179,11 +192,14 @@ def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | N
                      allow_unhashed: bool) -> bool:
     """A server optimiser's round (:mod:`.verify_optimizer`): its header is an input (the previous
     global model, the state's hash), so the global model must first be the one its round committed."""
-    if check_hashes and committed and CheckpointRef.for_directory(global_dir).sha256 != committed:
-        print(f"{name}: cannot verify: {global_dir} changed since its round was committed (content hash differs "
-              "from the run record)")
-        return False
+    notes: list[str] = []
     try:
+        if check_hashes and not committed:
+            unhashed(f"the run record has no content hash of {global_dir} (the round's commit)", allow_unhashed, notes)
+        elif check_hashes and CheckpointRef.for_directory(global_dir).sha256 != committed:
+            print(f"{name}: cannot verify: {global_dir} changed since its round was committed (content hash differs "
+                  "from the run record)")
+            return False
         audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, removed_by_run,
                                        tolerance=tolerance, base_model=summary.get("base_model"),
                                        base_model_sha256=summary.get("base_model_sha256"),
@@ -191,8 +207,11 @@ def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | N
     except InputRemoved as exc:
         print(f"{name}: {exc}; not checked")
         return True
+    except CheckpointError as exc:
+        print(f"{name}: cannot verify: {exc}")
+        return False
     good = audit.within_bound and not audit.problems
-    remarks = "".join(f"; {text}" for text in audit.problems + audit.notes)
+    remarks = "".join(f"; {text}" for text in audit.problems + notes + audit.notes)
     # the error is judged per element against tolerance + its fp32 bound (verify_optimizer's docstring)
     print(f"{name}: {clients} {audit.rule} step {audit.step} max abs error {audit.error:.3e} (global model "
           f"{audit.global_error:.3e}, state {audit.state_error:.3e}), "

@@ -59,13 +59,16 @@ exactly 0 and is not counts as infinite). What the bound cannot see: a change be
 round in the same direction (up to about 8% of FedAdagrad's honest step on weights near 1); the
 content hashes are the defence there.
 
-**What is trusted.** The previous global model's path comes from the header: it is opened only if
-it lies inside the run directory or is the run's base model (``base_model`` of the run record,
-whose ``base_model_sha256`` it must then match where recorded), and its content hash must be the
-recorded one (an empty or missing record fails the round unless hashes are not compared). It is
-reported as removed, not failed, only where the run record says retention removed it. And it
-must be the run record's previous model: the latest earlier round's aggregate, or the base model
-before the first (a header pointing at an older round's model or at a client's checkpoint fails).
+**What is trusted.** The previous global model's path comes from the header: it is opened only if it
+lies inside the run directory or is the run's base model (``base_model`` of the run record, whose
+``base_model_sha256`` it must then match; a record without one fails the round unless
+``--allow-unhashed``, :mod:`.audit_hashes`), and its content hash must be the recorded one (an empty
+or missing record fails the round unless hashes are not compared). It is reported as removed, not
+failed, only where the run record says retention removed it. And it must be the run record's
+previous model: the latest earlier round's aggregate, or the base model before the first (a header
+pointing at an older round's model or at a client's checkpoint fails). A NaN or Inf in any input
+read or value computed fails the round with the file and tensor named
+(:func:`.verify_step.require_finite`): NaN compares false with every bound.
 
 **Memory.** Each key is recomputed in chunks of whole rows of at most :data:`CHUNK_ELEMENTS`
 elements, read with :meth:`.CheckpointReader.read_rows` and safetensors slices, so the audit holds a
@@ -87,13 +90,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.audit_hashes import UNHASHED, unhashed
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, worst_ratio
+from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, require_finite, worst_ratio
 
 __all__ = ["CHUNK_ELEMENTS", "OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "row_chunks",
            "state_path", "verify_optimizer_round"]
@@ -112,7 +116,6 @@ _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
 #: The results do not depend on it (every operation is element-wise, :mod:`.verify_step`); tests
 #: set it small.
 CHUNK_ELEMENTS = 1 << 18
-_UNHASHED = "pass --allow-unhashed if the run predates content hashes"
 
 
 class InputRemoved(Exception):
@@ -200,7 +203,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
     x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
     with ExitStack() as stack:
-        sources = _sources(header, global_dir, run_root, check_hashes, stack)
+        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes)
         x_ref = CheckpointRef.for_directory(x_dir)
         if check_hashes:
             if not previous.get("sha256"):
@@ -209,7 +212,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             if x_ref.sha256 != previous["sha256"]:
                 raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped "
                                       "from it (hash differs)")
-            if base_model_sha256 and _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
+            if _same(x_dir, base_model) and not base_model_sha256:
+                unhashed("the run record has no base_model_sha256 of the base model this round stepped from",
+                         allow_unhashed, audit.notes)
+            elif _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
         if expected_previous is not None:
@@ -304,22 +310,34 @@ def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual:
     """Recompute rows ``rows`` of ``key`` (module docstring) and fold their errors into ``audit``."""
     mean = torch.zeros(actual.shape, dtype=torch.float64)
     magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
-    for reader, weight in inputs.sources:
+    for index, (reader, weight) in enumerate(inputs.sources):
         tensor = _reader_rows(reader, key, rows).double()
+        require_finite(tensor, key, f"source {index} {reader.directory}", rows)
         mean += weight * tensor
         magnitude += weight * tensor.abs()
     x = _reader_rows(inputs.x, key, rows).double()
+    require_finite(x, key, f"previous global model {inputs.x.directory}", rows)
     state = {n: _handle_rows(inputs.old_state, f"{n}/{key}", rows).double() if inputs.old_state is not None
              else torch.zeros_like(x) for n in inputs.buffers}
+    for name, values in state.items():
+        require_finite(values, f"{name}/{key}", f"previous optimiser state {state_path(inputs.x.directory)}", rows)
     slack = 2.0 * EPS32 * ((len(inputs.sources) + 1) * magnitude + x.abs())  # delta's fp32 error
     expected, bound, state_bounds = recompute_step(inputs.rule, inputs.settings, inputs.server_round, x, mean, state,
                                                    slack)
+    # finite inputs can still give NaN or Inf (a hyperparameter such as tau = 0 or NaN in the header)
+    computed = {"expected value": expected, "bound": bound, **{f"expected {n}": state[n] for n in inputs.buffers},
+                **{f"bound of {n}": b for n, b in state_bounds.items()}}
+    for what, values in computed.items():
+        require_finite(values, key, f"{inputs.global_dir}: the recomputed {what} ({inputs.rule} "
+                       f"{inputs.settings})", rows)
     error = (actual.double() - expected).abs()
     audit.global_error = max(audit.global_error, max_of(error))
     audit.ratio = max(audit.ratio, worst_ratio(error, inputs.tolerance + bound))
     if inputs.new_state is not None:
         for name in inputs.buffers:
-            error = (_handle_rows(inputs.new_state, f"{name}/{key}", rows).double() - state[name]).abs()
+            stored = _handle_rows(inputs.new_state, f"{name}/{key}", rows).double()
+            require_finite(stored, f"{name}/{key}", f"optimiser state {state_path(inputs.global_dir)}", rows)
+            error = (stored - state[name]).abs()
             audit.state_error = max(audit.state_error, max_of(error))
             # the buffers by their fp32 bound alone: a flat tolerance is large next to v (~delta^2)
             # and m, and a buffer off by it would move the next round's step unseen
@@ -386,15 +404,19 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
     return x_dir
 
 
-def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool,
-             stack: ExitStack) -> list[tuple[CheckpointReader, float]]:
-    """The clients' checkpoints the header names, opened (hashes checked unless told not to)."""
+def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool, stack: ExitStack,
+             allow_unhashed: bool, notes: list[str]) -> list[tuple[CheckpointReader, float]]:
+    """The clients' checkpoints the header names, opened (hashes checked unless told not to; one
+    that is not recorded fails, :func:`.audit_hashes.unhashed`)."""
     if "fedagent.sources" not in header:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     sources = []
     for source in json.loads(header["fedagent.sources"]):
         ref = CheckpointRef.for_directory(source["path"])
-        if check_hashes and source["sha256"] and ref.sha256 != source["sha256"]:
+        if check_hashes and not source.get("sha256"):
+            unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
+                     allow_unhashed, notes)
+        elif check_hashes and ref.sha256 != source["sha256"]:
             raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
         sources.append((stack.enter_context(_closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
     if not sources:
@@ -425,7 +447,7 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
     if recorded is None:
         if not hashing.allow_unhashed:
             raise CheckpointError(f"previous optimiser state {path} has no content hash recorded in "
-                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {_UNHASHED}")
+                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {UNHASHED}")
         audit.notes.append(f"{path} has no recorded hash (an older run's)")
     elif hashing.compare and file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
@@ -453,7 +475,7 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
     if recorded is None:
         if not hashing.allow_unhashed:
             raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} "
-                                  f"({_STATE_SHA256}), so the state cannot be checked; {_UNHASHED}")
+                                  f"({_STATE_SHA256}), so the state cannot be checked; {UNHASHED}")
         audit.notes.append(f"{path} has no recorded hash (an older run's): compared by its values only")
     elif hashing.compare and file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")

@@ -14,7 +14,10 @@ import math
 
 import torch
 
-__all__ = ["EPS32", "buffers_of", "max_of", "recompute_step", "worst_ratio"]
+from fedagent_flwr.checkpoint.key_checks import count_non_finite
+from fedagent_flwr.checkpoint.ref import CheckpointError
+
+__all__ = ["EPS32", "buffers_of", "max_of", "recompute_step", "require_finite", "worst_ratio"]
 
 #: fp32's machine epsilon: the strategy's arithmetic (verify_optimizer's docstring, "Pass or fail").
 EPS32 = torch.finfo(torch.float32).eps
@@ -83,6 +86,24 @@ def worst_ratio(error: torch.Tensor, allowed: torch.Tensor) -> float:
     it: 0/0 would be NaN, which max() passes over), infinite where something was not allowed."""
     ratio = torch.where(error == 0, torch.zeros_like(error), error / allowed)
     return max_of(ratio)
+
+
+def require_finite(values: torch.Tensor, name: str, where: str, rows: tuple[int, int] | None) -> None:
+    """CheckpointError naming ``where`` (the file read, or what the audit computed), tensor ``name``
+    and its first non-finite element when ``values`` (rows ``rows`` of it, None: all) hold NaN or Inf.
+
+    An audit must check every input and every recomputed value: NaN compares false with any bound
+    and Python's ``max()`` passes over it, so a NaN in a client's checkpoint or a buffer would make
+    the error NaN and the round pass unjudged. The element is named by its index in the whole
+    tensor, so the line does not depend on the chunks."""
+    if not count_non_finite(values):
+        return
+    index = [int(i) for i in torch.nonzero(~torch.isfinite(values))[0]]
+    value = float(values[tuple(index)])
+    if rows is not None:
+        index[0] += rows[0]
+    raise CheckpointError(f"{where}: '{name}' holds a non-finite value ({value} at {index}, the first), so the "
+                          "recomputed round cannot be compared with what was written")
 
 
 def max_of(values: torch.Tensor) -> float:

@@ -55,7 +55,8 @@ def _audits(run_root: Path, **options: Any) -> list[dict[str, Any] | str]:
     for server_round in (1, 2):
         try:
             audit = verify_optimizer_round(run_root / f"round_{server_round}" / "global", run_root, server_round,
-                                           base_model=summary["base_model"], **options)
+                                           base_model=summary["base_model"],
+                                           base_model_sha256=summary["base_model_sha256"], **options)
             found.append(asdict(audit))
         except CheckpointError as exc:
             found.append(str(exc))

@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,13 +22,13 @@ from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.verify import main as verify
 from fedagent_flwr.checkpoint.verify_step import worst_ratio
 from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
-from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
-from testkit.client_replies import train_reply
+from testkit.ckpt_factory import Suite
+from testkit.near_one import near_one, small_change_round
 from testkit.round_harness import train_round
-from testkit.strategy_setup import client_slot, connected_strategy, initial_checkpoint, suite_replies
+from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
 
 MODEL = "model.safetensors"
-CHANGE = 1e-5  # an LLM's per-round change, well below tau (1e-3 by Flower's defaults)
+
 # Flower's defaults (no settings), and FedAvgM with momentum
 RULES: list[tuple[type[FedAvgFSDP], dict[str, float]]] = [
     (FedAdamFSDP, {}), (FedYogiFSDP, {}), (FedAdagradFSDP, {}), (FedAvgMFSDP, {"server_momentum": 0.9})]
@@ -37,41 +36,13 @@ ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6))]
 ADAM = {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99}
 
 
-def _rewrite(model: Path, change: Any) -> None:
-    """Replace every float tensor ``t`` of ``model`` by ``change(t)`` (fp32), its header kept."""
-    with safe_open(str(model), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    tensors = {k: change(t).to(t.dtype) if t.is_floating_point() else t for k, t in load_file(str(model)).items()}
-    save_file(tensors, str(model), metadata)
-
-
-def _near_one(tmp_path: Path, seed: int) -> CheckpointRef:
-    """A real HF checkpoint whose weights are 1 + 0.1 N(0, 1): where fp32's spacing (1.2e-7) is
-    large next to a 1e-5 change."""
-    write_hf_checkpoint(ModelSpec("global", "qwen2", seed=9), tmp_path / "base")
-    generator = torch.Generator().manual_seed(seed)
-    _rewrite(tmp_path / "base" / MODEL, lambda t: 1.0 + 0.1 * torch.randn(t.shape, generator=generator))
-    return CheckpointRef.for_directory(tmp_path / "base")
-
-
-def _small_change_round(strategy: FedAvgFSDP, run_root: Path, server_round: int, seed: int) -> None:
-    """Each of two clients returns the current global model plus CHANGE N(0, 1) (seeded)."""
-    generator = torch.Generator().manual_seed(seed)
-    replies = []
-    for client in range(2):
-        copy = shutil.copytree(strategy.global_model.path, client_slot(run_root, client, server_round) / "model")
-        _rewrite(Path(copy) / MODEL, lambda t: t + CHANGE * torch.randn(t.shape, generator=generator))
-        replies.append(train_reply(client, CheckpointRef.for_directory(copy), 4 + 8 * client))
-    train_round(strategy, server_round, replies)
-
-
 @pytest.mark.parametrize(("cls", "settings"), RULES, ids=[cls.__name__ for cls, _ in RULES])
 def test_a_change_far_below_tau_on_weights_near_one_passes_within_its_fp32_bound(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], settings: dict[str, float],
 ) -> None:
-    strategy, run_root = connected_strategy(tmp_path, _near_one(tmp_path, 3), cls, clients=2, **settings)
+    strategy, run_root = connected_strategy(tmp_path, near_one(tmp_path, 3), cls, clients=2, **settings)
     for server_round in (1, 2):
-        _small_change_round(strategy, run_root, server_round, 10 + server_round)
+        small_change_round(strategy, run_root, server_round, 10 + server_round)
     capsys.readouterr()
     status = verify([str(run_root)])
     lines = capsys.readouterr().out.splitlines()

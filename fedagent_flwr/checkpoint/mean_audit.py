@@ -1,0 +1,117 @@
+"""The audit of a weighted mean (FedAvg's rounds, :func:`.key_checks.verify_mean`), in float64 and
+in chunks of rows.
+
+Independent of :func:`.aggregate.weighted_mean`'s accumulation and writer: the written file is read
+with safetensors slices, each source with :meth:`.CheckpointReader.read_rows`, and the mean summed
+in float64, one chunk of at most :data:`.verify_optimizer.CHUNK_ELEMENTS` elements of a key at a
+time (whole rows), so the audit holds a few float64 copies of a chunk, not of the model (it loaded
+the whole written file plus whole float64 tensors before: about 2.5x the model's fp32 size). The
+mean is element-wise, so the max abs error is the whole key's whatever the chunks, and so are the
+refusals (their counts are summed over the chunks, their first bad element named by its index in
+the whole tensor).
+
+Every value read is checked for NaN and Inf, including a tied copy that the sources hold and the
+written file leaves out: NaN compares false with the tolerance and ``max()`` passes over it, so a
+non-finite input would otherwise let the round pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fedagent_flwr.checkpoint import verify_optimizer
+from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
+from fedagent_flwr.checkpoint.reader import CheckpointReader
+from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.verify_step import max_of, require_finite
+
+__all__ = ["recompute_mean"]
+
+
+def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
+    """The max abs error of the mean written in ``out_dir`` against the sources' float64 weighted
+    mean (module docstring). CheckpointError when the written keys or shapes are not the sources',
+    an integer tensor differs, a float tensor is not float32, or a value read is NaN or Inf."""
+    out_dir = Path(out_dir)
+    readers = [reader for reader, _ in sources]
+    weights = normalise_weights([weight for _, weight in sources])
+    ties = tied_weight_keys(out_dir)
+    expected_keys = set(effective_keys(readers[0], ties))
+    worst = 0.0
+    with safe_open(str(out_dir / MODEL_FILE), framework="pt") as written:
+        if set(written.keys()) != expected_keys:
+            raise CheckpointError(
+                f"{out_dir} holds keys {sorted(set(written.keys()) ^ expected_keys)[:5]} that differ from the sources"
+            )
+        for key in sorted(expected_keys):
+            worst = max(worst, _key_error(readers, weights, written, key, out_dir))
+    # A tied copy left out of the file is rebuilt from its partner on load; that is only right
+    # if every source really held the same values in both.
+    for index, reader in enumerate(readers):
+        present = set(reader.keys())
+        for target, source in ties.items():
+            if target in present and source in present:
+                worst = max(worst, _tie_error(reader, f"source {index} {reader.directory}", target, source))
+    return worst
+
+
+def _key_error(readers: list[CheckpointReader], weights: list[float], written: Any, key: str, out_dir: Path) -> float:
+    """The max abs error of ``key``, chunk by chunk; the refusals of :func:`recompute_mean`."""
+    reference = readers[0]
+    shape = reference.shape(key)
+    for where, got in [(out_dir / MODEL_FILE, tuple(written.get_slice(key).get_shape()))] + [
+            (reader.directory, reader.shape(key)) for reader in readers[1:]]:
+        if got != shape:
+            raise CheckpointError(f"{where}: '{key}' has shape {got}, the sources have {shape}")
+    floating = reference.dtype(key).is_floating_point
+    bad_written, bad_sources = 0, [0] * len(readers)  # non-finite values, summed over the chunks
+    worst = 0.0
+    for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
+        actual = written.get_tensor(key) if rows is None else written.get_slice(key)[rows[0]:rows[1]]
+        if not floating:
+            if not torch.equal(actual, _rows(reference, key, rows, dtype=None)):
+                raise CheckpointError(f"{out_dir}: integer tensor '{key}' differs from the sources")
+            continue
+        if actual.dtype != torch.float32:
+            raise CheckpointError(f"{out_dir}: '{key}' is {actual.dtype}, expected float32")
+        bad_written += count_non_finite(actual)
+        expected = torch.zeros(actual.shape, dtype=torch.float64)
+        for index, (reader, weight) in enumerate(zip(readers, weights)):
+            value = _rows(reader, key, rows)
+            bad_sources[index] += count_non_finite(value)
+            expected += weight * value.double()
+        if not bad_written and not any(bad_sources):  # once one is found, the key is only counted
+            worst = max(worst, max_of((actual.double() - expected).abs()))
+    if bad_written:
+        raise non_finite_error(key, bad_written, str(out_dir))
+    for index, bad in enumerate(bad_sources):
+        if bad:
+            raise non_finite_error(key, bad, f"source {index} ({readers[index].directory})")
+    return worst
+
+
+def _tie_error(reader: CheckpointReader, name: str, target: str, source: str) -> float:
+    """The max abs difference of a source's tied copy ``target`` from its partner ``source``."""
+    shape = reader.shape(source)
+    if reader.shape(target) != shape:
+        raise CheckpointError(f"{name}: tied '{target}' has shape {reader.shape(target)}, its partner '{source}' "
+                              f"{shape}")
+    worst = 0.0
+    for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
+        copy, partner = _rows(reader, target, rows), _rows(reader, source, rows)
+        require_finite(copy, target, name, rows)
+        require_finite(partner, source, name, rows)
+        worst = max(worst, max_of((copy - partner).abs()))
+    return worst
+
+
+def _rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
+          dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)
