@@ -348,6 +348,8 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
     """CheckpointError unless every file read for ``key`` holds it in the sources' shape (rows are
     read by index: a shorter tensor would otherwise be compared with part of the key)."""
     found = [(inputs.global_dir / MODEL_FILE, key, tuple(inputs.written.get_slice(key).get_shape()))]
+    # every client's too: a longer one would otherwise be read only up to the first source's rows
+    found += [(reader.directory, key, reader.shape(key)) for reader, _ in inputs.sources[1:]]
     if floating:
         found.append((inputs.x.directory, key, inputs.x.shape(key)))
         for state, path in ((inputs.old_state, state_path(inputs.x.directory)),

@@ -199,3 +199,29 @@ def test_a_state_without_a_recorded_hash_fails_unless_allow_unhashed(
     assert len(lines) == 2 and all(" ok; " in line for line in lines), lines
     assert lines[0].endswith(f"ok; {state} has no recorded hash (an older run's): compared by its values only")
     assert lines[1].endswith(f"ok; {state} has no recorded hash (an older run's)"), lines
+
+
+def test_a_client_checkpoint_with_more_rows_than_the_first_is_refused_not_read_in_part(
+    suite: Suite, tmp_path: Path,
+) -> None:
+    import shutil
+
+    run_root = _run(suite, tmp_path, FedAdamFSDP, eta=1e-2, beta_1=0.9, beta_2=0.99)
+    with safe_open(str(run_root / "round_2" / "global" / MODEL), framework="pt") as handle:
+        second = Path(json.loads((handle.metadata() or {})["fedagent.sources"])[1]["path"])
+    with open_checkpoint(CheckpointRef.for_directory(second)) as reader:
+        tensors = {key: reader.read(key, dtype=None).contiguous() for key in reader.keys()}
+        config = (reader.huggingface_dir() or second) / "config.json"
+        config_text = config.read_text() if config.is_file() else None
+    embedding = tensors["model.embed_tokens.weight"]
+    # 5 rows more, far off: rows 0..n-1 still match, so reading only the first source's rows would pass
+    tensors["model.embed_tokens.weight"] = torch.cat([embedding, torch.full((5, embedding.shape[1]), 123.0)])
+    shutil.rmtree(second)
+    second.mkdir()
+    save_file(tensors, str(second / MODEL), {"format": "pt"})
+    if config_text is not None:
+        (second / "config.json").write_text(config_text)
+    # The hashes would catch the rewrite first; without them the shape check must.
+    round_2 = _audits(run_root, check_hashes=False, allow_unhashed=True)[1]
+    assert isinstance(round_2, str) and "'model.embed_tokens.weight' has shape" in round_2, round_2
+    assert str(second) in round_2, round_2
