@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     hashed_as = summary.get("content_hash", "v1")  # records before the field hashed as v1
     check_hashes = hashed_as == CONTENT_HASH_VERSION
     if not check_hashes and not args.allow_unhashed:
-        print(f"verify: {summary_path} records checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
+        recorded = hashed_as if "content_hash" in summary else f"{hashed_as} (no content_hash field)"
+        print(f"verify: {summary_path} records checkpoint content hashes {recorded} and this fedagent-flwr computes "
               f"{CONTENT_HASH_VERSION}, so no hash can be checked; pass --allow-unhashed if the run predates content "
               f"hashes {CONTENT_HASH_VERSION} (the rounds are then recomputed without them)", file=sys.stderr)
         return 1

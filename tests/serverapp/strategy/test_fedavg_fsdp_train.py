@@ -177,7 +177,8 @@ def test_verify_command_recomputes_rounds_and_catches_tampering(
     assert verify([str(run_root)]) == 1
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.splitlines() == [
-        f"verify: {summary_path} records checkpoint content hashes v1 and this fedagent-flwr computes v2, so no hash "
+        f"verify: {summary_path} records checkpoint content hashes v1 (no content_hash field) and this fedagent-flwr "
+        "computes v2, so no hash "
         "can be checked; pass --allow-unhashed if the run predates content hashes v2 (the rounds are then "
         "recomputed without them)"], captured
     assert verify([str(run_root), "--allow-unhashed"]) == 0
