@@ -126,6 +126,7 @@ class FsdpShardReader(CheckpointReader):
         self._files: list[ShardFile] = []
         # read_rows: the blocks of one key read whole, kept while later rows may still need them
         self._row_blocks: dict[tuple[str, int], torch.Tensor] = {}
+        self._row_keys: list[str] = []  # the keys whose blocks _row_blocks may hold, the last read last
         try:
             for path in paths:
                 hash_it = expected_sha256 is not None and path.name not in self._trusted
@@ -196,12 +197,16 @@ class FsdpShardReader(CheckpointReader):
         same key asks for rows past its end, so that rows read in increasing order read every
         block once: memory is the rows plus the blocks they overlap (one rank's share of the
         tensor under FSDP's ``Shard(0)``; every block under ``Shard(1)``, whose blocks all span
-        every row)."""
+        every row). The blocks of the one other key read last are kept too, so a caller that
+        walks two keys side by side (a tied copy against its partner) still reads each block
+        once, not once a chunk."""
         self._require(key)
         layout = self._layouts[key]
         check_rows(self, key, layout.shape, start, stop)
+        other = next((k for k in reversed(self._row_keys) if k != key), None)
+        self._row_keys = [k for k in (other, key) if k is not None]
         self._row_blocks = {(k, n): t for (k, n), t in self._row_blocks.items()
-                            if k == key and layout.blocks[n].slices[0].stop > start}
+                            if k == other or (k == key and layout.blocks[n].slices[0].stop > start)}
         out = torch.empty((stop - start, *layout.shape[1:]), dtype=dtype or layout.dtype)
         for number, block in enumerate(layout.blocks):
             rows = block.slices[0]

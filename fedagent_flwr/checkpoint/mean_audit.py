@@ -7,8 +7,8 @@ in float64, one chunk of at most :data:`.verify_optimizer.CHUNK_ELEMENTS` elemen
 time (whole rows), so the audit holds a few float64 copies of a chunk, not of the model (it loaded
 the whole written file plus whole float64 tensors before: about 2.5x the model's fp32 size). The
 mean is element-wise, so the max abs error is the whole key's whatever the chunks, and so are the
-refusals (their counts are summed over the chunks, their first bad element named by its index in
-the whole tensor).
+refusals (their counts are summed over the chunks and raised after the last one; a tied copy's
+first bad element is named by its index in the whole tensor).
 
 Every value read is checked for NaN and Inf, including a tied copy that the sources hold and the
 written file leaves out: NaN compares false with the tolerance and ``max()`` passes over it, so a

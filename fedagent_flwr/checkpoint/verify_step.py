@@ -95,7 +95,8 @@ def require_finite(values: torch.Tensor, name: str, where: str, rows: tuple[int,
     An audit must check every input and every recomputed value: NaN compares false with any bound
     and Python's ``max()`` passes over it, so a NaN in a client's checkpoint or a buffer would make
     the error NaN and the round pass unjudged. The element is named by its index in the whole
-    tensor, so the line does not depend on the chunks."""
+    tensor. Which of several bad inputs of a key is named first can depend on the chunk size (the
+    first chunk that holds one raises); that the round fails does not."""
     if not count_non_finite(values):
         return
     index = [int(i) for i in torch.nonzero(~torch.isfinite(values))[0]]

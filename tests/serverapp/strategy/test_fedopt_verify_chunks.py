@@ -159,6 +159,23 @@ def test_row_reads_read_only_what_the_rows_need(suite: Suite, tmp_path: Path) ->
         assert reader.bytes_read - before == 3 * row_bytes
 
 
+
+def test_two_keys_read_side_by_side_read_each_block_once(suite: Suite) -> None:
+    """A tied copy audited against its partner chunk by chunk (lm_head, then the embedding, then
+    lm_head ...): each key's blocks stay while the other is read, so at world size 1 each tensor is
+    read once, not once a chunk (which made the FedAvg audit's tie check quadratic in the key)."""
+    with open_checkpoint(CheckpointRef.for_directory(suite.ckpt("llama_tied_a"), fmt="fsdp-shards")) as reader:
+        pair = ("lm_head.weight", "model.embed_tokens.weight")
+        whole = {key: reader.read(key, dtype=None) for key in pair}
+        once = reader.bytes_read
+        before = reader.bytes_read
+        for bounds in row_chunks(reader.shape(pair[0]), 3 * reader.shape(pair[0])[1]):
+            assert bounds is not None
+            for key in pair:
+                assert torch.equal(reader.read_rows(key, *bounds, dtype=None), whole[key][bounds[0]:bounds[1]])
+        assert reader.bytes_read - before == once, (reader.bytes_read - before, once)
+
+
 def _drop_state_hash(run_root: Path) -> None:
     """Round 1's global model as an older fedagent-flwr wrote it (no hash of its optimiser state),
     and the run as it would then have recorded it: round 2 steps from that model (its hash), and
