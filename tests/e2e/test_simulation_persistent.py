@@ -119,7 +119,12 @@ def test_a_trainer_killed_mid_run_is_replaced_and_the_run_is_unchanged(
             if frozen is None and _idle_after_first_evaluation(channel):
                 frozen = json.loads((channel / PROCESS_FILE).read_text())["pid"]
                 os.kill(frozen, signal.SIGSTOP)
-            if frozen is not None and (run_dir / "round_1" / "client_0" / "train_job.json").exists():
+            # The kill waits for the round-1 request in the trainer's inbox: the client has then
+            # checked the trainer alive and sent the job, so the kill is a death during the job. Sent
+            # when the job file appears (before the request), it could reach a client that had not
+            # yet checked, which then restarts the trainer for the job instead (CI on 56b6a12).
+            if frozen is not None and (run_dir / "round_1" / "client_0" / "train_job.json").exists() and any(
+                    p.stem.isdigit() for p in (channel / INBOX).glob("*.json")):
                 os.kill(frozen, signal.SIGKILL)
                 victim = frozen
             time.sleep(0.02)
