@@ -30,6 +30,7 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.verify_optimizer import handle_rows, reader_rows
 from fedagent_flwr.checkpoint.verify_step import max_of, require_finite
 
 __all__ = ["recompute_mean"]
@@ -74,9 +75,9 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
     bad_written, bad_sources = 0, [0] * len(readers)  # non-finite values, summed over the chunks
     worst = 0.0
     for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
-        actual = written.get_tensor(key) if rows is None else written.get_slice(key)[rows[0]:rows[1]]
+        actual = handle_rows(written, key, rows)
         if not floating:
-            if not torch.equal(actual, _rows(reference, key, rows, dtype=None)):
+            if not torch.equal(actual, reader_rows(reference, key, rows, dtype=None)):
                 raise CheckpointError(f"{out_dir}: integer tensor '{key}' differs from the sources")
             continue
         if actual.dtype != torch.float32:
@@ -84,7 +85,7 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
         bad_written += count_non_finite(actual)
         expected = torch.zeros(actual.shape, dtype=torch.float64)
         for index, (reader, weight) in enumerate(zip(readers, weights)):
-            value = _rows(reader, key, rows)
+            value = reader_rows(reader, key, rows)
             bad_sources[index] += count_non_finite(value)
             expected += weight * value.double()
         if not bad_written and not any(bad_sources):  # once one is found, the key is only counted
@@ -105,13 +106,8 @@ def _tie_error(reader: CheckpointReader, name: str, target: str, source: str) ->
                               f"{shape}")
     worst = 0.0
     for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
-        copy, partner = _rows(reader, target, rows), _rows(reader, source, rows)
+        copy, partner = reader_rows(reader, target, rows), reader_rows(reader, source, rows)
         require_finite(copy, target, name, rows)
         require_finite(partner, source, name, rows)
         worst = max(worst, max_of((copy - partner).abs()))
     return worst
-
-
-def _rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
-          dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)

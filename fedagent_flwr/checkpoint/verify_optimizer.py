@@ -293,9 +293,9 @@ def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
     _check_shapes(inputs, key, shape, floating)
     bad = 0  # non-finite values written, over every chunk (the error names their number)
     for rows in row_chunks(shape, CHUNK_ELEMENTS):
-        actual = _handle_rows(inputs.written, key, rows)
+        actual = handle_rows(inputs.written, key, rows)
         if not floating:
-            if not torch.equal(actual, _reader_rows(reference, key, rows, dtype=None)):
+            if not torch.equal(actual, reader_rows(reference, key, rows, dtype=None)):
                 raise CheckpointError(f"{inputs.global_dir}: integer tensor '{key}' differs from the sources")
             continue
         bad += count_non_finite(actual)
@@ -311,13 +311,13 @@ def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual:
     mean = torch.zeros(actual.shape, dtype=torch.float64)
     magnitude = torch.zeros_like(mean)  # sum_i w_i |a_i|: the scale of the mean's fp32 roundings
     for index, (reader, weight) in enumerate(inputs.sources):
-        tensor = _reader_rows(reader, key, rows).double()
+        tensor = reader_rows(reader, key, rows).double()
         require_finite(tensor, key, f"source {index} {reader.directory}", rows)
         mean += weight * tensor
         magnitude += weight * tensor.abs()
-    x = _reader_rows(inputs.x, key, rows).double()
+    x = reader_rows(inputs.x, key, rows).double()
     require_finite(x, key, f"previous global model {inputs.x.directory}", rows)
-    state = {n: _handle_rows(inputs.old_state, f"{n}/{key}", rows).double() if inputs.old_state is not None
+    state = {n: handle_rows(inputs.old_state, f"{n}/{key}", rows).double() if inputs.old_state is not None
              else torch.zeros_like(x) for n in inputs.buffers}
     for name, values in state.items():
         require_finite(values, f"{name}/{key}", f"previous optimiser state {state_path(inputs.x.directory)}", rows)
@@ -335,7 +335,7 @@ def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual:
     audit.ratio = max(audit.ratio, worst_ratio(error, inputs.tolerance + bound))
     if inputs.new_state is not None:
         for name in inputs.buffers:
-            stored = _handle_rows(inputs.new_state, f"{name}/{key}", rows).double()
+            stored = handle_rows(inputs.new_state, f"{name}/{key}", rows).double()
             require_finite(stored, f"{name}/{key}", f"optimiser state {state_path(inputs.global_dir)}", rows)
             error = (stored - state[name]).abs()
             audit.state_error = max(audit.state_error, max_of(error))
@@ -361,12 +361,13 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
             raise CheckpointError(f"{where}: '{name}' has shape {got}, the sources have {shape}")
 
 
-def _reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
-                 dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+def reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
+                dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """Rows ``rows`` of ``key`` from ``reader`` (None: the whole tensor), as ``dtype``."""
     return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)
 
 
-def _handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+def handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
     """Rows of tensor ``name`` of an open safetensors file (only their bytes are read)."""
     return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0]:rows[1]]
 
