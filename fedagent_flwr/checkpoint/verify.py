@@ -22,8 +22,9 @@ Hashes are part of the audit: a run record whose ``content_hash`` is not the one
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
 be compared, fails with one line naming the record, and so does a round whose global model records
 no hash of its optimiser state (``fedagent.state_sha256``), or any other hash the run should have
-recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round,
-a missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
+recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round
+or of the aggregate it stepped from, the previous global model's that its header leaves empty, a
+missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
