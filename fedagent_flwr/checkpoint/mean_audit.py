@@ -70,7 +70,9 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
     for where, got in [(out_dir / MODEL_FILE, tuple(written.get_slice(key).get_shape()))] + [
             (reader.directory, reader.shape(key)) for reader in readers[1:]]:
         if got != shape:
-            raise CheckpointError(f"{where}: '{key}' has shape {got}, the sources have {shape}")
+            # both files named: which of the two is off (the written one, or the first source) shows
+            raise CheckpointError(f"{where}: '{key}' has shape {got}, the first source {reference.directory} has "
+                                  f"{shape}")
     floating = reference.dtype(key).is_floating_point
     bad_written, bad_sources = 0, [0] * len(readers)  # non-finite values, summed over the chunks
     worst = 0.0

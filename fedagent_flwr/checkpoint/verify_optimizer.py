@@ -358,7 +358,8 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
             found += [(path, name, tuple(state.get_slice(name).get_shape())) for name in names]
     for where, name, got in found:
         if got != shape:
-            raise CheckpointError(f"{where}: '{name}' has shape {got}, the sources have {shape}")
+            raise CheckpointError(f"{where}: '{name}' has shape {got}, the first source "
+                                  f"{inputs.sources[0][0].directory} has {shape}")
 
 
 def reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,

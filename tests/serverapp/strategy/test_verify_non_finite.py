@@ -20,7 +20,7 @@ from fedagent_flwr.checkpoint.verify import main as verify
 from fedagent_flwr.checkpoint.verify_optimizer import row_chunks
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
-from testkit.near_one import near_one, small_change_round
+from testkit.near_one import near_one, recommit_source, small_change_round
 from testkit.round_harness import train_round
 from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
 
@@ -66,23 +66,6 @@ def _run(tmp_path: Path, cls: type[FedAvgFSDP], rounds: int, tie: bool = False, 
     return run_root
 
 
-def _recommit_source(run_root: Path, client: int) -> None:
-    """Round 1's global model records client ``client``'s changed checkpoint's hash, and the run
-    record that global model's: as if the client had sent the changed file (one round, so nothing
-    later refers to the global model's hash)."""
-    model = run_root / "round_1" / "global" / MODEL
-    with safe_open(str(model), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    sources = json.loads(metadata["fedagent.sources"])
-    sources[client]["sha256"] = CheckpointRef.for_directory(sources[client]["path"]).sha256
-    metadata["fedagent.sources"] = json.dumps(sources)
-    save_file(load_file(str(model)), str(model), metadata)
-    summary_path = run_root / "federated_summary.json"
-    summary = json.loads(summary_path.read_text())
-    summary["rounds"][0]["aggregated_sha256"] = CheckpointRef.for_directory(model.parent).sha256
-    summary_path.write_text(json.dumps(summary))
-
-
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_optimiser_round(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], value: float,
@@ -91,11 +74,29 @@ def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_optimiser_round(
     assert _audit(run_root, capsys)[0] == 0
     source = run_root / "round_1" / "client_1" / "model"
     _poke(source / MODEL, KEY, value)
-    _recommit_source(run_root, 1)
+    recommit_source(run_root, 1)
     status, lines = _audit(run_root, capsys)
     assert status == 1 and lines == [
         f"round 1: cannot verify: source 1 {source}: '{KEY}' holds a non-finite value ({value} at [5, 3], the first), "
         "so the recomputed round cannot be compared with what was written"], lines
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: float,
+) -> None:
+    """FedAvg: the mean's audit counts a source's non-finite values over the key's chunks and names
+    the source (its index and directory) and the tensor; the element is not named (the count is what
+    does not depend on the chunks)."""
+    run_root = _run(tmp_path, FedAvgFSDP, 1)
+    assert _audit(run_root, capsys)[0] == 0
+    source = run_root / "round_1" / "client_1" / "model"
+    _poke(source / MODEL, KEY, value)
+    recommit_source(run_root, 1)
+    status, lines = _audit(run_root, capsys)
+    assert status == 1 and lines == [
+        f"round 1: cannot verify: source 1 ({source}): tensor '{KEY}' holds 1 non-finite value(s) (NaN or Inf); the "
+        "checkpoint is refused (lower the learning rate or check the client's training)"], lines
 
 
 def test_a_non_finite_buffer_in_the_previous_state_fails_both_rounds_that_read_it(
