@@ -2,21 +2,21 @@
 
     python -m fedagent_flwr.checkpoint.verify outputs/run-123 [--tolerance 1e-6] [--allow-unhashed]
 
-Each global model records its sources (path, sha256, weight) in its safetensors header; this
-command re-opens those client checkpoints (hashes checked), recomputes the weighted mean
-independently in float64 and prints the max abs error per round. A round written by a server
-optimiser (``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the
-clients' mean, the previous global model and the previous optimiser state, all hash-checked, with
-Flower's formulas restated independently (:mod:`.verify_optimizer`); both the new global model and
-the new state are compared (each weight against the tolerance plus the bound of the strategy's fp32
-rounding, which the step amplifies: :mod:`.verify_optimizer`), and the global model must still have
-the content hash its round committed. PPO's global critics are audited the same way
-(``round <r> critic``). Exit status 1 if any round is off by more than the tolerance or cannot be
-checked. A round whose client checkpoints, previous global model or previous optimiser state the run
-record says it removed after its commit (``storage.keep_client_checkpoints=false``, the default, or
-``storage.keep_last_k``) is reported as removed and not checked (one missing without that record
-fails); keep the client checkpoints to audit a run (that also keeps every
-round's optimiser state).
+Each global model records its sources (path, sha256, weight) in its safetensors header; this command
+re-opens those client checkpoints (hashes checked), recomputes the weighted mean independently in
+float64 and prints the max abs error per round. A round written by a server optimiser
+(``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the clients'
+mean, the previous global model and the previous optimiser state, all hash-checked, with Flower's
+formulas restated independently (:mod:`.verify_optimizer`); both the new global model and the new
+state are compared (each weight against the tolerance plus the bound of the strategy's fp32
+rounding, which the step amplifies: :mod:`.verify_optimizer`; the clients' tied copies, as for a
+mean, against their partners within the tolerance), and the global model must still have the content
+hash its round committed. PPO's global critics are audited the same way (``round <r> critic``). Exit
+status 1 if any round is off by more than the tolerance or cannot be checked. A round whose client
+checkpoints, previous global model or previous optimiser state the run record says it removed after
+its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
+reported as removed and not checked (one missing without that record fails); keep the client
+checkpoints to audit a run (that also keeps every round's optimiser state).
 
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot

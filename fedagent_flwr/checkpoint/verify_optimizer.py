@@ -21,11 +21,14 @@ more inputs, all of which the run recorded:
 The step is restated here from Flower's formulas (``FedAvgM``: ``g = x - a``, ``momentum = mu
 momentum + g``, ``x - lr momentum``; ``FedOpt``: ``delta = a - x``, ``m = beta_1 m + (1 - beta_1)
 delta``, FedAdam/FedYogi/FedAdagrad's ``v``, ``x + step m / (sqrt(v) + tau)``), never by calling the
-strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both
-the new global model and the new state's buffers are compared with the files on disk; the round's
-error reported is the larger of the two max abs errors. The buffers are small numbers (``v`` is
-about ``delta^2``), so a change to a state file below the bound is caught by its hash instead (and
-by the next round's step, which the change would move).
+strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both the
+new global model and the new state's buffers are compared with the files on disk; the round's error
+reported is the larger of the two max abs errors. A client's tied copy that the written file leaves
+out (``lm_head.weight`` of tied embeddings, rebuilt from its partner on load) is held to its partner
+within the tolerance, as in the mean's audit (:func:`.mean_audit.tie_error`): the difference counts
+as the global model's error. The buffers are small numbers (``v`` is about ``delta^2``), so a change
+to a state file below the bound is caught by its hash instead (and by the next round's step, which
+the change would move).
 
 **Pass or fail: a per-element bound, not a flat tolerance.** The strategy computes in fp32 and
 from fp32 inputs: ``delta = a - x`` is a difference of two nearly equal numbers, so its rounding
@@ -175,10 +178,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     rather than failed); ``tolerance`` is added to every element's fp32 bound; ``base_model`` and
     ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``);
     ``expected_previous`` is the run record's model this round must have stepped from (the latest
-    earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` lets an
-    optimiser state whose global model records no hash of it (``fedagent.state_sha256``, written
-    before fedagent-flwr recorded one) be compared by its values alone, with a note; without it
-    that fails the round. Each key is recomputed in chunks of :data:`CHUNK_ELEMENTS` elements.
+    earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` makes a hash
+    the run did not record a note instead of a failure (:func:`.audit_hashes.unhashed`: an optimiser
+    state is then compared by its values alone). Each key is recomputed in chunks of
+    :data:`CHUNK_ELEMENTS` elements.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
@@ -225,7 +228,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
         written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
-        keys = set(effective_keys(sources[0][0], tied_weight_keys(global_dir)))
+        ties = tied_weight_keys(global_dir)
+        keys = set(effective_keys(sources[0][0], ties))
         if set(written.keys()) != keys:
             raise CheckpointError(f"{global_dir} holds keys {sorted(set(written.keys()) ^ keys)[:5]} that differ "
                                   "from the sources")
@@ -242,6 +246,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                          old_state, new_state)
         for key in sorted(keys):
             _audit_key(inputs, key, audit)
+        from fedagent_flwr.checkpoint.mean_audit import tie_error  # here: mean_audit imports this module
+        tied = tie_error([reader for reader, _ in sources], ties)  # module docstring: held to the tolerance
+        audit.global_error = max(audit.global_error, tied)
+        audit.ratio = max(audit.ratio, tied / tolerance if tolerance else math.inf if tied else 0.0)
     return audit
 
 
@@ -398,11 +406,7 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
     trusted"): inside the run, or the run's base model. InputRemoved only where the run record says
     its retention removed it (it never removes the base model); CheckpointError otherwise."""
     x_dir = Path(previous["path"])
-    try:
-        x_dir.resolve().relative_to(run_root.resolve())
-        inside = True
-    except ValueError:
-        inside = False
+    inside = x_dir.resolve().is_relative_to(run_root.resolve())
     if not inside and not _same(x_dir, base_model):
         raise CheckpointError(f"previous global model {x_dir} is neither inside the run {run_root} nor its base model "
                               f"{base_model}: not opened")
