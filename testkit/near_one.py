@@ -1,10 +1,11 @@
 """Runs whose weights are near 1 and change by an LLM's 1e-5 a round, on real HF checkpoints: where
 fp32's spacing (1.2e-7) is large next to the change, the case the server-optimiser audit's fp32
 bound is for (tests/serverapp/strategy/test_fedopt_verify_trust.py); the clients' checkpoints are
-safetensors files a test can write into (test_verify_non_finite.py)."""
+safetensors files a test can write into (test_verify_non_finite.py), then :func:`recommit_source`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,3 +51,20 @@ def small_change_round(strategy: FedAvgFSDP, run_root: Path, server_round: int, 
         rewrite(Path(copy) / MODEL, lambda t: t + CHANGE * torch.randn(t.shape, generator=generator))
         replies.append(train_reply(client, CheckpointRef.for_directory(copy), 4 + 8 * client))
     train_round(strategy, server_round, replies)
+
+
+def recommit_source(run_root: Path, client: int) -> None:
+    """Round 1's global model records client ``client``'s changed checkpoint's hash, and the run
+    record that global model's: as if the client had sent the changed file (one round, so nothing
+    later refers to the global model's hash), so that no hash check is what catches the change."""
+    model = run_root / "round_1" / "global" / MODEL
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    sources = json.loads(metadata["fedagent.sources"])
+    sources[client]["sha256"] = CheckpointRef.for_directory(sources[client]["path"]).sha256
+    metadata["fedagent.sources"] = json.dumps(sources)
+    save_file(load_file(str(model)), str(model), metadata)
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["rounds"][0]["aggregated_sha256"] = CheckpointRef.for_directory(model.parent).sha256
+    summary_path.write_text(json.dumps(summary))

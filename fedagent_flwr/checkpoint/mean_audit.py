@@ -33,7 +33,7 @@ from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.verify_optimizer import handle_rows, reader_rows
 from fedagent_flwr.checkpoint.verify_step import max_of, require_finite
 
-__all__ = ["recompute_mean"]
+__all__ = ["recompute_mean", "tie_error"]
 
 
 def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
@@ -53,8 +53,16 @@ def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: s
             )
         for key in sorted(expected_keys):
             worst = max(worst, _key_error(readers, weights, written, key, out_dir))
-    # A tied copy left out of the file is rebuilt from its partner on load; that is only right
-    # if every source really held the same values in both.
+    return max(worst, tie_error(readers, ties))
+
+
+def tie_error(readers: Sequence[CheckpointReader], ties: dict[str, str]) -> float:
+    """The max abs difference of the sources' tied copies from their partners (``ties``: copy ->
+    partner), chunk by chunk; CheckpointError naming the source, the tensor and its first bad element
+    for a NaN or Inf in either. A tied copy left out of the written file is rebuilt from its partner
+    on load; that is only right if every source really held the same values in both (the server
+    optimiser's audit checks them too)."""
+    worst = 0.0
     for index, reader in enumerate(readers):
         present = set(reader.keys())
         for target, source in ties.items():
@@ -70,7 +78,9 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
     for where, got in [(out_dir / MODEL_FILE, tuple(written.get_slice(key).get_shape()))] + [
             (reader.directory, reader.shape(key)) for reader in readers[1:]]:
         if got != shape:
-            raise CheckpointError(f"{where}: '{key}' has shape {got}, the sources have {shape}")
+            # both files named: which of the two is off (the written one, or the first source) shows
+            raise CheckpointError(f"{where}: '{key}' has shape {got}, the first source {reference.directory} has "
+                                  f"{shape}")
     floating = reference.dtype(key).is_floating_point
     bad_written, bad_sources = 0, [0] * len(readers)  # non-finite values, summed over the chunks
     worst = 0.0

@@ -2,28 +2,29 @@
 
     python -m fedagent_flwr.checkpoint.verify outputs/run-123 [--tolerance 1e-6] [--allow-unhashed]
 
-Each global model records its sources (path, sha256, weight) in its safetensors header; this
-command re-opens those client checkpoints (hashes checked), recomputes the weighted mean
-independently in float64 and prints the max abs error per round. A round written by a server
-optimiser (``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the
-clients' mean, the previous global model and the previous optimiser state, all hash-checked, with
-Flower's formulas restated independently (:mod:`.verify_optimizer`); both the new global model and
-the new state are compared (each weight against the tolerance plus the bound of the strategy's fp32
-rounding, which the step amplifies: :mod:`.verify_optimizer`), and the global model must still have
-the content hash its round committed. PPO's global critics are audited the same way
-(``round <r> critic``). Exit status 1 if any round is off by more than the tolerance or cannot be
-checked. A round whose client checkpoints, previous global model or previous optimiser state the run
-record says it removed after its commit (``storage.keep_client_checkpoints=false``, the default, or
-``storage.keep_last_k``) is reported as removed and not checked (one missing without that record
-fails); keep the client checkpoints to audit a run (that also keeps every
-round's optimiser state).
+Each global model records its sources (path, sha256, weight) in its safetensors header; this command
+re-opens those client checkpoints (hashes checked), recomputes the weighted mean independently in
+float64 and prints the max abs error per round. A round written by a server optimiser
+(``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the clients'
+mean, the previous global model and the previous optimiser state, all hash-checked, with Flower's
+formulas restated independently (:mod:`.verify_optimizer`); both the new global model and the new
+state are compared (each weight against the tolerance plus the bound of the strategy's fp32
+rounding, which the step amplifies: :mod:`.verify_optimizer`; the clients' tied copies, as for a
+mean, against their partners within the tolerance), and the global model must still have the content
+hash its round committed. PPO's global critics are audited the same way (``round <r> critic``). Exit
+status 1 if any round is off by more than the tolerance or cannot be checked. A round whose client
+checkpoints, previous global model or previous optimiser state the run record says it removed after
+its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
+reported as removed and not checked (one missing without that record fails); keep the client
+checkpoints to audit a run (that also keeps every round's optimiser state).
 
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
 be compared, fails with one line naming the record, and so does a round whose global model records
 no hash of its optimiser state (``fedagent.state_sha256``), or any other hash the run should have
-recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round,
-a missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
+recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round
+or of the aggregate it stepped from, the previous global model's that its header leaves empty, a
+missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's

@@ -21,11 +21,14 @@ more inputs, all of which the run recorded:
 The step is restated here from Flower's formulas (``FedAvgM``: ``g = x - a``, ``momentum = mu
 momentum + g``, ``x - lr momentum``; ``FedOpt``: ``delta = a - x``, ``m = beta_1 m + (1 - beta_1)
 delta``, FedAdam/FedYogi/FedAdagrad's ``v``, ``x + step m / (sqrt(v) + tau)``), never by calling the
-strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both
-the new global model and the new state's buffers are compared with the files on disk; the round's
-error reported is the larger of the two max abs errors. The buffers are small numbers (``v`` is
-about ``delta^2``), so a change to a state file below the bound is caught by its hash instead (and
-by the next round's step, which the change would move).
+strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both the
+new global model and the new state's buffers are compared with the files on disk; the round's error
+reported is the larger of the two max abs errors. A client's tied copy that the written file leaves
+out (``lm_head.weight`` of tied embeddings, rebuilt from its partner on load) is held to its partner
+within the tolerance, as in the mean's audit (:func:`.mean_audit.tie_error`): the difference counts
+as the global model's error. The buffers are small numbers (``v`` is about ``delta^2``), so a change
+to a state file below the bound is caught by its hash instead (and by the next round's step, which
+the change would move).
 
 **Pass or fail: a per-element bound, not a flat tolerance.** The strategy computes in fp32 and
 from fp32 inputs: ``delta = a - x`` is a difference of two nearly equal numbers, so its rounding
@@ -61,14 +64,14 @@ content hashes are the defence there.
 
 **What is trusted.** The previous global model's path comes from the header: it is opened only if it
 lies inside the run directory or is the run's base model (``base_model`` of the run record, whose
-``base_model_sha256`` it must then match; a record without one fails the round unless
-``--allow-unhashed``, :mod:`.audit_hashes`), and its content hash must be the recorded one (an empty
-or missing record fails the round unless hashes are not compared). It is reported as removed, not
-failed, only where the run record says retention removed it. And it must be the run record's
-previous model: the latest earlier round's aggregate, or the base model before the first (a header
-pointing at an older round's model or at a client's checkpoint fails). A NaN or Inf in any input
-read or value computed fails the round with the file and tensor named
-(:func:`.verify_step.require_finite`): NaN compares false with every bound.
+``base_model_sha256`` it must then match), and its content hash must be the recorded one. It is
+reported as removed, not failed, only where the run record says retention removed it. And it must be
+the run record's previous model: the latest earlier round's aggregate, or the base model before the
+first (a header pointing at an older round's model or at a client's checkpoint fails). A hash not
+recorded (the header's of ``x``, the run record's of ``x`` or of the base model) fails unless
+``--allow-unhashed`` (:mod:`.audit_hashes`). A NaN or Inf in any input read or value computed fails
+the round with the file and tensor named (:func:`.verify_step.require_finite`): NaN compares false
+with every bound.
 
 **Memory.** Each key is recomputed in chunks of whole rows of at most :data:`CHUNK_ELEMENTS`
 elements, read with :meth:`.CheckpointReader.read_rows` and safetensors slices, so the audit holds a
@@ -82,7 +85,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,10 +178,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     rather than failed); ``tolerance`` is added to every element's fp32 bound; ``base_model`` and
     ``base_model_sha256`` are the run record's (the one previous model allowed outside ``run_root``);
     ``expected_previous`` is the run record's model this round must have stepped from (the latest
-    earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` lets an
-    optimiser state whose global model records no hash of it (``fedagent.state_sha256``, written
-    before fedagent-flwr recorded one) be compared by its values alone, with a note; without it
-    that fails the round. Each key is recomputed in chunks of :data:`CHUNK_ELEMENTS` elements.
+    earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` makes a hash
+    the run did not record a note instead of a failure (:func:`.audit_hashes.unhashed`: an optimiser
+    state is then compared by its values alone). Each key is recomputed in chunks of
+    :data:`CHUNK_ELEMENTS` elements.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
@@ -207,9 +210,9 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         x_ref = CheckpointRef.for_directory(x_dir)
         if check_hashes:
             if not previous.get("sha256"):
-                raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its previous global "
-                                      f"model {x_dir}: it cannot be trusted")
-            if x_ref.sha256 != previous["sha256"]:
+                unhashed(f"{global_dir / MODEL_FILE} records no content hash of its previous global model {x_dir}",
+                         allow_unhashed, audit.notes)
+            elif x_ref.sha256 != previous["sha256"]:
                 raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped "
                                       "from it (hash differs)")
             if _same(x_dir, base_model) and not base_model_sha256:
@@ -218,14 +221,15 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             elif _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
-        if expected_previous is not None:
-            _check_chain(previous, expected_previous, check_hashes, global_dir)
-        x_reader = stack.enter_context(_closing(open_checkpoint(x_ref, check_hash=False)))
         hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run)
+        if expected_previous is not None:
+            _check_chain(previous, expected_previous, hashing, global_dir, base_model, audit.notes)
+        x_reader = stack.enter_context(closing(open_checkpoint(x_ref, check_hash=False)))
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
         written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
-        keys = set(effective_keys(sources[0][0], tied_weight_keys(global_dir)))
+        ties = tied_weight_keys(global_dir)
+        keys = set(effective_keys(sources[0][0], ties))
         if set(written.keys()) != keys:
             raise CheckpointError(f"{global_dir} holds keys {sorted(set(written.keys()) ^ keys)[:5]} that differ "
                                   "from the sources")
@@ -242,6 +246,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                          old_state, new_state)
         for key in sorted(keys):
             _audit_key(inputs, key, audit)
+        from fedagent_flwr.checkpoint.mean_audit import tie_error  # here: mean_audit imports this module
+        tied = tie_error([reader for reader, _ in sources], ties)  # module docstring: held to the tolerance
+        audit.global_error = max(audit.global_error, tied)
+        audit.ratio = max(audit.ratio, tied / tolerance if tolerance else math.inf if tied else 0.0)
     return audit
 
 
@@ -358,7 +366,8 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
             found += [(path, name, tuple(state.get_slice(name).get_shape())) for name in names]
     for where, name, got in found:
         if got != shape:
-            raise CheckpointError(f"{where}: '{name}' has shape {got}, the sources have {shape}")
+            raise CheckpointError(f"{where}: '{name}' has shape {got}, the first source "
+                                  f"{inputs.sources[0][0].directory} has {shape}")
 
 
 def reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
@@ -372,14 +381,19 @@ def handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.T
     return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0]:rows[1]]
 
 
-def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], check_hashes: bool,
-                 global_dir: Path) -> None:
+def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], hashing: _Hashing, global_dir: Path,
+                 base_model: str | None, notes: list[str]) -> None:
     """CheckpointError unless the header's previous global model is the run record's: a round steps
-    from the latest earlier aggregate (or the base model), not from any trusted directory."""
+    from the latest earlier aggregate (or the base model), not from any trusted directory; the run record's hash of
+    that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's is the caller's check)."""
     path, sha256 = expected
-    if not _same(Path(previous["path"]), path) or (check_hashes and sha256 and previous.get("sha256") != sha256):
+    recorded = previous.get("sha256")  # empty: the caller refused or noted it (unhashed)
+    if not _same(Path(previous["path"]), path) or (hashing.compare and sha256 and recorded and recorded != sha256):
         raise CheckpointError(f"{global_dir / MODEL_FILE} steps from {previous['path']}, but the run record's "
                               f"previous global model is {path}")
+    if hashing.compare and not sha256 and not _same(Path(path), base_model):
+        unhashed(f"the run record has no content hash of {path} (the commit of the model this round stepped from)",
+                 hashing.allow_unhashed, notes)
 
 
 def _same(path: Path, other: str | None) -> bool:
@@ -392,11 +406,7 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
     trusted"): inside the run, or the run's base model. InputRemoved only where the run record says
     its retention removed it (it never removes the base model); CheckpointError otherwise."""
     x_dir = Path(previous["path"])
-    try:
-        x_dir.resolve().relative_to(run_root.resolve())
-        inside = True
-    except ValueError:
-        inside = False
+    inside = x_dir.resolve().is_relative_to(run_root.resolve())
     if not inside and not _same(x_dir, base_model):
         raise CheckpointError(f"previous global model {x_dir} is neither inside the run {run_root} nor its base model "
                               f"{base_model}: not opened")
@@ -421,7 +431,7 @@ def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_has
                      allow_unhashed, notes)
         elif check_hashes and ref.sha256 != source["sha256"]:
             raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
-        sources.append((stack.enter_context(_closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
+        sources.append((stack.enter_context(closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
     if not sources:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     return sources
@@ -486,11 +496,3 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
     if int((handle.metadata() or {}).get("fedagent.step", "-1")) != step:
         audit.problems.append(f"{path} is not step {step}")
     return handle
-
-
-@contextmanager
-def _closing(reader: CheckpointReader) -> Iterator[CheckpointReader]:
-    try:
-        yield reader
-    finally:
-        reader.close()

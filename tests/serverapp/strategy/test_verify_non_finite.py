@@ -20,7 +20,7 @@ from fedagent_flwr.checkpoint.verify import main as verify
 from fedagent_flwr.checkpoint.verify_optimizer import row_chunks
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
-from testkit.near_one import near_one, small_change_round
+from testkit.near_one import near_one, recommit_source, small_change_round
 from testkit.round_harness import train_round
 from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
 
@@ -66,23 +66,6 @@ def _run(tmp_path: Path, cls: type[FedAvgFSDP], rounds: int, tie: bool = False, 
     return run_root
 
 
-def _recommit_source(run_root: Path, client: int) -> None:
-    """Round 1's global model records client ``client``'s changed checkpoint's hash, and the run
-    record that global model's: as if the client had sent the changed file (one round, so nothing
-    later refers to the global model's hash)."""
-    model = run_root / "round_1" / "global" / MODEL
-    with safe_open(str(model), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-    sources = json.loads(metadata["fedagent.sources"])
-    sources[client]["sha256"] = CheckpointRef.for_directory(sources[client]["path"]).sha256
-    metadata["fedagent.sources"] = json.dumps(sources)
-    save_file(load_file(str(model)), str(model), metadata)
-    summary_path = run_root / "federated_summary.json"
-    summary = json.loads(summary_path.read_text())
-    summary["rounds"][0]["aggregated_sha256"] = CheckpointRef.for_directory(model.parent).sha256
-    summary_path.write_text(json.dumps(summary))
-
-
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_optimiser_round(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], value: float,
@@ -91,11 +74,29 @@ def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_optimiser_round(
     assert _audit(run_root, capsys)[0] == 0
     source = run_root / "round_1" / "client_1" / "model"
     _poke(source / MODEL, KEY, value)
-    _recommit_source(run_root, 1)
+    recommit_source(run_root, 1)
     status, lines = _audit(run_root, capsys)
     assert status == 1 and lines == [
         f"round 1: cannot verify: source 1 {source}: '{KEY}' holds a non-finite value ({value} at [5, 3], the first), "
         "so the recomputed round cannot be compared with what was written"], lines
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_value_in_a_clients_checkpoint_fails_the_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: float,
+) -> None:
+    """FedAvg: the mean's audit counts a source's non-finite values over the key's chunks and names
+    the source (its index and directory) and the tensor; the element is not named (the count is what
+    does not depend on the chunks)."""
+    run_root = _run(tmp_path, FedAvgFSDP, 1)
+    assert _audit(run_root, capsys)[0] == 0
+    source = run_root / "round_1" / "client_1" / "model"
+    _poke(source / MODEL, KEY, value)
+    recommit_source(run_root, 1)
+    status, lines = _audit(run_root, capsys)
+    assert status == 1 and lines == [
+        f"round 1: cannot verify: source 1 ({source}): tensor '{KEY}' holds 1 non-finite value(s) (NaN or Inf); the "
+        "checkpoint is refused (lower the learning rate or check the client's training)"], lines
 
 
 def test_a_non_finite_buffer_in_the_previous_state_fails_both_rounds_that_read_it(
@@ -115,13 +116,21 @@ def test_a_non_finite_buffer_in_the_previous_state_fails_both_rounds_that_read_i
     assert lines[0].startswith("note: this run recorded checkpoint content hashes v1"), lines
 
 
-def test_a_non_finite_tied_copy_in_a_clients_checkpoint_fails_the_mean(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+TIED: list[tuple[type[FedAvgFSDP], dict[str, float]]] = [
+    (FedAvgFSDP, {}), (FedAdamFSDP, {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99})]
+
+
+@pytest.mark.parametrize(("cls", "settings"), TIED, ids=["fedavg", "fedadam"])
+@pytest.mark.parametrize("change", ["nan", "moved"])
+def test_a_tied_copy_in_a_clients_checkpoint_is_checked_against_its_partner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], settings: dict[str, float],
+    change: str,
 ) -> None:
-    """FedAvg: a client's checkpoint holding a tied copy (``lm_head.weight``, which the file of a
-    model with tied embeddings leaves out) with a NaN in it: the copy is checked against its
-    partner, and that difference is NaN."""
-    run_root = _run(tmp_path, FedAvgFSDP, 1, tie=True)
+    """A client's checkpoint holding a tied copy (``lm_head.weight``, which the file of a model with
+    tied embeddings leaves out: it is rebuilt from its partner on load), by the mean's audit and by
+    the server optimiser's: a NaN in it fails the round naming the element (the copy's difference
+    from its partner would be NaN), a copy 1e-3 off its partner is a 1e-3 error, above the tolerance."""
+    run_root = _run(tmp_path, cls, 1, tie=True, **settings)
     assert _audit(run_root, capsys)[0] == 0
     source = run_root / "round_1" / "client_1" / "model"
     config = json.loads((source / "config.json").read_text())
@@ -130,13 +139,17 @@ def test_a_non_finite_tied_copy_in_a_clients_checkpoint_fails_the_mean(
         metadata = handle.metadata() or {}
     tensors = load_file(str(source / MODEL))
     tensors["lm_head.weight"] = tensors[KEY].clone()
-    tensors["lm_head.weight"][7, 2] = float("nan")
+    tensors["lm_head.weight"][7, 2] = float("nan") if change == "nan" else tensors[KEY][7, 2] + 1e-3
     save_file(tensors, str(source / MODEL), metadata)
     _unhashed(run_root)
     status, lines = _audit(run_root, capsys, "--allow-unhashed")
-    assert status == 1 and lines[1:] == [
-        f"round 1: cannot verify: source 1 {source}: 'lm_head.weight' holds a non-finite value (nan at [7, 2], the "
-        "first), so the recomputed round cannot be compared with what was written"], lines
+    assert status == 1 and len(lines) == 2, lines
+    if change == "nan":
+        assert lines[1] == (f"round 1: cannot verify: source 1 {source}: 'lm_head.weight' holds a non-finite value "
+                            "(nan at [7, 2], the first), so the recomputed round cannot be compared with what was "
+                            "written"), lines
+    else:
+        assert "max abs error 1.000e-03 " in lines[1] and "ABOVE TOLERANCE" in lines[1], lines
 
 
 def test_finite_inputs_pass_as_before(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

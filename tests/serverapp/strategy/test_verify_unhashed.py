@@ -17,24 +17,28 @@ from safetensors.torch import load_file, save_file
 from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.checkpoint.verify import main as verify
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
+from testkit.ckpt_factory import Suite
 from testkit.near_one import near_one, small_change_round
-from testkit.strategy_setup import connected_strategy
+from testkit.round_harness import train_round
+from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_ppo_reply
 
 MODEL = "model.safetensors"
 ADVICE = "so it cannot be checked; pass --allow-unhashed if the run predates content hashes"
 
 
-def _run(tmp_path: Path, cls: type[FedAvgFSDP], **settings: float) -> Path:
-    """One round of two clients (HF checkpoints) by ``cls``: the run root."""
+def _run(tmp_path: Path, cls: type[FedAvgFSDP], rounds: int = 1, **settings: float) -> Path:
+    """``rounds`` rounds of two clients (HF checkpoints) by ``cls``: the run root."""
     strategy, run_root = connected_strategy(tmp_path, near_one(tmp_path, 5), cls, clients=2, **settings)
-    small_change_round(strategy, run_root, 1, 31)
+    for server_round in range(1, rounds + 1):
+        small_change_round(strategy, run_root, server_round, 30 + server_round)
     return run_root
 
 
-def _edit_summary(run_root: Path, change: dict[str, object], entry: dict[str, object] | None = None) -> None:
+def _edit_summary(run_root: Path, change: dict[str, object], entry: dict[str, object] | None = None,
+                  server_round: int = 1) -> None:
     path = run_root / "federated_summary.json"
     summary = {**json.loads(path.read_text()), **change}
-    summary["rounds"][0].update(entry or {})
+    summary["rounds"][server_round - 1].update(entry or {})
     path.write_text(json.dumps(summary))
 
 
@@ -92,3 +96,46 @@ def test_a_missing_base_model_hash_fails_a_round_stepping_from_the_base_model_un
     assert _audit(run_root, capsys) == (1, [f"round 1: cannot verify: {what}, {ADVICE}"])
     status, lines = _audit(run_root, capsys, "--allow-unhashed")
     assert status == 0 and len(lines) == 1 and lines[0].endswith(f" ok; {what}: not checked"), lines
+
+
+def test_an_empty_previous_global_hash_fails_an_optimiser_round_unless_allow_unhashed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Round 2's header recording round 1's global model (its ``x``) with an empty hash, the changed
+    header recommitted in the run record: the hash of ``x`` cannot be compared."""
+    run_root = _run(tmp_path, FedAdamFSDP, 2)
+    model = run_root / "round_2" / "global" / MODEL
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    metadata["fedagent.previous_global"] = json.dumps({**json.loads(metadata["fedagent.previous_global"]),
+                                                       "sha256": ""})
+    save_file(load_file(str(model)), str(model), metadata)
+    _edit_summary(run_root, {}, {"aggregated_sha256": CheckpointRef.for_directory(model.parent).sha256}, 2)
+    what = f"{model} records no content hash of its previous global model {run_root / 'round_1' / 'global'}"
+    status, lines = _audit(run_root, capsys)
+    assert status == 1 and len(lines) == 2 and lines[0].endswith(" ok"), lines
+    assert lines[1] == f"round 2: cannot verify: {what}, {ADVICE}", lines
+    status, lines = _audit(run_root, capsys, "--allow-unhashed")
+    assert status == 0 and len(lines) == 2 and lines[1].endswith(f" ok; {what}: not checked"), lines
+
+
+def test_an_empty_committed_hash_of_the_mean_an_optimiser_round_stepped_from_fails_unless_allow_unhashed(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """PPO's first global critic is FedAvg's mean (whose audit recomputes it from its sources) and
+    round 2's critic steps from it: the run record's empty hash of it cannot be compared with the
+    hash of ``x`` that round 2's header records, so round 2's critic fails (it was skipped)."""
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
+                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
+    for server_round in (1, 2):
+        train_round(strategy, server_round, [suite_ppo_reply(run_root, suite, client, server_round)
+                                             for client in (0, 1)])
+    assert _audit(run_root, capsys)[0] == 0
+    _edit_summary(run_root, {}, {"aggregated_critic_sha256": ""})
+    critic = run_root / "round_1" / "global_critic"
+    what = f"the run record has no content hash of {critic} (the commit of the model this round stepped from)"
+    status, lines = _audit(run_root, capsys)
+    assert status == 1 and len(lines) == 4 and all(line.endswith(" ok") for line in lines[:3]), lines
+    assert lines[3] == f"round 2 critic: cannot verify: {what}, {ADVICE}", lines
+    status, lines = _audit(run_root, capsys, "--allow-unhashed")
+    assert status == 0 and len(lines) == 4 and lines[3].endswith(f" ok; {what}: not checked"), lines
