@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env-check": ("fedagent_flwr.envs.check", "check an environment against the text-environment contract"),
     "deploy": ("fedagent_flwr.deploy", "TLS files, node keys and connections for a deployment"),
     "outcome": ("fedagent_flwr.outcome", "a run's outcome as an exit status (wraps flwr run)"),
+    "compare": ("fedagent_flwr.compare", "does one arm beat another? runs' means, Welch 95% intervals over seeds"),
     "warm-start": ("fedagent_flwr.trainers.common.warm_start", "supervised warm start (SFT) on recorded conversations"),
     "tiny-model": ("fedagent_flwr.models.tiny", "write the tiny random-weight smoke model"),
     "webshop-expert": ("fedagent_flwr.envs.webshop.expert_cli", "write expert WebShop episodes (train goals) as SFT"),

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty, Queue
+from typing import Any
 
 SUMMARY_FILE = "federated_summary.json"  # fedagent_flwr.serverapp.recorder.SUMMARY_FILE, without importing Flower
 EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
@@ -63,16 +64,43 @@ class Outcome:
         return f"[fedagent] run {self.status}{': ' + self.reason if self.reason else ''}{where}"
 
 
-def read_outcome(run_dir: str | os.PathLike[str]) -> Outcome:
-    """The outcome recorded in ``run_dir``'s summary; ``failed`` when there is no readable one."""
-    path = Path(run_dir) / SUMMARY_FILE
+class SummaryError(ValueError):
+    """A run's summary cannot be read; the message names the file and why, in one line."""
+
+
+def summary_path(run: str | os.PathLike[str]) -> Path:
+    """The summary file of ``run``: ``run/federated_summary.json`` for a run directory, ``run``
+    itself for a file (a summary copied elsewhere, as ``docs/gpu-runs`` commits them)."""
+    path = Path(run)
+    return path if path.is_file() else path / SUMMARY_FILE
+
+
+def load_summary(run: str | os.PathLike[str]) -> dict[str, Any]:
+    """The summary of ``run`` (:func:`summary_path`) as the recorder wrote it, with a ``status``.
+
+    The one reader of the file outside the ServerApp (``outcome``, ``compare``), so that a missing
+    or torn record is reported alike. Raises :class:`SummaryError`."""
+    path = summary_path(run)
     try:
         summary = json.loads(path.read_text())
-        status = str(summary["status"])
+        if not isinstance(summary, dict):
+            raise TypeError(f"a JSON {type(summary).__name__}, not an object")
+        summary["status"] = str(summary["status"])
     except FileNotFoundError:
-        return Outcome("failed", f"{path} does not exist: the run wrote no record")
+        raise SummaryError(f"{path} does not exist: the run wrote no record") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return Outcome("failed", f"{path} cannot be read: {exc}")
+        raise SummaryError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
+    return summary
+
+
+def read_outcome(run_dir: str | os.PathLike[str]) -> Outcome:
+    """The outcome recorded in ``run_dir``'s summary; ``failed`` when there is no readable one."""
+    path = summary_path(run_dir)
+    try:
+        summary = load_summary(run_dir)
+    except SummaryError as exc:
+        return Outcome("failed", str(exc))
+    status = summary["status"]
     if status == "running":
         return Outcome("failed", "the run stopped without recording its end (status 'running'): the ServerApp "
                        "was killed or crashed; see its log", path)

@@ -1,0 +1,379 @@
+"""``fedagent compare``: does one arm beat another across your own runs?
+
+Each run directory's ``federated_summary.json`` (its validation curve per round) gives the run one
+value of each statistic: the mean validation success over the last ``window`` rounds it was planned
+to run (default 3: rounds 8-10 of 10) and its success at the final round. Per arm, the mean over its
+runs (one run a seed); per pair of arms, the difference with Welch's 95% interval over runs
+(:func:`fedagent_flwr.intervals.seed_difference_interval`), which counts how differently runs of one
+config end, GPU run-to-run variation included, and the runs an arm would need for the interval to
+exclude 0 at this gap (:func:`fedagent_flwr.intervals.seeds_for_difference`). This is how
+docs/results.md states its results; which statistic is primary should be chosen before the runs
+(declared), the other then being secondary.
+
+    fedagent compare --arm federated outputs/fed-s* --arm local outputs/local-s*
+    fedagent compare --arm federated=outputs/run-1 outputs/run-2 --arm local=... --json cmp.json
+
+Runs that cannot be compared as they are are refused, one line naming the run and what to do: an
+unreadable or unfinished run (status running or failed, or fewer rounds than planned:
+``--allow-unfinished`` includes it, flagged, on the rounds it has), a run without a validation curve
+or without the rounds its statistic needs, runs of different total rounds, a run given twice.
+
+Standard library only (with ``intervals``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
+uses these functions on a GPU node's bare ``python3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
+from fedagent_flwr.outcome import SummaryError, load_summary
+
+#: The last-rounds window: each run's mean validation success over the last this-many rounds it was
+#: planned to run (rounds 8-10 of a 10-round run), the statistic docs/results.md §4 declares for
+#: comparing arms (one round's 64 episodes swing by about ±0.06 from one round to the next, so a mean
+#: over 3 rounds is less noisy than the last round alone).
+WINDOW = 3
+#: The statistics a run has: ``window`` (:func:`window_mean`) and ``final`` (the last round's success).
+STATISTICS = ("window", "final")
+#: Statuses of a run that has not ended as a run should (``outcome``): still running, or killed.
+UNFINISHED_STATUSES = ("running", "failed")
+
+
+class CompareError(ValueError):
+    """The runs cannot be compared as given; the message says which run and what to do, in one line."""
+
+
+def validation_by_round(curve: list[dict[str, Any]]) -> dict[int, float]:
+    """``round -> validation success`` of a summary's ``val_curve`` (a point without a
+    ``success_rate`` counts 0.0). One reading for :func:`window_mean`, the final round and the GPU
+    tools' tables (``arms_dynamics``), so that they cannot disagree on a run's rounds."""
+    return {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+
+
+def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WINDOW) -> float | None:
+    """Mean validation success over rounds ``total_rounds - window + 1 .. total_rounds`` (the last
+    ``window`` rounds the run was planned to run), to 4 places; None unless the curve has every one of
+    them (a run lost before its end, or a round whose evaluation recorded nothing, has no window
+    rather than another one)."""
+    if total_rounds < window or window < 1:
+        return None
+    by_round = validation_by_round(curve)
+    rounds = range(total_rounds - window + 1, total_rounds + 1)
+    if any(r not in by_round for r in rounds):
+        return None
+    return round(sum(by_round[r] for r in rounds) / window, 4)
+
+
+def mean_and_sd(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean of ``values`` (one a run) and their sample standard deviation (None for one value)."""
+    if not values:
+        raise ValueError("need at least one value")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+@dataclass(frozen=True)
+class SeedDifference:
+    """Mean of A's runs minus mean of B's, its Welch 95% interval over runs, and the runs an arm would
+    need for that interval to exclude 0 with 80% power at this gap and these spreads (None: over 200)."""
+
+    difference: float
+    low: float
+    high: float
+    seeds_needed: int | None
+
+
+def seed_difference(a: Sequence[float], b: Sequence[float]) -> SeedDifference | None:
+    """:class:`SeedDifference` of ``a`` and ``b`` (one value a run); None with fewer than 2 runs on a
+    side, where no interval over runs can be given."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    difference, low, high = seed_difference_interval(list(a), list(b))
+    sd_a, sd_b = mean_and_sd(a)[1], mean_and_sd(b)[1]
+    assert sd_a is not None and sd_b is not None  # two or more values a side
+    return SeedDifference(difference, low, high, seeds_for_difference(sd_a, sd_b, difference))
+
+
+@dataclass(frozen=True)
+class RunStatistic:
+    """One run's values: its statistics, the final round's episodes and Wilson interval, and
+    ``unfinished`` (why it did not end as planned; empty when it did)."""
+
+    arm: str
+    run: str
+    run_id: Any
+    seed: int | None
+    status: str
+    config: str
+    total_rounds: int
+    last_round: int
+    window: float | None
+    final: float | None
+    final_n: int
+    final_ci95: tuple[float, float]
+    unfinished: str
+
+
+def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinished: bool = False
+                  ) -> RunStatistic:
+    """Read ``run`` (a run directory, or a summary file) and compute its statistics.
+
+    Raises :class:`CompareError` for a run without a readable summary or validation curve, and for an
+    unfinished one unless ``allow_unfinished``: then its statistics are those of the rounds it has (its
+    last ``window`` validated rounds, its last point) and ``unfinished`` says so."""
+    try:
+        summary = load_summary(run)
+    except SummaryError as exc:
+        raise CompareError(f"{exc}; give a run directory holding federated_summary.json") from None
+    curve = summary.get("val_curve") or []
+    if not curve:
+        raise CompareError(f"{run} has no validation curve (val_curve is empty: the run evaluated nothing); "
+                           "leave it out")
+    status = summary["status"]
+    by_round = validation_by_round(curve)
+    last = max(by_round)
+    total = int(summary.get("total_rounds") or last)
+    completed = summary.get("last_completed_round")
+    reached = last if completed is None else int(completed)
+    unfinished = ""
+    if status in UNFINISHED_STATUSES or reached < total:
+        unfinished = f"status {status}, round {reached} of {total}"
+        if not allow_unfinished:
+            raise CompareError(f"{run} is not finished ({unfinished}): wait for it to end, or pass "
+                               "--allow-unfinished to include it, flagged, on the rounds it has")
+    end = last if unfinished else total
+    point = next(p for p in curve if int(p["round"]) == end) if end in by_round else None
+    n = int(point.get("n", 0)) if point is not None else 0
+    rate = by_round.get(end)
+    low, high = wilson_interval((rate or 0.0) * n, n)
+    seed = summary.get("base_seed")
+    config = " ".join(str(summary.get(key, "?")) for key in ("env_kind", "mode", "strategy"))
+    return RunStatistic(arm=arm, run=str(run), run_id=summary.get("run_id"),
+                        seed=int(seed) if isinstance(seed, int) else None, status=status, config=config,
+                        total_rounds=total, last_round=last, window=window_mean(curve, end, window), final=rate,
+                        final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished)
+
+
+def _check_runs(runs: list[RunStatistic], statistic: str, window: int) -> None:
+    """Refuse runs that cannot be compared with each other: one run given twice, runs planned for
+    different numbers of rounds, a run without the rounds the primary statistic needs."""
+    seen: dict[Any, RunStatistic] = {}
+    for run in runs:
+        key = run.run_id if run.run_id is not None else str(Path(run.run).resolve())
+        if key in seen:
+            raise CompareError(f"{seen[key].run} ({seen[key].arm}) and {run.run} ({run.arm}) are the same run "
+                               f"(run id {run.run_id}): give each run once")
+        seen[key] = run
+    totals = {run.total_rounds for run in runs}
+    if len(totals) > 1:
+        listed = "; ".join(f"{run.run} ({run.arm}): {run.total_rounds}" for run in runs)
+        raise CompareError(f"the runs were planned for different numbers of rounds ({listed}): compare runs of "
+                           "one plan (the same num_rounds)")
+    if window < 1 or window > min(totals):
+        raise CompareError(f"--window {window}: must be 1 to the runs' {min(totals)} rounds")
+    for run in runs:
+        if getattr(run, statistic) is None:
+            end = run.last_round if run.unfinished else run.total_rounds
+            rounds = f"rounds {end - window + 1}-{end}" if statistic == "window" else f"round {end}"
+            raise CompareError(f"{run.run} has no validation point for every one of {rounds}, which its {statistic} "
+                               "statistic needs (an evaluation recorded nothing): leave it out, or choose "
+                               "another --statistic")
+
+
+def _arm_row(runs: list[RunStatistic]) -> dict[str, Any]:
+    row: dict[str, Any] = {"runs": len(runs), "seeds": [run.seed for run in runs]}
+    for statistic in STATISTICS:
+        values = [v for v in (getattr(run, statistic) for run in runs) if v is not None]
+        mean, sd = mean_and_sd(values) if values else (None, None)
+        row[statistic] = {"per_run": values, "mean": None if mean is None else round(mean, 4),
+                          "sd": None if sd is None else round(sd, 4)}
+    return row
+
+
+def _reading(first: str, second: str, found: SeedDifference | None, n_a: int, n_b: int) -> str:
+    """In words, what the interval shows, as docs/results.md reads its comparisons."""
+    if found is None:
+        return f"no interval over runs: needs 2 or more runs an arm (here {n_a} and {n_b})"
+    if found.low > 0:
+        return f"{first} ahead"
+    if found.high < 0:
+        return f"{second} ahead"
+    runs = f"{n_a}" if n_a == n_b else f"{n_a} and {n_b}"
+    return f"no difference shown at {runs} runs an arm"
+
+
+def pairs(arms: dict[str, dict[str, Any]], statistic: str) -> list[dict[str, Any]]:
+    """Each pair of arms in the order given (earlier minus later) on ``statistic``: the difference of
+    the means over runs, its Welch 95% interval over runs, the reading and the runs an arm needs."""
+    names, found = list(arms), []
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            a, b = arms[first][statistic], arms[second][statistic]
+            diff = seed_difference(a["per_run"], b["per_run"])
+            found.append({
+                "arms": [first, second], "statistic": statistic,
+                # a secondary statistic no run of an arm has (its rounds' evaluations recorded nothing)
+                "difference": None if a["mean"] is None or b["mean"] is None else round(a["mean"] - b["mean"], 4),
+                "ci95": None if diff is None else [round(diff.low, 4), round(diff.high, 4)],
+                "seeds_needed": None if diff is None else diff.seeds_needed,
+                "reading": _reading(first, second, diff, len(a["per_run"]), len(b["per_run"])),
+            })
+    return found
+
+
+def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, statistic: str = "window",
+            allow_unfinished: bool = False) -> dict[str, Any]:
+    """The comparison of ``arms`` (name -> run directories): per run, per arm and per pair of arms,
+    for the primary ``statistic`` and the other one; refuses what cannot be compared (CompareError)."""
+    if statistic not in STATISTICS:
+        raise CompareError(f"--statistic {statistic}: choose one of {', '.join(STATISTICS)}")
+    empty = [name for name, dirs in arms.items() if not dirs]
+    if empty:
+        raise CompareError(f"arm {empty[0]} has no run directories: --arm {empty[0]} DIR [DIR ...]")
+    if len(arms) < 2:
+        raise CompareError(f"{len(arms)} arm given: compare needs two or more --arm NAME DIR [DIR ...]")
+    if window < 1:
+        raise CompareError(f"--window {window}: must be 1 or more rounds")
+    runs = [run_statistic(name, run, window, allow_unfinished) for name, dirs in arms.items() for run in dirs]
+    _check_runs(runs, statistic, window)
+    table = {name: _arm_row([run for run in runs if run.arm == name]) for name in arms}
+    total = runs[0].total_rounds
+    secondary = next(s for s in STATISTICS if s != statistic)
+    notes = [f"arm {name} has 1 run: no interval over runs can be given; its run's 95% Wilson interval over "
+             "its final round's episodes is in the runs table" for name, row in table.items() if row["runs"] < 2]
+    notes += [f"{run.run} ({run.arm}) is unfinished ({run.unfinished}): included on request "
+              "(--allow-unfinished), on the rounds it has" for run in runs if run.unfinished]
+    notes += [f"{run.run} ({run.arm}) has no {secondary} value (an evaluation recorded nothing): it is left out "
+              f"of the {secondary} (secondary) comparison" for run in runs if getattr(run, secondary) is None]
+    notes += [f"{run.run} ({run.arm}) ended degraded (a round or an evaluation without some client: "
+              "its values include those rounds; `fedagent outcome status` says which)"
+              for run in runs if run.status == "degraded"]
+    for name in arms:
+        configs = sorted({run.config for run in runs if run.arm == name})
+        if len(configs) > 1:
+            notes.append(f"arm {name} mixes runs of different configs (env mode strategy): {'; '.join(configs)}")
+    return {
+        "statistic": statistic, "secondary": secondary, "window": window, "total_rounds": total,
+        "window_rounds": [total - window + 1, total],
+        "runs": [{**asdict(run), "final_ci95": list(run.final_ci95)} for run in runs],
+        "arms": table,
+        "pairs": pairs(table, statistic) + pairs(table, secondary),
+        "notes": notes,
+    }
+
+
+def _label(report: dict[str, Any], statistic: str) -> str:
+    first, last = report["window_rounds"]
+    if statistic == "window":
+        return f"rounds {first}–{last}" if first != last else f"round {last}"
+    return f"round {report['total_rounds']}"
+
+
+def _value(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The comparison as markdown tables: runs, arms, and pairs on the primary statistic, then on
+    the secondary one."""
+    primary, secondary = report["statistic"], report["secondary"]
+    window, final = _label(report, "window"), _label(report, "final")
+    what = (f"mean validation success over the last {report['window']} of {report['total_rounds']} rounds"
+            if primary == "window" else f"validation success at the last of {report['total_rounds']} rounds")
+    lines = [f"Primary statistic ({primary}): {_label(report, primary)}, {what}; declare it before the runs. "
+             f"Secondary: {_label(report, secondary)}.", ""]
+    lines += [f"| arm | run | seed | status | {window} | {final} | 95% Wilson ({final}) | n episodes |",
+              "|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        status = run["status"] + (f" (unfinished: {run['unfinished']})" if run["unfinished"] else "")
+        low, high = run["final_ci95"]
+        lines.append(f"| {run['arm']} | {run['run']} | {'–' if run['seed'] is None else run['seed']} | {status} | "
+                     f"{_value(run['window'])} | {_value(run['final'])} | [{low:.3f}, {high:.3f}] | "
+                     f"{run['final_n']} |")
+    lines += ["", f"| arm | runs | {window}: mean over runs | sd | {final}: mean over runs | sd |",
+              "|---|---|---|---|---|---|"]
+    for name, row in report["arms"].items():
+        lines.append(f"| {name} | {row['runs']} | {_value(row['window']['mean'])} | {_value(row['window']['sd'])} | "
+                     f"{_value(row['final']['mean'])} | {_value(row['final']['sd'])} |")
+    for statistic, role in ((primary, "primary"), (secondary, "secondary")):
+        lines += ["", f"{_label(report, statistic)} ({role}), A − B with Welch's 95% interval over runs:", "",
+                  "| A − B | A | B | A − B | 95% over runs | reading | runs an arm for this gap |",
+                  "|---|---|---|---|---|---|---|"]
+        for pair in (p for p in report["pairs"] if p["statistic"] == statistic):
+            first, second = pair["arms"]
+            ci = "–" if pair["ci95"] is None else f"[{pair['ci95'][0]:+.3f}, {pair['ci95'][1]:+.3f}]"
+            needed = ("–" if pair["ci95"] is None else
+                      "over 200" if pair["seeds_needed"] is None else str(pair["seeds_needed"]))
+            difference = "–" if pair["difference"] is None else f"{pair['difference']:+.3f}"
+            lines.append(f"| {first} − {second} | {_value(report['arms'][first][statistic]['mean'])} | "
+                         f"{_value(report['arms'][second][statistic]['mean'])} | {difference} | {ci} | "
+                         f"{pair['reading']} | {needed} |")
+    lines += ["", "Runs an arm for this gap: for the interval over runs to exclude 0 with 80% power if the gap and "
+              "the runs' spreads were the ones seen here (a plan, as uncertain as those spreads)."]
+    lines += [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
+    """``--arm NAME DIR [DIR ...]`` or ``--arm NAME=DIR [DIR ...]`` as ``(name, dirs)``."""
+    first, rest = values[0], values[1:]
+    if "=" in first:
+        name, _, run = first.partition("=")
+        return name, [run, *rest] if run else rest
+    return first, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the comparison; exit 0 on a report, 2 on input that cannot be compared (one line why)."""
+    parser = argparse.ArgumentParser(
+        prog="fedagent compare",
+        description="Does one arm beat another across your own runs? Per run its statistics, per arm the mean "
+        "over its runs (one a seed), per pair of arms the difference with Welch's 95% interval over runs. "
+        "Exit 0 with a report, 2 with one line saying which run cannot be compared and what to do.",
+        epilog="Choose the primary statistic (and the window) before the runs and state it as declared, as "
+        "docs/results.md does: picking whichever statistic reads better after seeing both is not a test.")
+    parser.add_argument("--arm", nargs="+", action="append", required=True, metavar=("NAME", "DIR"),
+                        help="an arm's name and its run directories (or summary files); NAME=DIR works too; "
+                        "repeat for each arm, pairs are earlier minus later")
+    parser.add_argument("--statistic", choices=STATISTICS, default="window",
+                        help="the primary statistic: the mean over the last --window rounds (default) or the "
+                        "final round's success; the other is reported as secondary")
+    parser.add_argument("--window", type=int, default=WINDOW, help=f"rounds in the window (default {WINDOW})")
+    parser.add_argument("--allow-unfinished", action="store_true",
+                        help="include runs that are still running, failed or stopped early, flagged, on the "
+                        "rounds they have")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the comparison as JSON to FILE")
+    args = parser.parse_args(argv)
+    arms: dict[str, list[str]] = {}
+    try:
+        for values in args.arm:
+            name, runs = _arm_argument(values)
+            if not name or name in arms:
+                raise CompareError(f"--arm {name!r}: {'an empty name' if not name else 'named twice'}; give each "
+                                   "arm once, as --arm NAME DIR [DIR ...]")
+            arms[name] = runs
+        report = compare(arms, args.window, args.statistic, args.allow_unfinished)
+    except CompareError as exc:
+        print(f"fedagent compare: {exc}", file=sys.stderr)
+        return 2
+    print(markdown(report), end="")
+    if args.json is not None:
+        try:
+            write_json_atomic(args.json, report)
+        except OSError as exc:
+            print(f"fedagent compare: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

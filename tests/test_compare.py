@@ -1,0 +1,233 @@
+"""``fedagent compare``: arms compared over their runs from real run records (summaries written by
+the ServerApp's own ``RunRecorder`` in-process, and the GPU runs committed under docs/gpu-runs), with
+the numbers docs/results.md and the README state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr import cli
+from fedagent_flwr.compare import CompareError, compare, markdown, seed_difference, window_mean
+from fedagent_flwr.serverapp.recorder import RunRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_RUNS = REPO / "docs" / "gpu-runs"
+
+#: docs/results.md's declared federated − local comparison: each seed's rounds 8-10 mean (seeds 4-9),
+#: as the committed runs give them (results.md prints them to 3 places: 0.531, 0.464, ...).
+FEDERATED = [0.5312, 0.4635, 0.2865, 0.4427, 0.5208, 0.401]
+LOCAL = [0.1667, 0.4167, 0.349, 0.2083, 0.3646, 0.2552]
+
+
+@pytest.fixture(autouse=True)
+def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder redraws learning_curve.png on every write (seconds each with matplotlib); these
+    tests read the summary only, which it writes all the same."""
+    monkeypatch.setattr("fedagent_flwr.serverapp.recorder.plot_learning_curve", lambda summary, path: None)
+
+
+def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_rounds: int | None = None,
+         status: str | None = "completed", n: int = 64) -> Path:
+    """A run record written by the recorder: validation ``rates`` from round 0 on (None: that round's
+    evaluation recorded nothing), each round committed; ``status`` None leaves it running (a
+    ServerApp killed mid-run)."""
+    total = len(rates) - 1 if total_rounds is None else total_rounds
+    recorder = RunRecorder(run_dir, {"run_id": f"{run_dir.name}", "base_model": "/m", "env_kind": "tinyguess",
+                                     "mode": "federated", "strategy": "fedavg", "total_rounds": total,
+                                     "base_seed": seed})
+    for r, rate in enumerate(rates):
+        if rate is None:
+            recorder.record_eval_failure(server_round=r, model=f"/m{r}", failed={0: "killed"})
+        else:
+            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
+        recorder.complete_round(r)
+    if status is not None:
+        recorder.finish(status, "" if status == "completed" else "for the test")
+    return run_dir
+
+
+def _arm(root: Path, name: str, windows: list[float], rounds: int = 10) -> list[Path]:
+    """One run a seed whose last 3 of ``rounds`` rounds all score that seed's window value (so its
+    window mean is the value) and whose earlier rounds score the base model's 0.0625."""
+    return [_run(root / f"{name}-s{seed}", [0.0625] * (rounds - 2) + [w] * 3, seed=seed)
+            for seed, w in enumerate(windows, start=4)]
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert cli.main(["compare", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()  # one readable line, no traceback
+    assert line.startswith("fedagent compare: ")
+    return line
+
+
+def test_the_declared_federated_local_comparison_of_results_md(tmp_path: Path) -> None:
+    """The README's first row: federated − local +0.147, 95% over seeds [+0.025, +0.271] (Welch: means
+    0.4410 and 0.2934, sds 0.0900 and 0.0981, se 0.0543, df 9.9 rounded down to 9, t 2.262: ±0.1229),
+    federated ahead. From results.md's 3-place values the same sums give [+0.024, +0.271]."""
+    report = compare({"federated": _arm(tmp_path, "federated", FEDERATED), "local": _arm(tmp_path, "local", LOCAL)})
+    (pair,) = [p for p in report["pairs"] if p["statistic"] == "window"]
+    assert pair["arms"] == ["federated", "local"]
+    assert pair["difference"] == pytest.approx(0.1475, abs=1e-4)
+    assert pair["ci95"] == pytest.approx([0.0246, 0.2705], abs=1e-4)
+    assert f"{pair['ci95'][0]:+.3f}, {pair['ci95'][1]:+.3f}" == "+0.025, +0.271"
+    assert pair["reading"] == "federated ahead"
+    # Runs an arm for this gap at these spreads (variance sum 0.0177): 8 give df 13.9 -> 13, (2.160 + 0.870)
+    # * sqrt(0.0177 / 8) = 0.143 <= 0.1475; 7 give df 11.9 -> 11, (2.201 + 0.876) * sqrt(0.0177 / 7) = 0.155.
+    assert pair["seeds_needed"] == 8
+    assert report["arms"]["federated"]["window"]["per_run"] == FEDERATED
+    assert report["arms"]["local"]["runs"] == 6 and report["window_rounds"] == [8, 10]
+    rounded = seed_difference([0.531, 0.464, 0.286, 0.443, 0.521, 0.401], [0.167, 0.417, 0.349, 0.208, 0.365, 0.255])
+    assert rounded is not None and (rounded.difference, rounded.low, rounded.high) == pytest.approx(
+        (0.1475, 0.0244, 0.2706), abs=1e-4)
+    text = markdown(report)
+    assert "| federated − local | 0.441 | 0.293 | +0.147 | [+0.025, +0.271] | federated ahead | 8 |" in text
+    assert "| federated | 6 | 0.441 |" in text
+
+
+def test_the_committed_gpu_runs_give_the_readmes_table() -> None:
+    """The GPU runs' own summaries (docs/gpu-runs, written by the recorder on the GPU node), read as
+    files: the README's three declared comparisons and their round-10 secondaries."""
+    def runs(arm: str) -> list[Path]:
+        return sorted(GPU_RUNS.glob(f"*/recipe10r-{arm}-s[4-9]-summary.json"))
+
+    report = compare({arm: runs(arm) for arm in ("federated", "local", "centralized", "fedprox")})
+    found = {(p["statistic"], *p["arms"]): (p["difference"], p["ci95"], p["reading"]) for p in report["pairs"]}
+    diff, ci, reading = found["window", "federated", "local"]
+    assert (round(diff, 3), [round(x, 3) for x in ci], reading) == (0.147, [0.025, 0.271], "federated ahead")
+    diff, ci, reading = found["window", "federated", "centralized"]
+    assert (round(diff, 3), [round(x, 3) for x in ci]) == (-0.047, [-0.244, 0.151])
+    assert reading == "no difference shown at 6 runs an arm"
+    diff, ci, _ = found["window", "federated", "fedprox"]  # the README's FedProx − federated, negated
+    assert (round(diff, 3), [round(x, 3) for x in ci]) == (0.050, [-0.065, 0.165])
+    diff, ci, _ = found["final", "federated", "local"]
+    assert (round(diff, 3), [round(x, 3) for x in ci]) == (0.190, [0.085, 0.295])
+    assert [r["seed"] for r in report["runs"][:6]] == [4, 5, 6, 7, 8, 9]
+    assert any("recipe10r-fedprox-s9-summary.json (fedprox) ended degraded" in n for n in report["notes"])
+
+
+def test_seeds_needed_and_the_readings_each_way() -> None:
+    """A hand-checked pair: [0.5, 0.6] − [0.1, 0.2] = +0.4, sds 0.0707 each, se 0.0707, df 2 (t 4.303):
+    [+0.096, +0.704]; seeds needed: 2 a side give (4.303 + 1.061) * 0.0707 = 0.38 <= 0.4."""
+    found = seed_difference([0.5, 0.6], [0.1, 0.2])
+    assert found is not None
+    assert (found.difference, found.low, found.high) == pytest.approx((0.4, 0.0957, 0.7043), abs=1e-4)
+    assert found.seeds_needed == 2
+    assert seed_difference([0.5], [0.1, 0.2]) is None
+
+
+def test_the_reading_says_which_arm_is_ahead_or_that_none_is_shown(tmp_path: Path) -> None:
+    low, high = _arm(tmp_path, "low", [0.1, 0.2, 0.15]), _arm(tmp_path, "high", [0.5, 0.6, 0.55])
+    mixed = _arm(tmp_path, "mixed", [0.1, 0.6])
+    report = compare({"low": low, "high": high, "mixed": mixed})
+    readings = {tuple(p["arms"]): p["reading"] for p in report["pairs"] if p["statistic"] == "window"}
+    assert readings == {("low", "high"): "high ahead", ("low", "mixed"): "no difference shown at 3 and 2 runs an arm",
+                        ("high", "mixed"): "no difference shown at 3 and 2 runs an arm"}
+    report = compare({"high": high, "low": low})
+    assert [p["reading"] for p in report["pairs"] if p["statistic"] == "window"] == ["high ahead"]
+
+
+def test_the_window_and_the_primary_statistic_are_options(tmp_path: Path) -> None:
+    """Rounds 1-4 of 4: the window is the last ``window`` planned rounds; ``final`` is round 4."""
+    a = [_run(tmp_path / f"a{s}", [0.0, 0.2, 0.4, 0.6, 0.8 + s / 100], seed=s) for s in (1, 2)]
+    b = [_run(tmp_path / f"b{s}", [0.0, 0.2, 0.2, 0.2, 0.2 + s / 100], seed=s) for s in (1, 2)]
+    assert window_mean([{"round": r, "success_rate": r / 10} for r in range(5)], 4, 2) == 0.35
+    report = compare({"a": a, "b": b}, window=2, statistic="final")
+    assert report["statistic"] == "final" and report["window_rounds"] == [3, 4]
+    assert report["arms"]["a"]["window"]["per_run"] == [0.705, 0.71]
+    assert report["pairs"][0]["statistic"] == "final" and report["pairs"][0]["difference"] == pytest.approx(0.6)
+    text = markdown(report)
+    assert text.startswith("Primary statistic (final): round 4, validation success at the last of 4 rounds")
+    assert text.index("round 4 (primary)") < text.index("rounds 3–4 (secondary)")
+    with pytest.raises(CompareError, match="--window 5: must be 1 to the runs' 4 rounds"):
+        compare({"a": a, "b": b}, window=5)
+
+
+def test_an_arm_of_one_run_gets_wilson_intervals_and_no_interval_over_runs(tmp_path: Path) -> None:
+    """With one run an arm there is no spread between runs: no interval over them, said so; each
+    run's final round keeps its Wilson interval over its episodes (16 of 64: centre 0.2800 / 1.0600 =
+    0.2642, half 1.96 * 0.05625 / 1.0600 = 0.1040: [0.160, 0.368])."""
+    one = [_run(tmp_path / "one", [0.0, 0.25, 0.25, 0.25], seed=3)]
+    two = _arm(tmp_path, "two", [0.5, 0.6], rounds=3)
+    report = compare({"one": one, "two": two})
+    pair = report["pairs"][0]
+    assert pair["ci95"] is None and pair["seeds_needed"] is None
+    assert pair["reading"] == "no interval over runs: needs 2 or more runs an arm (here 1 and 2)"
+    assert report["runs"][0]["final_ci95"] == pytest.approx([0.1601, 0.3682], abs=1e-4)
+    text = markdown(report)
+    assert "| one | " + str(tmp_path / "one") + " | 3 | completed | 0.250 | 0.250 | [0.160, 0.368] | 64 |" in text
+    assert "- arm one has 1 run: no interval over runs can be given" in text
+
+
+def test_unfinished_runs_are_refused_unless_asked_for_and_then_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    done = _arm(tmp_path, "done", [0.3, 0.4])
+    running = _run(tmp_path / "running", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], total_rounds=10, status=None)
+    line = _refusal(capsys, ["--arm", "done", *map(str, done), "--arm", "late", str(running), str(done[0])])
+    assert line == (f"fedagent compare: {running} is not finished (status running, round 5 of 10): wait for it to end, "
+                    "or pass --allow-unfinished to include it, flagged, on the rounds it has")
+    failed = _run(tmp_path / "failed", [0.1] * 11, status="failed")
+    assert "is not finished (status failed, round 10 of 10)" in _refusal(
+        capsys, ["--arm", "done", *map(str, done), "--arm", "f", str(failed)])
+    other = _arm(tmp_path / "more", "other", [0.2, 0.3])
+    assert cli.main(["compare", "--arm", "done", *map(str, done), "--arm", "late", str(running), *map(str, other),
+                     "--allow-unfinished"]) == 0
+    out = capsys.readouterr().out
+    # its last 3 rounds, 3-5, and its round 5
+    assert f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 | 0.600 |" in out
+    assert f"- {running} (late) is unfinished (status running, round 5 of 10): included on request" in out
+
+
+def test_runs_that_cannot_be_compared_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = [str(p) for p in _arm(tmp_path, "good", [0.3, 0.4])]
+    empty = _run(tmp_path / "empty", [], total_rounds=3)
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(empty)]) == (
+        f"fedagent compare: {empty} has no validation curve (val_curve is empty: the run evaluated nothing); "
+        "leave it out")
+    short = [str(p) for p in _arm(tmp_path, "short", [0.3, 0.4], rounds=8)]
+    line = _refusal(capsys, ["--arm", "a", *good, "--arm", "b", *short])
+    assert "the runs were planned for different numbers of rounds (" in line and f"{good[0]} (a): 10" in line
+    assert f"{short[0]} (b): 8" in line and line.endswith("compare runs of one plan (the same num_rounds)")
+    gap = _run(tmp_path / "gap", [0.1] * 9 + [None, 0.5], seed=7)  # round 9's evaluation recorded nothing
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(gap)]) == (
+        f"fedagent compare: {gap} has no validation point for every one of rounds 8-10, which its window statistic "
+        "needs (an evaluation recorded nothing): leave it out, or choose another --statistic")
+    assert cli.main(["compare", "--arm", "a", *good, "--arm", "b", str(gap), "--statistic", "final"]) == 0
+    assert (f"- {gap} (b) has no window value (an evaluation recorded nothing): it is left out of the window "
+            "(secondary) comparison") in capsys.readouterr().out
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", good[1]]) == (
+        f"fedagent compare: {good[1]} (a) and {good[1]} (b) are the same run (run id good-s5): give each run once")
+    missing = tmp_path / "nowhere"
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(missing)]) == (
+        f"fedagent compare: {missing}/federated_summary.json does not exist: the run wrote no record; give a run "
+        "directory holding federated_summary.json")
+    assert "named twice" in _refusal(capsys, ["--arm", "a", *good, "--arm", "a", *good])
+    assert _refusal(capsys, ["--arm", "a", *good]) == (
+        "fedagent compare: 1 arm given: compare needs two or more --arm NAME DIR [DIR ...]")
+    assert _refusal(capsys, ["--arm", "a", "--arm", "b", *good]) == (
+        "fedagent compare: arm a has no run directories: --arm a DIR [DIR ...]")
+
+
+def test_the_command_prints_the_tables_and_writes_the_same_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fed, loc = _arm(tmp_path, "federated", FEDERATED), _arm(tmp_path, "local", LOCAL)
+    out = tmp_path / "cmp.json"
+    assert cli.main(["compare", "--arm", f"federated={fed[0]}", *map(str, fed[1:]), "--arm", "local", *map(str, loc),
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert markdown(saved) == text
+    assert saved["pairs"][0]["ci95"] == pytest.approx([0.0240, 0.2710], abs=1e-3)
+    assert [r["seed"] for r in saved["runs"]] == [4, 5, 6, 7, 8, 9] * 2
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically: no temporary left beside it
+    assert "| arm | run | seed | status | rounds 8–10 | round 10 | 95% Wilson (round 10) | n episodes |" in text
+    assert "| local − " not in text and "| federated − local |" in text
+    assert cli.main(["--help"]) == 0 and "  compare  " in capsys.readouterr().out
