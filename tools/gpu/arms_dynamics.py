@@ -9,7 +9,7 @@ which replies shrink and entropy falls while validation climbs; the runs differ 
 comes. Its table came from throwaway scripts; this makes it one command. The runs are the ones
 ``arms.py pool`` picks (:func:`arms_pool.find_runs`, same ``--from``, ``--arms``, ``--min-seed``),
 read in place: validation from each run's summary (the rounds 8-10 window by
-:func:`arms_report.window_mean`, the statistic the comparisons use), the applied update's norm from
+:func:`fedagent_flwr.compare.window_mean`, the statistic the comparisons use), the applied update's norm from
 its ``rounds[].update_stats`` (``mean_update_norm``: the aggregate's move, its clients weighed by
 their aggregation weights, unlike the training columns below, which weigh them equally; the two
 agree only when the clients' weights do), and the training dynamics from the ``train`` events of
@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report read
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
 from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file, ordered_runs, require_empty_folder  # noqa: E402
-from arms_report import WINDOW, deviations, train_client_means, validation_by_round, window_mean  # noqa: E402
+from arms_report import deviations, train_client_means  # noqa: E402
 
 from fedagent_flwr.atomic import write_json_atomic, write_text_atomic  # noqa: E402
+from fedagent_flwr.compare import WINDOW, validation_by_round, window_mean  # noqa: E402
 
 #: Take-off thresholds: a run has taken off in the first round whose mean training reply length
 #: (``verl.response_length.mean``) is below TAKEOFF_LENGTH tokens, or, by the second criterion, whose
@@ -77,8 +78,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _whole_window(values: list[float], statistic: Any) -> float | None:
-    """``statistic(values)`` when all :data:`arms_report.WINDOW` rounds of a window are there, else
-    None: over fewer rounds it would be another statistic (as :func:`arms_report.window_mean`)."""
+    """``statistic(values)`` when all :data:`fedagent_flwr.compare.WINDOW` rounds of a window are there, else
+    None: over fewer rounds it would be another statistic (as :func:`fedagent_flwr.compare.window_mean`)."""
     return statistic(values) if len(values) == WINDOW else None
 
 
@@ -87,8 +88,8 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
 
     The last-round and window columns are the planned last rounds' (``total_rounds``): a summary
     without a planned total (or 0) has none, rather than its round-0 base value as the last round.
-    A window column has a value only when all :data:`arms_report.WINDOW` of its rounds do (a mean or
-    a maximum over fewer rounds would be another statistic), as :func:`arms_report.window_mean`.
+    A window column has a value only when all :data:`fedagent_flwr.compare.WINDOW` of its rounds do (a mean or
+    a maximum over fewer rounds would be another statistic), as :func:`fedagent_flwr.compare.window_mean`.
     ``mean_update_norm`` is the mean over rounds of ``update_stats.mean_update_norm``, the norm of
     the aggregate's move from the round's start (``checkpoint.update_stats``): the applied update,
     which weighs clients by their aggregation weights (``num-examples`` by default), whereas the

@@ -4,41 +4,33 @@
 
 arms.py imports this module from its own folder, as it imports ``gpu_share``, after putting the
 repository on ``sys.path``. Like ``status`` and ``phases``, everything here but the plot (matplotlib)
-runs on a GPU node's bare ``python3``: the standard library, ``fedagent_flwr.intervals`` and
-``fedagent_flwr.losses`` only.
+runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr``'s ``intervals``,
+``losses``, ``compare`` (with ``outcome`` and ``atomic``) only. A run's statistics (the last-rounds
+window), the mean and spread over seeds and the differences over seeds are ``fedagent compare``'s
+(:mod:`fedagent_flwr.compare`), so that the command and this table cannot disagree.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.intervals import (
-    pooled_difference_interval,
-    seed_difference_interval,
-    seeds_for_difference,
-    wilson_interval,
-)
+from fedagent_flwr.compare import WINDOW, mean_and_sd, seed_difference, window_mean
+from fedagent_flwr.intervals import pooled_difference_interval, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
+from fedagent_flwr.outcome import SummaryError, load_summary
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
-#: The last-rounds window: each run's mean validation success over the last this-many rounds it was
-#: planned to run (rounds 8-10 of the 10-round recipe), the statistic that docs/results.md §4
-#: declares for comparing arms from batch 12 on (one round's 64 episodes swing by about ±0.06 from
-#: one round to the next, so a mean over 3 rounds is less noisy than the last round alone).
-WINDOW = 3
 
 
 def run_summary(out: Path, name: str) -> dict[str, Any] | None:
     """``name``'s federated_summary.json under ``out``; None while there is none (or it is unreadable)."""
-    path = out / "runs" / name / "federated_summary.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return load_summary(out / "runs" / name)
+    except SummaryError:
         return None
 
 
@@ -101,32 +93,11 @@ def deviations(summary: dict[str, Any]) -> list[str]:
     return found
 
 
-def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WINDOW) -> float | None:
-    """Mean validation success over rounds ``total_rounds - window + 1 .. total_rounds`` (the last
-    ``window`` rounds the run was planned to run); None unless the curve has every one of them (a run
-    lost before its end, or a round whose evaluation recorded nothing, has no window rather than
-    another one)."""
-    if total_rounds < window:
-        return None
-    by_round = validation_by_round(curve)
-    rounds = range(total_rounds - window + 1, total_rounds + 1)
-    if any(r not in by_round for r in rounds):
-        return None
-    return round(sum(by_round[r] for r in rounds) / window, 4)
-
-
 def _point(point: dict[str, Any]) -> dict[str, Any]:
     n = int(point.get("n", 0))
     rate = float(point.get("success_rate", 0.0))
     low, high = wilson_interval(rate * n, n)
     return {"round": point["round"], "n": n, "success_rate": rate, "ci95": [round(low, 4), round(high, 4)]}
-
-
-def validation_by_round(curve: list[dict[str, Any]]) -> dict[int, float]:
-    """``round -> validation success`` of a summary's ``val_curve`` (a point without a
-    ``success_rate`` counts 0.0). One reading for :func:`window_mean` and the dynamics table
-    (``arms_dynamics``), so the two cannot disagree on a run's rounds."""
-    return {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
 
 
 def train_client_means(path: Path, keys: dict[str, str], by_suffix: bool = False,
@@ -181,12 +152,9 @@ def _pool(entries: list[dict[str, Any]]) -> dict[str, Any]:
     n = sum(f["n"] for f in finals)
     low, high = wilson_interval(successes, n)
     rates = [f["success_rate"] for f in finals]
-    mean = sum(rates) / len(rates)
-    spread = math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)) if len(rates) > 1 else None
+    mean, spread = mean_and_sd(rates)
     windows = [e["window_mean"] for e in entries if e.get("window_mean") is not None]
-    w_mean = sum(windows) / len(windows) if windows else None
-    window_std = (math.sqrt(sum((w - w_mean) ** 2 for w in windows) / (len(windows) - 1))
-                  if w_mean is not None and len(windows) > 1 else None)
+    w_mean, window_std = mean_and_sd(windows) if windows else (None, None)
     base = [e["base"] for e in entries]
     base_low, base_high = wilson_interval(sum(b["success_rate"] * b["n"] for b in base), sum(b["n"] for b in base))
     return {
@@ -216,17 +184,16 @@ def differences(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for i, first in enumerate(names):
         for second in names[i + 1:]:
             a, b = arms[first], arms[second]
-            seeds = needed = None
-            if len(a["final_per_seed"]) > 1 and len(b["final_per_seed"]) > 1:
-                seeds = [round(x, 4) for x in seed_difference_interval(a["final_per_seed"], b["final_per_seed"])[1:]]
-                needed = seeds_for_difference(a["seed_std"], b["seed_std"], a["final_mean"] - b["final_mean"])
+            final = seed_difference(a["final_per_seed"], b["final_per_seed"])
+            seeds = None if final is None else [round(final.low, 4), round(final.high, 4)]
+            needed = None if final is None else final.seeds_needed
             _, low, high = pooled_difference_interval(a["pooled_successes"], a["pooled_n"], b["pooled_successes"],
                                                       b["pooled_n"])
-            window = None
-            if len(a["window_per_seed"]) > 1 and len(b["window_per_seed"]) > 1:
-                w_diff, w_low, w_high = seed_difference_interval(a["window_per_seed"], b["window_per_seed"])
-                window = {"difference": round(w_diff, 4), "seeds_ci95": [round(w_low, 4), round(w_high, 4)],
-                          "seeds_needed": seeds_for_difference(a["window_std"], b["window_std"], w_diff)}
+            windowed = seed_difference(a["window_per_seed"], b["window_per_seed"])
+            window = None if windowed is None else {
+                "difference": round(windowed.difference, 4),
+                "seeds_ci95": [round(windowed.low, 4), round(windowed.high, 4)],
+                "seeds_needed": windowed.seeds_needed}
             pairs.append({"arms": [first, second], "difference": round(a["final_mean"] - b["final_mean"], 4),
                           "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)],
                           "seeds_needed": needed, "window": window})
