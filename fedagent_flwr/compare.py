@@ -18,7 +18,7 @@ unreadable or unfinished run (status running or failed, or fewer rounds than pla
 ``--allow-unfinished`` includes it, flagged, on the rounds it has), a run without a validation curve
 or without the rounds its statistic needs, runs of different total rounds, a run given twice.
 
-Standard library only (with ``intervals``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
+Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
 uses these functions on a GPU node's bare ``python3``.
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
+from fedagent_flwr.losses import evaluation_losses, round_losses
 from fedagent_flwr.outcome import SummaryError, load_summary
 
 #: The last-rounds window: each run's mean validation success over the last this-many rounds it was
@@ -103,6 +104,31 @@ def seed_difference(a: Sequence[float], b: Sequence[float]) -> SeedDifference | 
     return SeedDifference(difference, low, high, seeds_for_difference(sd_a, sd_b, difference))
 
 
+def deviations(summary: dict[str, Any]) -> list[str]:
+    """Where a run did not run as planned though it may have ended: each round that aggregated
+    nothing, or without a client it selected (``rounds[].rejected``), each validation point that lacks a
+    client's episodes (``val_curve[].failed``; an unknown node's negative key is no client), and a
+    status other than ``completed``. A run's window and final value then rest on a partial round or
+    point, which a comparison should say (batch 12's federated seed 4 lost a client in round 9)."""
+    found = []
+    for entry in summary.get("rounds", []):
+        if entry.get("aggregated_actor") is None:
+            found.append(f"round {entry['round']} aggregated nothing")
+            continue
+        gone, critic_only = round_losses(entry)
+        if gone:
+            found.append(f"round {entry['round']} trained without client(s) {sorted(map(int, gone))}")
+        if critic_only:  # PPO: the actor averaged, the critic refused
+            found.append(f"round {entry['round']}'s critic lacks client(s) {sorted(map(int, critic_only))}")
+    for point in summary.get("val_curve", []):
+        lost = evaluation_losses(point)
+        if lost:
+            found.append(f"round {point['round']}'s evaluation lacks client(s) {sorted(map(int, lost))}")
+    if summary.get("status") not in (None, "completed"):
+        found.append(f"status {summary.get('status')}")
+    return found
+
+
 @dataclass(frozen=True)
 class RunStatistic:
     """One run's values: its statistics, the final round's episodes and Wilson interval, and
@@ -121,6 +147,7 @@ class RunStatistic:
     final_n: int
     final_ci95: tuple[float, float]
     unfinished: str
+    deviations: tuple[str, ...]
 
 
 def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinished: bool = False
@@ -160,7 +187,8 @@ def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinis
     return RunStatistic(arm=arm, run=str(run), run_id=summary.get("run_id"),
                         seed=int(seed) if isinstance(seed, int) else None, status=status, config=config,
                         total_rounds=total, last_round=last, window=window_mean(curve, end, window), final=rate,
-                        final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished)
+                        final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished,
+                        deviations=tuple(deviations(summary)))
 
 
 def _check_runs(runs: list[RunStatistic], statistic: str, window: int) -> None:
@@ -254,9 +282,8 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
               "(--allow-unfinished), on the rounds it has" for run in runs if run.unfinished]
     notes += [f"{run.run} ({run.arm}) has no {secondary} value (an evaluation recorded nothing): it is left out "
               f"of the {secondary} (secondary) comparison" for run in runs if getattr(run, secondary) is None]
-    notes += [f"{run.run} ({run.arm}) ended degraded (a round or an evaluation without some client: "
-              "its values include those rounds; `fedagent outcome status` says which)"
-              for run in runs if run.status == "degraded"]
+    notes += [f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
+              f"{'; '.join(run.deviations)}" for run in runs if run.deviations and not run.unfinished]
     for name in arms:
         configs = sorted({run.config for run in runs if run.arm == name})
         if len(configs) > 1:

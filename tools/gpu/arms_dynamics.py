@@ -15,7 +15,7 @@ their aggregation weights, unlike the training columns below, which weigh them e
 agree only when the clients' weights do), and the training dynamics from the ``train`` events of
 the metrics file committed beside it. Per round, client values are averaged with equal weight (a federated
 round's two clients; a round in which a client was lost has the others' values only, and
-``arms_report.deviations`` names it under the table). verl's metrics in a ``train`` event are those
+``fedagent_flwr.compare.deviations`` names it under the table). verl's metrics in a ``train`` event are those
 of the round's last step. A run committed without a metrics file gets the summary's columns only,
 and the output says so.
 """
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report read
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
 from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file, ordered_runs, require_empty_folder  # noqa: E402
-from arms_report import deviations, train_client_means  # noqa: E402
+from arms_report import train_client_means  # noqa: E402
 
 from fedagent_flwr.atomic import write_json_atomic, write_text_atomic  # noqa: E402
-from fedagent_flwr.compare import WINDOW, validation_by_round, window_mean  # noqa: E402
+from fedagent_flwr.compare import WINDOW, deviations, validation_by_round, window_mean  # noqa: E402
 
 #: Take-off thresholds: a run has taken off in the first round whose mean training reply length
 #: (``verl.response_length.mean``) is below TAKEOFF_LENGTH tokens, or, by the second criterion, whose

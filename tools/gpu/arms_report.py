@@ -6,7 +6,7 @@ arms.py imports this module from its own folder, as it imports ``gpu_share``, af
 repository on ``sys.path``. Like ``status`` and ``phases``, everything here but the plot (matplotlib)
 runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr``'s ``intervals``,
 ``losses``, ``compare`` (with ``outcome`` and ``atomic``) only. A run's statistics (the last-rounds
-window), the mean and spread over seeds and the differences over seeds are ``fedagent compare``'s
+window) and deviations, the mean and spread over seeds and the differences over seeds are ``fedagent compare``'s
 (:mod:`fedagent_flwr.compare`), so that the command and this table cannot disagree.
 """
 
@@ -17,9 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.compare import WINDOW, mean_and_sd, seed_difference, window_mean
+from fedagent_flwr.compare import WINDOW, deviations, mean_and_sd, seed_difference, window_mean
 from fedagent_flwr.intervals import pooled_difference_interval, wilson_interval
-from fedagent_flwr.losses import evaluation_losses, round_losses
 from fedagent_flwr.outcome import SummaryError, load_summary
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
@@ -66,31 +65,6 @@ def collect(out: Path) -> dict[str, Any]:
         arms.setdefault(run["arm"], []).append(entry)
     table = {arm: _pool(entries) for arm, entries in arms.items()}
     return {"recipe": matrix["recipe"], "runs": runs, "arms": table, "left_out": matrix.get("left_out", [])}
-
-
-def deviations(summary: dict[str, Any]) -> list[str]:
-    """Where a run did not run as planned though it may have ended: each round that aggregated
-    nothing, or without a client it selected (``rounds[].rejected``), each validation point that lacks a
-    client's episodes (``val_curve[].failed``; an unknown node's negative key is no client), and a
-    status other than ``completed``. A run's window and final value then rest on a partial round or
-    point, which a comparison should say (batch 12's federated seed 4 lost a client in round 9)."""
-    found = []
-    for entry in summary.get("rounds", []):
-        if entry.get("aggregated_actor") is None:
-            found.append(f"round {entry['round']} aggregated nothing")
-            continue
-        gone, critic_only = round_losses(entry)
-        if gone:
-            found.append(f"round {entry['round']} trained without client(s) {sorted(map(int, gone))}")
-        if critic_only:  # PPO: the actor averaged, the critic refused
-            found.append(f"round {entry['round']}'s critic lacks client(s) {sorted(map(int, critic_only))}")
-    for point in summary.get("val_curve", []):
-        lost = evaluation_losses(point)
-        if lost:
-            found.append(f"round {point['round']}'s evaluation lacks client(s) {sorted(map(int, lost))}")
-    if summary.get("status") not in (None, "completed"):
-        found.append(f"status {summary.get('status')}")
-    return found
 
 
 def _point(point: dict[str, Any]) -> dict[str, Any]:
