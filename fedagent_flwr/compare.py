@@ -249,8 +249,10 @@ def pairs(arms: dict[str, dict[str, Any]], statistic: str) -> list[dict[str, Any
             diff = seed_difference(a["per_run"], b["per_run"])
             found.append({
                 "arms": [first, second], "statistic": statistic,
-                # a secondary statistic no run of an arm has (its rounds' evaluations recorded nothing)
-                "difference": None if a["mean"] is None or b["mean"] is None else round(a["mean"] - b["mean"], 4),
+                # of the unrounded means, as the interval's; None for a secondary statistic no run of an
+                # arm has (its rounds' evaluations recorded nothing)
+                "difference": (None if not a["per_run"] or not b["per_run"] else
+                               round(mean_and_sd(a["per_run"])[0] - mean_and_sd(b["per_run"])[0], 4)),
                 "ci95": None if diff is None else [round(diff.low, 4), round(diff.high, 4)],
                 "seeds_needed": None if diff is None else diff.seeds_needed,
                 "reading": _reading(first, second, diff, len(a["per_run"]), len(b["per_run"])),
@@ -285,6 +287,10 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     notes += [f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
               f"{'; '.join(run.deviations)}" for run in runs if run.deviations and not run.unfinished]
     for name in arms:
+        seeds = [run.seed for run in runs if run.arm == name and run.seed is not None]
+        twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+        if twice:  # two runs of one seed count as two seeds: fine for GPU run-to-run spread, worth saying
+            notes.append(f"arm {name} has more than one run of seed(s) {twice}: each counts as a run")
         configs = sorted({run.config for run in runs if run.arm == name})
         if len(configs) > 1:
             notes.append(f"arm {name} mixes runs of different configs (env mode strategy): {'; '.join(configs)}")

@@ -30,13 +30,13 @@ def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_rounds: int | None = None,
-         status: str | None = "completed", n: int = 64) -> Path:
+         status: str | None = "completed", n: int = 64, mode: str = "federated") -> Path:
     """A run record written by the recorder: validation ``rates`` from round 0 on (None: that round's
     evaluation recorded nothing), each round committed; ``status`` None leaves it running (a
     ServerApp killed mid-run)."""
     total = len(rates) - 1 if total_rounds is None else total_rounds
     recorder = RunRecorder(run_dir, {"run_id": f"{run_dir.name}", "base_model": "/m", "env_kind": "tinyguess",
-                                     "mode": "federated", "strategy": "fedavg", "total_rounds": total,
+                                     "mode": mode, "strategy": "fedavg", "total_rounds": total,
                                      "base_seed": seed})
     for r, rate in enumerate(rates):
         if rate is None:
@@ -239,3 +239,14 @@ def test_the_command_prints_the_tables_and_writes_the_same_as_json(
     assert "| arm | run | seed | status | rounds 8–10 | round 10 | 95% Wilson (round 10) | n episodes |" in text
     assert "| local − " not in text and "| federated − local |" in text
     assert cli.main(["--help"]) == 0 and "  compare  " in capsys.readouterr().out
+
+
+def test_an_arm_that_mixes_configs_or_repeats_a_seed_is_named(tmp_path: Path) -> None:
+    """Not refused (a repeated seed is another draw of GPU run-to-run spread), but said under the tables."""
+    a = [_run(tmp_path / "a1", [0.0, 0.3, 0.3, 0.3], seed=1),
+         _run(tmp_path / "a2", [0.0, 0.4, 0.4, 0.4], seed=1, mode="local")]
+    b = _arm(tmp_path, "b", [0.1, 0.2], rounds=3)
+    notes = compare({"a": a, "b": b})["notes"]
+    assert notes == ["arm a has more than one run of seed(s) [1]: each counts as a run",
+                     "arm a mixes runs of different configs (env mode strategy): tinyguess federated fedavg; "
+                     "tinyguess local fedavg"]
