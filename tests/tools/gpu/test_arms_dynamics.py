@@ -45,7 +45,7 @@ def test_dynamics_of_the_committed_declared_runs(tmp_path: Path, capsys) -> None
     names = [row["name"] for row in data["runs"]]
     assert names == [f"centralized-s{s}" for s in range(4, 10)] + [f"federated-s{s}" for s in range(4, 10)]
     s6 = data["runs"][names.index("centralized-s6")]
-    assert s6["val_window"] == 0.6615  # arms_report.window_mean, as `pool` reports it
+    assert s6["val_window"] == 0.6615  # compare.window_mean, as `pool` reports it
     assert (s6["takeoff_length"], s6["takeoff_entropy"]) == (5, 7)
     assert s6["per_round"]["length"]["5"] == pytest.approx(53.3, abs=0.1)
     assert data["runs"][names.index("centralized-s7")]["takeoff_length"] is None
