@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_optimizer
+from fedagent_flwr.checkpoint import CheckpointRef, audit_rows, open_checkpoint
+from fedagent_flwr.checkpoint.audit_rows import row_chunks
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.verify import main as verify
-from fedagent_flwr.checkpoint.verify_optimizer import row_chunks, verify_optimizer_round
+from fedagent_flwr.checkpoint.verify_optimizer import verify_optimizer_round
 from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import train_round
@@ -92,7 +93,7 @@ def test_a_key_audited_in_many_chunks_reports_what_the_whole_key_does(
         if state == "changed":
             _bump_state(run_root)
         whole = _audits(run_root), _cli(run_root, capsys)  # every key of these models is one chunk
-        monkeypatch.setattr(verify_optimizer, "CHUNK_ELEMENTS", SMALL_CHUNK)
+        monkeypatch.setattr(audit_rows, "CHUNK_ELEMENTS", SMALL_CHUNK)
         assert (_audits(run_root), _cli(run_root, capsys)) == whole, state
         monkeypatch.undo()
         results.append(whole)
@@ -116,7 +117,7 @@ def test_non_finite_values_in_two_chunks_of_a_key_are_counted_together(
     save_file(tensors, str(model), metadata)
     whole = _audits(run_root)
     assert "tensor 'model.embed_tokens.weight' holds 2 non-finite value(s)" in str(whole[1]), whole
-    monkeypatch.setattr(verify_optimizer, "CHUNK_ELEMENTS", SMALL_CHUNK)
+    monkeypatch.setattr(audit_rows, "CHUNK_ELEMENTS", SMALL_CHUNK)
     assert _audits(run_root) == whole
 
 

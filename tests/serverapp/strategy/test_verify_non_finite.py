@@ -15,9 +15,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedagent_flwr.checkpoint import CheckpointRef, verify_optimizer
+from fedagent_flwr.checkpoint import CheckpointRef, audit_rows
+from fedagent_flwr.checkpoint.audit_rows import row_chunks
 from fedagent_flwr.checkpoint.verify import main as verify
-from fedagent_flwr.checkpoint.verify_optimizer import row_chunks
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.near_one import near_one, recommit_source, small_change_round
@@ -181,7 +181,7 @@ def test_the_mean_audited_in_many_chunks_reports_what_the_whole_key_does(
             _poke(written, KEY, float("nan"), (3, 0))
             _poke(written, KEY, float("inf"), (250, 1))
         whole = _audit(run_root, capsys)  # every key of these models is one chunk
-        monkeypatch.setattr(verify_optimizer, "CHUNK_ELEMENTS", SMALL_CHUNK)
+        monkeypatch.setattr(audit_rows, "CHUNK_ELEMENTS", SMALL_CHUNK)
         assert _audit(run_root, capsys) == whole, change
         monkeypatch.undo()
         results.append(whole)
