@@ -67,7 +67,8 @@ lies inside the run directory or is the run's base model (``base_model`` of the 
 ``base_model_sha256`` it must then match), and its content hash must be the recorded one. It is
 reported as removed, not failed, only where the run record says retention removed it. And it must be
 the run record's previous model: the latest earlier round's aggregate, or the base model before the
-first (a header pointing at an older round's model or at a client's checkpoint fails). A hash not
+first (a header pointing at an older round's model or at a client's checkpoint fails), with the
+content the run record committed for it, compared whatever the header records. A hash not
 recorded (the header's of ``x``, the run record's of ``x`` or of the base model) fails unless
 ``--allow-unhashed`` (:mod:`.audit_hashes`). A NaN or Inf in any input read or value computed fails
 the round with the file and tensor named (:func:`.verify_step.require_finite`): NaN compares false
@@ -215,7 +216,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                                       "from the run record's base_model_sha256)")
         hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run)
         if expected_previous is not None:
-            _check_chain(previous, expected_previous, hashing, global_dir, base_model, audit.notes)
+            _check_chain(previous, expected_previous, x_ref.sha256, hashing, global_dir, base_model, audit.notes)
         x_reader = stack.enter_context(closing(open_checkpoint(x_ref, check_hash=False)))
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
@@ -356,16 +357,23 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
 
 
 
-def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], hashing: _Hashing, global_dir: Path,
-                 base_model: str | None, notes: list[str]) -> None:
+def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], actual: str, hashing: _Hashing,
+                 global_dir: Path, base_model: str | None, notes: list[str]) -> None:
     """CheckpointError unless the header's previous global model is the run record's: a round steps
-    from the latest earlier aggregate (or the base model), not from any trusted directory; the run record's hash of
-    that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's is the caller's check)."""
+    from the latest earlier aggregate (or the base model), not from any trusted directory, and that
+    file's content (hash ``actual``) must be what the run record committed, whatever the header
+    records (an empty hash of it, let through by ``--allow-unhashed``, must not skip this); the run
+    record's hash of that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's
+    is the caller's check)."""
     path, sha256 = expected
-    recorded = previous.get("sha256")  # empty: the caller refused or noted it (unhashed)
-    if not _same(Path(previous["path"]), path) or (hashing.compare and sha256 and recorded and recorded != sha256):
+    if not _same(Path(previous["path"]), path):
         raise CheckpointError(f"{global_dir / MODEL_FILE} steps from {previous['path']}, but the run record's "
                               f"previous global model is {path}")
+    if hashing.compare and sha256 and actual != sha256:
+        # a header hash, if any, equals ``actual`` here (the caller compared them first)
+        when = " and before this round stepped from it" if previous.get("sha256") else ""
+        raise CheckpointError(f"previous global model {path} has content hash {actual[:12]}..., the run record "
+                              f"committed {sha256[:12]}... for it: it was replaced after its commit{when}")
     if hashing.compare and not sha256 and not _same(Path(path), base_model):
         unhashed(f"the run record has no content hash of {path} (the commit of the model this round stepped from)",
                  hashing.allow_unhashed, notes)
