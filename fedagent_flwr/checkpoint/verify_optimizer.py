@@ -94,7 +94,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from fedagent_flwr.checkpoint.audit_hashes import UNHASHED, unhashed
+from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
@@ -440,11 +440,9 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
             raise InputRemoved(f"previous optimiser state {path} removed by the run after the round was committed")
         raise CheckpointError(f"previous optimiser state {path} is missing")
     recorded = x_header.get(_STATE_SHA256)
-    if recorded is None:
-        if not hashing.allow_unhashed:
-            raise CheckpointError(f"previous optimiser state {path} has no content hash recorded in "
-                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {UNHASHED}")
-        audit.notes.append(f"{path} has no recorded hash (an older run's)")
+    if not recorded:  # missing or empty alike (audit_hashes)
+        unhashed(f"previous optimiser state {path} has no content hash recorded in {x_dir / MODEL_FILE} "
+                 f"({_STATE_SHA256})", hashing.allow_unhashed, audit.notes)
     elif hashing.compare and file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
                               f"the one {x_dir / MODEL_FILE} records)")
@@ -468,11 +466,9 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
             return None
         raise CheckpointError(f"optimiser state {path} is missing")
     recorded = header.get(_STATE_SHA256)
-    if recorded is None:
-        if not hashing.allow_unhashed:
-            raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} "
-                                  f"({_STATE_SHA256}), so the state cannot be checked; {UNHASHED}")
-        audit.notes.append(f"{path} has no recorded hash (an older run's): compared by its values only")
+    if not recorded:  # missing or empty alike (audit_hashes); its values are still compared
+        unhashed(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} ({_STATE_SHA256})",
+                 hashing.allow_unhashed, audit.notes)
     elif hashing.compare and file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))

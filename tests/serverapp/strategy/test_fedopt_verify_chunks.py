@@ -177,10 +177,10 @@ def test_two_keys_read_side_by_side_read_each_block_once(suite: Suite) -> None:
         assert reader.bytes_read - before == once, (reader.bytes_read - before, once)
 
 
-def _drop_state_hash(run_root: Path) -> None:
-    """Round 1's global model as an older fedagent-flwr wrote it (no hash of its optimiser state),
-    and the run as it would then have recorded it: round 2 steps from that model (its hash), and
-    both aggregates' content hashes are the run record's."""
+def _drop_state_hash(run_root: Path, how: str) -> None:
+    """Round 1's global model as an older fedagent-flwr wrote it (no hash of its optimiser state:
+    ``how`` "missing" or "empty"), and the run as it would then have recorded it: round 2 steps from
+    that model (its hash), and both aggregates' content hashes are the run record's."""
     summary_path = run_root / "federated_summary.json"
     summary = json.loads(summary_path.read_text())
     for server_round in (1, 2):
@@ -188,7 +188,10 @@ def _drop_state_hash(run_root: Path) -> None:
         with safe_open(str(model), framework="pt") as handle:
             metadata = handle.metadata() or {}
         if server_round == 1:
-            del metadata[STATE_SHA256]
+            if how == "missing":
+                del metadata[STATE_SHA256]
+            else:
+                metadata[STATE_SHA256] = ""
         else:
             previous = json.loads(metadata["fedagent.previous_global"])
             previous["sha256"] = summary["rounds"][0]["aggregated_sha256"]
@@ -198,25 +201,27 @@ def _drop_state_hash(run_root: Path) -> None:
     summary_path.write_text(json.dumps(summary))
 
 
+@pytest.mark.parametrize("how", ["missing", "empty"])
 def test_a_state_without_a_recorded_hash_fails_unless_allow_unhashed(
-    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str,
 ) -> None:
+    """An empty ``fedagent.state_sha256`` is no hash, as a missing one is (not a hash that differs)."""
     run_root = _run(suite, tmp_path, FedAdamFSDP, eta=1e-2, beta_1=0.9, beta_2=0.99)
-    _drop_state_hash(run_root)
+    _drop_state_hash(run_root, how)
     state = run_root / "round_1" / "server_optimizer" / "global.safetensors"
+    first = f"{run_root / 'round_1' / 'global' / MODEL} records no content hash of its optimiser state {state} " \
+            f"({STATE_SHA256})"
+    second = f"previous optimiser state {state} has no content hash recorded in " \
+             f"{run_root / 'round_1' / 'global' / MODEL} ({STATE_SHA256})"
+    advice = "so it cannot be checked; pass --allow-unhashed if the run predates content hashes"
     status, out = _cli(run_root, capsys)
-    assert status == 1 and out.splitlines() == [
-        f"round 1: cannot verify: {run_root / 'round_1' / 'global' / MODEL} records no content hash of its optimiser "
-        f"state {state} ({STATE_SHA256}), so the state cannot be checked; pass --allow-unhashed if the run predates "
-        "content hashes",
-        f"round 2: cannot verify: previous optimiser state {state} has no content hash recorded in "
-        f"{run_root / 'round_1' / 'global' / MODEL} ({STATE_SHA256}), so it cannot be checked; pass "
-        "--allow-unhashed if the run predates content hashes"], out
+    assert status == 1 and out.splitlines() == [f"round 1: cannot verify: {first}, {advice}",
+                                                f"round 2: cannot verify: {second}, {advice}"], out
     assert verify([str(run_root), "--allow-unhashed"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(" ok; " in line for line in lines), lines
-    assert lines[0].endswith(f"ok; {state} has no recorded hash (an older run's): compared by its values only")
-    assert lines[1].endswith(f"ok; {state} has no recorded hash (an older run's)"), lines
+    assert lines[0].endswith(f"ok; {first}: not checked"), lines
+    assert lines[1].endswith(f"ok; {second}: not checked"), lines
 
 
 def test_a_client_checkpoint_with_more_rows_than_the_first_is_refused_not_read_in_part(
