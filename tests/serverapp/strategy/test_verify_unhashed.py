@@ -111,12 +111,14 @@ def test_an_empty_source_hash_fails_unless_allow_unhashed(
     assert status == 0 and len(lines) == 1 and lines[0].endswith(f" ok; {what}: not checked"), lines
 
 
-def test_an_empty_committed_hash_fails_an_optimiser_round_unless_allow_unhashed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("cls", [FedAvgFSDP, FedAdamFSDP], ids=["fedavg", "fedadam"])
+def test_an_empty_committed_hash_fails_unless_allow_unhashed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP],
 ) -> None:
-    """A server optimiser's global model is an input of the next round (its header records the
-    state's hash), so the run record's hash of it is checked."""
-    run_root = _run(tmp_path, FedAdamFSDP)
+    """Every round's global model is checked against the run record's hash of it (a server
+    optimiser's is an input of the next round, and a mean changed below the tolerance would pass
+    its recomputation), so one not recorded fails."""
+    run_root = _run(tmp_path, cls)
     _edit_summary(run_root, {}, {"aggregated_sha256": ""})
     what = f"the run record has no content hash of {run_root / 'round_1' / 'global'} (the round's commit)"
     assert _audit(run_root, capsys) == (1, [f"round 1: cannot verify: {what}, {ADVICE}"])
@@ -159,19 +161,22 @@ def test_an_empty_previous_global_hash_fails_an_optimiser_round_unless_allow_unh
 def test_an_empty_committed_hash_of_the_mean_an_optimiser_round_stepped_from_fails_unless_allow_unhashed(
     suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """PPO's first global critic is FedAvg's mean (whose audit recomputes it from its sources) and
-    round 2's critic steps from it: the run record's empty hash of it cannot be compared with the
-    hash of ``x`` that round 2's header records, so round 2's critic fails (it was skipped)."""
+    """PPO's first global critic is FedAvg's mean and round 2's critic steps from it: the run
+    record's empty hash of it can be compared neither with the critic (round 1's commit) nor with
+    the hash of ``x`` that round 2's header records, so both critics fail (they were skipped)."""
     run_root = _ppo_run(suite, tmp_path)
     assert _audit(run_root, capsys)[0] == 0
     _edit_summary(run_root, {}, {"aggregated_critic_sha256": ""})
     critic = run_root / "round_1" / "global_critic"
     what = f"the run record has no content hash of {critic} (the commit of the model this round stepped from)"
+    own = f"the run record has no content hash of {critic} (the round's commit)"  # round 1's critic's own audit
     status, lines = _audit(run_root, capsys)
-    assert status == 1 and len(lines) == 4 and all(line.endswith(" ok") for line in lines[:3]), lines
+    assert status == 1 and len(lines) == 4 and lines[0].endswith(" ok") and lines[2].endswith(" ok"), lines
+    assert lines[1] == f"round 1 critic: cannot verify: {own}, {ADVICE}", lines
     assert lines[3] == f"round 2 critic: cannot verify: {what}, {ADVICE}", lines
     status, lines = _audit(run_root, capsys, "--allow-unhashed")
-    assert status == 0 and len(lines) == 4 and lines[3].endswith(f" ok; {what}: not checked"), lines
+    assert status == 0 and len(lines) == 4 and lines[1].endswith(f" ok; {own}: not checked"), lines
+    assert lines[3].endswith(f" ok; {what}: not checked"), lines
 
 
 def test_the_previous_models_commit_is_compared_even_when_its_header_hash_is_empty(
@@ -208,3 +213,15 @@ def test_a_previous_model_replaced_after_its_commit_is_named_with_both_hashes(
     assert lines[3] == (f"round 2 critic: cannot verify: previous global model {critic} has content hash "
                         f"{actual[:12]}..., the run record committed {committed[:12]}... for it: it was replaced "
                         "after its commit and before this round stepped from it"), lines
+
+
+def test_a_mean_changed_below_the_tolerance_fails_its_commit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FedAvg's round 1 global model moved by one ulp (1.2e-7 near 1, below the 1e-6 tolerance):
+    its recomputation would pass, its content hash is not the one the round committed."""
+    run_root = _run(tmp_path, FedAvgFSDP)
+    _one_ulp(run_root / "round_1" / "global")
+    status, lines = _audit(run_root, capsys)
+    assert (status, lines) == (1, [f"round 1: cannot verify: {run_root / 'round_1' / 'global'} changed since its "
+                                   "round was committed (content hash differs from the run record)"]), lines
