@@ -27,10 +27,10 @@ from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
-from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
-from fedagent_flwr.checkpoint.verify_step import max_of
+from fedagent_flwr.checkpoint.verify_step import max_of, non_finite_in_audit
 
 __all__ = ["recompute_mean"]
 
@@ -85,8 +85,8 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
         if not bad_written and not any(bad_sources):  # once one is found, the key is only counted
             worst = max(worst, max_of((actual.double() - expected).abs()))
     if bad_written:
-        raise non_finite_error(key, bad_written, str(out_dir))
+        raise non_finite_in_audit(key, bad_written, str(out_dir / MODEL_FILE))
     for index, bad in enumerate(bad_sources):
         if bad:
-            raise non_finite_error(key, bad, f"source {index} ({readers[index].directory})")
+            raise non_finite_in_audit(key, bad, f"source {index} {readers[index].directory}")
     return worst

@@ -98,11 +98,19 @@ from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
-from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, require_finite, worst_ratio
+from fedagent_flwr.checkpoint.verify_step import (
+    EPS32,
+    buffers_of,
+    max_of,
+    non_finite_in_audit,
+    recompute_step,
+    require_finite,
+    worst_ratio,
+)
 
 __all__ = ["OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "state_path", "verify_optimizer_round"]
 
@@ -293,7 +301,7 @@ def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
         if not bad:  # once one is found the key is refused: its other chunks are only counted
             _audit_rows(inputs, key, rows, actual, audit)
     if bad:
-        raise non_finite_error(key, bad, str(inputs.global_dir))
+        raise non_finite_in_audit(key, bad, str(inputs.global_dir / MODEL_FILE))
 
 
 def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual: torch.Tensor,
