@@ -105,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)
     parser.add_argument("--allow-unhashed", action="store_true",
-                        help="audit a run recorded before content hashes (v1, or optimiser states without a "
-                             "recorded hash): skip those hash checks with a note instead of failing")
+                        help="audit a run recorded before content hashes: each hash that cannot be compared is "
+                             "skipped with a note instead of failing the round: a run record of content hash v1 or "
+                             "without content_hash, a source's empty sha256, an empty committed hash (of a round's "
+                             "global model or critic, or of the aggregate a round stepped from), an empty "
+                             "previous-global hash, a missing base_model_sha256, a missing or empty optimiser "
+                             "state hash (fedagent.state_sha256)")
     args = parser.parse_args(argv)
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")

@@ -225,3 +225,13 @@ def test_a_mean_changed_below_the_tolerance_fails_its_commit(
     status, lines = _audit(run_root, capsys)
     assert (status, lines) == (1, [f"round 1: cannot verify: {run_root / 'round_1' / 'global'} changed since its "
                                    "round was committed (content hash differs from the run record)"]), lines
+
+
+def test_the_help_of_allow_unhashed_lists_every_hash_it_lets_through(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        verify(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for case in ("content hash v1 or without content_hash", "a source's empty sha256", "an empty committed hash",
+                 "an empty previous-global hash", "a missing base_model_sha256",
+                 "a missing or empty optimiser state hash"):
+        assert case in text, (case, text)
