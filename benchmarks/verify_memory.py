@@ -60,6 +60,10 @@ _CHILD = r"""
 import json, sys, threading, time
 from fedagent_flwr.checkpoint import verify_optimizer
 from fedagent_flwr.checkpoint.verify import main as verify
+try:  # where the chunk size lies: audit_rows, verify_optimizer in an older checkout
+    from fedagent_flwr.checkpoint import audit_rows as rows_module
+except ImportError:
+    rows_module = verify_optimizer
 
 def status(field):
     with open("/proc/self/status") as f:
@@ -67,8 +71,8 @@ def status(field):
 
 run_root, chunk = sys.argv[1], sys.argv[2]
 if chunk != "default":
-    verify_optimizer.CHUNK_ELEMENTS = int(chunk)
-chunk = getattr(verify_optimizer, "CHUNK_ELEMENTS", "none")  # an older checkout has none
+    rows_module.CHUNK_ELEMENTS = int(chunk)
+chunk = getattr(rows_module, "CHUNK_ELEMENTS", "none")  # an older checkout has none
 base_rss, base_anon = status("VmRSS"), status("RssAnon")
 peak_anon, done = [base_anon], threading.Event()
 

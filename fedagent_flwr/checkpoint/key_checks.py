@@ -69,7 +69,7 @@ def verify_mean(
     when the written keys or shapes are not the sources', an integer tensor differs, or any value
     read (the written file's, a source's, a source's tied copy) is NaN or Inf.
     """
-    # imported here: mean_audit builds on this module (and on verify_optimizer, which does too)
+    # imported here: mean_audit builds on this module
     from fedagent_flwr.checkpoint.mean_audit import recompute_mean
 
     return recompute_mean(sources, out_dir)
@@ -110,7 +110,8 @@ def count_non_finite(tensor: torch.Tensor) -> int:
 
 
 def non_finite_error(key: str, bad: int, source: str) -> CheckpointError:
-    """:func:`check_finite`'s refusal of ``bad`` non-finite values in tensor ``key`` of ``source``."""
+    """:func:`check_finite`'s refusal of ``bad`` non-finite values in tensor ``key`` of ``source``,
+    with the strategy's advice (the audit words its own: :func:`.verify_step.non_finite_in_audit`)."""
     return CheckpointError(
         f"{source}: tensor '{key}' holds {bad} non-finite value(s) (NaN or Inf); "
         "the checkpoint is refused (lower the learning rate or check the client's training)"

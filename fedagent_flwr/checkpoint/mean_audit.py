@@ -3,7 +3,7 @@ in chunks of rows.
 
 Independent of :func:`.aggregate.weighted_mean`'s accumulation and writer: the written file is read
 with safetensors slices, each source with :meth:`.CheckpointReader.read_rows`, and the mean summed
-in float64, one chunk of at most :data:`.verify_optimizer.CHUNK_ELEMENTS` elements of a key at a
+in float64, one chunk of at most :data:`.audit_rows.CHUNK_ELEMENTS` elements of a key at a
 time (whole rows), so the audit holds a few float64 copies of a chunk, not of the model (it loaded
 the whole written file plus whole float64 tensors before: about 2.5x the model's fp32 size). The
 mean is element-wise, so the max abs error is the whole key's whatever the chunks, and so are the
@@ -25,15 +25,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from fedagent_flwr.checkpoint import verify_optimizer
+from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
-from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
-from fedagent_flwr.checkpoint.verify_optimizer import handle_rows, reader_rows
-from fedagent_flwr.checkpoint.verify_step import max_of, require_finite
+from fedagent_flwr.checkpoint.verify_step import max_of, non_finite_in_audit
 
-__all__ = ["recompute_mean", "tie_error"]
+__all__ = ["recompute_mean"]
 
 
 def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
@@ -56,21 +55,6 @@ def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: s
     return max(worst, tie_error(readers, ties))
 
 
-def tie_error(readers: Sequence[CheckpointReader], ties: dict[str, str]) -> float:
-    """The max abs difference of the sources' tied copies from their partners (``ties``: copy ->
-    partner), chunk by chunk; CheckpointError naming the source, the tensor and its first bad element
-    for a NaN or Inf in either. A tied copy left out of the written file is rebuilt from its partner
-    on load; that is only right if every source really held the same values in both (the server
-    optimiser's audit checks them too)."""
-    worst = 0.0
-    for index, reader in enumerate(readers):
-        present = set(reader.keys())
-        for target, source in ties.items():
-            if target in present and source in present:
-                worst = max(worst, _tie_error(reader, f"source {index} {reader.directory}", target, source))
-    return worst
-
-
 def _key_error(readers: list[CheckpointReader], weights: list[float], written: Any, key: str, out_dir: Path) -> float:
     """The max abs error of ``key``, chunk by chunk; the refusals of :func:`recompute_mean`."""
     reference = readers[0]
@@ -84,7 +68,7 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
     floating = reference.dtype(key).is_floating_point
     bad_written, bad_sources = 0, [0] * len(readers)  # non-finite values, summed over the chunks
     worst = 0.0
-    for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
+    for rows in row_chunks(shape):
         actual = handle_rows(written, key, rows)
         if not floating:
             if not torch.equal(actual, reader_rows(reference, key, rows, dtype=None)):
@@ -101,23 +85,8 @@ def _key_error(readers: list[CheckpointReader], weights: list[float], written: A
         if not bad_written and not any(bad_sources):  # once one is found, the key is only counted
             worst = max(worst, max_of((actual.double() - expected).abs()))
     if bad_written:
-        raise non_finite_error(key, bad_written, str(out_dir))
+        raise non_finite_in_audit(key, bad_written, str(out_dir / MODEL_FILE))
     for index, bad in enumerate(bad_sources):
         if bad:
-            raise non_finite_error(key, bad, f"source {index} ({readers[index].directory})")
-    return worst
-
-
-def _tie_error(reader: CheckpointReader, name: str, target: str, source: str) -> float:
-    """The max abs difference of a source's tied copy ``target`` from its partner ``source``."""
-    shape = reader.shape(source)
-    if reader.shape(target) != shape:
-        raise CheckpointError(f"{name}: tied '{target}' has shape {reader.shape(target)}, its partner '{source}' "
-                              f"{shape}")
-    worst = 0.0
-    for rows in verify_optimizer.row_chunks(shape, verify_optimizer.CHUNK_ELEMENTS):
-        copy, partner = reader_rows(reader, target, rows), reader_rows(reader, source, rows)
-        require_finite(copy, target, name, rows)
-        require_finite(partner, source, name, rows)
-        worst = max(worst, max_of((copy - partner).abs()))
+            raise non_finite_in_audit(key, bad, f"source {index} {readers[index].directory}")
     return worst

@@ -3,15 +3,16 @@
     python -m fedagent_flwr.checkpoint.verify outputs/run-123 [--tolerance 1e-6] [--allow-unhashed]
 
 Each global model records its sources (path, sha256, weight) in its safetensors header; this command
-re-opens those client checkpoints (hashes checked), recomputes the weighted mean independently in
-float64 and prints the max abs error per round. A round written by a server optimiser
-(``strategy=fedavgm``, ``fedadam``, ``fedyogi``, ``fedadagrad``) is recomputed from the clients'
-mean, the previous global model and the previous optimiser state, all hash-checked, with Flower's
-formulas restated independently (:mod:`.verify_optimizer`); both the new global model and the new
-state are compared (each weight against the tolerance plus the bound of the strategy's fp32
-rounding, which the step amplifies: :mod:`.verify_optimizer`; the clients' tied copies, as for a
-mean, against their partners within the tolerance), and the global model must still have the content
-hash its round committed. PPO's global critics are audited the same way (``round <r> critic``). Exit
+re-opens those client checkpoints (hashes checked), checks that the global model still has the
+content hash its round committed in the run record (a change below the tolerance would pass the
+recomputation), recomputes the weighted mean independently in float64 and prints the max abs error
+per round. A round written by a server optimiser (``strategy=fedavgm``, ``fedadam``, ``fedyogi``,
+``fedadagrad``) is recomputed from the clients' mean, the previous global model and the previous
+optimiser state, all hash-checked, with Flower's formulas restated independently
+(:mod:`.verify_optimizer`); both the new global model and the new state are compared (each weight
+against the tolerance plus the bound of the strategy's fp32 rounding, which the step amplifies:
+:mod:`.verify_optimizer`; the clients' tied copies, as for a mean, against their partners within
+the tolerance). PPO's global critics are audited the same way (``round <r> critic``). Exit
 status 1 if any round is off by more than the tolerance or cannot be checked. A round whose client
 checkpoints, previous global model or previous optimiser state the run record says it removed after
 its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
@@ -22,9 +23,10 @@ Hashes are part of the audit: a run record whose ``content_hash`` is not the one
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
 be compared, fails with one line naming the record, and so does a round whose global model records
 no hash of its optimiser state (``fedagent.state_sha256``), or any other hash the run should have
-recorded (a source's that the header leaves empty, an empty committed hash of an optimiser's round
-or of the aggregate it stepped from, the previous global model's that its header leaves empty, a
-missing ``base_model_sha256`` where a round steps from the base model: :mod:`.audit_hashes`).
+recorded (a source's that the header leaves empty, an empty committed hash of a round's global model
+or critic, or of the aggregate an optimiser's round stepped from, the previous global model's that
+its header leaves empty, a missing ``base_model_sha256`` where a round steps from the base model:
+:mod:`.audit_hashes`).
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
@@ -103,8 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)
     parser.add_argument("--allow-unhashed", action="store_true",
-                        help="audit a run recorded before content hashes (v1, or optimiser states without a "
-                             "recorded hash): skip those hash checks with a note instead of failing")
+                        help="audit a run recorded before content hashes: each hash that cannot be compared is "
+                             "skipped with a note instead of failing the round: a run record of content hash v1 or "
+                             "without content_hash, a source's empty sha256, an empty committed hash (of a round's "
+                             "global model or critic, or of the aggregate a round stepped from), an empty "
+                             "previous-global hash, a missing base_model_sha256, a missing or empty optimiser "
+                             "state hash (fedagent.state_sha256)")
     args = parser.parse_args(argv)
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
@@ -174,10 +180,12 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
             print(f"{name}: client checkpoints removed by the run after the round was committed "
                   "(storage.keep_client_checkpoints=false); not checked")
             return True
-        if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
-            return _audit_optimizer(entry, global_dir, committed, name, clients, run_root, check_hashes, tolerance,
-                                    removed_by_run, summary, previous, allow_unhashed)
         notes: list[str] = []
+        if check_hashes:
+            _check_commit(global_dir, committed, allow_unhashed, notes)
+        if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
+            return _audit_optimizer(entry, global_dir, name, clients, run_root, check_hashes, tolerance,
+                                    removed_by_run, summary, previous, allow_unhashed, notes)
         error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes)
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
@@ -188,20 +196,23 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
     return good
 
 
-def _audit_optimizer(entry: dict[str, Any], global_dir: Path, committed: str | None, name: str, clients: str,
-                     run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-                     summary: dict[str, Any], previous: tuple[str, str | None] | None,
-                     allow_unhashed: bool) -> bool:
-    """A server optimiser's round (:mod:`.verify_optimizer`): its header is an input (the previous
-    global model, the state's hash), so the global model must first be the one its round committed."""
-    notes: list[str] = []
+def _check_commit(global_dir: Path, committed: str | None, allow_unhashed: bool, notes: list[str]) -> None:
+    """CheckpointError unless ``global_dir`` still has the content hash its round committed in the
+    run record (one not recorded: :func:`.audit_hashes.unhashed`). Every round's: a change below the
+    tolerance passes the recomputation, and a server optimiser's header is an input of its audit."""
+    if not committed:
+        unhashed(f"the run record has no content hash of {global_dir} (the round's commit)", allow_unhashed, notes)
+    elif CheckpointRef.for_directory(global_dir).sha256 != committed:
+        raise CheckpointError(f"{global_dir} changed since its round was committed (content hash differs from the "
+                              "run record)")
+
+
+def _audit_optimizer(entry: dict[str, Any], global_dir: Path, name: str, clients: str, run_root: Path,
+                     check_hashes: bool, tolerance: float, removed_by_run: Any, summary: dict[str, Any],
+                     previous: tuple[str, str | None] | None, allow_unhashed: bool, notes: list[str]) -> bool:
+    """A server optimiser's round (:mod:`.verify_optimizer`), its commit already checked (its header
+    is an input: the previous global model, the state's hash); one line, False when it fails."""
     try:
-        if check_hashes and not committed:
-            unhashed(f"the run record has no content hash of {global_dir} (the round's commit)", allow_unhashed, notes)
-        elif check_hashes and CheckpointRef.for_directory(global_dir).sha256 != committed:
-            print(f"{name}: cannot verify: {global_dir} changed since its round was committed (content hash differs "
-                  "from the run record)")
-            return False
         audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, removed_by_run,
                                        tolerance=tolerance, base_model=summary.get("base_model"),
                                        base_model_sha256=summary.get("base_model_sha256"),

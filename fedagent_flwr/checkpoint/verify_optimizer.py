@@ -25,7 +25,7 @@ strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is fo
 new global model and the new state's buffers are compared with the files on disk; the round's error
 reported is the larger of the two max abs errors. A client's tied copy that the written file leaves
 out (``lm_head.weight`` of tied embeddings, rebuilt from its partner on load) is held to its partner
-within the tolerance, as in the mean's audit (:func:`.mean_audit.tie_error`): the difference counts
+within the tolerance, as in the mean's audit (:func:`.audit_rows.tie_error`): the difference counts
 as the global model's error. The buffers are small numbers (``v`` is about ``delta^2``), so a change
 to a state file below the bound is caught by its hash instead (and by the next round's step, which
 the change would move).
@@ -67,13 +67,14 @@ lies inside the run directory or is the run's base model (``base_model`` of the 
 ``base_model_sha256`` it must then match), and its content hash must be the recorded one. It is
 reported as removed, not failed, only where the run record says retention removed it. And it must be
 the run record's previous model: the latest earlier round's aggregate, or the base model before the
-first (a header pointing at an older round's model or at a client's checkpoint fails). A hash not
+first (a header pointing at an older round's model or at a client's checkpoint fails), with the
+content the run record committed for it, compared whatever the header records. A hash not
 recorded (the header's of ``x``, the run record's of ``x`` or of the base model) fails unless
 ``--allow-unhashed`` (:mod:`.audit_hashes`). A NaN or Inf in any input read or value computed fails
 the round with the file and tensor named (:func:`.verify_step.require_finite`): NaN compares false
 with every bound.
 
-**Memory.** Each key is recomputed in chunks of whole rows of at most :data:`CHUNK_ELEMENTS`
+**Memory.** Each key is recomputed in chunks of whole rows of at most :data:`.audit_rows.CHUNK_ELEMENTS`
 elements, read with :meth:`.CheckpointReader.read_rows` and safetensors slices, so the audit holds a
 few dozen float64 copies of a chunk, not of the key; the arithmetic (:mod:`.verify_step`) is
 element-wise, so the errors and ratios are the whole key's whatever the chunks.
@@ -84,7 +85,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,17 +94,25 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from fedagent_flwr.checkpoint.audit_hashes import UNHASHED, unhashed
+from fedagent_flwr.checkpoint.audit_hashes import unhashed
+from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
-from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, non_finite_error, normalise_weights
+from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.verify_step import EPS32, buffers_of, max_of, recompute_step, require_finite, worst_ratio
+from fedagent_flwr.checkpoint.verify_step import (
+    EPS32,
+    buffers_of,
+    max_of,
+    non_finite_in_audit,
+    recompute_step,
+    require_finite,
+    worst_ratio,
+)
 
-__all__ = ["CHUNK_ELEMENTS", "OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "row_chunks",
-           "state_path", "verify_optimizer_round"]
+__all__ = ["OPTIMIZER_RULES", "InputRemoved", "OptimizerAudit", "header_of", "state_path", "verify_optimizer_round"]
 
 #: The rules this audit recomputes (``fedagent.aggregation`` of the global model's header).
 OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
@@ -111,14 +120,6 @@ OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 # that the audit reads what the run wrote, not what the strategy's code would compute.
 _STATE_DIR, _STATE_SHA256, _PREVIOUS = "server_optimizer", "fedagent.state_sha256", "fedagent.previous_global"
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
-#: How many elements of one key are recomputed at once (whole rows: a row longer than this is a
-#: chunk alone). The audit holds a few dozen float64 copies of a chunk (the clients' mean, ``x``,
-#: the buffers, their bounds, the step's temporaries, the errors): ~100 MB at 256k elements whatever
-#: the key's size, where a 7B model's embedding (545M elements) held whole would take tens of GB.
-#: Smaller chunks were also faster (they stay in the CPU's caches): benchmarks/verify_memory.py.
-#: The results do not depend on it (every operation is element-wise, :mod:`.verify_step`); tests
-#: set it small.
-CHUNK_ELEMENTS = 1 << 18
 
 
 class InputRemoved(Exception):
@@ -181,7 +182,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` makes a hash
     the run did not record a note instead of a failure (:func:`.audit_hashes.unhashed`: an optimiser
     state is then compared by its values alone). Each key is recomputed in chunks of
-    :data:`CHUNK_ELEMENTS` elements.
+    :data:`.audit_rows.CHUNK_ELEMENTS` elements.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
     header = header_of(global_dir / MODEL_FILE)
@@ -223,7 +224,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                                       "from the run record's base_model_sha256)")
         hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run)
         if expected_previous is not None:
-            _check_chain(previous, expected_previous, hashing, global_dir, base_model, audit.notes)
+            _check_chain(previous, expected_previous, x_ref.sha256, hashing, global_dir, base_model, audit.notes)
         x_reader = stack.enter_context(closing(open_checkpoint(x_ref, check_hash=False)))
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
@@ -246,7 +247,6 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                          old_state, new_state)
         for key in sorted(keys):
             _audit_key(inputs, key, audit)
-        from fedagent_flwr.checkpoint.mean_audit import tie_error  # here: mean_audit imports this module
         tied = tie_error([reader for reader, _ in sources], ties)  # module docstring: held to the tolerance
         audit.global_error = max(audit.global_error, tied)
         audit.ratio = max(audit.ratio, tied / tolerance if tolerance else math.inf if tied else 0.0)
@@ -281,26 +281,17 @@ class _Inputs:
     new_state: Any
 
 
-def row_chunks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[int, int] | None]:
-    """The ``(start, stop)`` ranges of rows of a tensor of ``shape`` holding at most ``limit``
-    elements each (one row where a row is longer); None once for a 0-d tensor (read whole)."""
-    if not shape:
-        yield None
-        return
-    rows = max(1, limit // max(1, math.prod(shape[1:])))
-    for start in range(0, shape[0], rows):
-        yield start, min(shape[0], start + rows)
 
 
 def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
-    """Recompute ``key`` chunk by chunk (:data:`CHUNK_ELEMENTS`): each chunk's errors and ratios
+    """Recompute ``key`` chunk by chunk (:data:`.audit_rows.CHUNK_ELEMENTS`): each chunk's errors and ratios
     join the audit's maxima, so the result is the whole key's. CheckpointError for an integer
     tensor that differs, a shape that is not the sources', or a non-finite written value."""
     reference = inputs.sources[0][0]
     shape, floating = reference.shape(key), reference.dtype(key).is_floating_point
     _check_shapes(inputs, key, shape, floating)
     bad = 0  # non-finite values written, over every chunk (the error names their number)
-    for rows in row_chunks(shape, CHUNK_ELEMENTS):
+    for rows in row_chunks(shape):
         actual = handle_rows(inputs.written, key, rows)
         if not floating:
             if not torch.equal(actual, reader_rows(reference, key, rows, dtype=None)):
@@ -310,7 +301,7 @@ def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
         if not bad:  # once one is found the key is refused: its other chunks are only counted
             _audit_rows(inputs, key, rows, actual, audit)
     if bad:
-        raise non_finite_error(key, bad, str(inputs.global_dir))
+        raise non_finite_in_audit(key, bad, str(inputs.global_dir / MODEL_FILE))
 
 
 def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual: torch.Tensor,
@@ -370,27 +361,27 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
                                   f"{inputs.sources[0][0].directory} has {shape}")
 
 
-def reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None,
-                dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """Rows ``rows`` of ``key`` from ``reader`` (None: the whole tensor), as ``dtype``."""
-    return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)
 
 
-def handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
-    """Rows of tensor ``name`` of an open safetensors file (only their bytes are read)."""
-    return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0]:rows[1]]
 
 
-def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], hashing: _Hashing, global_dir: Path,
-                 base_model: str | None, notes: list[str]) -> None:
+def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], actual: str, hashing: _Hashing,
+                 global_dir: Path, base_model: str | None, notes: list[str]) -> None:
     """CheckpointError unless the header's previous global model is the run record's: a round steps
-    from the latest earlier aggregate (or the base model), not from any trusted directory; the run record's hash of
-    that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's is the caller's check)."""
+    from the latest earlier aggregate (or the base model), not from any trusted directory, and that
+    file's content (hash ``actual``) must be what the run record committed, whatever the header
+    records (an empty hash of it, let through by ``--allow-unhashed``, must not skip this); the run
+    record's hash of that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's
+    is the caller's check)."""
     path, sha256 = expected
-    recorded = previous.get("sha256")  # empty: the caller refused or noted it (unhashed)
-    if not _same(Path(previous["path"]), path) or (hashing.compare and sha256 and recorded and recorded != sha256):
+    if not _same(Path(previous["path"]), path):
         raise CheckpointError(f"{global_dir / MODEL_FILE} steps from {previous['path']}, but the run record's "
                               f"previous global model is {path}")
+    if hashing.compare and sha256 and actual != sha256:
+        # a header hash, if any, equals ``actual`` here (the caller compared them first)
+        when = " and before this round stepped from it" if previous.get("sha256") else ""
+        raise CheckpointError(f"previous global model {path} has content hash {actual[:12]}..., the run record "
+                              f"committed {sha256[:12]}... for it: it was replaced after its commit{when}")
     if hashing.compare and not sha256 and not _same(Path(path), base_model):
         unhashed(f"the run record has no content hash of {path} (the commit of the model this round stepped from)",
                  hashing.allow_unhashed, notes)
@@ -457,11 +448,9 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
             raise InputRemoved(f"previous optimiser state {path} removed by the run after the round was committed")
         raise CheckpointError(f"previous optimiser state {path} is missing")
     recorded = x_header.get(_STATE_SHA256)
-    if recorded is None:
-        if not hashing.allow_unhashed:
-            raise CheckpointError(f"previous optimiser state {path} has no content hash recorded in "
-                                  f"{x_dir / MODEL_FILE} ({_STATE_SHA256}), so it cannot be checked; {UNHASHED}")
-        audit.notes.append(f"{path} has no recorded hash (an older run's)")
+    if not recorded:  # missing or empty alike (audit_hashes)
+        unhashed(f"previous optimiser state {path} has no content hash recorded in {x_dir / MODEL_FILE} "
+                 f"({_STATE_SHA256})", hashing.allow_unhashed, audit.notes)
     elif hashing.compare and file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
                               f"the one {x_dir / MODEL_FILE} records)")
@@ -485,11 +474,9 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
             return None
         raise CheckpointError(f"optimiser state {path} is missing")
     recorded = header.get(_STATE_SHA256)
-    if recorded is None:
-        if not hashing.allow_unhashed:
-            raise CheckpointError(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} "
-                                  f"({_STATE_SHA256}), so the state cannot be checked; {UNHASHED}")
-        audit.notes.append(f"{path} has no recorded hash (an older run's): compared by its values only")
+    if not recorded:  # missing or empty alike (audit_hashes); its values are still compared
+        unhashed(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} ({_STATE_SHA256})",
+                 hashing.allow_unhashed, audit.notes)
     elif hashing.compare and file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))

@@ -17,7 +17,7 @@ import torch
 from fedagent_flwr.checkpoint.key_checks import count_non_finite
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
-__all__ = ["EPS32", "buffers_of", "max_of", "recompute_step", "require_finite", "worst_ratio"]
+__all__ = ["EPS32", "buffers_of", "max_of", "non_finite_in_audit", "recompute_step", "require_finite", "worst_ratio"]
 
 #: fp32's machine epsilon: the strategy's arithmetic (verify_optimizer's docstring, "Pass or fail").
 EPS32 = torch.finfo(torch.float32).eps
@@ -105,6 +105,16 @@ def require_finite(values: torch.Tensor, name: str, where: str, rows: tuple[int,
         index[0] += rows[0]
     raise CheckpointError(f"{where}: '{name}' holds a non-finite value ({value} at {index}, the first), so the "
                           "recomputed round cannot be compared with what was written")
+
+
+def non_finite_in_audit(name: str, bad: int, where: str) -> CheckpointError:
+    """The audit's refusal of ``bad`` NaN or Inf values (counted over a key's chunks) in tensor
+    ``name`` of the file ``where``: the strategy refuses them in what it aggregates and writes, so in
+    the audit they mean the file changed after its round (:func:`.key_checks.non_finite_error` is
+    the strategy's refusal, with the strategy's advice)."""
+    return CheckpointError(f"{where}: '{name}' holds {bad} non-finite value(s) (NaN or Inf), which the round could not "
+                           "have aggregated or written (it refuses them): the file changed after the round, so the "
+                           "recomputed round cannot be compared with it")
 
 
 def max_of(values: torch.Tensor) -> float:

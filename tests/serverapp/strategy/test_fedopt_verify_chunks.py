@@ -18,10 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, verify_optimizer
+from fedagent_flwr.checkpoint import CheckpointRef, audit_rows, open_checkpoint
+from fedagent_flwr.checkpoint.audit_rows import row_chunks
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.verify import main as verify
-from fedagent_flwr.checkpoint.verify_optimizer import row_chunks, verify_optimizer_round
+from fedagent_flwr.checkpoint.verify_optimizer import verify_optimizer_round
 from fedagent_flwr.serverapp.strategy import FedAdagradFSDP, FedAdamFSDP, FedAvgFSDP, FedAvgMFSDP, FedYogiFSDP
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.round_harness import train_round
@@ -92,7 +93,7 @@ def test_a_key_audited_in_many_chunks_reports_what_the_whole_key_does(
         if state == "changed":
             _bump_state(run_root)
         whole = _audits(run_root), _cli(run_root, capsys)  # every key of these models is one chunk
-        monkeypatch.setattr(verify_optimizer, "CHUNK_ELEMENTS", SMALL_CHUNK)
+        monkeypatch.setattr(audit_rows, "CHUNK_ELEMENTS", SMALL_CHUNK)
         assert (_audits(run_root), _cli(run_root, capsys)) == whole, state
         monkeypatch.undo()
         results.append(whole)
@@ -115,8 +116,10 @@ def test_non_finite_values_in_two_chunks_of_a_key_are_counted_together(
     tensors["model.embed_tokens.weight"][250, 1] = float("inf")
     save_file(tensors, str(model), metadata)
     whole = _audits(run_root)
-    assert "tensor 'model.embed_tokens.weight' holds 2 non-finite value(s)" in str(whole[1]), whole
-    monkeypatch.setattr(verify_optimizer, "CHUNK_ELEMENTS", SMALL_CHUNK)
+    assert str(whole[1]) == (f"{model}: 'model.embed_tokens.weight' holds 2 non-finite value(s) (NaN or Inf), which "
+                             "the round could not have aggregated or written (it refuses them): the file changed "
+                             "after the round, so the recomputed round cannot be compared with it"), whole
+    monkeypatch.setattr(audit_rows, "CHUNK_ELEMENTS", SMALL_CHUNK)
     assert _audits(run_root) == whole
 
 
@@ -176,10 +179,10 @@ def test_two_keys_read_side_by_side_read_each_block_once(suite: Suite) -> None:
         assert reader.bytes_read - before == once, (reader.bytes_read - before, once)
 
 
-def _drop_state_hash(run_root: Path) -> None:
-    """Round 1's global model as an older fedagent-flwr wrote it (no hash of its optimiser state),
-    and the run as it would then have recorded it: round 2 steps from that model (its hash), and
-    both aggregates' content hashes are the run record's."""
+def _drop_state_hash(run_root: Path, how: str) -> None:
+    """Round 1's global model as an older fedagent-flwr wrote it (no hash of its optimiser state:
+    ``how`` "missing" or "empty"), and the run as it would then have recorded it: round 2 steps from
+    that model (its hash), and both aggregates' content hashes are the run record's."""
     summary_path = run_root / "federated_summary.json"
     summary = json.loads(summary_path.read_text())
     for server_round in (1, 2):
@@ -187,7 +190,10 @@ def _drop_state_hash(run_root: Path) -> None:
         with safe_open(str(model), framework="pt") as handle:
             metadata = handle.metadata() or {}
         if server_round == 1:
-            del metadata[STATE_SHA256]
+            if how == "missing":
+                del metadata[STATE_SHA256]
+            else:
+                metadata[STATE_SHA256] = ""
         else:
             previous = json.loads(metadata["fedagent.previous_global"])
             previous["sha256"] = summary["rounds"][0]["aggregated_sha256"]
@@ -197,25 +203,27 @@ def _drop_state_hash(run_root: Path) -> None:
     summary_path.write_text(json.dumps(summary))
 
 
+@pytest.mark.parametrize("how", ["missing", "empty"])
 def test_a_state_without_a_recorded_hash_fails_unless_allow_unhashed(
-    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str,
 ) -> None:
+    """An empty ``fedagent.state_sha256`` is no hash, as a missing one is (not a hash that differs)."""
     run_root = _run(suite, tmp_path, FedAdamFSDP, eta=1e-2, beta_1=0.9, beta_2=0.99)
-    _drop_state_hash(run_root)
+    _drop_state_hash(run_root, how)
     state = run_root / "round_1" / "server_optimizer" / "global.safetensors"
+    first = f"{run_root / 'round_1' / 'global' / MODEL} records no content hash of its optimiser state {state} " \
+            f"({STATE_SHA256})"
+    second = f"previous optimiser state {state} has no content hash recorded in " \
+             f"{run_root / 'round_1' / 'global' / MODEL} ({STATE_SHA256})"
+    advice = "so it cannot be checked; pass --allow-unhashed if the run predates content hashes"
     status, out = _cli(run_root, capsys)
-    assert status == 1 and out.splitlines() == [
-        f"round 1: cannot verify: {run_root / 'round_1' / 'global' / MODEL} records no content hash of its optimiser "
-        f"state {state} ({STATE_SHA256}), so the state cannot be checked; pass --allow-unhashed if the run predates "
-        "content hashes",
-        f"round 2: cannot verify: previous optimiser state {state} has no content hash recorded in "
-        f"{run_root / 'round_1' / 'global' / MODEL} ({STATE_SHA256}), so it cannot be checked; pass "
-        "--allow-unhashed if the run predates content hashes"], out
+    assert status == 1 and out.splitlines() == [f"round 1: cannot verify: {first}, {advice}",
+                                                f"round 2: cannot verify: {second}, {advice}"], out
     assert verify([str(run_root), "--allow-unhashed"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(" ok; " in line for line in lines), lines
-    assert lines[0].endswith(f"ok; {state} has no recorded hash (an older run's): compared by its values only")
-    assert lines[1].endswith(f"ok; {state} has no recorded hash (an older run's)"), lines
+    assert lines[0].endswith(f"ok; {first}: not checked"), lines
+    assert lines[1].endswith(f"ok; {second}: not checked"), lines
 
 
 def test_a_client_checkpoint_with_more_rows_than_the_first_is_refused_not_read_in_part(

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -55,6 +56,42 @@ def _blank_source_hash(run_root: Path) -> Path:
     return Path(sources[1]["path"])
 
 
+def _ppo_run(suite: Suite, tmp_path: Path) -> Path:
+    """Two FedAdam PPO rounds of two clients: round 1's critic is FedAvg's mean, round 2's steps
+    from it (the run root)."""
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
+                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
+    for server_round in (1, 2):
+        train_round(strategy, server_round, [suite_ppo_reply(run_root, suite, client, server_round)
+                                             for client in (0, 1)])
+    return run_root
+
+
+def _set_previous_hash(run_root: Path, sha256: str) -> Path:
+    """Round 2's critic recording ``sha256`` as the hash of its previous critic, recommitted in the
+    run record; the previous critic's directory."""
+    model = run_root / "round_2" / "global_critic" / MODEL
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    previous = json.loads(metadata["fedagent.previous_global"])
+    metadata["fedagent.previous_global"] = json.dumps({**previous, "sha256": sha256})
+    save_file(load_file(str(model)), str(model), metadata)
+    _edit_summary(run_root, {}, {"aggregated_critic_sha256": CheckpointRef.for_directory(model.parent).sha256}, 2)
+    return Path(previous["path"])
+
+
+def _one_ulp(model_dir: Path) -> None:
+    """One element of ``model_dir``'s first float tensor moved by one ulp (its header kept)."""
+    model = model_dir / MODEL
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    tensors = load_file(str(model))
+    key = next(k for k in sorted(tensors) if tensors[k].is_floating_point())
+    flat = tensors[key].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+    save_file(tensors, str(model), metadata)
+
+
 def _audit(run_root: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, list[str]]:
     capsys.readouterr()
     status = verify([str(run_root), *flags])
@@ -74,12 +111,14 @@ def test_an_empty_source_hash_fails_unless_allow_unhashed(
     assert status == 0 and len(lines) == 1 and lines[0].endswith(f" ok; {what}: not checked"), lines
 
 
-def test_an_empty_committed_hash_fails_an_optimiser_round_unless_allow_unhashed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("cls", [FedAvgFSDP, FedAdamFSDP], ids=["fedavg", "fedadam"])
+def test_an_empty_committed_hash_fails_unless_allow_unhashed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP],
 ) -> None:
-    """A server optimiser's global model is an input of the next round (its header records the
-    state's hash), so the run record's hash of it is checked."""
-    run_root = _run(tmp_path, FedAdamFSDP)
+    """Every round's global model is checked against the run record's hash of it (a server
+    optimiser's is an input of the next round, and a mean changed below the tolerance would pass
+    its recomputation), so one not recorded fails."""
+    run_root = _run(tmp_path, cls)
     _edit_summary(run_root, {}, {"aggregated_sha256": ""})
     what = f"the run record has no content hash of {run_root / 'round_1' / 'global'} (the round's commit)"
     assert _audit(run_root, capsys) == (1, [f"round 1: cannot verify: {what}, {ADVICE}"])
@@ -122,20 +161,77 @@ def test_an_empty_previous_global_hash_fails_an_optimiser_round_unless_allow_unh
 def test_an_empty_committed_hash_of_the_mean_an_optimiser_round_stepped_from_fails_unless_allow_unhashed(
     suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """PPO's first global critic is FedAvg's mean (whose audit recomputes it from its sources) and
-    round 2's critic steps from it: the run record's empty hash of it cannot be compared with the
-    hash of ``x`` that round 2's header records, so round 2's critic fails (it was skipped)."""
-    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
-                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
-    for server_round in (1, 2):
-        train_round(strategy, server_round, [suite_ppo_reply(run_root, suite, client, server_round)
-                                             for client in (0, 1)])
+    """PPO's first global critic is FedAvg's mean and round 2's critic steps from it: the run
+    record's empty hash of it can be compared neither with the critic (round 1's commit) nor with
+    the hash of ``x`` that round 2's header records, so both critics fail (they were skipped)."""
+    run_root = _ppo_run(suite, tmp_path)
     assert _audit(run_root, capsys)[0] == 0
     _edit_summary(run_root, {}, {"aggregated_critic_sha256": ""})
     critic = run_root / "round_1" / "global_critic"
     what = f"the run record has no content hash of {critic} (the commit of the model this round stepped from)"
+    own = f"the run record has no content hash of {critic} (the round's commit)"  # round 1's critic's own audit
     status, lines = _audit(run_root, capsys)
-    assert status == 1 and len(lines) == 4 and all(line.endswith(" ok") for line in lines[:3]), lines
+    assert status == 1 and len(lines) == 4 and lines[0].endswith(" ok") and lines[2].endswith(" ok"), lines
+    assert lines[1] == f"round 1 critic: cannot verify: {own}, {ADVICE}", lines
     assert lines[3] == f"round 2 critic: cannot verify: {what}, {ADVICE}", lines
     status, lines = _audit(run_root, capsys, "--allow-unhashed")
-    assert status == 0 and len(lines) == 4 and lines[3].endswith(f" ok; {what}: not checked"), lines
+    assert status == 0 and len(lines) == 4 and lines[1].endswith(f" ok; {own}: not checked"), lines
+    assert lines[3].endswith(f" ok; {what}: not checked"), lines
+
+
+def test_the_previous_models_commit_is_compared_even_when_its_header_hash_is_empty(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Round 2's critic recording no hash of round 1's critic (its ``x``), the header recommitted,
+    and round 1's critic then moved by one ulp: ``--allow-unhashed`` lets the empty header hash
+    through, but the run record committed round 1's critic, so its content is still compared."""
+    run_root = _ppo_run(suite, tmp_path)
+    critic = _set_previous_hash(run_root, "")
+    committed = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]["aggregated_critic_sha256"]
+    _one_ulp(critic)
+    actual = CheckpointRef.for_directory(critic).sha256
+    status, lines = _audit(run_root, capsys, "--allow-unhashed")
+    assert status == 1 and len(lines) == 4, lines
+    assert lines[3] == (f"round 2 critic: cannot verify: previous global model {critic} has content hash "
+                        f"{actual[:12]}..., the run record committed {committed[:12]}... for it: it was replaced "
+                        "after its commit"), lines
+
+
+def test_a_previous_model_replaced_after_its_commit_is_named_with_both_hashes(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Round 1's critic moved by one ulp and round 2's critic recording the moved file's hash (as if
+    it had stepped from it): the header and the file agree, the run record's commit does not."""
+    run_root = _ppo_run(suite, tmp_path)
+    critic = run_root / "round_1" / "global_critic"
+    committed = json.loads((run_root / "federated_summary.json").read_text())["rounds"][0]["aggregated_critic_sha256"]
+    _one_ulp(critic)
+    actual = CheckpointRef.for_directory(critic).sha256
+    _set_previous_hash(run_root, actual)
+    status, lines = _audit(run_root, capsys)
+    assert status == 1 and len(lines) == 4, lines
+    assert lines[3] == (f"round 2 critic: cannot verify: previous global model {critic} has content hash "
+                        f"{actual[:12]}..., the run record committed {committed[:12]}... for it: it was replaced "
+                        "after its commit and before this round stepped from it"), lines
+
+
+def test_a_mean_changed_below_the_tolerance_fails_its_commit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """FedAvg's round 1 global model moved by one ulp (1.2e-7 near 1, below the 1e-6 tolerance):
+    its recomputation would pass, its content hash is not the one the round committed."""
+    run_root = _run(tmp_path, FedAvgFSDP)
+    _one_ulp(run_root / "round_1" / "global")
+    status, lines = _audit(run_root, capsys)
+    assert (status, lines) == (1, [f"round 1: cannot verify: {run_root / 'round_1' / 'global'} changed since its "
+                                   "round was committed (content hash differs from the run record)"]), lines
+
+
+def test_the_help_of_allow_unhashed_lists_every_hash_it_lets_through(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        verify(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for case in ("content hash v1 or without content_hash", "a source's empty sha256", "an empty committed hash",
+                 "an empty previous-global hash", "a missing base_model_sha256",
+                 "a missing or empty optimiser state hash"):
+        assert case in text, (case, text)
