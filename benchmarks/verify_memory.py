@@ -4,7 +4,7 @@ rounds (FedAdam) or FedAvg's weighted means.
 
     python benchmarks/verify_memory.py                      # one 2048 x 4096 key (8.4M elements)
     python benchmarks/verify_memory.py --rows 4096 --also 4194304 1048576   # 16.8M; 4M and 1M chunks
-    python benchmarks/verify_memory.py --strategy fedavg    # FedAvg's audit (key_checks.verify_mean)
+    python benchmarks/verify_memory.py --strategy fedavg    # FedAvg's audit (mean_audit.verify_mean)
 
 The audit (:mod:`fedagent_flwr.checkpoint.verify_optimizer`) recomputes a round in float64: the
 clients' weighted mean and its magnitude, ``x``, the buffers, their bounds, the step's temporaries

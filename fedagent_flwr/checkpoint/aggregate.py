@@ -40,8 +40,8 @@ from fedagent_flwr.checkpoint.key_checks import (
     compare_keys,
     effective_keys,
     normalise_weights,
-    verify_mean,
 )
+from fedagent_flwr.checkpoint.mean_audit import verify_mean
 from fedagent_flwr.checkpoint.read_ahead import ReadAhead, ReadItem, ring_bytes
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError

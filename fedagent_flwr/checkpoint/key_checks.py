@@ -1,15 +1,13 @@
 """Checks shared by the aggregation and its audit: weights, keys and shapes, finite values.
 
-:func:`verify_mean` is the independent float64 recomputation of a written mean (tests and the
-``verify`` audit); :func:`check_compatible` is what the server asks of each client checkpoint
-before it is averaged.
+:func:`check_compatible` is what the server asks of each client checkpoint before it is averaged;
+the audit of a written mean is :mod:`.mean_audit`, which builds on these checks.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +18,7 @@ from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = [
     "all_finite", "check_compatible", "check_finite", "compare_keys", "count_non_finite", "effective_keys",
-    "non_finite_error", "normalise_weights", "verify_mean",
+    "non_finite_error", "normalise_weights",
 ]
 
 
@@ -57,22 +55,6 @@ def check_compatible(reader: CheckpointReader, reference: CheckpointReader) -> N
     hf_dir = find_config_dir(reference.huggingface_dir()) or find_config_dir(reader.huggingface_dir())
     ties = tied_weight_keys(hf_dir)
     compare_keys(reader, reference, ties, str(reader.directory), f"reference {reference.directory}")
-
-
-def verify_mean(
-    sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]
-) -> float:
-    """Recompute the weighted mean in float64 and return the max abs error of ``out_dir``.
-
-    Independent of :func:`weighted_mean`'s accumulation and writer, and read in chunks of rows
-    (:mod:`.mean_audit`, which holds it: tests and the ``verify`` audit). Raises CheckpointError
-    when the written keys or shapes are not the sources', an integer tensor differs, or any value
-    read (the written file's, a source's, a source's tied copy) is NaN or Inf.
-    """
-    # imported here: mean_audit builds on this module
-    from fedagent_flwr.checkpoint.mean_audit import recompute_mean
-
-    return recompute_mean(sources, out_dir)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""The audit of a weighted mean (FedAvg's rounds, :func:`.key_checks.verify_mean`), in float64 and
-in chunks of rows.
+"""The audit of a weighted mean (FedAvg's rounds: :func:`verify_mean`, for tests and the ``verify``
+audit), in float64 and in chunks of rows.
 
 Independent of :func:`.aggregate.weighted_mean`'s accumulation and writer: the written file is read
 with safetensors slices, each source with :meth:`.CheckpointReader.read_rows`, and the mean summed
@@ -32,10 +32,10 @@ from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
 from fedagent_flwr.checkpoint.verify_step import max_of, non_finite_in_audit
 
-__all__ = ["recompute_mean"]
+__all__ = ["verify_mean"]
 
 
-def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
+def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
     """The max abs error of the mean written in ``out_dir`` against the sources' float64 weighted
     mean (module docstring). CheckpointError when the written keys or shapes are not the sources',
     an integer tensor differs, a float tensor is not float32, or a value read is NaN or Inf."""
@@ -56,7 +56,7 @@ def recompute_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: s
 
 
 def _key_error(readers: list[CheckpointReader], weights: list[float], written: Any, key: str, out_dir: Path) -> float:
-    """The max abs error of ``key``, chunk by chunk; the refusals of :func:`recompute_mean`."""
+    """The max abs error of ``key``, chunk by chunk; the refusals of :func:`verify_mean`."""
     reference = readers[0]
     shape = reference.shape(key)
     for where, got in [(out_dir / MODEL_FILE, tuple(written.get_slice(key).get_shape()))] + [

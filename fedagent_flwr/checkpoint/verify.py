@@ -47,7 +47,7 @@ from safetensors import safe_open
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
-from fedagent_flwr.checkpoint.key_checks import verify_mean
+from fedagent_flwr.checkpoint.mean_audit import verify_mean
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.verify_optimizer import (

@@ -21,7 +21,7 @@ more inputs, all of which the run recorded:
 The step is restated here from Flower's formulas (``FedAvgM``: ``g = x - a``, ``momentum = mu
 momentum + g``, ``x - lr momentum``; ``FedOpt``: ``delta = a - x``, ``m = beta_1 m + (1 - beta_1)
 delta``, FedAdam/FedYogi/FedAdagrad's ``v``, ``x + step m / (sqrt(v) + tau)``), never by calling the
-strategy's code: an independent oracle, as :func:`.key_checks.verify_mean` is for the mean. Both the
+strategy's code: an independent oracle, as :func:`.mean_audit.verify_mean` is for the mean. Both the
 new global model and the new state's buffers are compared with the files on disk; the round's error
 reported is the larger of the two max abs errors. A client's tied copy that the written file leaves
 out (``lm_head.weight`` of tied embeddings, rebuilt from its partner on load) is held to its partner
