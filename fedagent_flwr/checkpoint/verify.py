@@ -174,15 +174,17 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
         print(f"{name}: {label.replace('_', ' ')} removed by the run (storage.keep_last_k); not checked")
         return True
     try:
+        notes: list[str] = []
+        if check_hashes:  # first: a run that removed its client checkpoints still has its commits to check
+            _check_commit(global_dir, committed, allow_unhashed, notes)
         if "client_checkpoints" in removed:
             recorded_sources(global_dir, ("weighted_mean", *OPTIMIZER_RULES))  # a rule this audit cannot check
             # is still reported
-            print(f"{name}: client checkpoints removed by the run after the round was committed "
-                  "(storage.keep_client_checkpoints=false); not checked")
+            kept = "content hash as committed; " if check_hashes and committed else ""
+            remarks = "".join(f"; {text}" for text in notes)
+            print(f"{name}: {kept}client checkpoints removed by the run after the round was committed "
+                  f"(storage.keep_client_checkpoints=false); recomputation not checked{remarks}")
             return True
-        notes: list[str] = []
-        if check_hashes:
-            _check_commit(global_dir, committed, allow_unhashed, notes)
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, name, clients, run_root, check_hashes, tolerance,
                                     removed_by_run, summary, previous, allow_unhashed, notes)

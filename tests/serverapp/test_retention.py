@@ -118,7 +118,7 @@ def test_committed_rounds_keep_only_what_a_resume_needs(tmp_path: Path, tiny_mod
     audit = audit_run(run_dir)
     assert audit.returncode == 0, audit.stdout + audit.stderr
     assert "round 1: global model removed by the run (storage.keep_last_k)" in audit.stdout
-    assert "round 3: client checkpoints removed by the run" in audit.stdout
+    assert "round 3: content hash as committed; client checkpoints removed by the run" in audit.stdout
 
     assert _not_group_readable(run_dir) == []  # files 0644, directories 0755 under the usual umask 022
 

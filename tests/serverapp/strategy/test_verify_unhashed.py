@@ -215,12 +215,21 @@ def test_a_previous_model_replaced_after_its_commit_is_named_with_both_hashes(
                         "after its commit and before this round stepped from it"), lines
 
 
+@pytest.mark.parametrize("clients_removed", [False, True], ids=["clients-kept", "clients-removed"])
 def test_a_mean_changed_below_the_tolerance_fails_its_commit(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], clients_removed: bool,
 ) -> None:
     """FedAvg's round 1 global model moved by one ulp (1.2e-7 near 1, below the 1e-6 tolerance):
-    its recomputation would pass, its content hash is not the one the round committed."""
+    its recomputation would pass, its content hash is not the one the round committed. The commit
+    is checked when the run removed its client checkpoints too (the default,
+    storage.keep_client_checkpoints=false), where nothing can be recomputed."""
     run_root = _run(tmp_path, FedAvgFSDP)
+    if clients_removed:
+        _edit_summary(run_root, {}, {"removed": {"client_checkpoints": 1}})
+        status, lines = _audit(run_root, capsys)
+        assert (status, lines) == (0, ["round 1: content hash as committed; client checkpoints removed by the run "
+                                       "after the round was committed (storage.keep_client_checkpoints=false); "
+                                       "recomputation not checked"]), lines
     _one_ulp(run_root / "round_1" / "global")
     status, lines = _audit(run_root, capsys)
     assert (status, lines) == (1, [f"round 1: cannot verify: {run_root / 'round_1' / 'global'} changed since its "
