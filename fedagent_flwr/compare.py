@@ -34,7 +34,7 @@ from typing import Any
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
-from fedagent_flwr.outcome import SummaryError, load_summary
+from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
 
 #: The last-rounds window: each run's mean validation success over the last this-many rounds it was
 #: planned to run (rounds 8-10 of a 10-round run), the statistic docs/results.md §4 declares for
@@ -196,11 +196,14 @@ def _check_runs(runs: list[RunStatistic], statistic: str, window: int) -> None:
     different numbers of rounds, a run without the rounds the primary statistic needs."""
     seen: dict[Any, RunStatistic] = {}
     for run in runs:
-        key = run.run_id if run.run_id is not None else str(Path(run.run).resolve())
-        if key in seen:
-            raise CompareError(f"{seen[key].run} ({seen[key].arm}) and {run.run} ({run.arm}) are the same run "
-                               f"(run id {run.run_id}): give each run once")
-        seen[key] = run
+        # the same summary file (a run directory and its summary count alike) or the same run id
+        keys = [("file", summary_path(run.run).resolve())] + ([("id", run.run_id)] if run.run_id is not None else [])
+        for key in keys:
+            if key in seen:
+                same = f"run id {run.run_id}" if key[0] == "id" else f"summary {key[1]}"
+                raise CompareError(f"{seen[key].run} ({seen[key].arm}) and {run.run} ({run.arm}) are the same run "
+                                   f"({same}): give each run once")
+        seen.update((key, run) for key in keys)
     totals = {run.total_rounds for run in runs}
     if len(totals) > 1:
         listed = "; ".join(f"{run.run} ({run.arm}): {run.total_rounds}" for run in runs)
@@ -211,6 +214,9 @@ def _check_runs(runs: list[RunStatistic], statistic: str, window: int) -> None:
     for run in runs:
         if getattr(run, statistic) is None:
             end = run.last_round if run.unfinished else run.total_rounds
+            if statistic == "window" and end < window:
+                raise CompareError(f"{run.run} has {end} round(s), fewer than the --window of {window} its window "
+                                   "statistic needs: leave it out, or choose a smaller --window or --statistic final")
             rounds = f"rounds {end - window + 1}-{end}" if statistic == "window" else f"round {end}"
             raise CompareError(f"{run.run} has no validation point for every one of {rounds}, which its {statistic} "
                                "statistic needs (an evaluation recorded nothing): leave it out, or choose "
@@ -231,6 +237,8 @@ def _reading(first: str, second: str, found: SeedDifference | None, n_a: int, n_
     """In words, what the interval shows, as docs/results.md reads its comparisons."""
     if found is None:
         return f"no interval over runs: needs 2 or more runs an arm (here {n_a} and {n_b})"
+    if found.low == found.high:  # no run differs from its arm's others: Welch has no interval to give
+        return "no spread between runs: no interval, so no direction shown"
     if found.low > 0:
         return f"{first} ahead"
     if found.high < 0:
@@ -253,8 +261,8 @@ def pairs(arms: dict[str, dict[str, Any]], statistic: str) -> list[dict[str, Any
                 # arm has (its rounds' evaluations recorded nothing)
                 "difference": (None if not a["per_run"] or not b["per_run"] else
                                round(mean_and_sd(a["per_run"])[0] - mean_and_sd(b["per_run"])[0], 4)),
-                "ci95": None if diff is None else [round(diff.low, 4), round(diff.high, 4)],
-                "seeds_needed": None if diff is None else diff.seeds_needed,
+                "ci95": None if diff is None or diff.low == diff.high else [round(diff.low, 4), round(diff.high, 4)],
+                "seeds_needed": None if diff is None or diff.low == diff.high else diff.seeds_needed,
                 "reading": _reading(first, second, diff, len(a["per_run"]), len(b["per_run"])),
             })
     return found
@@ -282,8 +290,9 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
              "its final round's episodes is in the runs table" for name, row in table.items() if row["runs"] < 2]
     notes += [f"{run.run} ({run.arm}) is unfinished ({run.unfinished}): included on request "
               "(--allow-unfinished), on the rounds it has" for run in runs if run.unfinished]
-    notes += [f"{run.run} ({run.arm}) has no {secondary} value (an evaluation recorded nothing): it is left out "
-              f"of the {secondary} (secondary) comparison" for run in runs if getattr(run, secondary) is None]
+    notes += [f"{run.run} ({run.arm}) has no {secondary} value (fewer rounds than it needs, or an evaluation "
+              f"recorded nothing): it is left out of the {secondary} (secondary) comparison"
+              for run in runs if getattr(run, secondary) is None]
     notes += [f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
               f"{'; '.join(run.deviations)}" for run in runs if run.deviations and not run.unfinished]
     for name in arms:

@@ -137,6 +137,11 @@ def test_the_reading_says_which_arm_is_ahead_or_that_none_is_shown(tmp_path: Pat
                         ("high", "mixed"): "no difference shown at 3 and 2 runs an arm"}
     report = compare({"high": high, "low": low})
     assert [p["reading"] for p in report["pairs"] if p["statistic"] == "window"] == ["high ahead"]
+    # no spread in either arm (deterministic runs, arms stuck at one value): no interval, no direction
+    flat_a, flat_b = _arm(tmp_path / "a", "a", [0.3, 0.3]), _arm(tmp_path / "b", "b", [0.29, 0.29])
+    (pair,) = [p for p in compare({"a": flat_a, "b": flat_b})["pairs"] if p["statistic"] == "window"]
+    assert (pair["reading"], pair["ci95"], pair["seeds_needed"]) == (
+        "no spread between runs: no interval, so no direction shown", None, None)
 
 
 def test_the_window_and_the_primary_statistic_are_options(tmp_path: Path) -> None:
@@ -208,10 +213,20 @@ def test_runs_that_cannot_be_compared_are_refused_in_one_line(
         f"fedagent compare: {gap} has no validation point for every one of rounds 8-10, which its window statistic "
         "needs (an evaluation recorded nothing): leave it out, or choose another --statistic")
     assert cli.main(["compare", "--arm", "a", *good, "--arm", "b", str(gap), "--statistic", "final"]) == 0
-    assert (f"- {gap} (b) has no window value (an evaluation recorded nothing): it is left out of the window "
-            "(secondary) comparison") in capsys.readouterr().out
+    assert (f"- {gap} (b) has no window value (fewer rounds than it needs, or an evaluation recorded nothing): it "
+            "is left out of the window (secondary) comparison") in capsys.readouterr().out
     assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", good[1]]) == (
-        f"fedagent compare: {good[1]} (a) and {good[1]} (b) are the same run (run id good-s5): give each run once")
+        f"fedagent compare: {good[1]} (a) and {good[1]} (b) are the same run (summary "
+        f"{Path(good[1]).resolve() / 'federated_summary.json'}): give each run once")
+    # a run directory and its summary file are one run, with no run id to tell (a summary by hand)
+    summary = Path(good[1]) / "federated_summary.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != "run_id"}))
+    assert "are the same run (summary " in _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(summary)])
+    # an unfinished run with fewer rounds than the window: said so, not an evaluation that recorded nothing
+    early = _run(tmp_path / "early", [0.1, 0.2], total_rounds=10, status=None)
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(early), "--allow-unfinished"]) == (
+        f"fedagent compare: {early} has 1 round(s), fewer than the --window of 3 its window statistic needs: leave "
+        "it out, or choose a smaller --window or --statistic final")
     missing = tmp_path / "nowhere"
     assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(missing)]) == (
         f"fedagent compare: {missing}/federated_summary.json does not exist: the run wrote no record; give a run "
