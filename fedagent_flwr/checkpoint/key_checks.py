@@ -100,12 +100,6 @@ def non_finite_error(key: str, bad: int, source: str) -> CheckpointError:
     )
 
 
-
-
-def _max_abs(delta: torch.Tensor) -> float:
-    return float(delta.abs().max()) if delta.numel() else 0.0
-
-
 def effective_keys(reader: CheckpointReader, ties: dict[str, str]) -> list[str]:
     present = set(reader.keys())
     return [k for k in reader.keys() if not (k in ties and ties[k] in present)]

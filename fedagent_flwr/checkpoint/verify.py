@@ -16,8 +16,9 @@ the tolerance). PPO's global critics are audited the same way (``round <r> criti
 status 1 if any round is off by more than the tolerance or cannot be checked. A round whose client
 checkpoints, previous global model or previous optimiser state the run record says it removed after
 its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
-reported as removed and not checked (one missing without that record fails); keep the client
-checkpoints to audit a run (that also keeps every round's optimiser state).
+reported as removed and not recomputed (one missing without that record fails; a global model still
+there has its commit checked all the same); keep the client checkpoints to audit a run (that also
+keeps every round's optimiser state).
 
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
