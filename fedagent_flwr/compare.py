@@ -293,8 +293,12 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     notes += [f"{run.run} ({run.arm}) has no {secondary} value (fewer rounds than it needs, or an evaluation "
               f"recorded nothing): it is left out of the {secondary} (secondary) comparison"
               for run in runs if getattr(run, secondary) is None]
-    notes += [f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
-              f"{'; '.join(run.deviations)}" for run in runs if run.deviations and not run.unfinished]
+    for run in runs:
+        # an unfinished run's status is in its note above; the rounds that lost clients are not
+        found = [d for d in run.deviations if not (run.unfinished and d == f"status {run.status}")]
+        if found:
+            notes.append(f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
+                         f"{'; '.join(found)}")
     for name in arms:
         seeds = [run.seed for run in runs if run.arm == name and run.seed is not None]
         twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})

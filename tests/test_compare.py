@@ -30,10 +30,11 @@ def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_rounds: int | None = None,
-         status: str | None = "completed", n: int = 64, mode: str = "federated") -> Path:
+         status: str | None = "completed", n: int = 64, mode: str = "federated", lacking: tuple[int, ...] = ()
+         ) -> Path:
     """A run record written by the recorder: validation ``rates`` from round 0 on (None: that round's
-    evaluation recorded nothing), each round committed; ``status`` None leaves it running (a
-    ServerApp killed mid-run)."""
+    evaluation recorded nothing; a round in ``lacking``: its point lacks client 1's episodes), each
+    round committed; ``status`` None leaves it running (a ServerApp killed mid-run)."""
     total = len(rates) - 1 if total_rounds is None else total_rounds
     recorder = RunRecorder(run_dir, {"run_id": f"{run_dir.name}", "base_model": "/m", "env_kind": "tinyguess",
                                      "mode": mode, "strategy": "fedavg", "total_rounds": total,
@@ -42,7 +43,8 @@ def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_round
         if rate is None:
             recorder.record_eval_failure(server_round=r, model=f"/m{r}", failed={0: "killed"})
         else:
-            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
+            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate},
+                                 failed={1: "killed"} if r in lacking else None)
         recorder.complete_round(r)
     if status is not None:
         recorder.finish(status, "" if status == "completed" else "for the test")
@@ -194,6 +196,22 @@ def test_unfinished_runs_are_refused_unless_asked_for_and_then_flagged(
     # its last 3 rounds, 3-5, and its round 5
     assert f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 | 0.600 |" in out
     assert f"- {running} (late) is unfinished (status running, round 5 of 10): included on request" in out
+
+
+def test_an_unfinished_runs_deviations_are_listed_as_a_finished_runs_are(tmp_path: Path) -> None:
+    """Round 4's evaluation lacked client 1: said under the tables whether or not the run finished
+    (its status is in its unfinished note already, so it is not repeated)."""
+    done = _arm(tmp_path, "done", [0.3, 0.4])
+    running = _run(tmp_path / "running", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], total_rounds=10, status=None, lacking=(4,))
+    finished = _run(tmp_path / "finished", [0.1] * 11, seed=2, lacking=(4,))
+    notes = compare({"done": done, "late": [running, finished]}, allow_unfinished=True)["notes"]
+    assert notes == [
+        f"{running} (late) is unfinished (status running, round 5 of 10): included on request (--allow-unfinished), "
+        "on the rounds it has",
+        f"{running} (late) did not run as planned, and its values include these rounds: round 4's evaluation lacks "
+        "client(s) [1]",
+        f"{finished} (late) did not run as planned, and its values include these rounds: round 4's evaluation lacks "
+        "client(s) [1]"]
 
 
 def test_runs_that_cannot_be_compared_are_refused_in_one_line(
