@@ -25,6 +25,7 @@ uses these functions on a GPU node's bare ``python3``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -369,6 +370,22 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _json_problem(path: Path) -> str | None:
+    """Why the comparison cannot be written to ``path``, or None. Checked before anything is printed,
+    so that a report is not printed and then lost to a bad ``--json``; a missing directory is no
+    problem (the atomic write makes it, as every run file's does)."""
+    if path.is_dir():
+        return "it is a directory"
+    parent = path.parent
+    while not parent.exists() and not parent.is_symlink():  # the nearest that exists decides
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
+
+
 def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
     """``--arm NAME DIR [DIR ...]`` or ``--arm NAME=DIR [DIR ...]`` as ``(name, dirs)``."""
     first, rest = values[0], values[1:]
@@ -407,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"--arm {name!r}: {'an empty name' if not name else 'named twice'}; give each "
                                    "arm once, as --arm NAME DIR [DIR ...]")
             arms[name] = runs
+        problem = None if args.json is None else _json_problem(args.json)
+        if problem:
+            raise CompareError(f"cannot write --json {args.json}: {problem}; name a file in a directory you can "
+                               "write (missing directories are made)")
         report = compare(arms, args.window, args.statistic, args.allow_unfinished)
     except CompareError as exc:
         print(f"fedagent compare: {exc}", file=sys.stderr)

@@ -274,6 +274,26 @@ def test_the_command_prints_the_tables_and_writes_the_same_as_json(
     assert cli.main(["--help"]) == 0 and "  compare  " in capsys.readouterr().out
 
 
+def test_a_json_file_that_cannot_be_written_is_refused_before_anything_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the tables, then a traceback or an errno about a temporary name: one line naming the file and
+    what to do, exit 2, nothing printed or left behind. A missing directory is made, as before."""
+    a, b = _arm(tmp_path, "a", [0.3, 0.4]), _arm(tmp_path, "b", [0.1])
+    argv = ["--arm", "a", *map(str, a), "--arm", "b", *map(str, b)]
+    (tmp_path / "afile").write_text("not a directory")
+    for where, why in ((tmp_path / "afile" / "cmp.json", f"{tmp_path / 'afile'} is not a directory"),
+                       (tmp_path / "afile" / "sub" / "cmp.json", f"{tmp_path / 'afile'} is not a directory"),
+                       (tmp_path, "it is a directory")):
+        assert _refusal(capsys, [*argv, "--json", str(where)]) == (
+            f"fedagent compare: cannot write --json {where}: {why}; name a file in a directory you can write "
+            "(missing directories are made)")
+    assert not list(tmp_path.glob(".*"))  # no temporary left beside the directory given as FILE
+    made = tmp_path / "new" / "dir" / "cmp.json"
+    assert cli.main(["compare", *argv, "--json", str(made)]) == 0
+    assert markdown(json.loads(made.read_text())) == capsys.readouterr().out
+
+
 def test_an_arm_that_mixes_configs_or_repeats_a_seed_is_named(tmp_path: Path) -> None:
     """Not refused (a repeated seed is another draw of GPU run-to-run spread), but said under the tables."""
     a = [_run(tmp_path / "a1", [0.0, 0.3, 0.3, 0.3], seed=1),
