@@ -193,9 +193,32 @@ def test_unfinished_runs_are_refused_unless_asked_for_and_then_flagged(
     assert cli.main(["compare", "--arm", "done", *map(str, done), "--arm", "late", str(running), *map(str, other),
                      "--allow-unfinished"]) == 0
     out = capsys.readouterr().out
-    # its last 3 rounds, 3-5, and its round 5
-    assert f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 | 0.600 |" in out
+    # its last 3 rounds, 3-5, and its round 5, each named as such
+    assert (f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 (rounds 3–5) | "
+            "0.600 (round 5) | [0.478, 0.711] (round 5) | 64 |") in out
     assert f"- {running} (late) is unfinished (status running, round 5 of 10): included on request" in out
+
+
+def test_an_unfinished_runs_values_are_not_put_under_rounds_they_do_not_cover(tmp_path: Path) -> None:
+    """A run stopped at round 5 of 10 has its window over rounds 3-5 and its final value at round 5:
+    its cells say so, and its arm's means (arms and pairs tables) are marked, rather than standing
+    under 'rounds 8–10' and 'round 10' as if they were those rounds'."""
+    done = _arm(tmp_path, "done", [0.3, 0.4])
+    running = _run(tmp_path / "running", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], total_rounds=10, status=None)
+    report = compare({"done": done, "late": [running]}, allow_unfinished=True)
+    assert [(r["window_rounds"], r["final_round"]) for r in report["runs"]] == [([8, 10], 10)] * 2 + [([3, 5], 5)]
+    text = markdown(report)
+    assert (f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 (rounds 3–5) | "
+            "0.600 (round 5) | [0.478, 0.711] (round 5) | 64 |") in text
+    assert f"| done | {done[0]} | 4 | completed | 0.300 | 0.300 | [0.202, 0.421] | 64 |" in text
+    assert "| late† | 1 | 0.500 | – | 0.600 | – |" in text and "| done | 2 | 0.350 |" in text
+    assert text.count("| done − late† | ") == 2  # the primary and the secondary pair
+    assert ("† the arm's means include an unfinished run's values, which cover the rounds that run has (named in "
+            "its row of the runs table), not the headings' rounds.") in text
+    # failed at its last planned round: its values are the headings' rounds, nothing to mark
+    failed = _run(tmp_path / "failed", [0.1] * 11, status="failed")
+    text = markdown(compare({"done": done, "f": [failed]}, allow_unfinished=True))
+    assert "†" not in text and "| f | 1 | 0.100 | – | 0.100 | – |" in text
 
 
 def test_an_unfinished_runs_deviations_are_listed_as_a_finished_runs_are(tmp_path: Path) -> None:
@@ -212,6 +235,20 @@ def test_an_unfinished_runs_deviations_are_listed_as_a_finished_runs_are(tmp_pat
         "client(s) [1]",
         f"{finished} (late) did not run as planned, and its values include these rounds: round 4's evaluation lacks "
         "client(s) [1]"]
+
+
+def test_a_window_of_one_round_is_the_final_round_shown_once(tmp_path: Path) -> None:
+    """``--window 1`` makes the window the final round: the two statistics are one, so it is shown once
+    (no two columns both headed 'round 10', no secondary table repeating the primary) and said so."""
+    report = compare({"a": _arm(tmp_path, "a", [0.3, 0.4]), "b": _arm(tmp_path, "b", [0.1, 0.2])}, window=1)
+    text = markdown(report)
+    headers = [line.split(" | ") for line in text.splitlines() if line.startswith("| arm | ")]
+    assert len(headers) == 2 and all(len(cells) == len(set(cells)) for cells in headers)
+    assert "| arm | run | seed | status | round 10 | 95% Wilson (round 10) | n episodes |" in text
+    assert "| a | 2 | 0.350 | 0.071 |" in text.splitlines()
+    assert "--window 1 makes the window the final round, so the two statistics are one: no secondary is shown." in text
+    assert "(secondary)" not in text and text.count("| a − b | ") == 1
+    assert [p["statistic"] for p in report["pairs"]] == ["window", "final"]  # the JSON keeps both
 
 
 def test_runs_that_cannot_be_compared_are_refused_in_one_line(
