@@ -15,8 +15,9 @@ docs/results.md states its results; which statistic is primary should be chosen 
 
 Runs that cannot be compared as they are are refused, one line naming the run and what to do: an
 unreadable or unfinished run (status running or failed, or fewer rounds than planned:
-``--allow-unfinished`` includes it, flagged, on the rounds it has), a run without a validation curve
-or without the rounds its statistic needs, runs of different total rounds, a run given twice.
+``--allow-unfinished`` includes it, flagged, on the rounds it has, which its cells name), a run
+without a validation curve or without the rounds its statistic needs, runs of different total
+rounds, a run given twice.
 
 Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
 uses these functions on a GPU node's bare ``python3``.
@@ -25,6 +26,7 @@ uses these functions on a GPU node's bare ``python3``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -131,8 +133,10 @@ def deviations(summary: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class RunStatistic:
-    """One run's values: its statistics, the final round's episodes and Wilson interval, and
-    ``unfinished`` (why it did not end as planned; empty when it did)."""
+    """One run's values: its statistics, the rounds they cover (``window_rounds``, None without a
+    window; ``final_round``: the rounds planned, or for an unfinished run the last ones it has), the
+    final round's episodes and Wilson interval, and ``unfinished`` (why it did not end as planned;
+    empty when it did)."""
 
     arm: str
     run: str
@@ -144,6 +148,8 @@ class RunStatistic:
     last_round: int
     window: float | None
     final: float | None
+    window_rounds: tuple[int, int] | None
+    final_round: int
     final_n: int
     final_ci95: tuple[float, float]
     unfinished: str
@@ -187,6 +193,7 @@ def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinis
     return RunStatistic(arm=arm, run=str(run), run_id=summary.get("run_id"),
                         seed=int(seed) if isinstance(seed, int) else None, status=status, config=config,
                         total_rounds=total, last_round=last, window=window_mean(curve, end, window), final=rate,
+                        window_rounds=(end - window + 1, end) if end >= window else None, final_round=end,
                         final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished,
                         deviations=tuple(deviations(summary)))
 
@@ -293,8 +300,12 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     notes += [f"{run.run} ({run.arm}) has no {secondary} value (fewer rounds than it needs, or an evaluation "
               f"recorded nothing): it is left out of the {secondary} (secondary) comparison"
               for run in runs if getattr(run, secondary) is None]
-    notes += [f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
-              f"{'; '.join(run.deviations)}" for run in runs if run.deviations and not run.unfinished]
+    for run in runs:
+        # an unfinished run's status is in its note above; the rounds that lost clients are not
+        found = [d for d in run.deviations if not (run.unfinished and d == f"status {run.status}")]
+        if found:
+            notes.append(f"{run.run} ({run.arm}) did not run as planned, and its values include these rounds: "
+                         f"{'; '.join(found)}")
     for name in arms:
         seeds = [run.seed for run in runs if run.arm == name and run.seed is not None]
         twice = sorted({seed for seed in seeds if seeds.count(seed) > 1})
@@ -306,47 +317,73 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     return {
         "statistic": statistic, "secondary": secondary, "window": window, "total_rounds": total,
         "window_rounds": [total - window + 1, total],
-        "runs": [{**asdict(run), "final_ci95": list(run.final_ci95)} for run in runs],
+        "runs": [{**asdict(run), "final_ci95": list(run.final_ci95),
+                  "window_rounds": None if run.window_rounds is None else list(run.window_rounds)} for run in runs],
         "arms": table,
         "pairs": pairs(table, statistic) + pairs(table, secondary),
         "notes": notes,
     }
 
 
+def _rounds(first: int, last: int) -> str:
+    return f"rounds {first}–{last}" if first != last else f"round {last}"
+
+
 def _label(report: dict[str, Any], statistic: str) -> str:
-    first, last = report["window_rounds"]
+    """The rounds ``statistic`` covers as planned: the tables' headings."""
     if statistic == "window":
-        return f"rounds {first}–{last}" if first != last else f"round {last}"
-    return f"round {report['total_rounds']}"
+        return _rounds(*report["window_rounds"])
+    return _rounds(report["total_rounds"], report["total_rounds"])
 
 
 def _value(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+def _cell(report: dict[str, Any], run: dict[str, Any], statistic: str) -> str:
+    """A run's value under its heading; an unfinished run's value, which covers the rounds the run has
+    rather than the heading's, names them (a heading must not claim rounds a value does not cover)."""
+    if run[statistic] is None or run["final_round"] == report["total_rounds"]:
+        return _value(run[statistic])
+    own = run["window_rounds"] if statistic == "window" else [run["final_round"]] * 2
+    return f"{_value(run[statistic])} ({_rounds(*own)})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The comparison as markdown tables: runs, arms, and pairs on the primary statistic, then on
-    the secondary one."""
-    primary, secondary = report["statistic"], report["secondary"]
-    window, final = _label(report, "window"), _label(report, "final")
-    what = (f"mean validation success over the last {report['window']} of {report['total_rounds']} rounds"
-            if primary == "window" else f"validation success at the last of {report['total_rounds']} rounds")
+    the secondary one. With ``--window 1`` the window is the final round: the two statistics are one,
+    shown once, rather than twice under one heading. An arm whose means include an unfinished run's
+    values from other rounds than the headings' is marked ``†`` in the arms and pairs tables (the
+    runs table names that run's rounds in its cells)."""
+    primary, secondary, total = report["statistic"], report["secondary"], report["total_rounds"]
+    single = report["window"] == 1
+    shown = (primary,) if single else STATISTICS
+    final = _label(report, "final")
+    moved = {run["arm"] for run in report["runs"] if run["final_round"] != total}
+    marked = {name: name + ("†" if name in moved else "") for name in report["arms"]}
+    what = (f"mean validation success over the last {report['window']} of {total} rounds"
+            if primary == "window" else f"validation success at the last of {total} rounds")
     lines = [f"Primary statistic ({primary}): {_label(report, primary)}, {what}; declare it before the runs. "
-             f"Secondary: {_label(report, secondary)}.", ""]
-    lines += [f"| arm | run | seed | status | {window} | {final} | 95% Wilson ({final}) | n episodes |",
-              "|---|---|---|---|---|---|---|---|"]
+             + ("--window 1 makes the window the final round, so the two statistics are one: no secondary is shown."
+                if single else f"Secondary: {_label(report, secondary)}."), ""]
+    lines += [f"| arm | run | seed | status | {' | '.join(_label(report, s) for s in shown)} | 95% Wilson ({final}) | "
+              "n episodes |", "|---" * (6 + len(shown)) + "|"]
     for run in report["runs"]:
         status = run["status"] + (f" (unfinished: {run['unfinished']})" if run["unfinished"] else "")
         low, high = run["final_ci95"]
+        own = "" if run["final_round"] == total else f" ({_rounds(run['final_round'], run['final_round'])})"
         lines.append(f"| {run['arm']} | {run['run']} | {'–' if run['seed'] is None else run['seed']} | {status} | "
-                     f"{_value(run['window'])} | {_value(run['final'])} | [{low:.3f}, {high:.3f}] | "
-                     f"{run['final_n']} |")
-    lines += ["", f"| arm | runs | {window}: mean over runs | sd | {final}: mean over runs | sd |",
-              "|---|---|---|---|---|---|"]
+                     + "".join(f"{_cell(report, run, s)} | " for s in shown)
+                     + f"[{low:.3f}, {high:.3f}]{own} | {run['final_n']} |")
+    lines += ["", f"| arm | runs | {' | '.join(f'{_label(report, s)}: mean over runs | sd' for s in shown)} |",
+              "|---" * (2 + 2 * len(shown)) + "|"]
     for name, row in report["arms"].items():
-        lines.append(f"| {name} | {row['runs']} | {_value(row['window']['mean'])} | {_value(row['window']['sd'])} | "
-                     f"{_value(row['final']['mean'])} | {_value(row['final']['sd'])} |")
-    for statistic, role in ((primary, "primary"), (secondary, "secondary")):
+        lines.append(f"| {marked[name]} | {row['runs']} | "
+                     + "".join(f"{_value(row[s]['mean'])} | {_value(row[s]['sd'])} | " for s in shown).rstrip())
+    if moved:
+        lines += ["", "† the arm's means include an unfinished run's values, which cover the rounds that run has "
+                  "(named in its row of the runs table), not the headings' rounds."]
+    for statistic, role in ((primary, "primary"), (secondary, "secondary"))[:len(shown)]:
         lines += ["", f"{_label(report, statistic)} ({role}), A − B with Welch's 95% interval over runs:", "",
                   "| A − B | A | B | A − B | 95% over runs | reading | runs an arm for this gap |",
                   "|---|---|---|---|---|---|---|"]
@@ -356,13 +393,29 @@ def markdown(report: dict[str, Any]) -> str:
             needed = ("–" if pair["ci95"] is None else
                       "over 200" if pair["seeds_needed"] is None else str(pair["seeds_needed"]))
             difference = "–" if pair["difference"] is None else f"{pair['difference']:+.3f}"
-            lines.append(f"| {first} − {second} | {_value(report['arms'][first][statistic]['mean'])} | "
+            lines.append(f"| {marked[first]} − {marked[second]} | {_value(report['arms'][first][statistic]['mean'])} | "
                          f"{_value(report['arms'][second][statistic]['mean'])} | {difference} | {ci} | "
                          f"{pair['reading']} | {needed} |")
     lines += ["", "Runs an arm for this gap: for the interval over runs to exclude 0 with 80% power if the gap and "
               "the runs' spreads were the ones seen here (a plan, as uncertain as those spreads)."]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _json_problem(path: Path) -> str | None:
+    """Why the comparison cannot be written to ``path``, or None. Checked before anything is printed,
+    so that a report is not printed and then lost to a bad ``--json``; a missing directory is no
+    problem (the atomic write makes it, as every run file's does)."""
+    if path.is_dir():
+        return "it is a directory"
+    parent = path.parent
+    while not parent.exists() and not parent.is_symlink():  # the nearest that exists decides
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
 
 
 def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
@@ -403,6 +456,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"--arm {name!r}: {'an empty name' if not name else 'named twice'}; give each "
                                    "arm once, as --arm NAME DIR [DIR ...]")
             arms[name] = runs
+        problem = None if args.json is None else _json_problem(args.json)
+        if problem:
+            raise CompareError(f"cannot write --json {args.json}: {problem}; name a file in a directory you can "
+                               "write (missing directories are made)")
         report = compare(arms, args.window, args.statistic, args.allow_unfinished)
     except CompareError as exc:
         print(f"fedagent compare: {exc}", file=sys.stderr)

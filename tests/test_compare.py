@@ -30,10 +30,11 @@ def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_rounds: int | None = None,
-         status: str | None = "completed", n: int = 64, mode: str = "federated") -> Path:
+         status: str | None = "completed", n: int = 64, mode: str = "federated", lacking: tuple[int, ...] = ()
+         ) -> Path:
     """A run record written by the recorder: validation ``rates`` from round 0 on (None: that round's
-    evaluation recorded nothing), each round committed; ``status`` None leaves it running (a
-    ServerApp killed mid-run)."""
+    evaluation recorded nothing; a round in ``lacking``: its point lacks client 1's episodes), each
+    round committed; ``status`` None leaves it running (a ServerApp killed mid-run)."""
     total = len(rates) - 1 if total_rounds is None else total_rounds
     recorder = RunRecorder(run_dir, {"run_id": f"{run_dir.name}", "base_model": "/m", "env_kind": "tinyguess",
                                      "mode": mode, "strategy": "fedavg", "total_rounds": total,
@@ -42,7 +43,8 @@ def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_round
         if rate is None:
             recorder.record_eval_failure(server_round=r, model=f"/m{r}", failed={0: "killed"})
         else:
-            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate})
+            recorder.record_eval(server_round=r, model=f"/m{r}", metrics={"num-examples": n, "success-rate": rate},
+                                 failed={1: "killed"} if r in lacking else None)
         recorder.complete_round(r)
     if status is not None:
         recorder.finish(status, "" if status == "completed" else "for the test")
@@ -191,9 +193,62 @@ def test_unfinished_runs_are_refused_unless_asked_for_and_then_flagged(
     assert cli.main(["compare", "--arm", "done", *map(str, done), "--arm", "late", str(running), *map(str, other),
                      "--allow-unfinished"]) == 0
     out = capsys.readouterr().out
-    # its last 3 rounds, 3-5, and its round 5
-    assert f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 | 0.600 |" in out
+    # its last 3 rounds, 3-5, and its round 5, each named as such
+    assert (f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 (rounds 3–5) | "
+            "0.600 (round 5) | [0.478, 0.711] (round 5) | 64 |") in out
     assert f"- {running} (late) is unfinished (status running, round 5 of 10): included on request" in out
+
+
+def test_an_unfinished_runs_values_are_not_put_under_rounds_they_do_not_cover(tmp_path: Path) -> None:
+    """A run stopped at round 5 of 10 has its window over rounds 3-5 and its final value at round 5:
+    its cells say so, and its arm's means (arms and pairs tables) are marked, rather than standing
+    under 'rounds 8–10' and 'round 10' as if they were those rounds'."""
+    done = _arm(tmp_path, "done", [0.3, 0.4])
+    running = _run(tmp_path / "running", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], total_rounds=10, status=None)
+    report = compare({"done": done, "late": [running]}, allow_unfinished=True)
+    assert [(r["window_rounds"], r["final_round"]) for r in report["runs"]] == [([8, 10], 10)] * 2 + [([3, 5], 5)]
+    text = markdown(report)
+    assert (f"| late | {running} | 1 | running (unfinished: status running, round 5 of 10) | 0.500 (rounds 3–5) | "
+            "0.600 (round 5) | [0.478, 0.711] (round 5) | 64 |") in text
+    assert f"| done | {done[0]} | 4 | completed | 0.300 | 0.300 | [0.202, 0.421] | 64 |" in text
+    assert "| late† | 1 | 0.500 | – | 0.600 | – |" in text and "| done | 2 | 0.350 |" in text
+    assert text.count("| done − late† | ") == 2  # the primary and the secondary pair
+    assert ("† the arm's means include an unfinished run's values, which cover the rounds that run has (named in "
+            "its row of the runs table), not the headings' rounds.") in text
+    # failed at its last planned round: its values are the headings' rounds, nothing to mark
+    failed = _run(tmp_path / "failed", [0.1] * 11, status="failed")
+    text = markdown(compare({"done": done, "f": [failed]}, allow_unfinished=True))
+    assert "†" not in text and "| f | 1 | 0.100 | – | 0.100 | – |" in text
+
+
+def test_an_unfinished_runs_deviations_are_listed_as_a_finished_runs_are(tmp_path: Path) -> None:
+    """Round 4's evaluation lacked client 1: said under the tables whether or not the run finished
+    (its status is in its unfinished note already, so it is not repeated)."""
+    done = _arm(tmp_path, "done", [0.3, 0.4])
+    running = _run(tmp_path / "running", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], total_rounds=10, status=None, lacking=(4,))
+    finished = _run(tmp_path / "finished", [0.1] * 11, seed=2, lacking=(4,))
+    notes = compare({"done": done, "late": [running, finished]}, allow_unfinished=True)["notes"]
+    assert notes == [
+        f"{running} (late) is unfinished (status running, round 5 of 10): included on request (--allow-unfinished), "
+        "on the rounds it has",
+        f"{running} (late) did not run as planned, and its values include these rounds: round 4's evaluation lacks "
+        "client(s) [1]",
+        f"{finished} (late) did not run as planned, and its values include these rounds: round 4's evaluation lacks "
+        "client(s) [1]"]
+
+
+def test_a_window_of_one_round_is_the_final_round_shown_once(tmp_path: Path) -> None:
+    """``--window 1`` makes the window the final round: the two statistics are one, so it is shown once
+    (no two columns both headed 'round 10', no secondary table repeating the primary) and said so."""
+    report = compare({"a": _arm(tmp_path, "a", [0.3, 0.4]), "b": _arm(tmp_path, "b", [0.1, 0.2])}, window=1)
+    text = markdown(report)
+    headers = [line.split(" | ") for line in text.splitlines() if line.startswith("| arm | ")]
+    assert len(headers) == 2 and all(len(cells) == len(set(cells)) for cells in headers)
+    assert "| arm | run | seed | status | round 10 | 95% Wilson (round 10) | n episodes |" in text
+    assert "| a | 2 | 0.350 | 0.071 |" in text.splitlines()
+    assert "--window 1 makes the window the final round, so the two statistics are one: no secondary is shown." in text
+    assert "(secondary)" not in text and text.count("| a − b | ") == 1
+    assert [p["statistic"] for p in report["pairs"]] == ["window", "final"]  # the JSON keeps both
 
 
 def test_runs_that_cannot_be_compared_are_refused_in_one_line(
@@ -254,6 +309,26 @@ def test_the_command_prints_the_tables_and_writes_the_same_as_json(
     assert "| arm | run | seed | status | rounds 8–10 | round 10 | 95% Wilson (round 10) | n episodes |" in text
     assert "| local − " not in text and "| federated − local |" in text
     assert cli.main(["--help"]) == 0 and "  compare  " in capsys.readouterr().out
+
+
+def test_a_json_file_that_cannot_be_written_is_refused_before_anything_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the tables, then a traceback or an errno about a temporary name: one line naming the file and
+    what to do, exit 2, nothing printed or left behind. A missing directory is made, as before."""
+    a, b = _arm(tmp_path, "a", [0.3, 0.4]), _arm(tmp_path, "b", [0.1])
+    argv = ["--arm", "a", *map(str, a), "--arm", "b", *map(str, b)]
+    (tmp_path / "afile").write_text("not a directory")
+    for where, why in ((tmp_path / "afile" / "cmp.json", f"{tmp_path / 'afile'} is not a directory"),
+                       (tmp_path / "afile" / "sub" / "cmp.json", f"{tmp_path / 'afile'} is not a directory"),
+                       (tmp_path, "it is a directory")):
+        assert _refusal(capsys, [*argv, "--json", str(where)]) == (
+            f"fedagent compare: cannot write --json {where}: {why}; name a file in a directory you can write "
+            "(missing directories are made)")
+    assert not list(tmp_path.glob(".*"))  # no temporary left beside the directory given as FILE
+    made = tmp_path / "new" / "dir" / "cmp.json"
+    assert cli.main(["compare", *argv, "--json", str(made)]) == 0
+    assert markdown(json.loads(made.read_text())) == capsys.readouterr().out
 
 
 def test_an_arm_that_mixes_configs_or_repeats_a_seed_is_named(tmp_path: Path) -> None:
