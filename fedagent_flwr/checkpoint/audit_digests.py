@@ -79,11 +79,13 @@ class AuditDigests:
         return {name: entry for name, entry in found.items() if entry is not None}
 
     def _valid(self, path: Path) -> TrustedFile | None:
-        entry = self._known.get(path.resolve())
+        """The remembered digest of ``path`` if its stat is still the one it was hashed with."""
+        key = path.resolve()
+        entry = self._known.get(key)
         if entry is None:
             return None
         try:
-            now = FileStat.of(os.stat(path.resolve()))
+            now = FileStat.of(os.stat(key))
         except OSError:
             return None
         return entry if now == entry.stat else None
