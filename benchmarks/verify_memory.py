@@ -94,9 +94,10 @@ print(json.dumps({"status": code, "seconds": seconds, "hwm_mb": status("VmHWM") 
 """
 
 
-def build_run(root: Path, rows: int, cols: int, seed: int, strategy_name: str = "fedadam") -> Path:
-    """The base model and two rounds of two clients by FedAdam or FedAvg (module docstring); the run
-    root."""
+def build_run(root: Path, rows: int, cols: int, seed: int, strategy_name: str = "fedadam", rounds: int = 2,
+              clients: int = 2) -> Path:
+    """The base model and ``rounds`` rounds of ``clients`` clients (two of two here: module
+    docstring) by FedAdam or FedAvg; the run root."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -114,11 +115,11 @@ def build_run(root: Path, rows: int, cols: int, seed: int, strategy_name: str = 
     (base / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": False}))
     settings: dict[str, Any] = {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99} if strategy_name == "fedadam" else {}
     strategy, run_root = connected_strategy(root, CheckpointRef.for_directory(base),
-                                            FedAdamFSDP if strategy_name == "fedadam" else FedAvgFSDP, clients=2,
-                                            **settings)
-    for server_round in (1, 2):
+                                            FedAdamFSDP if strategy_name == "fedadam" else FedAvgFSDP,
+                                            clients=clients, **settings)
+    for server_round in range(1, rounds + 1):
         replies = []
-        for client in range(2):
+        for client in range(clients):
             copy = Path(shutil.copytree(strategy.global_model.path,
                                         client_slot(run_root, client, server_round) / "model"))
             tensor = load_file(str(copy / "model.safetensors"))[KEY]

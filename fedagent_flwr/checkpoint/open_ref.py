@@ -9,7 +9,7 @@ from typing import Literal
 
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
 from fedagent_flwr.checkpoint.reader import CheckpointReader
-from fedagent_flwr.checkpoint.receipts import ReceiptCheck
+from fedagent_flwr.checkpoint.receipts import TrustedDigests
 from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointRef,
@@ -32,7 +32,7 @@ def open_checkpoint(
     root: str | os.PathLike[str] | None = None,
     check_hash: HashCheck = True,
     io: IoMode = "auto",
-    receipts: ReceiptCheck | None = None,
+    receipts: TrustedDigests | None = None,
 ) -> CheckpointReader:
     """Check a reference and open it for reading.
 
@@ -51,7 +51,8 @@ def open_checkpoint(
     receipt holds and whose stat is unchanged since it was verified on upload contributes the
     recorded digest instead of being hashed (:mod:`.receipts`); the reference's content hash is
     still checked over every file's digest, and with ``"while-reading"`` the stat is checked
-    again once the reads are done. Without it (shared-fs) every byte is hashed.
+    again once the reads are done. Without it (shared-fs) every byte is hashed. The audit passes
+    the digests it computed already the same way (:class:`.audit_digests.AuditDigests`).
     """
     if check_hash not in (True, False, "while-reading"):
         raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")

@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fedagent_flwr.atomic import atomic_path
 
@@ -51,6 +51,7 @@ __all__ = [
     "RECEIPT_VERSION",
     "FileStat",
     "ReceiptCheck",
+    "TrustedDigests",
     "TrustedFile",
     "receipt_key",
     "receipt_path",
@@ -85,6 +86,17 @@ class TrustedFile:
 
     digest: bytes  # raw sha256 of the file, as the content hash uses it
     stat: FileStat
+
+
+class TrustedDigests(Protocol):
+    """What vouches for files' digests when a checkpoint is opened
+    (:func:`~fedagent_flwr.checkpoint.open_ref.open_checkpoint`'s ``receipts``): a store's receipts
+    (:class:`ReceiptCheck`), or the digests the audit computed already (:mod:`.audit_digests`)."""
+
+    def trusted(self, directory: str | os.PathLike[str]) -> dict[str, TrustedFile]:
+        """The files of ``directory`` whose digest is vouched for, by name, each valid while its
+        stat equals the one recorded."""
+        ...
 
 
 def receipt_key(secret: bytes, run_key: str) -> bytes:

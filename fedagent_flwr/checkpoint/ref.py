@@ -8,6 +8,7 @@ against the run's checkpoint root and refuses anything outside it, missing or al
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -105,8 +106,10 @@ class CheckpointRef:
         path: str | os.PathLike[str],
         kind: CheckpointKind = "actor",
         fmt: CheckpointFormat | None = None,
+        hasher: Callable[[Path], str] = hash_checkpoint_dir,
     ) -> CheckpointRef:
-        """Describe an existing checkpoint directory: detect format and world size, hash it."""
+        """Describe an existing checkpoint directory: detect format and world size, hash it with
+        ``hasher`` (the audit's passes digests it already computed: :mod:`.audit_digests`)."""
         directory = Path(path).resolve()
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
@@ -125,7 +128,7 @@ class CheckpointRef:
             kind=kind,
             format=fmt,
             world_size=world_size,
-            sha256=hash_checkpoint_dir(directory),
+            sha256=hasher(directory),
         )
 
 

@@ -27,7 +27,9 @@ no hash of its optimiser state (``fedagent.state_sha256``), or any other hash th
 recorded (a source's that the header leaves empty, an empty committed hash of a round's global model
 or critic, or of the aggregate an optimiser's round stepped from, the previous global model's that
 its header leaves empty, a missing ``base_model_sha256`` where a round steps from the base model:
-:mod:`.audit_hashes`).
+:mod:`.audit_hashes`). Each file is hashed once per audit (:mod:`.audit_digests`): a round's global
+model and state are the next round's inputs, and a source's hash is checked at its reference and
+again at its opening; the digest is reused only while the file's stat is unchanged.
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
@@ -45,6 +47,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
@@ -79,21 +82,24 @@ def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean"
 
 
 def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, allow_unhashed: bool = False,
-                 notes: list[str] | None = None) -> float:
+                 notes: list[str] | None = None, digests: AuditDigests | None = None) -> float:
     """Max abs error of one aggregate against its recorded sources, hash-checked unless
     ``check_hashes`` is False (a run recorded with another content-hash version); a source whose
     hash the header does not record fails unless ``allow_unhashed``, which appends a note to
-    ``notes`` (:func:`.audit_hashes.unhashed`)."""
+    ``notes`` (:func:`.audit_hashes.unhashed`). ``digests``: the audit's, so that each file is
+    hashed once (:mod:`.audit_digests`; None: this round's own)."""
+    digests = digests or AuditDigests()
     sources = []
     try:
         for source in recorded_sources(global_dir):
-            ref = CheckpointRef.for_directory(source["path"])
+            ref = CheckpointRef.for_directory(source["path"], hasher=digests.directory_hash)
             if check_hashes and not source.get("sha256"):
                 unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
                          allow_unhashed, [] if notes is None else notes)
             elif check_hashes and ref.sha256 != source["sha256"]:
                 raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
-            sources.append((open_checkpoint(ref, root=run_root), float(source["weight"])))
+            # opening checks the hash again: from the digests just computed while the stat is unchanged
+            sources.append((open_checkpoint(ref, root=run_root, receipts=digests), float(source["weight"])))
         return verify_mean(sources, global_dir)
     finally:
         for reader, _ in sources:
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "server_optimizer_state" if is_state else {"global": "global_model"}.get(path.name, path.name)
         return entry is not None and kind in entry.get("removed", {})
 
+    digests = AuditDigests()  # each file hashed once: a round's global model is the next one's input
     latest: dict[str, tuple[str, str | None] | None] = {
         "aggregated_actor": (summary.get("base_model", ""), summary.get("base_model_sha256")),
         "aggregated_critic": None}  # the first critic is a mean: no optimiser round steps from nothing
@@ -160,13 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             if entry.get(path_key):
                 ok &= _audit(entry, Path(entry[path_key]), entry.get(hash_key), label, what, who,
                              args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, summary,
-                             previous[path_key], args.allow_unhashed)
+                             previous[path_key], args.allow_unhashed, digests)
     return 0 if ok else 1
 
 
 def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label: str, what: str, clients: str,
            run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-           summary: dict[str, Any], previous: tuple[str, str | None] | None, allow_unhashed: bool) -> bool:
+           summary: dict[str, Any], previous: tuple[str, str | None] | None, allow_unhashed: bool,
+           digests: AuditDigests) -> bool:
     """Audit one aggregate (the global model or PPO's critic) of one round, print one line; False
     when it fails."""
     name = f"round {entry['round']}{what}"
@@ -177,7 +185,7 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
     try:
         notes: list[str] = []
         if check_hashes:  # first: a run that removed its client checkpoints still has its commits to check
-            _check_commit(global_dir, committed, allow_unhashed, notes)
+            _check_commit(global_dir, committed, allow_unhashed, notes, digests)
         if "client_checkpoints" in removed:
             recorded_sources(global_dir, ("weighted_mean", *OPTIMIZER_RULES))  # a rule this audit cannot check
             # is still reported
@@ -188,8 +196,8 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
             return True
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, name, clients, run_root, check_hashes, tolerance,
-                                    removed_by_run, summary, previous, allow_unhashed, notes)
-        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes)
+                                    removed_by_run, summary, previous, allow_unhashed, notes, digests)
+        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes, digests)
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
         return False
@@ -199,27 +207,29 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
     return good
 
 
-def _check_commit(global_dir: Path, committed: str | None, allow_unhashed: bool, notes: list[str]) -> None:
+def _check_commit(global_dir: Path, committed: str | None, allow_unhashed: bool, notes: list[str],
+                  digests: AuditDigests) -> None:
     """CheckpointError unless ``global_dir`` still has the content hash its round committed in the
     run record (one not recorded: :func:`.audit_hashes.unhashed`). Every round's: a change below the
     tolerance passes the recomputation, and a server optimiser's header is an input of its audit."""
     if not committed:
         unhashed(f"the run record has no content hash of {global_dir} (the round's commit)", allow_unhashed, notes)
-    elif CheckpointRef.for_directory(global_dir).sha256 != committed:
+    elif CheckpointRef.for_directory(global_dir, hasher=digests.directory_hash).sha256 != committed:
         raise CheckpointError(f"{global_dir} changed since its round was committed (content hash differs from the "
                               "run record)")
 
 
 def _audit_optimizer(entry: dict[str, Any], global_dir: Path, name: str, clients: str, run_root: Path,
                      check_hashes: bool, tolerance: float, removed_by_run: Any, summary: dict[str, Any],
-                     previous: tuple[str, str | None] | None, allow_unhashed: bool, notes: list[str]) -> bool:
+                     previous: tuple[str, str | None] | None, allow_unhashed: bool, notes: list[str],
+                     digests: AuditDigests) -> bool:
     """A server optimiser's round (:mod:`.verify_optimizer`), its commit already checked (its header
     is an input: the previous global model, the state's hash); one line, False when it fails."""
     try:
         audit = verify_optimizer_round(global_dir, run_root, int(entry["round"]), check_hashes, removed_by_run,
                                        tolerance=tolerance, base_model=summary.get("base_model"),
                                        base_model_sha256=summary.get("base_model_sha256"),
-                                       expected_previous=previous, allow_unhashed=allow_unhashed)
+                                       expected_previous=previous, allow_unhashed=allow_unhashed, digests=digests)
     except InputRemoved as exc:
         print(f"{name}: {exc}; not checked")
         return True

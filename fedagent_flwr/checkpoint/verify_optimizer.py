@@ -94,9 +94,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
-from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
@@ -170,7 +170,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
                            tolerance: float = 1e-6, base_model: str | None = None,
                            base_model_sha256: str | None = None,
                            expected_previous: tuple[str, str | None] | None = None,
-                           allow_unhashed: bool = False) -> OptimizerAudit:
+                           allow_unhashed: bool = False, digests: AuditDigests | None = None) -> OptimizerAudit:
     """Recompute the round that wrote ``global_dir`` (module docstring) and compare.
 
     ``check_hashes`` False skips the content-hash comparisons (a run recorded with another content
@@ -181,7 +181,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     ``expected_previous`` is the run record's model this round must have stepped from (the latest
     earlier aggregate, or the base model), as path and content hash; ``allow_unhashed`` makes a hash
     the run did not record a note instead of a failure (:func:`.audit_hashes.unhashed`: an optimiser
-    state is then compared by its values alone). Each key is recomputed in chunks of
+    state is then compared by its values alone); ``digests``, the audit's, hashes each file once
+    (:mod:`.audit_digests`; None: this round's own). Each key is recomputed in chunks of
     :data:`.audit_rows.CHUNK_ELEMENTS` elements.
     Raises CheckpointError when the round cannot be recomputed at all (an input missing, altered or
     not trusted)."""
@@ -206,9 +207,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     if buffers != expected_buffers:
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
     x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
+    digests = digests or AuditDigests()
     with ExitStack() as stack:
-        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes)
-        x_ref = CheckpointRef.for_directory(x_dir)
+        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes, digests)
+        x_ref = CheckpointRef.for_directory(x_dir, hasher=digests.directory_hash)
         if check_hashes:
             if not previous.get("sha256"):
                 unhashed(f"{global_dir / MODEL_FILE} records no content hash of its previous global model {x_dir}",
@@ -222,7 +224,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             elif _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
-        hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run)
+        hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run, digests)
         if expected_previous is not None:
             _check_chain(previous, expected_previous, x_ref.sha256, hashing, global_dir, base_model, audit.notes)
         x_reader = stack.enter_context(closing(open_checkpoint(x_ref, check_hash=False)))
@@ -256,11 +258,13 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
 @dataclass
 class _Hashing:
     """How the round's hashes are checked: compared at all (a run recorded with this content-hash
-    version), a missing state hash let through (``--allow-unhashed``), and retention's record."""
+    version), a missing state hash let through (``--allow-unhashed``), retention's record, and the
+    audit's digests (each file hashed once: :mod:`.audit_digests`)."""
 
     compare: bool
     allow_unhashed: bool
     removed_by_run: Callable[[Path], bool]
+    digests: AuditDigests
 
 
 @dataclass
@@ -279,8 +283,6 @@ class _Inputs:
     written: Any
     old_state: Any
     new_state: Any
-
-
 
 
 def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
@@ -361,10 +363,6 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
                                   f"{inputs.sources[0][0].directory} has {shape}")
 
 
-
-
-
-
 def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], actual: str, hashing: _Hashing,
                  global_dir: Path, base_model: str | None, notes: list[str]) -> None:
     """CheckpointError unless the header's previous global model is the run record's: a round steps
@@ -409,20 +407,22 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
 
 
 def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool, stack: ExitStack,
-             allow_unhashed: bool, notes: list[str]) -> list[tuple[CheckpointReader, float]]:
+             allow_unhashed: bool, notes: list[str], digests: AuditDigests) -> list[tuple[CheckpointReader, float]]:
     """The clients' checkpoints the header names, opened (hashes checked unless told not to; one
     that is not recorded fails, :func:`.audit_hashes.unhashed`)."""
     if "fedagent.sources" not in header:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     sources = []
     for source in json.loads(header["fedagent.sources"]):
-        ref = CheckpointRef.for_directory(source["path"])
+        ref = CheckpointRef.for_directory(source["path"], hasher=digests.directory_hash)
         if check_hashes and not source.get("sha256"):
             unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
                      allow_unhashed, notes)
         elif check_hashes and ref.sha256 != source["sha256"]:
             raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
-        sources.append((stack.enter_context(closing(open_checkpoint(ref, root=run_root))), float(source["weight"])))
+        # opening checks the hash again: from the digests just computed while the files' stat is unchanged
+        reader = open_checkpoint(ref, root=run_root, receipts=digests)
+        sources.append((stack.enter_context(closing(reader)), float(source["weight"])))
     if not sources:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     return sources
@@ -451,7 +451,7 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
     if not recorded:  # missing or empty alike (audit_hashes)
         unhashed(f"previous optimiser state {path} has no content hash recorded in {x_dir / MODEL_FILE} "
                  f"({_STATE_SHA256})", hashing.allow_unhashed, audit.notes)
-    elif hashing.compare and file_digest(path).hex() != recorded:
+    elif hashing.compare and hashing.digests.file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
                               f"the one {x_dir / MODEL_FILE} records)")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))
@@ -477,7 +477,7 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
     if not recorded:  # missing or empty alike (audit_hashes); its values are still compared
         unhashed(f"{global_dir / MODEL_FILE} records no content hash of its optimiser state {path} ({_STATE_SHA256})",
                  hashing.allow_unhashed, audit.notes)
-    elif hashing.compare and file_digest(path).hex() != recorded:
+    elif hashing.compare and hashing.digests.file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
     handle = stack.enter_context(safe_open(str(path), framework="pt"))
     if int((handle.metadata() or {}).get("fedagent.step", "-1")) != step:

@@ -1,0 +1,112 @@
+"""The audit's file digests, each computed once per audit and reused while its file is unchanged.
+
+The audit (:mod:`.verify`) checks some files' content hashes more than once: a client checkpoint
+when its reference is built (:meth:`.CheckpointRef.for_directory`) and again when it is opened
+(:func:`.open_ref.open_checkpoint` checks the reference's hash), and with a server optimiser
+(:mod:`.verify_optimizer`) a round's global model and optimiser state in their own round and
+again as the next round's previous model and state. :class:`AuditDigests` hashes each file once:
+a file's sha256 is remembered with its resolved path and its stat (:class:`.receipts.FileStat`:
+size, ``st_mtime_ns``, ``st_ctime_ns``, ``st_ino``, ``st_dev``) and given again only while the
+file's stat is exactly that; any other file is hashed again, as before. So a file changed between
+two uses is still caught: every write moves its ``ctime`` (the kernel offers no call to set it,
+so restoring the ``mtime`` with ``utime`` does not hide a change) and a replacement has another
+inode. Every comparison the audit makes is unchanged; only the bytes behind a digest are not read
+twice.
+
+As with the store's receipts (:mod:`.receipts`, which make the same trade for the aggregation):
+a digest is remembered only when the file's stat was the same before and after it was hashed
+(not written meanwhile), and only when its ``ctime`` is older than :data:`RACY_NS` before the
+hash began. A file written within the same timestamp tick as an earlier write keeps its stat
+(git's "racily clean" files); a file that recent (the newest round of a running run, a run just
+written) is hashed at every use instead. The margin covers coarse kernel clocks and filesystems
+with one-second timestamps. What this does not guard against, like the receipts: a writer who can
+forge ``ctime`` (root changing the clock or editing the filesystem), or bits that rot on disk
+between two uses of one audit without the filesystem noticing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fedagent_flwr.checkpoint import content_hash
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile
+
+__all__ = ["RACY_NS", "AuditDigests"]
+
+#: A file whose ``ctime`` is less than this before its hash began is never remembered (module
+#: docstring); the benchmark sets it beyond any file's age to measure the audit without reuse.
+RACY_NS = 2_000_000_000
+
+
+class AuditDigests:
+    """The digests one audit computed (module docstring): :meth:`file_digest` and
+    :meth:`directory_hash` stand in for :func:`.content_hash.file_digest` and
+    :func:`.content_hash.hash_checkpoint_dir`, and :meth:`trusted` gives
+    :func:`.open_ref.open_checkpoint` (as ``receipts``) the digests still valid in a directory."""
+
+    def __init__(self) -> None:
+        self._known: dict[Path, TrustedFile] = {}
+
+    def file_digest(self, path: str | os.PathLike[str]) -> bytes:
+        """sha256 of the file at ``path`` (raw digest): the remembered one while its stat is
+        unchanged, else hashed (and remembered where it may be)."""
+        return self._entry(Path(path))[1]
+
+    def directory_hash(self, directory: str | os.PathLike[str]) -> str:
+        """The content hash of ``directory``, as :func:`.content_hash.hash_checkpoint_dir`
+        computes it, from remembered digests where they are still valid; the others are hashed on
+        :data:`.content_hash.HASH_THREADS` threads."""
+        files = content_hash.hashed_files(directory)
+        valid = {path: self._valid(path) for path in files}
+        todo = [path for path, entry in valid.items() if entry is None]
+        workers = max(1, min(len(todo), content_hash.HASH_THREADS))
+        if workers == 1:
+            computed = [self._hash(path) for path in todo]
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="audit-hash") as pool:
+                computed = list(pool.map(self._hash, todo))
+        entries = {path.name: (entry.stat.size, entry.digest) for path, entry in valid.items() if entry is not None}
+        entries.update({path.name: found for path, found in zip(todo, computed)})
+        return content_hash.combine_file_digests([(name, size, digest) for name, (size, digest) in entries.items()])
+
+    def trusted(self, directory: str | os.PathLike[str]) -> dict[str, TrustedFile]:
+        """The hashed files of ``directory`` whose remembered digest is still valid (stat
+        unchanged), by name: what :func:`.open_ref.open_checkpoint` takes as ``receipts``."""
+        found = {path.name: self._valid(path) for path in content_hash.hashed_files(directory)}
+        return {name: entry for name, entry in found.items() if entry is not None}
+
+    def _valid(self, path: Path) -> TrustedFile | None:
+        """The remembered digest of ``path`` if its stat is still the one it was hashed with."""
+        key = path.resolve()
+        entry = self._known.get(key)
+        if entry is None:
+            return None
+        try:
+            now = FileStat.of(os.stat(key))
+        except OSError:
+            return None
+        return entry if now == entry.stat else None
+
+    def _entry(self, path: Path) -> tuple[int, bytes]:
+        """(size, sha256) of ``path``: remembered, or hashed."""
+        entry = self._valid(path)
+        return (entry.stat.size, entry.digest) if entry is not None else self._hash(path)
+
+    def _hash(self, path: Path) -> tuple[int, bytes]:
+        """(size, sha256) of ``path``, hashed, and remembered where it may be (module docstring)."""
+        key = path.resolve()
+        began = time.time_ns()
+        try:
+            before: FileStat | None = FileStat.of(os.stat(key))
+        except OSError:
+            before = None  # hashing it raises the error the caller expects
+        digest = content_hash.file_digest(path)
+        after = FileStat.of(os.stat(key))
+        if before == after and after.ctime_ns < began - RACY_NS:
+            self._known[key] = TrustedFile(digest, after)
+        else:
+            self._known.pop(key, None)
+        return after.size, digest
