@@ -18,7 +18,10 @@ checkpoints, previous global model or previous optimiser state the run record sa
 its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
 reported as removed and not recomputed (one missing without that record fails; a global model still
 there has its commit checked all the same); keep the client checkpoints to audit a run (that also
-keeps every round's optimiser state).
+keeps every round's optimiser state). Retention notes what it is about to remove before it removes
+it (a round entry's ``removing``, :mod:`.removal_note`), so a run killed between the removal and the
+record that says so is not failed: a path that note lists and that is gone counts as removed by the
+run, with the same words; one still there is checked as usual.
 
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
@@ -54,6 +57,7 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.removal_note import noted_as_gone
 from fedagent_flwr.checkpoint.verify_optimizer import (
     OPTIMIZER_RULES,
     InputRemoved,
@@ -140,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: this run recorded checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
               f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
     by_round = {int(e["round"]): e for e in summary.get("rounds", [])}
+    # noted for removal and gone: the run removed it (and was killed before recording it)
+    for r, kinds in noted_as_gone(summary.get("rounds", []), args.run_dir).items():
+        for kind in kinds if r in by_round else ():
+            by_round[r].setdefault("removed", {}).setdefault(kind, 0)
 
     def removed_by_run(path: Path) -> bool:
         # retention notes a global model or state it removed in the entry of the round that wrote it

@@ -340,8 +340,10 @@ def _run_with_store(grid: Grid, settings: RunSettings, run_dir: Path, start_mode
         recorder.finish("failed", str(exc))
         raise setup_failed(exc) from None
     retention = Retention.from_settings(settings.storage, run_dir, store)
-    retention.after_resume(recorder)  # a resumed run: the store's copies of its earlier attempts
+    # a resumed run: removals its last attempt noted and died before recording, the store's copies of earlier attempts
+    retention.after_resume(recorder)
     loop = RoundLoop(strategy, grid, recorder, timeout=settings.run.round_timeout, last_completed=last_completed,
+                     before_commit=lambda r: retention.before_commit(recorder, r),
                      after_commit=lambda r: retention.after_commit(recorder, r), run_root=run_dir,
                      max_empty_rounds=settings.run.max_empty_rounds)
     log(INFO, "[fedagent] %s run: %d rounds, N=%d, M=%d, env %s, trainer %s, strategy %s",

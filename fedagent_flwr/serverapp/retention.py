@@ -21,9 +21,28 @@ A round's commit (:mod:`.resume`) is the moment some of its files stop being nee
   it stepped from as much as the clients' checkpoints (a state is one or two models' size, the
   clients' checkpoints of a round M of them).
 
-Files are removed only after the commit, so a crash in between leaves files that the next commit
-removes, never a committed round without its global model. What was removed is noted in the
-round's summary entry (``removed``: bytes per kind) and totalled in ``disk_freed_bytes``.
+Files are removed only after the commit, so a crash in between leaves files that the resumed run
+removes (below), never a committed round without its global model. What was removed is noted in
+the summary entry of the round it belonged to (``removed``: bytes per kind) and totalled in
+``disk_freed_bytes``.
+
+**Noted before removed.** What a commit lets go is written into the record before any of it goes:
+the committed round's entry gets ``removing``, one ``{"round", "kind", "path", "bytes"}`` per file
+or directory (the round it belongs to, the kind as in ``removed``, the path relative to the run
+directory, its size; :mod:`fedagent_flwr.checkpoint.removal_note`). The ServerApp notes it just
+before the commit (:meth:`Retention.before_commit`), so the summary write that commits the round
+carries it and retention adds no write; :meth:`Retention.after_commit` called alone writes the note
+first. Then the run directory is fsynced (a power cut cannot keep the removals and lose the note),
+the files are removed (a directory renamed to ``.removing-<name>`` first and that tree removed, so a
+path is whole or gone, never half) and the next write turns the note into ``removed``. Killed in
+between (kill -9, OOM, a power cut), the run leaves the note, never files gone that its record does
+not account for: the audit reads a noted path that is gone as removed by the run, and the resumed
+run when it starts (:meth:`Retention.after_resume`), or the next commit, removes what the note
+lists (what is still there, a ``.removing-*`` left half-way) and counts each path once, at the size
+noted. The note is in the committing round's entry, so a round that did not commit after all takes
+it with it (a re-run keeps committed rounds' entries only): nothing is removed for a commit that did
+not happen. A path that cannot be removed is dropped from the note (one warning line) and noted
+again at the next commit.
 
 **The store's own copies.** A store that keeps copies outside the run directory (the s3 store's
 bucket: the clients' uploads, the shared global models) is then told the same rules through
@@ -46,6 +65,7 @@ are replaced. ``store_freed_bytes``/``store_freed_objects`` count them too.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -55,6 +75,8 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.common import log
 
+from fedagent_flwr.atomic import fsync_dir
+from fedagent_flwr.checkpoint.removal_note import REMOVING
 from fedagent_flwr.checkpoint.store import Release, Released
 from fedagent_flwr.schema.run import Storage
 from fedagent_flwr.serverapp.resume import STATE_DIR, earlier_run_ids, store_freed_totals
@@ -66,6 +88,10 @@ if TYPE_CHECKING:
 _ROUND_DIR = re.compile(r"round_(\d+)")
 _CLIENT_DIR = re.compile(r"client_\d+")
 CLIENT_CHECKPOINT_DIRS = ("checkpoints", "actor", "critic")
+#: What a directory being removed is renamed to first (``.removing-<name>``, beside it).
+TRASH_PREFIX = ".removing-"
+_KIND_ORDER = {kind: i for i, kind in enumerate(("client_checkpoints", "global_model", "global_critic",
+                                                  "server_optimizer_state"))}
 
 
 @dataclass(frozen=True)
@@ -81,38 +107,36 @@ class Retention:
     def from_settings(cls, storage: StorageSettings, run_dir: Path, store: ServerStore | None = None) -> Retention:
         return cls(Path(run_dir), storage.keep_client_checkpoints, storage.keep_last_k, store)
 
+    def before_commit(self, recorder: RunRecorder, server_round: int) -> None:
+        """Note in the entry of ``server_round`` what its commit lets go (``removing``, module
+        docstring), without writing it: the summary write that commits the round carries the note,
+        so :meth:`after_commit` removes the files without a write of its own first. A round that is
+        not committed after all (the run stopped before) takes the note with it: a re-run keeps the
+        entries of committed rounds only. Never raises."""
+        entries = self._entries(recorder, server_round)
+        if server_round not in entries:  # no entry to carry it: after_commit notes it, once committed
+            return
+        try:
+            self._plan(entries, server_round, entries[server_round])
+        except OSError as exc:  # after_commit plans again
+            log(WARNING, "[fedagent] round %d: could not list what its commit lets go: %s", server_round, exc)
+
     def after_commit(self, recorder: RunRecorder, server_round: int) -> int:
         """Remove what nothing needs once rounds up to ``server_round`` are committed; return the
-        bytes freed. Never raises: a file that cannot be removed is logged and left."""
-        entries = {int(e["round"]): e for e in recorder.summary.get("rounds", []) if int(e["round"]) <= server_round}
-        freed: dict[int, dict[str, int]] = {}
-        if not self.keep_client_checkpoints:
-            for r, path in self._client_checkpoints(server_round):
-                self._note(freed, r, "client_checkpoints", _remove(path))
-        if self.keep_last_k > 0:
-            for key, label in (("aggregated_actor", "global_model"), ("aggregated_critic", "global_critic")):
-                aggregated = [e for r, e in sorted(entries.items()) if e.get(key)]
-                for entry in aggregated[:-self.keep_last_k]:
-                    path = Path(entry[key])
-                    kind_dir = "global" if label == "global_model" else "global_critic"
-                    expected = self.run_dir / f"round_{entry['round']}" / kind_dir
-                    if path == expected:  # only what the server itself wrote
-                        self._note(freed, int(entry["round"]), label, _remove(path))
-        for r, state in self._old_optimizer_states(entries, server_round):
-            self._note(freed, r, "server_optimizer_state", _remove(state))
+        bytes freed. What goes is in the record before it goes (module docstring): written here
+        first unless :meth:`before_commit` noted it already. Never raises: a file that cannot be
+        removed is logged and left."""
+        entries = self._entries(recorder, server_round)
+        if entries and self._plan(entries, server_round, entries[max(entries)]):
+            recorder.write()  # not in the record yet: it must be before anything goes
+        pending = any(REMOVING in entry for entry in entries.values())
+        freed = self._carry_out(entries)
         total = sum(sum(kinds.values()) for kinds in freed.values())
         released = self._release_store(entries, server_round)
         noted = self._note_released(released, entries, server_round)
-        if not freed and not noted:
+        if not pending and not noted:
             return 0
-        for r, kinds in freed.items():
-            if r in entries:
-                removed = entries[r].setdefault("removed", {})
-                for kind, size in kinds.items():
-                    removed[kind] = removed.get(kind, 0) + size
-        rounds = recorder.summary.get("rounds", [])
-        if freed:
-            recorder.summary["disk_freed_bytes"] = sum(sum(e.get("removed", {}).values()) for e in rounds)
+        self._note_freed(recorder, entries, freed)
         if released is not None and released.objects:
             self._store_totals(recorder)
         recorder.write()
@@ -127,19 +151,36 @@ class Retention:
         return total
 
     def after_resume(self, recorder: RunRecorder) -> None:
-        """When the run resumed: tell the store to remove its copies of the run's earlier attempts
-        (:func:`~.resume.earlier_run_ids`), and note what went in this resume's ``resumed`` entry.
-        Never raises: a failure is one warning line and the entry's ``store_retention_failed``."""
+        """When the run starts: finish the removals an earlier attempt noted and did not get to
+        record (it died in between, module docstring), and when it resumed, tell the store to remove
+        its copies of the run's earlier attempts (:func:`~.resume.earlier_run_ids`), noted in this
+        resume's ``resumed`` entry. Never raises: a store's failure is one warning line and the
+        entry's ``store_retention_failed``."""
+        entries = {int(e["round"]): e for e in recorder.summary.get("rounds", [])}
+        pending = any(REMOVING in entry for entry in entries.values())
+        freed = self._carry_out(entries)
+        if pending:
+            self._note_freed(recorder, entries, freed)
+        if freed:
+            log(INFO, "[fedagent] resumed: removed %s that an earlier attempt noted to remove and did not record as "
+                "removed (%.1f MB; %s)", _describe(freed),
+                sum(sum(kinds.values()) for kinds in freed.values()) / 1e6, self._settings())
+        if not self._release_earlier(recorder) and not pending:
+            return
+        recorder.write()
+
+    def _release_earlier(self, recorder: RunRecorder) -> bool:
+        """The store's part of :meth:`after_resume`; whether it noted anything."""
         resumed = recorder.summary.get("resumed") or []
         if self.store is None or not resumed or (self.keep_client_checkpoints and self.keep_last_k == 0):
-            return
+            return False
         try:
             released = self.store.release_earlier(earlier_run_ids(recorder.summary), not self.keep_client_checkpoints,
                                                   self.keep_last_k > 0)
         except Exception as exc:  # noqa: BLE001 -- a store's cleanup never fails the run
             released = Released(where=self.store.describe(), failure=f"{type(exc).__name__}: {exc}")
         if released is None or not (released.objects or released.failure):
-            return
+            return False
         entry = resumed[-1]
         if released.objects:
             kinds: dict[str, int] = {}
@@ -155,7 +196,67 @@ class Retention:
         if released.failure:
             entry["store_retention_failed"] = released.failure
             log(WARNING, "[fedagent] resumed, but %s", released.failure)
-        recorder.write()
+        return True
+
+    @staticmethod
+    def _entries(recorder: RunRecorder, server_round: int) -> dict[int, dict[str, Any]]:
+        """The summary entries of the rounds up to ``server_round`` (the record's own dicts)."""
+        return {int(e["round"]): e for e in recorder.summary.get("rounds", []) if int(e["round"]) <= server_round}
+
+    def _plan(self, entries: dict[int, dict[str, Any]], server_round: int, noting: dict[str, Any]) -> bool:
+        """Add what the commit of ``server_round`` lets go to the ``removing`` note of the entry
+        ``noting`` (the committed round's), each path once whatever note lists it already; whether
+        any was added (the record must then be written before it goes)."""
+        found: list[tuple[int, str, Path]] = []
+        if not self.keep_client_checkpoints:
+            found += [(r, "client_checkpoints", path) for r, path in self._client_checkpoints(server_round)]
+        if self.keep_last_k > 0:
+            for key, label in (("aggregated_actor", "global_model"), ("aggregated_critic", "global_critic")):
+                aggregated = [e for r, e in sorted(entries.items()) if e.get(key)]
+                for entry in aggregated[:-self.keep_last_k]:
+                    path = Path(entry[key])
+                    kind_dir = "global" if label == "global_model" else "global_critic"
+                    # only what the server itself wrote, and only once (the older ones went before)
+                    if path == self.run_dir / f"round_{entry['round']}" / kind_dir and os.path.lexists(path):
+                        found.append((int(entry["round"]), label, path))
+        found += [(r, "server_optimizer_state", path) for r, path in self._old_optimizer_states(entries, server_round)]
+        noted = {item["path"] for entry in entries.values() for item in entry.get(REMOVING, [])}
+        added = False
+        for r, kind, path in found:
+            relative = path.relative_to(self.run_dir).as_posix()
+            if relative not in noted:  # a note a crash left keeps it: counted once, at the size noted
+                noting.setdefault(REMOVING, []).append({"round": r, "kind": kind, "path": relative,
+                                                        "bytes": _size(path)})
+                noted.add(relative)
+                added = True
+        return added
+
+    def _carry_out(self, entries: dict[int, dict[str, Any]]) -> dict[int, dict[str, int]]:
+        """Remove every path the entries' ``removing`` notes list (already gone: removed by an
+        attempt that died before recording it) and drop the notes; the bytes removed, as noted, by
+        the round they belonged to (one without an entry: the round whose entry noted them). A path
+        that cannot be removed is left out (a later commit notes it again)."""
+        noted = [(r, item) for r, entry in sorted(entries.items()) if REMOVING in entry for item in entry.pop(REMOVING)]
+        if noted:
+            fsync_dir(self.run_dir)  # the note's rename on disk before any removal (a power cut)
+        freed: dict[int, dict[str, int]] = {}
+        # kind by kind, each over the rounds: the clients' checkpoints (the bulk) first, as ever
+        for r, item in sorted(noted, key=lambda n: (_KIND_ORDER.get(n[1]["kind"], len(_KIND_ORDER)), n[1]["round"])):
+            if _remove(self.run_dir / item["path"]):
+                owner = int(item["round"]) if int(item["round"]) in entries else r
+                self._note(freed, owner, str(item["kind"]), int(item["bytes"]))
+        return freed
+
+    def _note_freed(self, recorder: RunRecorder, entries: dict[int, dict[str, Any]],
+                    freed: dict[int, dict[str, int]]) -> None:
+        """Add ``freed`` to the entries' ``removed`` and total ``disk_freed_bytes``."""
+        for r, kinds in freed.items():
+            removed = entries[r].setdefault("removed", {})
+            for kind, size in kinds.items():
+                removed[kind] = removed.get(kind, 0) + size
+        if freed:
+            rounds = recorder.summary.get("rounds", [])
+            recorder.summary["disk_freed_bytes"] = sum(sum(e.get("removed", {}).values()) for e in rounds)
 
     @staticmethod
     def _store_totals(recorder: RunRecorder) -> None:
@@ -240,26 +341,45 @@ class Retention:
         return found
 
     @staticmethod
-    def _note(freed: dict[int, dict[str, int]], server_round: int, kind: str, size: int | None) -> None:
-        if size is not None:
-            kinds = freed.setdefault(server_round, {})
-            kinds[kind] = kinds.get(kind, 0) + size
+    def _note(freed: dict[int, dict[str, int]], server_round: int, kind: str, size: int) -> None:
+        kinds = freed.setdefault(server_round, {})
+        kinds[kind] = kinds.get(kind, 0) + size
 
 
-def _remove(path: Path) -> int | None:
-    """Remove a file or directory tree (a symlink itself, never its target); return the bytes of
-    its files, or None when it could not be removed."""
+def _size(path: Path) -> int:
+    """The bytes of a file (a symlink's own) or of the files of a directory tree; a file that
+    vanishes meanwhile counts nothing."""
     try:
         if path.is_symlink() or path.is_file():
-            size = path.lstat().st_size
+            return path.lstat().st_size
+        files = [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    except OSError:
+        return 0
+    total = 0
+    for file in files:
+        try:
+            total += file.lstat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _remove(path: Path) -> bool:
+    """Remove a file or directory tree (a symlink itself, never its target); whether ``path`` is
+    gone. A directory is renamed to ``.removing-<name>`` first and that tree removed, so that a crash
+    half-way leaves it whole or gone, never half; a leftover of such a crash goes first."""
+    trash = path.with_name(TRASH_PREFIX + path.name)
+    try:
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash)
+        if path.is_symlink() or path.is_file():
             path.unlink()
-            return size
-        size = sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-        shutil.rmtree(path)
-        return size
+        elif path.is_dir():
+            os.rename(path, trash)
+            shutil.rmtree(trash)
     except OSError as exc:
         log(WARNING, "[fedagent] could not remove %s: %s", path, exc)
-        return None
+    return not os.path.lexists(path)
 
 
 def _describe(freed: dict[int, dict[str, Any]]) -> str:

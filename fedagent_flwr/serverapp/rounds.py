@@ -158,7 +158,9 @@ class RoundLoop:
     """Runs (or resumes) the rounds of one run with ``strategy`` and records them.
 
     ``last_completed`` is the last round an earlier attempt committed (None: not even round 0);
-    ``after_commit(round)`` runs after each commit (:mod:`.retention` frees disk there);
+    ``before_commit(round)`` runs just before each round's commit, ``after_commit(round)`` after
+    it (:mod:`.retention` notes there what the commit lets go, so the commit's write records it,
+    and removes it here);
     ``run_root`` is where the clients' progress files are (None: no step lines are relayed);
     ``max_empty_rounds``: rounds in a row that aggregate nothing before the run stops (0: never;
     by default the run config's default, :data:`MAX_EMPTY_ROUNDS`).
@@ -166,7 +168,8 @@ class RoundLoop:
 
     def __init__(self, strategy: FedAvgFSDP, grid: Grid, recorder: RunRecorder, *, timeout: float,
                  last_completed: int | None = None, after_commit: Callable[[int], Any] | None = None,
-                 run_root: Path | None = None, max_empty_rounds: int = MAX_EMPTY_ROUNDS) -> None:
+                 run_root: Path | None = None, max_empty_rounds: int = MAX_EMPTY_ROUNDS,
+                 before_commit: Callable[[int], Any] | None = None) -> None:
         self.run_root = run_root
         self.max_empty_rounds = max_empty_rounds
         self.strategy = strategy
@@ -174,6 +177,7 @@ class RoundLoop:
         self.recorder = recorder
         self.timeout = timeout
         self.done = -1 if last_completed is None else last_completed
+        self.before_commit = before_commit
         self.after_commit = after_commit
 
     def run(self, num_rounds: int, evaluate_base: bool = True) -> None:
@@ -200,6 +204,8 @@ class RoundLoop:
             # before the evaluation: an unchanged model is not worth evaluating again
             stop_after_empty_rounds(self.recorder.summary["rounds"], self.max_empty_rounds)
             self.evaluate(server_round)
+            if self.before_commit is not None:
+                self.before_commit(server_round)
             self.recorder.complete_round(server_round)
             if self.after_commit is not None:
                 self.after_commit(server_round)

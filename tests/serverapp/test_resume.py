@@ -289,9 +289,17 @@ def test_the_round_loop_skips_completed_rounds_before_any_override(tmp_path: Pat
     recorder.complete_round(2)  # an earlier attempt got this far
     strategy = _Recording(run_root=str(tmp_path), initial_model=base, num_clients=2, clients_per_round=2)
     strategy.calls, strategy.recorder = [], recorder
+    hooks: list[tuple[str, int, int]] = []  # (hook, round, last_completed_round on disk when it ran)
+
+    def hook(name: str) -> Any:
+        return lambda r: hooks.append((name, r, json.loads(recorder.summary_path.read_text())["last_completed_round"]))
+
     # max_empty_rounds=0: this strategy trains nothing, which would otherwise stop the run at round 4
     RoundLoop(strategy, _TwoNodes(), recorder, timeout=10, last_completed=2,  # type: ignore[arg-type]
-              max_empty_rounds=0).run(4)
+              max_empty_rounds=0, before_commit=hook("before"), after_commit=hook("after")).run(4)
+    # retention notes what a commit lets go just before it (the commit's write records the note)
+    # and removes it just after
+    assert hooks == [("before", 3, 2), ("after", 3, 3), ("before", 4, 3), ("after", 4, 4)]
     assert strategy.nodes.client_of(101) == 1  # the loop found the partitions before round 3
     assert strategy.calls == [
         (name, r) for r in (3, 4)
