@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from verify_memory import build_run
+    from verify_memory import build_run, same_audit_output
 
     from fedagent_flwr.checkpoint.audit_digests import RACY_NS
 
@@ -148,11 +148,7 @@ def main() -> None:
               f"{found['cpu_s']:>7.3f} {found['hashed']:>6} {found['hashed_mb']:>9.0f} {found['hash_s']:>7.3f} "
               f"{found['median_s'] / base['median_s']:>12.3f} {found['min_s'] / base['min_s']:>9.3f} "
               f"{found['cpu_s'] / base['cpu_s']:>9.3f}")
-    reference = runs[0]
-    same = all(found["output"] == reference["output"] and found["status"] == reference["status"] for found in runs)
-    print("audit output of every variant:", "identical" if same else "DIFFERENT")
-    for line in reference["output"]:
-        print("  " + line)
+    same = same_audit_output(runs)
     once = stats["once"]
     print(f"ratio_once: median {once['median_s'] / base['median_s']:.3f}, min {once['min_s'] / base['min_s']:.3f}, "
           f"cpu {once['cpu_s'] / base['cpu_s']:.3f}; hashing was {base['hash_s'] / base['median_s']:.0%} of "
