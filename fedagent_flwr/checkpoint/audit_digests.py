@@ -85,7 +85,7 @@ class AuditDigests:
         if entry is None:
             return None
         try:
-            now = FileStat.of(os.stat(key))
+            now = _fresh_stat(key)
         except OSError:
             return None
         return entry if now == entry.stat else None
@@ -100,13 +100,24 @@ class AuditDigests:
         key = path.resolve()
         began = time.time_ns()
         try:
-            before: FileStat | None = FileStat.of(os.stat(key))
+            before: FileStat | None = _fresh_stat(key)
         except OSError:
             before = None  # hashing it raises the error the caller expects
         digest = content_hash.file_digest(path)
-        after = FileStat.of(os.stat(key))
+        after = _fresh_stat(key)
         if before == after and after.ctime_ns < began - RACY_NS:
             self._known[key] = TrustedFile(digest, after)
         else:
             self._known.pop(key, None)
         return after.size, digest
+
+
+def _fresh_stat(path: Path) -> FileStat:
+    """The stat of ``path`` through a descriptor opened for it: on NFS a stat by name may answer
+    from the client's attribute cache (up to ``acregmax``, 60 s by default) and miss a change made
+    from another host, while an open revalidates the attributes (close-to-open consistency)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return FileStat.of(os.fstat(fd))
+    finally:
+        os.close(fd)

@@ -144,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: this run recorded checkpoint content hashes {hashed_as} and this fedagent-flwr computes "
               f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
     by_round = {int(e["round"]): e for e in summary.get("rounds", [])}
-    # noted for removal and gone: the run removed it (and was killed before recording it)
-    for r, kinds in noted_as_gone(summary.get("rounds", []), args.run_dir).items():
+    # noted for removal and gone: the run removed it (and was killed before recording it); only the
+    # notes of committed rounds: a round that did not commit removed nothing (a resume drops its note)
+    committed = summary.get("last_completed_round")
+    noting = [e for e in summary.get("rounds", []) if isinstance(committed, int) and int(e["round"]) <= committed]
+    for r, kinds in noted_as_gone(noting, args.run_dir).items():
         for kind in kinds if r in by_round else ():
             by_round[r].setdefault("removed", {}).setdefault(kind, 0)
 

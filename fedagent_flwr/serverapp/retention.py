@@ -42,7 +42,9 @@ lists (what is still there, a ``.removing-*`` left half-way) and counts each pat
 noted. The note is in the committing round's entry, so a round that did not commit after all takes
 it with it (a re-run keeps committed rounds' entries only): nothing is removed for a commit that did
 not happen. A path that cannot be removed is dropped from the note (one warning line) and noted
-again at the next commit.
+again at the next commit. A directory renamed out of its path whose tree then could not be removed
+is counted (its path is gone, by the run) and its ``.removing-*`` tree is removed again at each
+later commit or resume until it goes.
 
 **The store's own copies.** A store that keeps copies outside the run directory (the s3 store's
 bucket: the clients' uploads, the shared global models) is then told the same rules through
@@ -236,6 +238,7 @@ class Retention:
         attempt that died before recording it) and drop the notes; the bytes removed, as noted, by
         the round they belonged to (one without an entry: the round whose entry noted them). A path
         that cannot be removed is left out (a later commit notes it again)."""
+        self._sweep_trash()
         noted = [(r, item) for r, entry in sorted(entries.items()) if REMOVING in entry for item in entry.pop(REMOVING)]
         if noted:
             fsync_dir(self.run_dir)  # the note's rename on disk before any removal (a power cut)
@@ -246,6 +249,17 @@ class Retention:
                 owner = int(item["round"]) if int(item["round"]) in entries else r
                 self._note(freed, owner, str(item["kind"]), int(item["bytes"]))
         return freed
+
+    def _sweep_trash(self) -> None:
+        """Remove the ``.removing-*`` trees an earlier removal renamed and could not delete (their
+        bytes were counted when their paths went)."""
+        for pattern in (f"round_*/{TRASH_PREFIX}*", f"round_*/client_*/{TRASH_PREFIX}*"):
+            for trash in self.run_dir.glob(pattern):
+                if trash.is_dir() and not trash.is_symlink():
+                    shutil.rmtree(trash, ignore_errors=True)
+                    if trash.exists():
+                        log(WARNING, "[fedagent] could not remove %s (an earlier removal's); delete it by hand",
+                            trash)
 
     def _note_freed(self, recorder: RunRecorder, entries: dict[int, dict[str, Any]],
                     freed: dict[int, dict[str, int]]) -> None:

@@ -16,6 +16,7 @@ import pytest
 from fedagent_flwr.checkpoint import audit_digests, content_hash
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
+from testkit.file_change import flip_byte
 
 
 @pytest.fixture
@@ -43,14 +44,7 @@ def _checkpoint(directory: Path) -> Path:
 
 def _rewrite(path: Path, restore_mtime: bool) -> None:
     """Flip the first byte in place, same size and inode; the mtime restored if told."""
-    before = path.stat()
-    data = bytearray(path.read_bytes())
-    data[0] ^= 0xFF
-    with open(path, "r+b") as handle:
-        handle.write(bytes(data))
-    if restore_mtime:
-        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert (path.stat().st_size, path.stat().st_ino) == (before.st_size, before.st_ino)
+    flip_byte(path, restore_mtime)
 
 
 def test_the_directory_hash_is_hash_checkpoint_dirs_and_each_file_is_hashed_once(

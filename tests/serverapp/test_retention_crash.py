@@ -226,14 +226,14 @@ def test_noted_with_the_commit_retention_adds_no_write_of_its_own(
 
 
 def test_a_note_made_for_a_commit_that_did_not_happen_removes_nothing(suite: Suite, tmp_path: Path) -> None:
-    """Noted just before round 2's commit, which then fails (the disk is full): the run's last
-    write (``finish``) records the note, but in round 2's entry, which a re-run drops with the
+    """Noted just before round 2's commit, which then does not happen (the ServerApp stops between
+    the note and the commit: a failure of the round's own bookkeeping, or a stop), and the run's
+    last write (``finish``) records the note, but in round 2's entry, which a re-run drops with the
     round. Round 1's global model, the re-run's start, stays (the note lists it: keep_last_k=1)."""
     run_root, recorder, header = _run(suite, tmp_path, committed=1)
     retention = Retention(run_root, keep_last_k=1)
     retention.before_commit(recorder, 2)
-    # recorder.complete_round(2) raises before its write; the ServerApp records the failure
-    recorder.finish("failed", "OSError: [Errno 28] No space left on device")
+    recorder.finish("failed", "stopped before round 2's commit")
     assert any(item["path"] == "round_1/global" for item in _stored(run_root)["rounds"][1]["removing"])
 
     again = _resumed(run_root, header, committed=1)
@@ -242,3 +242,41 @@ def test_a_note_made_for_a_commit_that_did_not_happen_removes_nothing(suite: Sui
     assert all((run_root / "round_1" / f"client_{c}" / "checkpoints").is_dir() for c in (0, 1))
     assert "disk_freed_bytes" not in _stored(run_root)
     _resumed(run_root, header, committed=1)  # and round 1's global model is still as committed
+
+
+def test_the_audit_trusts_no_note_of_a_round_that_did_not_commit(suite: Suite, tmp_path: Path) -> None:
+    """Round 2's note (never committed) lists round 1's global model; that model deleted by hand
+    is a missing input, not a removal by the run: the audit fails its round 1."""
+    run_root, recorder, _ = _run(suite, tmp_path, committed=1)
+    Retention(run_root, keep_last_k=1).before_commit(recorder, 2)
+    recorder.finish("failed", "stopped before round 2's commit")
+    shutil.rmtree(run_root / "round_1" / "global")
+    audit = audit_run(run_root)
+    assert audit.returncode == 1, audit.stdout
+    assert "round 1: cannot verify" in audit.stdout and "removed by the run" not in audit.stdout, audit.stdout
+
+
+def test_a_tree_renamed_but_not_deleted_is_counted_once_and_removed_at_the_next_commit(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round 1's global model renamed out of its path, then its tree cannot be deleted (a
+    permission, an NFS busy file): the path is gone by the run and counted once; the leftover
+    ``.removing-global`` used to stay for good (nothing noted it again); the next commit removes it."""
+    run_root, recorder, _ = _run(suite, tmp_path)
+    trash = run_root / "round_1" / ".removing-global"
+    rmtree = shutil.rmtree
+
+    def refuse_the_trash(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path) == trash:
+            raise PermissionError(13, "Permission denied", str(path))
+        rmtree(path, *args, **kwargs)
+
+    retention = Retention(run_root, keep_last_k=1)
+    expected = _expected(run_root)
+    monkeypatch.setattr(shutil, "rmtree", refuse_the_trash)
+    retention.after_commit(recorder, 2)
+    assert trash.is_dir() and not (run_root / "round_1" / "global").exists()
+    assert _removed(_stored(run_root)) == expected
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    retention.after_commit(recorder, 2)
+    assert not trash.exists() and _removed(_stored(run_root)) == expected

@@ -24,6 +24,7 @@ import pytest
 from fedagent_flwr.checkpoint import audit_digests, content_hash, verify, verify_optimizer
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import Suite
+from testkit.file_change import flip_byte
 from testkit.round_harness import train_round
 from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
 
@@ -88,20 +89,10 @@ def test_each_file_is_hashed_once_per_audit_and_fewer_than_when_every_use_hashes
 
 
 def _flip_byte(path: Path, restore_mtime: bool) -> None:
-    """Flip the bits of one byte of ``path`` in place (its size and inode kept): the first byte of
-    a safetensors file's tensor data, or one near the end of any other file; the mtime restored if
-    told (``utime``), so that only ``ctime`` shows the change."""
-    before = path.stat()
-    data = bytearray(path.read_bytes())
-    at = 8 + int.from_bytes(data[:8], "little") if path.suffix == ".safetensors" else len(data) - 64
-    data[at] ^= 0xFF
-    with open(path, "r+b") as handle:
-        handle.write(bytes(data))
-    if restore_mtime:
-        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    after = path.stat()
-    assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
-    assert (after.st_mtime_ns == before.st_mtime_ns) == restore_mtime
+    """Flip the bits of one byte of ``path`` in place (:func:`testkit.file_change.flip_byte`): the
+    first byte of a safetensors file's tensor data, or one near the end of any other file."""
+    at = 8 + int.from_bytes(path.read_bytes()[:8], "little") if path.suffix == ".safetensors" else -64
+    flip_byte(path, restore_mtime, at)
 
 
 def _before_round(monkeypatch: pytest.MonkeyPatch, server_round: int, change: Callable[[], None]) -> None:
