@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fedagent_flwr.checkpoint import content_hash
@@ -59,18 +58,8 @@ class AuditDigests:
         """The content hash of ``directory``, as :func:`.content_hash.hash_checkpoint_dir`
         computes it, from remembered digests where they are still valid; the others are hashed on
         :data:`.content_hash.HASH_THREADS` threads."""
-        files = content_hash.hashed_files(directory)
-        valid = {path: self._valid(path) for path in files}
-        todo = [path for path, entry in valid.items() if entry is None]
-        workers = max(1, min(len(todo), content_hash.HASH_THREADS))
-        if workers == 1:
-            computed = [self._hash(path) for path in todo]
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="audit-hash") as pool:
-                computed = list(pool.map(self._hash, todo))
-        entries = {path.name: (entry.stat.size, entry.digest) for path, entry in valid.items() if entry is not None}
-        entries.update({path.name: found for path, found in zip(todo, computed)})
-        return content_hash.combine_file_digests([(name, size, digest) for name, (size, digest) in entries.items()])
+        known = {name: (entry.stat.size, entry.digest) for name, entry in self.trusted(directory).items()}
+        return content_hash.hash_checkpoint_dir(directory, known=known, file_hasher=lambda path: self._hash(path)[1])
 
     def trusted(self, directory: str | os.PathLike[str]) -> dict[str, TrustedFile]:
         """The hashed files of ``directory`` whose remembered digest is still valid (stat

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -85,21 +85,25 @@ def combine_file_digests(files: Sequence[tuple[str, int, bytes]]) -> str:
 
 
 def hash_checkpoint_dir(directory: str | os.PathLike[str], threads: int | None = None,
-                        known: Mapping[str, tuple[int, bytes]] | None = None) -> str:
+                        known: Mapping[str, tuple[int, bytes]] | None = None,
+                        file_hasher: Callable[[Path], bytes] | None = None) -> str:
     """Content hash of ``directory`` (module docstring), its files hashed on ``threads`` threads.
 
     ``known`` maps a file name to its size and digest where the caller already holds them (a
     store's receipt, checked against the file's stat: :mod:`.receipts`); those files are not read.
+    ``file_hasher`` hashes each of the others (default :func:`file_digest`; the audit's remembers
+    what it hashed: :mod:`.audit_digests`).
     """
     known = known or {}
+    hasher = file_hasher or file_digest
     files = hashed_files(directory)
     todo = [path for path in files if path.name not in known]
     workers = max(1, min(len(todo), threads or HASH_THREADS))
     if workers == 1:
-        computed = [file_digest(path) for path in todo]
+        computed = [hasher(path) for path in todo]
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-hash") as pool:
-            computed = list(pool.map(file_digest, todo))
+            computed = list(pool.map(hasher, todo))
     entries = {p.name: (p.stat().st_size, d) for p, d in zip(todo, computed)}
     entries.update({p.name: known[p.name] for p in files if p.name in known})
     return combine_file_digests([(name, size, digest) for name, (size, digest) in entries.items()])

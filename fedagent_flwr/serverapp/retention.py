@@ -104,6 +104,8 @@ class Retention:
     keep_client_checkpoints: bool = Storage.keep_client_checkpoints
     keep_last_k: int = Storage.keep_last_k  # global models kept (the newest aggregated ones); 0: all
     store: ServerStore | None = field(default=None, compare=False)  # told to release its own copies
+    # rounds whose removals before_commit noted: after_commit does not list the run's files again
+    _noted: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
 
     @classmethod
     def from_settings(cls, storage: StorageSettings, run_dir: Path, store: ServerStore | None = None) -> Retention:
@@ -120,6 +122,7 @@ class Retention:
             return
         try:
             self._plan(entries, server_round, entries[server_round])
+            self._noted.add(server_round)
         except OSError as exc:  # after_commit plans again
             log(WARNING, "[fedagent] round %d: could not list what its commit lets go: %s", server_round, exc)
 
@@ -129,11 +132,13 @@ class Retention:
         first unless :meth:`before_commit` noted it already. Never raises: a file that cannot be
         removed is logged and left."""
         entries = self._entries(recorder, server_round)
-        if entries and self._plan(entries, server_round, entries[max(entries)]):
+        noted_before = server_round in self._noted
+        self._noted.discard(server_round)
+        if not noted_before and entries and self._plan(entries, server_round, entries[max(entries)]):
             recorder.write()  # not in the record yet: it must be before anything goes
         pending = any(REMOVING in entry for entry in entries.values())
         freed = self._carry_out(entries)
-        total = sum(sum(kinds.values()) for kinds in freed.values())
+        total = _total(freed)
         released = self._release_store(entries, server_round)
         noted = self._note_released(released, entries, server_round)
         if not pending and not noted:
@@ -149,7 +154,7 @@ class Retention:
         if released is not None and released.objects:
             log(INFO, "[fedagent] round %d committed: removed %s from %s (%d objects, %.1f MB; %s)", server_round,
                 _describe(released.removed), released.where, sum(released.objects.values()),
-                sum(sum(kinds.values()) for kinds in released.removed.values()) / 1e6, settings)
+                _total(released.removed) / 1e6, settings)
         return total
 
     def after_resume(self, recorder: RunRecorder) -> None:
@@ -166,7 +171,7 @@ class Retention:
         if freed:
             log(INFO, "[fedagent] resumed: removed %s that an earlier attempt noted to remove and did not record as "
                 "removed (%.1f MB; %s)", _describe(freed),
-                sum(sum(kinds.values()) for kinds in freed.values()) / 1e6, self._settings())
+                _total(freed) / 1e6, self._settings())
         if not self._release_earlier(recorder) and not pending:
             return
         recorder.write()
@@ -381,11 +386,10 @@ def _size(path: Path) -> int:
 def _remove(path: Path) -> bool:
     """Remove a file or directory tree (a symlink itself, never its target); whether ``path`` is
     gone. A directory is renamed to ``.removing-<name>`` first and that tree removed, so that a crash
-    half-way leaves it whole or gone, never half; a leftover of such a crash goes first."""
+    half-way leaves it whole or gone, never half (a leftover of such a crash: :meth:`Retention._sweep_trash`,
+    which runs first)."""
     trash = path.with_name(TRASH_PREFIX + path.name)
     try:
-        if trash.is_dir() and not trash.is_symlink():
-            shutil.rmtree(trash)
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
@@ -394,6 +398,11 @@ def _remove(path: Path) -> bool:
     except OSError as exc:
         log(WARNING, "[fedagent] could not remove %s: %s", path, exc)
     return not os.path.lexists(path)
+
+
+def _total(freed: dict[int, dict[str, int]]) -> int:
+    """The bytes of a ``{round: {kind: bytes}}`` mapping."""
+    return sum(sum(kinds.values()) for kinds in freed.values())
 
 
 def _describe(freed: dict[int, dict[str, Any]]) -> str:

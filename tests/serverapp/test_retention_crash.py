@@ -198,7 +198,8 @@ def test_noted_with_the_commit_retention_adds_no_write_of_its_own(
     suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The ServerApp notes what a commit lets go just before the commit (RoundLoop's
-    before_commit): the commit's write records the note, and after_commit writes once, as before."""
+    before_commit): the commit's write records the note, and after_commit writes once, as before,
+    without listing the run's files again."""
     run_root, recorder, _ = _run(suite, tmp_path)
     expected = _expected(run_root)
     retention = Retention(run_root, keep_last_k=1)
@@ -216,8 +217,12 @@ def test_noted_with_the_commit_retention_adds_no_write_of_its_own(
     writes: list[int] = []
     write = recorder.write
     monkeypatch.setattr(recorder, "write", lambda *args, **kwargs: (writes.append(1), write(*args, **kwargs))[1])
+    listed: list[int] = []  # the run's files are listed once a commit, by before_commit
+    client_checkpoints = Retention._client_checkpoints
+    monkeypatch.setattr(Retention, "_client_checkpoints",
+                        lambda self, r: (listed.append(r), client_checkpoints(self, r))[1])
     assert retention.after_commit(recorder, 2) == sum(sum(kinds.values()) for kinds in expected.values())
-    assert len(writes) == 1 and _removed(_stored(run_root)) == expected
+    assert len(writes) == 1 and _removed(_stored(run_root)) == expected and listed == []
     # Called alone (no note yet), it writes the note first: one write more.
     writes.clear()
     (run_root / "round_2" / "client_9" / "checkpoints").mkdir(parents=True)  # a checkpoint to remove
