@@ -11,7 +11,9 @@ file's stat is exactly that; any other file is hashed again, as before. So a fil
 two uses is still caught: every write moves its ``ctime`` (the kernel offers no call to set it,
 so restoring the ``mtime`` with ``utime`` does not hide a change) and a replacement has another
 inode. Every comparison the audit makes is unchanged; only the bytes behind a digest are not read
-twice.
+twice. A checkpoint opened with these digests (:meth:`AuditDigests.trusted` as
+:func:`.open_ref.open_checkpoint`'s ``receipts``) is read after that stat check, so the reader
+checks each such file's stat once more after the reads (:meth:`.CheckpointReader.verify_content`).
 
 As with the store's receipts (:mod:`.receipts`, which make the same trade for the aggregation):
 a digest is remembered only when the file's stat was the same before and after it was hashed
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 from fedagent_flwr.checkpoint import content_hash
-from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, fresh_stat
 
 __all__ = ["RACY_NS", "AuditDigests"]
 
@@ -74,7 +76,7 @@ class AuditDigests:
         if entry is None:
             return None
         try:
-            now = _fresh_stat(key)
+            now = fresh_stat(key)
         except OSError:
             return None
         return entry if now == entry.stat else None
@@ -89,24 +91,14 @@ class AuditDigests:
         key = path.resolve()
         began = time.time_ns()
         try:
-            before: FileStat | None = _fresh_stat(key)
+            before: FileStat | None = fresh_stat(key)
         except OSError:
             before = None  # hashing it raises the error the caller expects
         digest = content_hash.file_digest(path)
-        after = _fresh_stat(key)
+        after = fresh_stat(key)
         if before == after and after.ctime_ns < began - RACY_NS:
             self._known[key] = TrustedFile(digest, after)
         else:
             self._known.pop(key, None)
         return after.size, digest
 
-
-def _fresh_stat(path: Path) -> FileStat:
-    """The stat of ``path`` through a descriptor opened for it: on NFS a stat by name may answer
-    from the client's attribute cache (up to ``acregmax``, 60 s by default) and miss a change made
-    from another host, while an open revalidates the attributes (close-to-open consistency)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return FileStat.of(os.fstat(fd))
-    finally:
-        os.close(fd)

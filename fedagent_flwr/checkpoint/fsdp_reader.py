@@ -233,7 +233,10 @@ class FsdpShardReader(CheckpointReader):
 
     def verify_content(self) -> None:
         """Finish the content-hash check begun while reading; CheckpointError naming the directory
-        if the files do not hash to the reference's sha256. Idempotent; a no-op without a check."""
+        if the files do not hash to the reference's sha256. Idempotent; a no-op without a check.
+        Files trusted at opening (hashed there, not while read: :meth:`watch_unchanged`) have their
+        stat checked again first."""
+        self.check_unchanged()
         if self._verified or self._expected_sha256 is None:
             return
         streamed = {file.path.name: file for file in self._files}
@@ -266,6 +269,10 @@ class FsdpShardReader(CheckpointReader):
         if actual != self._expected_sha256:
             raise content_mismatch(self.directory, actual, self._expected_sha256)
         self._verified = True
+
+    def _held_stat(self, name: str) -> FileStat | None:
+        """The stat of rank file ``name`` through the descriptor it is read from (as closed, once closed)."""
+        return next((file.held_stat() for file in self._files if file.path.name == name), None)
 
     @property
     def receipt_files(self) -> list[str]:

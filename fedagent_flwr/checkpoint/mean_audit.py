@@ -38,7 +38,9 @@ __all__ = ["verify_mean"]
 def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
     """The max abs error of the mean written in ``out_dir`` against the sources' float64 weighted
     mean (module docstring). CheckpointError when the written keys or shapes are not the sources',
-    an integer tensor differs, a float tensor is not float32, or a value read is NaN or Inf."""
+    an integer tensor differs, a float tensor is not float32, a value read is NaN or Inf, or a
+    source fails :meth:`.CheckpointReader.verify_content` once read (a file whose digest was
+    trusted at opening changed while it was read; a hash deferred to reading that does not match)."""
     out_dir = Path(out_dir)
     readers = [reader for reader, _ in sources]
     weights = normalise_weights([weight for _, weight in sources])
@@ -52,7 +54,10 @@ def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str 
             )
         for key in sorted(expected_keys):
             worst = max(worst, _key_error(readers, weights, written, key, out_dir))
-    return max(worst, tie_error(readers, ties))
+    worst = max(worst, tie_error(readers, ties))
+    for reader in readers:  # what was read is trusted only now: a file trusted at opening is unchanged since
+        reader.verify_content()
+    return worst
 
 
 def _key_error(readers: list[CheckpointReader], weights: list[float], written: Any, key: str, out_dir: Path) -> float:

@@ -50,9 +50,16 @@ def open_checkpoint(
     ``receipts`` (the http and s3 stores', :meth:`~.store.ServerStore.receipt_check`): a file whose
     receipt holds and whose stat is unchanged since it was verified on upload contributes the
     recorded digest instead of being hashed (:mod:`.receipts`); the reference's content hash is
-    still checked over every file's digest, and with ``"while-reading"`` the stat is checked
-    again once the reads are done. Without it (shared-fs) every byte is hashed. The audit passes
-    the digests it computed already the same way (:class:`.audit_digests.AuditDigests`).
+    still checked over every file's digest. Without it (shared-fs) every byte is hashed. The audit
+    passes the digests it computed already the same way (:class:`.audit_digests.AuditDigests`).
+    A trusted file's bytes are read after its stat was checked, so its stat is checked again once
+    the reads are done, in :meth:`~CheckpointReader.verify_content` (which the aggregation and the
+    audit call before they use what they read): a file rewritten meanwhile is refused (CheckpointError
+    naming it, "changed while it was read") rather than read changed without notice. With
+    ``"while-reading"`` on FSDP rank files the reader checks its trusted files itself; otherwise
+    (hash at opening: safetensors directories, ``check_hash=True``) the reader is told the trusted
+    files and their stats (:meth:`~CheckpointReader.watch_unchanged`): one ``open`` and ``fstat``
+    per trusted file. The files hashed at opening are not checked again, as without trusted digests.
     """
     if check_hash not in (True, False, "while-reading"):
         raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")
@@ -88,10 +95,15 @@ def open_checkpoint(
         if actual != ref.sha256:
             raise content_mismatch(directory, actual, ref.sha256)
 
+    reader: CheckpointReader
     if ref.format == "fsdp-shards":
-        return FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None,
-                               trusted=trusted if deferred else None)
-    return SafetensorsReader(ref, directory, data_files)
+        reader = FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None,
+                                 trusted=trusted if deferred else None)
+    else:
+        reader = SafetensorsReader(ref, directory, data_files)
+    if trusted and not deferred:  # checked at opening from digests taken on trust: their stat again after the reads
+        reader.watch_unchanged({name: entry.stat for name, entry in trusted.items()})
+    return reader
 
 
 def content_mismatches(readers: Sequence[CheckpointReader]) -> list[tuple[int, CheckpointError]]:

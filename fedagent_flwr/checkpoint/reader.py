@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
 __all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
@@ -33,6 +34,9 @@ class CheckpointReader(ABC):
         self.ref = ref
         self.directory = directory
         self.bytes_read = 0  # bytes of tensor data read so far (for throughput reports)
+        # files whose digest was trusted at opening rather than hashed, with the stat it was trusted
+        # at: verify_content checks each again (watch_unchanged)
+        self._watched: dict[str, FileStat] = {}
 
     @abstractmethod
     def keys(self) -> list[str]:
@@ -91,13 +95,47 @@ class CheckpointReader(ABC):
     def huggingface_dir(self) -> Path | None:
         """Directory holding ``config.json`` and tokenizer files for this checkpoint, if any."""
 
-    def verify_content(self) -> None:  # noqa: B027 -- optional hook, no-op by default
+    def verify_content(self) -> None:
         """Complete a content-hash check deferred to reading (``open_checkpoint(...,
-        check_hash="while-reading")``); CheckpointError naming the directory on a mismatch.
+        check_hash="while-reading")``); CheckpointError naming the directory on a mismatch. And
+        check again the stat of each file whose digest was trusted at opening instead of hashed
+        (:meth:`watch_unchanged`): CheckpointError naming a file that changed since.
 
         Values read before this returns are not trusted yet: a caller commits nothing built from
-        them until it has returned. A no-op for readers checked at opening or not at all.
+        them until it has returned. A no-op for readers checked at opening from hashes alone, or
+        not checked at all.
         """
+        self.check_unchanged()
+
+    def watch_unchanged(self, stats: Mapping[str, FileStat]) -> None:
+        """The files of :attr:`directory` (by name) whose digest :func:`.open_ref.open_checkpoint`
+        took from trusted digests (a store's receipts, the audit's own) instead of hashing them,
+        each with the stat it was trusted at: :meth:`verify_content` checks that stat again, so a
+        file rewritten between that check and the end of the reads is not read changed unnoticed."""
+        self._watched = dict(stats)
+
+    def check_unchanged(self) -> None:
+        """CheckpointError naming the first watched file (:meth:`watch_unchanged`) whose stat,
+        taken through a descriptor opened now (:func:`.receipts.fresh_stat`), or that of the file
+        the reader holds open (:meth:`_held_stat`), is not the one its digest was trusted at. One
+        ``open`` and ``fstat`` per file."""
+        for name, trusted in self._watched.items():
+            path = self.directory / name
+            try:
+                now: FileStat | str = fresh_stat(path)
+            except OSError as exc:
+                now = f"unreadable ({exc.strerror})"
+            read = self._held_stat(name)
+            if now != trusted or (read is not None and read != trusted):
+                held = f", {read} of the file read" if read is not None else ""
+                raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its "
+                                      f"trusted digest was taken at: {trusted} at opening{held}, {now} at its path "
+                                      "now)")
+
+    def _held_stat(self, name: str) -> FileStat | None:
+        """The stat, through the reader's own descriptor, of the file ``name`` it read; None where
+        the reader holds none of its own (a memory map opened by a library)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 -- optional hook, no-op by default
         """Release open files."""

@@ -53,6 +53,7 @@ __all__ = [
     "ReceiptCheck",
     "TrustedDigests",
     "TrustedFile",
+    "fresh_stat",
     "receipt_key",
     "receipt_path",
     "wait_for_tick",
@@ -78,6 +79,16 @@ class FileStat:
     def of(cls, result: os.stat_result) -> FileStat:
         return cls(result.st_size, result.st_mtime_ns, result.st_ctime_ns, result.st_ino, result.st_dev)
 
+
+def fresh_stat(path: str | os.PathLike[str]) -> FileStat:
+    """The stat of ``path`` through a descriptor opened for it: on NFS a stat by name may answer
+    from the client's attribute cache (up to ``acregmax``, 60 s by default) and miss a change made
+    from another host, while an open revalidates the attributes (close-to-open consistency)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return FileStat.of(os.fstat(fd))
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,13 @@ reported as removed and not recomputed (one missing without that record fails; a
 there has its commit checked all the same); keep the client checkpoints to audit a run (that also
 keeps every round's optimiser state). Retention notes what it is about to remove before it removes
 it (a round entry's ``removing``, :mod:`.removal_note`), so a run killed between the removal and the
-record that says so is not failed: a path that note lists and that is gone counts as removed by the
-run, with the same words; one still there is checked as usual.
+record that says so is not failed: an input that the note of a committed round lists (itself, or a
+directory holding it) and that is gone counts as removed by the run, with the same words; one still
+there is checked as usual. The note is read path by path, not per round and kind: another input of
+that round missing, which no note lists (lost, deleted by hand), fails its round as any missing
+input does (``checkpoint directory ... does not exist``), even when a noted file of the same round
+is gone. The ``removed`` bytes per kind that the record gets once the removals are done keep their
+meaning: a kind the round's entry says was removed is reported as removed.
 
 Hashes are part of the audit: a run record whose ``content_hash`` is not the one this fedagent-flwr
 computes (``v1``, or no field: runs recorded before content hash v2), whose hashes therefore cannot
@@ -32,7 +37,9 @@ or critic, or of the aggregate an optimiser's round stepped from, the previous g
 its header leaves empty, a missing ``base_model_sha256`` where a round steps from the base model:
 :mod:`.audit_hashes`). Each file is hashed once per audit (:mod:`.audit_digests`): a round's global
 model and state are the next round's inputs, and a source's hash is checked at its reference and
-again at its opening; the digest is reused only while the file's stat is unchanged.
+again at its opening; the digest is reused only while the file's stat is unchanged, and a source
+opened with reused digests has its files' stat checked again once its round has been read (a file
+changed while the audit read it fails the round: ``changed while it was read``).
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's
@@ -44,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +66,7 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.removal_note import noted_as_gone
+from fedagent_flwr.checkpoint.removal_note import gone_by_note, noted_as_gone
 from fedagent_flwr.checkpoint.verify_optimizer import (
     OPTIMIZER_RULES,
     InputRemoved,
@@ -145,20 +154,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{CONTENT_HASH_VERSION}: the sources' hashes are not compared, only the means are recomputed")
     by_round = {int(e["round"]): e for e in summary.get("rounds", [])}
     # noted for removal and gone: the run removed it (and was killed before recording it); only the
-    # notes of committed rounds: a round that did not commit removed nothing (a resume drops its note)
+    # notes of committed rounds: a round that did not commit removed nothing (a resume drops its note).
+    # Path by path: one noted file gone says nothing of the round's other files of its kind.
     committed = summary.get("last_completed_round")
     noting = [e for e in summary.get("rounds", []) if isinstance(committed, int) and int(e["round"]) <= committed]
-    for r, kinds in noted_as_gone(noting, args.run_dir).items():
-        for kind in kinds if r in by_round else ():
-            by_round[r].setdefault("removed", {}).setdefault(kind, 0)
+    gone = noted_as_gone(noting, args.run_dir)
+
+    def noted(path: Path) -> bool:
+        return gone_by_note(path, args.run_dir, gone)
 
     def removed_by_run(path: Path) -> bool:
-        # retention notes a global model or state it removed in the entry of the round that wrote it
+        # retention records a global model or state it removed in the entry of the round that wrote it
         is_state = path.parent.name == "server_optimizer"
         match = (path.parent.parent if is_state else path.parent).name.removeprefix("round_")
         entry = by_round.get(int(match)) if match.isdigit() else None
         kind = "server_optimizer_state" if is_state else {"global": "global_model"}.get(path.name, path.name)
-        return entry is not None and kind in entry.get("removed", {})
+        return (entry is not None and kind in entry.get("removed", {})) or noted(path)
 
     digests = AuditDigests()  # each file hashed once: a round's global model is the next one's input
     latest: dict[str, tuple[str, str | None] | None] = {
@@ -177,27 +188,29 @@ def main(argv: list[str] | None = None) -> int:
                    else f"critics of {len(entry.get('client_critics', []))} clients")
             if entry.get(path_key):
                 ok &= _audit(entry, Path(entry[path_key]), entry.get(hash_key), label, what, who,
-                             args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, summary,
-                             previous[path_key], args.allow_unhashed, digests)
+                             args.run_dir.resolve(), check_hashes, args.tolerance, removed_by_run, noted,
+                             summary, previous[path_key], args.allow_unhashed, digests)
     return 0 if ok else 1
 
 
 def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label: str, what: str, clients: str,
-           run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Any,
-           summary: dict[str, Any], previous: tuple[str, str | None] | None, allow_unhashed: bool,
-           digests: AuditDigests) -> bool:
+           run_root: Path, check_hashes: bool, tolerance: float, removed_by_run: Callable[[Path], bool],
+           noted: Callable[[Path], bool], summary: dict[str, Any], previous: tuple[str, str | None] | None,
+           allow_unhashed: bool, digests: AuditDigests) -> bool:
     """Audit one aggregate (the global model or PPO's critic) of one round, print one line; False
-    when it fails."""
+    when it fails. ``removed_by_run(path)``: the record says retention removed that global model or
+    state; ``noted(path)``: a committed round's removal note lists that path (or a directory
+    holding it) and it is gone (:mod:`.removal_note`)."""
     name = f"round {entry['round']}{what}"
     removed = entry.get("removed", {})
-    if label in removed:
+    if label in removed or noted(global_dir):
         print(f"{name}: {label.replace('_', ' ')} removed by the run (storage.keep_last_k); not checked")
         return True
     try:
         notes: list[str] = []
         if check_hashes:  # first: a run that removed its client checkpoints still has its commits to check
             _check_commit(global_dir, committed, allow_unhashed, notes, digests)
-        if "client_checkpoints" in removed:
+        if "client_checkpoints" in removed or _sources_removed(global_dir, noted):
             recorded_sources(global_dir, ("weighted_mean", *OPTIMIZER_RULES))  # a rule this audit cannot check
             # is still reported
             kept = "content hash as committed; " if check_hashes and committed else ""
@@ -216,6 +229,27 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
     remarks = "".join(f"; {text}" for text in notes)
     print(f"{name}: {clients} max abs error {error:.3e} {'ok' if good else 'ABOVE TOLERANCE'}{remarks}")
     return good
+
+
+def _sources_removed(global_dir: Path, noted: Callable[[Path], bool]) -> bool:
+    """Whether some of the client checkpoints that ``global_dir``'s header records as its sources
+    are missing, each because the run removed it (``noted``: a committed round's removal note lists
+    it, or a directory holding it, and that is gone); CheckpointError naming the first missing
+    source that no note accounts for (lost, deleted by hand), whatever else of its round the run
+    removed. A header this audit cannot read sources from is left to the checks that report it."""
+    header = header_of(global_dir / MODEL_FILE)
+    if header.get("fedagent.aggregation", "weighted_mean") not in ("weighted_mean", *OPTIMIZER_RULES):
+        return False
+    try:
+        paths = [Path(source["path"]) for source in json.loads(header["fedagent.sources"])]
+    except (KeyError, ValueError, TypeError):
+        return False
+    missing = [path for path in paths if not os.path.lexists(path)]
+    for path in missing:
+        if not noted(path):
+            raise CheckpointError(f"checkpoint directory {path} does not exist (no removal by the run accounts for "
+                                  "it: no removal note of a committed round lists it)")
+    return bool(missing)
 
 
 def _check_commit(global_dir: Path, committed: str | None, allow_unhashed: bool, notes: list[str],

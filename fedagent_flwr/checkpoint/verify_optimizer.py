@@ -252,6 +252,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         tied = tie_error([reader for reader, _ in sources], ties)  # module docstring: held to the tolerance
         audit.global_error = max(audit.global_error, tied)
         audit.ratio = max(audit.ratio, tied / tolerance if tolerance else math.inf if tied else 0.0)
+        for reader, _ in sources:  # a file trusted at opening must be unchanged now that it was read
+            reader.verify_content()
     return audit
 
 

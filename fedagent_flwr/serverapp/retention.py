@@ -36,7 +36,8 @@ first. Then the run directory is fsynced (a power cut cannot keep the removals a
 the files are removed (a directory renamed to ``.removing-<name>`` first and that tree removed, so a
 path is whole or gone, never half) and the next write turns the note into ``removed``. Killed in
 between (kill -9, OOM, a power cut), the run leaves the note, never files gone that its record does
-not account for: the audit reads a noted path that is gone as removed by the run, and the resumed
+not account for: the audit reads a noted path that is gone (and what it held) as removed by the
+run, path by path (:mod:`fedagent_flwr.checkpoint.removal_note`), and the resumed
 run when it starts (:meth:`Retention.after_resume`), or the next commit, removes what the note
 lists (what is still there, a ``.removing-*`` left half-way) and counts each path once, at the size
 noted. The note is in the committing round's entry, so a round that did not commit after all takes

@@ -21,15 +21,25 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, open_checkpoint, weighted_mean
+from fedagent_flwr.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointRef,
+    audit_digests,
+    open_checkpoint,
+    weighted_mean,
+)
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
 from fedagent_flwr.checkpoint.http_server import HttpServerStore
 from fedagent_flwr.checkpoint.receipts import FileStat, ReceiptCheck, receipt_path, write_receipt
+from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
 from fedagent_flwr.checkpoint.store import SharedFsServerStore, StorageSettings
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from fedagent_flwr.serverapp.retention import Retention
 from testkit.ckpt_factory import ModelSpec, Suite, same_size_impostor, write_hf_checkpoint
+from testkit.file_change import flip_byte as flip_byte_past_tick
 from testkit.store_harness import RUN, SHARD, HashCounter, node
 
 SHARD_W2 = "model_world_size_2_rank_1.pt"
@@ -377,3 +387,52 @@ def test_a_safetensors_upload_is_checked_at_opening_from_its_receipt(
     flip_byte(Path(ref.path) / "model.safetensors", restore_mtime=True)
     with pytest.raises(CheckpointError, match=f"content hash of {Path(ref.path)}"):
         open_checkpoint(ref, root=store.run_root, receipts=checker)
+
+
+def _trusted_reader(mode: str, store: HttpServerStore, suite: Suite, tmp_path: Path) -> tuple[CheckpointReader, Path]:
+    """A checkpoint opened with its digests taken on trust and its hash checked at opening (not
+    while read), and the file of it to change: a store's receipts on an FSDP upload
+    (``check_hash=True``) or a safetensors upload (``"while-reading"``, which safetensors checks at
+    opening), or the audit's own digests (:class:`.AuditDigests`) on an FSDP checkpoint."""
+    if mode == "audit-digests":
+        source = suite.copy("qwen_b", store.run_root / "round_1" / "client_0")
+        digests = AuditDigests()
+        ref = CheckpointRef.for_directory(source, hasher=digests.directory_hash)  # hashed, remembered
+        reader = open_checkpoint(ref, root=store.run_root, receipts=digests)
+        return reader, source / SHARD_W2
+    checker = store.receipt_check()
+    assert checker is not None
+    if mode == "receipt-safetensors":
+        written = tmp_path / "node0" / "hf"
+        write_hf_checkpoint(ModelSpec("hf", "qwen2", seed=5), written)
+        ref = upload(store, written, tmp_path / "node0", 0)
+        reader = open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=checker)
+        assert isinstance(reader, SafetensorsReader)
+        model = Path(ref.path) / "model.safetensors"
+        return reader, model
+    ref = upload(store, suite.copy("qwen_b", tmp_path / "node0"), tmp_path / "node0", 0)
+    reader = open_checkpoint(ref, root=store.run_root, check_hash=True, receipts=checker)
+    assert isinstance(reader, FsdpShardReader) and reader.receipt_files == []  # not the while-reading check
+    return reader, Path(ref.path) / SHARD_W2
+
+
+@pytest.mark.parametrize("mode", ["receipt-fsdp", "receipt-safetensors", "audit-digests"])
+def test_a_file_trusted_at_opening_and_changed_while_it_is_read_is_refused(
+        store: HttpServerStore, suite: Suite, tmp_path: Path, hashed: HashCounter,
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Checked at opening from trusted digests, the files were read later without their stat
+    checked again: a file rewritten between the check and the end of the reads was read changed,
+    unnoticed. Now verify_content (which the aggregation and the audit call once they have read)
+    checks the stat of each trusted file again and names the one that changed."""
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the checkpoint was written a moment ago
+    reader, target = _trusted_reader(mode, store, suite, tmp_path)
+    with reader:
+        hashed.bytes = 0
+        keys = reader.keys()
+        reader.read(keys[0])
+        reader.verify_content()  # unchanged: passes
+        assert hashed.bytes < 1024, hashed.bytes  # trusted, not hashed: only the digests' combination
+        flip_byte_past_tick(target, restore_mtime=True, at=-1)  # same size, inode and mtime: only ctime moves
+        reader.read(keys[-1])
+        with pytest.raises(CheckpointError, match=re.escape(f"{target} changed while it was read")):
+            reader.verify_content()

@@ -38,9 +38,11 @@ REMOVED_LINES = ("round 1: global model removed by the run (storage.keep_last_k)
                  "committed (storage.keep_client_checkpoints=false); recomputation not checked")
 
 
-def _run(suite: Suite, tmp_path: Path, committed: int = 2) -> tuple[Path, RunRecorder, dict[str, Any]]:
+def _run(suite: Suite, tmp_path: Path, committed: int = 2,
+         slots: tuple[str, str] = ("checkpoints", "checkpoints")) -> tuple[Path, RunRecorder, dict[str, Any]]:
     """Two FedAdam rounds, the first ``committed`` of them committed; the run directory, its
-    recorder and its header."""
+    recorder and its header. ``slots``: where in its client directory each round's trainers write
+    (``checkpoints``, which retention removes, or another folder, which it does not list)."""
     initial = initial_checkpoint(tmp_path)
     run_root = tmp_path / "run"
     run_root.mkdir()
@@ -50,8 +52,8 @@ def _run(suite: Suite, tmp_path: Path, committed: int = 2) -> tuple[Path, RunRec
     strategy = FedAdamFSDP(run_root=str(run_root), initial_model=initial, num_clients=2, clients_per_round=2, **ADAM)
     connect(strategy, recorder, range(2))
     for r, (names, episodes) in enumerate(ROUNDS, 1):
-        slots = [client_slot(run_root, c, r) / "checkpoints" for c in (0, 1)]  # where trainers write them
-        replies = [train_reply(c, CheckpointRef.for_directory(suite.copy(name, slots[c])), count)
+        written = [client_slot(run_root, c, r) / slots[r - 1] for c in (0, 1)]  # where trainers write them
+        replies = [train_reply(c, CheckpointRef.for_directory(suite.copy(name, written[c])), count)
                    for c, (name, count) in enumerate(zip(names, episodes))]
         train_round(strategy, r, replies)
         if r <= committed:
@@ -285,3 +287,61 @@ def test_a_tree_renamed_but_not_deleted_is_counted_once_and_removed_at_the_next_
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     retention.after_commit(recorder, 2)
     assert not trash.exists() and _removed(_stored(run_root)) == expected
+
+
+def _receipts(run_root: Path) -> list[Path]:
+    """A store's receipt beside each client's checkpoint (``.receipt-<name>.json``, as the http and
+    s3 stores leave them), which retention removes with the client checkpoints; round 1's first."""
+    receipts = []
+    for r, (names, _) in enumerate(ROUNDS, 1):
+        for c, name in enumerate(names):
+            receipt = run_root / f"round_{r}" / f"client_{c}" / f".receipt-{name}.json"
+            receipt.write_text("{}")
+            receipts.append(receipt)
+    return receipts
+
+
+def test_a_noted_file_gone_does_not_make_a_missing_unnoted_input_of_its_round_removed_by_the_run(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed right after retention removed round 1's first receipt: the note lists the receipts
+    (and round 1's optimiser state), not the clients' checkpoints, which the trainers wrote where
+    retention does not look (``output/``). A client checkpoint of round 1 then deleted by hand was
+    taken as removed by the run (the audit read the note per round and kind: one client checkpoint
+    of round 1 noted and gone made them all so) and round 1 was skipped; it is a missing input."""
+    run_root, recorder, _ = _run(suite, tmp_path, slots=("output", "output"))
+    receipts = _receipts(run_root)
+    with monkeypatch.context() as patch:
+        _killed_at(patch, receipts[0], before=False)
+        with pytest.raises(SystemExit):
+            Retention(run_root, keep_last_k=0).after_commit(recorder, 2)
+    noted = [item["path"] for item in _stored(run_root)["rounds"][1]["removing"]]
+    assert "round_1/client_0/.receipt-qwen_a.json" in noted and not receipts[0].exists()
+    assert not any("output" in path for path in noted)
+    lost = run_root / "round_1" / "client_1" / "output" / "qwen_b"
+    shutil.rmtree(lost)  # by hand: no removal of the run
+    audit = audit_run(run_root)
+    assert audit.returncode == 1, audit.stdout
+    first = audit.stdout.splitlines()[0]
+    assert first.startswith(f"round 1: cannot verify: checkpoint directory {lost} does not exist"), audit.stdout
+    assert "removed by the run" not in audit.stdout, audit.stdout
+
+
+def test_an_input_noted_and_gone_is_removed_by_the_run_and_one_still_there_is_recomputed(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Killed before round 1's optimiser state, the last removal: every receipt is gone, and so are
+    round 2's client checkpoints (under ``checkpoints/``, which the note lists: removed by the run,
+    the round not recomputed); round 1's, written where retention does not look, are all there and
+    the round is recomputed, its receipts gone or not (it used to be skipped as removed)."""
+    run_root, recorder, _ = _run(suite, tmp_path, slots=("output", "checkpoints"))
+    receipts = _receipts(run_root)
+    with monkeypatch.context() as patch:
+        _killed_at(patch, run_root / "round_1" / STATE, before=True)
+        with pytest.raises(SystemExit):
+            Retention(run_root, keep_last_k=0).after_commit(recorder, 2)
+    assert not any(receipt.exists() for receipt in receipts) and (run_root / "round_1" / STATE).is_file()
+    assert not list(run_root.glob("round_2/client_*/checkpoints"))
+    assert all((run_root / "round_1" / f"client_{c}" / "output").is_dir() for c in (0, 1))
+    stdout = _audited(run_root, "round 1: clients [0, 1] fedadam step 1 max abs error ", REMOVED_LINES[1])
+    assert stdout.splitlines()[0].endswith(" ok"), stdout

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fedagent_flwr.checkpoint import audit_digests, content_hash, verify, verify_optimizer
+from fedagent_flwr.checkpoint import audit_digests, content_hash, mean_audit, verify, verify_optimizer
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import Suite
 from testkit.file_change import flip_byte
@@ -153,3 +153,33 @@ def test_a_source_changed_between_its_reference_and_its_opening_is_hashed_again_
     assert status == 1 and lines[0].startswith(f"round 1: cannot verify: content hash of {target.parent.resolve()} "
                                                "is "), lines
     assert hashed[target.resolve()] == 2  # its reference, then its opening: its stat moved in between
+
+
+@pytest.mark.parametrize(("cls", "settings"), STRATEGIES, ids=[cls.__name__ for cls, _ in STRATEGIES])
+def test_a_source_changed_while_the_audit_reads_it_is_caught(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    cls: type[FedAvgFSDP], settings: dict[str, float],
+) -> None:
+    """A client checkpoint whose digests the audit trusts at its opening (hashed at its reference a
+    moment before, stat unchanged), changed once its reads have begun: its values were read
+    unchecked and the round passed. Its stat is checked again once the round is read."""
+    run_root = _run(suite, tmp_path, cls, settings)
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)
+    target = next((run_root / "round_1" / "client_0").rglob("model_world_size_*_rank_0.pt"))
+    changed: list[Path] = []
+    for module in (mean_audit, verify_optimizer):
+        plain = module.reader_rows
+
+        def first_read_then_change(reader: Any, *args: Any, _plain: Any = plain, **kwargs: Any) -> Any:
+            rows = _plain(reader, *args, **kwargs)
+            if not changed and Path(reader.directory) == target.parent.resolve():
+                _flip_byte(target, restore_mtime=True)  # after the first read: the reads go on
+                changed.append(target)
+            return rows
+
+        monkeypatch.setattr(module, "reader_rows", first_read_then_change)
+    status, lines = _audit(run_root, capsys)
+    assert changed == [target]
+    assert status == 1 and lines[0].startswith(f"round 1: cannot verify: {target.resolve()} changed while it was "
+                                               "read"), lines
+    assert all(line.endswith(" ok") for line in lines[1:]), lines
