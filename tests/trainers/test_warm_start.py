@@ -389,3 +389,38 @@ def test_a_warm_start_output_is_a_base_model_the_run_and_both_trainers_load(
         turns = asyncio.run(loop.run_windowed({"temperature": 0.0}, validate=False, env_name="TinyGuess",
                                               env_config={"lo": 1, "hi": 50}, seed=3, max_turns=2))
         assert len(turns) == 2 and all(t.num_turns == 1 and t.response_ids for t in turns)
+
+
+@pytest.mark.parametrize(("choice", "enabled"), [
+    ("math", {"math": True, "flash": False, "mem_efficient": False, "cudnn": False}),
+    ("auto", None),  # torch's own flags, whatever they are, untouched
+])
+def test_attention_pins_the_kernels_training_may_use(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, choice: str,
+                                                     enabled: dict[str, bool] | None) -> None:
+    def flags() -> dict[str, bool]:
+        return {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+                for name in ("math", "flash", "mem_efficient", "cudnn")}
+
+    outside, seen = flags(), []
+    real_train = ws.train
+
+    def spying_train(*args: Any, **kwargs: Any) -> Any:
+        seen.append(flags())  # what scaled-dot-product attention may use while the model trains
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(ws, "train", spying_train)
+    out = tmp_path / "warm"
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--epochs", 1, "--device", "cpu",
+               "--attention", choice) == 0
+    assert seen == [enabled or outside]
+    assert flags() == outside  # put back after training
+    assert json.loads((out / ws.RECORD_FILE).read_text())["attention"] == choice
+
+
+def test_efficient_attention_on_the_cpu_is_refused_before_training(tiny_model_dir: Path, data: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "warm", "--epochs", 1,
+               "--device", "cpu", "--attention", "efficient") == 1
+    assert "--attention efficient needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "warm").exists()

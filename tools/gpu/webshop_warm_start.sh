@@ -14,6 +14,8 @@
 #   GRAD_CKPT=1 (0 unless DEVICE=cuda)  --gradient-checkpointing: the 30 layers' activations at 8 x 4,608
 #                              tokens are tens of GB; recomputed in the backward pass instead (~1/3 more
 #                              compute), so the warm start leaves room for GPU work beside it
+#   ATTENTION=auto             --attention: the SDPA kernels to train with; auto lets torch pick cuDNN's on an
+#                              H100, whose backward is not deterministic; math or efficient pin one
 #   MAX_GPU_MEM_FRACTION=      unset: no cap; F: --max-gpu-memory-fraction F, the process's share of the
 #                              card (it then stops with its own out-of-memory line, not its neighbours)
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
@@ -32,7 +34,7 @@ DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; MAX_LEN=${MAX_LEN:-
 # Off CUDA (cpu, or auto on a box without a GPU) a batch of 8 windows keeps their attention for the
 # backward pass: killed for memory on a 23 GB machine.
 if [ "$DEVICE" = cuda ]; then BATCH=${BATCH:-8}; else BATCH=${BATCH:-1}; fi
-SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}
+SEED=${SEED:-0}; SAVE_DTYPE=${SAVE_DTYPE:-float32}; ATTENTION=${ATTENTION:-auto}
 if [ "$DEVICE" = cuda ]; then GRAD_CKPT=${GRAD_CKPT:-1}; else GRAD_CKPT=${GRAD_CKPT:-0}; fi
 MEMORY_ARGS=()
 [ "$GRAD_CKPT" = 1 ] && MEMORY_ARGS+=(--gradient-checkpointing)
@@ -92,7 +94,7 @@ echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.
 # --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
 $PY -m fedagent_flwr.cli warm-start --data "$WORK/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
     --epochs "$EPOCHS" --lr "$LR" --batch-size "$BATCH" --max-len "$MAX_LEN" --seed "$SEED" --device "$DEVICE" \
-    --save-dtype "$SAVE_DTYPE" --log-every 50 --chat-template-kwargs "$TEMPLATE_KWARGS" \
+    --save-dtype "$SAVE_DTYPE" --attention "$ATTENTION" --log-every 50 --chat-template-kwargs "$TEMPLATE_KWARGS" \
     ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"}
 WARM_S=$(( SECONDS - EXPERT_S ))
 $PY - "$OUT_DIR" "$WORK/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
