@@ -336,9 +336,11 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
-                    # verified before the mean is committed; from the http or s3 store's receipts where they hold
+                    # verified before the mean is committed; from the http or s3 store's receipts where they hold;
+                    # a LoRA adapter reads as the model this round started from plus its update (lora_reader)
                     reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
-                                             check_hash="while-reading", receipts=self.store.receipt_check())
+                                             check_hash="while-reading", receipts=self.store.receipt_check(),
+                                             base=start)
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)
