@@ -54,7 +54,7 @@ def test_per_round_larger_than_total_means_all_clients() -> None:
         ("env.train.envs.0.n_envs=0", "config key 'env.train'"),
         ("env.train.envs.0.name=Nope", "config key 'env.train'"),
         ("model.lora.rank=-1", "config key 'model.lora.rank' = -1 is invalid"),
-        ("model.lora.alpha=0", "config key 'model.lora.alpha' = 0.0 is invalid"),
+        ("model.lora.alpha=0", "config key 'model.lora.alpha' = 0 is invalid"),
         ("model.lora.dropout=1", "config key 'model.lora.dropout' = 1.0 is invalid"),
         ("model.lora.rank=8 model.lora.target_modules=[]", "config key 'model.lora.target_modules' is empty"),
         ("model.lora.target_modules=['q proj']", "config key 'model.lora.target_modules' entry 0 = 'q proj'"),
@@ -161,15 +161,15 @@ def test_a_declared_strategy_kwarg_is_set_with_or_without_a_plus() -> None:
 def test_lora_settings_travel_to_every_job_as_the_model_group_sets_them() -> None:
     settings = load_settings(overrides="model.lora.rank=8 model.lora.alpha=32 "
                                        "model.lora.target_modules=[q_proj,v_proj]")
-    lora = {"rank": 8, "alpha": 32.0, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
+    lora = {"rank": 8, "alpha": 32, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
     assert settings.trainer["lora"] == lora  # what a job file carries
     from fedagent_flwr.trainers.reference.config import GRPOConfig
 
     cfg, _ = GRPOConfig.from_mapping(settings.trainer)
-    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (8, 32.0, ["q_proj", "v_proj"])
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (8, 32, ["q_proj", "v_proj"])
     # off by default, with the Llama-style attention projections as the targets
     default = load_settings().trainer["lora"]
-    assert default == {"rank": 0, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    assert default == {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
                        "dropout": 0.0}
     # a verl job file written by hand with an adapter is refused by the job's own check, in the same words
     from fedagent_flwr.schema import SettingError

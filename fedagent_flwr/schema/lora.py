@@ -23,7 +23,7 @@ class Lora:
     """peft's ``LoraConfig`` as the run sets it: ``r``, ``lora_alpha``, ``target_modules``, ``lora_dropout``."""
 
     rank: int = setting(0, ge=0, note="0 trains the full model, LoRA off")
-    alpha: float = setting(16.0, gt=0)  # the update is (alpha / rank) B @ A
+    alpha: int = setting(16, ge=1)  # the update is (alpha / rank) B @ A (an int, as peft types lora_alpha)
     # the linear layers that get an adapter, by module name (peft's matching: the name or its last parts)
     target_modules: list[str] = setting(factory=lambda: list(DEFAULT_TARGETS), pattern=_MODULE_NAME,
                                         note="a module name such as q_proj")
