@@ -180,3 +180,25 @@ def test_adapter_settings_the_reader_cannot_honour_are_refused(root: Path, tmp_p
     with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? "):
         open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
                         base=CheckpointRef.for_directory(root / "global"))
+
+
+def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Digests taken on trust at opening (the audit's own, a store's receipts): the adapter's files are
+    checked again once read, as any checkpoint's are."""
+    from fedagent_flwr.checkpoint import audit_digests
+    from fedagent_flwr.checkpoint.audit_digests import AuditDigests
+    from testkit.file_change import flip_byte
+
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the adapter was written a moment ago
+    adapter = shutil.copytree(root / "client_0", tmp_path / "adapter")
+    digests = AuditDigests()
+    ref = CheckpointRef.for_directory(adapter, hasher=digests.directory_hash)
+    base = CheckpointRef.for_directory(root / "global")
+    with open_checkpoint(ref, root=tmp_path, receipts=digests, base=base) as reader:
+        assert isinstance(reader, LoraAdapterReader)
+        reader.read(reader.targets[0])
+        reader.verify_content()  # unchanged: passes
+        flip_byte(adapter / "adapter_model.safetensors", restore_mtime=True, at=-1)  # only its ctime moves
+        with pytest.raises(CheckpointError, match=f"{adapter / 'adapter_model.safetensors'} changed while it was read"):
+            reader.verify_content()
