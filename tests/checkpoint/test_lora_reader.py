@@ -202,3 +202,26 @@ def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
         flip_byte(adapter / "adapter_model.safetensors", restore_mtime=True, at=-1)  # only its ctime moves
         with pytest.raises(CheckpointError, match=f"{adapter / 'adapter_model.safetensors'} changed while it was read"):
             reader.verify_content()
+
+
+def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(root: Path, tmp_path: Path) -> None:
+    """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
+    format and opens with its digests taken from the store's receipt."""
+    from fedagent_flwr.checkpoint.http_server import HttpServerStore
+    from fedagent_flwr.checkpoint.store import StorageSettings
+    from testkit.store_harness import RUN, node
+
+    (tmp_path / "run").mkdir()
+    with HttpServerStore(StorageSettings(kind="http"), tmp_path / "run", RUN) as store:
+        sent = node(store, tmp_path / "node0").put(root / "client_0", "actor", 1, 0)
+        assert sent.format == "peft-lora"
+        ref = store.resolve(sent, 1, 0)
+        # what peft's save_pretrained wrote (its model card too), no more
+        assert ref.format == "peft-lora" and sorted(p.name for p in Path(ref.path).iterdir()) == sorted(
+            p.name for p in (root / "client_0").iterdir())
+        oracle, changed = adapter_oracle(root / "global", root / "client_0")
+        with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=store.receipt_check(),
+                             base=CheckpointRef.for_directory(root / "global")) as reader:
+            for key in changed:
+                torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
+            reader.verify_content()
