@@ -337,10 +337,9 @@ class FedAvgFSDP(FedAvg):
                 assert ref is not None  # candidates for the critic all carry one
                 try:
                     # verified before the mean is committed; from the http or s3 store's receipts where they hold;
-                    # a LoRA adapter reads as the model this round started from plus its update (lora_reader)
-                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
-                                             check_hash="while-reading", receipts=self.store.receipt_check(),
-                                             base=start)
+                    # a LoRA adapter reads as the round's starting model plus its update (checkpoint.lora_reader)
+                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), self.run_root, base=start,
+                                             check_hash="while-reading", receipts=self.store.receipt_check())
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)
