@@ -163,9 +163,14 @@ def check_lora_targets(settings: RunSettings, model_dir: Path) -> None:
     if lora.rank == 0:
         return
     import torch
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import check_target_module_exists
+    except ImportError:
+        raise ConfigError(f"config key 'model.lora.rank' = {lora.rank} needs peft, which is not installed on the "
+                          "ServerApp's machine: pip install 'fedagent-flwr[lora]' (on every node)") from None
 
     from fedagent_flwr.checkpoint.config_answers import quiet_transformers
     from fedagent_flwr.checkpoint.hf_files import tied_weight_keys

@@ -100,3 +100,12 @@ def test_lora_targets_the_adapters_could_not_use_are_refused_at_start(tiny_model
     check_lora_targets(load_settings(overrides="model.lora.rank=4 model.lora.target_modules=[gate_proj,down_proj]"),
                        tiny_model_dir)
     check_lora_targets(load_settings(overrides=f"model.lora.target_modules={targets}"), tiny_model_dir)
+
+
+def test_lora_without_peft_installed_is_refused_at_start_naming_the_extra(tiny_model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError, as without the package
+    with pytest.raises(ConfigError, match=r"config key 'model.lora.rank' = 4 needs peft, .*fedagent-flwr\[lora\]"):
+        check_lora_targets(load_settings(overrides="model.lora.rank=4"), tiny_model_dir)
