@@ -240,11 +240,12 @@ def _tracking(names: list[str]) -> tuple[str, ...]:
 
 
 def _run_value(run: RunSchema, dotted: str) -> Any:
-    """The checked value of the run key ``dotted`` (``rollout.mode``)."""
+    """The checked value of the run key ``dotted`` (``rollout.mode``); a group (``model.lora``) as a mapping,
+    the form a trainer group's value takes."""
     node: Any = run
     for part in dotted.split("."):
         node = getattr(node, part)
-    return node
+    return asdict(node) if is_dataclass(node) and not isinstance(node, type) else node
 
 
 def _check_client_trainer(trainer: dict[str, Any], where: str) -> None:

@@ -53,6 +53,17 @@ def test_per_round_larger_than_total_means_all_clients() -> None:
         ("partition.strategy=random", "config key 'partition.strategy'"),
         ("env.train.envs.0.n_envs=0", "config key 'env.train'"),
         ("env.train.envs.0.name=Nope", "config key 'env.train'"),
+        ("model.lora.rank=-1", "config key 'model.lora.rank' = -1 is invalid"),
+        ("model.lora.alpha=0", "config key 'model.lora.alpha' = 0 is invalid"),
+        ("model.lora.dropout=1", "config key 'model.lora.dropout' = 1.0 is invalid"),
+        ("model.lora.rank=8 model.lora.target_modules=[]", "config key 'model.lora.target_modules' is empty"),
+        ("model.lora.target_modules=['q proj']", "config key 'model.lora.target_modules' entry 0 = 'q proj'"),
+        ("model.lora.rankk=8", "unknown config key 'model.lora.rankk'"),
+        ("trainer.lora.rank=8", "config key 'trainer.lora' is set from 'model.lora'; set model.lora instead"),
+        ("model.lora.rank=8 trainer=verl", "config key 'model.lora.rank' = 8: model.lora is supported by the reference "
+                                           "trainer; verl LoRA is not wired yet"),
+        ("model.lora.rank=8 trainer.mode=persistent trainer.optimizer_state=keep",
+         "config key 'trainer.optimizer_state' = 'keep' does not go with model.lora.rank = 8"),
         ("num_rounds", "is not of the form key=value"),
         ("overrides='unbalanced", "cannot be parsed"),
     ],
@@ -145,3 +156,24 @@ def test_a_declared_strategy_kwarg_is_set_with_or_without_a_plus() -> None:
                        match=r"unknown config key 'strategy.kwargs.foo': .* with '\+strategy.kwargs.foo=\.\.\.'"):
         load_settings(overrides="strategy.kwargs.foo=1")
     assert load_settings(overrides="+strategy.kwargs.foo=1").raw["strategy"]["kwargs"] == {"foo": 1}
+
+
+def test_lora_settings_travel_to_every_job_as_the_model_group_sets_them() -> None:
+    settings = load_settings(overrides="model.lora.rank=8 model.lora.alpha=32 "
+                                       "model.lora.target_modules=[q_proj,v_proj]")
+    lora = {"rank": 8, "alpha": 32, "target_modules": ["q_proj", "v_proj"], "dropout": 0.0}
+    assert settings.trainer["lora"] == lora  # what a job file carries
+    from fedagent_flwr.trainers.reference.config import GRPOConfig
+
+    cfg, _ = GRPOConfig.from_mapping(settings.trainer)
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (8, 32, ["q_proj", "v_proj"])
+    # off by default, with the Llama-style attention projections as the targets
+    default = load_settings().trainer["lora"]
+    assert default == {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                       "dropout": 0.0}
+    # a verl job file written by hand with an adapter is refused by the job's own check, in the same words
+    from fedagent_flwr.schema import SettingError
+    from fedagent_flwr.trainers.verl.settings import VerlSettings
+
+    with pytest.raises(SettingError, match="model.lora is supported by the reference trainer; verl LoRA is not wired"):
+        VerlSettings.from_mapping({"lora": lora})

@@ -2,7 +2,8 @@
 
 ``ref`` defines what travels in Flower messages (:class:`CheckpointRef`); ``open_ref`` checks a
 reference and opens it with a ``reader`` (``fsdp_reader`` for FSDP rank files, parsed by
-``shard_file``; ``safetensors_reader`` for HF safetensors) that reads full tensors key by key;
+``shard_file``; ``safetensors_reader`` for HF safetensors; ``lora_reader`` for a peft LoRA adapter, read as the global
+model plus its low-rank update) that reads full tensors key by key;
 ``content_hash`` defines the content hash and checks it while the tensors are read;
 ``aggregate`` computes the fp32 weighted mean (or any per-key rule, ``aggregate_by_key``) into a
 new HF model directory (``hf_files``: config, tokenizer, tied keys; ``key_checks``: the
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         weighted_mean,
     )
     from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
+    from fedagent_flwr.checkpoint.lora_reader import LoraAdapterReader
     from fedagent_flwr.checkpoint.open_ref import open_checkpoint
     from fedagent_flwr.checkpoint.reader import CheckpointReader
     from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
@@ -56,6 +58,7 @@ _LAZY = {
     **dict.fromkeys(("AggregateReport", "KeyRule", "aggregate_by_key", "aggregation_entries", "check_compatible",
                      "normalise_weights", "tied_weight_keys", "verify_mean", "weighted_mean"), "aggregate"),
     "FsdpShardReader": "fsdp_reader",
+    "LoraAdapterReader": "lora_reader",
     "open_checkpoint": "open_ref",
     "CheckpointReader": "reader",
     "SafetensorsReader": "safetensors_reader",
@@ -84,6 +87,7 @@ __all__ = [
     "CheckpointReader",
     "CheckpointRef",
     "FsdpShardReader",
+    "LoraAdapterReader",
     "SafetensorsReader",
     "SafetensorsStreamWriter",
     "aggregate_by_key",

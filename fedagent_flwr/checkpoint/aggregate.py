@@ -286,7 +286,9 @@ def _write_aggregate(
         "fedagent.aggregation": rule_name,
         "fedagent.sources": json.dumps(
             [
-                {"path": str(r.directory), "sha256": r.ref.sha256, "weight": w}
+                {"path": str(r.directory), "sha256": r.ref.sha256, "weight": w,
+                 # a LoRA adapter's value is its base plus its update: the audit needs both
+                 **({"base": r.base_ref.path, "base_sha256": r.base_ref.sha256} if r.base_ref is not None else {})}
                 for r, w in zip(readers, weights)
             ]
         ),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
+from fedagent_flwr.checkpoint.lora_reader import LoraAdapterReader, adapter_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.receipts import TrustedDigests
 from fedagent_flwr.checkpoint.ref import (
@@ -33,6 +34,7 @@ def open_checkpoint(
     check_hash: HashCheck = True,
     io: IoMode = "auto",
     receipts: TrustedDigests | None = None,
+    base: CheckpointRef | None = None,
 ) -> CheckpointReader:
     """Check a reference and open it for reading.
 
@@ -60,6 +62,10 @@ def open_checkpoint(
     (hash at opening: safetensors directories, ``check_hash=True``) the reader is told the trusted
     files and their stats (:meth:`~CheckpointReader.watch_unchanged`): one ``open`` and ``fstat``
     per trusted file. The files hashed at opening are not checked again, as without trusted digests.
+
+    ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
+    :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model
+    and is opened without a hash check or a root, as the round's reference is.
     """
     if check_hash not in (True, False, "while-reading"):
         raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")
@@ -77,6 +83,11 @@ def open_checkpoint(
     # than as an opaque hash mismatch.
     if ref.format == "fsdp-shards":
         data_files = fsdp_shard_paths(directory, ref.world_size)
+    elif ref.format == "peft-lora":
+        data_files = adapter_files(directory)
+        if base is None or base.format == "peft-lora":
+            raise CheckpointError(f"{directory} is a LoRA adapter: it is read on top of the full model it was "
+                                  f"trained from, and {'none was given' if base is None else 'its base is an adapter'}")
     else:
         data_files = safetensors_files(directory)
     if root is not None:
@@ -99,6 +110,14 @@ def open_checkpoint(
     if ref.format == "fsdp-shards":
         reader = FsdpShardReader(ref, directory, data_files, io=io, expected_sha256=ref.sha256 if deferred else None,
                                  trusted=trusted if deferred else None)
+    elif ref.format == "peft-lora":
+        assert base is not None  # checked with the layout
+        base_reader = open_checkpoint(base, check_hash=False, io=io)
+        try:
+            reader = LoraAdapterReader(ref, directory, base_reader, base)
+        except BaseException:
+            base_reader.close()
+            raise
     else:
         reader = SafetensorsReader(ref, directory, data_files)
     if trusted and not deferred:  # checked at opening from digests taken on trust: their stat again after the reads

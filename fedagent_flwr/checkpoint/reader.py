@@ -6,7 +6,8 @@ Hugging Face safetensors directories. :class:`CheckpointReader` hides the on-dis
 ranks' blocks). Only one tensor is materialised per ``read`` call, so memory is bounded by the
 largest tensor, not by the model; ``read_rows(key, start, stop)`` reads a range of rows, for a
 caller that must bound it by less than one tensor (the audit of :mod:`.verify_optimizer`). The
-layouts live in :mod:`.fsdp_reader` and :mod:`.safetensors_reader`;
+layouts live in :mod:`.fsdp_reader` and :mod:`.safetensors_reader` (and :mod:`.lora_reader` reads a
+LoRA adapter as the full model it stands for);
 :func:`~fedagent_flwr.checkpoint.open_ref.open_checkpoint` checks a reference and picks one.
 """
 
@@ -29,6 +30,10 @@ __all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
 
 class CheckpointReader(ABC):
     """Key-by-key access to one model checkpoint, whatever its layout on disk."""
+
+    #: The full model this checkpoint is read on top of (a LoRA adapter's base, :mod:`.lora_reader`);
+    #: None for a checkpoint that is a full model by itself.
+    base_ref: CheckpointRef | None = None
 
     def __init__(self, ref: CheckpointRef, directory: Path) -> None:
         self.ref = ref

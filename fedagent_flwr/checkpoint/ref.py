@@ -22,11 +22,14 @@ from fedagent_flwr.checkpoint.content_hash import (  # noqa: F401
 )
 
 CheckpointKind = Literal["actor", "critic"]
-CheckpointFormat = Literal["fsdp-shards", "hf-safetensors"]
+CheckpointFormat = Literal["fsdp-shards", "hf-safetensors", "peft-lora"]
 KINDS: tuple[str, ...] = ("actor", "critic")
 # verl's per-rank model files (FSDP layout); the aggregator reads exactly these.
 SHARD_GLOB = "model_world_size_*_rank_*.pt"
-FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors")
+FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors", "peft-lora")
+# peft's two files of a LoRA adapter (``peft-lora``): the low-rank factors and their settings.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
 MAX_WORLD_SIZE = 1 << 20
@@ -42,7 +45,10 @@ class CheckpointRef:
 
     ``path`` is an absolute path (or, later, an fsspec URI) to the directory holding the weights:
     for ``fsdp-shards`` the verl ``.../global_step_N/actor`` directory with
-    ``model_world_size_W_rank_R.pt`` files; for ``hf-safetensors`` a Hugging Face model directory.
+    ``model_world_size_W_rank_R.pt`` files; for ``hf-safetensors`` a Hugging Face model directory;
+    for ``peft-lora`` a peft LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``),
+    which stands for a full model only together with the model it was trained from
+    (:mod:`.lora_reader`).
     """
 
     path: str
@@ -108,19 +114,26 @@ class CheckpointRef:
         fmt: CheckpointFormat | None = None,
         hasher: Callable[[Path], str] = hash_checkpoint_dir,
     ) -> CheckpointRef:
-        """Describe an existing checkpoint directory: detect format and world size, hash it with
+        """Describe an existing checkpoint directory: detect format (FSDP shards, a peft adapter by its
+        ``adapter_config.json``, else HF safetensors) and world size, hash it with
         ``hasher`` (the audit's passes digests it already computed: :mod:`.audit_digests`)."""
         directory = Path(path).resolve()
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         shards = sorted(directory.glob(SHARD_GLOB))
-        detected: CheckpointFormat = "fsdp-shards" if shards else "hf-safetensors"
+        detected: CheckpointFormat = ("fsdp-shards" if shards else
+                                      "peft-lora" if (directory / ADAPTER_CONFIG).is_file() else "hf-safetensors")
         fmt = fmt or detected
         world_size = 1
         if fmt == "fsdp-shards":
             if not shards:
                 raise CheckpointError(f"{directory} holds no model_world_size_*_rank_*.pt shard")
             world_size = int(shards[0].name.split("_")[3])
+        elif fmt == "peft-lora":
+            missing = [name for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if not (directory / name).is_file()]
+            if missing:
+                raise CheckpointError(f"{directory} holds no {missing[0]} (a peft LoRA adapter has both "
+                                      f"{ADAPTER_WEIGHTS} and {ADAPTER_CONFIG})")
         elif not any(directory.glob("*.safetensors")):
             raise CheckpointError(f"{directory} holds no *.safetensors file")
         return cls(

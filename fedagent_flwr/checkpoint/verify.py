@@ -61,10 +61,10 @@ from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
+from fedagent_flwr.checkpoint.audit_sources import open_recorded_source
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
-from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.removal_note import gone_by_note, noted_as_gone
 from fedagent_flwr.checkpoint.verify_optimizer import (
@@ -105,14 +105,9 @@ def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, al
     sources = []
     try:
         for source in recorded_sources(global_dir):
-            ref = CheckpointRef.for_directory(source["path"], hasher=digests.directory_hash)
-            if check_hashes and not source.get("sha256"):
-                unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
-                         allow_unhashed, [] if notes is None else notes)
-            elif check_hashes and ref.sha256 != source["sha256"]:
-                raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
-            # opening checks the hash again: from the digests just computed while the stat is unchanged
-            sources.append((open_checkpoint(ref, root=run_root, receipts=digests), float(source["weight"])))
+            sources.append((open_recorded_source(source, global_dir / MODEL_FILE, run_root, check_hashes,
+                                                 allow_unhashed, [] if notes is None else notes, digests),
+                            float(source["weight"])))
         return verify_mean(sources, global_dir)
     finally:
         for reader, _ in sources:

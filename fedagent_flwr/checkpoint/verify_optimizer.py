@@ -97,6 +97,7 @@ from safetensors import safe_open
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
+from fedagent_flwr.checkpoint.audit_sources import open_recorded_source
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
@@ -416,14 +417,8 @@ def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_has
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     sources = []
     for source in json.loads(header["fedagent.sources"]):
-        ref = CheckpointRef.for_directory(source["path"], hasher=digests.directory_hash)
-        if check_hashes and not source.get("sha256"):
-            unhashed(f"{global_dir / MODEL_FILE} records no content hash of its source {source['path']}",
-                     allow_unhashed, notes)
-        elif check_hashes and ref.sha256 != source["sha256"]:
-            raise CheckpointError(f"{source['path']} changed since it was aggregated (hash differs)")
-        # opening checks the hash again: from the digests just computed while the files' stat is unchanged
-        reader = open_checkpoint(ref, root=run_root, receipts=digests)
+        reader = open_recorded_source(source, global_dir / MODEL_FILE, run_root, check_hashes, allow_unhashed, notes,
+                                      digests)
         sources.append((stack.enter_context(closing(reader)), float(source["weight"])))
     if not sources:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")

@@ -246,7 +246,7 @@ def validate_trained(instruction: TrainInstruction, result: jobs.TrainResult, st
     val_dir = out_dir / "client_val"
     model_dir = val_dir / "model"
     try:
-        model = trained_model_dir(result, model_files_dir(start_model) or start_model, model_dir)
+        model = trained_model_dir(result, model_files_dir(start_model) or start_model, model_dir, start_model)
         job = validation_job(instruction.val_env_spec, instruction.service, instruction.trainer, run_root, client,
                              model, val_dir, server_round, instruction.client_eval_seeds)
         val = _run_job("evaluate", job, val_dir, label, instruction.trainer, jobs.EvalResult, context, run_root)

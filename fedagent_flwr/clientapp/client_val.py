@@ -4,9 +4,9 @@ validation episodes, right after it trained.
 It is the global evaluation's job run on another model: the ClientApp writes the same
 :class:`~fedagent_flwr.clientapp.job.EvalJob` (validation spec, ``eval.seed``'s episodes, the
 unperturbed validation service) and the trainer backend's own evaluator plays it. Only the model
-differs, and it needs one step first: a trainer writes its checkpoint as verl FSDP rank files,
-which the evaluator cannot load, so :func:`trained_model_dir` merges them into a Hugging Face
-directory, as FedAgent merges each client's actor to ``round_r/client_c/hf`` before scoring it.
+differs, and it needs one step first: a trainer writes its checkpoint as verl FSDP rank files (or,
+with ``model.lora``, an adapter), which the evaluator cannot load, so :func:`trained_model_dir` merges
+them into a Hugging Face directory, as FedAgent merges each client's actor to ``round_r/client_c/hf`` before scoring it.
 The merge is the aggregation's own code with a single source of weight 1 (an fp32 copy), with the
 config, generation config and tokenizer of the model the client started from.
 
@@ -25,12 +25,14 @@ from fedagent_flwr.clientapp.job import EvalResult, TrainResult
 from fedagent_flwr.protocol import CLIENT_VAL_PREFIX, EvalReply
 
 
-def trained_model_dir(result: TrainResult, model_files: Path, out_dir: Path) -> Path:
+def trained_model_dir(result: TrainResult, model_files: Path, out_dir: Path, start_model: Path | None = None) -> Path:
     """A Hugging Face directory of the trained actor in ``result``, for the evaluator.
 
     An ``hf-safetensors`` checkpoint is one already; FSDP rank files are merged into ``out_dir``
-    (replaced if it exists: a retried round). ``model_files`` is the directory whose config and
-    tokenizer files the merged model gets (the model the client started from).
+    (replaced if it exists: a retried round), and so is a LoRA adapter (``peft-lora``), onto
+    ``start_model``, the global model it was trained on (the full model the server reads it as).
+    ``model_files`` is the directory whose config and tokenizer files the merged model gets (the
+    model the client started from).
     """
     if result.actor_format == "hf-safetensors":
         return Path(result.actor_dir)
@@ -38,9 +40,11 @@ def trained_model_dir(result: TrainResult, model_files: Path, out_dir: Path) -> 
     from fedagent_flwr.checkpoint import open_checkpoint, weighted_mean
 
     shutil.rmtree(out_dir, ignore_errors=True)
-    ref = CheckpointRef(path=str(Path(result.actor_dir).resolve()), kind="actor", format="fsdp-shards",
-                        world_size=int(result.world_size))
-    with open_checkpoint(ref, check_hash=False) as reader:
+    lora = result.actor_format == "peft-lora"
+    ref = CheckpointRef(path=str(Path(result.actor_dir).resolve()), kind="actor",
+                        format="peft-lora" if lora else "fsdp-shards", world_size=int(result.world_size))
+    base = CheckpointRef(path=str(start_model or model_files)) if lora else None
+    with open_checkpoint(ref, check_hash=False, base=base) as reader:
         weighted_mean([(reader, 1.0)], out_dir, update_stats=False, model_files=model_files)
     return out_dir
 

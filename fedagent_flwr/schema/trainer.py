@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fedagent_flwr.schema.fields import SettingError, check, renamed, setting
+from fedagent_flwr.schema.lora import LoraKnobs
 
 TRAINER_MODES = ("subprocess", "persistent")
 ROLLOUT_MODES = ("concat", "windowed")
@@ -136,9 +137,9 @@ class Rollout:
 
 
 #: the trainer keys that carry run settings outside ``trainer`` to the jobs -> the run key that sets them
-#: (set there, not in ``trainer``): the ``rollout`` group and the model's chat-template arguments
+#: (set there, not in ``trainer``): the ``rollout`` group, the model's chat-template arguments and its LoRA
 AGENT_LOOP_KEYS = {"rollout_mode": "rollout.mode", "history_length": "rollout.history_length",
-                   "chat_template_kwargs": "model.chat_template_kwargs"}
+                   "chat_template_kwargs": "model.chat_template_kwargs", "lora": "model.lora"}
 CHAT_TEMPLATE_KEY = "model.chat_template_kwargs"
 CHAT_TEMPLATE_USAGE = (f"set {CHAT_TEMPLATE_KEY} to a mapping of the template's keyword names to true/false, numbers, "
                        f"strings, null or lists of them, e.g. {CHAT_TEMPLATE_KEY}={{enable_thinking:false}}")
@@ -208,9 +209,9 @@ class ChatTemplateKnobs:
 
 
 @dataclass
-class AgentLoopKnobs(ChatTemplateKnobs):
-    """What the jobs' agent loop takes from outside ``trainer``: :class:`Rollout`'s fields (default,
-    bound) renamed, and the model's chat-template arguments."""
+class AgentLoopKnobs(ChatTemplateKnobs, LoraKnobs):
+    """What the jobs take from outside ``trainer``: the agent loop (:class:`Rollout`'s fields, default
+    and bound, renamed), the model's chat-template arguments and its LoRA settings (``model.lora``)."""
 
     rollout_mode: str = renamed(Rollout, "mode")
     history_length: int = renamed(Rollout, "history_length")
@@ -253,6 +254,12 @@ class ReferenceKnobs(EvalKnobs, OptimizerStateKeys):
     def check_together(self, prefix: str) -> None:
         """Settings that constrain each other."""
         self.check_optimizer_state(prefix, "reference")
+        lora = getattr(self, "lora", None)  # a job's settings carry model.lora
+        if lora is not None and lora.rank > 0 and self.optimizer_state == "keep":
+            raise SettingError(
+                f"config key '{prefix}.optimizer_state' = 'keep' does not go with model.lora.rank = {lora.rank}: every "
+                "round trains a fresh adapter, whose parameters have no moments from an earlier round; set "
+                f"{prefix}.optimizer_state=reset")
 
 
 @dataclass
@@ -318,6 +325,10 @@ class VerlKnobs(OptimizerStateKeys):
     def check_together(self, prefix: str) -> None:
         """Settings that constrain each other."""
         self.check_optimizer_state(prefix, "verl")
+        lora = getattr(self, "lora", None)  # a job's settings carry model.lora
+        if lora is not None and lora.rank > 0:
+            raise SettingError(f"config key 'model.lora.rank' = {lora.rank}: model.lora is supported by the reference "
+                               "trainer; verl LoRA is not wired yet (set model.lora.rank=0, or trainer=reference)")
         if self.max_new_tokens > self.max_response_length:
             raise SettingError(
                 f"config key '{prefix}.max_new_tokens' ({self.max_new_tokens}) exceeds {prefix}.max_response_length "

@@ -262,6 +262,7 @@ def start_run(grid: Grid, settings: RunSettings, run_dir: Path, run_id: int) -> 
             base = preflight.base_model(resolve_model_path(settings.run.model.path), settings.run.model.path)
         except (ModelResolutionError, OSError) as exc:
             raise ConfigError(f"config key 'model.path' = {settings.run.model.path!r}: {exc}") from None
+        preflight.check_lora_targets(settings, Path(base.path))
     except ConfigError as exc:
         record_failed_start(run_dir, summary_header(settings, run_id, None), str(exc))
         raise setup_failed(exc) from None

@@ -3,7 +3,8 @@
 Config validation (:mod:`fedagent_flwr.config`) checks each value's type and range. The checks here
 need more than the config: they build every environment of the train and val specs with its config
 (``BaseTextEnv.check_config``: TinyGuess with ``lo`` > ``hi``, a WebShop or ALFWorld data directory
-that does not exist) and look at the base model's directory. A failure is a :class:`ConfigError`
+that does not exist) and look at the base model's directory (and, with ``model.lora``, at the modules
+its adapters would attach to). A failure is a :class:`ConfigError`
 whose one-line message names the run-config key (``env.data_dir``, not the env's own ``data_dir``)
 and what to do about it.
 
@@ -146,3 +147,55 @@ def base_model(model_dir: Path, configured: str) -> CheckpointRef:
         return CheckpointRef.for_directory(model_dir, "actor")
     except CheckpointError as exc:
         raise ConfigError(f"config key 'model.path' = {shown!r}: {exc}") from None
+
+
+def check_lora_targets(settings: RunSettings, model_dir: Path) -> None:
+    """Refuse ``model.lora.target_modules`` that the clients' adapters could not use, before round 0.
+
+    Each entry must match (peft's rule: a module named so, or whose name ends with ``.<entry>``) at
+    least one linear layer of the base model, and none of the matched layers may be a weight the model
+    ties to another (``lm_head`` of a model with tied embeddings: the global model stores only the
+    embedding, so an update of the head alone has no tensor to land in), nor anything but a linear
+    layer (the server reads ``W + s B @ A`` of linear weights only). The model is built on the meta
+    device: no weights are read. Nothing to check with ``model.lora.rank`` 0.
+    """
+    lora = settings.run.model.lora
+    if lora.rank == 0:
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import check_target_module_exists
+    except ImportError:
+        raise ConfigError(f"config key 'model.lora.rank' = {lora.rank} needs peft, which is not installed on the "
+                          "ServerApp's machine: pip install 'fedagent-flwr[lora]' (on every node)") from None
+
+    from fedagent_flwr.checkpoint.config_answers import quiet_transformers
+    from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
+
+    key = "model.lora.target_modules"
+    with quiet_transformers():
+        config = AutoConfig.from_pretrained(str(model_dir))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    modules = dict(model.named_modules())
+    tied = tied_weight_keys(model_dir)
+    for target in lora.target_modules:
+        matcher = LoraConfig(r=lora.rank, target_modules=[target])
+        matched = [name for name in modules if name and check_target_module_exists(matcher, name)]
+        if not matched:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                             if isinstance(module, torch.nn.Linear)})
+            raise ConfigError(f"config key '{key}' entry {target!r} matches no module of the base model {model_dir} "
+                              f"(its linear layers: {', '.join(linear)})")
+        for name in matched:
+            module = modules[name]
+            if not isinstance(module, torch.nn.Linear):
+                raise ConfigError(f"config key '{key}' entry {target!r} matches {name} ({type(module).__name__}): "
+                                  "federated LoRA adapts linear layers only")
+            if f"{name}.weight" in tied:
+                raise ConfigError(f"config key '{key}' entry {target!r} matches {name}, whose weight the base model "
+                                  f"ties to {tied[f'{name}.weight']}: an adapter of it has no tensor of its own to "
+                                  "update in the global model; leave it out")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.config import ConfigError, load_settings
-from fedagent_flwr.serverapp.preflight import base_model, check_env_specs, service_pool_warnings
+from fedagent_flwr.serverapp.preflight import base_model, check_env_specs, check_lora_targets, service_pool_warnings
 from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
 WEBSHOP_DOWNLOAD = "python -m fedagent_flwr.envs.webshop.download"
@@ -80,3 +80,32 @@ def test_a_verl_step_larger_than_the_service_pool_is_warned_about_naming_the_key
                                     f"env.service.pool_size={4 * n_envs}")
     assert service_pool_warnings(roomy) == []
     assert service_pool_warnings(load_settings(overrides="trainer=verl trainer.rollout_n=4")) == []  # no services
+
+
+@pytest.mark.parametrize(("targets", "message"), [
+    ("[q_proj,qproj]", "config key 'model.lora.target_modules' entry 'qproj' matches no module of the base model "),
+    ("[lm_head]", "config key 'model.lora.target_modules' entry 'lm_head' matches lm_head, whose weight the base "
+                  "model ties to model.embed_tokens.weight"),
+    ("[embed_tokens]", "config key 'model.lora.target_modules' entry 'embed_tokens' matches model.embed_tokens "
+                       "(Embedding): federated LoRA adapts linear layers only"),
+])
+def test_lora_targets_the_adapters_could_not_use_are_refused_at_start(tiny_model_dir: Path, targets: str,
+                                                                       message: str) -> None:
+    settings = load_settings(overrides=f"model.lora.rank=4 model.lora.target_modules={targets}")
+    with pytest.raises(ConfigError) as info:
+        check_lora_targets(settings, tiny_model_dir)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    # the default targets (the attention projections) and the MLP's fit the tiny Qwen2 model; rank 0 checks nothing
+    check_lora_targets(load_settings(overrides="model.lora.rank=4"), tiny_model_dir)
+    check_lora_targets(load_settings(overrides="model.lora.rank=4 model.lora.target_modules=[gate_proj,down_proj]"),
+                       tiny_model_dir)
+    check_lora_targets(load_settings(overrides=f"model.lora.target_modules={targets}"), tiny_model_dir)
+
+
+def test_lora_without_peft_installed_is_refused_at_start_naming_the_extra(tiny_model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError, as without the package
+    with pytest.raises(ConfigError, match=r"config key 'model.lora.rank' = 4 needs peft, .*fedagent-flwr\[lora\]"):
+        check_lora_targets(load_settings(overrides="model.lora.rank=4"), tiny_model_dir)

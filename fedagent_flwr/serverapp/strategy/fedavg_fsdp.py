@@ -336,8 +336,9 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
-                    # verified before the mean is committed; from the http or s3 store's receipts where they hold
-                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), root=self.run_root,
+                    # verified before the mean is committed; from the http or s3 store's receipts where they hold;
+                    # a LoRA adapter reads as the round's starting model plus its update (checkpoint.lora_reader)
+                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), self.run_root, base=start,
                                              check_hash="while-reading", receipts=self.store.receipt_check())
                     try:
                         if reference is not None:

@@ -27,6 +27,7 @@ from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
 from fedagent_flwr.trainers.reference.checkpoint import write_fsdp_checkpoint
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.reference.grpo import TokenSample, grpo_advantages, grpo_update, windowed_samples
+from fedagent_flwr.trainers.reference.lora import adapter_seed, attach_adapter, write_adapter_checkpoint
 
 PROG = "reference_trainer"
 TRAIN_RESULT = "train_result.json"
@@ -88,10 +89,16 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
 
     Seeded here, after loading, so a fresh process and a persistent session that only reloaded
     the weights train bit-identically. ``optimizer``: :func:`make_optimizer`'s (a new one when
-    None); ``extra_metrics`` join the result's metrics.
+    None); ``extra_metrics`` join the result's metrics. With ``model.lora`` a fresh adapter is
+    attached to ``model`` first (:mod:`.lora`) and only it is trained and written.
     """
     import torch
 
+    adapter = None
+    if cfg.lora.rank > 0:  # federated LoRA: train a fresh adapter on the global model, save only it
+        if optimizer is not None:  # it would hold the full model's parameters, not the adapter's
+            raise ValueError("with model.lora the optimiser is made after the adapter is attached: pass none")
+        adapter = attach_adapter(model, cfg.lora, adapter_seed(job.base_seed, job.round, job.client_id))
     seed_everything(job.data_seed)
     compute_dtype = cfg.torch_compute_dtype()
     # Sampling uses a copy in the compute dtype, refreshed after every update (like verl syncing
@@ -161,9 +168,9 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     # group, but a job in which no episode played a turn has nothing to report.
     check_turns_fit(all_episodes, cfg.max_new_tokens, cfg.max_model_len, "trainer.max_model_len")
     output_dir = Path(job.output_dir)
-    actor_dir = write_fsdp_checkpoint(
-        model, tokenizer, output_dir / "checkpoints" / f"global_step_{total_steps}"
-    )
+    step_dir = output_dir / "checkpoints" / f"global_step_{total_steps}"
+    actor_dir = (write_adapter_checkpoint(adapter, step_dir) if adapter is not None
+                 else write_fsdp_checkpoint(model, tokenizer, step_dir))
     metrics = episode_metrics(all_episodes)
     metrics.update(
         loss=mean(losses),
@@ -178,7 +185,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     metrics.update(extra_metrics or {})
     result = TrainResult(
         actor_dir=str(actor_dir.resolve()),
-        actor_format="fsdp-shards",
+        actor_format="fsdp-shards" if adapter is None else "peft-lora",
         num_episodes=len(all_episodes),
         metrics=metrics,
         world_size=1,

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fedagent_flwr.checkpoint import audit_digests, content_hash, mean_audit, verify, verify_optimizer
+from fedagent_flwr.checkpoint import audit_digests, audit_sources, content_hash, mean_audit, verify, verify_optimizer
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import Suite
 from testkit.file_change import flip_byte
@@ -140,14 +140,14 @@ def test_a_source_changed_between_its_reference_and_its_opening_is_hashed_again_
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)
     source = run_root / "round_1" / "client_0"
     target = next(source.rglob("model_world_size_*_rank_0.pt"))
-    plain = verify_optimizer.open_checkpoint
+    plain = audit_sources.open_checkpoint  # where the audits open the sources their headers record
 
     def changed_first(ref: Any, *args: Any, **kwargs: Any) -> Any:
         if Path(ref.path) == target.parent.resolve():
             _flip_byte(target, restore_mtime)
         return plain(ref, *args, **kwargs)
 
-    monkeypatch.setattr(verify_optimizer, "open_checkpoint", changed_first)
+    monkeypatch.setattr(audit_sources, "open_checkpoint", changed_first)
     hashed.clear()
     status, lines = _audit(run_root, capsys)
     assert status == 1 and lines[0].startswith(f"round 1: cannot verify: content hash of {target.parent.resolve()} "

@@ -1,0 +1,239 @@
+"""A client's LoRA adapter read as the full model it stands for: a *virtual full model*.
+
+With federated LoRA (``model.lora.rank`` > 0) a client trains low-rank factors ``A`` (r x in) and
+``B`` (out x r) on top of the round's global model ``W`` and uploads only peft's adapter files
+(``adapter_model.safetensors``, ``adapter_config.json``). :class:`LoraAdapterReader` presents that
+adapter to the aggregation as an ordinary :class:`~.reader.CheckpointReader` over the global
+model's keys: a weight the adapter targets reads as ``W + s * B @ A`` (``s`` = ``lora_alpha / r``,
+``lora_alpha / sqrt(r)`` with rsLoRA, peft's scaling), computed in fp32, every other key as ``W``.
+
+Why a virtual full model rather than averaging the factors: every rule that reads readers (FedAvg,
+FedProx, the server optimisers, a user's ``Strategy`` subclass) works unchanged, and FedAvg of
+the virtual models is ``W + sum_i w_i s B_i A_i``, the exact weighted mean of the clients' full
+updates. Averaging ``A`` and ``B`` separately (FedIT) gives ``(sum w_i B_i)(sum w_i A_i)``, which
+is not the mean of the products. The new global model is a full model; the next round's clients
+attach fresh adapters to it.
+
+The base is the server's own global model of the round (it is opened as the round's reference
+is, without a hash check); the adapter's files are checked like any client checkpoint's. Memory
+per read: the target tensor in fp32 (the output buffer itself when it is fp32) and the two factors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
+from fedagent_flwr.checkpoint.ref import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, CheckpointRef
+
+__all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
+
+#: peft's key prefix for a PeftModel's wrapped model (``base_model.model.<the model's own key>``)
+PEFT_PREFIX = "base_model.model."
+_FACTORS = (".lora_A.weight", ".lora_B.weight")
+# adapter_config.json settings that change what the factors mean; this reader supports their defaults only
+_UNSUPPORTED: dict[str, Any] = {
+    "fan_in_fan_out": False, "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
+    "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None,
+    "trainable_token_indices": None,
+}
+
+
+def adapter_files(directory: Path) -> list[Path]:
+    """The adapter's weight and settings files (CheckpointError naming the one that is missing)."""
+    files = [directory / ADAPTER_WEIGHTS, directory / ADAPTER_CONFIG]
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{directory} holds no {path.name}: not a peft LoRA adapter")
+    return files
+
+
+def adapter_scale(settings: dict[str, Any], path: Path) -> float:
+    """peft's scaling ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``) of an
+    ``adapter_config.json`` (read from ``path``); CheckpointError for a setting this reader cannot honour."""
+    if str(settings.get("peft_type", "")).upper() != "LORA":
+        raise CheckpointError(f"{path}: peft_type is {settings.get('peft_type')!r}, not 'LORA'")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise CheckpointError(f"{path}: 'r' = {rank!r} is not a positive integer")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise CheckpointError(f"{path}: 'lora_alpha' = {alpha!r} is not a positive number")
+    for name, default in _UNSUPPORTED.items():
+        value = settings.get(name)
+        if not (value is None or value == default or (not value and not default)):  # [] for None, {} ...
+            raise CheckpointError(f"{path}: '{name}' = {value!r} is not supported (only {default!r}): the "
+                                  "server reads an adapter as W + (lora_alpha / r) B @ A on the targeted weights")
+    return float(alpha) / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One targeted weight: the global model's key and the adapter file's keys of its two factors."""
+
+    target: str  # "model.layers.0.self_attn.q_proj.weight"
+    a_key: str  # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    b_key: str
+
+
+class LoraAdapterReader(CheckpointReader):
+    """A peft LoRA adapter read as ``base`` plus its low-rank updates (see the module docstring).
+
+    ``base`` (a reader of the global model the client started from, owned and closed by this
+    reader) provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference,
+    kept so the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and
+    recorded with the aggregate's sources. Every adapter key must pair with its partner factor and
+    with a 2-d weight of the base of matching shape, else CheckpointError naming the file and key.
+    """
+
+    def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
+        super().__init__(ref, directory)
+        from safetensors import safe_open
+
+        self.base = base
+        self.base_ref = base_ref
+        self._file = directory / ADAPTER_WEIGHTS
+        config_path = directory / ADAPTER_CONFIG
+        try:
+            settings = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{config_path} is not readable JSON ({exc})") from None
+        if not isinstance(settings, dict):
+            raise CheckpointError(f"{config_path} does not hold a JSON object")
+        self.scale = adapter_scale(settings, config_path)
+        self.rank = int(settings["r"])
+        try:
+            self._handle: Any = safe_open(str(self._file), framework="pt", device="cpu")
+            self._handle.__enter__()
+        except Exception as exc:  # SafetensorError, OSError: truncated or not safetensors
+            raise CheckpointError(f"{self._file} is not a readable safetensors file ({exc})") from None
+        try:
+            self._pairs = self._pair_keys()
+        except BaseException:
+            self.close_adapter()
+            raise
+        self._base_keys = set(base.keys())
+
+    def _pair_keys(self) -> dict[str, LoraPair]:
+        """Map each targeted global key to its factors, checking names and shapes against the base."""
+        shapes = {key: tuple(int(s) for s in self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
+        base_keys = set(self.base.keys())
+        pairs: dict[str, LoraPair] = {}
+        foreign = [key for key in shapes if not key.endswith(_FACTORS)]
+        if foreign:
+            raise CheckpointError(f"{self._file}: '{foreign[0]}' is not a LoRA factor (…lora_A.weight or "
+                                  "…lora_B.weight); only LoRA factors can be read as an update of the global model")
+        for key in shapes:
+            factor = _FACTORS[0] if key.endswith(_FACTORS[0]) else _FACTORS[1]
+            module = key[: -len(factor)]
+            a_key, b_key = module + _FACTORS[0], module + _FACTORS[1]
+            partner = b_key if factor == _FACTORS[0] else a_key
+            if partner not in shapes:
+                raise CheckpointError(f"{self._file}: '{key}' has no partner '{partner}' (an adapter holds both "
+                                      "factors)")
+            target = module.removeprefix(PEFT_PREFIX) + ".weight"
+            if target in pairs:
+                continue
+            if target not in base_keys:
+                raise CheckpointError(f"{self._file}: '{key}' updates '{target}', which the global model "
+                                      f"{self.base.directory} does not hold (a tied or untargetable weight?)")
+            weight = self.base.shape(target)
+            want_a, want_b = (self.rank, weight[-1]), (weight[0], self.rank)
+            if len(weight) != 2 or shapes[a_key] != want_a or shapes[b_key] != want_b:
+                raise CheckpointError(
+                    f"{self._file}: '{a_key}' {shapes[a_key]} and '{b_key}' {shapes[b_key]} do not fit "
+                    f"'{target}' {weight} of the global model at rank {self.rank} (expected {want_a} and {want_b})")
+            pairs[target] = LoraPair(target, a_key, b_key)
+        if not pairs:
+            raise CheckpointError(f"{self._file} holds no LoRA factors")
+        return pairs
+
+    @property
+    def targets(self) -> list[str]:
+        """The global model's keys this adapter updates, in the adapter file's order."""
+        return list(self._pairs)
+
+    def keys(self) -> list[str]:
+        return self.base.keys()
+
+    def _key_set(self) -> set[str]:
+        return self._base_keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.base.shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """fp32 for a targeted weight (the sum is computed in fp32), the base's dtype otherwise."""
+        return torch.float32 if key in self._pairs else self.base.dtype(key)
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        pair = self._pairs.get(key)
+        before = self.base.bytes_read
+        try:
+            if pair is None:
+                self.base.read_into(key, out)
+                return
+            self._require(key)
+            check_out_buffer(self, key, self.base.shape(key), out)
+            target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32)
+            self.base.read_into(key, target)
+            target.addmm_(self._factor(pair.b_key), self._factor(pair.a_key), alpha=self.scale)
+            if target is not out:
+                out.copy_(target)
+        finally:
+            self.bytes_read += self.base.bytes_read - before
+
+    def read_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Rows ``start:stop`` of ``key``: the base's rows plus those rows of the update."""
+        pair = self._pairs.get(key)
+        before = self.base.bytes_read
+        try:
+            if pair is None:
+                return self.base.read_rows(key, start, stop, dtype)
+            check_rows(self, key, self.base.shape(key), start, stop)
+            rows = self.base.read_rows(key, start, stop, torch.float32)
+            rows.addmm_(self._factor(pair.b_key)[start:stop], self._factor(pair.a_key), alpha=self.scale)
+            return rows if dtype in (None, torch.float32) else rows.to(dtype)
+        finally:
+            self.bytes_read += self.base.bytes_read - before
+
+    def _factor(self, key: str) -> torch.Tensor:
+        """One factor of the adapter file, as fp32."""
+        try:
+            tensor = self._handle.get_tensor(key)
+        except Exception as exc:
+            raise CheckpointError(f"{self._file}: cannot read '{key}' ({exc})") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.to(torch.float32)
+
+    def huggingface_dir(self) -> Path | None:
+        """The global model's: an adapter carries no model config of its own."""
+        return self.base.huggingface_dir()
+
+    def verify_content(self) -> None:
+        """The adapter's files were hashed at opening: those whose digest was trusted instead (a store's
+        receipt) have their stat checked again (:meth:`~.reader.CheckpointReader.check_unchanged`); then the
+        base's check, if it has one."""
+        super().verify_content()
+        self.base.verify_content()
+
+    def describe(self) -> str:
+        return f"LoRA adapter {self.directory} (over {self.base.directory})"
+
+    def close_adapter(self) -> None:
+        """Close the adapter file only (the base stays open)."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            try:
+                handle.__exit__(None, None, None)
+            except Exception:  # a handle that failed half-way: nothing to free
+                pass
+
+    def close(self) -> None:
+        self.close_adapter()
+        self.base.close()

@@ -1,0 +1,92 @@
+"""Federated LoRA in the reference trainer (``model.lora.rank`` > 0): a fresh adapter on the round's
+global model, trained alone and saved alone.
+
+Each client-round starts from the full global model (the server merges every round's updates into
+it), attaches a new peft LoRA adapter to the attention projections (``model.lora.target_modules``),
+trains only the adapter and writes peft's two adapter files as its checkpoint::
+
+    <step_dir>/actor/
+        adapter_model.safetensors   the factors, peft's key names (base_model.model.<module>.lora_A.weight)
+        adapter_config.json         r, lora_alpha, target_modules, lora_dropout, ...
+
+The server reads it as the global model plus ``(alpha / r) B @ A``
+(:mod:`fedagent_flwr.checkpoint.lora_reader`). ``A`` starts as peft draws it (Kaiming-uniform),
+from a generator of its own seeded by the run's seed, the round and the client (sha256, never
+Python's salted ``hash()``); ``B`` starts at zero, so the adapted model starts as the global model.
+
+peft's ``get_peft_model`` adds the adapter to the model object in place: the GRPO code goes on
+training that same Hugging Face model (``model.base_model``, ``get_output_embeddings()``), whose
+only trainable parameters are now the factors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from fedagent_flwr.atomic import temporary_dir
+from fedagent_flwr.checkpoint.ref import ADAPTER_WEIGHTS
+from fedagent_flwr.schema.lora import Lora
+from fedagent_flwr.trainers.common.checks import InputError
+from fedagent_flwr.trainers.common.seeds import derive_seed
+
+__all__ = ["adapter_seed", "attach_adapter", "write_adapter_checkpoint"]
+
+
+def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
+    """The seed of client ``client_id``'s fresh adapter in ``server_round`` (the run's seed, the round,
+    the client: a new ``A`` every round, different between clients, the same in every rerun)."""
+    return derive_seed("lora-init", base_seed, server_round, client_id)
+
+
+def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
+    """Attach a fresh LoRA adapter to ``model`` in place and return peft's wrapper of it.
+
+    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state, so the
+    caller's random streams (sampling, dropout) are the same as without the adapter; ``B`` is zero.
+    A target that matches no module is an InputError naming ``model.lora.target_modules`` (the
+    server checks the base model at start; a job file written by hand is checked here).
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(task_type="CAUSAL_LM", r=settings.rank, lora_alpha=settings.alpha,
+                        target_modules=list(settings.target_modules), lora_dropout=settings.dropout)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return get_peft_model(model, config)
+        except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InputError(f"model.lora.target_modules = {list(settings.target_modules)}: {first}") from None
+
+
+def write_adapter_checkpoint(peft_model: Any, step_dir: Path) -> Path:
+    """Write ``step_dir/actor`` holding only the adapter (peft's files); return the actor dir.
+
+    The factors go through peft's own ``get_peft_model_state_dict`` (its key names, the adapter's
+    name dropped) and the settings through ``LoraConfig.save_pretrained``; peft's model card is
+    not written (it is no part of the checkpoint). Written into a temporary sibling and renamed, so
+    a reader never sees a partial checkpoint.
+    """
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    step_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = temporary_dir(step_dir.parent, f".{step_dir.name}.tmp-")
+    try:
+        actor = staging / "actor"
+        actor.mkdir()
+        factors = {key: value.detach().to(torch.float32).contiguous()
+                   for key, value in get_peft_model_state_dict(peft_model).items()}
+        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        peft_model.peft_config["default"].save_pretrained(str(actor))
+        if step_dir.exists():
+            shutil.rmtree(step_dir)
+        os.replace(staging, step_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return step_dir / "actor"

@@ -1,0 +1,65 @@
+"""Real peft LoRA adapters for the tests, and the plain-torch oracle of the model an adapter stands for.
+
+:func:`write_adapter` trains nothing: it attaches a seeded adapter with peft and gives ``B`` random
+values (peft starts it at zero, so an untrained adapter changes nothing), then saves it with peft's
+own ``save_pretrained``, the files a peft user would have. :func:`adapter_oracle` reads those files
+with safetensors and json only and computes ``W + (lora_alpha / r) B @ A`` in float64, the value the
+server's reader must give, without any of the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+PEFT_PREFIX = "base_model.model."
+
+
+def write_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 4, alpha: float = 8.0,
+                  targets: Sequence[str] = DEFAULT_TARGETS, **lora_kwargs: object) -> Path:
+    """Save a seeded LoRA adapter of the model in ``base_dir`` (``B`` non-zero) to ``out_dir`` with peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                        **lora_kwargs)  # type: ignore[arg-type]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.05)
+    peft_model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def base_state(base_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory's safetensors files."""
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(base_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+def adapter_oracle(base_dir: Path, adapter_dir: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The full model (float64) an adapter stands for, from the files alone, and the keys it changes."""
+    settings = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = settings["lora_alpha"] / settings["r"]
+    factors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    state = {key: value.double() for key, value in base_state(base_dir).items()}
+    changed = set()
+    for key in factors:
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight")
+            b = factors[module + ".lora_B.weight"].double()
+            target = module.removeprefix(PEFT_PREFIX) + ".weight"
+            state[target] = state[target] + scale * (b @ factors[key].double())
+            changed.add(target)
+    return state, changed

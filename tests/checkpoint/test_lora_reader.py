@@ -1,0 +1,227 @@
+"""A peft LoRA adapter reads as the full model it stands for (W + alpha/r B @ A on the targeted
+weights, W elsewhere), checked against a plain-torch oracle from the files and against peft's own
+merge; a broken adapter is refused naming its file and key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, LoraAdapterReader, open_checkpoint, weighted_mean
+from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
+from testkit.lora_adapters import adapter_oracle, base_state, write_adapter
+
+TIED = ModelSpec("llama_tied_lora", "llama", seed=21, tie=True)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run root holding a tied tiny Llama (the global model) and two adapters of it."""
+    root = tmp_path_factory.mktemp("lora")
+    write_hf_checkpoint(TIED, root / "global")
+    write_adapter(root / "global", root / "client_0", seed=1)
+    write_adapter(root / "global", root / "client_1", seed=2)
+    return root
+
+
+def _open(root: Path, adapter: Path) -> LoraAdapterReader:
+    reader = open_checkpoint(CheckpointRef.for_directory(adapter), root=root,
+                             base=CheckpointRef.for_directory(root / "global"))
+    assert isinstance(reader, LoraAdapterReader)
+    return reader
+
+
+def _broken(root: Path, tmp_path: Path, edit: dict[str, str | None]) -> Path:
+    """A copy of client 0's adapter whose factors are renamed (``old -> new``) or dropped (``-> None``)."""
+    copy = tmp_path / "broken"
+    shutil.copytree(root / "client_0", copy)
+    factors = load_file(str(copy / "adapter_model.safetensors"))
+    for old, new in edit.items():
+        value = factors.pop(old)
+        if new is not None:
+            factors[new] = value
+    save_file(factors, str(copy / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def test_adapter_reads_as_the_oracle_full_model_and_as_peft_merges_it(root: Path) -> None:
+    oracle, changed = adapter_oracle(root / "global", root / "client_0")
+    base = base_state(root / "global")
+    # every q/k/v/o projection of both layers, under the global model's own names
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in range(2)
+                       for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    with _open(root, root / "client_0") as reader:
+        assert reader.ref.format == "peft-lora" and reader.base_ref is not None
+        assert reader.scale == 2.0  # lora_alpha 8 / r 4
+        assert sorted(reader.targets) == sorted(changed)
+        assert reader.keys() == list(base)  # the global model's keys: tied lm_head left out as in its file
+        for key in base:
+            got = reader.read(key)
+            assert got.dtype == torch.float32 and reader.shape(key) == tuple(base[key].shape)
+            if key in changed:
+                torch.testing.assert_close(got.double(), oracle[key], rtol=1e-6, atol=1e-7)
+                assert not torch.equal(got, base[key])
+                # rows read alone are the same rows
+                torch.testing.assert_close(reader.read_rows(key, 3, 9), got[3:9], rtol=0, atol=1e-7)
+            else:
+                assert torch.equal(got, base[key]), key  # untouched, bit for bit
+        assert reader.bytes_read > 0
+    # peft's own merge of the same files (its key mapping and scaling) gives the same model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(root / "global")),
+                                       str(root / "client_0")).merge_and_unload().state_dict()
+    for key in changed:
+        torch.testing.assert_close(merged[key].double(), oracle[key], rtol=1e-6, atol=1e-7)
+
+
+def test_fedavg_of_adapters_is_the_exact_mean_of_the_full_updates(root: Path, tmp_path: Path) -> None:
+    readers = [_open(root, root / f"client_{c}") for c in (0, 1)]
+    with readers[0], readers[1]:
+        report = weighted_mean([(readers[0], 1.0), (readers[1], 3.0)], tmp_path / "mean",
+                               reference=open_checkpoint(CheckpointRef.for_directory(root / "global")))
+    written = load_file(str(tmp_path / "mean" / "model.safetensors"))
+    oracles = [adapter_oracle(root / "global", root / f"client_{c}")[0] for c in (0, 1)]
+    base = base_state(root / "global")
+    assert set(written) == set(base)
+    for key, value in written.items():
+        torch.testing.assert_close(value.double(), 0.25 * oracles[0][key] + 0.75 * oracles[1][key],
+                                   rtol=1e-6, atol=1e-7)
+    # FedIT's average of the factors (mean B times mean A) is not this mean
+    f0, f1 = (load_file(str(root / f"client_{c}" / "adapter_model.safetensors")) for c in (0, 1))
+    a_key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    b_key = a_key.replace("lora_A", "lora_B")
+    fedit = base["model.layers.0.self_attn.q_proj.weight"].double() + 2.0 * (
+        (0.25 * f0[b_key] + 0.75 * f1[b_key]).double() @ (0.25 * f0[a_key] + 0.75 * f1[a_key]).double())
+    assert (written["model.layers.0.self_attn.q_proj.weight"].double() - fedit).abs().max() > 1e-4
+    # the header records each adapter's base, for the audit
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mean" / "model.safetensors"), framework="pt") as handle:
+        sources = json.loads(handle.metadata()["fedagent.sources"])
+    assert [s["base"] for s in sources] == [str((root / "global").resolve())] * 2
+    assert all(s["base_sha256"] == CheckpointRef.for_directory(root / "global").sha256 for s in sources)
+    assert report.update_stats is not None and report.update_stats.num_params == sum(v.numel() for v in base.values())
+
+
+def test_format_detection_and_hash_cover_both_adapter_files(root: Path, tmp_path: Path) -> None:
+    ref = CheckpointRef.for_directory(root / "client_0")
+    assert (ref.format, ref.world_size) == ("peft-lora", 1)
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "client_0", copy)
+    settings = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**settings, "lora_alpha": 16}))
+    moved = CheckpointRef(path=str(copy), format="peft-lora", sha256=ref.sha256)
+    with pytest.raises(CheckpointError, match="content hash"):
+        open_checkpoint(moved, root=tmp_path, base=CheckpointRef.for_directory(root / "global"))
+
+
+def test_an_adapter_without_its_base_is_refused(root: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"client_0 is a LoRA adapter: .* none was given"):
+        open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight": None},
+     r"'base_model\.model\.model\.layers\.1\.self_attn\.v_proj\.lora_A\.weight' has no partner "
+     r"'base_model\.model\.model\.layers\.1\.self_attn\.v_proj\.lora_B\.weight'"),
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+      "base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight",
+      "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+      "base_model.model.model.layers.0.self_attn.x_proj.lora_B.weight"},
+     r"x_proj\.lora_A\.weight' updates 'model\.layers\.0\.self_attn\.x_proj\.weight', which the global model"),
+    ({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+      "base_model.model.model.layers.0.self_attn.q_proj.weight"},
+     r"'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.weight' is not a LoRA factor"),
+])
+def test_a_missing_or_foreign_adapter_key_is_refused_naming_file_and_key(
+        root: Path, tmp_path: Path, edit: dict[str, str | None], message: str) -> None:
+    broken = _broken(root, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message) as caught:
+        open_checkpoint(CheckpointRef.for_directory(broken), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+    assert str(broken / "adapter_model.safetensors") in str(caught.value)
+
+
+def test_factors_of_another_shape_are_refused(root: Path, tmp_path: Path) -> None:
+    # an adapter of rank 4 whose config says rank 2: the factors do not fit the rank
+    copy = tmp_path / "rank"
+    shutil.copytree(root / "client_0", copy)
+    settings = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**settings, "r": 2}))
+    with pytest.raises(CheckpointError, match=r"rank"
+                       r" 2 \(expected \(2, 64\) and \(\d+, 2\)\)") as caught:
+        open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+    assert str(copy / "adapter_model.safetensors") in str(caught.value)
+    # an adapter of another model (hidden size 32) on this global model
+    other = ModelSpec("llama_small", "llama", seed=5, tie=True, overrides=(("hidden_size", 32),))
+    write_hf_checkpoint(other, tmp_path / "small")
+    write_adapter(tmp_path / "small", tmp_path / "small_adapter", seed=3)
+    with pytest.raises(CheckpointError, match=r"do not fit 'model\.layers\.\d\.self_attn\.\w_proj\.weight'"):
+        open_checkpoint(CheckpointRef.for_directory(tmp_path / "small_adapter"), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+
+
+@pytest.mark.parametrize(("setting", "value"), [("use_dora", True), ("fan_in_fan_out", True),
+                                                 ("modules_to_save", ["lm_head"]), ("peft_type", "IA3")])
+def test_adapter_settings_the_reader_cannot_honour_are_refused(root: Path, tmp_path: Path, setting: str,
+                                                                value: object) -> None:
+    copy = tmp_path / "settings"
+    shutil.copytree(root / "client_0", copy)
+    settings = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**settings, setting: value}))
+    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? "):
+        open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+
+
+def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Digests taken on trust at opening (the audit's own, a store's receipts): the adapter's files are
+    checked again once read, as any checkpoint's are."""
+    from fedagent_flwr.checkpoint import audit_digests
+    from fedagent_flwr.checkpoint.audit_digests import AuditDigests
+    from testkit.file_change import flip_byte
+
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the adapter was written a moment ago
+    adapter = shutil.copytree(root / "client_0", tmp_path / "adapter")
+    digests = AuditDigests()
+    ref = CheckpointRef.for_directory(adapter, hasher=digests.directory_hash)
+    base = CheckpointRef.for_directory(root / "global")
+    with open_checkpoint(ref, root=tmp_path, receipts=digests, base=base) as reader:
+        assert isinstance(reader, LoraAdapterReader)
+        reader.read(reader.targets[0])
+        reader.verify_content()  # unchanged: passes
+        flip_byte(adapter / "adapter_model.safetensors", restore_mtime=True, at=-1)  # only its ctime moves
+        with pytest.raises(CheckpointError, match=f"{adapter / 'adapter_model.safetensors'} changed while it was read"):
+            reader.verify_content()
+
+
+def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(root: Path, tmp_path: Path) -> None:
+    """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
+    format and opens with its digests taken from the store's receipt."""
+    from fedagent_flwr.checkpoint.http_server import HttpServerStore
+    from fedagent_flwr.checkpoint.store import StorageSettings
+    from testkit.store_harness import RUN, node
+
+    (tmp_path / "run").mkdir()
+    with HttpServerStore(StorageSettings(kind="http"), tmp_path / "run", RUN) as store:
+        sent = node(store, tmp_path / "node0").put(root / "client_0", "actor", 1, 0)
+        assert sent.format == "peft-lora"
+        ref = store.resolve(sent, 1, 0)
+        # what peft's save_pretrained wrote (its model card too), no more
+        assert ref.format == "peft-lora" and sorted(p.name for p in Path(ref.path).iterdir()) == sorted(
+            p.name for p in (root / "client_0").iterdir())
+        oracle, changed = adapter_oracle(root / "global", root / "client_0")
+        with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=store.receipt_check(),
+                             base=CheckpointRef.for_directory(root / "global")) as reader:
+            for key in changed:
+                torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
+            reader.verify_content()

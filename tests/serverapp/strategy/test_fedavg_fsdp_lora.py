@@ -1,0 +1,78 @@
+"""FedAvgFSDP over clients that upload LoRA adapters: each adapter is read on top of the round's
+global model, a bad one is refused by name and the others averaged again on the same base, and the
+new global model is the exact mean of the clients' full models; the audit recomputes such rounds,
+FedAvg's and a server optimiser's, on the base model the header records for each adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fedagent_flwr.checkpoint import CheckpointRef
+from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
+from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
+from testkit.client_replies import train_reply
+from testkit.lora_adapters import adapter_oracle, write_adapter
+from testkit.round_harness import train_round
+from testkit.strategy_setup import client_slot, connected_strategy
+
+
+def test_adapters_are_averaged_as_full_models_and_a_nan_one_is_dropped(tmp_path: Path) -> None:
+    write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
+    initial = CheckpointRef.for_directory(tmp_path / "base")
+    strategy, run_root = connected_strategy(tmp_path, initial, clients=3)
+    refs = {}
+    for client in range(3):
+        adapter = write_adapter(tmp_path / "base", client_slot(run_root, client) / "actor", seed=client)
+        if client == 2:  # NaN in one factor: found while streaming, after the others were read
+            path = adapter / "adapter_model.safetensors"
+            factors = load_file(str(path))
+            factors[sorted(factors)[-1]].view(-1)[0] = float("nan")
+            save_file(factors, str(path), metadata={"format": "pt"})
+        refs[client] = CheckpointRef.for_directory(adapter)
+        assert refs[client].format == "peft-lora"
+    episodes = {0: 2, 1: 6, 2: 4}
+    entry = train_round(strategy, 1, [train_reply(c, refs[c], episodes[c]) for c in refs])
+    assert entry is not None and entry["client_actor_ids"] == [0, 1], entry
+    assert "non-finite" in entry["rejected"]["2"] and "client_2" in entry["rejected"]["2"]
+    written = load_file(str(Path(strategy.global_model.path) / "model.safetensors"))
+    oracles = [adapter_oracle(tmp_path / "base", Path(refs[c].path))[0] for c in (0, 1)]
+    assert set(written) == set(oracles[0])
+    for key, value in written.items():
+        torch.testing.assert_close(value.double(), 0.25 * oracles[0][key] + 0.75 * oracles[1][key],
+                                   rtol=1e-6, atol=1e-7)
+    # the clients' updates were measured against the global model, as for full checkpoints
+    assert entry["update_stats"]["clients"] == [0, 1] and min(entry["update_stats"]["client_update_norm"]) > 0
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [(FedAvgFSDP, {}),
+                                             (FedAdamFSDP, {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3})])
+def test_the_audit_recomputes_lora_rounds_on_their_recorded_base(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], kwargs: dict[str, float]) -> None:
+    from fedagent_flwr.checkpoint.verify import main as verify
+
+    write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
+    strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(tmp_path / "base"), cls=cls,
+                                            clients=2, **kwargs)
+    for server_round in (1, 2):  # each round's adapters are trained on the global model it sent
+        start = Path(strategy.global_model.path)
+        replies = [train_reply(c, CheckpointRef.for_directory(write_adapter(
+            start, client_slot(run_root, c, server_round) / "actor", seed=10 * server_round + c)), 2 + c)
+            for c in (0, 1)]
+        entry = train_round(strategy, server_round, replies)
+        assert entry is not None and entry["client_actor_ids"] == [0, 1], entry
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.endswith(" ok") for line in lines), lines
+    # the base model round 1's adapters were read on changed afterwards: their round no longer checks out
+    weights = tmp_path / "base" / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.norm.weight"] += 1.0
+    save_file(state, str(weights), metadata={"format": "pt"})
+    assert verify([str(run_root)]) == 1
+    out = capsys.readouterr().out
+    assert f"round 1: cannot verify: {tmp_path / 'base'} changed since it was aggregated" in out, out
