@@ -5,6 +5,8 @@ FedAvg's and a server optimiser's, on the base model the header records for each
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -48,12 +50,8 @@ def test_adapters_are_averaged_as_full_models_and_a_nan_one_is_dropped(tmp_path:
     assert entry["update_stats"]["clients"] == [0, 1] and min(entry["update_stats"]["client_update_norm"]) > 0
 
 
-@pytest.mark.parametrize(("cls", "kwargs"), [(FedAvgFSDP, {}),
-                                             (FedAdamFSDP, {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3})])
-def test_the_audit_recomputes_lora_rounds_on_their_recorded_base(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], kwargs: dict[str, float]) -> None:
-    from fedagent_flwr.checkpoint.verify import main as verify
-
+def _lora_rounds(tmp_path: Path, cls: type[FedAvgFSDP] = FedAvgFSDP, **kwargs: float) -> tuple[FedAvgFSDP, Path]:
+    """Two rounds of two LoRA clients from a tiny tied Llama in ``tmp_path/base``; the strategy and its run dir."""
     write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
     strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(tmp_path / "base"), cls=cls,
                                             clients=2, **kwargs)
@@ -64,6 +62,16 @@ def test_the_audit_recomputes_lora_rounds_on_their_recorded_base(
             for c in (0, 1)]
         entry = train_round(strategy, server_round, replies)
         assert entry is not None and entry["client_actor_ids"] == [0, 1], entry
+    return strategy, run_root
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [(FedAvgFSDP, {}),
+                                             (FedAdamFSDP, {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3})])
+def test_the_audit_recomputes_lora_rounds_on_their_recorded_base(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], cls: type[FedAvgFSDP], kwargs: dict[str, float]) -> None:
+    from fedagent_flwr.checkpoint.verify import main as verify
+
+    _, run_root = _lora_rounds(tmp_path, cls, **kwargs)
     capsys.readouterr()
     assert verify([str(run_root)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -76,3 +84,42 @@ def test_the_audit_recomputes_lora_rounds_on_their_recorded_base(
     assert verify([str(run_root)]) == 1
     out = capsys.readouterr().out
     assert f"round 1: cannot verify: {tmp_path / 'base'} changed since it was aggregated" in out, out
+
+
+def test_a_lora_round_whose_base_the_run_removed_is_not_checked_and_one_deleted_by_hand_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """storage.keep_last_k=1 with the client checkpoints kept: round 2's adapters stay, their base (round 1's
+    global model) goes. The run says so: round 2 is reported as not checked, as a server optimiser's round
+    is. Gone without the run's word (deleted by hand): the round fails naming the missing base."""
+    from fedagent_flwr.checkpoint.verify import main as verify
+    from fedagent_flwr.serverapp.retention import Retention
+    from testkit.round_harness import recorder_of
+
+    strategy, run_root = _lora_rounds(tmp_path)
+    round_1 = run_root / "round_1" / "global"
+    kept = tmp_path / "round-1-global"
+    shutil.copytree(round_1, kept)  # for the second half: put back, then deleted by hand
+    Retention(run_root, keep_client_checkpoints=True, keep_last_k=1).after_commit(recorder_of(strategy), 2)
+    assert not round_1.exists() and (run_root / "round_2" / "client_0" / "actor").is_dir()
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "round 1: global model removed by the run (storage.keep_last_k); not checked", lines
+    assert lines[1].startswith(f"round 2: the base model {round_1} of its LoRA source ") and lines[1].endswith(
+        "removed by the run (storage.keep_last_k); not checked"), lines
+
+    # the same files, but the run record says nothing of a removal: deleted by hand
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())
+    for entry in summary["rounds"]:
+        entry.pop("removed", None)
+        entry.pop("removing", None)
+    summary_path.write_text(json.dumps(summary))
+    assert verify([str(run_root)]) == 1
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("round 2:")][0]
+    assert line.startswith(f"round 2: cannot verify: the base model {round_1} of the LoRA source ") and line.endswith(
+        "is missing (no removal by the run accounts for it)"), line
+    assert "keep_last_k" not in line
+    # put back, the round checks out again
+    shutil.copytree(kept, round_1)
+    assert verify([str(run_root)]) == 0
