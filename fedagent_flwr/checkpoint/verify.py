@@ -62,7 +62,7 @@ from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
-from fedagent_flwr.checkpoint.audit_sources import open_recorded_source
+from fedagent_flwr.checkpoint.audit_sources import RoundStart, open_recorded_source
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
@@ -97,21 +97,22 @@ def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean"
 
 def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, allow_unhashed: bool = False,
                  notes: list[str] | None = None, digests: AuditDigests | None = None,
-                 removed_by_run: Callable[[Path], bool] = lambda path: False) -> float:
+                 start: RoundStart | None = None) -> float:
     """Max abs error of one aggregate against its recorded sources, hash-checked unless
     ``check_hashes`` is False (a run recorded with another content-hash version); a source whose
     hash the header does not record fails unless ``allow_unhashed``, which appends a note to
     ``notes`` (:func:`.audit_hashes.unhashed`). ``digests``: the audit's, so that each file is
-    hashed once (:mod:`.audit_digests`; None: this round's own). ``removed_by_run(path)``: the run
-    says it removed that global model, so a LoRA source's base that is gone raises InputRemoved
-    (the round is not checked) instead of CheckpointError (:func:`.audit_sources.open_recorded_source`)."""
+    hashed once (:mod:`.audit_digests`; None: this round's own). ``start``: the run record's starting
+    model of the round, which a LoRA source's base must be (inside the run or its base model, the
+    committed content); one the run removed raises InputRemoved (the round is not checked) instead
+    of CheckpointError (:class:`.audit_sources.RoundStart`; None: not checked)."""
     digests = digests or AuditDigests()
     sources = []
     try:
         for source in recorded_sources(global_dir):
             sources.append((open_recorded_source(source, global_dir / MODEL_FILE, run_root, check_hashes,
                                                  allow_unhashed, [] if notes is None else notes, digests,
-                                                 removed_by_run),
+                                                 start),
                             float(source["weight"])))
         return verify_mean(sources, global_dir)
     finally:
@@ -221,7 +222,8 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, name, clients, run_root, check_hashes, tolerance,
                                     removed_by_run, summary, previous, allow_unhashed, notes, digests)
-        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes, digests, removed_by_run)
+        start = RoundStart(previous, summary.get("base_model"), removed_by_run)
+        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes, digests, start)
     except InputRemoved as exc:  # a LoRA source's base model that retention removed
         print(f"{name}: {exc}; not checked")
         return True

@@ -123,3 +123,55 @@ def test_a_lora_round_whose_base_the_run_removed_is_not_checked_and_one_deleted_
     # put back, the round checks out again
     shutil.copytree(kept, round_1)
     assert verify([str(run_root)]) == 0
+
+
+def test_the_audit_fails_a_lora_round_read_on_another_model_than_the_round_started_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Round 2's adapters are read on the base model instead of round 1's global model (a mis-wired
+    strategy): the header names that base and the mean recomputed on it matches, but the run record's
+    starting model of round 2 is round 1's global model, so the round fails."""
+    from fedagent_flwr.checkpoint.verify import main as verify
+
+    write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
+    initial = CheckpointRef.for_directory(tmp_path / "base")
+    strategy, run_root = connected_strategy(tmp_path, initial, clients=2)
+    for server_round in (1, 2):
+        strategy.global_model = initial  # every round reads (and trains) on the base model
+        replies = [train_reply(c, CheckpointRef.for_directory(write_adapter(
+            tmp_path / "base", client_slot(run_root, c, server_round) / "actor", seed=10 * server_round + c)), 2)
+            for c in (0, 1)]
+        train_round(strategy, server_round, replies)
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("round 1: ") and lines[0].endswith(" ok"), lines  # round 1 did start from the base
+    assert lines[1].startswith("round 2: cannot verify: ") and lines[1].endswith(
+        f"on {tmp_path / 'base'}, but the run record's starting model of the round is "
+        f"{run_root / 'round_1' / 'global'}"), lines
+
+
+def test_the_audit_does_not_open_a_lora_base_outside_the_run(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A header edited to read round 1's adapters on a copy of the base model elsewhere (same bytes, so
+    the mean would recompute): the audit does not follow it, as it does not follow a server optimiser's
+    previous global model outside the run."""
+    from safetensors import safe_open
+
+    from fedagent_flwr.checkpoint.verify import main as verify
+
+    _, run_root = _lora_rounds(tmp_path)
+    elsewhere = shutil.copytree(tmp_path / "base", tmp_path / "elsewhere")
+    model = run_root / "round_1" / "global" / "model.safetensors"
+    with safe_open(str(model), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    sources = [{**source, "base": str(elsewhere)} for source in json.loads(metadata["fedagent.sources"])]
+    save_file(load_file(str(model)), str(model), {**metadata, "fedagent.sources": json.dumps(sources)})
+    summary_path = run_root / "federated_summary.json"
+    summary = json.loads(summary_path.read_text())  # committed so, as a run that wrote it would have
+    summary["rounds"][0]["aggregated_sha256"] = CheckpointRef.for_directory(model.parent).sha256
+    summary_path.write_text(json.dumps(summary))
+    capsys.readouterr()
+    assert verify([str(run_root)]) == 1
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"round 1: cannot verify: the base model {elsewhere} of the LoRA source ") and line.endswith(
+        f"is neither inside the run {run_root} nor its base model {tmp_path / 'base'}: not opened"), line
