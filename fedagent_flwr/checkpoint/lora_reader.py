@@ -37,12 +37,23 @@ __all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
 #: peft's key prefix for a PeftModel's wrapped model (``base_model.model.<the model's own key>``)
 PEFT_PREFIX = "base_model.model."
 _FACTORS = (".lora_A.weight", ".lora_B.weight")
-# adapter_config.json settings that change what the factors mean; this reader supports their defaults only
+# adapter_config.json settings that change what the factors mean; this reader supports their defaults only.
+# peft 0.21's LoRA variants: aLoRA (alora_invocation_tokens) applies the update only from an invocation
+# token on and Arrow (arrow_config) routes between adapters, so neither adapter is a fixed W + s B A;
+# KaSA truncates the base weight, BD-LoRA's and QALoRA's factors mean another product, MonteCLoRA samples.
 _UNSUPPORTED: dict[str, Any] = {
     "fan_in_fan_out": False, "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
     "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None,
-    "trainable_token_indices": None,
+    "trainable_token_indices": None, "alora_invocation_tokens": None, "arrow_config": None, "kasa_config": None,
+    "use_bdlora": None, "use_qalora": False, "monteclora_config": None,
 }
+# init_lora_weights values that leave the base weight as it is (peft 0.21, tuners/lora/layer.py
+# update_layer): True (Kaiming A, zero B), False (both random), "gaussian", "eva" (zero B, A set from
+# activations later), "orthogonal" (B A = 0 by construction) and "mica" (zero A). The others rewrite the
+# base weight in place when the adapter is made: pissa*, corda and olora subtract s B0 A0 from it, loftq
+# quantises it, lora_ga subtracts its gradient-based start; the client's model is then
+# W - s B0 A0 + s B A, not the W + s B A the server reads.
+_SAFE_INITS: tuple[object, ...] = (True, False, "gaussian", "eva", "orthogonal", "mica")
 
 
 def adapter_files(directory: Path) -> list[Path]:
@@ -64,6 +75,11 @@ def adapter_scale(settings: dict[str, Any], path: Path) -> float:
         raise CheckpointError(f"{path}: 'r' = {rank!r} is not a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointError(f"{path}: 'lora_alpha' = {alpha!r} is not a positive number")
+    init = settings.get("init_lora_weights", True)
+    if not any(init is safe if isinstance(safe, bool) else init == safe for safe in _SAFE_INITS):
+        raise CheckpointError(f"{path}: 'init_lora_weights' = {init!r} is not supported (only {list(_SAFE_INITS)}): "
+                              "that initialisation rewrites the base weight when the adapter is made, so the "
+                              "client's model is not W + (lora_alpha / r) B @ A over the global model W")
     for name, default in _UNSUPPORTED.items():
         value = settings.get(name)
         if not (value is None or value == default or (not value and not default)):  # [] for None, {} ...

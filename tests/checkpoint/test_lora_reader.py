@@ -169,17 +169,35 @@ def test_factors_of_another_shape_are_refused(root: Path, tmp_path: Path) -> Non
                         base=CheckpointRef.for_directory(root / "global"))
 
 
-@pytest.mark.parametrize(("setting", "value"), [("use_dora", True), ("fan_in_fan_out", True),
-                                                 ("modules_to_save", ["lm_head"]), ("peft_type", "IA3")])
+@pytest.mark.parametrize(("setting", "value"), [
+    ("use_dora", True), ("fan_in_fan_out", True), ("modules_to_save", ["lm_head"]), ("peft_type", "IA3"),
+    # initialisations that rewrite the base weight when the adapter is made (the model is W - s B0 A0 + s B A)
+    ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
+    ("init_lora_weights", "corda"), ("init_lora_weights", "loftq"), ("init_lora_weights", "lora_ga"),
+    # an adapter applied only from its invocation tokens on (aLoRA), or routed between experts (Arrow)
+    ("alora_invocation_tokens", [50, 51]), ("arrow_config", {"top_k": 2}),
+])
 def test_adapter_settings_the_reader_cannot_honour_are_refused(root: Path, tmp_path: Path, setting: str,
                                                                 value: object) -> None:
     copy = tmp_path / "settings"
     shutil.copytree(root / "client_0", copy)
     settings = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**settings, setting: value}))
-    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? "):
+    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? ") as caught:
         open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
                         base=CheckpointRef.for_directory(root / "global"))
+    assert str(copy / "adapter_config.json") in str(caught.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_initialisations_that_leave_the_base_weight_alone_are_read(root: Path, tmp_path: Path, init: object) -> None:
+    copy = tmp_path / "init"
+    shutil.copytree(root / "client_0", copy)
+    settings = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**settings, "init_lora_weights": init}))
+    with open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
+                         base=CheckpointRef.for_directory(root / "global")) as reader:
+        assert isinstance(reader, LoraAdapterReader) and len(reader.targets) == 8
 
 
 def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
