@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.ref import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, CheckpointRef
 
@@ -104,7 +105,8 @@ class LoraAdapterReader(CheckpointReader):
     reader) provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference,
     kept so the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and
     recorded with the aggregate's sources. Every adapter key must pair with its partner factor and
-    with a 2-d weight of the base of matching shape, else CheckpointError naming the file and key.
+    with a 2-d weight of the base of matching shape, which no other pair updates and which the base
+    does not tie to another key, else CheckpointError naming the file and key.
     """
 
     def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
@@ -139,6 +141,8 @@ class LoraAdapterReader(CheckpointReader):
         """Map each targeted global key to its factors, checking names and shapes against the base."""
         shapes = {key: tuple(int(s) for s in self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
         base_keys = set(self.base.keys())
+        tied = tied_weight_keys(self.base.huggingface_dir())  # tied copy -> the key it is tied to
+        partners = {**tied, **{kept: copy for copy, kept in tied.items()}}
         pairs: dict[str, LoraPair] = {}
         foreign = [key for key in shapes if not key.endswith(_FACTORS)]
         if foreign:
@@ -154,13 +158,23 @@ class LoraAdapterReader(CheckpointReader):
                                       "factors)")
             target = module.removeprefix(PEFT_PREFIX) + ".weight"
             if target in pairs:
-                continue
+                if pairs[target] != LoraPair(target, a_key, b_key):  # with and without peft's prefix, say
+                    raise CheckpointError(f"{self._file}: '{key}' and '{pairs[target].a_key}' both update "
+                                          f"'{target}': one pair of factors per weight")
+                continue  # the partner of a pair already taken
             if target not in base_keys:
                 raise CheckpointError(f"{self._file}: '{key}' updates '{target}', which the global model "
                                       f"{self.base.directory} does not hold (a tied or untargetable weight?)")
+            if target in partners:  # the model re-ties them on load: an update of one alone is lost or spread
+                raise CheckpointError(f"{self._file}: '{key}' updates '{target}', which the global model "
+                                      f"{self.base.directory} ties to '{partners[target]}': an adapter of a tied "
+                                      "weight is not supported")
             weight = self.base.shape(target)
+            if len(weight) != 2:
+                raise CheckpointError(f"{self._file}: '{key}' updates '{target}' {weight} of the global model, "
+                                      "which is not a 2-d weight")
             want_a, want_b = (self.rank, weight[-1]), (weight[0], self.rank)
-            if len(weight) != 2 or shapes[a_key] != want_a or shapes[b_key] != want_b:
+            if shapes[a_key] != want_a or shapes[b_key] != want_b:
                 raise CheckpointError(
                     f"{self._file}: '{a_key}' {shapes[a_key]} and '{b_key}' {shapes[b_key]} do not fit "
                     f"'{target}' {weight} of the global model at rank {self.rank} (expected {want_a} and {want_b})")

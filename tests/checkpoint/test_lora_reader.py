@@ -149,6 +149,55 @@ def test_a_missing_or_foreign_adapter_key_is_refused_naming_file_and_key(
     assert str(broken / "adapter_model.safetensors") in str(caught.value)
 
 
+def _base_with(root: Path, tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """A copy of the global model whose weight file also holds ``extra``."""
+    base = shutil.copytree(root / "global", tmp_path / "base")
+    state = load_file(str(base / "model.safetensors"))
+    save_file({**state, **extra}, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+def _adapter_with(root: Path, tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """A copy of client 0's adapter whose file also holds ``extra``."""
+    copy = shutil.copytree(root / "client_0", tmp_path / "adapter")
+    factors = load_file(str(copy / "adapter_model.safetensors"))
+    save_file({**factors, **extra}, str(copy / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def test_a_second_pair_of_factors_for_the_same_weight_is_refused(root: Path, tmp_path: Path) -> None:
+    # the same module with and without peft's prefix: both read as model.layers.0.self_attn.q_proj.weight
+    module = "model.layers.0.self_attn.q_proj"
+    adapter = _adapter_with(root, tmp_path, {f"{module}.lora_A.weight": torch.ones(4, 64),
+                                             f"{module}.lora_B.weight": torch.ones(64, 4)})
+    with pytest.raises(CheckpointError, match=rf"both update '{module}\.weight': one pair of factors per weight"):
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+
+
+def test_an_adapter_of_a_tied_weight_is_refused(root: Path, tmp_path: Path) -> None:
+    """A tied model whose file holds the head as well as the embedding: an update of the head alone
+    would be undone (or spread to the embedding) when the model is tied again on load."""
+    embedding = load_file(str(root / "global" / "model.safetensors"))["model.embed_tokens.weight"]
+    base = _base_with(root, tmp_path, {"lm_head.weight": embedding.clone()})
+    vocab, hidden = embedding.shape
+    adapter = _adapter_with(root, tmp_path, {"base_model.model.lm_head.lora_A.weight": torch.ones(4, hidden),
+                                             "base_model.model.lm_head.lora_B.weight": torch.ones(vocab, 4)})
+    with pytest.raises(CheckpointError, match=r"updates 'lm_head\.weight', which the global model .* ties to "
+                       r"'model\.embed_tokens\.weight'") as caught:
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path, base=CheckpointRef.for_directory(base))
+    assert str(adapter / "adapter_model.safetensors") in str(caught.value)
+
+
+def test_factors_of_a_weight_that_is_not_a_matrix_are_refused(root: Path, tmp_path: Path) -> None:
+    base = _base_with(root, tmp_path, {"model.scale.weight": torch.tensor(1.0)})  # a 0-d tensor
+    adapter = _adapter_with(root, tmp_path, {"base_model.model.model.scale.lora_A.weight": torch.ones(4, 1),
+                                             "base_model.model.model.scale.lora_B.weight": torch.ones(1, 4)})
+    with pytest.raises(CheckpointError, match=r"updates 'model\.scale\.weight' \(\) of the global model, which is "
+                       "not a 2-d weight"):
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path, base=CheckpointRef.for_directory(base))
+
+
 def test_factors_of_another_shape_are_refused(root: Path, tmp_path: Path) -> None:
     # an adapter of rank 4 whose config says rank 2: the factors do not fit the rank
     copy = tmp_path / "rank"
