@@ -17,6 +17,14 @@ attach fresh adapters to it.
 The base is the server's own global model of the round (it is opened as the round's reference
 is, without a hash check); the adapter's files are checked like any client checkpoint's. Memory
 per read: the target tensor in fp32 (the output buffer itself when it is fp32) and the two factors.
+
+An adapter means ``W + s B A`` only on the ``W`` it was trained on: the same factors on another
+model (last round's global model, a resumed run's, another run's) read without complaint as some
+other model. So the adapter file must record the content hash of the model it was trained on
+(:data:`~.ref.ADAPTER_BASE_SHA256` in its safetensors metadata, which the adapter's own content hash
+covers), and it is refused unless that is the content hash of the base it is opened on. The
+reference trainer records it; an adapter without it (peft's ``save_pretrained`` alone, another
+trainer) is refused too, naming the entry, since nothing else ties it to a model.
 """
 
 from __future__ import annotations
@@ -29,9 +37,16 @@ from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
 from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
-from fedagent_flwr.checkpoint.ref import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.ref import (
+    ADAPTER_BASE_SHA256,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointError,
+    CheckpointRef,
+)
 
 __all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
 
@@ -106,7 +121,8 @@ class LoraAdapterReader(CheckpointReader):
     kept so the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and
     recorded with the aggregate's sources. Every adapter key must pair with its partner factor and
     with a 2-d weight of the base of matching shape, which no other pair updates and which the base
-    does not tie to another key, else CheckpointError naming the file and key.
+    does not tie to another key, else CheckpointError naming the file and key; and the adapter must
+    record the base's content hash as the model it was trained on.
     """
 
     def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
@@ -132,10 +148,24 @@ class LoraAdapterReader(CheckpointReader):
             raise CheckpointError(f"{self._file} is not a readable safetensors file ({exc})") from None
         try:
             self._pairs = self._pair_keys()
+            self._check_base_hash(base_ref)
         except BaseException:
             self.close_adapter()
             raise
         self._base_keys = set(base.keys())
+
+    def _check_base_hash(self, base_ref: CheckpointRef) -> None:
+        """CheckpointError unless the adapter records the content hash of the base it is opened on (the
+        module docstring): the base reference's hash, or the base directory's when it carries none."""
+        recorded = (self._handle.metadata() or {}).get(ADAPTER_BASE_SHA256)
+        if not recorded:
+            raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
+                                  f"metadata '{ADAPTER_BASE_SHA256}'): an adapter is read only on that model")
+        actual = base_ref.sha256 or hash_checkpoint_dir(self.base.directory)
+        if recorded != actual:
+            raise CheckpointError(f"{self._file} was trained on the model with content hash {recorded}, and is read "
+                                  f"on {self.base.directory}, whose content hash is {actual}: not the model it was "
+                                  "trained on")
 
     def _pair_keys(self) -> dict[str, LoraPair]:
         """Map each targeted global key to its factors, checking names and shapes against the base."""

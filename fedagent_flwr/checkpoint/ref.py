@@ -30,6 +30,9 @@ FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors", "peft-lora")
 # peft's two files of a LoRA adapter (``peft-lora``): the low-rank factors and their settings.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# The safetensors metadata entry of ADAPTER_WEIGHTS naming the content hash of the model the adapter was
+# trained on (:func:`hash_checkpoint_dir`); the server reads an adapter only on that model (:mod:`.lora_reader`).
+ADAPTER_BASE_SHA256 = "fedagent.base_sha256"
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
 MAX_WORLD_SIZE = 1 << 20

@@ -122,6 +122,38 @@ def test_format_detection_and_hash_cover_both_adapter_files(root: Path, tmp_path
         open_checkpoint(moved, root=tmp_path, base=CheckpointRef.for_directory(root / "global"))
 
 
+def test_an_adapter_is_read_only_on_the_model_it_records_it_was_trained_on(root: Path, tmp_path: Path) -> None:
+    """Same keys and shapes, another model (last round's, another run's): the factors would read as some
+    other model without complaint; the adapter's recorded base hash refuses it, naming both hashes."""
+    from testkit.lora_adapters import record_base
+
+    other = shutil.copytree(root / "global", tmp_path / "other")
+    state = load_file(str(other / "model.safetensors"))
+    state["model.norm.weight"] += 1.0
+    save_file(state, str(other / "model.safetensors"), metadata={"format": "pt"})
+    trained_on, other_hash = (CheckpointRef.for_directory(d).sha256 for d in (root / "global", other))
+    with pytest.raises(CheckpointError) as caught:
+        open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root,
+                        base=CheckpointRef.for_directory(other))
+    assert str(caught.value) == (
+        f"{root / 'client_0' / 'adapter_model.safetensors'} was trained on the model with content hash {trained_on}, "
+        f"and is read on {other}, whose content hash is {other_hash}: not the model it was trained on")
+    # a base reference without a hash (per-client validation's): the directory is hashed
+    with pytest.raises(CheckpointError, match="not the model it was trained on"):
+        open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root, base=CheckpointRef(str(other)))
+    with open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root,
+                         base=CheckpointRef(str(root / "global"))) as reader:
+        assert len(reader.targets) == 8
+    # an adapter that records no base (peft's save_pretrained alone): nothing ties it to a model
+    bare = shutil.copytree(root / "client_0", tmp_path / "bare")
+    record_base(bare, None)
+    with pytest.raises(CheckpointError, match=r"records no content hash of the model it was trained on \(safetensors "
+                       r"metadata 'fedagent\.base_sha256'\)") as caught:
+        open_checkpoint(CheckpointRef.for_directory(bare), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+    assert str(bare / "adapter_model.safetensors") in str(caught.value)
+
+
 def test_an_adapter_without_its_base_is_refused(root: Path) -> None:
     with pytest.raises(CheckpointError, match=r"client_0 is a LoRA adapter: .* none was given"):
         open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root)

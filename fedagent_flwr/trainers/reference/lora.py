@@ -6,11 +6,13 @@ it), attaches a new peft LoRA adapter to the attention projections (``model.lora
 trains only the adapter and writes peft's two adapter files as its checkpoint::
 
     <step_dir>/actor/
-        adapter_model.safetensors   the factors, peft's key names (base_model.model.<module>.lora_A.weight)
+        adapter_model.safetensors   the factors, peft's key names (base_model.model.<module>.lora_A.weight);
+                                    its metadata names the start model's content hash (fedagent.base_sha256)
         adapter_config.json         r, lora_alpha, target_modules, lora_dropout, ...
 
 The server reads it as the global model plus ``(alpha / r) B @ A``
-(:mod:`fedagent_flwr.checkpoint.lora_reader`). ``A`` starts as peft draws it (Kaiming-uniform),
+(:mod:`fedagent_flwr.checkpoint.lora_reader`), and only on the model whose content hash the adapter
+records: the factors mean that update of that model alone. ``A`` starts as peft draws it (Kaiming-uniform),
 from a generator of its own seeded by the run's seed, the round and the client (sha256, never
 Python's salted ``hash()``); ``B`` starts at zero, so the adapted model starts as the global model.
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import temporary_dir
-from fedagent_flwr.checkpoint.ref import ADAPTER_WEIGHTS
+from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_SHA256, ADAPTER_WEIGHTS
 from fedagent_flwr.schema.lora import Lora
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.seeds import derive_seed
@@ -63,13 +65,16 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
             raise InputError(f"model.lora.target_modules = {list(settings.target_modules)}: {first}") from None
 
 
-def write_adapter_checkpoint(peft_model: Any, step_dir: Path) -> Path:
+def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) -> Path:
     """Write ``step_dir/actor`` holding only the adapter (peft's files); return the actor dir.
 
     The factors go through peft's own ``get_peft_model_state_dict`` (its key names, the adapter's
     name dropped) and the settings through ``LoraConfig.save_pretrained``; peft's model card is
-    not written (it is no part of the checkpoint). Written into a temporary sibling and renamed, so
-    a reader never sees a partial checkpoint.
+    not written (it is no part of the checkpoint). ``base_sha256``, the content hash of the model
+    the adapter was trained on, goes into the factors' safetensors metadata
+    (:data:`~fedagent_flwr.checkpoint.ref.ADAPTER_BASE_SHA256`, covered by the adapter's own content
+    hash): the server reads the adapter on that model only. Written into a temporary sibling and
+    renamed, so a reader never sees a partial checkpoint.
     """
     import torch
     from peft import get_peft_model_state_dict
@@ -82,7 +87,7 @@ def write_adapter_checkpoint(peft_model: Any, step_dir: Path) -> Path:
         actor.mkdir()
         factors = {key: value.detach().to(torch.float32).contiguous()
                    for key, value in get_peft_model_state_dict(peft_model).items()}
-        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt", ADAPTER_BASE_SHA256: base_sha256})
         peft_model.peft_config["default"].save_pretrained(str(actor))
         if step_dir.exists():
             shutil.rmtree(step_dir)

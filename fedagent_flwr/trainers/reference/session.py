@@ -100,7 +100,8 @@ class ReferenceSession:
             # A fresh adapter goes onto a copy, so the live model keeps the global model's layout for the next
             # load; its optimiser (over the adapter alone) is made after it is attached. keep is refused with LoRA.
             self.kept = self.kept_from = None
-            return rt.train_loaded(job, spec, cfg, rules, copy.deepcopy(model), tokenizer, started)
+            return rt.train_loaded(job, spec, cfg, rules, copy.deepcopy(model), tokenizer, started,
+                                   model_path=model_path)
         optimizer = rt.make_optimizer(model, cfg)
         if cfg.optimizer_state != "keep":
             self.kept = self.kept_from = None  # a later keep round must not revive a state from before this one

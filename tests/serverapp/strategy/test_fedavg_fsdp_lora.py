@@ -17,7 +17,7 @@ from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
 from testkit.client_replies import train_reply
-from testkit.lora_adapters import adapter_oracle, write_adapter
+from testkit.lora_adapters import adapter_oracle, record_base, write_adapter
 from testkit.round_harness import train_round
 from testkit.strategy_setup import client_slot, connected_strategy
 
@@ -30,10 +30,9 @@ def test_adapters_are_averaged_as_full_models_and_a_nan_one_is_dropped(tmp_path:
     for client in range(3):
         adapter = write_adapter(tmp_path / "base", client_slot(run_root, client) / "actor", seed=client)
         if client == 2:  # NaN in one factor: found while streaming, after the others were read
-            path = adapter / "adapter_model.safetensors"
-            factors = load_file(str(path))
+            factors = load_file(str(adapter / "adapter_model.safetensors"))
             factors[sorted(factors)[-1]].view(-1)[0] = float("nan")
-            save_file(factors, str(path), metadata={"format": "pt"})
+            record_base(adapter, tmp_path / "base", factors)
         refs[client] = CheckpointRef.for_directory(adapter)
         assert refs[client].format == "peft-lora"
     episodes = {0: 2, 1: 6, 2: 4}

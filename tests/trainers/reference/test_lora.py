@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
@@ -52,6 +53,9 @@ def test_a_client_round_writes_only_the_adapter_and_the_server_reads_it_as_a_ful
     assert sorted(settings["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     factors = load_file(str(actor / "adapter_model.safetensors"))
     assert set(factors) == FACTORS and all(v.dtype == torch.float32 for v in factors.values())
+    # the model it was trained on, by content hash: the server reads the adapter on that model only
+    with safe_open(str(actor / "adapter_model.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["fedagent.base_sha256"] == CheckpointRef.for_directory(tiny_model_dir).sha256
     assert all(factors[k].abs().max() > 0 for k in FACTORS if "lora_B" in k)  # training moved B off zero
     # a few percent of the full model's bytes (the tiny model is mostly its 49k-token embedding)
     ratio = (actor / "adapter_model.safetensors").stat().st_size / (tiny_model_dir / "model.safetensors").stat().st_size
