@@ -208,7 +208,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     with ExitStack() as stack:
         sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes, digests,
                            RoundStart(expected_previous, base_model, removed_by_run))
-        x_ref = CheckpointRef.for_directory(x_dir, hasher=digests.directory_hash)
+        x_ref = CheckpointRef.for_directory(x_dir, fmt="hf-safetensors", hasher=digests.directory_hash)
         if check_hashes:
             if not previous.get("sha256"):
                 unhashed(f"{global_dir / MODEL_FILE} records no content hash of its previous global model {x_dir}",

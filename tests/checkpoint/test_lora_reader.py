@@ -154,6 +154,24 @@ def test_an_adapter_is_read_only_on_the_model_it_records_it_was_trained_on(root:
     assert str(bare / "adapter_model.safetensors") in str(caught.value)
 
 
+def test_a_full_model_that_ships_an_adapter_config_is_a_full_model(root: Path, tmp_path: Path) -> None:
+    """Some Hub repositories hold the merged weights and the adapter's settings (and weights) side by side:
+    they are full models, and the server opens the base model as one whatever it holds."""
+    from fedagent_flwr.serverapp.preflight import base_model
+
+    merged = shutil.copytree(root / "global", tmp_path / "merged")
+    shutil.copy(root / "client_0" / "adapter_config.json", merged)
+    assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
+    shutil.copy(root / "client_0" / "adapter_model.safetensors", merged)
+    assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
+    assert base_model(merged, str(merged)).format == "hf-safetensors"
+    # an adapter alone stays an adapter, and is no base model
+    assert CheckpointRef.for_directory(root / "client_0").format == "peft-lora"
+    with pytest.raises(CheckpointError, match="holds no \\*.safetensors file but peft's adapter_model.safetensors: an "
+                       "adapter is not a full model"):
+        CheckpointRef.for_directory(root / "client_0", fmt="hf-safetensors")
+
+
 def test_an_adapter_without_its_base_is_refused(root: Path) -> None:
     with pytest.raises(CheckpointError, match=r"client_0 is a LoRA adapter: .* none was given"):
         open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root)
