@@ -46,8 +46,9 @@ def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
 def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
     """Attach a fresh LoRA adapter to ``model`` in place and return peft's wrapper of it.
 
-    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state, so the
-    caller's random streams (sampling, dropout) are the same as without the adapter; ``B`` is zero.
+    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state (the CPU's
+    and every CUDA device's, which ``manual_seed`` reseeds as well), so the caller's random streams
+    (sampling, dropout) are the same as without the adapter; ``B`` is zero.
     A target that matches no module is an InputError naming ``model.lora.target_modules`` (the
     server checks the base model at start; a job file written by hand is checked here).
     """
@@ -56,7 +57,8 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
 
     config = LoraConfig(task_type="CAUSAL_LM", r=settings.rank, lora_alpha=settings.alpha,
                         target_modules=list(settings.target_modules), lora_dropout=settings.dropout)
-    with torch.random.fork_rng(devices=[]):
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config)

@@ -94,6 +94,28 @@ def test_the_fresh_adapter_is_seeded_by_run_round_and_client_without_touching_ot
             assert not torch.equal(first[name], other[name])
 
 
+def test_the_fresh_adapter_forks_every_cuda_generator_it_reseeds(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """manual_seed reseeds the CUDA generators too: a machine with GPUs must get their states back as well
+    (the fork is faked here, on a machine that may have none, and the devices it was given recorded)."""
+    from transformers import AutoModelForCausalLM
+
+    forked: list[list[int]] = []
+    real_fork = torch.random.fork_rng
+
+    def fork(devices: list[int] | None = None, **kwargs: object) -> object:
+        forked.append(list(devices or []))
+        return real_fork(devices=[], **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)  # no CUDA here to seed
+    monkeypatch.setattr(torch.random, "fork_rng", fork)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    attach_adapter(model, Lora(**LORA), 7)  # type: ignore[arg-type]
+    assert forked == [[0, 1]]
+
+
 def test_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = _trainer()
     trainer["lora"]["target_modules"] = ["nope_proj"]
