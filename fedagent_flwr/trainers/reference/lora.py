@@ -18,13 +18,18 @@ Python's salted ``hash()``); ``B`` starts at zero, so the adapted model starts a
 
 peft's ``get_peft_model`` adds the adapter to the model object in place: the GRPO code goes on
 training that same Hugging Face model (``model.base_model``, ``get_output_embeddings()``), whose
-only trainable parameters are now the factors.
+only trainable parameters are now the factors. :func:`fresh_adapter` takes the adapter out again
+afterwards (peft's ``unload``: the original layers put back, nothing merged) and restores the
+parameters' ``requires_grad``, so a persistent session trains the next round on its live model,
+without a copy of it per round.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ from fedagent_flwr.schema.lora import Lora
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.seeds import derive_seed
 
-__all__ = ["adapter_seed", "attach_adapter", "write_adapter_checkpoint"]
+__all__ = ["adapter_seed", "attach_adapter", "fresh_adapter", "write_adapter_checkpoint"]
 
 
 def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
@@ -65,6 +70,21 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise InputError(f"model.lora.target_modules = {list(settings.target_modules)}: {first}") from None
+
+
+@contextmanager
+def fresh_adapter(model: Any, settings: Lora, seed: int) -> Iterator[Any]:
+    """:func:`attach_adapter` for the ``with`` block, then the adapter taken out of ``model`` again,
+    unmerged (peft's ``unload``), and every parameter's ``requires_grad`` as it was: ``model`` is
+    left as it was found, whatever the block raised (its weights untouched: only the factors train)."""
+    flags = [param.requires_grad for param in model.parameters()]
+    peft_model = attach_adapter(model, settings, seed)
+    try:
+        yield peft_model
+    finally:
+        peft_model.unload()  # puts the original layers back (and drops peft's config from the model)
+        for param, flag in zip(model.parameters(), flags, strict=True):
+            param.requires_grad_(flag)
 
 
 def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) -> Path:

@@ -28,7 +28,7 @@ from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
 from fedagent_flwr.trainers.reference.checkpoint import write_fsdp_checkpoint
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.reference.grpo import TokenSample, grpo_advantages, grpo_update, windowed_samples
-from fedagent_flwr.trainers.reference.lora import adapter_seed, attach_adapter, write_adapter_checkpoint
+from fedagent_flwr.trainers.reference.lora import adapter_seed, fresh_adapter, write_adapter_checkpoint
 
 PROG = "reference_trainer"
 TRAIN_RESULT = "train_result.json"
@@ -93,17 +93,28 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     None); ``extra_metrics`` join the result's metrics. With ``model.lora`` a fresh adapter is
     attached to ``model`` first (:mod:`.lora`) and only it is trained and written, with the
     content hash of ``model_path`` (the directory ``model`` was loaded from; None: the job's
-    ``model_path``) as the model it was trained on.
+    ``model_path``) as the model it was trained on; the adapter is taken out again (unmerged)
+    before this returns or raises, so ``model`` keeps its weights and layout (a persistent
+    session's live model loads the next round's weights without a copy per round).
     """
-    import torch
-
-    adapter, base_sha256 = None, ""
     if cfg.lora.rank > 0:  # federated LoRA: train a fresh adapter on the global model, save only it
         if optimizer is not None:  # it would hold the full model's parameters, not the adapter's
             raise ValueError("with model.lora the optimiser is made after the adapter is attached: pass none")
         # the server reads the adapter on this model only (checkpoint.lora_reader); hashed before training
         base_sha256 = hash_checkpoint_dir(model_path or Path(job.model_path))
-        adapter = attach_adapter(model, cfg.lora, adapter_seed(job.base_seed, job.round, job.client_id))
+        with fresh_adapter(model, cfg.lora, adapter_seed(job.base_seed, job.round, job.client_id)) as adapter:
+            return _train(job, spec, cfg, rules, model, tokenizer, started, None, extra_metrics, (adapter, base_sha256))
+    return _train(job, spec, cfg, rules, model, tokenizer, started, optimizer, extra_metrics, None)
+
+
+def _train(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any, tokenizer: Any,
+           started: float, optimizer: Any, extra_metrics: dict[str, float] | None,
+           lora: tuple[Any, str] | None) -> TrainResult:
+    """:func:`train_loaded`'s seeding, GRPO steps and result; ``lora``: the attached adapter (peft's
+    wrapper of ``model``) and the start model's content hash, to write the adapter alone."""
+    import torch
+
+    adapter, base_sha256 = lora if lora is not None else (None, "")
     seed_everything(job.data_seed)
     compute_dtype = cfg.torch_compute_dtype()
     # Sampling uses a copy in the compute dtype, refreshed after every update (like verl syncing

@@ -116,6 +116,30 @@ def test_the_fresh_adapter_forks_every_cuda_generator_it_reseeds(tiny_model_dir:
     assert forked == [[0, 1]]
 
 
+def test_the_adapter_comes_off_unmerged_leaving_the_model_as_it_was(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from fedagent_flwr.trainers.reference.lora import fresh_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    layout = [(name, type(module)) for name, module in model.named_modules()]
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    model.lm_head.weight.requires_grad_(False)  # whatever the flags were, they come back
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="mid-round"), fresh_adapter(model, Lora(**LORA), 3) as peft_model:  # type: ignore[arg-type]
+        assert peft_model.base_model.model is model and any("lora_A" in n for n, _ in model.named_parameters())
+        with torch.no_grad():  # what training does to the factors; B != 0 would show in a merge
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.fill_(0.5)
+        raise RuntimeError("a job that fails mid-round")
+    assert [(name, type(module)) for name, module in model.named_modules()] == layout
+    assert not hasattr(model, "peft_config")
+    assert [p.requires_grad for p in model.parameters()] == flags
+    state = model.state_dict()
+    assert set(state) == set(weights) and all(torch.equal(state[k], weights[k]) for k in weights)  # not merged
+
+
 def test_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = _trainer()
     trainer["lora"]["target_modules"] = ["nope_proj"]
@@ -126,19 +150,38 @@ def test_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path: Path, ti
 
 
 def test_the_persistent_session_trains_the_same_adapter_and_keeps_its_model_plain(
-        trained: tuple[Path, TrainResult], tiny_model_dir: Path, smollm2_tokenizer_dir: Path, tmp_path: Path) -> None:
+        trained: tuple[Path, TrainResult], tiny_model_dir: Path, smollm2_tokenizer_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedagent_flwr.trainers.reference import lora
+
     _, subprocess_result = trained
     job = load(TrainJob, train_job(tmp_path, tiny_model_dir, "s", trainer=_trainer()))
     session = ReferenceSession()
+    onto_live_model: list[bool] = []
+    attach = lora.attach_adapter
+
+    def spy(model: object, settings: Lora, seed: int) -> object:
+        onto_live_model.append(model is session.cache.model)
+        return attach(model, settings, seed)
+
+    monkeypatch.setattr(lora, "attach_adapter", spy)
     result = session.train(job)
+    assert onto_live_model == [True]  # no copy of the whole model per round
     expected = load_file(str(Path(subprocess_result.actor_dir) / "adapter_model.safetensors"))
     got = load_file(str(Path(result.actor_dir) / "adapter_model.safetensors"))
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
     # the live model holds no adapter layers: the next round's global model loads into it by weights alone
     assert not [k for k in session.cache.model.state_dict() if "lora_" in k or "base_layer" in k]
+    assert all(p.requires_grad for p in session.cache.model.parameters())  # as loaded
     global2 = make_tiny_model(tmp_path / "global2", seed=1, tokenizer_dir=smollm2_tokenizer_dir)
     second = session.train(load(TrainJob, train_job(tmp_path, global2, "s2", trainer=_trainer(), round=2)))
     assert session.cache.reloads == 1 and second.actor_format == "peft-lora"
+    # the live model that carried round 1's adapter trains round 2's as a fresh process does, bit for bit
+    proc = run_trainer("train", train_job(tmp_path, global2, "p2", trainer=_trainer(), round=2))
+    assert proc.returncode == 0, proc.stderr
+    fresh = load_file(str(tmp_path / "p2" / "checkpoints" / "global_step_1" / "actor" / "adapter_model.safetensors"))
+    got = load_file(str(Path(second.actor_dir) / "adapter_model.safetensors"))
+    assert set(got) == set(fresh) and all(torch.equal(got[k], fresh[k]) for k in fresh)
 
 
 def test_per_client_validation_scores_the_adapter_merged_onto_the_model_it_was_trained_on(
