@@ -4,7 +4,8 @@
 values (peft starts it at zero, so an untrained adapter changes nothing), then saves it with peft's
 own ``save_pretrained``, the files a peft user would have, and records the base model's content hash
 in the factors' metadata as the reference trainer does (:func:`record_base`). :func:`adapter_oracle` reads those files
-with safetensors and json only and computes ``W + (lora_alpha / r) B @ A`` in float64, the value the
+with safetensors and json only and computes ``W + (lora_alpha / r) B @ A`` in float64 (``lora_alpha /
+sqrt(r)`` with rsLoRA), the value the
 server's reader must give, without any of the code under test.
 """
 
@@ -67,7 +68,8 @@ def base_state(base_dir: Path) -> dict[str, torch.Tensor]:
 def adapter_oracle(base_dir: Path, adapter_dir: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full model (float64) an adapter stands for, from the files alone, and the keys it changes."""
     settings = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = settings["lora_alpha"] / settings["r"]
+    # peft's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA
+    scale = settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])
     factors = load_file(str(adapter_dir / "adapter_model.safetensors"))
     state = {key: value.double() for key, value in base_state(base_dir).items()}
     changed = set()

@@ -81,6 +81,23 @@ def test_adapter_reads_as_the_oracle_full_model_and_as_peft_merges_it(root: Path
         torch.testing.assert_close(merged[key].double(), oracle[key], rtol=1e-6, atol=1e-7)
 
 
+def test_an_rslora_adapter_reads_with_alpha_over_sqrt_r_as_peft_merges_it(root: Path, tmp_path: Path) -> None:
+    adapter = write_adapter(root / "global", tmp_path / "rslora", seed=5, rank=4, alpha=8.0, use_rslora=True)
+    oracle, changed = adapter_oracle(root / "global", adapter)
+    with open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path,
+                         base=CheckpointRef.for_directory(root / "global")) as reader:
+        assert reader.scale == 4.0  # 8 / sqrt(4), not 8 / 4
+        for key in changed:
+            torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(root / "global")),
+                                       str(adapter)).merge_and_unload().state_dict()
+    for key in changed:
+        torch.testing.assert_close(merged[key].double(), oracle[key], rtol=1e-6, atol=1e-7)
+
+
 def test_fedavg_of_adapters_is_the_exact_mean_of_the_full_updates(root: Path, tmp_path: Path) -> None:
     readers = [_open(root, root / f"client_{c}") for c in (0, 1)]
     with readers[0], readers[1]:
@@ -321,12 +338,14 @@ def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
             reader.verify_content()
 
 
-def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(root: Path, tmp_path: Path) -> None:
+def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
-    format and opens with its digests taken from the store's receipt."""
+    format and opens with its digests taken from the store's receipt: none of its bytes is hashed again,
+    and both files are watched for a change while they are read."""
     from fedagent_flwr.checkpoint.http_server import HttpServerStore
     from fedagent_flwr.checkpoint.store import StorageSettings
-    from testkit.store_harness import RUN, node
+    from testkit.store_harness import RUN, HashCounter, node
 
     (tmp_path / "run").mkdir()
     with HttpServerStore(StorageSettings(kind="http"), tmp_path / "run", RUN) as store:
@@ -337,8 +356,12 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(ro
         assert ref.format == "peft-lora" and sorted(p.name for p in Path(ref.path).iterdir()) == sorted(
             p.name for p in (root / "client_0").iterdir())
         oracle, changed = adapter_oracle(root / "global", root / "client_0")
+        base = CheckpointRef.for_directory(root / "global")
+        hashed = HashCounter().install(monkeypatch)
         with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=store.receipt_check(),
-                             base=CheckpointRef.for_directory(root / "global")) as reader:
+                             base=base) as reader:
+            assert hashed.bytes < 1024, hashed.bytes  # the combining step only (name, size, digest per file)
+            assert {"adapter_config.json", "adapter_model.safetensors"} <= set(reader._watched)  # (peft's card too)
             for key in changed:
                 torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
             reader.verify_content()
