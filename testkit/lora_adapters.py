@@ -2,8 +2,10 @@
 
 :func:`write_adapter` trains nothing: it attaches a seeded adapter with peft and gives ``B`` random
 values (peft starts it at zero, so an untrained adapter changes nothing), then saves it with peft's
-own ``save_pretrained``, the files a peft user would have. :func:`adapter_oracle` reads those files
-with safetensors and json only and computes ``W + (lora_alpha / r) B @ A`` in float64, the value the
+own ``save_pretrained``, the files a peft user would have, and records the base model's content hash
+in the factors' metadata as the reference trainer does (:func:`record_base`). :func:`adapter_oracle` reads those files
+with safetensors and json only and computes ``W + (lora_alpha / r) B @ A`` in float64 (``lora_alpha /
+sqrt(r)`` with rsLoRA), the value the
 server's reader must give, without any of the code under test.
 """
 
@@ -37,7 +39,22 @@ def write_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 4, alpha
                 if "lora_B" in name:
                     param.normal_(std=0.05)
     peft_model.save_pretrained(str(out_dir))
+    record_base(out_dir, base_dir)
     return out_dir
+
+
+def record_base(adapter_dir: Path, base_dir: Path | None, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter's factors (``tensors``; None: those in the file) with the content hash of
+    ``base_dir`` as the model it was trained on, as the reference trainer records it (None: no hash)."""
+    from safetensors.torch import save_file
+
+    from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_SHA256, hash_checkpoint_dir
+
+    path = adapter_dir / "adapter_model.safetensors"
+    factors = load_file(str(path)) if tensors is None else tensors
+    metadata = {"format": "pt"} if base_dir is None else {"format": "pt",
+                                                          ADAPTER_BASE_SHA256: hash_checkpoint_dir(base_dir)}
+    save_file(factors, str(path), metadata=metadata)
 
 
 def base_state(base_dir: Path) -> dict[str, torch.Tensor]:
@@ -51,7 +68,8 @@ def base_state(base_dir: Path) -> dict[str, torch.Tensor]:
 def adapter_oracle(base_dir: Path, adapter_dir: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The full model (float64) an adapter stands for, from the files alone, and the keys it changes."""
     settings = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = settings["lora_alpha"] / settings["r"]
+    # peft's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA
+    scale = settings["lora_alpha"] / (settings["r"] ** 0.5 if settings.get("use_rslora") else settings["r"])
     factors = load_file(str(adapter_dir / "adapter_model.safetensors"))
     state = {key: value.double() for key, value in base_state(base_dir).items()}
     changed = set()

@@ -81,6 +81,11 @@ def train_round(strategy: FedAvgFSDP, server_round: int, replies: Sequence[Messa
     return rounds[-1] if rounds else None
 
 
+def recorder_of(strategy: FedAvgFSDP) -> RunRecorder:
+    """The run recorder :func:`connect` gave ``strategy`` (for retention, as the round loop runs it)."""
+    return _RECORDERS[strategy]
+
+
 def eval_round(strategy: FedAvgFSDP, server_round: int, replies: Sequence[Message], sent: Sequence[int]) -> None:
     """Aggregate and record evaluation ``replies`` of the clients ``sent`` an instruction."""
     evaluate_round(strategy, _RECORDERS[strategy], server_round, sent, replies)

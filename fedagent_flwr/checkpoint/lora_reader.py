@@ -17,6 +17,14 @@ attach fresh adapters to it.
 The base is the server's own global model of the round (it is opened as the round's reference
 is, without a hash check); the adapter's files are checked like any client checkpoint's. Memory
 per read: the target tensor in fp32 (the output buffer itself when it is fp32) and the two factors.
+
+An adapter means ``W + s B A`` only on the ``W`` it was trained on: the same factors on another
+model (last round's global model, a resumed run's, another run's) read without complaint as some
+other model. So the adapter file must record the content hash of the model it was trained on
+(:data:`~.ref.ADAPTER_BASE_SHA256` in its safetensors metadata, which the adapter's own content hash
+covers), and it is refused unless that is the content hash of the base it is opened on. The
+reference trainer records it; an adapter without it (peft's ``save_pretrained`` alone, another
+trainer) is refused too, naming the entry, since nothing else ties it to a model.
 """
 
 from __future__ import annotations
@@ -29,20 +37,39 @@ from typing import Any
 
 import torch
 
+from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
+from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
-from fedagent_flwr.checkpoint.ref import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.ref import (
+    ADAPTER_BASE_SHA256,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointError,
+    CheckpointRef,
+)
 
 __all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
 
 #: peft's key prefix for a PeftModel's wrapped model (``base_model.model.<the model's own key>``)
 PEFT_PREFIX = "base_model.model."
 _FACTORS = (".lora_A.weight", ".lora_B.weight")
-# adapter_config.json settings that change what the factors mean; this reader supports their defaults only
+# adapter_config.json settings that change what the factors mean; this reader supports their defaults only.
+# peft 0.21's LoRA variants: aLoRA (alora_invocation_tokens) applies the update only from an invocation
+# token on and Arrow (arrow_config) routes between adapters, so neither adapter is a fixed W + s B A;
+# KaSA truncates the base weight, BD-LoRA's and QALoRA's factors mean another product, MonteCLoRA samples.
 _UNSUPPORTED: dict[str, Any] = {
     "fan_in_fan_out": False, "use_dora": False, "bias": "none", "lora_bias": False, "modules_to_save": None,
     "rank_pattern": {}, "alpha_pattern": {}, "layer_replication": None, "target_parameters": None,
-    "trainable_token_indices": None,
+    "trainable_token_indices": None, "alora_invocation_tokens": None, "arrow_config": None, "kasa_config": None,
+    "use_bdlora": None, "use_qalora": False, "monteclora_config": None,
 }
+# init_lora_weights values that leave the base weight as it is (peft 0.21, tuners/lora/layer.py
+# update_layer): True (Kaiming A, zero B), False (both random), "gaussian", "eva" (zero B, A set from
+# activations later), "orthogonal" (B A = 0 by construction) and "mica" (zero A). The others rewrite the
+# base weight in place when the adapter is made: pissa*, corda and olora subtract s B0 A0 from it, loftq
+# quantises it, lora_ga subtracts its gradient-based start; the client's model is then
+# W - s B0 A0 + s B A, not the W + s B A the server reads.
+_SAFE_INITS: tuple[object, ...] = (True, False, "gaussian", "eva", "orthogonal", "mica")
 
 
 def adapter_files(directory: Path) -> list[Path]:
@@ -64,6 +91,11 @@ def adapter_scale(settings: dict[str, Any], path: Path) -> float:
         raise CheckpointError(f"{path}: 'r' = {rank!r} is not a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointError(f"{path}: 'lora_alpha' = {alpha!r} is not a positive number")
+    init = settings.get("init_lora_weights", True)
+    if not any(init is safe if isinstance(safe, bool) else init == safe for safe in _SAFE_INITS):
+        raise CheckpointError(f"{path}: 'init_lora_weights' = {init!r} is not supported (only {list(_SAFE_INITS)}): "
+                              "that initialisation rewrites the base weight when the adapter is made, so the "
+                              "client's model is not W + (lora_alpha / r) B @ A over the global model W")
     for name, default in _UNSUPPORTED.items():
         value = settings.get(name)
         if not (value is None or value == default or (not value and not default)):  # [] for None, {} ...
@@ -88,7 +120,9 @@ class LoraAdapterReader(CheckpointReader):
     reader) provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference,
     kept so the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and
     recorded with the aggregate's sources. Every adapter key must pair with its partner factor and
-    with a 2-d weight of the base of matching shape, else CheckpointError naming the file and key.
+    with a 2-d weight of the base of matching shape, which no other pair updates and which the base
+    does not tie to another key, else CheckpointError naming the file and key; and the adapter must
+    record the base's content hash as the model it was trained on.
     """
 
     def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
@@ -114,15 +148,31 @@ class LoraAdapterReader(CheckpointReader):
             raise CheckpointError(f"{self._file} is not a readable safetensors file ({exc})") from None
         try:
             self._pairs = self._pair_keys()
+            self._check_base_hash(base_ref)
         except BaseException:
             self.close_adapter()
             raise
         self._base_keys = set(base.keys())
 
+    def _check_base_hash(self, base_ref: CheckpointRef) -> None:
+        """CheckpointError unless the adapter records the content hash of the base it is opened on (the
+        module docstring): the base reference's hash, or the base directory's when it carries none."""
+        recorded = (self._handle.metadata() or {}).get(ADAPTER_BASE_SHA256)
+        if not recorded:
+            raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
+                                  f"metadata '{ADAPTER_BASE_SHA256}'): an adapter is read only on that model")
+        actual = base_ref.sha256 or hash_checkpoint_dir(self.base.directory)
+        if recorded != actual:
+            raise CheckpointError(f"{self._file} was trained on the model with content hash {recorded}, and is read "
+                                  f"on {self.base.directory}, whose content hash is {actual}: not the model it was "
+                                  "trained on")
+
     def _pair_keys(self) -> dict[str, LoraPair]:
         """Map each targeted global key to its factors, checking names and shapes against the base."""
         shapes = {key: tuple(int(s) for s in self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
         base_keys = set(self.base.keys())
+        tied = tied_weight_keys(self.base.huggingface_dir())  # tied copy -> the key it is tied to
+        partners = {**tied, **{kept: copy for copy, kept in tied.items()}}
         pairs: dict[str, LoraPair] = {}
         foreign = [key for key in shapes if not key.endswith(_FACTORS)]
         if foreign:
@@ -138,13 +188,23 @@ class LoraAdapterReader(CheckpointReader):
                                       "factors)")
             target = module.removeprefix(PEFT_PREFIX) + ".weight"
             if target in pairs:
-                continue
+                if pairs[target] != LoraPair(target, a_key, b_key):  # with and without peft's prefix, say
+                    raise CheckpointError(f"{self._file}: '{key}' and '{pairs[target].a_key}' both update "
+                                          f"'{target}': one pair of factors per weight")
+                continue  # the partner of a pair already taken
             if target not in base_keys:
                 raise CheckpointError(f"{self._file}: '{key}' updates '{target}', which the global model "
                                       f"{self.base.directory} does not hold (a tied or untargetable weight?)")
+            if target in partners:  # the model re-ties them on load: an update of one alone is lost or spread
+                raise CheckpointError(f"{self._file}: '{key}' updates '{target}', which the global model "
+                                      f"{self.base.directory} ties to '{partners[target]}': an adapter of a tied "
+                                      "weight is not supported")
             weight = self.base.shape(target)
+            if len(weight) != 2:
+                raise CheckpointError(f"{self._file}: '{key}' updates '{target}' {weight} of the global model, "
+                                      "which is not a 2-d weight")
             want_a, want_b = (self.rank, weight[-1]), (weight[0], self.rank)
-            if len(weight) != 2 or shapes[a_key] != want_a or shapes[b_key] != want_b:
+            if shapes[a_key] != want_a or shapes[b_key] != want_b:
                 raise CheckpointError(
                     f"{self._file}: '{a_key}' {shapes[a_key]} and '{b_key}' {shapes[b_key]} do not fit "
                     f"'{target}' {weight} of the global model at rank {self.rank} (expected {want_a} and {want_b})")

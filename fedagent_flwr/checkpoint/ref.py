@@ -30,6 +30,9 @@ FORMATS: tuple[str, ...] = ("fsdp-shards", "hf-safetensors", "peft-lora")
 # peft's two files of a LoRA adapter (``peft-lora``): the low-rank factors and their settings.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+# The safetensors metadata entry of ADAPTER_WEIGHTS naming the content hash of the model the adapter was
+# trained on (:func:`hash_checkpoint_dir`); the server reads an adapter only on that model (:mod:`.lora_reader`).
+ADAPTER_BASE_SHA256 = "fedagent.base_sha256"
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
 MAX_WORLD_SIZE = 1 << 20
@@ -114,15 +117,19 @@ class CheckpointRef:
         fmt: CheckpointFormat | None = None,
         hasher: Callable[[Path], str] = hash_checkpoint_dir,
     ) -> CheckpointRef:
-        """Describe an existing checkpoint directory: detect format (FSDP shards, a peft adapter by its
-        ``adapter_config.json``, else HF safetensors) and world size, hash it with
-        ``hasher`` (the audit's passes digests it already computed: :mod:`.audit_digests`)."""
+        """Describe an existing checkpoint directory: detect format (FSDP shards; a peft adapter by its
+        ``adapter_config.json`` beside no safetensors file but ``adapter_model.safetensors``; else HF
+        safetensors: a Hub repository may ship an adapter's settings beside the full, merged weights) and
+        world size, hash it with ``hasher`` (the audit's passes digests it already computed:
+        :mod:`.audit_digests`). Pass ``fmt`` where the directory must be a full model (the base model, a
+        resumed global model): a directory holding only an adapter's weights is then refused."""
         directory = Path(path).resolve()
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint directory {directory} does not exist")
         shards = sorted(directory.glob(SHARD_GLOB))
-        detected: CheckpointFormat = ("fsdp-shards" if shards else
-                                      "peft-lora" if (directory / ADAPTER_CONFIG).is_file() else "hf-safetensors")
+        full_weights = [p for p in directory.glob("*.safetensors") if p.name != ADAPTER_WEIGHTS]
+        adapter = (directory / ADAPTER_CONFIG).is_file() and not full_weights
+        detected: CheckpointFormat = "fsdp-shards" if shards else "peft-lora" if adapter else "hf-safetensors"
         fmt = fmt or detected
         world_size = 1
         if fmt == "fsdp-shards":
@@ -134,8 +141,10 @@ class CheckpointRef:
             if missing:
                 raise CheckpointError(f"{directory} holds no {missing[0]} (a peft LoRA adapter has both "
                                       f"{ADAPTER_WEIGHTS} and {ADAPTER_CONFIG})")
-        elif not any(directory.glob("*.safetensors")):
-            raise CheckpointError(f"{directory} holds no *.safetensors file")
+        elif not full_weights:
+            raise CheckpointError(f"{directory} holds no *.safetensors file" + (
+                f" but peft's {ADAPTER_WEIGHTS}: an adapter is not a full model"
+                if (directory / ADAPTER_WEIGHTS).is_file() else ""))
         return cls(
             path=str(directory),
             kind=kind,

@@ -14,8 +14,9 @@ against the tolerance plus the bound of the strategy's fp32 rounding, which the 
 :mod:`.verify_optimizer`; the clients' tied copies, as for a mean, against their partners within
 the tolerance). PPO's global critics are audited the same way (``round <r> critic``). Exit
 status 1 if any round is off by more than the tolerance or cannot be checked. A round whose client
-checkpoints, previous global model or previous optimiser state the run record says it removed after
-its commit (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
+checkpoints, previous global model (a LoRA source's base model: the global model its round started
+from) or previous optimiser state the run record says it removed after its commit
+(``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is
 reported as removed and not recomputed (one missing without that record fails; a global model still
 there has its commit checked all the same); keep the client checkpoints to audit a run (that also
 keeps every round's optimiser state). Retention notes what it is about to remove before it removes
@@ -61,7 +62,7 @@ from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
-from fedagent_flwr.checkpoint.audit_sources import open_recorded_source
+from fedagent_flwr.checkpoint.audit_sources import RoundStart, open_recorded_source
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
@@ -95,18 +96,23 @@ def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean"
 
 
 def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, allow_unhashed: bool = False,
-                 notes: list[str] | None = None, digests: AuditDigests | None = None) -> float:
+                 notes: list[str] | None = None, digests: AuditDigests | None = None,
+                 start: RoundStart | None = None) -> float:
     """Max abs error of one aggregate against its recorded sources, hash-checked unless
     ``check_hashes`` is False (a run recorded with another content-hash version); a source whose
     hash the header does not record fails unless ``allow_unhashed``, which appends a note to
     ``notes`` (:func:`.audit_hashes.unhashed`). ``digests``: the audit's, so that each file is
-    hashed once (:mod:`.audit_digests`; None: this round's own)."""
+    hashed once (:mod:`.audit_digests`; None: this round's own). ``start``: the run record's starting
+    model of the round, which a LoRA source's base must be (inside the run or its base model, the
+    committed content); one the run removed raises InputRemoved (the round is not checked) instead
+    of CheckpointError (:class:`.audit_sources.RoundStart`; None: not checked)."""
     digests = digests or AuditDigests()
     sources = []
     try:
         for source in recorded_sources(global_dir):
             sources.append((open_recorded_source(source, global_dir / MODEL_FILE, run_root, check_hashes,
-                                                 allow_unhashed, [] if notes is None else notes, digests),
+                                                 allow_unhashed, [] if notes is None else notes, digests,
+                                                 start),
                             float(source["weight"])))
         return verify_mean(sources, global_dir)
     finally:
@@ -216,7 +222,11 @@ def _audit(entry: dict[str, Any], global_dir: Path, committed: str | None, label
         if header_of(global_dir / MODEL_FILE).get("fedagent.aggregation") in OPTIMIZER_RULES:
             return _audit_optimizer(entry, global_dir, name, clients, run_root, check_hashes, tolerance,
                                     removed_by_run, summary, previous, allow_unhashed, notes, digests)
-        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes, digests)
+        start = RoundStart(previous, summary.get("base_model"), removed_by_run)
+        error = verify_round(global_dir, run_root, check_hashes, allow_unhashed, notes, digests, start)
+    except InputRemoved as exc:  # a LoRA source's base model that retention removed
+        print(f"{name}: {exc}; not checked")
+        return True
     except CheckpointError as exc:
         print(f"{name}: cannot verify: {exc}")
         return False

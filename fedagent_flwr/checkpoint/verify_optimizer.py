@@ -97,7 +97,7 @@ from safetensors import safe_open
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
-from fedagent_flwr.checkpoint.audit_sources import open_recorded_source
+from fedagent_flwr.checkpoint.audit_sources import InputRemoved, RoundStart, open_recorded_source
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
@@ -121,10 +121,6 @@ OPTIMIZER_RULES = ("fedavgm", "fedadam", "fedyogi", "fedadagrad")
 # that the audit reads what the run wrote, not what the strategy's code would compute.
 _STATE_DIR, _STATE_SHA256, _PREVIOUS = "server_optimizer", "fedagent.state_sha256", "fedagent.previous_global"
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
-
-
-class InputRemoved(Exception):
-    """An input of the round that the run's retention removed: the round is not checked."""
 
 
 @dataclass
@@ -210,8 +206,9 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
     digests = digests or AuditDigests()
     with ExitStack() as stack:
-        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes, digests)
-        x_ref = CheckpointRef.for_directory(x_dir, hasher=digests.directory_hash)
+        sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes, digests,
+                           RoundStart(expected_previous, base_model, removed_by_run))
+        x_ref = CheckpointRef.for_directory(x_dir, fmt="hf-safetensors", hasher=digests.directory_hash)
         if check_hashes:
             if not previous.get("sha256"):
                 unhashed(f"{global_dir / MODEL_FILE} records no content hash of its previous global model {x_dir}",
@@ -410,15 +407,17 @@ def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str 
 
 
 def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool, stack: ExitStack,
-             allow_unhashed: bool, notes: list[str], digests: AuditDigests) -> list[tuple[CheckpointReader, float]]:
+             allow_unhashed: bool, notes: list[str], digests: AuditDigests,
+             start: RoundStart) -> list[tuple[CheckpointReader, float]]:
     """The clients' checkpoints the header names, opened (hashes checked unless told not to; one
-    that is not recorded fails, :func:`.audit_hashes.unhashed`)."""
+    that is not recorded fails, :func:`.audit_hashes.unhashed`; a LoRA source's base must be the
+    round's starting model ``start``: :func:`.audit_sources.open_recorded_source`)."""
     if "fedagent.sources" not in header:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")
     sources = []
     for source in json.loads(header["fedagent.sources"]):
         reader = open_recorded_source(source, global_dir / MODEL_FILE, run_root, check_hashes, allow_unhashed, notes,
-                                      digests)
+                                      digests, start)
         sources.append((stack.enter_context(closing(reader)), float(source["weight"])))
     if not sources:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources")

@@ -144,7 +144,7 @@ def base_model(model_dir: Path, configured: str) -> CheckpointRef:
             "config.json); give a local model directory, a hub id, or '' for the bundled SmolLM2-135M-Instruct"
         )
     try:
-        return CheckpointRef.for_directory(model_dir, "actor")
+        return CheckpointRef.for_directory(model_dir, "actor", "hf-safetensors")  # a full model, adapter files or not
     except CheckpointError as exc:
         raise ConfigError(f"config key 'model.path' = {shown!r}: {exc}") from None
 

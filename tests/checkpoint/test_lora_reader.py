@@ -81,6 +81,23 @@ def test_adapter_reads_as_the_oracle_full_model_and_as_peft_merges_it(root: Path
         torch.testing.assert_close(merged[key].double(), oracle[key], rtol=1e-6, atol=1e-7)
 
 
+def test_an_rslora_adapter_reads_with_alpha_over_sqrt_r_as_peft_merges_it(root: Path, tmp_path: Path) -> None:
+    adapter = write_adapter(root / "global", tmp_path / "rslora", seed=5, rank=4, alpha=8.0, use_rslora=True)
+    oracle, changed = adapter_oracle(root / "global", adapter)
+    with open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path,
+                         base=CheckpointRef.for_directory(root / "global")) as reader:
+        assert reader.scale == 4.0  # 8 / sqrt(4), not 8 / 4
+        for key in changed:
+            torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(root / "global")),
+                                       str(adapter)).merge_and_unload().state_dict()
+    for key in changed:
+        torch.testing.assert_close(merged[key].double(), oracle[key], rtol=1e-6, atol=1e-7)
+
+
 def test_fedavg_of_adapters_is_the_exact_mean_of_the_full_updates(root: Path, tmp_path: Path) -> None:
     readers = [_open(root, root / f"client_{c}") for c in (0, 1)]
     with readers[0], readers[1]:
@@ -122,6 +139,56 @@ def test_format_detection_and_hash_cover_both_adapter_files(root: Path, tmp_path
         open_checkpoint(moved, root=tmp_path, base=CheckpointRef.for_directory(root / "global"))
 
 
+def test_an_adapter_is_read_only_on_the_model_it_records_it_was_trained_on(root: Path, tmp_path: Path) -> None:
+    """Same keys and shapes, another model (last round's, another run's): the factors would read as some
+    other model without complaint; the adapter's recorded base hash refuses it, naming both hashes."""
+    from testkit.lora_adapters import record_base
+
+    other = shutil.copytree(root / "global", tmp_path / "other")
+    state = load_file(str(other / "model.safetensors"))
+    state["model.norm.weight"] += 1.0
+    save_file(state, str(other / "model.safetensors"), metadata={"format": "pt"})
+    trained_on, other_hash = (CheckpointRef.for_directory(d).sha256 for d in (root / "global", other))
+    with pytest.raises(CheckpointError) as caught:
+        open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root,
+                        base=CheckpointRef.for_directory(other))
+    assert str(caught.value) == (
+        f"{root / 'client_0' / 'adapter_model.safetensors'} was trained on the model with content hash {trained_on}, "
+        f"and is read on {other}, whose content hash is {other_hash}: not the model it was trained on")
+    # a base reference without a hash (per-client validation's): the directory is hashed
+    with pytest.raises(CheckpointError, match="not the model it was trained on"):
+        open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root, base=CheckpointRef(str(other)))
+    with open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root,
+                         base=CheckpointRef(str(root / "global"))) as reader:
+        assert len(reader.targets) == 8
+    # an adapter that records no base (peft's save_pretrained alone): nothing ties it to a model
+    bare = shutil.copytree(root / "client_0", tmp_path / "bare")
+    record_base(bare, None)
+    with pytest.raises(CheckpointError, match=r"records no content hash of the model it was trained on \(safetensors "
+                       r"metadata 'fedagent\.base_sha256'\)") as caught:
+        open_checkpoint(CheckpointRef.for_directory(bare), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+    assert str(bare / "adapter_model.safetensors") in str(caught.value)
+
+
+def test_a_full_model_that_ships_an_adapter_config_is_a_full_model(root: Path, tmp_path: Path) -> None:
+    """Some Hub repositories hold the merged weights and the adapter's settings (and weights) side by side:
+    they are full models, and the server opens the base model as one whatever it holds."""
+    from fedagent_flwr.serverapp.preflight import base_model
+
+    merged = shutil.copytree(root / "global", tmp_path / "merged")
+    shutil.copy(root / "client_0" / "adapter_config.json", merged)
+    assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
+    shutil.copy(root / "client_0" / "adapter_model.safetensors", merged)
+    assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
+    assert base_model(merged, str(merged)).format == "hf-safetensors"
+    # an adapter alone stays an adapter, and is no base model
+    assert CheckpointRef.for_directory(root / "client_0").format == "peft-lora"
+    with pytest.raises(CheckpointError, match="holds no \\*.safetensors file but peft's adapter_model.safetensors: an "
+                       "adapter is not a full model"):
+        CheckpointRef.for_directory(root / "client_0", fmt="hf-safetensors")
+
+
 def test_an_adapter_without_its_base_is_refused(root: Path) -> None:
     with pytest.raises(CheckpointError, match=r"client_0 is a LoRA adapter: .* none was given"):
         open_checkpoint(CheckpointRef.for_directory(root / "client_0"), root=root)
@@ -149,6 +216,55 @@ def test_a_missing_or_foreign_adapter_key_is_refused_naming_file_and_key(
     assert str(broken / "adapter_model.safetensors") in str(caught.value)
 
 
+def _base_with(root: Path, tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """A copy of the global model whose weight file also holds ``extra``."""
+    base = shutil.copytree(root / "global", tmp_path / "base")
+    state = load_file(str(base / "model.safetensors"))
+    save_file({**state, **extra}, str(base / "model.safetensors"), metadata={"format": "pt"})
+    return base
+
+
+def _adapter_with(root: Path, tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """A copy of client 0's adapter whose file also holds ``extra``."""
+    copy = shutil.copytree(root / "client_0", tmp_path / "adapter")
+    factors = load_file(str(copy / "adapter_model.safetensors"))
+    save_file({**factors, **extra}, str(copy / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def test_a_second_pair_of_factors_for_the_same_weight_is_refused(root: Path, tmp_path: Path) -> None:
+    # the same module with and without peft's prefix: both read as model.layers.0.self_attn.q_proj.weight
+    module = "model.layers.0.self_attn.q_proj"
+    adapter = _adapter_with(root, tmp_path, {f"{module}.lora_A.weight": torch.ones(4, 64),
+                                             f"{module}.lora_B.weight": torch.ones(64, 4)})
+    with pytest.raises(CheckpointError, match=rf"both update '{module}\.weight': one pair of factors per weight"):
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+
+
+def test_an_adapter_of_a_tied_weight_is_refused(root: Path, tmp_path: Path) -> None:
+    """A tied model whose file holds the head as well as the embedding: an update of the head alone
+    would be undone (or spread to the embedding) when the model is tied again on load."""
+    embedding = load_file(str(root / "global" / "model.safetensors"))["model.embed_tokens.weight"]
+    base = _base_with(root, tmp_path, {"lm_head.weight": embedding.clone()})
+    vocab, hidden = embedding.shape
+    adapter = _adapter_with(root, tmp_path, {"base_model.model.lm_head.lora_A.weight": torch.ones(4, hidden),
+                                             "base_model.model.lm_head.lora_B.weight": torch.ones(vocab, 4)})
+    with pytest.raises(CheckpointError, match=r"updates 'lm_head\.weight', which the global model .* ties to "
+                       r"'model\.embed_tokens\.weight'") as caught:
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path, base=CheckpointRef.for_directory(base))
+    assert str(adapter / "adapter_model.safetensors") in str(caught.value)
+
+
+def test_factors_of_a_weight_that_is_not_a_matrix_are_refused(root: Path, tmp_path: Path) -> None:
+    base = _base_with(root, tmp_path, {"model.scale.weight": torch.tensor(1.0)})  # a 0-d tensor
+    adapter = _adapter_with(root, tmp_path, {"base_model.model.model.scale.lora_A.weight": torch.ones(4, 1),
+                                             "base_model.model.model.scale.lora_B.weight": torch.ones(1, 4)})
+    with pytest.raises(CheckpointError, match=r"updates 'model\.scale\.weight' \(\) of the global model, which is "
+                       "not a 2-d weight"):
+        open_checkpoint(CheckpointRef.for_directory(adapter), root=tmp_path, base=CheckpointRef.for_directory(base))
+
+
 def test_factors_of_another_shape_are_refused(root: Path, tmp_path: Path) -> None:
     # an adapter of rank 4 whose config says rank 2: the factors do not fit the rank
     copy = tmp_path / "rank"
@@ -169,17 +285,35 @@ def test_factors_of_another_shape_are_refused(root: Path, tmp_path: Path) -> Non
                         base=CheckpointRef.for_directory(root / "global"))
 
 
-@pytest.mark.parametrize(("setting", "value"), [("use_dora", True), ("fan_in_fan_out", True),
-                                                 ("modules_to_save", ["lm_head"]), ("peft_type", "IA3")])
+@pytest.mark.parametrize(("setting", "value"), [
+    ("use_dora", True), ("fan_in_fan_out", True), ("modules_to_save", ["lm_head"]), ("peft_type", "IA3"),
+    # initialisations that rewrite the base weight when the adapter is made (the model is W - s B0 A0 + s B A)
+    ("init_lora_weights", "pissa"), ("init_lora_weights", "pissa_niter_4"), ("init_lora_weights", "olora"),
+    ("init_lora_weights", "corda"), ("init_lora_weights", "loftq"), ("init_lora_weights", "lora_ga"),
+    # an adapter applied only from its invocation tokens on (aLoRA), or routed between experts (Arrow)
+    ("alora_invocation_tokens", [50, 51]), ("arrow_config", {"top_k": 2}),
+])
 def test_adapter_settings_the_reader_cannot_honour_are_refused(root: Path, tmp_path: Path, setting: str,
                                                                 value: object) -> None:
     copy = tmp_path / "settings"
     shutil.copytree(root / "client_0", copy)
     settings = json.loads((copy / "adapter_config.json").read_text())
     (copy / "adapter_config.json").write_text(json.dumps({**settings, setting: value}))
-    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? "):
+    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: '?{setting}'? ") as caught:
         open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
                         base=CheckpointRef.for_directory(root / "global"))
+    assert str(copy / "adapter_config.json") in str(caught.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_initialisations_that_leave_the_base_weight_alone_are_read(root: Path, tmp_path: Path, init: object) -> None:
+    copy = tmp_path / "init"
+    shutil.copytree(root / "client_0", copy)
+    settings = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**settings, "init_lora_weights": init}))
+    with open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
+                         base=CheckpointRef.for_directory(root / "global")) as reader:
+        assert isinstance(reader, LoraAdapterReader) and len(reader.targets) == 8
 
 
 def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
@@ -204,12 +338,14 @@ def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
             reader.verify_content()
 
 
-def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(root: Path, tmp_path: Path) -> None:
+def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
-    format and opens with its digests taken from the store's receipt."""
+    format and opens with its digests taken from the store's receipt: none of its bytes is hashed again,
+    and both files are watched for a change while they are read."""
     from fedagent_flwr.checkpoint.http_server import HttpServerStore
     from fedagent_flwr.checkpoint.store import StorageSettings
-    from testkit.store_harness import RUN, node
+    from testkit.store_harness import RUN, HashCounter, node
 
     (tmp_path / "run").mkdir()
     with HttpServerStore(StorageSettings(kind="http"), tmp_path / "run", RUN) as store:
@@ -220,8 +356,12 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(ro
         assert ref.format == "peft-lora" and sorted(p.name for p in Path(ref.path).iterdir()) == sorted(
             p.name for p in (root / "client_0").iterdir())
         oracle, changed = adapter_oracle(root / "global", root / "client_0")
+        base = CheckpointRef.for_directory(root / "global")
+        hashed = HashCounter().install(monkeypatch)
         with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=store.receipt_check(),
-                             base=CheckpointRef.for_directory(root / "global")) as reader:
+                             base=base) as reader:
+            assert hashed.bytes < 1024, hashed.bytes  # the combining step only (name, size, digest per file)
+            assert {"adapter_config.json", "adapter_model.safetensors"} <= set(reader._watched)  # (peft's card too)
             for key in changed:
                 torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
             reader.verify_content()

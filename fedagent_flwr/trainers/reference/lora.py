@@ -6,33 +6,40 @@ it), attaches a new peft LoRA adapter to the attention projections (``model.lora
 trains only the adapter and writes peft's two adapter files as its checkpoint::
 
     <step_dir>/actor/
-        adapter_model.safetensors   the factors, peft's key names (base_model.model.<module>.lora_A.weight)
+        adapter_model.safetensors   the factors, peft's key names (base_model.model.<module>.lora_A.weight);
+                                    its metadata names the start model's content hash (fedagent.base_sha256)
         adapter_config.json         r, lora_alpha, target_modules, lora_dropout, ...
 
 The server reads it as the global model plus ``(alpha / r) B @ A``
-(:mod:`fedagent_flwr.checkpoint.lora_reader`). ``A`` starts as peft draws it (Kaiming-uniform),
+(:mod:`fedagent_flwr.checkpoint.lora_reader`), and only on the model whose content hash the adapter
+records: the factors mean that update of that model alone. ``A`` starts as peft draws it (Kaiming-uniform),
 from a generator of its own seeded by the run's seed, the round and the client (sha256, never
 Python's salted ``hash()``); ``B`` starts at zero, so the adapted model starts as the global model.
 
 peft's ``get_peft_model`` adds the adapter to the model object in place: the GRPO code goes on
 training that same Hugging Face model (``model.base_model``, ``get_output_embeddings()``), whose
-only trainable parameters are now the factors.
+only trainable parameters are now the factors. :func:`fresh_adapter` takes the adapter out again
+afterwards (peft's ``unload``: the original layers put back, nothing merged) and restores the
+parameters' ``requires_grad``, so a persistent session trains the next round on its live model,
+without a copy of it per round.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import temporary_dir
-from fedagent_flwr.checkpoint.ref import ADAPTER_WEIGHTS
+from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_SHA256, ADAPTER_WEIGHTS
 from fedagent_flwr.schema.lora import Lora
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.seeds import derive_seed
 
-__all__ = ["adapter_seed", "attach_adapter", "write_adapter_checkpoint"]
+__all__ = ["adapter_seed", "attach_adapter", "fresh_adapter", "write_adapter_checkpoint"]
 
 
 def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
@@ -44,8 +51,9 @@ def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
 def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
     """Attach a fresh LoRA adapter to ``model`` in place and return peft's wrapper of it.
 
-    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state, so the
-    caller's random streams (sampling, dropout) are the same as without the adapter; ``B`` is zero.
+    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state (the CPU's
+    and every CUDA device's, which ``manual_seed`` reseeds as well), so the caller's random streams
+    (sampling, dropout) are the same as without the adapter; ``B`` is zero.
     A target that matches no module is an InputError naming ``model.lora.target_modules`` (the
     server checks the base model at start; a job file written by hand is checked here).
     """
@@ -54,7 +62,8 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
 
     config = LoraConfig(task_type="CAUSAL_LM", r=settings.rank, lora_alpha=settings.alpha,
                         target_modules=list(settings.target_modules), lora_dropout=settings.dropout)
-    with torch.random.fork_rng(devices=[]):
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config)
@@ -63,13 +72,31 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
             raise InputError(f"model.lora.target_modules = {list(settings.target_modules)}: {first}") from None
 
 
-def write_adapter_checkpoint(peft_model: Any, step_dir: Path) -> Path:
+@contextmanager
+def fresh_adapter(model: Any, settings: Lora, seed: int) -> Iterator[Any]:
+    """:func:`attach_adapter` for the ``with`` block, then the adapter taken out of ``model`` again,
+    unmerged (peft's ``unload``), and every parameter's ``requires_grad`` as it was: ``model`` is
+    left as it was found, whatever the block raised (its weights untouched: only the factors train)."""
+    flags = [param.requires_grad for param in model.parameters()]
+    peft_model = attach_adapter(model, settings, seed)
+    try:
+        yield peft_model
+    finally:
+        peft_model.unload()  # puts the original layers back (and drops peft's config from the model)
+        for param, flag in zip(model.parameters(), flags, strict=True):
+            param.requires_grad_(flag)
+
+
+def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) -> Path:
     """Write ``step_dir/actor`` holding only the adapter (peft's files); return the actor dir.
 
     The factors go through peft's own ``get_peft_model_state_dict`` (its key names, the adapter's
     name dropped) and the settings through ``LoraConfig.save_pretrained``; peft's model card is
-    not written (it is no part of the checkpoint). Written into a temporary sibling and renamed, so
-    a reader never sees a partial checkpoint.
+    not written (it is no part of the checkpoint). ``base_sha256``, the content hash of the model
+    the adapter was trained on, goes into the factors' safetensors metadata
+    (:data:`~fedagent_flwr.checkpoint.ref.ADAPTER_BASE_SHA256`, covered by the adapter's own content
+    hash): the server reads the adapter on that model only. Written into a temporary sibling and
+    renamed, so a reader never sees a partial checkpoint.
     """
     import torch
     from peft import get_peft_model_state_dict
@@ -82,7 +109,7 @@ def write_adapter_checkpoint(peft_model: Any, step_dir: Path) -> Path:
         actor.mkdir()
         factors = {key: value.detach().to(torch.float32).contiguous()
                    for key, value in get_peft_model_state_dict(peft_model).items()}
-        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt", ADAPTER_BASE_SHA256: base_sha256})
         peft_model.peft_config["default"].save_pretrained(str(actor))
         if step_dir.exists():
             shutil.rmtree(step_dir)

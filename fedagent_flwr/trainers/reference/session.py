@@ -97,10 +97,11 @@ class ReferenceSession:
         from fedagent_flwr.trainers.common import optimizer_state
 
         if cfg.lora.rank > 0:
-            # A fresh adapter goes onto a copy, so the live model keeps the global model's layout for the next
-            # load; its optimiser (over the adapter alone) is made after it is attached. keep is refused with LoRA.
+            # A fresh adapter goes onto the live model and comes off again, unmerged, when train_loaded ends
+            # (lora.fresh_adapter), so the model keeps the global model's layout for the next load; its
+            # optimiser (over the adapter alone) is made after it is attached. keep is refused with LoRA.
             self.kept = self.kept_from = None
-            return rt.train_loaded(job, spec, cfg, rules, copy.deepcopy(model), tokenizer, started)
+            return rt.train_loaded(job, spec, cfg, rules, model, tokenizer, started, model_path=model_path)
         optimizer = rt.make_optimizer(model, cfg)
         if cfg.optimizer_state != "keep":
             self.kept = self.kept_from = None  # a later keep round must not revive a state from before this one

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
 from fedagent_flwr.clientapp.job import EvalJob, EvalResult, TrainJob, TrainResult, save
 from fedagent_flwr.envs.spec import EnvSpec
 from fedagent_flwr.progress import StepProgress, report_step
@@ -27,7 +28,7 @@ from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
 from fedagent_flwr.trainers.reference.checkpoint import write_fsdp_checkpoint
 from fedagent_flwr.trainers.reference.config import GRPOConfig
 from fedagent_flwr.trainers.reference.grpo import TokenSample, grpo_advantages, grpo_update, windowed_samples
-from fedagent_flwr.trainers.reference.lora import adapter_seed, attach_adapter, write_adapter_checkpoint
+from fedagent_flwr.trainers.reference.lora import adapter_seed, fresh_adapter, write_adapter_checkpoint
 
 PROG = "reference_trainer"
 TRAIN_RESULT = "train_result.json"
@@ -70,7 +71,7 @@ def train(job: TrainJob) -> TrainResult:
     # stalled (the ClientApp's fallback; the server refuses keep with trainer.mode=subprocess): it
     # trains from a new AdamW and says so.
     fresh = {"optimizer_state_kept": 0.0} if cfg.optimizer_state == "keep" else None
-    return train_loaded(job, spec, cfg, rules, model, tokenizer, started, extra_metrics=fresh)
+    return train_loaded(job, spec, cfg, rules, model, tokenizer, started, extra_metrics=fresh, model_path=model_path)
 
 
 def make_optimizer(model: Any, cfg: GRPOConfig) -> Any:
@@ -84,21 +85,36 @@ def make_optimizer(model: Any, cfg: GRPOConfig) -> Any:
 
 def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any,
                  tokenizer: Any, started: float, optimizer: Any = None,
-                 extra_metrics: dict[str, float] | None = None) -> TrainResult:
+                 extra_metrics: dict[str, float] | None = None, model_path: Path | None = None) -> TrainResult:
     """Train ``model`` (the job's starting weights, loaded) in place; the rest of :func:`train`.
 
     Seeded here, after loading, so a fresh process and a persistent session that only reloaded
     the weights train bit-identically. ``optimizer``: :func:`make_optimizer`'s (a new one when
     None); ``extra_metrics`` join the result's metrics. With ``model.lora`` a fresh adapter is
-    attached to ``model`` first (:mod:`.lora`) and only it is trained and written.
+    attached to ``model`` first (:mod:`.lora`) and only it is trained and written, with the
+    content hash of ``model_path`` (the directory ``model`` was loaded from; None: the job's
+    ``model_path``) as the model it was trained on; the adapter is taken out again (unmerged)
+    before this returns or raises, so ``model`` keeps its weights and layout (a persistent
+    session's live model loads the next round's weights without a copy per round).
     """
-    import torch
-
-    adapter = None
     if cfg.lora.rank > 0:  # federated LoRA: train a fresh adapter on the global model, save only it
         if optimizer is not None:  # it would hold the full model's parameters, not the adapter's
             raise ValueError("with model.lora the optimiser is made after the adapter is attached: pass none")
-        adapter = attach_adapter(model, cfg.lora, adapter_seed(job.base_seed, job.round, job.client_id))
+        # the server reads the adapter on this model only (checkpoint.lora_reader); hashed before training
+        base_sha256 = hash_checkpoint_dir(model_path or Path(job.model_path))
+        with fresh_adapter(model, cfg.lora, adapter_seed(job.base_seed, job.round, job.client_id)) as adapter:
+            return _train(job, spec, cfg, rules, model, tokenizer, started, None, extra_metrics, (adapter, base_sha256))
+    return _train(job, spec, cfg, rules, model, tokenizer, started, optimizer, extra_metrics, None)
+
+
+def _train(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain, model: Any, tokenizer: Any,
+           started: float, optimizer: Any, extra_metrics: dict[str, float] | None,
+           lora: tuple[Any, str] | None) -> TrainResult:
+    """:func:`train_loaded`'s seeding, GRPO steps and result; ``lora``: the attached adapter (peft's
+    wrapper of ``model``) and the start model's content hash, to write the adapter alone."""
+    import torch
+
+    adapter, base_sha256 = lora if lora is not None else (None, "")
     seed_everything(job.data_seed)
     compute_dtype = cfg.torch_compute_dtype()
     # Sampling uses a copy in the compute dtype, refreshed after every update (like verl syncing
@@ -169,7 +185,7 @@ def train_loaded(job: TrainJob, spec: EnvSpec, cfg: GRPOConfig, rules: RuleChain
     check_turns_fit(all_episodes, cfg.max_new_tokens, cfg.max_model_len, "trainer.max_model_len")
     output_dir = Path(job.output_dir)
     step_dir = output_dir / "checkpoints" / f"global_step_{total_steps}"
-    actor_dir = (write_adapter_checkpoint(adapter, step_dir) if adapter is not None
+    actor_dir = (write_adapter_checkpoint(adapter, step_dir, base_sha256) if adapter is not None
                  else write_fsdp_checkpoint(model, tokenizer, step_dir))
     metrics = episode_metrics(all_episodes)
     metrics.update(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
@@ -52,6 +53,9 @@ def test_a_client_round_writes_only_the_adapter_and_the_server_reads_it_as_a_ful
     assert sorted(settings["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     factors = load_file(str(actor / "adapter_model.safetensors"))
     assert set(factors) == FACTORS and all(v.dtype == torch.float32 for v in factors.values())
+    # the model it was trained on, by content hash: the server reads the adapter on that model only
+    with safe_open(str(actor / "adapter_model.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["fedagent.base_sha256"] == CheckpointRef.for_directory(tiny_model_dir).sha256
     assert all(factors[k].abs().max() > 0 for k in FACTORS if "lora_B" in k)  # training moved B off zero
     # a few percent of the full model's bytes (the tiny model is mostly its 49k-token embedding)
     ratio = (actor / "adapter_model.safetensors").stat().st_size / (tiny_model_dir / "model.safetensors").stat().st_size
@@ -90,6 +94,52 @@ def test_the_fresh_adapter_is_seeded_by_run_round_and_client_without_touching_ot
             assert not torch.equal(first[name], other[name])
 
 
+def test_the_fresh_adapter_forks_every_cuda_generator_it_reseeds(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """manual_seed reseeds the CUDA generators too: a machine with GPUs must get their states back as well
+    (the fork is faked here, on a machine that may have none, and the devices it was given recorded)."""
+    from transformers import AutoModelForCausalLM
+
+    forked: list[list[int]] = []
+    real_fork = torch.random.fork_rng
+
+    def fork(devices: list[int] | None = None, **kwargs: object) -> object:
+        forked.append(list(devices or []))
+        return real_fork(devices=[], **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)  # no CUDA here to seed
+    monkeypatch.setattr(torch.random, "fork_rng", fork)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    attach_adapter(model, Lora(**LORA), 7)  # type: ignore[arg-type]
+    assert forked == [[0, 1]]
+
+
+def test_the_adapter_comes_off_unmerged_leaving_the_model_as_it_was(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from fedagent_flwr.trainers.reference.lora import fresh_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    layout = [(name, type(module)) for name, module in model.named_modules()]
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    model.lm_head.weight.requires_grad_(False)  # whatever the flags were, they come back
+    flags = [p.requires_grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="mid-round"), fresh_adapter(model, Lora(**LORA), 3) as peft_model:  # type: ignore[arg-type]
+        assert peft_model.base_model.model is model and any("lora_A" in n for n, _ in model.named_parameters())
+        with torch.no_grad():  # what training does to the factors; B != 0 would show in a merge
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.fill_(0.5)
+        raise RuntimeError("a job that fails mid-round")
+    assert [(name, type(module)) for name, module in model.named_modules()] == layout
+    assert not hasattr(model, "peft_config")
+    assert [p.requires_grad for p in model.parameters()] == flags
+    state = model.state_dict()
+    assert set(state) == set(weights) and all(torch.equal(state[k], weights[k]) for k in weights)  # not merged
+
+
 def test_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = _trainer()
     trainer["lora"]["target_modules"] = ["nope_proj"]
@@ -100,19 +150,38 @@ def test_a_target_that_matches_nothing_exits_2_naming_the_key(tmp_path: Path, ti
 
 
 def test_the_persistent_session_trains_the_same_adapter_and_keeps_its_model_plain(
-        trained: tuple[Path, TrainResult], tiny_model_dir: Path, smollm2_tokenizer_dir: Path, tmp_path: Path) -> None:
+        trained: tuple[Path, TrainResult], tiny_model_dir: Path, smollm2_tokenizer_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedagent_flwr.trainers.reference import lora
+
     _, subprocess_result = trained
     job = load(TrainJob, train_job(tmp_path, tiny_model_dir, "s", trainer=_trainer()))
     session = ReferenceSession()
+    onto_live_model: list[bool] = []
+    attach = lora.attach_adapter
+
+    def spy(model: object, settings: Lora, seed: int) -> object:
+        onto_live_model.append(model is session.cache.model)
+        return attach(model, settings, seed)
+
+    monkeypatch.setattr(lora, "attach_adapter", spy)
     result = session.train(job)
+    assert onto_live_model == [True]  # no copy of the whole model per round
     expected = load_file(str(Path(subprocess_result.actor_dir) / "adapter_model.safetensors"))
     got = load_file(str(Path(result.actor_dir) / "adapter_model.safetensors"))
     assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
     # the live model holds no adapter layers: the next round's global model loads into it by weights alone
     assert not [k for k in session.cache.model.state_dict() if "lora_" in k or "base_layer" in k]
+    assert all(p.requires_grad for p in session.cache.model.parameters())  # as loaded
     global2 = make_tiny_model(tmp_path / "global2", seed=1, tokenizer_dir=smollm2_tokenizer_dir)
     second = session.train(load(TrainJob, train_job(tmp_path, global2, "s2", trainer=_trainer(), round=2)))
     assert session.cache.reloads == 1 and second.actor_format == "peft-lora"
+    # the live model that carried round 1's adapter trains round 2's as a fresh process does, bit for bit
+    proc = run_trainer("train", train_job(tmp_path, global2, "p2", trainer=_trainer(), round=2))
+    assert proc.returncode == 0, proc.stderr
+    fresh = load_file(str(tmp_path / "p2" / "checkpoints" / "global_step_1" / "actor" / "adapter_model.safetensors"))
+    got = load_file(str(Path(second.actor_dir) / "adapter_model.safetensors"))
+    assert set(got) == set(fresh) and all(torch.equal(got[k], fresh[k]) for k in fresh)
 
 
 def test_per_client_validation_scores_the_adapter_merged_onto_the_model_it_was_trained_on(
