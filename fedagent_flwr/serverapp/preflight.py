@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.ref import ADAPTER_CONFIG
 from fedagent_flwr.config import ConfigError, RunSettings
 from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
 from fedagent_flwr.envs.registry import UnknownEnvError, get_env_class
@@ -143,8 +144,13 @@ def base_model(model_dir: Path, configured: str) -> CheckpointRef:
             f"config key 'model.path' = {shown!r}: {model_dir} is not a Hugging Face model directory (no "
             "config.json); give a local model directory, a hub id, or '' for the bundled SmolLM2-135M-Instruct"
         )
+    if (model_dir / ADAPTER_CONFIG).is_file():  # with peft installed, transformers would load that adapter
+        raise ConfigError(  # on every client's model, while the server reads the weights alone
+            f"config key 'model.path' = {shown!r}: {model_dir} holds {ADAPTER_CONFIG}, so the clients' trainers would "
+            "load that adapter on top of the weights while the server aggregates the weights alone; merge the adapter "
+            "into the model (peft's merge_and_unload, then save_pretrained) or point model.path at the plain model")
     try:
-        return CheckpointRef.for_directory(model_dir, "actor", "hf-safetensors")  # a full model, adapter files or not
+        return CheckpointRef.for_directory(model_dir, "actor", "hf-safetensors")
     except CheckpointError as exc:
         raise ConfigError(f"config key 'model.path' = {shown!r}: {exc}") from None
 

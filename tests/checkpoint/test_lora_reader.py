@@ -173,7 +173,10 @@ def test_an_adapter_is_read_only_on_the_model_it_records_it_was_trained_on(root:
 
 def test_a_full_model_that_ships_an_adapter_config_is_a_full_model(root: Path, tmp_path: Path) -> None:
     """Some Hub repositories hold the merged weights and the adapter's settings (and weights) side by side:
-    they are full models, and the server opens the base model as one whatever it holds."""
+    they are full models to the store. As a run's base model such a directory is refused: with peft
+    installed, transformers' from_pretrained would load the adapter on top on every client while the
+    server aggregates the weights alone."""
+    from fedagent_flwr.config import ConfigError
     from fedagent_flwr.serverapp.preflight import base_model
 
     merged = shutil.copytree(root / "global", tmp_path / "merged")
@@ -181,7 +184,11 @@ def test_a_full_model_that_ships_an_adapter_config_is_a_full_model(root: Path, t
     assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
     shutil.copy(root / "client_0" / "adapter_model.safetensors", merged)
     assert CheckpointRef.for_directory(merged).format == "hf-safetensors"
-    assert base_model(merged, str(merged)).format == "hf-safetensors"
+    assert CheckpointRef.for_directory(merged, fmt="hf-safetensors").sha256
+    with pytest.raises(ConfigError, match=r"^config key 'model.path' = .*merged holds adapter_config.json, so the "
+                       r"clients' trainers would load that adapter"):
+        base_model(merged, str(merged))
+    assert base_model(root / "global", str(root / "global")).format == "hf-safetensors"
     # an adapter alone stays an adapter, and is no base model
     assert CheckpointRef.for_directory(root / "client_0").format == "peft-lora"
     with pytest.raises(CheckpointError, match="holds no \\*.safetensors file but peft's adapter_model.safetensors: an "
