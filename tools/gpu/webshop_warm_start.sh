@@ -15,7 +15,7 @@
 #                              tokens are tens of GB; recomputed in the backward pass instead (~1/3 more
 #                              compute), so the warm start leaves room for GPU work beside it
 #   ATTENTION=auto             --attention: the SDPA kernels to train with; auto lets torch pick cuDNN's on an
-#                              H100, whose backward is not deterministic; math or efficient pin one
+#                              H100, whose backward is not deterministic; math pins the deterministic one
 #   MAX_GPU_MEM_FRACTION=      unset: no cap; F: --max-gpu-memory-fraction F, the process's share of the
 #                              card (it then stops with its own out-of-memory line, not its neighbours)
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)

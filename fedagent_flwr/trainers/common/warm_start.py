@@ -26,7 +26,7 @@ deterministic only with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``) set b
 starts, kernels without a deterministic version only warn, and another GPU model, driver, CUDA or
 torch version may pick other kernels (bf16 autocast makes such differences visible). ``--attention
 auto`` lets torch pick cuDNN's attention on an H100, whose backward is not deterministic (two warm
-starts from one data file: last step loss 0.0122 and 0.0164); ``math`` or ``efficient`` pins it.
+starts from one data file: last step loss 0.0122 and 0.0164); ``math`` pins the deterministic one.
 
 The output directory is written under a temporary name, its files and itself fsynced, and renamed
 into place; the weights in fp32 unless ``--save-dtype bfloat16`` (half the bytes, each weight rounded
@@ -374,7 +374,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "with its own out-of-memory error instead of starving its neighbours; CUDA only")
     parser.add_argument("--attention", choices=tuple(ATTENTION_KERNELS), default="auto",
                         help="SDPA kernels to train with: auto (torch's pick; on CUDA maybe cuDNN's, whose backward "
-                             "is not deterministic), math (reference, more memory) or efficient (CUDA only)")
+                             "is not deterministic), math (reference, deterministic) or efficient (CUDA; not so)")
     parser.add_argument("--chat-template-kwargs", default="{}", metavar="JSON", help="the run's "
                         "model.chat_template_kwargs (e.g. '{\"enable_thinking\": false}'): render as the run does")
     args = parser.parse_args(argv)
