@@ -26,18 +26,16 @@ without a copy of it per round.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import temporary_dir
 from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_SHA256, ADAPTER_WEIGHTS
 from fedagent_flwr.schema.lora import Lora
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.seeds import derive_seed
+from fedagent_flwr.trainers.reference.checkpoint import write_actor_dir
 
 __all__ = ["adapter_seed", "attach_adapter", "fresh_adapter", "write_adapter_checkpoint"]
 
@@ -51,9 +49,11 @@ def adapter_seed(base_seed: int, server_round: int, client_id: int) -> int:
 def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
     """Attach a fresh LoRA adapter to ``model`` in place and return peft's wrapper of it.
 
-    ``A`` is drawn from torch's generator seeded with ``seed`` inside a forked RNG state (the CPU's
-    and every CUDA device's, which ``manual_seed`` reseeds as well), so the caller's random streams
-    (sampling, dropout) are the same as without the adapter; ``B`` is zero.
+    ``A`` is drawn from torch's CPU generator seeded with ``seed`` inside a forked CPU RNG state
+    (peft builds and initialises the factors on the CPU), so the caller's random streams (sampling,
+    dropout) are the same as without the adapter; ``B`` is zero. Only the CPU generator is seeded
+    (not ``manual_seed``, which reseeds every CUDA device too): this trainer runs on the CPU, and
+    touching the CUDA generators would start CUDA in every trainer process of a GPU node.
     A target that matches no module is an InputError naming ``model.lora.target_modules`` (the
     server checks the base model at start; a job file written by hand is checked here).
     """
@@ -62,9 +62,8 @@ def attach_adapter(model: Any, settings: Lora, seed: int) -> Any:
 
     config = LoraConfig(task_type="CAUSAL_LM", r=settings.rank, lora_alpha=settings.alpha,
                         target_modules=list(settings.target_modules), lora_dropout=settings.dropout)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
         try:
             return get_peft_model(model, config)
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
@@ -95,25 +94,17 @@ def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) 
     not written (it is no part of the checkpoint). ``base_sha256``, the content hash of the model
     the adapter was trained on, goes into the factors' safetensors metadata
     (:data:`~fedagent_flwr.checkpoint.ref.ADAPTER_BASE_SHA256`, covered by the adapter's own content
-    hash): the server reads the adapter on that model only. Written into a temporary sibling and
-    renamed, so a reader never sees a partial checkpoint.
+    hash): the server reads the adapter on that model only. Written as the full model's checkpoint
+    is (:func:`~.checkpoint.write_actor_dir`).
     """
     import torch
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    step_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = temporary_dir(step_dir.parent, f".{step_dir.name}.tmp-")
-    try:
-        actor = staging / "actor"
-        actor.mkdir()
+    def fill(actor: Path) -> None:
         factors = {key: value.detach().to(torch.float32).contiguous()
                    for key, value in get_peft_model_state_dict(peft_model).items()}
         save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt", ADAPTER_BASE_SHA256: base_sha256})
         peft_model.peft_config["default"].save_pretrained(str(actor))
-        if step_dir.exists():
-            shutil.rmtree(step_dir)
-        os.replace(staging, step_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return step_dir / "actor"
+
+    return write_actor_dir(step_dir, fill)
