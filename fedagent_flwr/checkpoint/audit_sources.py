@@ -33,7 +33,7 @@ from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointFormat, CheckpointRef
 
-__all__ = ["InputRemoved", "RoundStart", "open_recorded_source"]
+__all__ = ["InputRemoved", "RoundStart", "open_recorded_source", "same_path", "trusted_global_dir"]
 
 
 class InputRemoved(Exception):
@@ -74,16 +74,13 @@ def open_recorded_source(source: dict[str, Any], header_file: Path, run_root: Pa
         if not source.get("base"):
             raise CheckpointError(f"{header_file} records no base model of its LoRA source {source['path']}")
         base_dir = Path(source["base"])
-        inside = base_dir.resolve().is_relative_to(run_root.resolve())
-        if start is not None:
-            _check_start(source, base_dir, inside, header_file, run_root, start, check_hashes)
-        if not base_dir.is_dir():
-            # retention removes only global models inside the run (never the run's base model)
-            if start is not None and inside and start.removed_by_run(base_dir):
-                raise InputRemoved(f"the base model {base_dir} of its LoRA source {source['path']} removed by the "
-                                   "run (storage.keep_last_k)")
-            raise CheckpointError(f"the base model {base_dir} of the LoRA source {source['path']} is missing (no "
-                                  "removal by the run accounts for it)")
+        what = f"the base model {base_dir} of the LoRA source {source['path']}"
+        if start is None:
+            if not base_dir.is_dir():
+                raise CheckpointError(f"{what} is missing (no removal by the run accounts for it)")
+        else:
+            trusted_global_dir(base_dir, what, run_root, start.base_model, start.removed_by_run)
+            _check_start(source, base_dir, header_file, start, check_hashes)
         base = _recorded(source["base"], source.get("base_sha256"), f"the base model of its LoRA source "
                          f"{source['path']}:", header_file, check_hashes, allow_unhashed, notes, digests,
                          "hf-safetensors")
@@ -96,17 +93,14 @@ def open_recorded_source(source: dict[str, Any], header_file: Path, run_root: Pa
     return open_checkpoint(ref, root=run_root, receipts=digests, base=base)
 
 
-def _check_start(source: dict[str, Any], base_dir: Path, inside: bool, header_file: Path, run_root: Path,
-                 start: RoundStart, check_hashes: bool) -> None:
-    """CheckpointError unless the header's base of a LoRA source may be opened (inside the run or the
-    run's base model) and is the round's starting model with the hash the run record committed."""
-    if not inside and not _same(base_dir, start.base_model):
-        raise CheckpointError(f"the base model {base_dir} of the LoRA source {source['path']} is neither inside the "
-                              f"run {run_root} nor its base model {start.base_model}: not opened")
+def _check_start(source: dict[str, Any], base_dir: Path, header_file: Path, start: RoundStart,
+                 check_hashes: bool) -> None:
+    """CheckpointError unless the header's base of a LoRA source is the round's starting model with
+    the hash the run record committed."""
     if start.expected is None:
         return
     path, committed = start.expected
-    if not _same(base_dir, path):
+    if not same_path(base_dir, path):
         raise CheckpointError(f"{header_file} reads its LoRA source {source['path']} on {base_dir}, but the run "
                               f"record's starting model of the round is {path}")
     recorded = source.get("base_sha256")
@@ -116,7 +110,26 @@ def _check_start(source: dict[str, Any], base_dir: Path, inside: bool, header_fi
                               f"{committed[:12]}... for it")
 
 
-def _same(path: Path, other: str | None) -> bool:
+def trusted_global_dir(path: Path, what: str, run_root: Path, base_model: str | None,
+                       removed_by_run: Callable[[Path], bool]) -> Path:
+    """``path``, a global model the audit is to open (``what`` names it in errors), if it may be
+    opened: inside the run, or the run's base model (CheckpointError otherwise: not followed).
+    One that is gone is InputRemoved only where ``removed_by_run`` says the run removed it
+    (retention removes global models inside the run only, never the base model); CheckpointError
+    otherwise. Shared by a LoRA source's base and a server optimiser's previous global model."""
+    inside = path.resolve().is_relative_to(run_root.resolve())
+    if not inside and not same_path(path, base_model):
+        raise CheckpointError(f"{what} is neither inside the run {run_root} nor its base model {base_model}: "
+                              "not opened")
+    if not path.is_dir():
+        if inside and removed_by_run(path):
+            raise InputRemoved(f"{what} removed by the run (storage.keep_last_k)")
+        raise CheckpointError(f"{what} is missing (no removal by the run accounts for it)")
+    return path
+
+
+def same_path(path: Path, other: str | None) -> bool:
+    """Whether ``path`` and ``other`` (None: never) name one directory once resolved."""
     return other is not None and path.resolve() == Path(other).resolve()
 
 

@@ -97,7 +97,13 @@ from safetensors import safe_open
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
-from fedagent_flwr.checkpoint.audit_sources import InputRemoved, RoundStart, open_recorded_source
+from fedagent_flwr.checkpoint.audit_sources import (
+    InputRemoved,
+    RoundStart,
+    open_recorded_source,
+    same_path,
+    trusted_global_dir,
+)
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
@@ -203,7 +209,8 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
     expected_buffers = buffers_of(rule, settings)
     if buffers != expected_buffers:
         audit.problems.append(f"it records buffers {buffers}, its settings keep {expected_buffers}")
-    x_dir = _trusted_previous(previous, run_root, base_model, removed_by_run)
+    x_dir = trusted_global_dir(Path(previous["path"]), f"previous global model {previous['path']}", run_root,
+                               base_model, removed_by_run)
     digests = digests or AuditDigests()
     with ExitStack() as stack:
         sources = _sources(header, global_dir, run_root, check_hashes, stack, allow_unhashed, audit.notes, digests,
@@ -216,10 +223,10 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
             elif x_ref.sha256 != previous["sha256"]:
                 raise CheckpointError(f"previous global model {x_dir} changed since round {server_round} stepped "
                                       "from it (hash differs)")
-            if _same(x_dir, base_model) and not base_model_sha256:
+            if same_path(x_dir, base_model) and not base_model_sha256:
                 unhashed("the run record has no base_model_sha256 of the base model this round stepped from",
                          allow_unhashed, audit.notes)
-            elif _same(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
+            elif same_path(x_dir, base_model) and x_ref.sha256 != base_model_sha256:
                 raise CheckpointError(f"previous global model {x_dir} is not the run's base model (its hash differs "
                                       "from the run record's base_model_sha256)")
         hashing = _Hashing(check_hashes, allow_unhashed, removed_by_run, digests)
@@ -372,7 +379,7 @@ def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], act
     record's hash of that aggregate must be there (:func:`.audit_hashes.unhashed`; the base model's
     is the caller's check)."""
     path, sha256 = expected
-    if not _same(Path(previous["path"]), path):
+    if not same_path(Path(previous["path"]), path):
         raise CheckpointError(f"{global_dir / MODEL_FILE} steps from {previous['path']}, but the run record's "
                               f"previous global model is {path}")
     if hashing.compare and sha256 and actual != sha256:
@@ -380,30 +387,9 @@ def _check_chain(previous: dict[str, Any], expected: tuple[str, str | None], act
         when = " and before this round stepped from it" if previous.get("sha256") else ""
         raise CheckpointError(f"previous global model {path} has content hash {actual[:12]}..., the run record "
                               f"committed {sha256[:12]}... for it: it was replaced after its commit{when}")
-    if hashing.compare and not sha256 and not _same(Path(path), base_model):
+    if hashing.compare and not sha256 and not same_path(Path(path), base_model):
         unhashed(f"the run record has no content hash of {path} (the commit of the model this round stepped from)",
                  hashing.allow_unhashed, notes)
-
-
-def _same(path: Path, other: str | None) -> bool:
-    return other is not None and path.resolve() == Path(other).resolve()
-
-
-def _trusted_previous(previous: dict[str, Any], run_root: Path, base_model: str | None,
-                      removed_by_run: Callable[[Path], bool]) -> Path:
-    """The previous global model's directory, if the audit may open it (module docstring, "What is
-    trusted"): inside the run, or the run's base model. InputRemoved only where the run record says
-    its retention removed it (it never removes the base model); CheckpointError otherwise."""
-    x_dir = Path(previous["path"])
-    inside = x_dir.resolve().is_relative_to(run_root.resolve())
-    if not inside and not _same(x_dir, base_model):
-        raise CheckpointError(f"previous global model {x_dir} is neither inside the run {run_root} nor its base model "
-                              f"{base_model}: not opened")
-    if not x_dir.is_dir():
-        if inside and removed_by_run(x_dir):
-            raise InputRemoved(f"previous global model {x_dir} removed by the run (storage.keep_last_k)")
-        raise CheckpointError(f"previous global model {x_dir} is missing")
-    return x_dir
 
 
 def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_hashes: bool, stack: ExitStack,

@@ -104,7 +104,7 @@ def test_a_lora_round_whose_base_the_run_removed_is_not_checked_and_one_deleted_
     assert verify([str(run_root)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "round 1: global model removed by the run (storage.keep_last_k); not checked", lines
-    assert lines[1].startswith(f"round 2: the base model {round_1} of its LoRA source ") and lines[1].endswith(
+    assert lines[1].startswith(f"round 2: the base model {round_1} of the LoRA source ") and lines[1].endswith(
         "removed by the run (storage.keep_last_k); not checked"), lines
 
     # the same files, but the run record says nothing of a removal: deleted by hand
