@@ -2,7 +2,8 @@
 
 Walks the schema (:mod:`fedagent_flwr.schema`), every YAML file under ``conf/`` and the package
 code that reads settings: a key the schema lacks, a field declared twice or a default re-declared
-where a setting is read fails here.
+where a setting is read fails here. The README's settings table is held to the same schema: every
+key it names is declared, with the default it states.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ import dataclasses
 import importlib
 import json
 import pkgutil
+import re
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import pytest
 import yaml
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 import fedagent_flwr
 from fedagent_flwr.checkpoint.ref import CheckpointRef
-from fedagent_flwr.config import ConfigError, conf_dir, load_settings
+from fedagent_flwr.config import ConfigError, compose_config, conf_dir, load_settings
 from fedagent_flwr.protocol import TRAINER_JSON, ProtocolError, TrainInstruction
-from fedagent_flwr.schema import TRAINER_GROUPS, TRAINER_SCHEMAS, RunSchema, SettingError, check
+from fedagent_flwr.schema import TRAINER_GROUPS, TRAINER_SCHEMAS, RunSchema, SettingError, check, declared_type
 from fedagent_flwr.schema.trainer import (
     AGENT_LOOP_KEYS,
     AgentLoopKnobs,
@@ -419,3 +421,82 @@ def test_bounds_are_checked_by_the_validator() -> None:
                          ({"backend": "verl", "lr": float("nan")}, "'trainer.lr' must be float")]:
         with pytest.raises(SettingError, match=message):
             check(VerlTrainer, raw, "trainer")
+
+
+# --------------------------------------------------------------------------------------------
+# The README's settings table
+# --------------------------------------------------------------------------------------------
+
+README = PACKAGE.parent / "README.md"
+_UNSET = object()
+
+
+def readme_settings(text: str) -> list[tuple[int, list[str], str]]:
+    """(line, keys, default cell) of each row of the README's settings table (``| key | default | meaning |``)."""
+    rows: list[tuple[int, list[str], str]] = []
+    inside = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("| key | default | meaning |"):
+            inside = True
+        elif inside and line.startswith("|"):
+            if not line.startswith("|---"):
+                keys, default, _ = line[1:].split(" | ", 2)
+                rows.append((number, re.findall(r"`([^`]+)`", keys), default.strip()))
+        elif inside:
+            break
+    return rows
+
+
+def _composed_default(key: str, configs: list[Any], groups: dict[str, Any]) -> Any:
+    """What a run that sets nothing has for ``key``: a group's option from ``config.yaml``'s defaults
+    list, else the value in the composed config of the reference trainer or, for a verl-only key, of verl."""
+    if key in groups:
+        return groups[key]
+    for cfg in configs:
+        value = OmegaConf.select(cfg, key, default=_UNSET)
+        if value is not _UNSET:
+            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return _UNSET
+
+
+def readme_setting_problems(text: str) -> tuple[list[str], int]:
+    """The README table's keys that the schema does not declare and its literal defaults (``2``, ``reset``,
+    ``[jsonl]``, with or without backticks) that a run does not get, and how many defaults were compared.
+    A default in words (``on, 8 episodes``, ``run-<id>``) is not compared."""
+    defaults = yaml.safe_load((conf_dir() / "config.yaml").read_text())["defaults"]
+    groups = {name.split()[-1]: option for entry in defaults if isinstance(entry, dict)
+              for name, option in entry.items()}
+    configs = [compose_config(), compose_config(overrides="trainer=verl")]
+    problems, compared = [], 0
+    for number, keys, cell in readme_settings(text):
+        parts = [part.strip().strip("`") for part in cell.split(" / ")]
+        parts = parts * len(keys) if len(parts) == 1 else parts
+        for key, part in zip(keys, parts if len(parts) == len(keys) else [None] * len(keys)):
+            prefix = key.removesuffix(".*")
+            if key not in groups and not (declared_type(prefix) is not None and (
+                    key == prefix or dataclasses.is_dataclass(declared_type(prefix)))):
+                problems.append(f"README.md:{number}: {key} is not a setting of the schema")
+                continue
+            if part is None or not re.fullmatch(r"[\w.\[\]{},\"-]*", part):
+                continue
+            stated = None if part == "none" else yaml.safe_load(part)
+            actual = _composed_default(key, configs, groups)
+            compared += 1
+            if actual is _UNSET or stated != actual:
+                problems.append(f"README.md:{number}: {key} defaults to {actual!r}, the README says {part}")
+    return problems, compared
+
+
+def test_the_readme_table_scan_finds_an_unknown_key_and_a_wrong_default() -> None:
+    table = ("| key | default | meaning |\n|---|---|---|\n| `eval.nope` / `seed` | 1 / 41 | x |\n"
+             "| `eval.*` | on, 8 episodes | y |\n| `recipe` | none | z |\n")
+    problems, compared = readme_setting_problems(table)
+    assert problems == ["README.md:3: eval.nope is not a setting of the schema",
+                        "README.md:3: seed defaults to 42, the README says 41"]
+    assert compared == 2
+
+
+def test_the_readme_settings_table_names_schema_keys_with_their_defaults() -> None:
+    problems, compared = readme_setting_problems(README.read_text())
+    assert not problems, f"the README's settings table is out of date (fix the README or the schema): {problems}"
+    assert len(readme_settings(README.read_text())) > 25 and compared > 25  # not a vacuous pass
