@@ -25,7 +25,10 @@ other model. So the adapter file must record the content hash of the model it wa
 (:data:`~.ref.ADAPTER_BASE_SHA256` in its safetensors metadata, which the adapter's own content hash
 covers), and it is refused unless that is the content hash of the base it is opened on. The
 reference trainer records it; an adapter without it (peft's ``save_pretrained`` alone, another
-trainer) is refused too, naming the entry, since nothing else ties it to a model.
+trainer) is refused too, naming the entry, since nothing else ties it to a model. Beside it the trainer
+records the content-hash scheme it computed it with (:data:`~.ref.ADAPTER_BASE_HASH_VERSION`): a hash of
+another scheme than this code's cannot be compared, and is refused saying so rather than as another
+model (an adapter without the entry, written before it was recorded, is read as of this code's scheme).
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from typing import Any
 import torch
 
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
-from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.ref import (
+    ADAPTER_BASE_HASH_VERSION,
     ADAPTER_BASE_SHA256,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -163,10 +167,17 @@ class LoraAdapterReader(CheckpointReader):
         """CheckpointError unless the adapter records the content hash of the base it is opened on (the
         module docstring): the base reference's hash (which opening with a hash check has found the base's
         files to have: :func:`.open_ref.open_checkpoint`), or the base directory's when it carries none."""
-        recorded = (self._handle.metadata() or {}).get(ADAPTER_BASE_SHA256)
+        metadata = self._handle.metadata() or {}
+        recorded = metadata.get(ADAPTER_BASE_SHA256)
         if not recorded:
             raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
                                   f"metadata '{ADAPTER_BASE_SHA256}'): an adapter is read only on that model")
+        scheme = metadata.get(ADAPTER_BASE_HASH_VERSION, CONTENT_HASH_VERSION)
+        if scheme != CONTENT_HASH_VERSION:
+            raise CheckpointError(f"{self._file} records the content hash of the model it was trained on as computed "
+                                  f"by content hash {scheme}, and this fedagent-flwr computes {CONTENT_HASH_VERSION}: "
+                                  "the two cannot be compared, so it is not read on any model (read it with the "
+                                  "fedagent-flwr that wrote it)")
         actual = base_ref.sha256 or hash_checkpoint_dir(self.base.directory)
         if recorded != actual:
             raise CheckpointError(f"{self._file} was trained on the model with content hash {recorded}, and is read "

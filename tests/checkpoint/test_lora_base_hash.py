@@ -90,3 +90,56 @@ def test_the_base_is_hashed_once_for_all_the_rounds_adapters_and_watched_while_r
     with pytest.raises(CheckpointError, match=f"{global_dir}, the global model LoRA adapters are read on top of"):
         open_checkpoint(adapters[0], root=tmp_path, base=base, base_digests=digests)
     assert hashed["config.json"] == before
+
+
+def _record_scheme(adapter: Path, scheme: str | None) -> None:
+    """Rewrite the adapter's factors with its recorded base hash and ``scheme`` beside it (None: no entry)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = adapter / "adapter_model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    metadata.pop("fedagent.base_sha256_version", None)
+    save_file(load_file(str(path)), str(path), {**metadata, **({} if scheme is None else
+                                                               {"fedagent.base_sha256_version": scheme})})
+
+
+def test_a_base_hash_of_another_content_hash_scheme_is_refused_saying_so(tmp_path: Path) -> None:
+    """The hash an adapter records of its base was computed with a content-hash scheme; one of another
+    scheme than this code's cannot be compared, which is said as such (not as another model). An adapter
+    recording none (written before the scheme was recorded) reads as before."""
+    from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
+
+    _, base, (adapter,) = _round(tmp_path)
+    adapter_dir = Path(adapter.path)
+    for scheme in (None, CONTENT_HASH_VERSION):
+        _record_scheme(adapter_dir, scheme)
+        with open_checkpoint(CheckpointRef.for_directory(adapter_dir), root=tmp_path, base=base) as reader:
+            assert isinstance(reader, LoraAdapterReader)
+    _record_scheme(adapter_dir, "v1")
+    with pytest.raises(CheckpointError) as refused:
+        open_checkpoint(CheckpointRef.for_directory(adapter_dir), root=tmp_path, base=base)
+    assert str(refused.value) == (
+        f"{adapter_dir / 'adapter_model.safetensors'} records the content hash of the model it was trained on as "
+        f"computed by content hash v1, and this fedagent-flwr computes {CONTENT_HASH_VERSION}: the two cannot be "
+        "compared, so it is not read on any model (read it with the fedagent-flwr that wrote it)")
+
+
+def test_the_reference_trainer_records_the_scheme_beside_the_base_hash(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
+    from fedagent_flwr.schema.lora import Lora
+    from fedagent_flwr.trainers.reference.lora import fresh_adapter, write_adapter_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    base_sha256 = CheckpointRef.for_directory(tiny_model_dir).sha256
+    with fresh_adapter(model, Lora(rank=4, alpha=8), 1) as peft_model:
+        actor = write_adapter_checkpoint(peft_model, tmp_path / "global_step_1", base_sha256)
+    with safe_open(str(actor / "adapter_model.safetensors"), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["fedagent.base_sha256"] == base_sha256
+    assert metadata["fedagent.base_sha256_version"] == CONTENT_HASH_VERSION

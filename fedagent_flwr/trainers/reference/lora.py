@@ -33,7 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_SHA256, ADAPTER_WEIGHTS
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION
+from fedagent_flwr.checkpoint.ref import ADAPTER_BASE_HASH_VERSION, ADAPTER_BASE_SHA256, ADAPTER_WEIGHTS
 from fedagent_flwr.schema.lora import Lora
 from fedagent_flwr.trainers.common.checks import InputError
 from fedagent_flwr.trainers.common.seeds import derive_seed
@@ -146,8 +147,9 @@ def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) 
     not written (it is no part of the checkpoint). ``base_sha256``, the content hash of the model
     the adapter was trained on, goes into the factors' safetensors metadata
     (:data:`~fedagent_flwr.checkpoint.ref.ADAPTER_BASE_SHA256`, covered by the adapter's own content
-    hash): the server reads the adapter on that model only. Written as the full model's checkpoint
-    is (:func:`~.checkpoint.write_actor_dir`).
+    hash), with the content-hash scheme it was computed with (``ADAPTER_BASE_HASH_VERSION``): the server
+    reads the adapter on that model only. Written as the full model's checkpoint is
+    (:func:`~.checkpoint.write_actor_dir`).
     """
     import torch
     from peft import get_peft_model_state_dict
@@ -156,7 +158,8 @@ def write_adapter_checkpoint(peft_model: Any, step_dir: Path, base_sha256: str) 
     def fill(actor: Path) -> None:
         factors = {key: value.detach().to(torch.float32).contiguous()
                    for key, value in get_peft_model_state_dict(peft_model).items()}
-        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={"format": "pt", ADAPTER_BASE_SHA256: base_sha256})
+        save_file(factors, str(actor / ADAPTER_WEIGHTS), metadata={
+            "format": "pt", ADAPTER_BASE_SHA256: base_sha256, ADAPTER_BASE_HASH_VERSION: CONTENT_HASH_VERSION})
         peft_model.peft_config["default"].save_pretrained(str(actor))
 
     return write_actor_dir(step_dir, fill)
