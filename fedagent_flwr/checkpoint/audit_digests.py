@@ -14,6 +14,8 @@ inode. Every comparison the audit makes is unchanged; only the bytes behind a di
 twice. A checkpoint opened with these digests (:meth:`AuditDigests.trusted` as
 :func:`.open_ref.open_checkpoint`'s ``receipts``) is read after that stat check, so the reader
 checks each such file's stat once more after the reads (:meth:`.CheckpointReader.verify_content`).
+The aggregation keeps one per round for the global model its LoRA adapters are read on
+(:func:`.open_ref.open_checkpoint`'s ``base_digests``): checked for every adapter, hashed once.
 
 As with the store's receipts (:mod:`.receipts`, which make the same trade for the aggregation):
 a digest is remembered only when the file's stat was the same before and after it was hashed

@@ -90,7 +90,7 @@ def open_recorded_source(source: dict[str, Any], header_file: Path, run_root: Pa
                                   f"{base.sha256[:12]}..., the run record committed {committed[:12]}... for it: it "
                                   "was replaced after its commit")
     # opening checks the hash again: from the digests just computed while the stat is unchanged
-    return open_checkpoint(ref, root=run_root, receipts=digests, base=base)
+    return open_checkpoint(ref, root=run_root, receipts=digests, base=base, base_digests=digests)
 
 
 def _check_start(source: dict[str, Any], base_dir: Path, header_file: Path, start: RoundStart,

@@ -14,9 +14,10 @@ updates. Averaging ``A`` and ``B`` separately (FedIT) gives ``(sum w_i B_i)(sum 
 is not the mean of the products. The new global model is a full model; the next round's clients
 attach fresh adapters to it.
 
-The base is the server's own global model of the round (it is opened as the round's reference
-is, without a hash check); the adapter's files are checked like any client checkpoint's. Memory
-per read: the target tensor in fp32 (the output buffer itself when it is fp32) and the two factors.
+The base is the server's own global model of the round, its content hash checked against its
+reference once per round (:func:`.open_ref.open_checkpoint`'s ``base_digests``); the adapter's files
+are checked like any client checkpoint's. Memory per read: the target tensor in fp32 (the output
+buffer itself when it is fp32) and the two factors.
 
 An adapter means ``W + s B A`` only on the ``W`` it was trained on: the same factors on another
 model (last round's global model, a resumed run's, another run's) read without complaint as some
@@ -24,7 +25,10 @@ other model. So the adapter file must record the content hash of the model it wa
 (:data:`~.ref.ADAPTER_BASE_SHA256` in its safetensors metadata, which the adapter's own content hash
 covers), and it is refused unless that is the content hash of the base it is opened on. The
 reference trainer records it; an adapter without it (peft's ``save_pretrained`` alone, another
-trainer) is refused too, naming the entry, since nothing else ties it to a model.
+trainer) is refused too, naming the entry, since nothing else ties it to a model. Beside it the trainer
+records the content-hash scheme it computed it with (:data:`~.ref.ADAPTER_BASE_HASH_VERSION`): a hash of
+another scheme than this code's cannot be compared, and is refused saying so rather than as another
+model (an adapter without the entry, written before it was recorded, is read as of this code's scheme).
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
+from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.ref import (
+    ADAPTER_BASE_HASH_VERSION,
     ADAPTER_BASE_SHA256,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -116,21 +122,24 @@ class LoraPair:
 class LoraAdapterReader(CheckpointReader):
     """A peft LoRA adapter read as ``base`` plus its low-rank updates (see the module docstring).
 
-    ``base`` (a reader of the global model the client started from, owned and closed by this
-    reader) provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference,
-    kept so the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and
-    recorded with the aggregate's sources. Every adapter key must pair with its partner factor and
-    with a 2-d weight of the base of matching shape, which no other pair updates and which the base
-    does not tie to another key, else CheckpointError naming the file and key; and the adapter must
-    record the base's content hash as the model it was trained on.
+    ``base`` (a reader of the global model the client started from, owned and closed by this reader)
+    provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference, kept so
+    the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and recorded with
+    the aggregate's sources; ``base_digests``, those its content hash was checked from
+    (:func:`.open_ref.open_checkpoint`), kept to open it again likewise. Every adapter key must pair
+    with its partner factor and with a 2-d weight of the base of matching shape, which no other pair
+    updates and which the base does not tie to another key, else CheckpointError naming the file and
+    key; and the adapter must record the base's content hash as the model it was trained on.
     """
 
-    def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
+    def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef,
+                 base_digests: AuditDigests | None = None) -> None:
         super().__init__(ref, directory)
         from safetensors import safe_open
 
         self.base = base
         self.base_ref = base_ref
+        self.base_digests = base_digests
         self._file = directory / ADAPTER_WEIGHTS
         config_path = directory / ADAPTER_CONFIG
         try:
@@ -156,11 +165,19 @@ class LoraAdapterReader(CheckpointReader):
 
     def _check_base_hash(self, base_ref: CheckpointRef) -> None:
         """CheckpointError unless the adapter records the content hash of the base it is opened on (the
-        module docstring): the base reference's hash, or the base directory's when it carries none."""
-        recorded = (self._handle.metadata() or {}).get(ADAPTER_BASE_SHA256)
+        module docstring): the base reference's hash (which opening with a hash check has found the base's
+        files to have: :func:`.open_ref.open_checkpoint`), or the base directory's when it carries none."""
+        metadata = self._handle.metadata() or {}
+        recorded = metadata.get(ADAPTER_BASE_SHA256)
         if not recorded:
             raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
                                   f"metadata '{ADAPTER_BASE_SHA256}'): an adapter is read only on that model")
+        scheme = metadata.get(ADAPTER_BASE_HASH_VERSION, CONTENT_HASH_VERSION)
+        if scheme != CONTENT_HASH_VERSION:
+            raise CheckpointError(f"{self._file} records the content hash of the model it was trained on as computed "
+                                  f"by content hash {scheme}, and this fedagent-flwr computes {CONTENT_HASH_VERSION}: "
+                                  "the two cannot be compared, so it is not read on any model (read it with the "
+                                  "fedagent-flwr that wrote it)")
         actual = base_ref.sha256 or hash_checkpoint_dir(self.base.directory)
         if recorded != actual:
             raise CheckpointError(f"{self._file} was trained on the model with content hash {recorded}, and is read "

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
 from fedagent_flwr.checkpoint.lora_reader import LoraAdapterReader, adapter_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader
@@ -35,6 +36,7 @@ def open_checkpoint(
     io: IoMode = "auto",
     receipts: TrustedDigests | None = None,
     base: CheckpointRef | None = None,
+    base_digests: AuditDigests | None = None,
 ) -> CheckpointReader:
     """Check a reference and open it for reading.
 
@@ -64,8 +66,13 @@ def open_checkpoint(
     per trusted file. The files hashed at opening are not checked again, as without trusted digests.
 
     ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
-    :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model
-    and is opened without a hash check or a root, as the round's reference is.
+    :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model,
+    opened without a root, and unless ``check_hash`` is False its content hash must be ``base.sha256``
+    (:func:`_open_base`): the adapter means an update of that model only, and the server compares the
+    hash the adapter records with ``base.sha256``, so the bytes must match it too. ``base_digests``: the
+    caller's digests of the base's files, kept across its opens (the strategy keeps one per round), so
+    a base opened for every client's adapter is hashed once while its files are unchanged; None:
+    hashed at this opening.
     """
     if check_hash not in (True, False, "while-reading"):
         raise ValueError(f"check_hash must be True, False or 'while-reading', got {check_hash!r}")
@@ -112,9 +119,9 @@ def open_checkpoint(
                                  trusted=trusted if deferred else None)
     elif ref.format == "peft-lora":
         assert base is not None  # checked with the layout
-        base_reader = open_checkpoint(base, check_hash=False, io=io)
+        base_reader = _open_base(base, bool(check_hash), base_digests, io)
         try:
-            reader = LoraAdapterReader(ref, directory, base_reader, base)
+            reader = LoraAdapterReader(ref, directory, base_reader, base, base_digests)
         except BaseException:
             base_reader.close()
             raise
@@ -122,6 +129,34 @@ def open_checkpoint(
         reader = SafetensorsReader(ref, directory, data_files)
     if trusted and not deferred:  # checked at opening from digests taken on trust: their stat again after the reads
         reader.watch_unchanged({name: entry.stat for name, entry in trusted.items()})
+    return reader
+
+
+def _open_base(base: CheckpointRef, check: bool, digests: AuditDigests | None, io: IoMode) -> CheckpointReader:
+    """Open the model a LoRA adapter is read on top of; with ``check``, CheckpointError unless its files
+    hash to ``base.sha256`` (when it carries one).
+
+    The hash comes from ``digests`` (a new :class:`.audit_digests.AuditDigests` when None): a file whose
+    digest it remembers and whose stat is unchanged since is not read again, any other is hashed (and
+    remembered where it may be). Every remembered file is watched (:meth:`~CheckpointReader.watch_unchanged`),
+    so a file changed between this check and the end of the reads is refused by ``verify_content``.
+    """
+    reader = open_checkpoint(base, check_hash=False, io=io)  # its layout first: a missing file is said as such
+    if not check or not base.sha256:
+        return reader
+    try:
+        digests = digests if digests is not None else AuditDigests()
+        actual = digests.directory_hash(reader.directory)
+        if actual != base.sha256:
+            raise CheckpointError(
+                f"{reader.directory}, the global model LoRA adapters are read on top of, has content hash "
+                f"{actual[:16]}..., its reference says {base.sha256[:16]}...: its files changed on disk after the "
+                "server wrote it, so the clients' adapters (trained on it as written) would be read on another "
+                f"model; restore {reader.directory} from a copy, or start the run over")
+        reader.watch_unchanged({name: entry.stat for name, entry in digests.trusted(reader.directory).items()})
+    except BaseException:
+        reader.close()
+        raise
     return reader
 
 

@@ -33,6 +33,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 # The safetensors metadata entry of ADAPTER_WEIGHTS naming the content hash of the model the adapter was
 # trained on (:func:`hash_checkpoint_dir`); the server reads an adapter only on that model (:mod:`.lora_reader`).
 ADAPTER_BASE_SHA256 = "fedagent.base_sha256"
+# Beside it, the content-hash scheme that hash was computed with (content_hash.CONTENT_HASH_VERSION): a hash of
+# another scheme cannot be compared with this code's. An adapter without it is read as of this code's scheme.
+ADAPTER_BASE_HASH_VERSION = "fedagent.base_sha256_version"
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux; a longer "path" is not one
 MAX_WORLD_SIZE = 1 << 20

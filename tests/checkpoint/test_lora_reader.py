@@ -349,7 +349,10 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
         root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
     format and opens with its digests taken from the store's receipt: none of its bytes is hashed again,
-    and both files are watched for a change while they are read."""
+    and both files are watched for a change while they are read (the base's too, its digests those the
+    round's first adapter left: the strategy's, :func:`.sources.client_opener`)."""
+    from fedagent_flwr.checkpoint import audit_digests
+    from fedagent_flwr.checkpoint.audit_digests import AuditDigests
     from fedagent_flwr.checkpoint.http_server import HttpServerStore
     from fedagent_flwr.checkpoint.store import StorageSettings
     from testkit.store_harness import RUN, HashCounter, node
@@ -364,11 +367,15 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
             p.name for p in (root / "client_0").iterdir())
         oracle, changed = adapter_oracle(root / "global", root / "client_0")
         base = CheckpointRef.for_directory(root / "global")
+        monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the global model was written a moment ago
+        base_digests = AuditDigests()
+        base_digests.directory_hash(root / "global")
         hashed = HashCounter().install(monkeypatch)
         with open_checkpoint(ref, root=store.run_root, check_hash="while-reading", receipts=store.receipt_check(),
-                             base=base) as reader:
-            assert hashed.bytes < 1024, hashed.bytes  # the combining step only (name, size, digest per file)
+                             base=base, base_digests=base_digests) as reader:
+            assert hashed.bytes < 1024, hashed.bytes  # the combining steps only (name, size, digest per file)
             assert {"adapter_config.json", "adapter_model.safetensors"} <= set(reader._watched)  # (peft's card too)
+            assert isinstance(reader, LoraAdapterReader) and "model.safetensors" in reader.base._watched
             for key in changed:
                 torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
             reader.verify_content()

@@ -75,7 +75,7 @@ from fedagent_flwr.serverapp.strategy.replies import (
     split_replies,
     usable_evaluations,
 )
-from fedagent_flwr.serverapp.strategy.sources import reopened
+from fedagent_flwr.serverapp.strategy.sources import client_opener, reopened
 
 
 @dataclass
@@ -329,6 +329,7 @@ class FedAvgFSDP(FedAvg):
         clients used (message, reply, checkpoint path) and the aggregation's report."""
         start = self.global_model if kind == "actor" else self.global_critic
         reference = open_checkpoint(start, check_hash=False) if start is not None else None
+        open_client = client_opener(self.run_root, self.store.receipt_check(), start)
         opened: list[tuple[Message, TrainReply, CheckpointReader]] = []
         try:
             for message, reply in candidates:
@@ -336,10 +337,7 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
-                    # verified before the mean is committed; from the http or s3 store's receipts where they hold;
-                    # a LoRA adapter reads as the round's starting model plus its update (checkpoint.lora_reader)
-                    reader = open_checkpoint(self.store.resolve(ref, server_round, client), self.run_root, base=start,
-                                             check_hash="while-reading", receipts=self.store.receipt_check())
+                    reader = open_client(self.store.resolve(ref, server_round, client))  # sources.client_opener
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)

@@ -174,3 +174,40 @@ def test_the_audit_does_not_open_a_lora_base_outside_the_run(tmp_path: Path,
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith(f"round 1: cannot verify: the base model {elsewhere} of the LoRA source ") and line.endswith(
         f"is neither inside the run {run_root} nor its base model {tmp_path / 'base'}: not opened"), line
+
+
+def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_stops_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1's global model is written, the clients train round 2's adapters on it, then one byte of it
+    changes on disk before round 2 is aggregated: read on it, every adapter would stand for another model
+    than the one it was trained on. Each is refused naming the global model, so the run stops; the model
+    was hashed once for the round, not once per client."""
+    import collections
+    import os
+
+    from fedagent_flwr.checkpoint import audit_digests, content_hash
+    from fedagent_flwr.serverapp.failures import RoundFailedError
+    from testkit.file_change import flip_byte
+
+    write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
+    strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(tmp_path / "base"), clients=3)
+    train_round(strategy, 1, [train_reply(c, CheckpointRef.for_directory(write_adapter(
+        tmp_path / "base", client_slot(run_root, c) / "actor", seed=c)), 2) for c in range(3)])
+    global_1 = Path(strategy.global_model.path)
+    replies = [train_reply(c, CheckpointRef.for_directory(write_adapter(
+        global_1, client_slot(run_root, c, 2) / "actor", seed=10 + c)), 2) for c in range(3)]
+    flip_byte(global_1 / "model.safetensors", restore_mtime=True, at=-1)
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago
+    hashed: collections.Counter[Path] = collections.Counter()
+    plain = content_hash.file_digest
+
+    def counting(path: str | os.PathLike[str]) -> bytes:
+        hashed[Path(path).resolve()] += 1
+        return plain(path)
+
+    monkeypatch.setattr(content_hash, "file_digest", counting)
+    with pytest.raises(RoundFailedError, match="every client \\(3\\) failed the same way") as stopped:
+        train_round(strategy, 2, replies)
+    assert f"{global_1}, the global model LoRA adapters are read on top of, has content hash" in str(stopped.value)
+    assert hashed[(global_1 / "model.safetensors").resolve()] == 1
+    assert strategy.global_model.path == str(global_1)  # nothing was aggregated on it
