@@ -47,7 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"fedagent: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    # a command whose parser names no prog of its own takes argparse's default, sys.argv[0]'s name:
+    # "fedagent", which is no command; so its usage names the command as it was run
+    program, sys.argv[0] = sys.argv[0], f"fedagent {name}"
+    try:
+        return int(importlib.import_module(COMMANDS[name][0]).main(rest) or 0)
+    finally:
+        sys.argv[0] = program
 
 
 if __name__ == "__main__":

@@ -31,6 +31,17 @@ def test_unknown_command_is_refused_with_the_list(capsys: pytest.CaptureFixture[
     assert cli.main([]) == 2 and cli.main(["--help"]) == 0
 
 
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_commands_usage_names_a_way_to_run_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fedagent NAME --help`` prints a usage line a user can type: ``fedagent NAME`` or
+    ``python -m MODULE``, never a bare ``fedagent`` (which would run no command)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([name, "--help"])
+    assert done.value.code == 0
+    usage = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("usage:"))
+    assert usage.startswith((f"usage: fedagent {name} ", f"usage: python -m {cli.COMMANDS[name][0]} ")), usage
+
+
 def test_installed_script_builds_the_smoke_model(tmp_path: Path) -> None:
     """The installed ``fedagent`` (next to this interpreter) runs a command end to end."""
     script = Path(sys.executable).parent / "fedagent"

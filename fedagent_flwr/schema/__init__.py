@@ -2,7 +2,8 @@
 
 * :mod:`.fields`: :func:`~.fields.setting` (a field with its bound) and :func:`~.fields.check`,
   the one validator (server and trainers);
-* :mod:`.run`: ``conf/config.yaml`` and its groups; :mod:`.trainer`: one schema per backend.
+* :mod:`.run`: ``conf/config.yaml`` and its groups; :mod:`.lora`: ``model.lora`` (federated LoRA);
+  :mod:`.trainer`: one schema per backend.
 
 :func:`register` stores them in Hydra's ConfigStore, where the YAML files' defaults lists extend
 them (``run_schema`` in ``config.yaml``, ``/schema/trainer/<backend>`` in ``trainer/<backend>.yaml``):
