@@ -17,20 +17,13 @@ from fedagent_flwr.checkpoint import audit_digests, content_hash
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.content_hash import hash_checkpoint_dir
 from testkit.file_change import flip_byte
+from testkit.hash_count import count_hashed_files
 
 
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """Files hashed, by name (each still hashed from disk)."""
-    counts: collections.Counter[str] = collections.Counter()
-    plain = content_hash.file_digest
-
-    def counting(path: str | os.PathLike[str]) -> bytes:
-        counts[Path(path).name] += 1
-        return plain(path)
-
-    monkeypatch.setattr(content_hash, "file_digest", counting)
-    return counts
+    return count_hashed_files(monkeypatch)
 
 
 def _checkpoint(directory: Path) -> Path:

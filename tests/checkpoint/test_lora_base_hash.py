@@ -7,14 +7,14 @@ is hashed once per round, and its files are watched while they are read."""
 from __future__ import annotations
 
 import collections
-import os
 from pathlib import Path
 
 import pytest
 
-from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, LoraAdapterReader, content_hash, open_checkpoint
+from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, LoraAdapterReader, open_checkpoint
 from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
 from testkit.file_change import flip_byte
+from testkit.hash_count import count_hashed_files
 from testkit.lora_adapters import write_adapter
 
 TIED = ModelSpec("llama_tied_lora", "llama", seed=21, tie=True)
@@ -49,15 +49,7 @@ def test_a_global_model_changed_on_disk_after_it_was_written_is_refused_naming_i
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
     """The files hashed from now on, counted by name (each still hashed from disk)."""
-    counts: collections.Counter[str] = collections.Counter()
-    plain = content_hash.file_digest
-
-    def counting(path: str | os.PathLike[str]) -> bytes:
-        counts[Path(path).name] += 1
-        return plain(path)
-
-    monkeypatch.setattr(content_hash, "file_digest", counting)
-    return counts
+    return count_hashed_files(monkeypatch)
 
 
 def test_the_base_is_hashed_once_for_all_the_rounds_adapters_and_watched_while_read(

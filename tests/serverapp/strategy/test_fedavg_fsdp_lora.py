@@ -17,6 +17,7 @@ from fedagent_flwr.checkpoint import CheckpointRef
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import ModelSpec, write_hf_checkpoint
 from testkit.client_replies import train_reply
+from testkit.hash_count import count_hashed_files
 from testkit.lora_adapters import adapter_oracle, record_base, write_adapter
 from testkit.round_harness import train_round
 from testkit.strategy_setup import client_slot, connected_strategy
@@ -182,10 +183,8 @@ def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_st
     changes on disk before round 2 is aggregated: read on it, every adapter would stand for another model
     than the one it was trained on. Each is refused naming the global model, so the run stops; the model
     was hashed once for the round, not once per client."""
-    import collections
-    import os
 
-    from fedagent_flwr.checkpoint import audit_digests, content_hash
+    from fedagent_flwr.checkpoint import audit_digests
     from fedagent_flwr.serverapp.failures import RoundFailedError
     from testkit.file_change import flip_byte
 
@@ -198,14 +197,7 @@ def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_st
         global_1, client_slot(run_root, c, 2) / "actor", seed=10 + c)), 2) for c in range(3)]
     flip_byte(global_1 / "model.safetensors", restore_mtime=True, at=-1)
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago
-    hashed: collections.Counter[Path] = collections.Counter()
-    plain = content_hash.file_digest
-
-    def counting(path: str | os.PathLike[str]) -> bytes:
-        hashed[Path(path).resolve()] += 1
-        return plain(path)
-
-    monkeypatch.setattr(content_hash, "file_digest", counting)
+    hashed = count_hashed_files(monkeypatch, Path.resolve)
     with pytest.raises(RoundFailedError, match="every client \\(3\\) failed the same way") as stopped:
         train_round(strategy, 2, replies)
     assert f"{global_1}, the global model LoRA adapters are read on top of, has content hash" in str(stopped.value)

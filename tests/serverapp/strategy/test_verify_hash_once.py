@@ -14,17 +14,17 @@ its audit, and a file younger than the margin is never reused (tests/checkpoint/
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from fedagent_flwr.checkpoint import audit_digests, audit_sources, content_hash, mean_audit, verify, verify_optimizer
+from fedagent_flwr.checkpoint import audit_digests, audit_sources, mean_audit, verify, verify_optimizer
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
 from testkit.ckpt_factory import Suite
 from testkit.file_change import flip_byte
+from testkit.hash_count import count_hashed_files
 from testkit.round_harness import train_round
 from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
 
@@ -45,15 +45,7 @@ def _run(suite: Suite, tmp_path: Path, cls: type[FedAvgFSDP], settings: dict[str
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[Path]:
     """The files hashed from now on, counted by resolved path (each still hashed from disk)."""
-    counts: collections.Counter[Path] = collections.Counter()
-    plain = content_hash.file_digest
-
-    def counting(path: str | os.PathLike[str]) -> bytes:
-        counts[Path(path).resolve()] += 1
-        return plain(path)
-
-    monkeypatch.setattr(content_hash, "file_digest", counting)
-    return counts
+    return count_hashed_files(monkeypatch, Path.resolve)
 
 
 def _audit(run_root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
