@@ -78,6 +78,22 @@ def seed_difference_interval(a: list[float], b: list[float]) -> tuple[float, flo
     return diff, diff - half, diff + half
 
 
+def paired_difference_interval(differences: list[float]) -> tuple[float, float, float, float]:
+    """Mean of paired ``differences`` (one a pair: arm A's run minus arm B's run of one seed, both run
+    in one session from one shared start, so what the session's luck gave both cancels in each), their
+    sample standard deviation, and the mean's 95% t-interval over pairs: ``(mean, sd, low, high)``.
+
+    mean ± t_{0.975, n−1} · sd / √n, with sd = sqrt(Σ (d_i − mean)² / (n − 1)) over the n differences.
+    Needs at least two; differences that are all equal give no interval (low = high = mean), as
+    :func:`seed_difference_interval` without spread."""
+    n = len(differences)
+    if n < 2:
+        raise ValueError(f"need at least 2 paired differences, got {n}")
+    mean = sum(differences) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = t_quantile_95(n - 1) * sd / math.sqrt(n)
+    return mean, sd, mean - half, mean + half
+
 def pooled_difference_interval(successes_a: float, n_a: int, successes_b: float, n_b: int,
                                z: float = Z_95) -> tuple[float, float, float]:
     """Difference of two pooled success rates with its 95% normal-approximation interval (the
