@@ -8,19 +8,25 @@ runs (one run a seed); per pair of arms, the difference with Welch's 95% interva
 config end, GPU run-to-run variation included, and the runs an arm would need for the interval to
 exclude 0 at this gap (:func:`fedagent_flwr.intervals.seeds_for_difference`). This is how
 docs/results.md states its results; which statistic is primary should be chosen before the runs
-(declared), the other then being secondary.
+(declared), the other then being secondary. ``--paired`` adds, beside those rows, the difference within
+each seed where both arms ran one session a seed from one shared start (a session's luck common to both
+arms): runs matched by their ``base_seed``, the mean of the seeds' differences with its 95% t-interval
+over seeds (:func:`fedagent_flwr.compare_report.paired`); seeds with a run in one arm only are named
+and left out of the pairing.
 
     fedagent compare --arm federated outputs/fed-s* --arm local outputs/local-s*
     fedagent compare --arm federated=outputs/run-1 outputs/run-2 --arm local=... --json cmp.json
+    fedagent compare --paired --arm federated outputs/fed-s* --arm local outputs/local-s*
 
 Runs that cannot be compared as they are are refused, one line naming the run and what to do: an
 unreadable or unfinished run (status running or failed, or fewer rounds than planned:
 ``--allow-unfinished`` includes it, flagged, on the rounds it has, which its cells name), a run
 without a validation curve or without the rounds its statistic needs, runs of different total
-rounds, a run given twice.
+rounds, a run given twice; with ``--paired``, a run without a seed or two runs of one seed in an arm.
 
 Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
-uses these functions on a GPU node's bare ``python3``.
+uses these functions on a GPU node's bare ``python3``. The within-seed rows and the markdown are in
+:mod:`fedagent_flwr.compare_report` (its names importable from here too).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.compare_report import STATISTICS, markdown, paired
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
 from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
@@ -43,8 +50,6 @@ from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
 #: comparing arms (one round's 64 episodes swing by about ±0.06 from one round to the next, so a mean
 #: over 3 rounds is less noisy than the last round alone).
 WINDOW = 3
-#: The statistics a run has: ``window`` (:func:`window_mean`) and ``final`` (the last round's success).
-STATISTICS = ("window", "final")
 #: Statuses of a run that has not ended as a run should (``outcome``): still running, or killed.
 UNFINISHED_STATUSES = ("running", "failed")
 
@@ -275,10 +280,28 @@ def pairs(arms: dict[str, dict[str, Any]], statistic: str) -> list[dict[str, Any
     return found
 
 
+def _check_paired(runs: list[RunStatistic], names: Sequence[str]) -> None:
+    """Refuse runs that cannot be matched by seed: a run without one, or two runs of one seed in an arm
+    (which of them would pair is a choice the command must not make)."""
+    for run in runs:
+        if run.seed is None:
+            raise CompareError(f"{run.run} ({run.arm}) has no base_seed in its summary: --paired matches runs by "
+                               "seed; leave it out, or compare without --paired")
+    for name in names:
+        mine = [run for run in runs if run.arm == name]
+        for seed in sorted({run.seed for run in mine if run.seed is not None}):
+            same = [run.run for run in mine if run.seed == seed]
+            if len(same) > 1:
+                raise CompareError(f"--paired: arm {name} has {len(same)} runs of seed {seed} ({', '.join(same)}): "
+                                   "a seed pairs one run an arm; give one of them, or compare without --paired")
+
+
 def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, statistic: str = "window",
-            allow_unfinished: bool = False) -> dict[str, Any]:
+            allow_unfinished: bool = False, paired_by_seed: bool = False) -> dict[str, Any]:
     """The comparison of ``arms`` (name -> run directories): per run, per arm and per pair of arms,
-    for the primary ``statistic`` and the other one; refuses what cannot be compared (CompareError)."""
+    for the primary ``statistic`` and the other one; with ``paired_by_seed`` also the within-seed
+    differences (the report's ``paired``: :func:`fedagent_flwr.compare_report.paired`); refuses what
+    cannot be compared (CompareError)."""
     if statistic not in STATISTICS:
         raise CompareError(f"--statistic {statistic}: choose one of {', '.join(STATISTICS)}")
     empty = [name for name, dirs in arms.items() if not dirs]
@@ -290,6 +313,8 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
         raise CompareError(f"--window {window}: must be 1 or more rounds")
     runs = [run_statistic(name, run, window, allow_unfinished) for name, dirs in arms.items() for run in dirs]
     _check_runs(runs, statistic, window)
+    if paired_by_seed:
+        _check_paired(runs, list(arms))
     table = {name: _arm_row([run for run in runs if run.arm == name]) for name in arms}
     total = runs[0].total_rounds
     secondary = next(s for s in STATISTICS if s != statistic)
@@ -314,92 +339,30 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
         configs = sorted({run.config for run in runs if run.arm == name})
         if len(configs) > 1:
             notes.append(f"arm {name} mixes runs of different configs (env mode strategy): {'; '.join(configs)}")
-    return {
+    rows = [{**asdict(run), "final_ci95": list(run.final_ci95),
+             "window_rounds": None if run.window_rounds is None else list(run.window_rounds)} for run in runs]
+    within = paired(rows, list(arms), statistic) + paired(rows, list(arms), secondary) if paired_by_seed else []
+    for row in within:
+        first, second = row["arms"]
+        alone = "; ".join(f"{seeds} in {name} only" for name, seeds in row["only_in"].items() if seeds)
+        if alone and row["statistic"] == statistic:  # once a pair of arms: the same seeds for both statistics
+            notes.append(f"paired {first} − {second}: seed(s) with a run in one arm only, left out of the pairing: "
+                         f"{alone}")
+        if row["without_value"]:
+            notes.append(f"paired {first} − {second}: seed(s) {row['without_value']} lack a {row['statistic']} value "
+                         f"in one arm: left out of the paired {row['statistic']} comparison")
+    report = {
         "statistic": statistic, "secondary": secondary, "window": window, "total_rounds": total,
         "window_rounds": [total - window + 1, total],
-        "runs": [{**asdict(run), "final_ci95": list(run.final_ci95),
-                  "window_rounds": None if run.window_rounds is None else list(run.window_rounds)} for run in runs],
+        "runs": rows,
         "arms": table,
         "pairs": pairs(table, statistic) + pairs(table, secondary),
         "notes": notes,
     }
+    if paired_by_seed:  # only when asked: without --paired the report is as it was
+        report["paired"] = within
+    return report
 
-
-def _rounds(first: int, last: int) -> str:
-    return f"rounds {first}–{last}" if first != last else f"round {last}"
-
-
-def _label(report: dict[str, Any], statistic: str) -> str:
-    """The rounds ``statistic`` covers as planned: the tables' headings."""
-    if statistic == "window":
-        return _rounds(*report["window_rounds"])
-    return _rounds(report["total_rounds"], report["total_rounds"])
-
-
-def _value(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
-
-
-def _cell(report: dict[str, Any], run: dict[str, Any], statistic: str) -> str:
-    """A run's value under its heading; an unfinished run's value, which covers the rounds the run has
-    rather than the heading's, names them (a heading must not claim rounds a value does not cover)."""
-    if run[statistic] is None or run["final_round"] == report["total_rounds"]:
-        return _value(run[statistic])
-    own = run["window_rounds"] if statistic == "window" else [run["final_round"]] * 2
-    return f"{_value(run[statistic])} ({_rounds(*own)})"
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The comparison as markdown tables: runs, arms, and pairs on the primary statistic, then on
-    the secondary one. With ``--window 1`` the window is the final round: the two statistics are one,
-    shown once, rather than twice under one heading. An arm whose means include an unfinished run's
-    values from other rounds than the headings' is marked ``†`` in the arms and pairs tables (the
-    runs table names that run's rounds in its cells)."""
-    primary, secondary, total = report["statistic"], report["secondary"], report["total_rounds"]
-    single = report["window"] == 1
-    shown = (primary,) if single else STATISTICS
-    final = _label(report, "final")
-    moved = {run["arm"] for run in report["runs"] if run["final_round"] != total}
-    marked = {name: name + ("†" if name in moved else "") for name in report["arms"]}
-    what = (f"mean validation success over the last {report['window']} of {total} rounds"
-            if primary == "window" else f"validation success at the last of {total} rounds")
-    lines = [f"Primary statistic ({primary}): {_label(report, primary)}, {what}; declare it before the runs. "
-             + ("--window 1 makes the window the final round, so the two statistics are one: no secondary is shown."
-                if single else f"Secondary: {_label(report, secondary)}."), ""]
-    lines += [f"| arm | run | seed | status | {' | '.join(_label(report, s) for s in shown)} | 95% Wilson ({final}) | "
-              "n episodes |", "|---" * (6 + len(shown)) + "|"]
-    for run in report["runs"]:
-        status = run["status"] + (f" (unfinished: {run['unfinished']})" if run["unfinished"] else "")
-        low, high = run["final_ci95"]
-        own = "" if run["final_round"] == total else f" ({_rounds(run['final_round'], run['final_round'])})"
-        lines.append(f"| {run['arm']} | {run['run']} | {'–' if run['seed'] is None else run['seed']} | {status} | "
-                     + "".join(f"{_cell(report, run, s)} | " for s in shown)
-                     + f"[{low:.3f}, {high:.3f}]{own} | {run['final_n']} |")
-    lines += ["", f"| arm | runs | {' | '.join(f'{_label(report, s)}: mean over runs | sd' for s in shown)} |",
-              "|---" * (2 + 2 * len(shown)) + "|"]
-    for name, row in report["arms"].items():
-        lines.append(f"| {marked[name]} | {row['runs']} | "
-                     + "".join(f"{_value(row[s]['mean'])} | {_value(row[s]['sd'])} | " for s in shown).rstrip())
-    if moved:
-        lines += ["", "† the arm's means include an unfinished run's values, which cover the rounds that run has "
-                  "(named in its row of the runs table), not the headings' rounds."]
-    for statistic, role in ((primary, "primary"), (secondary, "secondary"))[:len(shown)]:
-        lines += ["", f"{_label(report, statistic)} ({role}), A − B with Welch's 95% interval over runs:", "",
-                  "| A − B | A | B | A − B | 95% over runs | reading | runs an arm for this gap |",
-                  "|---|---|---|---|---|---|---|"]
-        for pair in (p for p in report["pairs"] if p["statistic"] == statistic):
-            first, second = pair["arms"]
-            ci = "–" if pair["ci95"] is None else f"[{pair['ci95'][0]:+.3f}, {pair['ci95'][1]:+.3f}]"
-            needed = ("–" if pair["ci95"] is None else
-                      "over 200" if pair["seeds_needed"] is None else str(pair["seeds_needed"]))
-            difference = "–" if pair["difference"] is None else f"{pair['difference']:+.3f}"
-            lines.append(f"| {marked[first]} − {marked[second]} | {_value(report['arms'][first][statistic]['mean'])} | "
-                         f"{_value(report['arms'][second][statistic]['mean'])} | {difference} | {ci} | "
-                         f"{pair['reading']} | {needed} |")
-    lines += ["", "Runs an arm for this gap: for the interval over runs to exclude 0 with 80% power if the gap and "
-              "the runs' spreads were the ones seen here (a plan, as uncertain as those spreads)."]
-    lines += [f"- {note}" for note in report["notes"]]
-    return "\n".join(lines) + "\n"
 
 
 def _json_problem(path: Path) -> str | None:
@@ -446,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-unfinished", action="store_true",
                         help="include runs that are still running, failed or stopped early, flagged, on the "
                         "rounds they have")
+    parser.add_argument("--paired", action="store_true",
+                        help="also the difference within each seed (runs of two arms matched by base_seed, as when "
+                        "both arms run in one session from one shared start): per seed A − B, their mean and the "
+                        "95%% t-interval over seeds (n − 1 df); seeds in one arm only are named and left out")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the comparison as JSON to FILE")
     args = parser.parse_args(argv)
     arms: dict[str, list[str]] = {}
@@ -460,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             raise CompareError(f"cannot write --json {args.json}: {problem}; name a file in a directory you can "
                                "write (missing directories are made)")
-        report = compare(arms, args.window, args.statistic, args.allow_unfinished)
+        report = compare(arms, args.window, args.statistic, args.allow_unfinished, args.paired)
     except CompareError as exc:
         print(f"fedagent compare: {exc}", file=sys.stderr)
         return 2

@@ -74,9 +74,28 @@ def seed_difference_interval(a: list[float], b: list[float]) -> tuple[float, flo
         return diff, diff, diff
     # Welch-Satterthwaite degrees of freedom; a side without spread contributes none.
     df = se2 ** 2 / sum(v ** 2 / (n - 1) for v, n in ((var_a, len(a)), (var_b, len(b))) if v > 0)
+    # never below the smaller side's n - 1, which Welch's degrees of freedom cannot be: rounding must not
+    # take them under it (nor under the quantile table's 1)
+    df = max(df, min(len(a), len(b)) - 1)
     half = t_quantile_95(df) * math.sqrt(se2)
     return diff, diff - half, diff + half
 
+
+def paired_difference_interval(differences: list[float]) -> tuple[float, float, float, float]:
+    """Mean of paired ``differences`` (one a pair: arm A's run minus arm B's run of one seed, both run
+    in one session from one shared start, so what the session's luck gave both cancels in each), their
+    sample standard deviation, and the mean's 95% t-interval over pairs: ``(mean, sd, low, high)``.
+
+    mean ± t_{0.975, n−1} · sd / √n, with sd = sqrt(Σ (d_i − mean)² / (n − 1)) over the n differences.
+    Needs at least two; differences that are all equal give no interval (low = high = mean), as
+    :func:`seed_difference_interval` without spread."""
+    n = len(differences)
+    if n < 2:
+        raise ValueError(f"need at least 2 paired differences, got {n}")
+    mean = sum(differences) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = t_quantile_95(n - 1) * sd / math.sqrt(n)
+    return mean, sd, mean - half, mean + half
 
 def pooled_difference_interval(successes_a: float, n_a: int, successes_b: float, n_b: int,
                                z: float = Z_95) -> tuple[float, float, float]:
@@ -103,7 +122,9 @@ def seeds_for_difference(sd_a: float, sd_b: float, difference: float, most: int 
     if var == 0:
         return 2 if difference != 0 else None
     for n in range(2, most + 1):
-        df = var ** 2 * (n - 1) / (sd_a ** 4 + sd_b ** 4)
+        # Welch's degrees of freedom with n a side are n - 1 or more ((x + y)² >= x² + y²); the bound keeps
+        # rounding (one side without spread: 0.9999... for 1) from dropping below it and the quantile table
+        df = max(var ** 2 * (n - 1) / (sd_a ** 4 + sd_b ** 4), n - 1)
         if (t_quantile_95(df) + t_quantile_80(df)) * math.sqrt(var / n) <= abs(difference):
             return n
     return None

@@ -340,3 +340,109 @@ def test_an_arm_that_mixes_configs_or_repeats_a_seed_is_named(tmp_path: Path) ->
     assert notes == ["arm a has more than one run of seed(s) [1]: each counts as a run",
                      "arm a mixes runs of different configs (env mode strategy): tinyguess federated fedavg; "
                      "tinyguess local fedavg"]
+
+
+def _paired_arms(root: Path, federated: list[float], local: list[float], seeds: list[int] | None = None,
+                 local_seeds: list[int] | None = None) -> tuple[list[Path], list[Path]]:
+    """Two arms of 10-round runs whose last 3 rounds score the seed's value (as :func:`_arm`), with their
+    seeds given (default 4, 5, ...)."""
+    seeds = seeds or list(range(4, 4 + len(federated)))
+    local_seeds = local_seeds or seeds
+    return ([_run(root / f"federated-s{s}", [0.0625] * 8 + [w] * 3, seed=s) for s, w in zip(seeds, federated)],
+            [_run(root / f"local-s{s}", [0.0625] * 8 + [w] * 3, seed=s, mode="local")
+             for s, w in zip(local_seeds, local)])
+
+
+def test_paired_rows_give_the_within_seed_difference_with_its_t_interval(tmp_path: Path) -> None:
+    """Local's seeds spread widely (a session's luck) and federated is each seed's local + 0.10, 0.12, 0.14:
+    Welch over runs shows nothing (the luck is spread), the paired rows show federated ahead. By hand:
+    differences 0.10, 0.12, 0.14, mean 0.12, sd 0.02, t_{0.975, 2} 4.303 × 0.02 / √3 = 0.0497:
+    [+0.0703, +0.1697]. The Welch rows stay as they are."""
+    fed, loc = _paired_arms(tmp_path, [0.30, 0.62, 0.44], [0.20, 0.50, 0.30])
+    report = compare({"federated": fed, "local": loc}, paired_by_seed=True)
+    assert compare({"federated": fed, "local": loc})["pairs"] == report["pairs"]
+    assert report["pairs"][0]["reading"] == "no difference shown at 3 runs an arm"
+    window, final = report["paired"]
+    assert [window["statistic"], final["statistic"]] == ["window", "final"]
+    assert window["arms"] == ["federated", "local"] and window["paired_by"] == "seed"
+    assert window["seeds"] == [4, 5, 6] and window["n_pairs"] == 3
+    assert window["per_seed"] == pytest.approx([0.10, 0.12, 0.14])
+    assert (window["mean"], window["sd"]) == pytest.approx((0.12, 0.02))
+    assert window["ci95"] == pytest.approx([0.0703, 0.1697], abs=1e-4)
+    assert window["reading"] == "federated ahead within seeds"
+    assert window["only_in"] == {"federated": [], "local": []} and window["without_value"] == []
+    assert final["ci95"] == window["ci95"]  # these runs' last round is their window's value
+    text = markdown(report)
+    assert ("rounds 8–10 (primary), paired within seed: A − B of the two runs of each seed (matched by base_seed), "
+            "mean over seeds with the 95% t-interval (n − 1 degrees of freedom):") in text
+    assert ("| federated − local | 3 | 4: +0.100, 5: +0.120, 6: +0.140 | +0.120 | 0.020 | [+0.070, +0.170] | "
+            "federated ahead within seeds |") in text
+    assert "round 10 (secondary), paired within seed:" in text
+    assert "paired within seed" not in markdown(compare({"federated": fed, "local": loc}))
+
+
+def test_seeds_in_one_arm_only_are_named_and_left_out_of_the_pairing(tmp_path: Path) -> None:
+    """Seeds 4 and 5 in both arms, 6 in federated only, 7 in local only: two pairs, t_{0.975, 1} = 12.706:
+    differences 0.1 and 0.2, mean 0.15, sd 0.0707, half 12.706 × 0.0707 / √2 = 0.6353."""
+    fed, loc = _paired_arms(tmp_path, [0.4, 0.5, 0.9], [0.3, 0.3, 0.1], seeds=[4, 5, 6], local_seeds=[4, 5, 7])
+    report = compare({"federated": fed, "local": loc}, paired_by_seed=True)
+    window = report["paired"][0]
+    assert window["seeds"] == [4, 5] and window["per_seed"] == pytest.approx([0.1, 0.2])
+    assert window["ci95"] == pytest.approx([0.15 - 0.6353, 0.15 + 0.6353], abs=1e-4)
+    assert window["reading"] == "no difference shown at 2 paired seeds"
+    assert window["only_in"] == {"federated": [6], "local": [7]}
+    assert report["notes"].count("paired federated − local: seed(s) with a run in one arm only, left out of the "
+                                 "pairing: [6] in federated only; [7] in local only") == 1
+    # one seed paired: no interval, said so, as the Welch rows say it
+    one = compare({"federated": fed[:1], "local": loc[:1]}, paired_by_seed=True)["paired"][0]
+    assert (one["n_pairs"], one["mean"], one["sd"], one["ci95"]) == (1, pytest.approx(0.1), None, None)
+    assert one["reading"] == "no interval over seeds: needs 2 or more paired seeds (here 1)"
+    # a seed whose run lacks the secondary value is left out of that pairing only, and named
+    gap = _run(tmp_path / "gap", [0.1] * 9 + [None, 0.5], seed=4, mode="local")  # round 9 recorded nothing
+    found = compare({"federated": fed, "local": [gap, *loc[1:]]}, statistic="final", paired_by_seed=True)
+    final, window = found["paired"]
+    assert (final["seeds"], window["seeds"], window["without_value"]) == ([4, 5], [5], [4])
+    assert ("paired federated − local: seed(s) [4] lack a window value in one arm: left out of the paired window "
+            "comparison") in found["notes"]
+
+
+def test_paired_refuses_a_seed_run_twice_in_an_arm_or_a_run_without_a_seed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fed, loc = _paired_arms(tmp_path, [0.4, 0.5], [0.3, 0.35])
+    again = _run(tmp_path / "federated-s4-again", [0.0625] * 8 + [0.6] * 3, seed=4)
+    argv = ["--arm", "federated", *map(str, fed), str(again), "--arm", "local", *map(str, loc)]
+    assert _refusal(capsys, ["--paired", *argv]) == (
+        f"fedagent compare: --paired: arm federated has 2 runs of seed 4 ({fed[0]}, {again}): a seed pairs one run "
+        "an arm; give one of them, or compare without --paired")
+    assert cli.main(["compare", *argv]) == 0  # without --paired a repeated seed is a note, as before
+    capsys.readouterr()
+    summary = Path(loc[1]) / "federated_summary.json"
+    summary.write_text(json.dumps({k: v for k, v in json.loads(summary.read_text()).items() if k != "base_seed"}))
+    assert _refusal(capsys, ["--paired", "--arm", "federated", *map(str, fed), "--arm", "local", *map(str, loc)]) == (
+        f"fedagent compare: {loc[1]} (local) has no base_seed in its summary: --paired matches runs by seed; leave "
+        "it out, or compare without --paired")
+
+
+def test_the_command_prints_the_paired_rows_and_writes_them_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fed, loc = _paired_arms(tmp_path, [0.30, 0.62, 0.44], [0.20, 0.50, 0.30])
+    out = tmp_path / "cmp.json"
+    assert cli.main(["compare", "--paired", "--arm", "federated", *map(str, fed), "--arm", "local", *map(str, loc),
+                     "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert markdown(saved) == text
+    assert [row["statistic"] for row in saved["paired"]] == ["window", "final"]
+    assert saved["paired"][0]["ci95"] == pytest.approx([0.0703, 0.1697], abs=1e-4)
+    assert ("| A − B (paired) | seeds paired | A − B per seed | mean | sd | 95% over seeds (paired t) | reading |"
+            in text)
+    assert text.index("with Welch's 95% interval over runs") < text.index("paired within seed")
+    assert "--paired" in _help(capsys)
+
+
+def _help(capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    return capsys.readouterr().out

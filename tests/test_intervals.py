@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedagent_flwr.intervals import (
+    paired_difference_interval,
     pooled_difference_interval,
     seed_difference_interval,
     seeds_for_difference,
@@ -94,3 +95,27 @@ def test_seed_and_pooled_differences_match_hand_computations() -> None:
     assert seed_difference_interval([0.5, 0.5], [0.25, 0.25]) == (0.25, 0.25, 0.25)
     with pytest.raises(ValueError):
         seed_difference_interval([0.5], [0.25, 0.3])
+
+
+def test_the_paired_interval_is_the_mean_difference_with_t_over_n_minus_1_degrees_of_freedom() -> None:
+    """Differences 0.10, 0.12, 0.14: mean 0.12, sd 0.02, t_{0.975, 2} = 4.302653, half-width
+    4.302653 × 0.02 / √3 = 0.049683: [0.070317, 0.169683]. Equal differences give no interval."""
+    mean, sd, low, high = paired_difference_interval([0.10, 0.12, 0.14])
+    assert (mean, sd) == pytest.approx((0.12, 0.02))
+    assert (low, high) == pytest.approx((0.070317, 0.169683), abs=1e-6)
+    assert paired_difference_interval([0.1, 0.1]) == pytest.approx((0.1, 0.0, 0.1, 0.1))
+    with pytest.raises(ValueError, match="at least 2 paired differences, got 1"):
+        paired_difference_interval([0.1])
+
+
+def test_an_arm_without_spread_beside_one_with_it_gets_its_plan_not_a_rounding_error() -> None:
+    """Runs 0.4, 0.5, 0.6 (sd 0.09999999999999998 in floating point) against runs that all score the
+    same: Welch's degrees of freedom are exactly n - 1, which rounding made 0.9999999999999999 at n = 2
+    and the t table refused (``fedagent compare`` then ended in a traceback). By hand at sd 0.1, gap 0.15:
+    n = 6, (2.571 + 0.920) × 0.1 / √6 = 0.1425 <= 0.15, where n = 5 gives 0.1662."""
+    sd = (sum((v - 0.5) ** 2 for v in (0.4, 0.5, 0.6)) / 2) ** 0.5
+    assert sd < 0.1
+    assert seeds_for_difference(sd, 0.0, 0.15) == seeds_for_difference(0.0, sd, 0.15) == 6
+    difference, low, high = seed_difference_interval([0.4, 0.5, 0.6], [0.3, 0.3])
+    assert (difference, low, high) == pytest.approx((0.2, 0.2 - 4.302653 * 0.1 / 3 ** 0.5,
+                                                     0.2 + 4.302653 * 0.1 / 3 ** 0.5))

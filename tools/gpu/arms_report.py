@@ -5,7 +5,7 @@
 arms.py imports this module from its own folder, as it imports ``gpu_share``, after putting the
 repository on ``sys.path``. Like ``status`` and ``phases``, everything here but the plot (matplotlib)
 runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr``'s ``intervals``,
-``losses``, ``compare`` (with ``outcome`` and ``atomic``) only. A run's statistics (the last-rounds
+``losses``, ``compare`` (with ``outcome``, ``atomic`` and ``compare_report``) only. A run's statistics (the last-rounds
 window) and deviations, the mean and spread over seeds and the differences over seeds are ``fedagent compare``'s
 (:mod:`fedagent_flwr.compare`), so that the command and this table cannot disagree.
 """

@@ -1,0 +1,168 @@
+"""``fedagent compare``'s within-seed rows (``--paired``) and its report as markdown: the tables
+:func:`fedagent_flwr.compare.compare`'s report is printed as (runs, arms, pairs of arms with Welch's
+interval over runs, and with ``--paired`` the within-seed differences), apart from the reading of runs
+and the Welch rows so that each module stays small.
+
+Standard library only, as ``compare`` (``tools/gpu/arms_report.py`` runs on a GPU node's bare ``python3``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fedagent_flwr.intervals import paired_difference_interval
+
+#: The statistics a run has, in the order the tables show them: ``window`` (the mean validation success
+#: over the last rounds, :func:`fedagent_flwr.compare.window_mean`) and ``final`` (the last round's success).
+STATISTICS = ("window", "final")
+
+
+def _paired_reading(first: str, second: str, n: int, low: float | None, high: float | None) -> str:
+    """In words, what the within-seed interval shows (as ``compare``'s reading of the Welch rows)."""
+    if low is None or high is None:
+        return f"no interval over seeds: needs 2 or more paired seeds (here {n})"
+    if low == high:  # every seed's difference the same: no spread, no interval
+        return "no spread between the seeds' differences: no interval, so no direction shown"
+    if low > 0:
+        return f"{first} ahead within seeds"
+    if high < 0:
+        return f"{second} ahead within seeds"
+    return f"no difference shown at {n} paired seeds"
+
+
+def paired(runs: Sequence[Mapping[str, Any]], names: Sequence[str], statistic: str) -> list[dict[str, Any]]:
+    """Each pair of arms in the order given (earlier minus later) on ``statistic``, within seed: the
+    runs of the two arms matched by seed, each seed's A − B, their mean, sd and 95% t-interval over
+    seeds (n − 1 degrees of freedom, :func:`fedagent_flwr.intervals.paired_difference_interval`), with
+    the seeds left out: ``only_in`` (a run in one arm only) and ``without_value`` (a run lacking
+    ``statistic``). Where both arms of a seed ran in one session from one shared start, the session's
+    luck cancels in its difference. ``runs`` are the report's rows (arm, seed and the statistics); every
+    run must have a seed, one run a seed an arm (:func:`fedagent_flwr.compare.compare` checks)."""
+    by_arm = {name: {run["seed"]: run for run in runs if run["arm"] == name} for name in names}
+    found = []
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            a, b = by_arm[first], by_arm[second]
+            both = sorted(seed for seed in a if seed in b and seed is not None)
+            values = {seed: (a[seed][statistic], b[seed][statistic]) for seed in both}
+            seeds = [seed for seed in both if None not in values[seed]]
+            # of the runs' values as compare reads them; only the reported figures are rounded
+            differences = [values[seed][0] - values[seed][1] for seed in seeds]
+            mean = sd = low = high = None
+            if len(differences) >= 2:
+                mean, sd, low, high = paired_difference_interval(differences)
+            elif differences:
+                mean = differences[0]
+            found.append({
+                "arms": [first, second], "statistic": statistic, "paired_by": "seed",
+                "seeds": seeds, "per_seed": [round(d, 4) for d in differences], "n_pairs": len(seeds),
+                "mean": None if mean is None else round(mean, 4), "sd": None if sd is None else round(sd, 4),
+                "ci95": None if low is None or high is None or low == high else [round(low, 4), round(high, 4)],
+                "reading": _paired_reading(first, second, len(seeds), low, high),
+                "only_in": {first: sorted(s for s in a if s not in b), second: sorted(s for s in b if s not in a)},
+                "without_value": [seed for seed in both if seed not in seeds],
+            })
+    return found
+
+
+def _rounds(first: int, last: int) -> str:
+    return f"rounds {first}–{last}" if first != last else f"round {last}"
+
+
+def _label(report: dict[str, Any], statistic: str) -> str:
+    """The rounds ``statistic`` covers as planned: the tables' headings."""
+    if statistic == "window":
+        return _rounds(*report["window_rounds"])
+    return _rounds(report["total_rounds"], report["total_rounds"])
+
+
+def _value(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _cell(report: dict[str, Any], run: dict[str, Any], statistic: str) -> str:
+    """A run's value under its heading; an unfinished run's value, which covers the rounds the run has
+    rather than the heading's, names them (a heading must not claim rounds a value does not cover)."""
+    if run[statistic] is None or run["final_round"] == report["total_rounds"]:
+        return _value(run[statistic])
+    own = run["window_rounds"] if statistic == "window" else [run["final_round"]] * 2
+    return f"{_value(run[statistic])} ({_rounds(*own)})"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The comparison as markdown tables: runs, arms, and pairs on the primary statistic, then on
+    the secondary one. With ``--window 1`` the window is the final round: the two statistics are one,
+    shown once, rather than twice under one heading. An arm whose means include an unfinished run's
+    values from other rounds than the headings' is marked ``†`` in the arms and pairs tables (the
+    runs table names that run's rounds in its cells). With ``--paired`` (the report has ``paired``) the
+    within-seed tables follow the Welch ones, labelled as such."""
+    primary, secondary, total = report["statistic"], report["secondary"], report["total_rounds"]
+    single = report["window"] == 1
+    shown = (primary,) if single else STATISTICS
+    final = _label(report, "final")
+    moved = {run["arm"] for run in report["runs"] if run["final_round"] != total}
+    marked = {name: name + ("†" if name in moved else "") for name in report["arms"]}
+    what = (f"mean validation success over the last {report['window']} of {total} rounds"
+            if primary == "window" else f"validation success at the last of {total} rounds")
+    lines = [f"Primary statistic ({primary}): {_label(report, primary)}, {what}; declare it before the runs. "
+             + ("--window 1 makes the window the final round, so the two statistics are one: no secondary is shown."
+                if single else f"Secondary: {_label(report, secondary)}."), ""]
+    lines += [f"| arm | run | seed | status | {' | '.join(_label(report, s) for s in shown)} | 95% Wilson ({final}) | "
+              "n episodes |", "|---" * (6 + len(shown)) + "|"]
+    for run in report["runs"]:
+        status = run["status"] + (f" (unfinished: {run['unfinished']})" if run["unfinished"] else "")
+        low, high = run["final_ci95"]
+        own = "" if run["final_round"] == total else f" ({_rounds(run['final_round'], run['final_round'])})"
+        lines.append(f"| {run['arm']} | {run['run']} | {'–' if run['seed'] is None else run['seed']} | {status} | "
+                     + "".join(f"{_cell(report, run, s)} | " for s in shown)
+                     + f"[{low:.3f}, {high:.3f}]{own} | {run['final_n']} |")
+    lines += ["", f"| arm | runs | {' | '.join(f'{_label(report, s)}: mean over runs | sd' for s in shown)} |",
+              "|---" * (2 + 2 * len(shown)) + "|"]
+    for name, row in report["arms"].items():
+        lines.append(f"| {marked[name]} | {row['runs']} | "
+                     + "".join(f"{_value(row[s]['mean'])} | {_value(row[s]['sd'])} | " for s in shown).rstrip())
+    if moved:
+        lines += ["", "† the arm's means include an unfinished run's values, which cover the rounds that run has "
+                  "(named in its row of the runs table), not the headings' rounds."]
+    for statistic, role in ((primary, "primary"), (secondary, "secondary"))[:len(shown)]:
+        lines += ["", f"{_label(report, statistic)} ({role}), A − B with Welch's 95% interval over runs:", "",
+                  "| A − B | A | B | A − B | 95% over runs | reading | runs an arm for this gap |",
+                  "|---|---|---|---|---|---|---|"]
+        for pair in (p for p in report["pairs"] if p["statistic"] == statistic):
+            first, second = pair["arms"]
+            ci = "–" if pair["ci95"] is None else f"[{pair['ci95'][0]:+.3f}, {pair['ci95'][1]:+.3f}]"
+            needed = ("–" if pair["ci95"] is None else
+                      "over 200" if pair["seeds_needed"] is None else str(pair["seeds_needed"]))
+            difference = "–" if pair["difference"] is None else f"{pair['difference']:+.3f}"
+            lines.append(f"| {marked[first]} − {marked[second]} | {_value(report['arms'][first][statistic]['mean'])} | "
+                         f"{_value(report['arms'][second][statistic]['mean'])} | {difference} | {ci} | "
+                         f"{pair['reading']} | {needed} |")
+    lines += ["", "Runs an arm for this gap: for the interval over runs to exclude 0 with 80% power if the gap and "
+              "the runs' spreads were the ones seen here (a plan, as uncertain as those spreads)."]
+    if "paired" in report:
+        lines += _paired_lines(report, ((primary, "primary"), (secondary, "secondary"))[:len(shown)])
+    lines += [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _paired_lines(report: dict[str, Any], roles: tuple[tuple[str, str], ...]) -> list[str]:
+    """The ``--paired`` tables, one a statistic: per pair of arms the seeds paired, each seed's A − B,
+    their mean and sd and the 95% t-interval over seeds. Labelled within-seed throughout, so that they
+    are not read as the Welch rows above (the primary analysis, over runs)."""
+    lines: list[str] = []
+    for statistic, role in roles:
+        lines += ["", f"{_label(report, statistic)} ({role}), paired within seed: A − B of the two runs of each seed "
+                  "(matched by base_seed), mean over seeds with the 95% t-interval (n − 1 degrees of freedom):", "",
+                  "| A − B (paired) | seeds paired | A − B per seed | mean | sd | 95% over seeds (paired t) "
+                  "| reading |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in (r for r in report["paired"] if r["statistic"] == statistic):
+            first, second = row["arms"]
+            per_seed = ", ".join(f"{seed}: {d:+.3f}" for seed, d in zip(row["seeds"], row["per_seed"])) or "–"
+            mean = "–" if row["mean"] is None else f"{row['mean']:+.3f}"
+            ci = "–" if row["ci95"] is None else f"[{row['ci95'][0]:+.3f}, {row['ci95'][1]:+.3f}]"
+            lines.append(f"| {first} − {second} | {row['n_pairs']} | {per_seed} | {mean} | {_value(row['sd'])} | "
+                         f"{ci} | {row['reading']} |")
+    return lines + ["", "Paired within seed: runs of two arms matched by seed, where both arms ran one session from "
+                    "one shared start; seeds with a run in one arm only are left out, named below."]
