@@ -68,7 +68,7 @@ def open_checkpoint(
     ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
     :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model,
     opened without a root, and unless ``check_hash`` is False its content hash must be ``base.sha256``
-    (:func:`_open_base`): the adapter means an update of that model only, and the server compares the
+    (:func:`open_global_model`): the adapter means an update of that model only, and the server compares the
     hash the adapter records with ``base.sha256``, so the bytes must match it too. ``base_digests``: the
     caller's digests of the base's files, kept across its opens (the strategy keeps one per round), so
     a base opened for every client's adapter is hashed once while its files are unchanged; None:
@@ -119,7 +119,7 @@ def open_checkpoint(
                                  trusted=trusted if deferred else None)
     elif ref.format == "peft-lora":
         assert base is not None  # checked with the layout
-        base_reader = _open_base(base, bool(check_hash), base_digests, io)
+        base_reader = open_global_model(base, bool(check_hash), base_digests, io)
         try:
             reader = LoraAdapterReader(ref, directory, base_reader, base, base_digests)
         except BaseException:
@@ -132,9 +132,11 @@ def open_checkpoint(
     return reader
 
 
-def _open_base(base: CheckpointRef, check: bool, digests: AuditDigests | None, io: IoMode) -> CheckpointReader:
-    """Open the model a LoRA adapter is read on top of; with ``check``, CheckpointError unless its files
-    hash to ``base.sha256`` (when it carries one).
+def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | None, io: IoMode = "auto"
+                      ) -> CheckpointReader:
+    """Open a round's global model (the server's own: no root), the model a LoRA adapter is read on top
+    of and the reference a round's checkpoints are checked and measured against; with ``check``,
+    CheckpointError unless its files hash to ``base.sha256`` (when it carries one).
 
     The hash comes from ``digests`` (a new :class:`.audit_digests.AuditDigests` when None): a file whose
     digest it remembers and whose stat is unchanged since is not read again, any other is hashed (and
@@ -149,10 +151,10 @@ def _open_base(base: CheckpointRef, check: bool, digests: AuditDigests | None, i
         actual = digests.directory_hash(reader.directory)
         if actual != base.sha256:
             raise CheckpointError(
-                f"{reader.directory}, the global model LoRA adapters are read on top of, has content hash "
-                f"{actual[:16]}..., its reference says {base.sha256[:16]}...: its files changed on disk after the "
-                "server wrote it, so the clients' adapters (trained on it as written) would be read on another "
-                f"model; restore {reader.directory} from a copy, or start the run over")
+                f"{reader.directory}, the round's global model, has content hash {actual[:16]}..., its reference "
+                f"says {base.sha256[:16]}...: its files changed on disk after the server wrote it, so the clients' "
+                "checkpoints (trained on it as written) would be aggregated against another model; restore "
+                f"{reader.directory} from a copy, or start the run over")
         reader.watch_unchanged({name: entry.stat for name, entry in digests.trusted(reader.directory).items()})
     except BaseException:
         reader.close()

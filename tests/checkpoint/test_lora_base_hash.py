@@ -38,7 +38,7 @@ def test_a_global_model_changed_on_disk_after_it_was_written_is_refused_naming_i
     with pytest.raises(CheckpointError) as refused:
         open_checkpoint(adapter, root=tmp_path, check_hash=check_hash, base=base)  # type: ignore[arg-type]
     message = str(refused.value)
-    assert message.startswith(f"{global_dir}, the global model LoRA adapters are read on top of, has content hash ")
+    assert message.startswith(f"{global_dir}, the round's global model, has content hash ")
     assert f"its reference says {base.sha256[:16]}...: its files changed on disk" in message
     assert f"restore {global_dir} from a copy, or start the run over" in message
     # the ClientApp's merge of its own adapter (no hash check at all) still opens it
@@ -60,7 +60,7 @@ def test_the_base_is_hashed_once_for_all_the_rounds_adapters_and_watched_while_r
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the global model was written a moment ago
     global_dir, base, adapters = _round(tmp_path, clients=3)
     hashed.clear()  # writing the adapters hashed it (the hash they record), as the clients do
-    digests = AuditDigests()  # the strategy's for the round (serverapp.strategy.sources.client_opener)
+    digests = AuditDigests()  # the strategy's for the round (serverapp.strategy.sources.round_sources)
     readers = [open_checkpoint(ref, root=tmp_path, check_hash="while-reading", base=base, base_digests=digests)
                for ref in adapters]
     try:
@@ -79,7 +79,7 @@ def test_the_base_is_hashed_once_for_all_the_rounds_adapters_and_watched_while_r
             reader.close()
     # and opened again (the strategy's retry after a culprit): refused, without hashing the unchanged config again
     before = hashed["config.json"]
-    with pytest.raises(CheckpointError, match=f"{global_dir}, the global model LoRA adapters are read on top of"):
+    with pytest.raises(CheckpointError, match=f"{global_dir}, the round's global model"):
         open_checkpoint(adapters[0], root=tmp_path, base=base, base_digests=digests)
     assert hashed["config.json"] == before
 

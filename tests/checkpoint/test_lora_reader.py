@@ -350,7 +350,7 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
     """Across machines (storage.kind=http) the upload is the adapter's files; the server's copy keeps the
     format and opens with its digests taken from the store's receipt: none of its bytes is hashed again,
     and both files are watched for a change while they are read (the base's too, its digests those the
-    round's first adapter left: the strategy's, :func:`.sources.client_opener`)."""
+    round's first adapter left: the strategy's, :func:`.sources.round_sources`)."""
     from fedagent_flwr.checkpoint import audit_digests
     from fedagent_flwr.checkpoint.audit_digests import AuditDigests
     from fedagent_flwr.checkpoint.http_server import HttpServerStore

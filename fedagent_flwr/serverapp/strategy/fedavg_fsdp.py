@@ -48,7 +48,6 @@ from fedagent_flwr.checkpoint import (
     CheckpointReader,
     CheckpointRef,
     check_compatible,
-    open_checkpoint,
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.model_files import check_model_config, model_files_dir
@@ -75,7 +74,7 @@ from fedagent_flwr.serverapp.strategy.replies import (
     split_replies,
     usable_evaluations,
 )
-from fedagent_flwr.serverapp.strategy.sources import client_opener, reopened
+from fedagent_flwr.serverapp.strategy.sources import reopened, round_sources
 
 
 @dataclass
@@ -328,8 +327,12 @@ class FedAvgFSDP(FedAvg):
         actor (critic: the global critic, once there is one). Returns the new reference, the
         clients used (message, reply, checkpoint path) and the aggregation's report."""
         start = self.global_model if kind == "actor" else self.global_critic
-        reference = open_checkpoint(start, check_hash=False) if start is not None else None
-        open_client = client_opener(self.run_root, self.store.receipt_check(), start)
+        try:  # the global model hash-checked: changed on disk since written, no client's update is usable
+            reference, open_client = round_sources(self.run_root, self.store.receipt_check(), start)
+        except CheckpointError as exc:
+            for _, reply in candidates:
+                self._refuse(server_round, reply.client_id, str(exc), refused)
+            return None, [], None
         opened: list[tuple[Message, TrainReply, CheckpointReader]] = []
         try:
             for message, reply in candidates:
@@ -337,7 +340,7 @@ class FedAvgFSDP(FedAvg):
                 ref = reply.actor if kind == "actor" else reply.critic
                 assert ref is not None  # candidates for the critic all carry one
                 try:
-                    reader = open_client(self.store.resolve(ref, server_round, client))  # sources.client_opener
+                    reader = open_client(self.store.resolve(ref, server_round, client))  # sources.round_sources
                     try:
                         if reference is not None:
                             check_compatible(reader, reference)

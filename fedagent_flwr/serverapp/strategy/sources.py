@@ -7,22 +7,34 @@ from typing import TypeVar
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointReader, CheckpointRef, open_checkpoint
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
+from fedagent_flwr.checkpoint.open_ref import open_global_model
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.protocol import TrainReply
 
 M = TypeVar("M")
 
 
-def client_opener(run_root: str, receipts: ReceiptCheck | None,
-                  start: CheckpointRef | None) -> Callable[[CheckpointRef], CheckpointReader]:
-    """How a round opens its clients' checkpoints: inside ``run_root``, the content hash checked while
-    reading (verified before the mean is committed), from the http or s3 store's ``receipts`` where they
-    hold. A LoRA adapter reads as the round's starting model ``start`` plus its update
-    (:mod:`fedagent_flwr.checkpoint.lora_reader`), that model's content hash checked against ``start``
-    from digests all the round's adapters share: it is hashed once per round while its files are unchanged."""
-    base_digests = AuditDigests()
-    return lambda ref: open_checkpoint(ref, run_root, check_hash="while-reading", receipts=receipts, base=start,
-                                       base_digests=base_digests)
+def round_sources(run_root: str, receipts: ReceiptCheck | None, start: CheckpointRef | None
+                  ) -> tuple[CheckpointReader | None, Callable[[CheckpointRef], CheckpointReader]]:
+    """The round's global model ``start`` opened as the reference its checkpoints are checked and
+    measured against (shapes, update statistics, a server optimiser's step), and how the round opens
+    its clients' checkpoints.
+
+    The reference's content hash must be ``start``'s (CheckpointError naming it otherwise: its files
+    changed on disk after the server wrote it, and every client trained on it as written). A client's
+    checkpoint is opened inside ``run_root``, its content hash checked while reading (verified before
+    the mean is committed), from the http or s3 store's ``receipts`` where they hold. A LoRA adapter
+    reads as ``start`` plus its update (:mod:`fedagent_flwr.checkpoint.lora_reader`), ``start`` checked
+    from the digests the reference was: the global model is hashed once per round while its files are
+    unchanged."""
+    digests = AuditDigests()
+    reference = open_global_model(start, True, digests) if start is not None else None
+
+    def open_client(ref: CheckpointRef) -> CheckpointReader:
+        return open_checkpoint(ref, run_root, check_hash="while-reading", receipts=receipts, base=start,
+                               base_digests=digests)
+
+    return reference, open_client
 
 
 def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]], run_root: str,

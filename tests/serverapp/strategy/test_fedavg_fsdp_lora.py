@@ -200,6 +200,6 @@ def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_st
     hashed = count_hashed_files(monkeypatch, Path.resolve)
     with pytest.raises(RoundFailedError, match="every client \\(3\\) failed the same way") as stopped:
         train_round(strategy, 2, replies)
-    assert f"{global_1}, the global model LoRA adapters are read on top of, has content hash" in str(stopped.value)
+    assert f"{global_1}, the round's global model, has content hash" in str(stopped.value)
     assert hashed[(global_1 / "model.safetensors").resolve()] == 1
     assert strategy.global_model.path == str(global_1)  # nothing was aggregated on it
