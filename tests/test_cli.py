@@ -35,9 +35,10 @@ def test_unknown_command_is_refused_with_the_list(capsys: pytest.CaptureFixture[
 def test_every_commands_usage_names_a_way_to_run_it(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``fedagent NAME --help`` prints a usage line a user can type: ``fedagent NAME`` or
     ``python -m MODULE``, never a bare ``fedagent`` (which would run no command)."""
+    program = sys.argv[0]
     with pytest.raises(SystemExit) as done:
         cli.main([name, "--help"])
-    assert done.value.code == 0
+    assert done.value.code == 0 and sys.argv[0] == program  # put back, also after the command's exit
     usage = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("usage:"))
     assert usage.startswith((f"usage: fedagent {name} ", f"usage: python -m {cli.COMMANDS[name][0]} ")), usage
 
