@@ -224,6 +224,8 @@ GUIDE_PATH = re.compile(r"(?<![\w./<-])((?:fedagent_flwr|tests|testkit|tools|ben
                         r"requirements)/[\w./-]*[\w/])(?![\w/*<{\[-]|\.\w)")
 #: A dotted Python name of the checkout's code: a module, or a name a module defines.
 GUIDE_NAME = re.compile(r"(?<![\w./])((?:fedagent_flwr|testkit|examples)(?:\.\w+)+)")
+#: The checkout's top-level packages a dotted name may start with.
+GUIDE_ROOTS = ("fedagent_flwr", "testkit", "examples")
 #: A module named by its path inside the package (``serverapp/rounds.py``, ``rollout/episode.py::name``).
 GUIDE_PACKAGE_PATH = re.compile(r"(?<![\w./-])((?:checkpoint|clientapp|envs|hetero|models|rollout|schema|serverapp|"
                                 r"trainers)/[\w/]+\.py)(?:::(\w+))?")
@@ -264,13 +266,18 @@ def python_name_exists(dotted: str, root: Path = REPO) -> bool:
     rest = parts[end:]
     if not rest:
         return True
-    names = _names_defined(ast.parse(module.read_text(), filename=str(module)).body)
-    node = names.get(rest[0])
-    if node is None:
-        return False
-    if len(rest) > 1 and isinstance(node, ast.ClassDef):
-        return rest[1] in _names_defined(node.body)
-    return True
+    node: ast.stmt | None = _names_defined(ast.parse(module.read_text(), filename=str(module)).body).get(rest[0])
+    if isinstance(node, ast.ImportFrom):  # a re-export: followed to the module that defines the name
+        alias = next(alias for alias in node.names if (alias.asname or alias.name) == rest[0])
+        package = module.parent.relative_to(root).parts  # where a relative import (level 1: this package) starts
+        base = package[:len(package) - node.level + 1] if node.level else ()
+        source = ".".join((*base, *([node.module] if node.module else [])))
+        if source.split(".")[0] in GUIDE_ROOTS:
+            return python_name_exists(".".join((source, alias.name, *rest[1:])), root)
+        return len(rest) == 1  # imported from elsewhere (torch, flwr): what it holds is not read here
+    for part in rest[1:]:  # a class's attribute, a nested class's; a function or a value has none to name
+        node = _names_defined(node.body).get(part) if isinstance(node, ast.ClassDef) else None
+    return node is not None
 
 
 def named_in_guides() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -308,6 +315,8 @@ def test_the_guide_scan_finds_a_wrong_path_and_name() -> None:
     assert python_name_exists("fedagent_flwr.checkpoint.verify")  # a module
     assert python_name_exists("fedagent_flwr.checkpoint.CheckpointRef.for_directory")  # imported, then a class's
     assert not python_name_exists("fedagent_flwr.checkpoint.ref.CheckpointRef.for_dir")
+    assert not python_name_exists("fedagent_flwr.checkpoint.CheckpointRef.for_dir")  # re-exported, then followed
+    assert not python_name_exists("fedagent_flwr.config.load_settings.bogus")  # a function has no attributes
 
 
 def test_the_guides_name_only_files_and_python_names_that_exist() -> None:

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
@@ -125,21 +124,18 @@ class LoraAdapterReader(CheckpointReader):
     ``base`` (a reader of the global model the client started from, owned and closed by this reader)
     provides the keys, shapes and every untargeted tensor; ``base_ref`` is its reference, kept so
     the adapter can be opened again (:func:`.open_ref.open_checkpoint`'s ``base``) and recorded with
-    the aggregate's sources; ``base_digests``, those its content hash was checked from
-    (:func:`.open_ref.open_checkpoint`), kept to open it again likewise. Every adapter key must pair
+    the aggregate's sources. Every adapter key must pair
     with its partner factor and with a 2-d weight of the base of matching shape, which no other pair
     updates and which the base does not tie to another key, else CheckpointError naming the file and
     key; and the adapter must record the base's content hash as the model it was trained on.
     """
 
-    def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef,
-                 base_digests: AuditDigests | None = None) -> None:
+    def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
         super().__init__(ref, directory)
         from safetensors import safe_open
 
         self.base = base
         self.base_ref = base_ref
-        self.base_digests = base_digests
         self._file = directory / ADAPTER_WEIGHTS
         config_path = directory / ADAPTER_CONFIG
         try:

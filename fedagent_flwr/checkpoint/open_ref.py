@@ -121,7 +121,7 @@ def open_checkpoint(
         assert base is not None  # checked with the layout
         base_reader = open_global_model(base, bool(check_hash), base_digests, io)
         try:
-            reader = LoraAdapterReader(ref, directory, base_reader, base, base_digests)
+            reader = LoraAdapterReader(ref, directory, base_reader, base)
         except BaseException:
             base_reader.close()
             raise

@@ -18,15 +18,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-
-if TYPE_CHECKING:
-    from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 
 __all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
 
@@ -37,8 +34,6 @@ class CheckpointReader(ABC):
     #: The full model this checkpoint is read on top of (a LoRA adapter's base, :mod:`.lora_reader`);
     #: None for a checkpoint that is a full model by itself.
     base_ref: CheckpointRef | None = None
-    #: The digests its base's content hash was checked from, to open it again on them (``open_checkpoint``).
-    base_digests: AuditDigests | None = None
 
     def __init__(self, ref: CheckpointRef, directory: Path) -> None:
         self.ref = ref

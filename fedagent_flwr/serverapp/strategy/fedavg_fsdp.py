@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -376,14 +376,15 @@ class FedAvgFSDP(FedAvg):
                         for _, reply, _ in opened:
                             refused.setdefault(reply.client_id, f"aggregation failed: {exc}")
                         return None, [], None
-                    opened = self._drop(server_round, opened, [(i, str(exc)) for i in culprits], refused)
+                    opened = self._drop(server_round, opened, [(i, str(exc)) for i in culprits], refused, open_client)
                     continue
                 # The built-in rules check every content hash before they rename the mean into place;
                 # a custom rule may not, so every source is checked here before anything is used.
                 mismatched = content_mismatches([reader for _, _, reader in opened])
                 if mismatched:
                     shutil.rmtree(out_dir, ignore_errors=True)
-                    opened = self._drop(server_round, opened, [(i, str(m)) for i, m in mismatched], refused)
+                    opened = self._drop(server_round, opened, [(i, str(m)) for i, m in mismatched], refused,
+                                        open_client)
                     continue
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
@@ -401,15 +402,15 @@ class FedAvgFSDP(FedAvg):
                 reference.close()
 
     def _drop(self, server_round: int, opened: list[tuple[Message, TrainReply, CheckpointReader]],
-              culprits: list[tuple[int, str]], refused: dict[int, str]
+              culprits: list[tuple[int, str]], refused: dict[int, str],
+              open_client: Callable[[CheckpointRef], CheckpointReader]
               ) -> list[tuple[Message, TrainReply, CheckpointReader]]:
-        """Refuse the culprits (index into ``opened``, reason) and reopen the rest for another pass."""
+        """Refuse the culprits (index into ``opened``, reason); reopen the rest by ``open_client`` for another pass."""
         for i, reason in sorted(culprits, reverse=True):
             _, reply, reader = opened.pop(i)
             reader.close()
             self._refuse(server_round, reply.client_id, reason, refused)
-        return reopened(opened, self.run_root, lambda client, why: self._refuse(server_round, client, why, refused),
-                        receipts=self.store.receipt_check())
+        return reopened(opened, open_client, lambda client, why: self._refuse(server_round, client, why, refused))
 
     @staticmethod
     def _refuse(server_round: int, client: int, reason: str, refused: dict[int, str]) -> None:

@@ -37,21 +37,20 @@ def round_sources(run_root: str, receipts: ReceiptCheck | None, start: Checkpoin
     return reference, open_client
 
 
-def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]], run_root: str,
-             refuse: Callable[[int, str], None],
-             receipts: ReceiptCheck | None = None) -> list[tuple[M, TrainReply, CheckpointReader]]:
-    """The same checkpoints, closed and opened afresh: a content hash checked while reading covers
-    one pass only, so a retry reads (and hashes) every byte again, except files the store's
-    ``receipts`` still vouch for (:mod:`fedagent_flwr.checkpoint.receipts`); a LoRA adapter on the same
-    base model as before, its hash checked from the same digests. One that no longer
-    opens is passed to ``refuse(client, reason)`` and left out."""
+def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]],
+             open_client: Callable[[CheckpointRef], CheckpointReader],
+             refuse: Callable[[int, str], None]) -> list[tuple[M, TrainReply, CheckpointReader]]:
+    """The same checkpoints, closed and opened afresh by the round's ``open_client``
+    (:func:`round_sources`): a content hash checked while reading covers one pass only, so a retry
+    reads (and hashes) every byte again, except files the store's receipts still vouch for
+    (:mod:`fedagent_flwr.checkpoint.receipts`); a LoRA adapter on the same base model as before, its
+    hash checked from the same digests. One that no longer opens is passed to ``refuse(client,
+    reason)`` and left out."""
     fresh = []
     for message, reply, reader in opened:
         reader.close()
         try:
-            fresh.append((message, reply, open_checkpoint(reader.ref, root=run_root, check_hash="while-reading",
-                                                          receipts=receipts, base=reader.base_ref,
-                                                          base_digests=reader.base_digests)))
+            fresh.append((message, reply, open_client(reader.ref)))
         except CheckpointError as exc:
             refuse(reply.client_id, str(exc))
     return fresh
