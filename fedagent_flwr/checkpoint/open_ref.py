@@ -151,10 +151,10 @@ def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | 
         actual = digests.directory_hash(reader.directory)
         if actual != base.sha256:
             raise CheckpointError(
-                f"{reader.directory}, the round's global model, has content hash {actual[:16]}..., its reference "
-                f"says {base.sha256[:16]}...: its files changed on disk after the server wrote it, so the clients' "
-                "checkpoints (trained on it as written) would be aggregated against another model; restore "
-                f"{reader.directory} from a copy, or start the run over")
+                f"{reader.directory}, the round's global {'critic' if base.kind == 'critic' else 'model'}, has "
+                f"content hash {actual[:16]}..., its reference says {base.sha256[:16]}...: its files changed on disk "
+                "since the run recorded its hash, so the clients' checkpoints (trained on it as recorded) would be "
+                f"aggregated against another model; restore {reader.directory} from a copy, or start the run over")
         reader.watch_unchanged({name: entry.stat for name, entry in digests.trusted(reader.directory).items()})
     except BaseException:
         reader.close()

@@ -74,7 +74,7 @@ from fedagent_flwr.serverapp.strategy.replies import (
     split_replies,
     usable_evaluations,
 )
-from fedagent_flwr.serverapp.strategy.sources import reopened, round_sources
+from fedagent_flwr.serverapp.strategy.sources import global_model_unchanged, reopened, round_sources
 
 
 @dataclass
@@ -327,12 +327,7 @@ class FedAvgFSDP(FedAvg):
         actor (critic: the global critic, once there is one). Returns the new reference, the
         clients used (message, reply, checkpoint path) and the aggregation's report."""
         start = self.global_model if kind == "actor" else self.global_critic
-        try:  # the global model hash-checked: changed on disk since written, no client's update is usable
-            reference, open_client = round_sources(self.run_root, self.store.receipt_check(), start)
-        except CheckpointError as exc:
-            for _, reply in candidates:
-                self._refuse(server_round, reply.client_id, str(exc), refused)
-            return None, [], None
+        reference, open_client = round_sources(self.run_root, self.store.receipt_check(), start)  # hash-checked
         opened: list[tuple[Message, TrainReply, CheckpointReader]] = []
         try:
             for message, reply in candidates:
@@ -386,6 +381,7 @@ class FedAvgFSDP(FedAvg):
                     opened = self._drop(server_round, opened, [(i, str(m)) for i, m in mismatched], refused,
                                         open_client)
                     continue
+                global_model_unchanged(reference, out_dir)  # as hashed at opening, else the run stops (sources)
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
                     [round(w, 4) for w in report.weights], report.seconds)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointReader, CheckpointRef, open_checkpoint
@@ -10,6 +12,7 @@ from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.open_ref import open_global_model
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.protocol import TrainReply
+from fedagent_flwr.serverapp.failures import RunFailedError
 
 M = TypeVar("M")
 
@@ -20,21 +23,39 @@ def round_sources(run_root: str, receipts: ReceiptCheck | None, start: Checkpoin
     measured against (shapes, update statistics, a server optimiser's step), and how the round opens
     its clients' checkpoints.
 
-    The reference's content hash must be ``start``'s (CheckpointError naming it otherwise: its files
-    changed on disk after the server wrote it, and every client trained on it as written). A client's
+    The reference's content hash must be ``start``'s; otherwise its files changed on disk since the run
+    recorded it, every client trained on it as recorded, and no update of the round can be measured
+    against it: RunFailedError naming it, and the run stops (a PPO run's critic alike). A client's
     checkpoint is opened inside ``run_root``, its content hash checked while reading (verified before
     the mean is committed), from the http or s3 store's ``receipts`` where they hold. A LoRA adapter
     reads as ``start`` plus its update (:mod:`fedagent_flwr.checkpoint.lora_reader`), ``start`` checked
     from the digests the reference was: the global model is hashed once per round while its files are
     unchanged."""
     digests = AuditDigests()
-    reference = open_global_model(start, True, digests) if start is not None else None
+    try:
+        reference = open_global_model(start, True, digests) if start is not None else None
+    except CheckpointError as exc:
+        raise RunFailedError(str(exc)) from None
 
     def open_client(ref: CheckpointRef) -> CheckpointReader:
         return open_checkpoint(ref, run_root, check_hash="while-reading", receipts=receipts, base=start,
                                base_digests=digests)
 
     return reference, open_client
+
+
+def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path) -> None:
+    """RunFailedError, the round's mean in ``out_dir`` (built from it) removed, if the round's global model
+    ``reference`` (:func:`round_sources`) changed while the round read it: its files' stat since their
+    hash at opening (:meth:`~CheckpointReader.verify_content`)."""
+    if reference is None:
+        return
+    try:
+        reference.verify_content()
+    except CheckpointError as exc:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise RunFailedError(f"{exc}: it is the round's global model, so the round's mean is not used and the run "
+                             f"stops; restore {reference.directory} from a copy, or start the run over") from None
 
 
 def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]],

@@ -185,7 +185,7 @@ def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_st
     was hashed once for the round, not once per client."""
 
     from fedagent_flwr.checkpoint import audit_digests
-    from fedagent_flwr.serverapp.failures import RoundFailedError
+    from fedagent_flwr.serverapp.failures import RunFailedError
     from testkit.file_change import flip_byte
 
     write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
@@ -198,7 +198,7 @@ def test_a_round_whose_global_model_changed_on_disk_refuses_every_adapter_and_st
     flip_byte(global_1 / "model.safetensors", restore_mtime=True, at=-1)
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago
     hashed = count_hashed_files(monkeypatch, Path.resolve)
-    with pytest.raises(RoundFailedError, match="every client \\(3\\) failed the same way") as stopped:
+    with pytest.raises(RunFailedError) as stopped:
         train_round(strategy, 2, replies)
     assert f"{global_1}, the round's global model, has content hash" in str(stopped.value)
     assert hashed[(global_1 / "model.safetensors").resolve()] == 1
