@@ -151,6 +151,8 @@ def _paired_lines(report: dict[str, Any], roles: tuple[tuple[str, str], ...]) ->
     their mean and sd and the 95% t-interval over seeds. Labelled within-seed throughout, so that they
     are not read as the Welch rows above (the primary analysis, over runs)."""
     lines: list[str] = []
+    # a seed whose run in either arm is unfinished: its value covers that run's rounds, not the heading's
+    moved = {(run["arm"], run["seed"]) for run in report["runs"] if run["final_round"] != report["total_rounds"]}
     for statistic, role in roles:
         lines += ["", f"{_label(report, statistic)} ({role}), paired within seed: A − B of the two runs of each seed "
                   "(matched by base_seed), mean over seeds with the 95% t-interval (n − 1 degrees of freedom):", "",
@@ -159,10 +161,14 @@ def _paired_lines(report: dict[str, Any], roles: tuple[tuple[str, str], ...]) ->
                   "|---|---|---|---|---|---|---|"]
         for row in (r for r in report["paired"] if r["statistic"] == statistic):
             first, second = row["arms"]
-            per_seed = ", ".join(f"{seed}: {d:+.3f}" for seed, d in zip(row["seeds"], row["per_seed"])) or "–"
+            per_seed = ", ".join(f"{seed}{'†' if {(first, seed), (second, seed)} & moved else ''}: {d:+.3f}"
+                                 for seed, d in zip(row["seeds"], row["per_seed"])) or "–"
             mean = "–" if row["mean"] is None else f"{row['mean']:+.3f}"
             ci = "–" if row["ci95"] is None else f"[{row['ci95'][0]:+.3f}, {row['ci95'][1]:+.3f}]"
             lines.append(f"| {first} − {second} | {row['n_pairs']} | {per_seed} | {mean} | {_value(row['sd'])} | "
                          f"{ci} | {row['reading']} |")
+    if moved:
+        lines += ["", "† a seed whose run in one of the arms is unfinished: its difference covers the rounds that run "
+                  "has (named in its row of the runs table), not the headings' rounds."]
     return lines + ["", "Paired within seed: runs of two arms matched by seed, where both arms ran one session from "
                     "one shared start; seeds with a run in one arm only are left out, named below."]

@@ -446,3 +446,18 @@ def _help(capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit):
         cli.main(["compare", "--help"])
     return capsys.readouterr().out
+
+
+def test_a_paired_seed_whose_run_is_unfinished_is_marked(tmp_path: Path) -> None:
+    """With --allow-unfinished, a seed whose local run stopped at round 5 of 10 pairs its rounds 3-5 with
+    federated's rounds 8-10: its per-seed difference is marked, as the Welch rows mark such an arm, and
+    the mark is explained; the finished seeds are not marked."""
+    fed, loc = _paired_arms(tmp_path, [0.30, 0.62], [0.20, 0.50])
+    running = _run(tmp_path / "local-s6", [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], seed=6, total_rounds=10, status=None,
+                   mode="local")
+    fed.append(_run(tmp_path / "federated-s6", [0.0625] * 8 + [0.7] * 3, seed=6))
+    text = markdown(compare({"federated": fed, "local": [*loc, running]}, paired_by_seed=True, allow_unfinished=True))
+    assert "| federated − local | 3 | 4: +0.100, 5: +0.120, 6†: +0.200 |" in text
+    assert ("† a seed whose run in one of the arms is unfinished: its difference covers the rounds that run has "
+            "(named in its row of the runs table), not the headings' rounds.") in text
+    assert "†" not in markdown(compare({"federated": fed[:2], "local": loc}, paired_by_seed=True))
