@@ -159,6 +159,8 @@ class RunStatistic:
     final_ci95: tuple[float, float]
     unfinished: str
     deviations: tuple[str, ...]
+    #: the content hash of the model the run started from (its summary's ``base_model_sha256``)
+    start_sha256: str | None = None
 
 
 def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinished: bool = False
@@ -200,7 +202,7 @@ def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinis
                         total_rounds=total, last_round=last, window=window_mean(curve, end, window), final=rate,
                         window_rounds=(end - window + 1, end) if end >= window else None, final_round=end,
                         final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished,
-                        deviations=tuple(deviations(summary)))
+                        deviations=tuple(deviations(summary)), start_sha256=summary.get("base_model_sha256") or None)
 
 
 def _check_runs(runs: list[RunStatistic], statistic: str, window: int) -> None:
@@ -342,6 +344,7 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     rows = [{**asdict(run), "final_ci95": list(run.final_ci95),
              "window_rounds": None if run.window_rounds is None else list(run.window_rounds)} for run in runs]
     within = paired(rows, list(arms), statistic) + paired(rows, list(arms), secondary) if paired_by_seed else []
+    starts = {(run.arm, run.seed): run.start_sha256 for run in runs}
     for row in within:
         first, second = row["arms"]
         alone = "; ".join(f"{seeds} in {name} only" for name, seeds in row["only_in"].items() if seeds)
@@ -351,6 +354,13 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
         if row["without_value"]:
             notes.append(f"paired {first} − {second}: seed(s) {row['without_value']} lack a {row['statistic']} value "
                          f"in one arm: left out of the paired {row['statistic']} comparison")
+        # the pairing's premise: both runs of a seed started from one model (one session's shared start)
+        apart = [seed for seed in row["seeds"] if starts[first, seed] and starts[second, seed]
+                 and starts[first, seed] != starts[second, seed]]
+        if apart and row["statistic"] == statistic:
+            notes.append(f"paired {first} − {second}: the runs of seed(s) {apart} started from different models "
+                         "(their summaries' base_model_sha256 differ): the pairing assumes one shared start, which "
+                         "they do not have, so their differences keep that start's luck")
     report = {
         "statistic": statistic, "secondary": secondary, "window": window, "total_rounds": total,
         "window_rounds": [total - window + 1, total],

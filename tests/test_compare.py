@@ -30,15 +30,16 @@ def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(run_dir: Path, rates: list[float | None], *, seed: int = 1, total_rounds: int | None = None,
-         status: str | None = "completed", n: int = 64, mode: str = "federated", lacking: tuple[int, ...] = ()
-         ) -> Path:
+         status: str | None = "completed", n: int = 64, mode: str = "federated", lacking: tuple[int, ...] = (),
+         start: str | None = None) -> Path:
     """A run record written by the recorder: validation ``rates`` from round 0 on (None: that round's
     evaluation recorded nothing; a round in ``lacking``: its point lacks client 1's episodes), each
-    round committed; ``status`` None leaves it running (a ServerApp killed mid-run)."""
+    round committed; ``status`` None leaves it running (a ServerApp killed mid-run); ``start``: the
+    starting model's content hash, recorded as ``base_model_sha256``."""
     total = len(rates) - 1 if total_rounds is None else total_rounds
     recorder = RunRecorder(run_dir, {"run_id": f"{run_dir.name}", "base_model": "/m", "env_kind": "tinyguess",
                                      "mode": mode, "strategy": "fedavg", "total_rounds": total,
-                                     "base_seed": seed})
+                                     "base_seed": seed, **({"base_model_sha256": start} if start else {})})
     for r, rate in enumerate(rates):
         if rate is None:
             recorder.record_eval_failure(server_round=r, model=f"/m{r}", failed={0: "killed"})
@@ -461,3 +462,20 @@ def test_a_paired_seed_whose_run_is_unfinished_is_marked(tmp_path: Path) -> None
     assert ("† a seed whose run in one of the arms is unfinished: its difference covers the rounds that run has "
             "(named in its row of the runs table), not the headings' rounds.") in text
     assert "†" not in markdown(compare({"federated": fed[:2], "local": loc}, paired_by_seed=True))
+
+
+def test_a_paired_seed_whose_runs_started_from_different_models_is_named(tmp_path: Path) -> None:
+    """--paired assumes both runs of a seed shared one start (one session's warm start): where their
+    summaries record different starting models, a note names the seed; runs of one start, or without
+    the hash, give none."""
+    fed = [_run(tmp_path / f"federated-s{s}", [0.0625] * 8 + [w] * 3, seed=s, start=h)
+           for s, w, h in ((4, 0.4, "aa" * 32), (5, 0.5, "bb" * 32), (6, 0.6, None))]
+    loc = [_run(tmp_path / f"local-s{s}", [0.0625] * 8 + [w] * 3, seed=s, mode="local", start=h)
+           for s, w, h in ((4, 0.3, "aa" * 32), (5, 0.4, "cc" * 32), (6, 0.5, "dd" * 32))]
+    notes = compare({"federated": fed, "local": loc}, paired_by_seed=True)["notes"]
+    assert [note for note in notes if "started from different models" in note] == [
+        "paired federated − local: the runs of seed(s) [5] started from different models (their summaries' "
+        "base_model_sha256 differ): the pairing assumes one shared start, which they do not have, so their "
+        "differences keep that start's luck"]
+    unpaired = compare({"federated": fed, "local": loc})["notes"]
+    assert not any("started from different models" in note for note in unpaired)
