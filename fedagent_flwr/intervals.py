@@ -31,7 +31,7 @@ _T_975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624,
 
 
 # One-sided 80% quantiles of Student's t for 1-30 degrees of freedom (t_{0.80, df}): the power term
-# of a sample-size plan; the normal's past 30.
+# of a sample-size plan.
 _T_80 = (1.376382, 1.060660, 0.978472, 0.940965, 0.919544, 0.905703, 0.896030, 0.888890, 0.883404, 0.879058,
          0.875530, 0.872609, 0.870152, 0.868055, 0.866245, 0.864667, 0.863279, 0.862049, 0.860951, 0.859964,
          0.859074, 0.858266, 0.857530, 0.856855, 0.856236, 0.855665, 0.855137, 0.854647, 0.854192, 0.853767)
@@ -40,22 +40,35 @@ Z_80 = 0.8416212335729143
 
 def _t_quantile(table: tuple[float, ...], normal: float, df: float) -> float:
     """A quantile from ``table`` at ``df`` rounded down to a whole number (a larger quantile, never a
-    smaller one); the normal's past the table."""
+    smaller one); past the table, the normal quantile ``normal`` corrected for those degrees of freedom."""
     whole = math.floor(df)
     if whole < 1:
         raise ValueError(f"need at least 1 degree of freedom, got {df}")
-    return table[whole - 1] if whole <= len(table) else normal
+    return table[whole - 1] if whole <= len(table) else _t_from_normal(normal, whole)
+
+
+def _t_from_normal(z: float, df: int) -> float:
+    """Student's t quantile at ``df`` degrees of freedom from the normal's quantile ``z`` by the
+    Cornish-Fisher expansion in 1/df (Abramowitz & Stegun 26.7.5), within 1e-7 of the exact value past
+    30 degrees of freedom. The normal's own quantile there would be up to 4% smaller (1.96 against
+    t_{0.975, 31} = 2.040): an interval narrower than its stated 95%."""
+    z2 = z * z
+    g1 = z * (z2 + 1) / 4
+    g2 = z * ((5 * z2 + 16) * z2 + 3) / 96
+    g3 = z * (((3 * z2 + 19) * z2 + 17) * z2 - 15) / 384
+    g4 = z * ((((79 * z2 + 776) * z2 + 1482) * z2 - 1920) * z2 - 945) / 92160
+    return z + g1 / df + g2 / df ** 2 + g3 / df ** 3 + g4 / df ** 4
 
 
 def t_quantile_95(df: float) -> float:
     """Student's t two-sided 95% quantile for ``df`` degrees of freedom, rounded down to a whole
-    number of them (a wider interval, never a narrower one); the normal's past 30."""
+    number of them (a wider interval, never a narrower one)."""
     return _t_quantile(_T_975, Z_95, df)
 
 
 def t_quantile_80(df: float) -> float:
     """Student's t one-sided 80% quantile for ``df`` degrees of freedom (rounded down, as
-    :func:`t_quantile_95`); the normal's past 30."""
+    :func:`t_quantile_95`)."""
     return _t_quantile(_T_80, Z_80, df)
 
 

@@ -49,12 +49,12 @@ def _t_cdf(x: float, df: int, steps: int = 20000) -> float:
     return 0.5 + area
 
 
-@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30, 31, 45, 100, 150])
 def test_t_quantiles_leave_2_5_percent_in_each_tail(df: int) -> None:
     assert _t_cdf(t_quantile_95(df), df) == pytest.approx(0.975, abs=2e-6)
 
 
-@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30])
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 10, 30, 31, 45, 100, 150])
 def test_t_80_quantiles_leave_20_percent_above(df: int) -> None:
     assert _t_cdf(t_quantile_80(df), df) == pytest.approx(0.80, abs=2e-6)
 
@@ -62,12 +62,14 @@ def test_t_80_quantiles_leave_20_percent_above(df: int) -> None:
 def test_seeds_for_difference_matches_the_normal_plan_and_its_t_correction() -> None:
     # Normal approximation: n = (1.96 + 0.8416)^2 * (0.1^2 + 0.1^2) / 0.1^2 = 15.7 seeds a side; the t
     # quantiles at n = 16 (df 30: 2.0423 + 0.8538 = 2.8961, half-width 2.8961 * sqrt(0.02 / 16) = 0.1024)
-    # are not yet enough, at n = 17 (df 32, normal: 2.8016 * 0.0343 = 0.0961) they are.
+    # are not yet enough, at n = 17 (df 32: 2.0369 + 0.8531 = 2.8900, * 0.0343 = 0.0991) they are.
     assert seeds_for_difference(0.1, 0.1, 0.1) == 17
     # The batches' round-10 spreads (federated 0.1064, local 0.009) at their difference 0.0883: 14 a side;
-    # half the difference needs about four times the seeds.
+    # half the difference needs about four times the seeds: at n = 47 (df 46: t 2.0129 + 0.8495 = 2.8624,
+    # * sqrt(0.011402 / 47) = 0.04458) not yet, at 48 (df 47: 2.8611 * 0.04412 = 0.04410 <= 0.04415)
+    # yes; the normal's quantiles past 30 df (2.8016) stopped at 46, with an interval narrower than 95%.
     assert seeds_for_difference(0.1064, 0.009, 0.0883) == 14
-    assert seeds_for_difference(0.1064, 0.009, 0.0883 / 2) == 46
+    assert seeds_for_difference(0.1064, 0.009, 0.0883 / 2) == 48
     assert seeds_for_difference(0.1, 0.1, -0.1) == 17  # the sign does not matter
     assert seeds_for_difference(0.0, 0.0, 0.1) == 2  # no spread: any two seeds show it
     assert seeds_for_difference(0.1, 0.1, 0.0) is None
@@ -76,9 +78,11 @@ def test_seeds_for_difference_matches_the_normal_plan_and_its_t_correction() -> 
         seeds_for_difference(-0.1, 0.1, 0.1)
 
 
-def test_t_quantile_rounds_the_degrees_of_freedom_down_and_is_the_normal_past_30() -> None:
+def test_t_quantile_rounds_the_degrees_of_freedom_down_and_is_wider_than_the_normal_past_30() -> None:
     assert t_quantile_95(2.9) == t_quantile_95(2) > t_quantile_95(3)
-    assert t_quantile_95(31) == pytest.approx(1.959964)
+    # t_{0.975, 31} = 2.039513 (tables), not the normal's 1.959964; it nears the normal from above
+    assert t_quantile_95(31.7) == t_quantile_95(31) == pytest.approx(2.039513, abs=1e-6)
+    assert t_quantile_95(30) > t_quantile_95(31) > t_quantile_95(500) > 1.959964
     with pytest.raises(ValueError):
         t_quantile_95(0.5)
 
