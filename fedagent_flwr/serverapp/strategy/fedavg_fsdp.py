@@ -30,7 +30,6 @@ the rule by overriding :meth:`aggregation_weights` (weights per reply) or :meth:
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -51,7 +50,6 @@ from fedagent_flwr.checkpoint import (
     weighted_mean,
 )
 from fedagent_flwr.checkpoint.model_files import check_model_config, model_files_dir
-from fedagent_flwr.checkpoint.open_ref import content_mismatches
 from fedagent_flwr.checkpoint.store import ServerStore, SharedFsServerStore
 from fedagent_flwr.checkpoint.update_stats import describe_update_stats
 from fedagent_flwr.protocol import (
@@ -74,7 +72,12 @@ from fedagent_flwr.serverapp.strategy.replies import (
     split_replies,
     usable_evaluations,
 )
-from fedagent_flwr.serverapp.strategy.sources import global_model_unchanged, reopened, round_sources
+from fedagent_flwr.serverapp.strategy.sources import (
+    aggregation_culprits,
+    global_model_unchanged,
+    reopened,
+    round_sources,
+)
 
 
 @dataclass
@@ -325,7 +328,11 @@ class FedAvgFSDP(FedAvg):
         client whose checkpoint fails while streaming (a bad file, NaN or Inf values) is refused
         and the mean is recomputed without it. Shapes are checked against the current global
         actor (critic: the global critic, once there is one). Returns the new reference, the
-        clients used (message, reply, checkpoint path) and the aggregation's report."""
+        clients used (message, reply, checkpoint path) and the aggregation's report.
+
+        The global model is checked before any client is blamed or the mean used (after each aggregation,
+        :func:`.sources.aggregation_culprits`, and when no client is left): changed while the round read it,
+        it failed them all (every LoRA adapter reads on it), and the run stops naming it."""
         start = self.global_model if kind == "actor" else self.global_critic
         reference, open_client = round_sources(self.run_root, self.store.receipt_check(), start)  # hash-checked
         opened: list[tuple[Message, TrainReply, CheckpointReader]] = []
@@ -360,28 +367,22 @@ class FedAvgFSDP(FedAvg):
                         self._refuse(server_round, reply.client_id, f"aggregation weight {weights[i]} is not positive",
                                      refused)
                     continue
+                failure: CheckpointError | None = None
                 try:
                     report = self.aggregate_checkpoints(
                         server_round, [(reader, w) for (_, _, reader), w in zip(opened, weights)], out_dir, reference
                     )
                 except CheckpointError as exc:
-                    culprits = [i for i, (_, _, reader) in enumerate(opened) if str(reader.directory) in str(exc)]
-                    if not culprits:
-                        log(WARNING, "round %d: aggregation failed: %s", server_round, exc)
-                        for _, reply, _ in opened:
-                            refused.setdefault(reply.client_id, f"aggregation failed: {exc}")
-                        return None, [], None
-                    opened = self._drop(server_round, opened, [(i, str(exc)) for i in culprits], refused, open_client)
+                    failure = exc
+                culprits = aggregation_culprits(reference, [reader for _, _, reader in opened], failure, out_dir)
+                if failure is not None and not culprits:
+                    log(WARNING, "round %d: aggregation failed: %s", server_round, failure)
+                    for _, reply, _ in opened:
+                        refused.setdefault(reply.client_id, f"aggregation failed: {failure}")
+                    return None, [], None
+                if culprits:
+                    opened = self._drop(server_round, opened, culprits, refused, open_client)
                     continue
-                # The built-in rules check every content hash before they rename the mean into place;
-                # a custom rule may not, so every source is checked here before anything is used.
-                mismatched = content_mismatches([reader for _, _, reader in opened])
-                if mismatched:
-                    shutil.rmtree(out_dir, ignore_errors=True)
-                    opened = self._drop(server_round, opened, [(i, str(m)) for i, m in mismatched], refused,
-                                        open_client)
-                    continue
-                global_model_unchanged(reference, out_dir)  # as hashed at opening, else the run stops (sources)
                 log(INFO, "round %d: averaged %d %s checkpoints (%d tensors, weights %s) in %.1f s",
                     server_round, len(opened), kind, report.num_tensors,
                     [round(w, 4) for w in report.weights], report.seconds)
@@ -390,6 +391,7 @@ class FedAvgFSDP(FedAvg):
                     log(INFO, "round %d: %s", server_round,
                         describe_update_stats(report.update_stats, [r.client_id for _, r, _ in used], kind))
                 return CheckpointRef.for_directory(out_dir, kind, "hf-safetensors"), used, report  # type: ignore[arg-type]
+            global_model_unchanged(reference, None)  # every client refused: perhaps for its sake (a LoRA base)
             return None, [], None
         finally:
             for _, _, reader in opened:

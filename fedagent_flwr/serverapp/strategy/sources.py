@@ -1,15 +1,16 @@
-"""The clients' checkpoints a round averages: opened, and opened for another pass after a culprit is dropped."""
+"""The clients' checkpoints a round averages: opened, the culprits of a failed pass found (the round's global
+model checked first), and opened for another pass after a culprit is dropped."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointReader, CheckpointRef, open_checkpoint
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
-from fedagent_flwr.checkpoint.open_ref import open_global_model
+from fedagent_flwr.checkpoint.open_ref import content_mismatches, open_global_model
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.failures import RunFailedError
@@ -44,18 +45,38 @@ def round_sources(run_root: str, receipts: ReceiptCheck | None, start: Checkpoin
     return reference, open_client
 
 
-def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path) -> None:
-    """RunFailedError, the round's mean in ``out_dir`` (built from it) removed, if the round's global model
-    ``reference`` (:func:`round_sources`) changed while the round read it: its files' stat since their
-    hash at opening (:meth:`~CheckpointReader.verify_content`)."""
+def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | None) -> None:
+    """RunFailedError, the round's mean in ``out_dir`` (built from it; None: none was) removed, if the round's
+    global model ``reference`` (:func:`round_sources`) changed while the round read it: its files' stat since
+    their hash at opening (:meth:`~CheckpointReader.verify_content`). Checked before the mean is used and
+    before the round blames its clients (:func:`aggregation_culprits`)."""
     if reference is None:
         return
     try:
         reference.verify_content()
     except CheckpointError as exc:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if out_dir is not None:
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise RunFailedError(f"{exc}: it is the round's global model, so the round's mean is not used and the run "
                              f"stops; restore {reference.directory} from a copy, or start the run over") from None
+
+
+def aggregation_culprits(reference: CheckpointReader | None, readers: Sequence[CheckpointReader],
+                         failure: CheckpointError | None, out_dir: Path) -> list[tuple[int, str]]:
+    """The sources to refuse, (index into ``readers``, reason), after an aggregation over ``readers`` into
+    ``out_dir`` raised ``failure`` (None: it wrote the mean): those ``failure`` names, or those whose content
+    no longer checks out (:func:`~fedagent_flwr.checkpoint.open_ref.content_mismatches`; the built-in rules
+    check every hash before they rename the mean into place, a custom rule may not), the mean then removed.
+    The round's global model ``reference`` is checked first (:func:`global_model_unchanged`): changed while
+    the round read it, it failed the round, not the clients (every LoRA adapter reads on it, so each would
+    fail), and the run stops."""
+    global_model_unchanged(reference, out_dir if failure is None else None)  # a failed rule's out_dir is not ours
+    if failure is not None:
+        return [(i, str(failure)) for i, reader in enumerate(readers) if str(reader.directory) in str(failure)]
+    culprits = [(i, str(exc)) for i, exc in content_mismatches(readers)]
+    if culprits:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return culprits
 
 
 def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]],

@@ -1,24 +1,35 @@
 """A round's global model is checked against its content hash before the round is aggregated against it
 (:func:`fedagent_flwr.serverapp.strategy.sources.round_sources`), in runs without LoRA too: its values
 enter every client's update statistics and a server optimiser's step (FedAdam's pseudo-gradient), and
-every client trained on it as the run recorded it. Real strategies on real FSDP client checkpoints
-(:mod:`testkit.ckpt_factory`); the content hash is wrapped, never replaced (``count_hashed_files``)."""
+every client trained on it as the run recorded it. Changed while the round reads it, the run stops naming it,
+in a LoRA run too, where every adapter then fails its own check: the clients are not refused for it. Real
+strategies on real FSDP client checkpoints (:mod:`testkit.ckpt_factory`) and peft adapters
+(:mod:`testkit.lora_adapters`); the content hash is wrapped, never replaced (``count_hashed_files``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fedagent_flwr.checkpoint import CheckpointRef, audit_digests
-from fedagent_flwr.serverapp.failures import RunFailedError
-from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP, fedavg_fsdp
-from testkit.ckpt_factory import Suite
+from fedagent_flwr.serverapp.failures import RoundFailedError, RunFailedError
+from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
+from testkit.client_replies import train_reply
 from testkit.file_change import flip_byte
 from testkit.hash_count import count_hashed_files
+from testkit.lora_adapters import write_adapter
 from testkit.round_harness import train_round
-from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_ppo_reply, suite_replies
+from testkit.strategy_setup import (
+    client_slot,
+    connected_strategy,
+    initial_checkpoint,
+    suite_ppo_reply,
+    suite_replies,
+)
 
 ADAM = {"eta": 1e-2, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}
 STRATEGIES: list[tuple[type[FedAvgFSDP], dict[str, float]]] = [(FedAvgFSDP, {}), (FedAdamFSDP, ADAM)]
@@ -90,15 +101,75 @@ def test_a_global_model_changed_while_the_round_reads_it_stops_the_run_and_drops
     train_round(strategy, 1, suite_replies(run_root, suite, ("qwen_a", "qwen_b"), (4, 12), 1))
     global_1 = Path(strategy.global_model.path)
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago
-    checked = fedavg_fsdp.content_mismatches
+    aggregate = strategy.aggregate_checkpoints
 
-    def rewritten_meanwhile(readers: list[Any]) -> list[Any]:
+    def rewritten_meanwhile(*args: Any) -> Any:
+        report = aggregate(*args)
         flip_byte(global_1 / "model.safetensors", restore_mtime=False, at=-1)
-        return checked(readers)
+        return report
 
-    monkeypatch.setattr(fedavg_fsdp, "content_mismatches", rewritten_meanwhile)
+    monkeypatch.setattr(strategy, "aggregate_checkpoints", rewritten_meanwhile)
     changed = r"model\.safetensors changed while it was read \(.*\): it is the round's global model"
     with pytest.raises(RunFailedError, match=changed) as stopped:
         train_round(strategy, 2, suite_replies(run_root, suite, ("qwen_b", "qwen_c"), (6, 6), 2))
     assert f"restore {global_1} from a copy, or start the run over" in str(stopped.value)
+    assert strategy.global_model.path == str(global_1) and not (run_root / "round_2" / "global").exists()
+
+
+def _lora_round_2(tmp_path: Path) -> tuple[FedAvgFSDP, Path, Path, list[Any]]:
+    """A LoRA run (a tiny tied Llama) after round 1, and round 2's replies: two adapters trained on round 1's
+    global model. The strategy, its run dir, round 1's global model and the replies."""
+    write_hf_checkpoint(ModelSpec("global", "llama", seed=9, tie=True), tmp_path / "base")
+    strategy, run_root = connected_strategy(tmp_path, CheckpointRef.for_directory(tmp_path / "base"), clients=2)
+    train_round(strategy, 1, [train_reply(c, CheckpointRef.for_directory(write_adapter(
+        tmp_path / "base", client_slot(run_root, c) / "actor", seed=c)), 2) for c in (0, 1)])
+    global_1 = Path(strategy.global_model.path)
+    replies = [train_reply(c, CheckpointRef.for_directory(write_adapter(
+        global_1, client_slot(run_root, c, 2) / "actor", seed=10 + c)), 2) for c in (0, 1)]
+    return strategy, run_root, global_1, replies
+
+
+@pytest.mark.parametrize("when", ["as-the-adapters-open", "before-the-mean-reads-it", "once-the-mean-is-built"])
+def test_a_lora_runs_global_model_changed_while_the_round_reads_it_stops_the_run_naming_it_not_the_clients(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """Every adapter is read on the round's global model, so a change of it while the round reads it (opened
+    and hashed, then one byte flipped, only its ctime showing it) fails every adapter: as they open, each on a
+    base that no longer has its hash; before the mean's reads, in the rule's own check before it renames the
+    mean into place (the aggregation fails naming no client); once the mean is built (a rule that checks
+    nothing), in the sources' check (each adapter mismatches). Either way the run stops naming the global
+    model, as for a full model (before, every client was refused and the run stopped as 'every client
+    failed alike'); once the adapters opened, no client is refused at all."""
+    strategy, run_root, global_1, replies = _lora_round_2(tmp_path)
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago
+    weights = global_1 / "model.safetensors"
+    resolve, aggregate = strategy.store.resolve, strategy.aggregate_checkpoints
+
+    flipped: list[Path] = []
+
+    def opened_meanwhile(*args: Any) -> Any:  # the round's reference is open and hashed by now
+        if not flipped:  # once, before the first adapter opens
+            flip_byte(weights, restore_mtime=True, at=-1)
+            flipped.append(weights)
+        return resolve(*args)
+
+    def rewritten_meanwhile(*args: Any) -> Any:
+        if when == "before-the-mean-reads-it":
+            flip_byte(weights, restore_mtime=True, at=-1)
+        report = aggregate(*args)
+        if when == "once-the-mean-is-built":
+            flip_byte(weights, restore_mtime=True, at=-1)
+        return report
+
+    if when == "as-the-adapters-open":
+        monkeypatch.setattr(strategy.store, "resolve", opened_meanwhile)
+    monkeypatch.setattr(strategy, "aggregate_checkpoints", rewritten_meanwhile)
+    changed = rf"{re.escape(str(weights))} changed while it was read \(.*\): it is the round's global model, so the"
+    with pytest.raises(RunFailedError, match=changed) as stopped:
+        train_round(strategy, 2, replies)
+    assert not isinstance(stopped.value, RoundFailedError), stopped.value  # not 'every client failed alike'
+    assert f"restore {global_1} from a copy, or start the run over" in str(stopped.value)
+    result = strategy.last_aggregation
+    assert result is not None and result.actor is None
+    if when != "as-the-adapters-open":  # there, each adapter was refused as it opened, naming the global model
+        assert result.refused == {}
     assert strategy.global_model.path == str(global_1) and not (run_root / "round_2" / "global").exists()
