@@ -66,8 +66,9 @@ def test_seeds_for_difference_matches_the_normal_plan_and_its_t_correction() -> 
     assert seeds_for_difference(0.1, 0.1, 0.1) == 17
     # The batches' round-10 spreads (federated 0.1064, local 0.009) at their difference 0.0883: 14 a side;
     # half the difference needs about four times the seeds: at n = 47 (df 46: t 2.0129 + 0.8495 = 2.8624,
-    # * sqrt(0.011402 / 47) = 0.04458) not yet, at 48 (df 47: 2.8611 * 0.04412 = 0.04410 <= 0.04415)
-    # yes; the normal's quantiles past 30 df (2.8016) stopped at 46, with an interval narrower than 95%.
+    # * sqrt(0.011402 / 47) = 2.8624 * 0.015575 = 0.04458) not yet, at 48 (df 47: 2.8611 * sqrt(0.011402 / 48)
+    # = 2.8611 * 0.015412 = 0.04410 <= 0.04415) yes; the normal's quantiles past 30 df (2.8016) stopped at 46,
+    # with an interval narrower than 95%.
     assert seeds_for_difference(0.1064, 0.009, 0.0883) == 14
     assert seeds_for_difference(0.1064, 0.009, 0.0883 / 2) == 48
     assert seeds_for_difference(0.1, 0.1, -0.1) == 17  # the sign does not matter
