@@ -330,9 +330,10 @@ class FedAvgFSDP(FedAvg):
         actor (critic: the global critic, once there is one). Returns the new reference, the
         clients used (message, reply, checkpoint path) and the aggregation's report.
 
-        The global model is checked before any client is blamed or the mean used (after each aggregation,
-        :func:`.sources.aggregation_culprits`, and when no client is left): changed while the round read it,
-        it failed them all (every LoRA adapter reads on it), and the run stops naming it."""
+        The global model is checked before any client is blamed for the aggregation or the mean used (after
+        each aggregation, :func:`.sources.aggregation_culprits`, and when no client is left): changed while the
+        round read it, it failed them all (every LoRA adapter reads on it), and the run stops naming it
+        (clients already refused as they opened stay in ``refused``, their reasons naming it)."""
         start = self.global_model if kind == "actor" else self.global_critic
         reference, open_client = round_sources(self.run_root, self.store.receipt_check(), start)  # hash-checked
         opened: list[tuple[Message, TrainReply, CheckpointReader]] = []
