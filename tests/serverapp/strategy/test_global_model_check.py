@@ -175,3 +175,30 @@ def test_a_lora_runs_global_model_changed_while_the_round_reads_it_stops_the_run
     else:
         assert result.refused == {}
     assert strategy.global_model.path == str(global_1) and not (run_root / "round_2" / "global").exists()
+
+
+def test_a_rule_failing_without_naming_a_source_refuses_every_client_and_keeps_the_global_model(
+        suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the check above: with the global model unchanged, a rule's CheckpointError that
+    names no client's checkpoint refuses every client with it ("aggregation failed: ...") and the round
+    keeps the previous global model (the run goes on or stops by the failure policy, not by the model)."""
+    from fedagent_flwr.checkpoint import CheckpointError
+
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
+    train_round(strategy, 1, suite_replies(run_root, suite, ("qwen_a", "qwen_b"), (4, 12), 1))
+    global_1 = strategy.global_model.path
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's model was written a moment ago: watch it
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise CheckpointError("the rule's own scratch disk is full")
+
+    monkeypatch.setattr(strategy, "aggregate_checkpoints", fails)
+    with pytest.raises(RunFailedError) as stopped:  # every client refused alike: the failure policy stops it
+        train_round(strategy, 2, suite_replies(run_root, suite, ("qwen_b", "qwen_c"), (6, 6), 2))
+    assert isinstance(stopped.value, RoundFailedError), stopped.value  # not the global model's message
+    assert "every client (2) failed the same way" in str(stopped.value)
+    assert "aggregation failed: the rule's own scratch disk is full" in str(stopped.value)
+    result = strategy.last_aggregation
+    assert result is not None and result.actor is None
+    assert result.refused == {c: "aggregation failed: the rule's own scratch disk is full" for c in (0, 1)}
+    assert strategy.global_model.path == global_1 and not (run_root / "round_2" / "global").exists()
