@@ -59,7 +59,8 @@ def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | N
     except CheckpointError as exc:
         if out_dir is not None:
             shutil.rmtree(out_dir, ignore_errors=True)
-        raise RunFailedError(f"{exc}: it is the round's global model, so the round's mean is not used and the run "
+        what = "critic" if reference.ref.kind == "critic" else "model"
+        raise RunFailedError(f"{exc}: it is the round's global {what}, so the round's mean is not used and the run "
                              f"stops; restore {reference.directory} from a copy, or start the run over") from None
 
 

@@ -90,6 +90,31 @@ def test_a_ppo_runs_global_critic_changed_on_disk_stops_the_run_naming_the_criti
     assert not (run_root / "round_2" / "global_critic").exists()
 
 
+def test_a_ppo_runs_global_critic_changed_while_the_round_reads_it_stops_the_run_naming_the_critic(
+        suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The critic's check while the round reads it, as the actor's below: rewritten once the critics' mean is
+    built from it, the run stops naming the critic, and the critics' mean is not kept."""
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), clients=2)
+    train_round(strategy, 1, [suite_ppo_reply(run_root, suite, client, 1) for client in (0, 1)])
+    critic_1 = Path(strategy.global_critic.path)
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # round 1's critic was written a moment ago
+    aggregate = strategy.aggregate_checkpoints
+
+    def rewritten_meanwhile(*args: Any) -> Any:
+        report = aggregate(*args)
+        if Path(args[2]).name == "global_critic":  # (server_round, sources, out_dir, reference)
+            flip_byte(critic_1 / "model.safetensors", restore_mtime=False, at=-1)
+        return report
+
+    monkeypatch.setattr(strategy, "aggregate_checkpoints", rewritten_meanwhile)
+    changed = r"model\.safetensors changed while it was read \(.*\): it is the round's global critic, so the"
+    with pytest.raises(RunFailedError, match=changed) as stopped:
+        train_round(strategy, 2, [suite_ppo_reply(run_root, suite, client, 2) for client in (0, 1)])
+    assert not isinstance(stopped.value, RoundFailedError), stopped.value
+    assert f"restore {critic_1} from a copy, or start the run over" in str(stopped.value)
+    assert strategy.global_critic.path == str(critic_1) and not (run_root / "round_2" / "global_critic").exists()
+
+
 @pytest.mark.parametrize(("cls", "settings"), STRATEGIES, ids=IDS)
 def test_a_global_model_changed_while_the_round_reads_it_stops_the_run_and_drops_the_mean(
         suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: type[FedAvgFSDP],
