@@ -52,6 +52,9 @@ class AuditDigests:
 
     def __init__(self) -> None:
         self._known: dict[Path, TrustedFile] = {}
+        # every file this audit hashed, racily clean or not, with its stat while it was read: not a digest
+        # to reuse, but a stat that, once it differs, proves the file changed since (hashed_stats)
+        self._hashed: dict[Path, FileStat] = {}
 
     def file_digest(self, path: str | os.PathLike[str]) -> bytes:
         """sha256 of the file at ``path`` (raw digest): the remembered one while its stat is
@@ -70,6 +73,20 @@ class AuditDigests:
         unchanged), by name: what :func:`.open_ref.open_checkpoint` takes as ``receipts``."""
         found = {path.name: self._valid(path) for path in content_hash.hashed_files(directory)}
         return {name: entry for name, entry in found.items() if entry is not None}
+
+    def hashed_stats(self, directory: str | os.PathLike[str]) -> dict[str, FileStat]:
+        """The stat of each hashed file of ``directory`` as this audit last hashed or trusted it, by name:
+        what a reader watches (:meth:`~.reader.CheckpointReader.watch_unchanged`) to refuse a file
+        changed after the check. Unlike :meth:`trusted`, it includes files written within
+        :data:`RACY_NS` of their hash: their digest is not reused, but a stat that differs later still
+        proves a change (an equal one proves nothing, for any file)."""
+        stats = {}
+        for path in content_hash.hashed_files(directory):
+            entry = self._valid(path)
+            seen = entry.stat if entry is not None else self._hashed.get(path.resolve())
+            if seen is not None:
+                stats[path.name] = seen
+        return stats
 
     def _valid(self, path: Path) -> TrustedFile | None:
         """The remembered digest of ``path`` if its stat is still the one it was hashed with."""
@@ -102,5 +119,9 @@ class AuditDigests:
             self._known[key] = TrustedFile(digest, after)
         else:
             self._known.pop(key, None)
+        if before == after:
+            self._hashed[key] = after
+        else:
+            self._hashed.pop(key, None)
         return after.size, digest
 

@@ -140,8 +140,9 @@ def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | 
 
     The hash comes from ``digests`` (a new :class:`.audit_digests.AuditDigests` when None): a file whose
     digest it remembers and whose stat is unchanged since is not read again, any other is hashed (and
-    remembered where it may be). Every remembered file is watched (:meth:`~CheckpointReader.watch_unchanged`),
-    so a file changed between this check and the end of the reads is refused by ``verify_content``.
+    remembered where it may be). Every file hashed or trusted is watched (:meth:`~CheckpointReader.watch_unchanged`,
+    :meth:`.audit_digests.AuditDigests.hashed_stats`), one written moments ago too, so a file changed between
+    this check and the end of the reads is refused by ``verify_content``.
     """
     reader = open_checkpoint(base, check_hash=False, io=io)  # its layout first: a missing file is said as such
     if not check or not base.sha256:
@@ -155,7 +156,7 @@ def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | 
                 f"content hash {actual[:16]}..., its reference says {base.sha256[:16]}...: its files changed on disk "
                 "since the run recorded its hash, so the clients' checkpoints (trained on it as recorded) would be "
                 f"aggregated against another model; restore {reader.directory} from a copy, or start the run over")
-        reader.watch_unchanged({name: entry.stat for name, entry in digests.trusted(reader.directory).items()})
+        reader.watch_unchanged(digests.hashed_stats(reader.directory))  # a model written just now too
     except BaseException:
         reader.close()
         raise

@@ -49,9 +49,9 @@ def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | N
     """RunFailedError, the round's mean in ``out_dir`` (built from it; None: none was) removed, if the round's
     global model ``reference`` (:func:`round_sources`) changed while the round read it: its files' stat since
     their hash at opening (:meth:`~CheckpointReader.verify_content`). Checked before the mean is used and
-    before the round blames its clients for the aggregation (:func:`aggregation_culprits`). A file
-    written within ``RACY_NS`` of its hash is not watched (:mod:`.audit_digests`); a round's global model
-    was written a round's training before it is opened."""
+    before the round blames its clients for the aggregation (:func:`aggregation_culprits`). Every file the
+    opening hashed is watched, one written moments before too
+    (:meth:`~fedagent_flwr.checkpoint.audit_digests.AuditDigests.hashed_stats`)."""
     if reference is None:
         return
     try:
