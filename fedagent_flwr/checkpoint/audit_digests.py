@@ -52,8 +52,8 @@ class AuditDigests:
 
     def __init__(self) -> None:
         self._known: dict[Path, TrustedFile] = {}
-        # every file this audit hashed, racily clean or not, with its stat while it was read: not a digest
-        # to reuse, but a stat that, once it differs, proves the file changed since (hashed_stats)
+        # every file this audit hashed, racily clean or not, with its stat when the hash ended: not a
+        # digest to reuse, but a stat that, once it differs, proves the file changed since (hashed_stats)
         self._hashed: dict[Path, FileStat] = {}
 
     def file_digest(self, path: str | os.PathLike[str]) -> bytes:
@@ -119,9 +119,6 @@ class AuditDigests:
             self._known[key] = TrustedFile(digest, after)
         else:
             self._known.pop(key, None)
-        if before == after:
-            self._hashed[key] = after
-        else:
-            self._hashed.pop(key, None)
+        self._hashed[key] = after  # moved while hashed or not: a later stat other than this proves a change
         return after.size, digest
 

@@ -63,7 +63,8 @@ def open_checkpoint(
     ``"while-reading"`` on FSDP rank files the reader checks its trusted files itself; otherwise
     (hash at opening: safetensors directories, ``check_hash=True``) the reader is told the trusted
     files and their stats (:meth:`~CheckpointReader.watch_unchanged`): one ``open`` and ``fstat``
-    per trusted file. The files hashed at opening are not checked again, as without trusted digests.
+    per trusted file. The files hashed at opening are not checked again, as without trusted digests,
+    except a ``base``'s: every file of it is watched (:func:`open_global_model`).
 
     ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
     :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model,

@@ -39,8 +39,9 @@ class CheckpointReader(ABC):
         self.ref = ref
         self.directory = directory
         self.bytes_read = 0  # bytes of tensor data read so far (for throughput reports)
-        # files whose digest was trusted at opening rather than hashed, with the stat it was trusted
-        # at: verify_content checks each again (watch_unchanged)
+        # files whose digest was trusted at opening rather than hashed (or, for a round's global model,
+        # hashed moments before), with the stat it was taken at: verify_content checks each again
+        # (watch_unchanged)
         self._watched: dict[str, FileStat] = {}
 
     @abstractmethod
@@ -114,9 +115,11 @@ class CheckpointReader(ABC):
 
     def watch_unchanged(self, stats: Mapping[str, FileStat]) -> None:
         """The files of :attr:`directory` (by name) whose digest :func:`.open_ref.open_checkpoint`
-        took from trusted digests (a store's receipts, the audit's own) instead of hashing them,
-        each with the stat it was trusted at: :meth:`verify_content` checks that stat again, so a
-        file rewritten between that check and the end of the reads is not read changed unnoticed."""
+        took from trusted digests (a store's receipts, the audit's own) instead of hashing them, or
+        (a round's global model, :func:`.open_ref.open_global_model`) every file its check hashed or
+        trusted, each with the stat its digest was taken at: :meth:`verify_content` checks that stat
+        again, so a file rewritten between that check and the end of the reads is not read changed
+        unnoticed."""
         self._watched = dict(stats)
 
     def check_unchanged(self) -> None:
@@ -134,7 +137,7 @@ class CheckpointReader(ABC):
             if now != trusted or (read is not None and read != trusted):
                 held = f", {read} of the file read" if read is not None else ""
                 raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its "
-                                      f"trusted digest was taken at: {trusted} at opening{held}, {now} at its path "
+                                      f"digest was taken at: {trusted} at opening{held}, {now} at its path "
                                       "now)")
 
     def _held_stat(self, name: str) -> FileStat | None:

@@ -111,3 +111,32 @@ def test_a_file_changed_while_it_was_hashed_is_not_remembered(
     monkeypatch.setattr(content_hash, "file_digest", counting)
     assert digests.file_digest(model) == hashlib.sha256(model.read_bytes()).digest() != stale
     assert hashed["model-0.safetensors"] == 2
+
+
+def test_hashed_stats_gives_every_hashed_file_racy_or_trusted_and_each_stat_when_its_hash_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a round's global model is watched with (open_ref.open_global_model): every hashed file of
+    the directory (not notes.txt), a file written moments ago included though its digest is never
+    reused, each with its stat when its hash ended; a file changed after that keeps that stat here, so
+    the reader's check refuses it."""
+    from fedagent_flwr.checkpoint.receipts import fresh_stat
+
+    directory = _checkpoint(tmp_path / "ckpt")  # just written: within RACY_NS, nothing trusted
+    digests = AuditDigests()
+    digests.directory_hash(directory)
+    names = {"model-0.safetensors", "model-1.safetensors", "model-2.safetensors", "config.json"}
+    stats = digests.hashed_stats(directory)
+    assert digests.trusted(directory) == {} and set(stats) == names
+    assert all(stats[name] == fresh_stat(directory / name) for name in names)
+    model = directory / "model-0.safetensors"
+    at_hash = stats[model.name]
+    _rewrite(model, restore_mtime=True)
+    assert digests.hashed_stats(directory)[model.name] == at_hash != fresh_stat(model)
+    # trusted files (old enough) are given with the stat they are trusted at, the same one
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)
+    trusted = AuditDigests()
+    trusted.directory_hash(directory)
+    assert set(trusted.trusted(directory)) == names
+    assert trusted.hashed_stats(directory) == {name: entry.stat for name, entry in trusted.trusted(directory).items()}
+    assert AuditDigests().hashed_stats(directory) == {}  # nothing hashed by this audit yet
