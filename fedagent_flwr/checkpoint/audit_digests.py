@@ -75,18 +75,14 @@ class AuditDigests:
         return {name: entry for name, entry in found.items() if entry is not None}
 
     def hashed_stats(self, directory: str | os.PathLike[str]) -> dict[str, FileStat]:
-        """The stat of each hashed file of ``directory`` as this audit last hashed or trusted it, by name:
-        what a reader watches (:meth:`~.reader.CheckpointReader.watch_unchanged`) to refuse a file
-        changed after the check. Unlike :meth:`trusted`, it includes files written within
-        :data:`RACY_NS` of their hash: their digest is not reused, but a stat that differs later still
-        proves a change (an equal one proves nothing, for any file)."""
-        stats = {}
-        for path in content_hash.hashed_files(directory):
-            entry = self._valid(path)
-            seen = entry.stat if entry is not None else self._hashed.get(path.resolve())
-            if seen is not None:
-                stats[path.name] = seen
-        return stats
+        """The stat of each hashed file of ``directory`` when this audit last hashed it, by name (a
+        trusted digest's stat is that one too): what a reader watches
+        (:meth:`~.reader.CheckpointReader.watch_unchanged`) to refuse a file changed after the check.
+        Unlike :meth:`trusted`, it includes files written within :data:`RACY_NS` of their hash: their
+        digest is not reused, but a stat that differs later still proves a change (an equal one proves
+        nothing, for any file). Read from memory: no file is stat'ed again."""
+        hashed = ((path.name, self._hashed.get(path.resolve())) for path in content_hash.hashed_files(directory))
+        return {name: stat for name, stat in hashed if stat is not None}
 
     def _valid(self, path: Path) -> TrustedFile | None:
         """The remembered digest of ``path`` if its stat is still the one it was hashed with."""

@@ -133,6 +133,11 @@ def open_checkpoint(
     return reader
 
 
+def global_role(ref: CheckpointRef) -> str:
+    """What a round's global ``ref`` is called in messages: "critic" (a PPO run's) or "model"."""
+    return "critic" if ref.kind == "critic" else "model"
+
+
 def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | None, io: IoMode = "auto"
                       ) -> CheckpointReader:
     """Open a round's global model (the server's own: no root), the model a LoRA adapter is read on top
@@ -153,7 +158,7 @@ def open_global_model(base: CheckpointRef, check: bool, digests: AuditDigests | 
         actual = digests.directory_hash(reader.directory)
         if actual != base.sha256:
             raise CheckpointError(
-                f"{reader.directory}, the round's global {'critic' if base.kind == 'critic' else 'model'}, has "
+                f"{reader.directory}, the round's global {global_role(base)}, has "
                 f"content hash {actual[:16]}..., its reference says {base.sha256[:16]}...: its files changed on disk "
                 "since the run recorded its hash, so the clients' checkpoints (trained on it as recorded) would be "
                 f"aggregated against another model; restore {reader.directory} from a copy, or start the run over")

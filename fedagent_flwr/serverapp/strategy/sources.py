@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointReader, CheckpointRef, open_checkpoint
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
-from fedagent_flwr.checkpoint.open_ref import content_mismatches, open_global_model
+from fedagent_flwr.checkpoint.open_ref import content_mismatches, global_role, open_global_model
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.failures import RunFailedError
@@ -59,9 +59,9 @@ def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | N
     except CheckpointError as exc:
         if out_dir is not None:
             shutil.rmtree(out_dir, ignore_errors=True)
-        what = "critic" if reference.ref.kind == "critic" else "model"
-        raise RunFailedError(f"{exc}: it is the round's global {what}, so the round's mean is not used and the run "
-                             f"stops; restore {reference.directory} from a copy, or start the run over") from None
+        raise RunFailedError(f"{exc}: it is the round's global {global_role(reference.ref)}, so the round's mean is "
+                             f"not used and the run stops; restore {reference.directory} from a copy, or start the run "
+                             "over") from None
 
 
 def aggregation_culprits(reference: CheckpointReader | None, readers: Sequence[CheckpointReader],
