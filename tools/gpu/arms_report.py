@@ -163,15 +163,32 @@ def differences(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             needed = None if final is None else final.seeds_needed
             _, low, high = pooled_difference_interval(a["pooled_successes"], a["pooled_n"], b["pooled_successes"],
                                                       b["pooled_n"])
-            windowed = seed_difference(a["window_per_seed"], b["window_per_seed"])
-            window = None if windowed is None else {
-                "difference": round(windowed.difference, 4),
-                "seeds_ci95": [round(windowed.low, 4), round(windowed.high, 4)],
-                "seeds_needed": windowed.seeds_needed}
+            window = _window_difference(a, b)
             pairs.append({"arms": [first, second], "difference": round(a["final_mean"] - b["final_mean"], 4),
                           "seeds_ci95": seeds, "pooled_ci95": [round(low, 4), round(high, 4)],
                           "seeds_needed": needed, "window": window})
     return pairs
+
+
+def _window_difference(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """The difference of two arms' window means (each run's mean over its last planned rounds), with
+    its Welch interval over seeds where both arms have 2 or more windows (``seeds_ci95`` None with
+    one: a session's single seed still shows the declared statistic, not only the final round's);
+    None where an arm has no run with a whole window."""
+    if not a["window_per_seed"] or not b["window_per_seed"]:
+        return None
+    windowed = seed_difference(a["window_per_seed"], b["window_per_seed"])
+    if windowed is None:
+        return {"difference": round(a["window_mean"] - b["window_mean"], 4), "seeds_ci95": None,
+                "seeds_needed": None}
+    return {"difference": round(windowed.difference, 4),
+            "seeds_ci95": [round(windowed.low, 4), round(windowed.high, 4)],
+            "seeds_needed": windowed.seeds_needed}
+
+
+def _seeds_interval(difference: dict[str, Any]) -> str:
+    low_high = difference["seeds_ci95"]
+    return f"[{low_high[0]:+.3f}, {low_high[1]:+.3f}]" if low_high else "(needs 2 or more seeds per arm)"
 
 
 def _seeds_needed(difference: dict[str, Any]) -> str:
@@ -209,9 +226,7 @@ def report(out: Path) -> str:
         lines += ["", "Differences of the final means (95% intervals: over seeds, Welch's t, which counts how "
                   "differently runs end, GPU run-to-run variation included; over the pooled episodes, the "
                   "episodes' binomial noise only):", ""]
-        lines += [f"- {d['arms'][0]} − {d['arms'][1]}: {d['difference']:+.3f}; over seeds "
-                  + (f"[{d['seeds_ci95'][0]:+.3f}, {d['seeds_ci95'][1]:+.3f}]" if d["seeds_ci95"] else
-                     "(needs 2 or more seeds per arm)")
+        lines += [f"- {d['arms'][0]} − {d['arms'][1]}: {d['difference']:+.3f}; over seeds " + _seeds_interval(d)
                   + f"; over pooled episodes [{d['pooled_ci95'][0]:+.3f}, {d['pooled_ci95'][1]:+.3f}]"
                   + _seeds_needed(d) for d in data["differences"]]
         windowed = [d for d in data["differences"] if d["window"] is not None]
@@ -222,8 +237,7 @@ def report(out: Path) -> str:
                                   for arm, row in data["arms"].items())
                       + "), 95% intervals over seeds (Welch's t):", ""]
             lines += [f"- {d['arms'][0]} − {d['arms'][1]}: {d['window']['difference']:+.3f}; over seeds "
-                      f"[{d['window']['seeds_ci95'][0]:+.3f}, {d['window']['seeds_ci95'][1]:+.3f}]"
-                      + _seeds_needed(d["window"]) for d in windowed]
+                      + _seeds_interval(d["window"]) + _seeds_needed(d["window"]) for d in windowed]
         lines += ["", "Seeds needed: per arm, for the interval over seeds to exclude 0 with 80% power if the "
                   "difference and the seeds' spreads were the ones seen here (a plan, as uncertain as those "
                   "spreads; `intervals.seeds_for_difference`)."]

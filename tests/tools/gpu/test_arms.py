@@ -94,6 +94,25 @@ def test_report_compares_the_mean_of_the_last_rounds_over_seeds(tmp_path: Path) 
     assert "- federated − local: +0.153; over seeds [-0.216, +0.521]; seeds needed: 3" in text
 
 
+def test_report_gives_the_window_difference_of_one_seed(tmp_path: Path) -> None:
+    """One seed an arm (a batch-24 session) still shows the declared statistic, the difference of
+    the last-rounds means, with its interval over seeds marked as needing two: before, only the
+    final round's difference was printed, and the GPU notes had to say it was not the statistic."""
+    arms = _arms_module()
+    runs = [{"name": arms.run_name(arm, 5), "arm": arm, "seed": 5} for arm in ("federated", "local")]
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "webshop_windowed_verl", "runs": runs}))
+    # batch 24 seed 5's validation counts (docs/results.md §3): rounds 3-5 134/192 and 136/192
+    _run(tmp_path, "federated-s5", [c / 64 for c in (42, 45, 44, 44, 46, 44)])
+    _run(tmp_path, "local-s5", [c / 64 for c in (42, 38, 45, 45, 47, 44)])
+    text = arms.report(tmp_path)
+    (diff,) = json.loads((tmp_path / "arms.json").read_text())["differences"]
+    assert diff["window"] == {"difference": pytest.approx(-0.0104, abs=1e-4), "seeds_ci95": None,
+                              "seeds_needed": None}
+    assert "- federated − local: +0.000; over seeds (needs 2 or more seeds per arm)" in text  # round 5: 44 and 44
+    assert "- federated − local: -0.010; over seeds (needs 2 or more seeds per arm)" in text
+    assert "per seed: federated 0.698; local 0.708" in text
+
+
 def test_report_names_the_runs_that_lost_a_client(tmp_path: Path) -> None:
     """A run can end with every round aggregated and still have trained one round without a client,
     or have evaluated without one (batch 12's federated seed 4): the report says which runs, rounds
