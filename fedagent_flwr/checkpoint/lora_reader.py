@@ -289,9 +289,9 @@ class LoraAdapterReader(CheckpointReader):
         return self.base.huggingface_dir()
 
     def verify_content(self) -> None:
-        """The adapter's files were hashed at opening: those whose digest was trusted instead (a store's
-        receipt) have their stat checked again (:meth:`~.reader.CheckpointReader.check_unchanged`); then the
-        base's check, if it has one."""
+        """The adapter's files were checked at opening (hashed, or a store's receipt trusted): their stat is
+        checked again (:meth:`~.reader.CheckpointReader.check_unchanged`); then the base's check, if it has
+        one."""
         super().verify_content()
         self.base.verify_content()
 

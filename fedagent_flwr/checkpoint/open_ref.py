@@ -11,7 +11,7 @@ from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader, fsdp_shard_paths
 from fedagent_flwr.checkpoint.lora_reader import LoraAdapterReader, adapter_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader
-from fedagent_flwr.checkpoint.receipts import TrustedDigests
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedDigests
 from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointRef,
@@ -63,8 +63,9 @@ def open_checkpoint(
     ``"while-reading"`` on FSDP rank files the reader checks its trusted files itself; otherwise
     (hash at opening: safetensors directories, ``check_hash=True``) the reader is told the trusted
     files and their stats (:meth:`~CheckpointReader.watch_unchanged`): one ``open`` and ``fstat``
-    per trusted file. The files hashed at opening are not checked again, as without trusted digests,
-    except a ``base``'s: every file of it is watched (:func:`open_global_model`).
+    per trusted file. So is every file hashed at opening, with its stat when its hash ended: the
+    reader maps or reads it after the check, so one rewritten in place meanwhile is refused too
+    rather than read changed under a hash that held (a ``base``: :func:`open_global_model`).
 
     ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
     :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model,
@@ -108,11 +109,17 @@ def open_checkpoint(
 
     deferred = check_hash == "while-reading" and ref.format == "fsdp-shards" and bool(ref.sha256)
     trusted = receipts.trusted(directory) if receipts is not None and check_hash and ref.sha256 else {}
+    # checked at opening: each file's stat when its digest was taken, checked again after the reads
+    watched: dict[str, FileStat] = {}
     if check_hash and ref.sha256 and not deferred:
         known = {name: (t.stat.size, t.digest) for name, t in trusted.items()}
-        actual = hash_checkpoint_dir(directory, known=known)
+        # Records each file's stat as its hash ends: the reader maps or reads the files after this check, so a
+        # file rewritten in place meanwhile must not be read changed under a hash that held.
+        hashing = AuditDigests()
+        actual = hash_checkpoint_dir(directory, known=known, file_hasher=hashing.file_digest)
         if actual != ref.sha256:
             raise content_mismatch(directory, actual, ref.sha256)
+        watched = {**hashing.hashed_stats(directory), **{name: entry.stat for name, entry in trusted.items()}}
 
     reader: CheckpointReader
     if ref.format == "fsdp-shards":
@@ -128,8 +135,8 @@ def open_checkpoint(
             raise
     else:
         reader = SafetensorsReader(ref, directory, data_files)
-    if trusted and not deferred:  # checked at opening from digests taken on trust: their stat again after the reads
-        reader.watch_unchanged({name: entry.stat for name, entry in trusted.items()})
+    if watched:
+        reader.watch_unchanged(watched)
     return reader
 
 

@@ -39,9 +39,8 @@ class CheckpointReader(ABC):
         self.ref = ref
         self.directory = directory
         self.bytes_read = 0  # bytes of tensor data read so far (for throughput reports)
-        # files whose digest was trusted at opening rather than hashed (or, for a round's global model,
-        # hashed moments before), with the stat it was taken at: verify_content checks each again
-        # (watch_unchanged)
+        # files whose content was checked at opening (hashed, or a digest trusted), with the stat their
+        # digest was taken at: verify_content checks each again (watch_unchanged)
         self._watched: dict[str, FileStat] = {}
 
     @abstractmethod
@@ -104,18 +103,17 @@ class CheckpointReader(ABC):
     def verify_content(self) -> None:
         """Complete a content-hash check deferred to reading (``open_checkpoint(...,
         check_hash="while-reading")``); CheckpointError naming the directory on a mismatch. And
-        check again the stat of each file whose digest was trusted at opening instead of hashed
-        (:meth:`watch_unchanged`): CheckpointError naming a file that changed since.
+        check again the stat of each file whose content was checked at opening, hashed or from a
+        trusted digest (:meth:`watch_unchanged`): CheckpointError naming a file that changed since.
 
         Values read before this returns are not trusted yet: a caller commits nothing built from
-        them until it has returned. A no-op for readers checked at opening from hashes alone, or
-        not checked at all.
+        them until it has returned. A no-op for readers not checked at all.
         """
         self.check_unchanged()
 
     def watch_unchanged(self, stats: Mapping[str, FileStat]) -> None:
-        """The files of :attr:`directory` (by name) whose digest :func:`.open_ref.open_checkpoint`
-        took from trusted digests (a store's receipts, the audit's own) instead of hashing them, or
+        """The files of :attr:`directory` (by name) whose content :func:`.open_ref.open_checkpoint`
+        checked at opening, hashed or from trusted digests (a store's receipts, the audit's own), or
         (a round's global model, :func:`.open_ref.open_global_model`) every file its check hashed or
         trusted, each with the stat its digest was taken at: :meth:`verify_content` checks that stat
         again, so a file rewritten between that check and the end of the reads is not read changed

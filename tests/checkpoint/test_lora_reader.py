@@ -323,20 +323,23 @@ def test_initialisations_that_leave_the_base_weight_alone_are_read(root: Path, t
         assert isinstance(reader, LoraAdapterReader) and len(reader.targets) == 8
 
 
-def test_an_adapter_file_trusted_at_opening_and_changed_while_read_is_refused(
-        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Digests taken on trust at opening (the audit's own, a store's receipts): the adapter's files are
-    checked again once read, as any checkpoint's are."""
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted-digests", "hashed-at-opening"])
+def test_an_adapter_file_checked_at_opening_and_changed_while_read_is_refused(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trusted: bool) -> None:
+    """Digests taken on trust at opening (the audit's own, a store's receipts), or the files hashed there
+    (the shared-fs aggregation's): the adapter's files are checked again once read, as any checkpoint's
+    are (hashed at opening: not before stop 54, when one rewritten after its hash was read unnoticed)."""
     from fedagent_flwr.checkpoint import audit_digests
     from fedagent_flwr.checkpoint.audit_digests import AuditDigests
     from testkit.file_change import flip_byte
 
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)  # the adapter was written a moment ago
     adapter = shutil.copytree(root / "client_0", tmp_path / "adapter")
-    digests = AuditDigests()
-    ref = CheckpointRef.for_directory(adapter, hasher=digests.directory_hash)
+    digests = AuditDigests() if trusted else None
+    ref = (CheckpointRef.for_directory(adapter, hasher=digests.directory_hash) if digests is not None
+           else CheckpointRef.for_directory(adapter))
     base = CheckpointRef.for_directory(root / "global")
-    with open_checkpoint(ref, root=tmp_path, receipts=digests, base=base) as reader:
+    with open_checkpoint(ref, root=tmp_path, receipts=digests, base=base, check_hash="while-reading") as reader:
         assert isinstance(reader, LoraAdapterReader)
         reader.read(reader.targets[0])
         reader.verify_content()  # unchanged: passes

@@ -20,7 +20,8 @@ from fedagent_flwr.checkpoint import (
 )
 from fedagent_flwr.checkpoint.content_hash import hashed_files
 from fedagent_flwr.checkpoint.fsdp_reader import FsdpShardReader
-from testkit.ckpt_factory import Suite
+from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
+from testkit.file_change import flip_byte
 
 
 def _flip_tensor_byte(shard: Path) -> None:
@@ -121,3 +122,24 @@ def test_one_pass_mean_equals_the_checked_at_opening_mean(suite: Suite, tmp_path
     second = load_file(str(outs["while-reading"] / "model.safetensors"))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)  # bitwise: the hash mode changes no number
+
+
+def test_a_safetensors_checkpoint_changed_in_place_after_its_hash_is_refused(tmp_path: Path) -> None:
+    """A client's safetensors checkpoint (the default job's) is hashed at opening and memory-mapped: a file
+    rewritten in place after the hash (same size, inode and mtime: only its ctime moves) was read into
+    the mean under a hash that held, and the mean committed. Now the aggregation's check after its reads
+    names the file and nothing is committed (before stop 54 this mean was written)."""
+    for name, seed in (("a", 31), ("b", 32)):
+        write_hf_checkpoint(ModelSpec(name, "qwen2", seed=seed), tmp_path / name)
+    readers = [open_checkpoint(CheckpointRef.for_directory(tmp_path / name), root=tmp_path,
+                               check_hash="while-reading") for name in ("a", "b")]
+    out = tmp_path / "out"
+    try:
+        (changed,) = (tmp_path / "b").glob("*.safetensors")
+        flip_byte(changed, restore_mtime=True, at=-1)  # a weight's last byte
+        with pytest.raises(CheckpointError, match=f"{changed} changed while it was read"):
+            weighted_mean([(readers[0], 1.0), (readers[1], 1.0)], out)
+        assert not out.exists()
+    finally:
+        for reader in readers:
+            reader.close()
