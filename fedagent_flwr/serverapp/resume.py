@@ -54,6 +54,12 @@ _ROUND_DIR = re.compile(r"round_(\d+)")
 STATE_DIR = "server_optimizer"
 
 
+def state_file(global_dir: str | Path) -> Path:
+    """The server optimiser's state written with the global model (or critic) at ``global_dir``."""
+    directory = Path(global_dir)
+    return directory.parent / STATE_DIR / f"{directory.name}.safetensors"
+
+
 class ResumeError(ValueError):
     """The run directory holds a run that this run cannot continue."""
 

@@ -77,7 +77,7 @@ from fedagent_flwr.checkpoint import (
 from fedagent_flwr.checkpoint.content_hash import file_digest
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
-from fedagent_flwr.serverapp.resume import STATE_DIR
+from fedagent_flwr.serverapp.resume import STATE_DIR, state_file
 
 from .fedavg_fsdp import FedAvgFSDP
 
@@ -93,12 +93,6 @@ _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
 class ServerOptimizerStateError(RuntimeError):
     """A server optimiser's state that is missing or does not fit its model: the run stops (not a
     client's fault, so no client is refused for it)."""
-
-
-def state_file(global_dir: str | Path) -> Path:
-    """The optimiser state written with the global model (or critic) at ``global_dir``."""
-    directory = Path(global_dir)
-    return directory.parent / STATE_DIR / f"{directory.name}.safetensors"
 
 
 def checked_number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,

@@ -14,6 +14,7 @@ from fedagent_flwr.checkpoint.open_ref import content_mismatches, global_role, o
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 from fedagent_flwr.protocol import TrainReply
 from fedagent_flwr.serverapp.failures import RunFailedError
+from fedagent_flwr.serverapp.resume import state_file
 
 M = TypeVar("M")
 
@@ -46,8 +47,9 @@ def round_sources(run_root: str, receipts: ReceiptCheck | None, start: Checkpoin
 
 
 def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | None) -> None:
-    """RunFailedError, the round's mean in ``out_dir`` (built from it; None: none was) removed, if the round's
-    global model ``reference`` (:func:`round_sources`) changed while the round read it: its files' stat since
+    """RunFailedError, the round's mean in ``out_dir`` (built from it; None: none was) removed with its
+    optimiser state (:func:`discard_mean`), if the round's global model ``reference`` (:func:`round_sources`)
+    changed while the round read it: its files' stat since
     their hash at opening (:meth:`~CheckpointReader.verify_content`). Checked before the mean is used and
     before the round blames its clients for the aggregation (:func:`aggregation_culprits`). Every file the
     opening hashed is watched, one written moments before too
@@ -58,7 +60,7 @@ def global_model_unchanged(reference: CheckpointReader | None, out_dir: Path | N
         reference.verify_content()
     except CheckpointError as exc:
         if out_dir is not None:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            discard_mean(out_dir)
         raise RunFailedError(f"{exc}: it is the round's global {global_role(reference.ref)}, so the round's mean is "
                              f"not used and the run stops; restore {reference.directory} from a copy, or start the run "
                              "over") from None
@@ -78,8 +80,16 @@ def aggregation_culprits(reference: CheckpointReader | None, readers: Sequence[C
         return [(i, str(failure)) for i, reader in enumerate(readers) if str(reader.directory) in str(failure)]
     culprits = [(i, str(exc)) for i, exc in content_mismatches(readers)]
     if culprits:
-        shutil.rmtree(out_dir, ignore_errors=True)
+        discard_mean(out_dir)
     return culprits
+
+
+def discard_mean(out_dir: Path) -> None:
+    """Remove a round's mean written to ``out_dir`` that is not used, and the server optimiser's state
+    written just before it (:func:`~fedagent_flwr.serverapp.resume.state_file`; none for a rule without
+    one): a state left without its global model would outlive a stopped run until a resume removed it."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    state_file(out_dir).unlink(missing_ok=True)
 
 
 def reopened(opened: list[tuple[M, TrainReply, CheckpointReader]],

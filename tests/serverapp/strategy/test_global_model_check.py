@@ -17,6 +17,7 @@ import pytest
 from fedagent_flwr.checkpoint import CheckpointError, CheckpointRef, audit_digests
 from fedagent_flwr.serverapp.failures import RoundFailedError, RunFailedError
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
+from fedagent_flwr.serverapp.strategy.server_optimizer import state_file
 from testkit.ckpt_factory import ModelSpec, Suite, write_hf_checkpoint
 from testkit.client_replies import train_reply
 from testkit.file_change import flip_byte
@@ -143,6 +144,10 @@ def test_a_global_model_changed_while_the_round_reads_it_stops_the_run_and_drops
         train_round(strategy, 2, suite_replies(run_root, suite, ("qwen_b", "qwen_c"), (6, 6), 2))
     assert f"restore {global_1} from a copy, or start the run over" in str(stopped.value)
     assert strategy.global_model.path == str(global_1) and not (run_root / "round_2" / "global").exists()
+    # FedAdam's state was written just before the mean: it goes with it (before stop 54 it was left behind)
+    assert not state_file(run_root / "round_2" / "global").exists()
+    if cls is FedAdamFSDP:
+        assert state_file(global_1).exists()  # round 1's, which the stopped run keeps
 
 
 def _lora_round_2(tmp_path: Path) -> tuple[FedAvgFSDP, Path, Path, list[Any]]:
