@@ -76,7 +76,8 @@ class AuditDigests:
 
     def hashed_stats(self, directory: str | os.PathLike[str]) -> dict[str, FileStat]:
         """The stat of each hashed file of ``directory`` when this audit last hashed it, by name (a
-        trusted digest's stat is that one too): what a reader watches
+        trusted digest's stat is that one too; a file that moved while it was hashed: its stat before,
+        so that any later check refuses it): what a reader watches
         (:meth:`~.reader.CheckpointReader.watch_unchanged`) to refuse a file changed after the check.
         Unlike :meth:`trusted`, it includes files written within :data:`RACY_NS` of their hash: their
         digest is not reused, but a stat that differs later still proves a change (an equal one proves
@@ -115,6 +116,9 @@ class AuditDigests:
             self._known[key] = TrustedFile(digest, after)
         else:
             self._known.pop(key, None)
-        self._hashed[key] = after  # moved while hashed or not: a later stat other than this proves a change
+        # The stat a later check compares with: when the hash ended; or, where the file moved while it was
+        # hashed, the one before, which no later stat equals, so that check refuses it (the digest may be of
+        # bytes no longer there, and the hash may still have matched the reference).
+        self._hashed[key] = before if before is not None and before != after else after
         return after.size, digest
 

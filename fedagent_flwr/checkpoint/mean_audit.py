@@ -39,8 +39,9 @@ def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str 
     """The max abs error of the mean written in ``out_dir`` against the sources' float64 weighted
     mean (module docstring). CheckpointError when the written keys or shapes are not the sources',
     an integer tensor differs, a float tensor is not float32, a value read is NaN or Inf, or a
-    source fails :meth:`.CheckpointReader.verify_content` once read (a file whose digest was
-    trusted at opening changed while it was read; a hash deferred to reading that does not match)."""
+    source fails :meth:`.CheckpointReader.verify_content` once read (a file whose content was
+    checked at opening, hashed or from a trusted digest, changed while it was read; a hash deferred
+    to reading that does not match)."""
     out_dir = Path(out_dir)
     readers = [reader for reader, _ in sources]
     weights = normalise_weights([weight for _, weight in sources])

@@ -39,8 +39,8 @@ its header leaves empty, a missing ``base_model_sha256`` where a round steps fro
 :mod:`.audit_hashes`). Each file is hashed once per audit (:mod:`.audit_digests`): a round's global
 model and state are the next round's inputs, and a source's hash is checked at its reference and
 again at its opening; the digest is reused only while the file's stat is unchanged, and a source
-opened with reused digests has its files' stat checked again once its round has been read (a file
-changed while the audit read it fails the round: ``changed while it was read``).
+checked at opening (with reused digests or hashed) has its files' stat checked again once its round
+has been read (a file changed while the audit read it fails the round: ``changed while it was read``).
 ``--allow-unhashed`` accepts a run that predates them: the hashes that cannot be compared are
 skipped with a note, and the rounds are still recomputed from the files as they are (a change to a
 file then shows only where it moves a value beyond its bound). A NaN or Inf in anything a round's

@@ -113,6 +113,30 @@ def test_a_file_changed_while_it_was_hashed_is_not_remembered(
     assert hashed["model-0.safetensors"] == 2
 
 
+def test_a_file_changed_while_it_was_hashed_is_watched_with_its_stat_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rewritten in place during its hash, in bytes the hash had already read: the digest is the old
+    content's, so it can match the reference, and the stat when the hash ended is already the new one;
+    watched with that, the check after the reads passed and the new bytes were used. The stat before the
+    hash is given instead, which no later stat equals, so the reader's check refuses it."""
+    from fedagent_flwr.checkpoint.receipts import fresh_stat
+
+    model = _checkpoint(tmp_path / "ckpt") / "model-0.safetensors"
+    before = fresh_stat(model)
+    counting = content_hash.file_digest
+
+    def changed_after_reading(path: str | os.PathLike[str]) -> bytes:
+        digest = counting(path)
+        _rewrite(Path(path), restore_mtime=True)
+        return digest
+
+    monkeypatch.setattr(content_hash, "file_digest", changed_after_reading)
+    digests = AuditDigests()
+    digests.file_digest(model)
+    assert digests.hashed_stats(model.parent)[model.name] == before != fresh_stat(model)
+
+
 def test_hashed_stats_gives_every_hashed_file_racy_or_trusted_and_each_stat_when_its_hash_ended(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

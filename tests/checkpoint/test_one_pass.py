@@ -143,3 +143,28 @@ def test_a_safetensors_checkpoint_changed_in_place_after_its_hash_is_refused(tmp
     finally:
         for reader in readers:
             reader.close()
+
+
+def test_a_safetensors_checkpoint_changed_while_it_is_hashed_is_refused_after_the_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write during the hash, to bytes the hash had read already: the digest is the old content's and
+    matches the reference, the reads see the new bytes; the check after the reads still names the file."""
+    from fedagent_flwr.checkpoint import content_hash
+
+    write_hf_checkpoint(ModelSpec("a", "qwen2", seed=31), tmp_path / "a")
+    ref = CheckpointRef.for_directory(tmp_path / "a")
+    (model,) = (tmp_path / "a").glob("*.safetensors")
+    digest = content_hash.file_digest
+
+    def rewritten_as_hashed(path: Path) -> bytes:
+        done = digest(path)
+        if Path(path) == model:
+            flip_byte(model, restore_mtime=True, at=-1)
+        return done
+
+    monkeypatch.setattr(content_hash, "file_digest", rewritten_as_hashed)
+    with open_checkpoint(ref, root=tmp_path, check_hash="while-reading") as reader:  # the hash matched
+        for key in reader.keys():
+            reader.read(key)
+        with pytest.raises(CheckpointError, match=f"{model} changed while it was read"):
+            reader.verify_content()

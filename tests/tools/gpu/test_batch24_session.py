@@ -4,6 +4,7 @@ batch 24's declared plan (docs/results.md §4) before any GPU is touched."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -36,6 +37,12 @@ def test_the_launched_runs_are_the_declared_ones(tiny_model_dir: Path) -> None:
     (launch,) = re.findall(r"arms\.py launch (.*?)--extra \"(.*?)\"", text, flags=re.DOTALL)
     options, extra = launch
     assert "--recipe webshop_windowed_verl" in options and "--arms federated local" in options
+    assert '--seeds "$SEED"' in options
+    # the warm start trains with the session's seed, as seeds 4 and 5 did (warm_start-s4/-s5 json: seed 4, 5)
+    assert "SEED=$SEED timeout -k 10 420 bash tools/gpu/webshop_warm_start.sh /tmp/ws-warm" in text
+    runs_dir = REPO / "docs" / "gpu-runs" / "2026-12-06" / "webshop-fed-vs-local"
+    for seed, card in ((4, "h100"), (5, "h200")):
+        assert json.loads((runs_dir / f"warm_start-s{seed}-{card}.json").read_text())["seed"] == seed
     # The node's paths, here: the shared WebShop data and a real model directory for the warm start's.
     assert "model.path=/tmp/ws-warm" in extra and "env.data_dir=$PWD/.gpu-data/webshop" in extra
     extra = extra.replace("$PWD/.gpu-data/webshop", str(WEBSHOP_DATA)).replace("/tmp/ws-warm", str(tiny_model_dir))
