@@ -63,9 +63,10 @@ def open_checkpoint(
     ``"while-reading"`` on FSDP rank files the reader checks its trusted files itself; otherwise
     (hash at opening: safetensors directories, ``check_hash=True``) the reader is told the trusted
     files and their stats (:meth:`~CheckpointReader.watch_unchanged`): one ``open`` and ``fstat``
-    per trusted file. So is every file hashed at opening, with its stat when its hash ended: the
-    reader maps or reads it after the check, so one rewritten in place meanwhile is refused too
-    rather than read changed under a hash that held (a ``base``: :func:`open_global_model`).
+    per trusted file. So is every file hashed at opening, with its stat when its hash ended (one
+    that moved while it was hashed: its stat before, which no later stat equals): the reader maps or
+    reads it after the check, so one rewritten in place meanwhile is refused too rather than read
+    changed under a hash that held (a ``base``: :func:`open_global_model`).
 
     ``base``: the full model a ``peft-lora`` reference is read on top of (the round's global model,
     :mod:`.lora_reader`); required for an adapter, ignored otherwise. It is the server's own model,
@@ -113,8 +114,8 @@ def open_checkpoint(
     watched: dict[str, FileStat] = {}
     if check_hash and ref.sha256 and not deferred:
         known = {name: (t.stat.size, t.digest) for name, t in trusted.items()}
-        # Records each file's stat as its hash ends: the reader maps or reads the files after this check, so a
-        # file rewritten in place meanwhile must not be read changed under a hash that held.
+        # Records each file's stat around its hash (AuditDigests.hashed_stats): the reader maps or reads the
+        # files after this check, so a file rewritten in place meanwhile must not be read under a hash that held.
         hashing = AuditDigests()
         actual = hash_checkpoint_dir(directory, known=known, file_hasher=hashing.file_digest)
         if actual != ref.sha256:
