@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,9 @@ def test_a_file_younger_than_the_margin_is_hashed_at_every_use(
     assert digests.trusted(directory) == {} and set(hashed.values()) == {2}, hashed
 
 
-def test_a_file_changed_while_it_was_hashed_is_not_remembered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashed: collections.Counter[str],
-) -> None:
-    monkeypatch.setattr(audit_digests, "RACY_NS", 0)
-    model = _checkpoint(tmp_path / "ckpt") / "model-0.safetensors"
+def _rewrite_after_each_hash(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | os.PathLike[str]], bytes]:
+    """Make every file hash rewrite its file in place (mtime restored) once its bytes are read, as a write
+    during the hash to bytes it had already read; returns the hasher it replaced."""
     counting = content_hash.file_digest
 
     def changed_after_reading(path: str | os.PathLike[str]) -> bytes:
@@ -106,6 +105,15 @@ def test_a_file_changed_while_it_was_hashed_is_not_remembered(
         return digest
 
     monkeypatch.setattr(content_hash, "file_digest", changed_after_reading)
+    return counting
+
+
+def test_a_file_changed_while_it_was_hashed_is_not_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashed: collections.Counter[str],
+) -> None:
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)
+    model = _checkpoint(tmp_path / "ckpt") / "model-0.safetensors"
+    counting = _rewrite_after_each_hash(monkeypatch)
     digests = AuditDigests()
     stale = digests.file_digest(model)
     monkeypatch.setattr(content_hash, "file_digest", counting)
@@ -124,14 +132,7 @@ def test_a_file_changed_while_it_was_hashed_is_watched_with_its_stat_before(
 
     model = _checkpoint(tmp_path / "ckpt") / "model-0.safetensors"
     before = fresh_stat(model)
-    counting = content_hash.file_digest
-
-    def changed_after_reading(path: str | os.PathLike[str]) -> bytes:
-        digest = counting(path)
-        _rewrite(Path(path), restore_mtime=True)
-        return digest
-
-    monkeypatch.setattr(content_hash, "file_digest", changed_after_reading)
+    _rewrite_after_each_hash(monkeypatch)
     digests = AuditDigests()
     digests.file_digest(model)
     assert digests.hashed_stats(model.parent)[model.name] == before != fresh_stat(model)
