@@ -82,8 +82,15 @@ class AuditDigests:
         Unlike :meth:`trusted`, it includes files written within :data:`RACY_NS` of their hash: their
         digest is not reused, but a stat that differs later still proves a change (an equal one proves
         nothing, for any file). Read from memory: no file is stat'ed again."""
-        hashed = ((path.name, self._hashed.get(path.resolve())) for path in content_hash.hashed_files(directory))
+        hashed = ((path.name, self.hashed_stat(path)) for path in content_hash.hashed_files(directory))
         return {name: stat for name, stat in hashed if stat is not None}
+
+    def hashed_stat(self, path: str | os.PathLike[str]) -> FileStat | None:
+        """The stat of the file at ``path`` when this audit last hashed it, as :meth:`hashed_stats`
+        gives it for a checkpoint's files (a file that moved while it was hashed: its stat before);
+        None for a file it never hashed. For a file outside a checkpoint's hashed files (a server
+        optimiser's state)."""
+        return self._hashed.get(Path(path).resolve())
 
     def _valid(self, path: Path) -> TrustedFile | None:
         """The remembered digest of ``path`` if its stat is still the one it was hashed with."""

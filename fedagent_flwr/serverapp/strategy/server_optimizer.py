@@ -42,10 +42,13 @@ hash, which the run record commits with the round and a resume checks before it 
 (:mod:`fedagent_flwr.serverapp.resume`), so the state's hash is as trustworthy as the model it
 belongs to. The next round (or a resumed run) hashes the state file before it reads a buffer
 (one more read of the file a round, as client safetensors checkpoints are hashed at opening) and
-stops with :class:`ServerOptimizerStateError` naming the file when it differs. A state whose model
-records no hash (written before fedagent-flwr recorded one) is loaded unchecked with a one-line
-warning, so older runs still resume. ``python -m fedagent_flwr.checkpoint.verify`` audits these
-rounds from the same records (:mod:`fedagent_flwr.checkpoint.verify_optimizer`).
+stops with :class:`ServerOptimizerStateError` naming the file when it differs; the file is read
+through a memory map, so its stat at that check is compared once more after the step's last read,
+before the new global model is committed, and a file rewritten meanwhile stops the run the same way
+(nothing of that round is kept). A state whose model records no hash (written before fedagent-flwr
+recorded one) is loaded unchecked with a one-line warning, so older runs still resume.
+``python -m fedagent_flwr.checkpoint.verify`` audits these rounds from the same records
+(:mod:`fedagent_flwr.checkpoint.verify_optimizer`).
 
 The state's writer hashes the file's bytes as it writes them (``sha256=True``: its header is final
 from the start, unlike the global model's), so recording ``fedagent.state_sha256`` reads nothing
@@ -69,13 +72,15 @@ from flwr.common import log
 from fedagent_flwr.atomic import fsync_dir
 from fedagent_flwr.checkpoint import (
     AggregateReport,
+    CheckpointError,
     CheckpointReader,
     SafetensorsStreamWriter,
     aggregate_by_key,
     aggregation_entries,
 )
-from fedagent_flwr.checkpoint.content_hash import file_digest
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
+from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat
 from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
 from fedagent_flwr.serverapp.resume import STATE_DIR, state_file
 
@@ -181,6 +186,8 @@ class ServerOptimizerFSDP(FedAvgFSDP):
             # Called once every key is computed, before the global model is renamed into place: the
             # state lands first, so a global model never exists without the state it names.
             assert writer is not None
+            if previous is not None:  # the buffers read (memory-mapped) were the bytes hashed at opening
+                previous.check_unchanged()
             writer.close()
             # Hashed while it was written (sha256=True below): no second read of the whole state.
             return {STATE_SHA256: writer.digest().hex()}
@@ -209,11 +216,15 @@ class ServerOptimizerFSDP(FedAvgFSDP):
             report = aggregate_by_key(sources, out_dir, rule, name=self.rule_name, reference=reference,
                                       model_files=self.model_files, metadata=header,
                                       late_metadata=LateMetadata({STATE_SHA256: 64}, close_state) if names else None)
-        except BaseException:
+        except BaseException as exc:
             if writer is not None:
                 writer.abort()
                 if not out_dir.exists():  # the state is in place but its global model did not follow
                     state_file(out_dir).unlink(missing_ok=True)
+            if previous is not None and isinstance(exc, CheckpointError):
+                # A failed step (a non-finite value, say) read from a state rewritten meanwhile is the
+                # state's doing, not the clients': that error replaces it (the failure chained to it).
+                previous.check_unchanged()
             raise
         finally:
             if previous is not None:
@@ -227,8 +238,9 @@ class ServerOptimizerFSDP(FedAvgFSDP):
 class _PreviousState:
     """The optimiser state written with a global model, read one key at a time."""
 
-    def __init__(self, path: Path, handle: Any, step: int, names: tuple[str, ...]) -> None:
+    def __init__(self, path: Path, handle: Any, step: int, names: tuple[str, ...], watched: FileStat) -> None:
         self.path, self._handle, self.step, self._names = path, handle, step, names
+        self._watched = watched  # the file's stat when its hash was checked (see check_unchanged)
 
     @classmethod
     def find(cls, reference: CheckpointReader, run_root: str, rule_name: str, names: tuple[str, ...],
@@ -251,7 +263,7 @@ class _PreviousState:
                     f"{directory} was written by {rule_name} but its optimiser state {path} is missing; "
                     "the run cannot go on with the same result (restore the file or start a new run)")
             return None  # a model written by FedAvg's mean (PPO's first critic): the buffers start at zero
-        _check_state_hash(path, directory, model_header.get(STATE_SHA256))
+        watched = _check_state_hash(path, directory, model_header.get(STATE_SHA256))
         from safetensors import safe_open
 
         try:
@@ -259,7 +271,7 @@ class _PreviousState:
             handle.__enter__()
         except Exception as exc:  # SafetensorError, OSError: truncated or not safetensors
             raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
-        state = cls(path, handle, 0, names)
+        state = cls(path, handle, 0, names, watched)
         try:
             metadata = handle.metadata() or {}
             try:
@@ -286,6 +298,23 @@ class _PreviousState:
         """Every buffer of ``key`` as a new fp32 tensor (the file is never changed)."""
         return {name: self._handle.get_tensor(f"{name}/{key}").to(torch.float32, copy=True) for name in self._names}
 
+    def check_unchanged(self) -> None:
+        """ServerOptimizerStateError when the file's stat is no longer the one its hash was checked at.
+
+        The buffers are read through a memory map, so a file rewritten in place after that check (or
+        during it) is read with bytes the recorded hash never covered. Called once every key is read
+        and before the new global model is committed: a step built from them is then not committed
+        (one ``open`` and ``fstat``)."""
+        try:
+            now: FileStat | str = fresh_stat(self.path)
+        except OSError as exc:
+            now = f"unreadable ({exc.strerror})"
+        if now != self._watched:
+            raise ServerOptimizerStateError(
+                f"optimiser state {self.path} changed while it was read (its stat at the hash check was "
+                f"{self._watched}, now {now}); the step from it was not committed. Something else writes into "
+                "this run's directory: stop it, restore the file from a copy of the run, and resume")
+
     def close(self) -> None:
         """Release the file."""
         try:
@@ -294,15 +323,18 @@ class _PreviousState:
             pass
 
 
-def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> None:
+def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> FileStat:
     """Refuse a state file whose bytes are not those its global model's header recorded (module
-    docstring); one that has no recorded hash (an older run's) is loaded with a warning."""
-    if recorded is None:
-        log(WARNING, "optimiser state %s: its global model %s records no content hash (written before fedagent-flwr "
-            "recorded one); loaded unchecked", path, directory)
-        return
+    docstring); one that has no recorded hash (an older run's) is loaded with a warning. Returns the
+    stat the reads are checked against (:meth:`_PreviousState.check_unchanged`): the file's when the
+    hash ended, or its stat before the hash where it moved while hashed (which no later stat equals)."""
+    digests = AuditDigests()  # as a hasher that records the file's stat around its hash
     try:
-        actual = file_digest(path).hex()
+        if recorded is None:
+            log(WARNING, "optimiser state %s: its global model %s records no content hash (written before "
+                "fedagent-flwr recorded one); loaded unchecked", path, directory)
+            return fresh_stat(path)
+        actual = digests.file_digest(path).hex()
     except OSError as exc:
         raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
     if actual != recorded:
@@ -310,6 +342,9 @@ def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> None
             f"optimiser state {path} is not the file written with {directory}: its sha256 is {actual[:16]}..., the "
             f"global model's header recorded {recorded[:16]}... (changed, damaged or replaced since). Stepping from it "
             "would change the result: restore the file from a copy of the run, or start a new run")
+    watched = digests.hashed_stat(path)
+    assert watched is not None  # it was just hashed
+    return watched
 
 
 def _header(model_file: Path) -> dict[str, str]:

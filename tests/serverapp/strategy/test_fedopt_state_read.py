@@ -1,0 +1,111 @@
+"""A server optimiser's state file is read through a memory map after its hash is checked: one
+rewritten in place after that check, or during it (in bytes the hash had already read, so the hash
+still matched), stops the run naming the file, and nothing of that round is committed (neither the
+new global model nor its state). Before, the step was built from the rewritten buffers and committed."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fedagent_flwr.checkpoint import content_hash
+from fedagent_flwr.serverapp.strategy import FedAdamFSDP
+from fedagent_flwr.serverapp.strategy.server_optimizer import ServerOptimizerStateError, _PreviousState, state_file
+from testkit.ckpt_factory import Suite
+from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite_replies
+
+# (client checkpoint names, episodes) of client 0 and 1 in rounds 1 and 2
+ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6))]
+
+
+def _rewrite_in_place(path: Path, value: Callable[[float], float] = lambda old: abs(old) * 2 + 1e-3) -> None:
+    """Replace the file's last value (the last buffer's, fp32) in place by ``value`` of it: same size,
+    same inode. The default keeps it finite and positive (a valid Adam second moment)."""
+    with path.open("r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        (old,) = struct.unpack("<f", handle.read(4))
+        handle.seek(-4, os.SEEK_END)
+        handle.write(struct.pack("<f", value(old)))
+
+
+def _after_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read: Callable[[_PreviousState, str], dict] = _PreviousState.read
+    done: list[bool] = []
+
+    def rewritten_before_the_first_read(self: _PreviousState, key: str) -> dict:
+        if not done:
+            _rewrite_in_place(state)
+            done.append(True)
+        return read(self, key)
+
+    monkeypatch.setattr(_PreviousState, "read", rewritten_before_the_first_read)
+
+
+def _during_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hasher = content_hash.file_digest
+
+    def rewritten_once_hashed(path: str | os.PathLike[str]) -> bytes:
+        digest = hasher(path)
+        if Path(path).resolve() == state.resolve():
+            _rewrite_in_place(state)
+        return digest
+
+    monkeypatch.setattr(content_hash, "file_digest", rewritten_once_hashed)
+
+
+@pytest.mark.parametrize("rewrite", [_after_its_hash, _during_its_hash], ids=["after its hash", "during its hash"])
+def test_a_state_file_rewritten_while_a_round_reads_it_stops_the_run_and_commits_nothing(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    rewrite: Callable[[Path, pytest.MonkeyPatch], None],
+) -> None:
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
+                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
+    strategy.aggregate_train(1, suite_replies(run_root, suite, *ROUNDS[0], 1))
+    state = state_file(run_root / "round_1" / "global")
+    # Its times an hour back (content unchanged, so its hash still matches): the rewrite's mtime then
+    # differs whatever the filesystem's timestamp granularity.
+    hour_ago = time.time_ns() - 3_600 * 10**9
+    os.utime(state, ns=(hour_ago, hour_ago))
+    rewrite(state, monkeypatch)
+
+    with pytest.raises(ServerOptimizerStateError,
+                       match=r"optimiser state \S*round_1/server_optimizer/global.safetensors changed while it "
+                             "was read"):
+        strategy.aggregate_train(2, suite_replies(run_root, suite, *ROUNDS[1], 2))
+    assert not (run_root / "round_2" / "global").exists()
+    assert not state_file(run_root / "round_2" / "global").exists()
+    assert not list((run_root / "round_2").glob("**/*.safetensors*")), "a temporary file was left behind"
+    assert strategy.global_model.path == str(run_root / "round_1" / "global")
+
+
+def test_a_state_rewritten_to_a_non_finite_value_is_named_not_the_round_s_aggregation(
+    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step read from the rewritten state is not finite, so the aggregation fails first (a
+    CheckpointError, which alone would refuse every client for the round): the state's change is
+    what the run stops with, that failure chained to it."""
+    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
+                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
+    strategy.aggregate_train(1, suite_replies(run_root, suite, *ROUNDS[0], 1))
+    state = state_file(run_root / "round_1" / "global")
+    hour_ago = time.time_ns() - 3_600 * 10**9
+    os.utime(state, ns=(hour_ago, hour_ago))
+    read = _PreviousState.read
+
+    def made_negative_before_the_first_read(self: _PreviousState, key: str) -> dict:
+        if not getattr(self, "rewritten", False):
+            _rewrite_in_place(state, lambda old: -abs(old) - 1.0)  # a negative second moment: sqrt gives NaN
+            self.rewritten = True  # type: ignore[attr-defined]
+        return read(self, key)
+
+    monkeypatch.setattr(_PreviousState, "read", made_negative_before_the_first_read)
+    with pytest.raises(ServerOptimizerStateError, match="changed while it was read") as raised:
+        strategy.aggregate_train(2, suite_replies(run_root, suite, *ROUNDS[1], 2))
+    assert "non-finite" in str(raised.value.__context__)
+    assert not (run_root / "round_2" / "global").exists()
+    assert strategy.global_model.path == str(run_root / "round_1" / "global")
