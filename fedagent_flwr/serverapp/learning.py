@@ -10,7 +10,11 @@ Two questions a user asks of every run, answered from what the run already recor
   non-zero advantage) was drift, not learning. A GRPO run in which *every* aggregated round was
   like that learned nothing by construction; the recorder marks it ``degraded`` (exit status 3)
   with this reason, and each such round gets a warning in the log. Only for ``grpo``: PPO's
-  advantages come from its critic, not from the group mean.
+  advantages come from its critic, not from the group mean. A client whose every group was flat in
+  a round where another client's were not is named too (``clients_without_signal``, and a line in
+  the log): its update is drift of the same kind, and the mean takes it at its full weight beside
+  the others' (a WebShop run on 2026-12-06 moved such a client's model 0.075 against 0.26 for its
+  peer), diluting the round's signal without making the round flat.
 * **Did the global model get better?** The last evaluated model's validation success against the
   base model's (round 0), each with its 95% Wilson interval. The verdict follows the criterion of
   ``docs/results.md``: ``above`` when the final interval lies wholly above the base interval,
@@ -43,9 +47,14 @@ def round_shares(client_metrics: Mapping[int, Mapping[str, Any]]) -> dict[str, f
             for client, metrics in sorted(client_metrics.items()) if ZERO_VARIANCE_GROUP_SHARE in metrics}
 
 
+def flat_clients(shares: Mapping[str, float]) -> list[str]:
+    """The clients (ids as the summary's keys) whose every group of the round scored alike."""
+    return [client for client, share in shares.items() if share >= FLAT_SHARE]
+
+
 def is_flat(shares: Mapping[str, float]) -> bool:
     """True when at least one client reported the share and every one of them reported 1.0."""
-    return bool(shares) and all(share >= FLAT_SHARE for share in shares.values())
+    return bool(shares) and len(flat_clients(shares)) == len(shares)
 
 
 def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Mapping[str, Any]],
@@ -54,6 +63,8 @@ def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Map
 
     ``rounds_measured``: the aggregated rounds whose clients reported their zero-variance share;
     ``rounds_without_signal``: those in which every reporting client's share was 1.0;
+    ``clients_without_signal``: per measured round with at least one such client, but not all, which
+    ones (``[{"round": r, "clients": ["0"]}, ...]``: their updates were drift averaged in beside the others');
     ``no_signal_run`` (GRPO only; so far, while the run goes on): every aggregated round was
     measured and flat, so nothing could be learned;
     ``final_vs_base``: the base and last validation points with their intervals and the verdict.
@@ -61,9 +72,12 @@ def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Map
     trained = [entry for entry in rounds if entry.get("aggregated_actor") is not None]
     measured = [entry for entry in trained if entry.get(ROUND_SHARES)]
     flat = [entry["round"] for entry in measured if is_flat(entry[ROUND_SHARES])]
+    partly = [(entry["round"], flat_clients(entry[ROUND_SHARES])) for entry in measured if entry["round"] not in flat]
     record: dict[str, Any] = {
         "rounds_measured": [entry["round"] for entry in measured],
         "rounds_without_signal": flat,
+        "clients_without_signal": [{"round": server_round, "clients": clients} for server_round, clients in partly
+                                   if clients],
         "no_signal_run": (adv_estimator in GROUP_MEAN_ESTIMATORS and bool(trained) and len(measured) == len(trained)
                           and len(flat) == len(trained)),
     }

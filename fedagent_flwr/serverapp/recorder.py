@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from logging import WARNING
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,16 @@ from fedagent_flwr.protocol import (
 )
 from fedagent_flwr.serverapp.crashpoint import crash_point
 from fedagent_flwr.serverapp.failures import partial_evaluations_reason, partial_rounds_reason, round_reasons
-from fedagent_flwr.serverapp.learning import ROUND_SHARES, is_flat, learning_record, no_signal_reason, round_shares
+from fedagent_flwr.serverapp.learning import (
+    GROUP_MEAN_ESTIMATORS,
+    GRPO,
+    ROUND_SHARES,
+    flat_clients,
+    is_flat,
+    learning_record,
+    no_signal_reason,
+    round_shares,
+)
 from fedagent_flwr.serverapp.tracking import Sink, open_sinks, scalars_of
 from fedagent_flwr.serverapp.truncation import (
     TRUNCATED_BY_CLIENT,
@@ -172,10 +181,16 @@ class RunRecorder:
         shares = round_shares(client_metrics)
         if shares:
             entry[ROUND_SHARES] = shares
-            if aggregated is not None and is_flat(shares):
+            # Only where the advantage is the group's mean alone: PPO's critic gives a flat group a signal.
+            grouped = str(self.summary.get("adv_estimator", GRPO)) in GROUP_MEAN_ESTIMATORS
+            if grouped and aggregated is not None and is_flat(shares):
                 log(WARNING, "[fedagent] round %d had no learning signal: every group of every reporting client's "
                     "episodes scored alike (zero-variance-group-share 1.0 from clients %s), so the update is "
                     "drift, not learning", server_round, ", ".join(shares))
+            elif grouped and aggregated is not None and flat_clients(shares):
+                log(INFO, "[fedagent] round %d: client(s) %s had no learning signal (every group of their episodes "
+                    "scored alike), so their update is drift, averaged in beside the others' at its full weight",
+                    server_round, ", ".join(flat_clients(shares)))
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated
@@ -277,7 +292,7 @@ class RunRecorder:
 
     def _learning(self) -> dict[str, Any]:
         return learning_record(self.summary["rounds"], self.summary["val_curve"],
-                               str(self.summary.get("adv_estimator", "grpo")))
+                               str(self.summary.get("adv_estimator", GRPO)))
 
     def outcome(self) -> tuple[str, str]:
         """The status of a run whose rounds all ran, and why when it is not ``completed``.

@@ -78,13 +78,18 @@ def test_clients_that_do_not_report_the_share_are_never_taken_for_flat(tmp_path:
     assert "zero_variance_group_share" not in recorder.summary["rounds"][0]
 
 
-def test_flat_groups_do_not_make_a_ppo_run_degraded(tmp_path: Path) -> None:
+def test_flat_groups_do_not_make_a_ppo_run_degraded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # PPO's advantages come from its critic (GAE), not from a group's mean: its shares are recorded
-    # and reported, but they say nothing about whether it could learn
-    recorder = _run(tmp_path / "ppo", [{0: FLAT, 1: FLAT}] * 2, [(0, 64)] * 3, adv_estimator="gae")
+    # and reported, but they say nothing about whether it could learn, and the log says nothing of drift
+    flat_beside = {0: FLAT, 1: SIGNAL[1]}
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        recorder = _run(tmp_path / "ppo", [{0: FLAT, 1: FLAT}, {0: FLAT, 1: FLAT}, flat_beside], [(0, 64)] * 4,
+                        adv_estimator="gae")
     assert recorder.outcome() == ("completed", "")
     assert recorder.summary["learning"]["rounds_without_signal"] == [1, 2]
+    assert recorder.summary["learning"]["clients_without_signal"] == [{"round": 3, "clients": ["0"]}]
     assert recorder.summary["learning"]["no_signal_run"] is False
+    assert not [r for r in caplog.records if "learning signal" in r.getMessage()]
 
 
 def test_verls_vectorized_grpo_counts_as_grpo_for_a_run_without_signal(tmp_path: Path) -> None:
@@ -144,3 +149,24 @@ def test_a_comparison_whose_final_point_lacks_clients_says_it_is_not_on_the_same
     assert "failed" not in comparison["base"]
     assert describe(comparison).endswith(
         "(not on the same episodes: clients 1 failed to evaluate; see val_curve[].failed)")
+
+
+def test_a_client_without_a_signal_beside_one_with_a_signal_is_named_in_the_summary_and_the_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Batch 24 seed 6 (2026-12-06), federated round 4: client 0's 32 WebShop episodes bought in 24, in groups
+    # that each scored alike (share 1.0); client 1's had a spread (share 0.0). Rounds 1 and 3 here: both flat,
+    # both with a signal.
+    flat_beside = {0: {ZERO_VARIANCE_GROUP_SHARE: 1.0, NUM_EXAMPLES: 32, SUCCESS_RATE: 0.75},
+                   1: {ZERO_VARIANCE_GROUP_SHARE: 0.0, NUM_EXAMPLES: 32, SUCCESS_RATE: 0.469}}
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        recorder = _run(tmp_path / "partly", [{0: FLAT, 1: FLAT}, flat_beside, SIGNAL], [(40, 64)] * 4)
+    assert recorder.outcome() == ("completed", "")
+    learning = recorder.summary["learning"]
+    assert learning["rounds_without_signal"] == [1]
+    assert learning["clients_without_signal"] == [{"round": 2, "clients": ["0"]}]  # not the wholly flat round 1
+    named = [r.getMessage() for r in caplog.records if "had no learning signal" in r.getMessage()]
+    assert named == [
+        "[fedagent] round 1 had no learning signal: every group of every reporting client's episodes scored alike "
+        "(zero-variance-group-share 1.0 from clients 0, 1), so the update is drift, not learning",
+        "[fedagent] round 2: client(s) 0 had no learning signal (every group of their episodes scored alike), so "
+        "their update is drift, averaged in beside the others' at its full weight"]
