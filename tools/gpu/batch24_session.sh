@@ -12,8 +12,9 @@
 # Reconstructed at stop 54 from the commands §4 declares (seeds 4 and 5 ran them from a script that was
 # not kept); WORK dirs under /tmp: /tmp/ws-warm (the model), /tmp/outWL (the matrix).
 set -u
-cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT (the folder that comes back)}
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # relative to where it was called, not the repository root
+cd "$(dirname "$0")/../.."
 MATRIX=/tmp/outWL
 keep_logs() {
   mkdir -p "$OUT/warm"
