@@ -23,7 +23,11 @@ from testkit.strategy_setup import connected_strategy, initial_checkpoint, suite
 ROUNDS = [(("qwen_a", "qwen_b"), (4, 12)), (("qwen_b", "qwen_c"), (6, 6))]
 
 
-def _rewrite_in_place(path: Path, value: Callable[[float], float] = lambda old: abs(old) * 2 + 1e-3) -> None:
+def _finite_positive(old: float) -> float:
+    return abs(old) * 2 + 1e-3
+
+
+def _rewrite_in_place(path: Path, value: Callable[[float], float] = _finite_positive) -> None:
     """Replace the file's last value (the last buffer's, fp32) in place by ``value`` of it: same size,
     same inode. The default keeps it finite and positive (a valid Adam second moment)."""
     with path.open("r+b") as handle:
@@ -34,12 +38,22 @@ def _rewrite_in_place(path: Path, value: Callable[[float], float] = lambda old: 
 
 
 def _after_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _rewritten_before_the_first_read(state, monkeypatch, _finite_positive)
+
+
+def _after_its_hash_non_finite(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a negative second moment: the step's sqrt gives NaN, so the aggregation itself fails first
+    _rewritten_before_the_first_read(state, monkeypatch, lambda old: -abs(old) - 1.0)
+
+
+def _rewritten_before_the_first_read(state: Path, monkeypatch: pytest.MonkeyPatch,
+                                     value: Callable[[float], float]) -> None:
     read: Callable[[_PreviousState, str], dict] = _PreviousState.read
     done: list[bool] = []
 
     def rewritten_before_the_first_read(self: _PreviousState, key: str) -> dict:
         if not done:
-            _rewrite_in_place(state)
+            _rewrite_in_place(state, value)
             done.append(True)
         return read(self, key)
 
@@ -58,11 +72,17 @@ def _during_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(content_hash, "file_digest", rewritten_once_hashed)
 
 
-@pytest.mark.parametrize("rewrite", [_after_its_hash, _during_its_hash], ids=["after its hash", "during its hash"])
+@pytest.mark.parametrize(
+    ("rewrite", "failed_first"),
+    [(_after_its_hash, None), (_during_its_hash, None), (_after_its_hash_non_finite, "non-finite")],
+    ids=["after its hash", "during its hash", "after its hash, to a non-finite step"])
 def test_a_state_file_rewritten_while_a_round_reads_it_stops_the_run_and_commits_nothing(
     suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    rewrite: Callable[[Path, pytest.MonkeyPatch], None],
+    rewrite: Callable[[Path, pytest.MonkeyPatch], None], failed_first: str | None,
 ) -> None:
+    """``failed_first``: the aggregation's own error when the rewritten step fails before the check
+    after the reads (a CheckpointError, which alone would refuse every client for the round): the
+    state's change is what the run stops with, that failure chained to it."""
     strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
                                             eta=1e-2, beta_1=0.9, beta_2=0.99)
     strategy.aggregate_train(1, suite_replies(run_root, suite, *ROUNDS[0], 1))
@@ -75,37 +95,11 @@ def test_a_state_file_rewritten_while_a_round_reads_it_stops_the_run_and_commits
 
     with pytest.raises(ServerOptimizerStateError,
                        match=r"optimiser state \S*round_1/server_optimizer/global.safetensors changed while it "
-                             "was read"):
+                             "was read") as raised:
         strategy.aggregate_train(2, suite_replies(run_root, suite, *ROUNDS[1], 2))
+    if failed_first is not None:
+        assert failed_first in str(raised.value.__context__)
     assert not (run_root / "round_2" / "global").exists()
     assert not state_file(run_root / "round_2" / "global").exists()
     assert not list((run_root / "round_2").glob("**/*.safetensors*")), "a temporary file was left behind"
-    assert strategy.global_model.path == str(run_root / "round_1" / "global")
-
-
-def test_a_state_rewritten_to_a_non_finite_value_is_named_not_the_round_s_aggregation(
-    suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The step read from the rewritten state is not finite, so the aggregation fails first (a
-    CheckpointError, which alone would refuse every client for the round): the state's change is
-    what the run stops with, that failure chained to it."""
-    strategy, run_root = connected_strategy(tmp_path, initial_checkpoint(tmp_path), FedAdamFSDP, clients=2,
-                                            eta=1e-2, beta_1=0.9, beta_2=0.99)
-    strategy.aggregate_train(1, suite_replies(run_root, suite, *ROUNDS[0], 1))
-    state = state_file(run_root / "round_1" / "global")
-    hour_ago = time.time_ns() - 3_600 * 10**9
-    os.utime(state, ns=(hour_ago, hour_ago))
-    read = _PreviousState.read
-
-    def made_negative_before_the_first_read(self: _PreviousState, key: str) -> dict:
-        if not getattr(self, "rewritten", False):
-            _rewrite_in_place(state, lambda old: -abs(old) - 1.0)  # a negative second moment: sqrt gives NaN
-            self.rewritten = True  # type: ignore[attr-defined]
-        return read(self, key)
-
-    monkeypatch.setattr(_PreviousState, "read", made_negative_before_the_first_read)
-    with pytest.raises(ServerOptimizerStateError, match="changed while it was read") as raised:
-        strategy.aggregate_train(2, suite_replies(run_root, suite, *ROUNDS[1], 2))
-    assert "non-finite" in str(raised.value.__context__)
-    assert not (run_root / "round_2" / "global").exists()
     assert strategy.global_model.path == str(run_root / "round_1" / "global")
