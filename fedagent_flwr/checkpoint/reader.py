@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat
+from fedagent_flwr.checkpoint.receipts import FileStat, stat_now
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
 __all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
@@ -122,15 +122,12 @@ class CheckpointReader(ABC):
 
     def check_unchanged(self) -> None:
         """CheckpointError naming the first watched file (:meth:`watch_unchanged`) whose stat,
-        taken through a descriptor opened now (:func:`.receipts.fresh_stat`), or that of the file
+        taken through a descriptor opened now (:func:`.receipts.stat_now`), or that of the file
         the reader holds open (:meth:`_held_stat`), is not the one its digest was trusted at. One
         ``open`` and ``fstat`` per file."""
         for name, trusted in self._watched.items():
             path = self.directory / name
-            try:
-                now: FileStat | str = fresh_stat(path)
-            except OSError as exc:
-                now = f"unreadable ({exc.strerror})"
+            now = stat_now(path)
             read = self._held_stat(name)
             if now != trusted or (read is not None and read != trusted):
                 held = f", {read} of the file read" if read is not None else ""

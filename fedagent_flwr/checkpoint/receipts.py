@@ -54,6 +54,7 @@ __all__ = [
     "TrustedDigests",
     "TrustedFile",
     "fresh_stat",
+    "stat_now",
     "receipt_key",
     "receipt_path",
     "wait_for_tick",
@@ -89,6 +90,15 @@ def fresh_stat(path: str | os.PathLike[str]) -> FileStat:
         return FileStat.of(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def stat_now(path: str | os.PathLike[str]) -> FileStat | str:
+    """:func:`fresh_stat` of ``path``, or ``"unreadable (<reason>)"`` where it cannot be opened: what
+    a check that a file is unchanged since its hash compares with the stat it kept (and names)."""
+    try:
+        return fresh_stat(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,9 @@ from fedagent_flwr.checkpoint import (
 )
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
-from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat
+from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat, stat_now
 from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
+from fedagent_flwr.serverapp.failures import RunFailedError
 from fedagent_flwr.serverapp.resume import STATE_DIR, state_file
 
 from .fedavg_fsdp import FedAvgFSDP
@@ -95,9 +96,10 @@ STATE_SHA256, PREVIOUS_GLOBAL = "fedagent.state_sha256", "fedagent.previous_glob
 _GLOBAL_DIR = re.compile(r"round_\d+/(global|global_critic)")
 
 
-class ServerOptimizerStateError(RuntimeError):
-    """A server optimiser's state that is missing or does not fit its model: the run stops (not a
-    client's fault, so no client is refused for it)."""
+class ServerOptimizerStateError(RunFailedError):
+    """A server optimiser's state that is missing, does not fit its model, is not the file its model
+    recorded, or changed while a round read it: the run stops with this one line (not a client's
+    fault, so no client is refused for it)."""
 
 
 def checked_number(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
@@ -224,7 +226,7 @@ class ServerOptimizerFSDP(FedAvgFSDP):
             if previous is not None and isinstance(exc, CheckpointError):
                 # A failed step (a non-finite value, say) read from a state rewritten meanwhile is the
                 # state's doing, not the clients': that error replaces it (the failure chained to it).
-                previous.check_unchanged()
+                previous.check_unchanged(failure=exc)
             raise
         finally:
             if previous is not None:
@@ -273,6 +275,7 @@ class _PreviousState:
             raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
         state = cls(path, handle, 0, names, watched)
         try:
+            state.check_unchanged()  # replaced or moved between its hash and this opening: say so before the step
             metadata = handle.metadata() or {}
             try:
                 buffers, state.step = json.loads(metadata.get("fedagent.buffers", "[]")), int(metadata.get(
@@ -298,22 +301,23 @@ class _PreviousState:
         """Every buffer of ``key`` as a new fp32 tensor (the file is never changed)."""
         return {name: self._handle.get_tensor(f"{name}/{key}").to(torch.float32, copy=True) for name in self._names}
 
-    def check_unchanged(self) -> None:
-        """ServerOptimizerStateError when the file's stat is no longer the one its hash was checked at.
+    def check_unchanged(self, failure: BaseException | None = None) -> None:
+        """ServerOptimizerStateError when the file's stat is no longer the one its hash was checked at
+        (for a model that recorded no hash: the one at opening).
 
         The buffers are read through a memory map, so a file rewritten in place after that check (or
-        during it) is read with bytes the recorded hash never covered. Called once every key is read
-        and before the new global model is committed: a step built from them is then not committed
-        (one ``open`` and ``fstat``)."""
-        try:
-            now: FileStat | str = fresh_stat(self.path)
-        except OSError as exc:
-            now = f"unreadable ({exc.strerror})"
+        during it) is read with bytes the recorded hash never covered. Called right after opening,
+        once every key is read (before the new global model is committed: a step built from them is
+        then not committed) and after a step that failed (``failure``, named in the message). One
+        ``open`` and ``fstat``. Not covered: a file truncated while mapped, whose next read kills the
+        process (SIGBUS) before any check can run."""
+        now = stat_now(self.path)
         if now != self._watched:
+            failed = f" (the step had failed: {failure})" if failure is not None else ""
             raise ServerOptimizerStateError(
                 f"optimiser state {self.path} changed while it was read (its stat at the hash check was "
-                f"{self._watched}, now {now}); the step from it was not committed. Something else writes into "
-                "this run's directory: stop it, restore the file from a copy of the run, and resume")
+                f"{self._watched}, now {now}); the step from it was not committed{failed}. Something else "
+                "writes into this run's directory: stop it, restore the file from a copy of the run, and resume")
 
     def close(self) -> None:
         """Release the file."""
@@ -327,13 +331,14 @@ def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> File
     """Refuse a state file whose bytes are not those its global model's header recorded (module
     docstring); one that has no recorded hash (an older run's) is loaded with a warning. Returns the
     stat the reads are checked against (:meth:`_PreviousState.check_unchanged`): the file's when the
-    hash ended, or its stat before the hash where it moved while hashed (which no later stat equals)."""
+    hash ended, or its stat before the hash where it moved while hashed (which no later stat equals);
+    without a recorded hash, its stat now."""
     digests = AuditDigests()  # as a hasher that records the file's stat around its hash
     try:
         if recorded is None:
             log(WARNING, "optimiser state %s: its global model %s records no content hash (written before "
                 "fedagent-flwr recorded one); loaded unchecked", path, directory)
-            return fresh_stat(path)
+            return fresh_stat(path)  # no hash: the reads are checked against the file as it is opened
         actual = digests.file_digest(path).hex()
     except OSError as exc:
         raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None

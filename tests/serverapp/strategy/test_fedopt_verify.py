@@ -125,8 +125,8 @@ def test_the_state_hash_is_recorded_without_reading_the_state_back_and_checked_b
         with safe_open(str(global_dir / "model.safetensors"), framework="pt") as handle:
             recorded = (handle.metadata() or {})[STATE_SHA256]
         assert recorded == hashlib.sha256(state_file(global_dir).read_bytes()).hexdigest()
-        read = [path for path in hashed if path.parent.name == "server_optimizer"]
-        assert state_file(global_dir) not in read, read
+        assert state_file(global_dir) not in hashed, hashed
+    read = [path for path in hashed if path.parent.name == "server_optimizer"]
     assert read == [state_file(run_root / "round_1" / "global")]  # round 2's check of round 1's state
 
 
