@@ -38,6 +38,9 @@ ROUND_SHARES = "zero_variance_group_share"
 #: The estimators whose advantages come from the group mean alone (the summary's ``adv_estimator``).
 GRPO = "grpo"
 GROUP_MEAN_ESTIMATORS = frozenset({GRPO, "grpo_vectorized"})
+#: The estimators whose advantages come from a critic (PPO's GAE): a flat group still has a signal there,
+#: so the log does not call its update drift (every other estimator keeps the warnings).
+CRITIC_ESTIMATORS = frozenset({"gae"})
 
 
 def round_shares(client_metrics: Mapping[int, Mapping[str, Any]]) -> dict[str, float]:

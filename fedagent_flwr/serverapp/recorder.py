@@ -34,7 +34,7 @@ from fedagent_flwr.protocol import (
 from fedagent_flwr.serverapp.crashpoint import crash_point
 from fedagent_flwr.serverapp.failures import partial_evaluations_reason, partial_rounds_reason, round_reasons
 from fedagent_flwr.serverapp.learning import (
-    GROUP_MEAN_ESTIMATORS,
+    CRITIC_ESTIMATORS,
     GRPO,
     ROUND_SHARES,
     flat_clients,
@@ -181,8 +181,8 @@ class RunRecorder:
         shares = round_shares(client_metrics)
         if shares:
             entry[ROUND_SHARES] = shares
-            # Only where the advantage is the group's mean alone: PPO's critic gives a flat group a signal.
-            grouped = str(self.summary.get("adv_estimator", GRPO)) in GROUP_MEAN_ESTIMATORS
+            # Not where a critic gives the advantage (PPO's GAE): there a flat group still has a signal.
+            grouped = str(self.summary.get("adv_estimator", GRPO)) not in CRITIC_ESTIMATORS
             if grouped and aggregated is not None and is_flat(shares):
                 log(WARNING, "[fedagent] round %d had no learning signal: every group of every reporting client's "
                     "episodes scored alike (zero-variance-group-share 1.0 from clients %s), so the update is "

@@ -154,8 +154,8 @@ def test_a_comparison_whose_final_point_lacks_clients_says_it_is_not_on_the_same
 def test_a_client_without_a_signal_beside_one_with_a_signal_is_named_in_the_summary_and_the_log(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Batch 24 seed 6 (2026-12-06), federated round 4: client 0's 32 WebShop episodes bought in 24, in groups
-    # that each scored alike (share 1.0); client 1's had a spread (share 0.0). Rounds 1 and 3 here: both flat,
-    # both with a signal.
+    # that each scored alike (share 1.0); client 1's had a spread (share 0.0). Round 1 here: both clients flat;
+    # round 3: both with a signal.
     flat_beside = {0: {ZERO_VARIANCE_GROUP_SHARE: 1.0, NUM_EXAMPLES: 32, SUCCESS_RATE: 0.75},
                    1: {ZERO_VARIANCE_GROUP_SHARE: 0.0, NUM_EXAMPLES: 32, SUCCESS_RATE: 0.469}}
     with caplog.at_level(logging.INFO, logger="flwr"):

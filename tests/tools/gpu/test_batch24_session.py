@@ -27,6 +27,10 @@ def test_the_script_is_valid_bash_and_names_a_missing_setting(tmp_path: Path) ->
     no_seed = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
                              env={**env, "OUT": str(tmp_path)})
     assert no_seed.returncode != 0 and "set SEED" in no_seed.stderr
+    # a relative OUT is the caller's, not the repository root's the script changes to (bash -x shows it resolved)
+    relative = subprocess.run(["bash", "-x", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                              env={**env, "OUT": "back"}, cwd=tmp_path)
+    assert relative.returncode != 0 and f"OUT={tmp_path}/back" in relative.stderr
     assert list(tmp_path.iterdir()) == []  # refused before anything started or was written
 
 
