@@ -12,9 +12,9 @@ Two questions a user asks of every run, answered from what the run already recor
   with this reason, and each such round gets a warning in the log. Only for ``grpo``: PPO's
   advantages come from its critic, not from the group mean. A client whose every group was flat in
   a round where another client's were not is named too (``clients_without_signal``, and a line in
-  the log): its update is drift of the same kind, and the mean takes it at its full weight beside
-  the others' (a WebShop run on 2026-12-06 moved such a client's model 0.075 against 0.26 for its
-  peer), diluting the round's signal without making the round flat.
+  the log except under PPO's critic): its update is drift of the same kind, and the mean takes it
+  at its full weight beside the others' (a WebShop run on 2026-12-06 moved such a client's model
+  0.075 against 0.26 for its peer), diluting the round's signal without making the round flat.
 * **Did the global model get better?** The last evaluated model's validation success against the
   base model's (round 0), each with its 95% Wilson interval. The verdict follows the criterion of
   ``docs/results.md``: ``above`` when the final interval lies wholly above the base interval,
@@ -55,11 +55,6 @@ def flat_clients(shares: Mapping[str, float]) -> list[str]:
     return [client for client, share in shares.items() if share >= FLAT_SHARE]
 
 
-def is_flat(shares: Mapping[str, float]) -> bool:
-    """True when at least one client reported the share and every one of them reported 1.0."""
-    return bool(shares) and len(flat_clients(shares)) == len(shares)
-
-
 def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Mapping[str, Any]],
                     adv_estimator: str = GRPO) -> dict[str, Any]:
     """The summary's ``learning`` entry from its ``rounds``, ``val_curve`` and advantage estimator.
@@ -74,13 +69,18 @@ def learning_record(rounds: Sequence[Mapping[str, Any]], val_curve: Sequence[Map
     """
     trained = [entry for entry in rounds if entry.get("aggregated_actor") is not None]
     measured = [entry for entry in trained if entry.get(ROUND_SHARES)]
-    flat = [entry["round"] for entry in measured if is_flat(entry[ROUND_SHARES])]
-    partly = [(entry["round"], flat_clients(entry[ROUND_SHARES])) for entry in measured if entry["round"] not in flat]
+    flat: list[int] = []  # rounds in which every reporting client was flat
+    partly: list[dict[str, Any]] = []  # rounds in which some were: which
+    for entry in measured:
+        clients = flat_clients(entry[ROUND_SHARES])
+        if len(clients) == len(entry[ROUND_SHARES]):
+            flat.append(entry["round"])
+        elif clients:
+            partly.append({"round": entry["round"], "clients": clients})
     record: dict[str, Any] = {
         "rounds_measured": [entry["round"] for entry in measured],
         "rounds_without_signal": flat,
-        "clients_without_signal": [{"round": server_round, "clients": clients} for server_round, clients in partly
-                                   if clients],
+        "clients_without_signal": partly,
         "no_signal_run": (adv_estimator in GROUP_MEAN_ESTIMATORS and bool(trained) and len(measured) == len(trained)
                           and len(flat) == len(trained)),
     }

@@ -38,7 +38,6 @@ from fedagent_flwr.serverapp.learning import (
     GRPO,
     ROUND_SHARES,
     flat_clients,
-    is_flat,
     learning_record,
     no_signal_reason,
     round_shares,
@@ -182,15 +181,18 @@ class RunRecorder:
         if shares:
             entry[ROUND_SHARES] = shares
             # Not where a critic gives the advantage (PPO's GAE): there a flat group still has a signal.
-            grouped = str(self.summary.get("adv_estimator", GRPO)) not in CRITIC_ESTIMATORS
-            if grouped and aggregated is not None and is_flat(shares):
+            flat = flat_clients(shares)
+            critic = self.summary.get("adv_estimator", GRPO) in CRITIC_ESTIMATORS
+            if aggregated is None or not flat or critic:
+                pass  # nothing flat was averaged in, or the flat groups had a critic's signal
+            elif len(flat) == len(shares):
                 log(WARNING, "[fedagent] round %d had no learning signal: every group of every reporting client's "
                     "episodes scored alike (zero-variance-group-share 1.0 from clients %s), so the update is "
                     "drift, not learning", server_round, ", ".join(shares))
-            elif grouped and aggregated is not None and flat_clients(shares):
+            else:
                 log(INFO, "[fedagent] round %d: client(s) %s had no learning signal (every group of their episodes "
                     "scored alike), so their update is drift, averaged in beside the others' at its full weight",
-                    server_round, ", ".join(flat_clients(shares)))
+                    server_round, ", ".join(flat))
         self.summary["rounds"].append(entry)
         if aggregated is not None:
             self.summary["final_model"] = aggregated
