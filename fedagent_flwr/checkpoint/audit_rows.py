@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.verify_step import max_of, require_finite
 
 __all__ = ["CHUNK_ELEMENTS", "handle_rows", "reader_rows", "row_chunks", "tie_error"]
@@ -50,9 +50,9 @@ def reader_rows(reader: CheckpointReader, key: str, rows: tuple[int, int] | None
     return reader.read(key, dtype) if rows is None else reader.read_rows(key, *rows, dtype=dtype)
 
 
-def handle_rows(handle: Any, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+def handle_rows(handle: SafetensorsFile, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
     """Rows of tensor ``name`` of an open safetensors file (only their bytes are read)."""
-    return handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows[0]:rows[1]]
+    return handle.get_tensor(name) if rows is None else handle.read_rows(name, *rows)
 
 
 def tie_error(readers: Sequence[CheckpointReader], ties: dict[str, str]) -> float:

@@ -52,6 +52,7 @@ from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointRef,
 )
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 
 __all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
 
@@ -132,8 +133,6 @@ class LoraAdapterReader(CheckpointReader):
 
     def __init__(self, ref: CheckpointRef, directory: Path, base: CheckpointReader, base_ref: CheckpointRef) -> None:
         super().__init__(ref, directory)
-        from safetensors import safe_open
-
         self.base = base
         self.base_ref = base_ref
         self._file = directory / ADAPTER_WEIGHTS
@@ -146,11 +145,7 @@ class LoraAdapterReader(CheckpointReader):
             raise CheckpointError(f"{config_path} does not hold a JSON object")
         self.scale = adapter_scale(settings, config_path)
         self.rank = int(settings["r"])
-        try:
-            self._handle: Any = safe_open(str(self._file), framework="pt", device="cpu")
-            self._handle.__enter__()
-        except Exception as exc:  # SafetensorError, OSError: truncated or not safetensors
-            raise CheckpointError(f"{self._file} is not a readable safetensors file ({exc})") from None
+        self._handle: SafetensorsFile | None = SafetensorsFile(self._file)
         try:
             self._pairs = self._pair_keys()
             self._check_base_hash(base_ref)
@@ -163,7 +158,7 @@ class LoraAdapterReader(CheckpointReader):
         """CheckpointError unless the adapter records the content hash of the base it is opened on (the
         module docstring): the base reference's hash (which opening with a hash check has found the base's
         files to have: :func:`.open_ref.open_checkpoint`), or the base directory's when it carries none."""
-        metadata = self._handle.metadata() or {}
+        metadata = self._open_file().metadata()
         recorded = metadata.get(ADAPTER_BASE_SHA256)
         if not recorded:
             raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
@@ -182,7 +177,8 @@ class LoraAdapterReader(CheckpointReader):
 
     def _pair_keys(self) -> dict[str, LoraPair]:
         """Map each targeted global key to its factors, checking names and shapes against the base."""
-        shapes = {key: tuple(int(s) for s in self._handle.get_slice(key).get_shape()) for key in self._handle.keys()}
+        handle = self._open_file()
+        shapes = {key: handle.shape(key) for key in handle.keys()}
         base_keys = set(self.base.keys())
         tied = tied_weight_keys(self.base.huggingface_dir())  # tied copy -> the key it is tied to
         partners = {**tied, **{kept: copy for copy, kept in tied.items()}}
@@ -277,10 +273,7 @@ class LoraAdapterReader(CheckpointReader):
 
     def _factor(self, key: str) -> torch.Tensor:
         """One factor of the adapter file, as fp32."""
-        try:
-            tensor = self._handle.get_tensor(key)
-        except Exception as exc:
-            raise CheckpointError(f"{self._file}: cannot read '{key}' ({exc})") from None
+        tensor = self._open_file().get_tensor(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.to(torch.float32)
 
@@ -298,14 +291,17 @@ class LoraAdapterReader(CheckpointReader):
     def describe(self) -> str:
         return f"LoRA adapter {self.directory} (over {self.base.directory})"
 
+    def _open_file(self) -> SafetensorsFile:
+        """The adapter file, open (CheckpointError once :meth:`close_adapter` closed it)."""
+        if self._handle is None:
+            raise CheckpointError(f"{self._file} is closed; the adapter cannot be read")
+        return self._handle
+
     def close_adapter(self) -> None:
         """Close the adapter file only (the base stays open)."""
         handle, self._handle = getattr(self, "_handle", None), None
         if handle is not None:
-            try:
-                handle.__exit__(None, None, None)
-            except Exception:  # a handle that failed half-way: nothing to free
-                pass
+            handle.close()
 
     def close(self) -> None:
         self.close_adapter()

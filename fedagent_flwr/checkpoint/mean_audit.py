@@ -20,16 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.verify_step import max_of, non_finite_in_audit
 
 __all__ = ["verify_mean"]
@@ -48,7 +47,7 @@ def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str 
     ties = tied_weight_keys(out_dir)
     expected_keys = set(effective_keys(readers[0], ties))
     worst = 0.0
-    with safe_open(str(out_dir / MODEL_FILE), framework="pt") as written:
+    with SafetensorsFile(out_dir / MODEL_FILE) as written:
         if set(written.keys()) != expected_keys:
             raise CheckpointError(
                 f"{out_dir} holds keys {sorted(set(written.keys()) ^ expected_keys)[:5]} that differ from the sources"
@@ -61,11 +60,12 @@ def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str 
     return worst
 
 
-def _key_error(readers: list[CheckpointReader], weights: list[float], written: Any, key: str, out_dir: Path) -> float:
+def _key_error(readers: list[CheckpointReader], weights: list[float], written: SafetensorsFile, key: str,
+               out_dir: Path) -> float:
     """The max abs error of ``key``, chunk by chunk; the refusals of :func:`verify_mean`."""
     reference = readers[0]
     shape = reference.shape(key)
-    for where, got in [(out_dir / MODEL_FILE, tuple(written.get_slice(key).get_shape()))] + [
+    for where, got in [(out_dir / MODEL_FILE, written.shape(key))] + [
             (reader.directory, reader.shape(key)) for reader in readers[1:]]:
         if got != shape:
             # both files named: which of the two is off (the written one, or the first source) shows

@@ -58,8 +58,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
-
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
 from fedagent_flwr.checkpoint.audit_sources import RoundStart, open_recorded_source
@@ -68,6 +66,7 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.mean_audit import verify_mean
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.removal_note import gone_by_note, noted_as_gone
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.verify_optimizer import (
     OPTIMIZER_RULES,
     InputRemoved,
@@ -83,8 +82,8 @@ _KINDS = (("aggregated_actor", "aggregated_sha256", "global_model", ""),
 def recorded_sources(global_dir: Path, rules: tuple[str, ...] = ("weighted_mean",)) -> list[dict[str, Any]]:
     """The (path, sha256, weight) list written into an aggregate's safetensors header, refused
     (CheckpointError) when a rule other than ``rules`` wrote it."""
-    with safe_open(str(global_dir / MODEL_FILE), framework="pt") as handle:
-        metadata = handle.metadata() or {}
+    with SafetensorsFile(global_dir / MODEL_FILE) as handle:
+        metadata = handle.metadata()
     if "fedagent.sources" not in metadata:
         raise CheckpointError(f"{global_dir / MODEL_FILE} records no sources (not written by weighted_mean)")
     rule = metadata.get("fedagent.aggregation", "weighted_mean")

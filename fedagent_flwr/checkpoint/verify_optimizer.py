@@ -92,7 +92,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_hashes import unhashed
@@ -109,6 +108,7 @@ from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.verify_step import (
     EPS32,
     buffers_of,
@@ -156,11 +156,8 @@ class OptimizerAudit:
 
 def header_of(model_file: Path) -> dict[str, str]:
     """The safetensors metadata of ``model_file`` (CheckpointError when it cannot be read)."""
-    try:
-        with safe_open(str(model_file), framework="pt") as handle:
-            return dict(handle.metadata() or {})
-    except Exception as exc:  # SafetensorError, OSError
-        raise CheckpointError(f"{model_file} is not a readable safetensors file ({exc})") from None
+    with SafetensorsFile(model_file) as handle:
+        return handle.metadata()
 
 
 def state_path(global_dir: Path) -> Path:
@@ -235,7 +232,7 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         x_reader = stack.enter_context(closing(open_checkpoint(x_ref, check_hash=False)))
         old_state = _previous_state(x_dir, run_root, rule, buffers, step, audit, hashing, stack)
         new_state = _new_state(global_dir, header, buffers, step, audit, hashing, stack)
-        written = stack.enter_context(safe_open(str(global_dir / MODEL_FILE), framework="pt"))
+        written = stack.enter_context(SafetensorsFile(global_dir / MODEL_FILE))
         ties = tied_weight_keys(global_dir)
         keys = set(effective_keys(sources[0][0], ties))
         if set(written.keys()) != keys:
@@ -287,9 +284,9 @@ class _Inputs:
     global_dir: Path
     sources: list[tuple[CheckpointReader, float]]
     x: CheckpointReader
-    written: Any
-    old_state: Any
-    new_state: Any
+    written: SafetensorsFile
+    old_state: SafetensorsFile | None
+    new_state: SafetensorsFile | None
 
 
 def _audit_key(inputs: _Inputs, key: str, audit: OptimizerAudit) -> None:
@@ -355,7 +352,7 @@ def _audit_rows(inputs: _Inputs, key: str, rows: tuple[int, int] | None, actual:
 def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: bool) -> None:
     """CheckpointError unless every file read for ``key`` holds it in the sources' shape (rows are
     read by index: a shorter tensor would otherwise be compared with part of the key)."""
-    found = [(inputs.global_dir / MODEL_FILE, key, tuple(inputs.written.get_slice(key).get_shape()))]
+    found = [(inputs.global_dir / MODEL_FILE, key, inputs.written.shape(key))]
     # every client's too: a longer one would otherwise be read only up to the first source's rows
     found += [(reader.directory, key, reader.shape(key)) for reader, _ in inputs.sources[1:]]
     if floating:
@@ -363,7 +360,7 @@ def _check_shapes(inputs: _Inputs, key: str, shape: tuple[int, ...], floating: b
         for state, path in ((inputs.old_state, state_path(inputs.x.directory)),
                             (inputs.new_state, state_path(inputs.global_dir))):
             names = [f"{name}/{key}" for name in inputs.buffers] if state is not None else []
-            found += [(path, name, tuple(state.get_slice(name).get_shape())) for name in names]
+            found += [(path, name, state.shape(name)) for name in names if state is not None]
     for where, name, got in found:
         if got != shape:
             raise CheckpointError(f"{where}: '{name}' has shape {got}, the first source "
@@ -411,7 +408,7 @@ def _sources(header: dict[str, str], global_dir: Path, run_root: Path, check_has
 
 
 def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], step: int, audit: OptimizerAudit,
-                    hashing: _Hashing, stack: ExitStack) -> Any:
+                    hashing: _Hashing, stack: ExitStack) -> SafetensorsFile | None:
     """The state the step started from, opened (None: the buffers start at zero); its hash checked,
     one that ``x`` does not record failing unless ``--allow-unhashed``."""
     try:
@@ -436,15 +433,15 @@ def _previous_state(x_dir: Path, run_root: Path, rule: str, buffers: list[str], 
     elif hashing.compare and hashing.digests.file_digest(path).hex() != recorded:
         raise CheckpointError(f"previous optimiser state {path} changed since it was written (hash differs from "
                               f"the one {x_dir / MODEL_FILE} records)")
-    handle = stack.enter_context(safe_open(str(path), framework="pt"))
-    old_step = int((handle.metadata() or {}).get("fedagent.step", "0"))
+    handle = stack.enter_context(SafetensorsFile(path))
+    old_step = int(handle.metadata().get("fedagent.step", "0"))
     if old_step + 1 != step:
         audit.problems.append(f"step {step} recorded, the previous state {path} is step {old_step}")
     return handle
 
 
 def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], step: int, audit: OptimizerAudit,
-               hashing: _Hashing, stack: ExitStack) -> Any:
+               hashing: _Hashing, stack: ExitStack) -> SafetensorsFile | None:
     """The state written with the round, opened and its hash checked (None: no buffers, or removed);
     a global model that records no hash of it fails the round unless ``--allow-unhashed``."""
     if not buffers:
@@ -461,7 +458,7 @@ def _new_state(global_dir: Path, header: dict[str, str], buffers: list[str], ste
                  hashing.allow_unhashed, audit.notes)
     elif hashing.compare and hashing.digests.file_digest(path).hex() != recorded:
         audit.problems.append(f"{path} differs from the hash its global model recorded")
-    handle = stack.enter_context(safe_open(str(path), framework="pt"))
-    if int((handle.metadata() or {}).get("fedagent.step", "-1")) != step:
+    handle = stack.enter_context(SafetensorsFile(path))
+    if int(handle.metadata().get("fedagent.step", "-1")) != step:
         audit.problems.append(f"{path} is not step {step}")
     return handle

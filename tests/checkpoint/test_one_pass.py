@@ -5,6 +5,8 @@ each byte of a rank file is read once, and the hash is the same however it is co
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,24 @@ def test_a_safetensors_checkpoint_changed_while_it_is_hashed_is_refused_after_th
             reader.read(key)
         with pytest.raises(CheckpointError, match=f"{model} changed while it was read"):
             reader.verify_content()
+
+
+def test_a_safetensors_checkpoint_shortened_while_the_round_reads_it_is_refused_by_name(tmp_path: Path) -> None:
+    """A client's file cut short after its hash (opened, not yet read): the mean's read of a tensor past
+    the new end fails naming the file and the tensor, and nothing is written. Read through a memory
+    map (before stop 56) that read killed the server process (SIGBUS)."""
+    for name, seed in (("a", 31), ("b", 32)):
+        write_hf_checkpoint(ModelSpec(name, "qwen2", seed=seed), tmp_path / name)
+    readers = [open_checkpoint(CheckpointRef.for_directory(tmp_path / name), root=tmp_path,
+                               check_hash="while-reading") for name in ("a", "b")]
+    out = tmp_path / "out"
+    try:
+        (shortened,) = (tmp_path / "b").glob("*.safetensors")
+        (length,) = struct.unpack("<Q", shortened.read_bytes()[:8])
+        os.truncate(shortened, 8 + length)  # the header only
+        with pytest.raises(CheckpointError, match=f"{shortened}: '[^']+' ends at byte .*shortened after it was opened"):
+            weighted_mean([(readers[0], 1.0), (readers[1], 1.0)], out)
+        assert not out.exists()
+    finally:
+        for reader in readers:
+            reader.close()

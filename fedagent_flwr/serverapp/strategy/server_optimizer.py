@@ -81,6 +81,7 @@ from fedagent_flwr.checkpoint import (
 from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 from fedagent_flwr.checkpoint.receipts import FileStat, fresh_stat, stat_now
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.safetensors_writer import LateMetadata
 from fedagent_flwr.serverapp.failures import RunFailedError
 from fedagent_flwr.serverapp.resume import STATE_DIR, state_file
@@ -240,7 +241,8 @@ class ServerOptimizerFSDP(FedAvgFSDP):
 class _PreviousState:
     """The optimiser state written with a global model, read one key at a time."""
 
-    def __init__(self, path: Path, handle: Any, step: int, names: tuple[str, ...], watched: FileStat) -> None:
+    def __init__(self, path: Path, handle: SafetensorsFile, step: int, names: tuple[str, ...],
+                 watched: FileStat) -> None:
         self.path, self._handle, self.step, self._names = path, handle, step, names
         self._watched = watched  # the file's stat when its hash was checked (see check_unchanged)
 
@@ -266,17 +268,14 @@ class _PreviousState:
                     "the run cannot go on with the same result (restore the file or start a new run)")
             return None  # a model written by FedAvg's mean (PPO's first critic): the buffers start at zero
         watched = _check_state_hash(path, directory, model_header.get(STATE_SHA256))
-        from safetensors import safe_open
-
         try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-            handle.__enter__()
-        except Exception as exc:  # SafetensorError, OSError: truncated or not safetensors
+            handle = SafetensorsFile(path)
+        except CheckpointError as exc:  # truncated, not safetensors, or gone
             raise ServerOptimizerStateError(f"optimiser state {path} is unreadable ({exc})") from None
         state = cls(path, handle, 0, names, watched)
         try:
             state.check_unchanged()  # replaced or moved between its hash and this opening: say so before the step
-            metadata = handle.metadata() or {}
+            metadata = handle.metadata()
             try:
                 buffers, state.step = json.loads(metadata.get("fedagent.buffers", "[]")), int(metadata.get(
                     "fedagent.step", "0"))
@@ -287,7 +286,7 @@ class _PreviousState:
                     f"optimiser state {path} holds {metadata.get('fedagent.buffers')} of "
                     f"{metadata.get('fedagent.server_optimizer')!r}, this run's {rule_name} needs {list(names)}")
             wanted = {f"{n}/{key}": shape for key, shape in entries for n in names}
-            stored = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+            stored = {key: handle.shape(key) for key in handle.keys()}
             if stored != wanted:
                 odd = sorted(set(stored) ^ set(wanted)) or sorted(k for k in wanted if stored[k] != wanted[k])
                 raise ServerOptimizerStateError(
@@ -298,19 +297,21 @@ class _PreviousState:
         return state
 
     def read(self, key: str) -> dict[str, torch.Tensor]:
-        """Every buffer of ``key`` as a new fp32 tensor (the file is never changed)."""
-        return {name: self._handle.get_tensor(f"{name}/{key}").to(torch.float32, copy=True) for name in self._names}
+        """Every buffer of ``key`` as a new fp32 tensor (the file is never changed). A file shortened
+        since it was opened fails the read (CheckpointError), which the step's caller turns into this
+        state's error (:meth:`check_unchanged`)."""
+        return {name: self._handle.get_tensor(f"{name}/{key}").to(torch.float32) for name in self._names}
 
     def check_unchanged(self, failure: BaseException | None = None) -> None:
         """ServerOptimizerStateError when the file's stat is no longer the one its hash was checked at
         (for a model that recorded no hash: the one at opening).
 
-        The buffers are read through a memory map, so a file rewritten in place after that check (or
-        during it) is read with bytes the recorded hash never covered. Called right after opening,
-        once every key is read (before the new global model is committed: a step built from them is
-        then not committed) and after a step that failed (``failure``, named in the message). One
-        ``open`` and ``fstat``. Not covered: a file truncated while mapped, whose next read kills the
-        process (SIGBUS) before any check can run."""
+        The buffers are read from the open file key by key, so a file rewritten in place after that
+        check (or during it) is read with bytes the recorded hash never covered. Called right after
+        opening, once every key is read (before the new global model is committed: a step built from
+        them is then not committed) and after a step that failed (``failure``, named in the message:
+        a file shortened while read fails its next read, :class:`.SafetensorsFile`). One ``open``
+        and ``fstat``."""
         now = stat_now(self.path)
         if now != self._watched:
             failed = f" (the step had failed: {failure})" if failure is not None else ""
@@ -321,10 +322,7 @@ class _PreviousState:
 
     def close(self) -> None:
         """Release the file."""
-        try:
-            self._handle.__exit__(None, None, None)
-        except Exception:  # closed already: nothing to free
-            pass
+        self._handle.close()
 
 
 def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> FileStat:
@@ -354,10 +352,8 @@ def _check_state_hash(path: Path, directory: Path, recorded: str | None) -> File
 
 def _header(model_file: Path) -> dict[str, str]:
     """The safetensors metadata of ``model_file`` ({} when it has none or cannot be read)."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(model_file), framework="pt") as handle:
-            return dict(handle.metadata() or {})
-    except Exception:  # not a single-file safetensors model: not one this rule wrote
+        with SafetensorsFile(model_file) as handle:
+            return handle.metadata()
+    except CheckpointError:  # not a single-file safetensors model: not one this rule wrote
         return {}

@@ -1,7 +1,8 @@
-"""A server optimiser's state file is read through a memory map after its hash is checked: one
-rewritten in place after that check, or during it (in bytes the hash had already read, so the hash
-still matched), stops the run naming the file, and nothing of that round is committed (neither the
-new global model nor its state). Before, the step was built from the rewritten buffers and committed."""
+"""A server optimiser's state file is read key by key after its hash is checked: one rewritten in
+place after that check, or during it (in bytes the hash had already read, so the hash still
+matched), or shortened, stops the run naming the file, and nothing of that round is committed
+(neither the new global model nor its state). Before, the step was built from the rewritten buffers
+and committed, and the shortened file's memory map killed the server (SIGBUS)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,22 @@ def _rewritten_before_the_first_read(state: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_PreviousState, "read", rewritten_before_the_first_read)
 
 
+def _shortened_after_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cut to its header and half its data before the first read: read through a memory map (before
+    # stop 56) the first buffer past the new end killed the server process (SIGBUS).
+    read: Callable[[_PreviousState, str], dict] = _PreviousState.read
+    done: list[bool] = []
+
+    def shortened_before_the_first_read(self: _PreviousState, key: str) -> dict:
+        if not done:
+            (length,) = struct.unpack("<Q", state.read_bytes()[:8])
+            os.truncate(state, 8 + length + (state.stat().st_size - 8 - length) // 2)
+            done.append(True)
+        return read(self, key)
+
+    monkeypatch.setattr(_PreviousState, "read", shortened_before_the_first_read)
+
+
 def _during_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # (The code before this check hashed through its own imported file_digest, which this does not
     # patch: there the rewrite never happened and the round was committed, so the case failed for
@@ -77,8 +94,9 @@ def _during_its_hash(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("rewrite", "failed_first"),
-    [(_after_its_hash, None), (_during_its_hash, None), (_after_its_hash_non_finite, "non-finite")],
-    ids=["after its hash", "during its hash", "after its hash, to a non-finite step"])
+    [(_after_its_hash, None), (_during_its_hash, None), (_after_its_hash_non_finite, "non-finite"),
+     (_shortened_after_its_hash, "shortened after it was opened")],
+    ids=["after its hash", "during its hash", "after its hash, to a non-finite step", "shortened after its hash"])
 def test_a_state_file_rewritten_while_a_round_reads_it_stops_the_run_and_commits_nothing(
     suite: Suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     rewrite: Callable[[Path, pytest.MonkeyPatch], None], failed_first: str | None,

@@ -1,0 +1,155 @@
+""":class:`.SafetensorsFile`, the project's one way to read a safetensors file: the same tensors,
+shapes, dtypes, metadata and keys as the ``safetensors`` library's own ``safe_open`` (the oracle),
+damaged files refused by name at opening, and a file shortened after it was opened failing the read
+with an error naming the file and the tensor, where a memory map would kill the process (SIGBUS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fedagent_flwr.checkpoint import CheckpointError
+from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
+
+TENSORS = {
+    "w.f32": torch.randn(7, 5, generator=torch.Generator().manual_seed(1)),
+    "w.bf16": torch.randn(6, 3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16),
+    "w.f16": torch.randn(4, generator=torch.Generator().manual_seed(3)).to(torch.float16),
+    "w.f64": torch.randn(2, 2, 2, generator=torch.Generator().manual_seed(4)).double(),
+    "scalar": torch.tensor(2.5),
+    "steps": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+    "i32": torch.tensor([-3, 9], dtype=torch.int32),
+    "i16": torch.tensor([7], dtype=torch.int16),
+    "i8": torch.tensor([-1, 1], dtype=torch.int8),
+    "u8": torch.tensor([0, 255], dtype=torch.uint8),
+    "mask": torch.tensor([True, False, True]),
+    "empty": torch.empty(0, 4),
+}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    save_file(TENSORS, str(path), metadata={"fedagent.step": "3", "note": "x"})
+    return path
+
+
+def test_every_tensor_its_shape_dtype_keys_and_metadata_are_the_librarys(model: Path) -> None:
+    with safe_open(str(model), framework="pt") as oracle, SafetensorsFile(model) as file:
+        assert file.keys() == oracle.keys()
+        assert file.metadata() == oracle.metadata()
+        for key in oracle.keys():
+            expected = oracle.get_tensor(key)
+            got = file.get_tensor(key)
+            assert got.dtype == expected.dtype and got.shape == expected.shape and file.shape(key) == tuple(
+                expected.shape) and file.dtype(key) == expected.dtype, key
+            assert torch.equal(got, expected), key
+            if expected.dim():
+                for start, stop in ((0, 1), (1, 3), (2, 99), (5, 2)):
+                    assert torch.equal(file.read_rows(key, start, stop),
+                                       oracle.get_slice(key)[start:stop]), (key, start, stop)
+
+
+def test_read_into_fills_a_buffer_of_the_stored_or_another_dtype(model: Path) -> None:
+    with SafetensorsFile(model) as file:
+        same = torch.full((6, 3), -1.0, dtype=torch.bfloat16)
+        file.read_into("w.bf16", same)  # straight into its memory
+        assert torch.equal(same, TENSORS["w.bf16"])
+        wider = torch.zeros(18)
+        file.read_into("w.bf16", wider)  # through one buffer, converted
+        assert torch.equal(wider, TENSORS["w.bf16"].float().reshape(-1))
+        strided = torch.zeros(5, 7).t()  # not contiguous
+        file.read_into("w.f32", strided)
+        assert torch.equal(strided, TENSORS["w.f32"])
+        scalar = torch.zeros(())
+        file.read_into("scalar", scalar)
+        assert scalar.item() == 2.5
+        with pytest.raises(CheckpointError, match=r"'w.f32' has shape \[7, 5\], the buffer \[5\]"):
+            file.read_into("w.f32", torch.zeros(5))
+
+
+def test_a_tensor_owns_its_memory(model: Path) -> None:
+    with SafetensorsFile(model) as file:
+        tensor = file.get_tensor("w.f32")
+    tensor.add_(1.0)  # closed and changed: nothing refers to the file
+    assert torch.equal(tensor, TENSORS["w.f32"] + 1.0)
+
+
+def test_an_unknown_key_and_a_closed_file_are_named(model: Path) -> None:
+    file = SafetensorsFile(model)
+    with pytest.raises(CheckpointError, match=f"{model} holds no tensor 'missing'"):
+        file.get_tensor("missing")
+    with pytest.raises(CheckpointError, match="is a scalar; it has no rows"):
+        file.read_rows("scalar", 0, 1)
+    file.close()
+    file.close()  # again: nothing
+    with pytest.raises(CheckpointError, match=f"{model} is closed; 'w.f32' cannot be read"):
+        file.get_tensor("w.f32")
+
+
+def _header_end(path: Path) -> int:
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8 + length
+
+
+def _rewrite_header(path: Path, change: dict) -> None:
+    """The file with its header's entries updated by ``change`` (padded as the format allows)."""
+    data = path.read_bytes()
+    end = _header_end(path)
+    header = json.loads(data[8:end])
+    header.update(change)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[end:])
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: p.write_bytes(b"\x01\x00"), "only 2 bytes"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "a header of 1099511627776 bytes in a file of 10"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"{{{{"), "its header is not JSON"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 2) + b"[]"), "its header is not a JSON object"),
+    (lambda p: os.truncate(p, p.stat().st_size - 1), "is given bytes"),
+    (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32", "shape": [7, 5], "data_offsets": [0, 4]}}),
+     r"'w.f32' of shape \[7, 5\] F32 is given bytes 0:4"),
+    (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32", "shape": [-7, 5], "data_offsets": [0, 4]}}),
+     "the entry of 'w.f32' is malformed"),
+    (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32"}}), "the entry of 'w.f32' is malformed"),
+    (lambda p: _rewrite_header(p, {"__metadata__": {"step": 3}}), "its __metadata__ is not a map of strings"),
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}),
+     "'i8' has unsupported dtype F8_E4M3"),
+], ids=["too-short", "header-past-the-end", "not-json", "not-an-object", "truncated", "wrong-length",
+        "negative-shape", "no-offsets", "metadata-not-strings", "unsupported-dtype"])
+def test_a_damaged_file_is_refused_at_opening_naming_it(model: Path, damage, message: str) -> None:
+    damage(model)
+    with pytest.raises(CheckpointError, match=message) as raised:
+        SafetensorsFile(model)
+    assert str(model) in str(raised.value)
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'gone.safetensors'} is not a readable safetensors file"):
+        SafetensorsFile(tmp_path / "gone.safetensors")
+
+
+def test_a_file_shortened_after_opening_fails_the_read_naming_file_and_tensor(model: Path) -> None:
+    """Through ``safe_open`` the same read touches memory-mapped pages past the new end of the file:
+    SIGBUS, the process gone."""
+    with SafetensorsFile(model) as file:
+        kept = file.get_tensor("empty")  # before: fine
+        os.truncate(model, _header_end(model) + 4)
+        with pytest.raises(CheckpointError,
+                           match=f"{model}: 'w.f32' ends at byte \\d+, the file now ends at byte \\d+: it was "
+                                 "shortened after it was opened"):
+            file.get_tensor("w.f32")
+        with pytest.raises(CheckpointError, match="shortened after it was opened"):
+            file.read_rows("w.f32", 1, 2)
+        with pytest.raises(CheckpointError, match="shortened after it was opened"):
+            file.read_into("w.f32", torch.zeros(7, 5))
+    assert kept.numel() == 0
