@@ -44,6 +44,7 @@ import torch
 from fedagent_flwr.checkpoint.content_hash import CONTENT_HASH_VERSION, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.hf_files import tied_weight_keys
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
+from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import (
     ADAPTER_BASE_HASH_VERSION,
     ADAPTER_BASE_SHA256,
@@ -290,6 +291,10 @@ class LoraAdapterReader(CheckpointReader):
 
     def describe(self) -> str:
         return f"LoRA adapter {self.directory} (over {self.base.directory})"
+
+    def _held_stat(self, name: str) -> FileStat | None:
+        """The adapter weights' stat through the descriptor they are read from (None for its config)."""
+        return self._handle.held_stat() if name == ADAPTER_WEIGHTS and self._handle is not None else None
 
     def _open_file(self) -> SafetensorsFile:
         """The adapter file, open (CheckpointError once :meth:`close_adapter` closed it)."""

@@ -28,6 +28,7 @@ from types import TracebackType
 
 import torch
 
+from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = ["DTYPES", "SafetensorsFile"]
@@ -58,6 +59,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._closed_stat: FileStat | None = None
         try:
             self._fd: int | None = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -191,9 +193,18 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path} is not a readable safetensors file (it ends inside {what})")
         return data
 
+    def held_stat(self) -> FileStat:
+        """The stat of the file read, through the descriptor it is read from (as it was when closed,
+        once closed): what a check after the reads compares with the stat its digest was taken at."""
+        if self._fd is None:
+            assert self._closed_stat is not None  # set by close()
+            return self._closed_stat
+        return FileStat.of(os.fstat(self._fd))
+
     def close(self) -> None:
         """Release the file (again: nothing)."""
         if self._fd is not None:
+            self._closed_stat = FileStat.of(os.fstat(self._fd))
             os.close(self._fd)
             self._fd = None
 

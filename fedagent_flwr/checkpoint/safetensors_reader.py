@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
+from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 
@@ -86,6 +87,10 @@ class SafetensorsReader(CheckpointReader):
         rows = self._where[key].read_rows(key, start, stop)
         self.bytes_read += rows.numel() * rows.element_size()
         return rows if dtype is None or dtype == rows.dtype else rows.to(dtype)
+
+    def _held_stat(self, name: str) -> FileStat | None:
+        """The stat of safetensors file ``name`` through the descriptor it is read from."""
+        return next((handle.held_stat() for handle in self._handles if handle.path.name == name), None)
 
     def huggingface_dir(self) -> Path | None:
         return self.directory

@@ -153,3 +153,22 @@ def test_a_file_shortened_after_opening_fails_the_read_naming_file_and_tensor(mo
         with pytest.raises(CheckpointError, match="shortened after it was opened"):
             file.read_into("w.f32", torch.zeros(7, 5))
     assert kept.numel() == 0
+
+
+def test_the_held_stat_is_the_open_files_and_is_kept_once_closed(model: Path) -> None:
+    """What a check after the reads compares (``CheckpointReader._held_stat``): the descriptor's file,
+    not whatever the path names now."""
+    from fedagent_flwr.checkpoint.receipts import fresh_stat
+
+    file = SafetensorsFile(model)
+    opened = fresh_stat(model)
+    assert file.held_stat() == opened
+    moved = model.with_suffix(".old")
+    model.rename(moved)  # (a rename moves the file's ctime)
+    save_file({"other": torch.zeros(1)}, str(model))  # another file at the path
+    assert file.held_stat() == fresh_stat(moved) != fresh_stat(model)
+    os.truncate(moved, 8)  # the held file itself changes
+    changed = file.held_stat()
+    assert changed == fresh_stat(moved) and changed.size == 8
+    file.close()
+    assert file.held_stat() == changed

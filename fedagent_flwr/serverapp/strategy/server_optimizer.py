@@ -42,10 +42,10 @@ hash, which the run record commits with the round and a resume checks before it 
 (:mod:`fedagent_flwr.serverapp.resume`), so the state's hash is as trustworthy as the model it
 belongs to. The next round (or a resumed run) hashes the state file before it reads a buffer
 (one more read of the file a round, as client safetensors checkpoints are hashed at opening) and
-stops with :class:`ServerOptimizerStateError` naming the file when it differs; the file is read
-through a memory map, so its stat at that check is compared once more after the step's last read,
-before the new global model is committed, and a file rewritten meanwhile stops the run the same way
-(nothing of that round is kept). A state whose model records no hash (written before fedagent-flwr
+stops with :class:`ServerOptimizerStateError` naming the file when it differs; the file is then read
+key by key (:class:`.SafetensorsFile`, positioned reads), so its stat at that check is compared once
+more after the step's last read, before the new global model is committed, and a file rewritten or
+shortened meanwhile stops the run the same way (nothing of that round is kept). A state whose model records no hash (written before fedagent-flwr
 recorded one) is loaded unchecked with a one-line warning, so older runs still resume.
 ``python -m fedagent_flwr.checkpoint.verify`` audits these rounds from the same records
 (:mod:`fedagent_flwr.checkpoint.verify_optimizer`).
@@ -189,7 +189,7 @@ class ServerOptimizerFSDP(FedAvgFSDP):
             # Called once every key is computed, before the global model is renamed into place: the
             # state lands first, so a global model never exists without the state it names.
             assert writer is not None
-            if previous is not None:  # the buffers read (memory-mapped) were the bytes hashed at opening
+            if previous is not None:  # the buffers read were the bytes hashed at opening
                 previous.check_unchanged()
             writer.close()
             # Hashed while it was written (sha256=True below): no second read of the whole state.
