@@ -42,11 +42,19 @@ default that is ``store``, the mode of a deployment with the http store, whose r
 tracks. ``--modes one-pass`` gives the shared-filesystem figure on the last line.
 
     python benchmarks/aggregate_throughput.py --layers 1 --clients 4 --repeats 1   # a quick check
+
+``--layout safetensors`` writes each client as a Hugging Face model directory instead (one fp32
+``model.safetensors`` and its ``config.json``: what the default job's reference trainer uploads).
+``--checkout PATH`` runs every mode also on the code of another checkout (the child with
+``PYTHONPATH=PATH``, named ``<mode>@checkout``), right after the same mode on this code with the
+files evicted again, and reports ``vs_checkout``: that checkout's server time over this code's
+(above 1: this code is faster), with both outputs' sha256 compared (they must be equal).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -110,6 +118,25 @@ def write_plain_client(directory: Path, seed: int, layers: int) -> None:
     torch.save(state, directory / "model_world_size_1_rank_0.pt")
     (directory / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
     write_hf_config(directory, layers)
+
+
+def write_safetensors_client(directory: Path, seed: int, layers: int) -> None:
+    """A Hugging Face model directory: one fp32 ``model.safetensors`` and its ``config.json``."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    save_file({k: torch.randn(s, generator=generator) * 0.02 for k, s in model_shapes(layers)},
+              str(directory / "model.safetensors"))
+    LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                tie_word_embeddings=False).save_pretrained(str(directory))
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The files the server reads tensors from (rank files or safetensors files)."""
+    return sorted([*directory.glob("model_world_size_*.pt"), *directory.glob("*.safetensors")])
 
 
 def _dtensor_worker(rank: int, init_file: str, directory: str, seed: int, world: int, layers: int) -> None:
@@ -249,12 +276,16 @@ def time_cat(files: list[Path]) -> float:
 
 
 def run_server(refs: list[dict[str, Any]], out: Path, mode: str, files: list[Path],
-               receipt_key: bytes = b"") -> dict[str, Any]:
+               receipt_key: bytes = b"", checkout: Path | None = None) -> dict[str, Any]:
     """The server's per-round work in a fresh interpreter (imports not timed), twice: the first
-    pass of the process, then, with ``files`` evicted again, the per-round pass."""
+    pass of the process, then, with ``files`` evicted again, the per-round pass; on the code of
+    ``checkout`` when given (``PYTHONPATH``)."""
+    env = {**os.environ, "AGG_BENCH_RECEIPT_KEY": receipt_key.hex()}
+    if checkout is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(refs), str(out), mode, json.dumps([str(f) for f in files])],
-        check=False, capture_output=True, text=True, env={**os.environ, "AGG_BENCH_RECEIPT_KEY": receipt_key.hex()},
+        check=False, capture_output=True, text=True, env=env,
     )
     if result.returncode != 0:
         raise SystemExit(f"the server child ({mode}) failed:\n{result.stderr[-4000:]}")
@@ -264,12 +295,12 @@ def run_server(refs: list[dict[str, Any]], out: Path, mode: str, files: list[Pat
 def upload_through_store(work: Path, sources: list[Path], store: Any) -> tuple[list[dict[str, Any]], float, float]:
     """Upload every client directory through ``store`` (a running HttpServerStore) as its client
     of round 1 would; return the server's local references, the uploads' wall time and the store's
-    time hashing received files (``_hash_and_sync``: fsync and sha256 of each file as it completes)."""
+    time hashing received files (``hash_and_sync``: fsync and sha256 of each file as it completes)."""
     from fedagent_flwr.checkpoint import http_server
     from fedagent_flwr.checkpoint.http_client import HttpClientStore
 
     spent = [0.0]
-    original = http_server._hash_and_sync
+    original = http_server.hash_and_sync
 
     def timed(path: Path) -> Any:
         started = time.perf_counter()
@@ -278,7 +309,7 @@ def upload_through_store(work: Path, sources: list[Path], store: Any) -> tuple[l
         finally:
             spent[0] += time.perf_counter() - started
 
-    http_server._hash_and_sync = timed  # type: ignore[assignment]
+    http_server.hash_and_sync = timed  # type: ignore[assignment]
     try:
         refs, started = [], time.perf_counter()
         for client, directory in enumerate(sources):
@@ -289,7 +320,7 @@ def upload_through_store(work: Path, sources: list[Path], store: Any) -> tuple[l
                          "sha256": local.sha256})
         return refs, time.perf_counter() - started, spent[0]
     finally:
-        http_server._hash_and_sync = original  # type: ignore[assignment]
+        http_server.hash_and_sync = original  # type: ignore[assignment]
 
 
 def load() -> str:
@@ -305,28 +336,36 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["store", "one-pass", "hash-first"],
                         choices=["store", "one-pass", "hash-first"],
                         help="the first one's ratio is the last line (default: store, the http store's)")
+    parser.add_argument("--layout", choices=["fsdp-shards", "safetensors"], default="fsdp-shards",
+                        help="how the clients are written (safetensors: Hugging Face model directories)")
+    parser.add_argument("--checkout", type=Path, default=None,
+                        help="also run every mode on this checkout's code (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
 
     from fedagent_flwr.checkpoint import CheckpointRef
+    from fedagent_flwr.checkpoint.hf_files import MODEL_FILE
 
     work = Path(tempfile.mkdtemp(prefix="aggbench_", dir=args.workdir))
     try:
         started = time.perf_counter()
         refs, files = [], []
-        worlds = [WORLD_SIZES[i % len(WORLD_SIZES)] for i in range(args.clients)]
+        worlds = [1 if args.layout == "safetensors" else WORLD_SIZES[i % len(WORLD_SIZES)]
+                  for i in range(args.clients)]
         for i, world in enumerate(worlds):
             directory = work / f"client_{i}"
-            if world == 1:
+            if args.layout == "safetensors":
+                write_safetensors_client(directory, seed=i + 1, layers=args.layers)
+            elif world == 1:
                 write_plain_client(directory, seed=i + 1, layers=args.layers)
             else:
                 write_dtensor_client(directory, seed=i + 1, world=world, layers=args.layers)
             ref = CheckpointRef.for_directory(directory)  # the client's reference, hashed on its side
             refs.append({"path": ref.path, "format": ref.format, "world_size": ref.world_size, "sha256": ref.sha256})
-            files += sorted(directory.glob("model_world_size_*.pt"))
+            files += data_files(directory)
         input_mb = sum(f.stat().st_size for f in files) / 1e6
-        print(f"built {args.clients} clients, world sizes {worlds}, {input_mb:.0f} MB of rank files in "
+        print(f"built {args.clients} clients ({args.layout}), world sizes {worlds}, {input_mb:.0f} MB of files in "
               f"{time.perf_counter() - started:.1f}s; torch {torch.__version__}, {os.cpu_count()} CPUs")
-        print("cold cache: posix_fadvise(POSIX_FADV_DONTNEED) on every rank file before each timed pass "
+        print("cold cache: posix_fadvise(POSIX_FADV_DONTNEED) on every data file before each timed pass "
               "(not /proc/sys/vm/drop_caches: it needs root and evicts every process's cache)")
 
         store_refs, store_files, receipt_key, upload_s, receipt_hash_s = [], [], b"", 0.0, 0.0
@@ -342,7 +381,7 @@ def main() -> None:
                 receipt_key = store.receipt_key()
             finally:
                 store.close()
-            store_files = sorted(f for r in store_refs for f in Path(r["path"]).glob("model_world_size_*.pt"))
+            store_files = [f for r in store_refs for f in data_files(Path(r["path"]))]
             print(f"uploaded through a loopback http store in {upload_s:.2f}s; the store hashed the received "
                   f"files (fsync + sha256, receipt_hash_s) in {receipt_hash_s:.2f}s; receipts written")
 
@@ -352,14 +391,22 @@ def main() -> None:
             resident = resident_mb(files)
             load_before = load()
             cat_s = time_cat(files)
-            for mode in args.modes:
+            for mode, checkout in [(m, c) for m in args.modes for c in [None, args.checkout][:1 + bool(args.checkout)]]:
                 mode_files = store_files if mode == "store" else files
                 evict(mode_files)
-                out = work / f"global_{mode}_{rep}"
-                child = run_server(store_refs if mode == "store" else refs, out, mode, mode_files, receipt_key)
+                out = work / f"global_{mode}_{rep}{'_checkout' if checkout else ''}"
+                child = run_server(store_refs if mode == "store" else refs, out, mode, mode_files, receipt_key,
+                                   checkout)
+                out_sha = hashlib.sha256((out / MODEL_FILE).read_bytes()).hexdigest()
                 shutil.rmtree(out)
+                mine = next((r for r in rows if r["rep"] == rep and r["mode"] == mode), None) if checkout else None
+                if mine is not None and mine["out_sha"] != out_sha:
+                    raise SystemExit(f"{mode}: the checkout's mean differs from this code's ({out_sha} vs "
+                                     f"{mine['out_sha']})")
                 rows.append({
-                    "rep": rep, "mode": mode, "input_mb": round(input_mb, 1),
+                    "rep": rep, "mode": f"{mode}@checkout" if checkout else mode, "input_mb": round(input_mb, 1),
+                    "out_sha": out_sha,
+                    "vs_checkout": round(child["server_s"] / mine["server_s"], 3) if mine else "-",
                     "resident_mb_after_evict": None if resident is None else round(resident, 1),
                     "cat_s": round(cat_s, 3), "cat_mb_s": round(input_mb / cat_s, 1),
                     "server_s": round(child["server_s"], 3), "server_mb_s": round(input_mb / child["server_s"], 1),
@@ -377,14 +424,15 @@ def main() -> None:
                     "receipt_hash_s": round(receipt_hash_s, 3) if mode == "store" else "-",
                 })
         header = ("rep", "mode", "input_mb", "cat_s", "cat_mb_s", "first_pass_s", "first_pass_ratio", "server_s",
-                  "server_cpu_s", "ratio_vs_cat",
+                  "server_cpu_s", "ratio_vs_cat", "vs_checkout",
                   "read_mb", "out_hash_s", "receipt_files", "receipt_hash_s", "rss_over_base_mb", "load_before",
                   "load_after")
         widths = [max(9, len(h)) for h in header]
         print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
         for row in rows:
             print(" ".join(f"{row[h]!s:>{w}}" for h, w in zip(header, widths)))
-        print(json.dumps({"benchmark": "aggregate_throughput", "world_sizes": worlds, "layers": args.layers,
+        print(json.dumps({"benchmark": "aggregate_throughput", "layout": args.layout, "world_sizes": worlds,
+                          "layers": args.layers, "checkout": str(args.checkout) if args.checkout else None,
                           "upload_s": round(upload_s, 3), "receipt_hash_s": round(receipt_hash_s, 3),
                           "rows": rows}))
         ratios = [r["ratio_vs_cat"] for r in rows if r["mode"] == args.modes[0]]
