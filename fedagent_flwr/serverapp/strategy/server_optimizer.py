@@ -45,8 +45,9 @@ belongs to. The next round (or a resumed run) hashes the state file before it re
 stops with :class:`ServerOptimizerStateError` naming the file when it differs; the file is then read
 key by key (:class:`.SafetensorsFile`, positioned reads), so its stat at that check is compared once
 more after the step's last read, before the new global model is committed, and a file rewritten or
-shortened meanwhile stops the run the same way (nothing of that round is kept). A state whose model records no hash (written before fedagent-flwr
-recorded one) is loaded unchecked with a one-line warning, so older runs still resume.
+shortened meanwhile stops the run the same way (nothing of that round is kept). A state whose model
+records no hash (written before fedagent-flwr recorded one) is loaded unchecked with a one-line
+warning, so older runs still resume.
 ``python -m fedagent_flwr.checkpoint.verify`` audits these rounds from the same records
 (:mod:`fedagent_flwr.checkpoint.verify_optimizer`).
 
