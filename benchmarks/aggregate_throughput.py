@@ -43,8 +43,9 @@ tracks. ``--modes one-pass`` gives the shared-filesystem figure on the last line
 
     python benchmarks/aggregate_throughput.py --layers 1 --clients 4 --repeats 1   # a quick check
 
-``--layout safetensors`` writes each client as a Hugging Face model directory instead (one fp32
-``model.safetensors`` and its ``config.json``: what the default job's reference trainer uploads).
+``--layout safetensors`` writes each client as a Hugging Face model directory instead (one
+``model.safetensors`` and its ``config.json``: what the default job's reference trainer uploads),
+in fp32 or, with ``--dtype bfloat16``, bf16 (read into the mean's fp32 buffers: a conversion).
 ``--checkout PATH`` runs every mode also on the code of another checkout (the child with
 ``PYTHONPATH=PATH``, named ``<mode>@checkout``), right after the same mode on this code with the
 files evicted again, and reports ``vs_checkout``: that checkout's server time over this code's
@@ -67,6 +68,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Llama-like, 32k vocab, 768 hidden, GQA with 4 KV heads; --layers sets the size (6: ~350 MB fp32).
 VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 32000, 768, 2048, 12, 4
@@ -120,14 +123,14 @@ def write_plain_client(directory: Path, seed: int, layers: int) -> None:
     write_hf_config(directory, layers)
 
 
-def write_safetensors_client(directory: Path, seed: int, layers: int) -> None:
-    """A Hugging Face model directory: one fp32 ``model.safetensors`` and its ``config.json``."""
+def write_safetensors_client(directory: Path, seed: int, layers: int, dtype: torch.dtype = torch.float32) -> None:
+    """A Hugging Face model directory: one ``model.safetensors`` (in ``dtype``) and its ``config.json``."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
     directory.mkdir(parents=True)
     generator = torch.Generator().manual_seed(seed)
-    save_file({k: torch.randn(s, generator=generator) * 0.02 for k, s in model_shapes(layers)},
+    save_file({k: (torch.randn(s, generator=generator) * 0.02).to(dtype) for k, s in model_shapes(layers)},
               str(directory / "model.safetensors"))
     LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
@@ -188,6 +191,7 @@ def hwm_mb():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:")) / 1024
 import os
+import fedagent_flwr
 from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint, weighted_mean, hash_checkpoint_dir
 from fedagent_flwr.checkpoint.receipts import ReceiptCheck
 refs, out, mode = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -239,7 +243,7 @@ print(json.dumps({"open_s": open_s, "server_s": server_s, "cpu_s": cpu_s, "bytes
                   "first_server_s": first_s, "first_cpu_s": first_cpu_s,
                   "gap_bytes": sum(getattr(r, "hash_gap_bytes", 0) for r in readers),
                   "peak_rss_mb": peak_mb, "base_rss_mb": base_mb, "out_hash_s": out_hash_s,
-                  "io": getattr(readers[0], "io", "?"),
+                  "io": getattr(readers[0], "io", "?"), "package": os.path.dirname(fedagent_flwr.__file__),
                   "receipt_files": sum(len(getattr(r, "receipt_files", [])) for r in readers)}))
 """
 
@@ -283,13 +287,19 @@ def run_server(refs: list[dict[str, Any]], out: Path, mode: str, files: list[Pat
     env = {**os.environ, "AGG_BENCH_RECEIPT_KEY": receipt_key.hex()}
     if checkout is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(checkout), *filter(None, [env.get("PYTHONPATH")])])
+    # -P: `python -c` would put the working directory first on sys.path, ahead of PYTHONPATH, and
+    # run this checkout's code as the other's when started from the repository root.
     result = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(refs), str(out), mode, json.dumps([str(f) for f in files])],
+        [sys.executable, "-P", "-c", _CHILD, json.dumps(refs), str(out), mode, json.dumps([str(f) for f in files])],
         check=False, capture_output=True, text=True, env=env,
     )
     if result.returncode != 0:
         raise SystemExit(f"the server child ({mode}) failed:\n{result.stderr[-4000:]}")
-    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+    child = dict(json.loads(result.stdout.strip().splitlines()[-1]))
+    wanted = (checkout or REPO).resolve()
+    if not Path(child["package"]).resolve().is_relative_to(wanted):
+        raise SystemExit(f"the server child ({mode}) ran the code in {child['package']}, not {wanted}'s")
+    return child
 
 
 def upload_through_store(work: Path, sources: list[Path], store: Any) -> tuple[list[dict[str, Any]], float, float]:
@@ -338,6 +348,8 @@ def main() -> None:
                         help="the first one's ratio is the last line (default: store, the http store's)")
     parser.add_argument("--layout", choices=["fsdp-shards", "safetensors"], default="fsdp-shards",
                         help="how the clients are written (safetensors: Hugging Face model directories)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the safetensors clients' dtype (bfloat16: read into the mean's fp32 buffers)")
     parser.add_argument("--checkout", type=Path, default=None,
                         help="also run every mode on this checkout's code (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
@@ -354,7 +366,7 @@ def main() -> None:
         for i, world in enumerate(worlds):
             directory = work / f"client_{i}"
             if args.layout == "safetensors":
-                write_safetensors_client(directory, seed=i + 1, layers=args.layers)
+                write_safetensors_client(directory, seed=i + 1, layers=args.layers, dtype=getattr(torch, args.dtype))
             elif world == 1:
                 write_plain_client(directory, seed=i + 1, layers=args.layers)
             else:
@@ -431,7 +443,8 @@ def main() -> None:
         print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
         for row in rows:
             print(" ".join(f"{row[h]!s:>{w}}" for h, w in zip(header, widths)))
-        print(json.dumps({"benchmark": "aggregate_throughput", "layout": args.layout, "world_sizes": worlds,
+        print(json.dumps({"benchmark": "aggregate_throughput", "layout": args.layout, "dtype": args.dtype,
+                          "world_sizes": worlds,
                           "layers": args.layers, "checkout": str(args.checkout) if args.checkout else None,
                           "upload_s": round(upload_s, 3), "receipt_hash_s": round(receipt_hash_s, 3),
                           "rows": rows}))

@@ -146,7 +146,7 @@ class LoraAdapterReader(CheckpointReader):
             raise CheckpointError(f"{config_path} does not hold a JSON object")
         self.scale = adapter_scale(settings, config_path)
         self.rank = int(settings["r"])
-        self._handle: SafetensorsFile | None = SafetensorsFile(self._file)
+        self._handle = SafetensorsFile(self._file)
         try:
             self._pairs = self._pair_keys()
             self._check_base_hash(base_ref)
@@ -159,7 +159,7 @@ class LoraAdapterReader(CheckpointReader):
         """CheckpointError unless the adapter records the content hash of the base it is opened on (the
         module docstring): the base reference's hash (which opening with a hash check has found the base's
         files to have: :func:`.open_ref.open_checkpoint`), or the base directory's when it carries none."""
-        metadata = self._open_file().metadata()
+        metadata = self._handle.metadata()
         recorded = metadata.get(ADAPTER_BASE_SHA256)
         if not recorded:
             raise CheckpointError(f"{self._file} records no content hash of the model it was trained on (safetensors "
@@ -178,8 +178,7 @@ class LoraAdapterReader(CheckpointReader):
 
     def _pair_keys(self) -> dict[str, LoraPair]:
         """Map each targeted global key to its factors, checking names and shapes against the base."""
-        handle = self._open_file()
-        shapes = {key: handle.shape(key) for key in handle.keys()}
+        shapes = {key: self._handle.shape(key) for key in self._handle.keys()}
         base_keys = set(self.base.keys())
         tied = tied_weight_keys(self.base.huggingface_dir())  # tied copy -> the key it is tied to
         partners = {**tied, **{kept: copy for copy, kept in tied.items()}}
@@ -274,7 +273,7 @@ class LoraAdapterReader(CheckpointReader):
 
     def _factor(self, key: str) -> torch.Tensor:
         """One factor of the adapter file, as fp32."""
-        tensor = self._open_file().get_tensor(key)
+        tensor = self._handle.get_tensor(key)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.to(torch.float32)
 
@@ -292,21 +291,15 @@ class LoraAdapterReader(CheckpointReader):
     def describe(self) -> str:
         return f"LoRA adapter {self.directory} (over {self.base.directory})"
 
-    def _held_stat(self, name: str) -> FileStat | None:
+    def _held_stat(self, name: str) -> FileStat | str | None:
         """The adapter weights' stat through the descriptor they are read from (None for its config)."""
-        return self._handle.held_stat() if name == ADAPTER_WEIGHTS and self._handle is not None else None
-
-    def _open_file(self) -> SafetensorsFile:
-        """The adapter file, open (CheckpointError once :meth:`close_adapter` closed it)."""
-        if self._handle is None:
-            raise CheckpointError(f"{self._file} is closed; the adapter cannot be read")
-        return self._handle
+        return self._handle.held_stat() if name == ADAPTER_WEIGHTS else None
 
     def close_adapter(self) -> None:
         """Close the adapter file only (the base stays open)."""
-        handle, self._handle = getattr(self, "_handle", None), None
+        handle = getattr(self, "_handle", None)  # absent when the opening failed before it
         if handle is not None:
-            handle.close()
+            handle.close()  # kept: a read now fails naming the closed file; its stat stays readable
 
     def close(self) -> None:
         self.close_adapter()

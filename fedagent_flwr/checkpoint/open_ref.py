@@ -49,7 +49,7 @@ def open_checkpoint(
     ``check_hash="while-reading"`` checks the hash of FSDP rank files from the bytes the reads
     fetch anyway (one pass over the files instead of two); the check completes in
     :meth:`~CheckpointReader.verify_content`, which the aggregation calls before it commits.
-    Safetensors directories are hashed at opening either way (their files are memory-mapped).
+    Safetensors directories are hashed at opening either way (each file whole, before it is read).
 
     ``receipts`` (the http and s3 stores', :meth:`~.store.ServerStore.receipt_check`): a file whose
     receipt holds and whose stat is unchanged since it was verified on upload contributes the

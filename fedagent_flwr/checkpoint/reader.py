@@ -135,9 +135,10 @@ class CheckpointReader(ABC):
                                       f"digest was taken at: {trusted} at opening{held}, {now} at its path "
                                       "now)")
 
-    def _held_stat(self, name: str) -> FileStat | None:
-        """The stat, through the reader's own descriptor, of the file ``name`` it read; None where
-        the reader holds none of its own (a memory map opened by a library)."""
+    def _held_stat(self, name: str) -> FileStat | str | None:
+        """The stat, through the reader's own descriptor, of the file ``name`` it read (a string
+        naming why where it cannot be taken, which no stat equals); None where the reader holds no
+        descriptor of that file."""
         return None
 
     def close(self) -> None:  # noqa: B027 -- optional hook, no-op by default

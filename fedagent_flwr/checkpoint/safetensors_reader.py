@@ -11,7 +11,7 @@ import torch
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
+from fedagent_flwr.checkpoint.safetensors_file import DTYPES, SafetensorsFile
 
 __all__ = ["SafetensorsReader", "safetensors_files"]
 
@@ -38,6 +38,12 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+#: The dtypes a model directory may hold (float8, unsigned wider than 8 bits and complex tensors
+#: are refused at opening: nothing here averages them).
+MODEL_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 class SafetensorsReader(CheckpointReader):
     """Reads a Hugging Face model directory (one or several ``*.safetensors`` files), each with
     positioned reads (:class:`.SafetensorsFile`: a file shortened while it is read is an error
@@ -50,15 +56,17 @@ class SafetensorsReader(CheckpointReader):
         for path in files or safetensors_files(directory):
             try:
                 handle = SafetensorsFile(path)
-            except CheckpointError:
+                self._handles.append(handle)
+                for key in handle.keys():
+                    if key in self._where:
+                        raise CheckpointError(f"'{key}' appears in both {self._where[key].path} and {path}")
+                    if handle.dtype(key) not in MODEL_DTYPES:
+                        raise CheckpointError(f"{path}: '{key}' has unsupported dtype "
+                                              f"{next(n for n, d in DTYPES.items() if d == handle.dtype(key))}")
+                    self._where[key] = handle
+            except BaseException:  # every file opened so far is released
                 self.close()
                 raise
-            self._handles.append(handle)
-            for key in handle.keys():
-                if key in self._where:
-                    self.close()
-                    raise CheckpointError(f"'{key}' appears in both {self._where[key].path} and {path}")
-                self._where[key] = handle
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -88,7 +96,7 @@ class SafetensorsReader(CheckpointReader):
         self.bytes_read += rows.numel() * rows.element_size()
         return rows if dtype is None or dtype == rows.dtype else rows.to(dtype)
 
-    def _held_stat(self, name: str) -> FileStat | None:
+    def _held_stat(self, name: str) -> FileStat | str | None:
         """The stat of safetensors file ``name`` through the descriptor it is read from."""
         return next((handle.held_stat() for handle in self._handles if handle.path.name == name), None)
 
@@ -96,6 +104,5 @@ class SafetensorsReader(CheckpointReader):
         return self.directory
 
     def close(self) -> None:
-        for handle in self._handles:
+        for handle in self._handles:  # kept: their stat at closing stays readable (_held_stat)
             handle.close()
-        self._handles = []

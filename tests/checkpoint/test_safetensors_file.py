@@ -113,17 +113,17 @@ def _rewrite_header(path: Path, change: dict) -> None:
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda p: p.write_bytes(b"\x01\x00"), "only 2 bytes"),
     (lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + b"{}"), "a header of 1099511627776 bytes in a file of 10"),
-    (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"{{{{"), "its header is not JSON"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 4) + b"{{{{"), "its header is not UTF-8 JSON"),
     (lambda p: p.write_bytes(struct.pack("<Q", 2) + b"[]"), "its header is not a JSON object"),
-    (lambda p: os.truncate(p, p.stat().st_size - 1), "is given bytes"),
+    (lambda p: os.truncate(p, p.stat().st_size - 1), "its tensors cover 365 bytes of data, the file holds 364"),
     (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32", "shape": [7, 5], "data_offsets": [0, 4]}}),
      r"'w.f32' of shape \[7, 5\] F32 is given bytes 0:4"),
     (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32", "shape": [-7, 5], "data_offsets": [0, 4]}}),
      "the entry of 'w.f32' is malformed"),
     (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32"}}), "the entry of 'w.f32' is malformed"),
     (lambda p: _rewrite_header(p, {"__metadata__": {"step": 3}}), "its __metadata__ is not a map of strings"),
-    (lambda p: _rewrite_header(p, {"i8": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}),
-     "'i8' has unsupported dtype F8_E4M3"),
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": "F4", "shape": [2], "data_offsets": [0, 2]}}),
+     "'i8' has unsupported dtype F4"),
 ], ids=["too-short", "header-past-the-end", "not-json", "not-an-object", "truncated", "wrong-length",
         "negative-shape", "no-offsets", "metadata-not-strings", "unsupported-dtype"])
 def test_a_damaged_file_is_refused_at_opening_naming_it(model: Path, damage, message: str) -> None:
@@ -172,3 +172,95 @@ def test_the_held_stat_is_the_open_files_and_is_kept_once_closed(model: Path) ->
     assert changed == fresh_stat(moved) and changed.size == 8
     file.close()
     assert file.held_stat() == changed
+
+
+def _append(path: Path, data: bytes) -> None:
+    with path.open("ab") as handle:
+        handle.write(data)
+
+
+def _shift_first_tensor(path: Path, by: int) -> None:
+    """Move the data offsets of the tensor that starts the data by ``by`` bytes (a hole or an overlap)."""
+    data = path.read_bytes()
+    header = json.loads(data[8:_header_end(path)])
+    key = min((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    first, end = header[key]["data_offsets"]
+    _rewrite_header(path, {key: {**header[key], "data_offsets": [first + by, end + by]}})
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: _append(p, b"\0" * 8), "its tensors cover \\d+ bytes of data, the file holds \\d+"),
+    (lambda p: _shift_first_tensor(p, 8), "starts at data byte 8, not 0: the tensors leave a hole or overlap"),
+    (lambda p: _rewrite_header(p, {"__metadata__": []}), "its __metadata__ is not a map of strings"),
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": ["I8"], "shape": [2], "data_offsets": [0, 2]}}),
+     "the entry of 'i8' is malformed"),
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": "I8", "shape": [True, 2], "data_offsets": [0, 2]}}),
+     "the entry of 'i8' is malformed"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 4) + "{}".encode("utf-16-le")), "its header is not UTF-8 JSON"),
+], ids=["trailing-bytes", "hole", "metadata-a-list", "dtype-a-list", "shape-a-boolean", "utf-16-header"])
+def test_a_file_the_library_refuses_is_refused_too(model: Path, damage, message: str) -> None:
+    """Each of these the ``safetensors`` library refuses as well (checked beside it: the oracle)."""
+    damage(model)
+    with pytest.raises(CheckpointError, match=message):
+        SafetensorsFile(model)
+    with pytest.raises(Exception):  # noqa: B017 - the library's own error types vary
+        with safe_open(str(model), framework="pt") as handle:
+            handle.keys()
+
+
+def test_a_conversion_reads_through_a_bounded_scratch_buffer(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 into fp32, a few elements at a time (the chunk smaller than the tensor): the same values."""
+    from fedagent_flwr.checkpoint import safetensors_file
+
+    monkeypatch.setattr(safetensors_file, "SCRATCH_BYTES", 10)  # 5 bf16 values a chunk
+    monkeypatch.setattr(safetensors_file._THREAD, "scratch", None, raising=False)
+    with SafetensorsFile(model) as file:
+        wider = torch.full((18,), float("nan"))
+        file.read_into("w.bf16", wider)
+        assert torch.equal(wider, TENSORS["w.bf16"].float().reshape(-1))
+        assert safetensors_file._THREAD.scratch.numel() == 10
+        counts = torch.zeros(12, dtype=torch.float64)
+        file.read_into("steps", counts)  # int64 into float64: one value a chunk
+        assert torch.equal(counts, TENSORS["steps"].double().reshape(-1))
+
+
+def test_other_dtypes_the_library_reads_are_read_and_a_model_reader_still_refuses_them(tmp_path: Path) -> None:
+    from fedagent_flwr.checkpoint import CheckpointRef, open_checkpoint
+
+    values = torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn)
+    save_file({"w": values}, str(tmp_path / "model.safetensors"))
+    with SafetensorsFile(tmp_path / "model.safetensors") as file:
+        assert file.dtype("w") == torch.float8_e4m3fn
+        assert torch.equal(file.get_tensor("w").view(torch.uint8), values.view(torch.uint8))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="'w' has unsupported dtype F8_E4M3"):
+        open_checkpoint(CheckpointRef.for_directory(tmp_path), check_hash=False)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_model_reader_whose_second_file_is_damaged_releases_the_first(tmp_path: Path) -> None:
+    from fedagent_flwr.checkpoint import CheckpointRef
+    from fedagent_flwr.checkpoint.safetensors_reader import SafetensorsReader
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(tmp_path / "model-2.safetensors"))
+    _rewrite_header(tmp_path / "model-2.safetensors",
+                    {"b": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}})
+    before = _open_descriptors()
+    with pytest.raises(CheckpointError, match="model-2.safetensors is not a readable safetensors file"):
+        SafetensorsReader(CheckpointRef(path=str(tmp_path)), tmp_path)
+    assert _open_descriptors() == before
+
+
+def test_a_file_never_closed_gives_its_descriptor_back_when_collected(model: Path) -> None:
+    import gc
+
+    before = _open_descriptors()
+    file = SafetensorsFile(model)
+    assert _open_descriptors() == before + 1
+    del file
+    gc.collect()
+    assert _open_descriptors() == before

@@ -312,9 +312,10 @@ class _PreviousState:
         opening, once every key is read (before the new global model is committed: a step built from
         them is then not committed) and after a step that failed (``failure``, named in the message:
         a file shortened while read fails its next read, :class:`.SafetensorsFile`). One ``open``
-        and ``fstat``."""
-        now = stat_now(self.path)
-        if now != self._watched:
+        and ``fstat`` at the path, one ``fstat`` of the file read."""
+        now, held = stat_now(self.path), self._handle.held_stat()
+        if now != self._watched or held != self._watched:
+            now = now if held == self._watched else f"{now} ({held} through the file read)"
             failed = f" (the step had failed: {failure})" if failure is not None else ""
             raise ServerOptimizerStateError(
                 f"optimiser state {self.path} changed while it was read (its stat at the hash check was "
