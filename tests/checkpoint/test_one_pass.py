@@ -126,11 +126,25 @@ def test_one_pass_mean_equals_the_checked_at_opening_mean(suite: Suite, tmp_path
     assert all(torch.equal(first[k], second[k]) for k in first)  # bitwise: the hash mode changes no number
 
 
-def test_a_safetensors_checkpoint_changed_in_place_after_its_hash_is_refused(tmp_path: Path) -> None:
-    """A client's safetensors checkpoint (the default job's) is hashed at opening and memory-mapped: a file
-    rewritten in place after the hash (same size, inode and mtime: only its ctime moves) was read into
-    the mean under a hash that held, and the mean committed. Now the aggregation's check after its reads
-    names the file and nothing is committed (before stop 54 this mean was written)."""
+def _rewritten_in_place(path: Path) -> str:
+    flip_byte(path, restore_mtime=True, at=-1)  # a weight's last byte
+    return f"{path} changed while it was read"
+
+
+def _shortened(path: Path) -> str:
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    os.truncate(path, 8 + length)  # the header only
+    return f"{path}: '[^']+' ends at byte .*shortened after it was opened"
+
+
+@pytest.mark.parametrize("change", [_rewritten_in_place, _shortened], ids=["rewritten-in-place", "shortened"])
+def test_a_safetensors_checkpoint_changed_after_its_hash_is_refused(tmp_path: Path, change) -> None:
+    """A client's safetensors checkpoint (the default job's) is hashed at opening and read afterwards.
+    Rewritten in place after the hash (same size, inode and mtime: only its ctime moves), it was read
+    into the mean under a hash that held, and the mean committed; now the aggregation's check after
+    its reads names the file (before stop 54 this mean was written). Cut short after the hash, the
+    mean's read of a tensor past the new end fails naming the file and the tensor; read through a
+    memory map (before stop 56) that read killed the server process (SIGBUS). Nothing is written."""
     for name, seed in (("a", 31), ("b", 32)):
         write_hf_checkpoint(ModelSpec(name, "qwen2", seed=seed), tmp_path / name)
     readers = [open_checkpoint(CheckpointRef.for_directory(tmp_path / name), root=tmp_path,
@@ -138,8 +152,8 @@ def test_a_safetensors_checkpoint_changed_in_place_after_its_hash_is_refused(tmp
     out = tmp_path / "out"
     try:
         (changed,) = (tmp_path / "b").glob("*.safetensors")
-        flip_byte(changed, restore_mtime=True, at=-1)  # a weight's last byte
-        with pytest.raises(CheckpointError, match=f"{changed} changed while it was read"):
+        message = change(changed)
+        with pytest.raises(CheckpointError, match=message):
             weighted_mean([(readers[0], 1.0), (readers[1], 1.0)], out)
         assert not out.exists()
     finally:
@@ -170,24 +184,3 @@ def test_a_safetensors_checkpoint_changed_while_it_is_hashed_is_refused_after_th
             reader.read(key)
         with pytest.raises(CheckpointError, match=f"{model} changed while it was read"):
             reader.verify_content()
-
-
-def test_a_safetensors_checkpoint_shortened_while_the_round_reads_it_is_refused_by_name(tmp_path: Path) -> None:
-    """A client's file cut short after its hash (opened, not yet read): the mean's read of a tensor past
-    the new end fails naming the file and the tensor, and nothing is written. Read through a memory
-    map (before stop 56) that read killed the server process (SIGBUS)."""
-    for name, seed in (("a", 31), ("b", 32)):
-        write_hf_checkpoint(ModelSpec(name, "qwen2", seed=seed), tmp_path / name)
-    readers = [open_checkpoint(CheckpointRef.for_directory(tmp_path / name), root=tmp_path,
-                               check_hash="while-reading") for name in ("a", "b")]
-    out = tmp_path / "out"
-    try:
-        (shortened,) = (tmp_path / "b").glob("*.safetensors")
-        (length,) = struct.unpack("<Q", shortened.read_bytes()[:8])
-        os.truncate(shortened, 8 + length)  # the header only
-        with pytest.raises(CheckpointError, match=f"{shortened}: '[^']+' ends at byte .*shortened after it was opened"):
-            weighted_mean([(readers[0], 1.0), (readers[1], 1.0)], out)
-        assert not out.exists()
-    finally:
-        for reader in readers:
-            reader.close()
