@@ -297,7 +297,7 @@ def run_server(refs: list[dict[str, Any]], out: Path, mode: str, files: list[Pat
         raise SystemExit(f"the server child ({mode}) failed:\n{result.stderr[-4000:]}")
     child = dict(json.loads(result.stdout.strip().splitlines()[-1]))
     wanted = (checkout or REPO).resolve()
-    if not Path(child["package"]).resolve().is_relative_to(wanted):
+    if Path(child["package"]).resolve() != wanted / "fedagent_flwr":
         raise SystemExit(f"the server child ({mode}) ran the code in {child['package']}, not {wanted}'s")
     return child
 
@@ -353,6 +353,8 @@ def main() -> None:
     parser.add_argument("--checkout", type=Path, default=None,
                         help="also run every mode on this checkout's code (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
+    if args.dtype != "float32" and args.layout != "safetensors":
+        parser.error("--dtype applies to --layout safetensors only (fsdp-shards clients are written in fp32)")
 
     from fedagent_flwr.checkpoint import CheckpointRef
     from fedagent_flwr.checkpoint.hf_files import MODEL_FILE

@@ -53,7 +53,7 @@ from fedagent_flwr.checkpoint.ref import (
     CheckpointError,
     CheckpointRef,
 )
-from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
+from fedagent_flwr.checkpoint.safetensors_file import MODEL_DTYPES, SafetensorsFile
 
 __all__ = ["LoraAdapterReader", "LoraPair", "adapter_files", "adapter_scale"]
 
@@ -187,6 +187,11 @@ class LoraAdapterReader(CheckpointReader):
         if foreign:
             raise CheckpointError(f"{self._file}: '{foreign[0]}' is not a LoRA factor (…lora_A.weight or "
                                   "…lora_B.weight); only LoRA factors can be read as an update of the global model")
+        odd = [key for key in shapes if not (self._handle.dtype(key).is_floating_point
+                                             and self._handle.dtype(key) in MODEL_DTYPES)]
+        if odd:
+            raise CheckpointError(f"{self._file}: factor '{odd[0]}' has dtype {self._handle.dtype(odd[0])}; a LoRA "
+                                  "factor must be float64, float32, float16 or bfloat16")
         for key in shapes:
             factor = _FACTORS[0] if key.endswith(_FACTORS[0]) else _FACTORS[1]
             module = key[: -len(factor)]

@@ -36,10 +36,10 @@ import torch
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
-__all__ = ["DTYPES", "SafetensorsFile"]
+__all__ = ["DTYPES", "MODEL_DTYPES", "SafetensorsFile"]
 
 #: The safetensors dtype names and their torch dtypes (those this torch has; a reader may accept
-#: fewer, as :class:`.SafetensorsReader` does).
+#: fewer: :data:`MODEL_DTYPES`). ``F4`` (two values packed in a byte) is refused: no item size.
 DTYPES: dict[str, torch.dtype] = {
     name: dtype for name, dtype in {
         "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -48,9 +48,14 @@ DTYPES: dict[str, torch.dtype] = {
         "U16": getattr(torch, "uint16", None), "U8": torch.uint8, "BOOL": torch.bool,
         "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
         "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None), "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
-        "C64": torch.complex64,
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None), "C64": torch.complex64,
     }.items() if dtype is not None
 }
+
+#: The dtypes a model's weights (a checkpoint, an adapter's factors) may have: float8, wide unsigned
+#: and complex tensors are refused when a model is opened, since nothing here averages them.
+MODEL_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool})
 
 #: The safetensors library's own bound on the header (a larger one is refused, not read).
 _MAX_HEADER = 100_000_000
@@ -111,9 +116,13 @@ class SafetensorsFile:
         for key, info in header.items():
             try:
                 name, shape, (first, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-                # type(n) is int: JSON's true and false are ints to isinstance
-                if not isinstance(name, str) or not all(type(n) is int and n >= 0 for n in (*shape, first, end)):
-                    raise ValueError("a dtype that is not a name, or sizes and offsets not whole numbers >= 0")
+                # lists of whole numbers that fit 64 bits (type(n) is int: JSON's true and false are
+                # ints to isinstance), as the library requires
+                if not isinstance(name, str) or type(info["shape"]) is not list or type(
+                        info["data_offsets"]) is not list or not all(
+                        type(n) is int and 0 <= n < 1 << 63 for n in (*shape, first, end)):
+                    raise ValueError("a dtype that is not a name, or a shape or offsets that are not lists of "
+                                     "whole numbers in [0, 2**63)")
             except (TypeError, KeyError, ValueError) as exc:
                 raise CheckpointError(f"{bad} (the entry of '{key}' is malformed: {exc!r})") from None
             dtype = DTYPES.get(name)
@@ -254,7 +263,10 @@ class SafetensorsFile:
             self._closed_stat = self.held_stat()
         finally:
             self._fd = None
-            self._finalizer()  # closes the descriptor, once
+            try:
+                self._finalizer()  # closes the descriptor, once
+            except OSError:  # (EIO on NFS, say) the descriptor is released all the same
+                pass
 
     def __enter__(self) -> SafetensorsFile:
         return self

@@ -11,7 +11,7 @@ import torch
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
 from fedagent_flwr.checkpoint.receipts import FileStat
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
-from fedagent_flwr.checkpoint.safetensors_file import DTYPES, SafetensorsFile
+from fedagent_flwr.checkpoint.safetensors_file import DTYPES, MODEL_DTYPES, SafetensorsFile
 
 __all__ = ["SafetensorsReader", "safetensors_files"]
 
@@ -36,12 +36,6 @@ def safetensors_files(directory: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{directory} holds no *.safetensors file")
     return files
-
-
-#: The dtypes a model directory may hold (float8, unsigned wider than 8 bits and complex tensors
-#: are refused at opening: nothing here averages them).
-MODEL_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                          torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
 class SafetensorsReader(CheckpointReader):

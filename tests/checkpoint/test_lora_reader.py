@@ -382,3 +382,22 @@ def test_an_adapter_travels_through_the_http_store_and_opens_from_its_receipt(
             for key in changed:
                 torch.testing.assert_close(reader.read(key).double(), oracle[key], rtol=1e-6, atol=1e-7)
             reader.verify_content()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn, torch.int8], ids=str)
+def test_an_adapter_whose_factor_is_not_a_float_of_a_model_is_refused_by_name(
+        root: Path, tmp_path: Path, dtype: torch.dtype) -> None:
+    """The reader would turn such a factor into fp32 (a complex one losing its imaginary part with a
+    mere warning): refused when the adapter is opened instead, naming the file and the factor."""
+    from testkit.lora_adapters import record_base
+
+    copy = tmp_path / "odd"
+    shutil.copytree(root / "client_0", copy)
+    factors = load_file(str(copy / "adapter_model.safetensors"))
+    name = sorted(factors)[0]
+    factors[name] = factors[name].to(dtype)
+    record_base(copy, root / "global", factors)
+    with pytest.raises(CheckpointError, match=f"factor '{name}' has dtype {dtype}; a LoRA factor must be") as caught:
+        open_checkpoint(CheckpointRef.for_directory(copy), root=tmp_path,
+                        base=CheckpointRef.for_directory(root / "global"))
+    assert str(copy / "adapter_model.safetensors") in str(caught.value)

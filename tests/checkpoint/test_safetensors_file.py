@@ -122,8 +122,8 @@ def _rewrite_header(path: Path, change: dict) -> None:
      "the entry of 'w.f32' is malformed"),
     (lambda p: _rewrite_header(p, {"w.f32": {"dtype": "F32"}}), "the entry of 'w.f32' is malformed"),
     (lambda p: _rewrite_header(p, {"__metadata__": {"step": 3}}), "its __metadata__ is not a map of strings"),
-    (lambda p: _rewrite_header(p, {"i8": {"dtype": "F4", "shape": [2], "data_offsets": [0, 2]}}),
-     "'i8' has unsupported dtype F4"),
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": "F2", "shape": [2], "data_offsets": [0, 2]}}),
+     "'i8' has unsupported dtype F2"),
 ], ids=["too-short", "header-past-the-end", "not-json", "not-an-object", "truncated", "wrong-length",
         "negative-shape", "no-offsets", "metadata-not-strings", "unsupported-dtype"])
 def test_a_damaged_file_is_refused_at_opening_naming_it(model: Path, damage, message: str) -> None:
@@ -197,7 +197,12 @@ def _shift_first_tensor(path: Path, by: int) -> None:
     (lambda p: _rewrite_header(p, {"i8": {"dtype": "I8", "shape": [True, 2], "data_offsets": [0, 2]}}),
      "the entry of 'i8' is malformed"),
     (lambda p: p.write_bytes(struct.pack("<Q", 4) + "{}".encode("utf-16-le")), "its header is not UTF-8 JSON"),
-], ids=["trailing-bytes", "hole", "metadata-a-list", "dtype-a-list", "shape-a-boolean", "utf-16-header"])
+    (lambda p: _rewrite_header(p, {"i8": {"dtype": "I8", "shape": {}, "data_offsets": [0, 2]}}),
+     "the entry of 'i8' is malformed"),
+    (lambda p: _rewrite_header(p, {"empty": {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]}}),
+     "the entry of 'empty' is malformed"),
+], ids=["trailing-bytes", "hole", "metadata-a-list", "dtype-a-list", "shape-a-boolean", "utf-16-header",
+        "shape-an-object", "shape-past-64-bits"])
 def test_a_file_the_library_refuses_is_refused_too(model: Path, damage, message: str) -> None:
     """Each of these the ``safetensors`` library refuses as well (checked beside it: the oracle)."""
     damage(model)
