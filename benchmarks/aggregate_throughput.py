@@ -405,7 +405,8 @@ def main() -> None:
             resident = resident_mb(files)
             load_before = load()
             cat_s = time_cat(files)
-            for mode, checkout in [(m, c) for m in args.modes for c in [None, args.checkout][:1 + bool(args.checkout)]]:
+            codes = [None, args.checkout] if args.checkout else [None]  # None: this checkout's code
+            for mode, checkout in [(mode, code) for mode in args.modes for code in codes]:
                 mode_files = store_files if mode == "store" else files
                 evict(mode_files)
                 out = work / f"global_{mode}_{rep}{'_checkout' if checkout else ''}"

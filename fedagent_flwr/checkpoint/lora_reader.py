@@ -271,14 +271,15 @@ class LoraAdapterReader(CheckpointReader):
                 return self.base.read_rows(key, start, stop, dtype)
             check_rows(self, key, self.base.shape(key), start, stop)
             rows = self.base.read_rows(key, start, stop, torch.float32)
-            rows.addmm_(self._factor(pair.b_key)[start:stop], self._factor(pair.a_key), alpha=self.scale)
+            rows.addmm_(self._factor(pair.b_key, (start, stop)), self._factor(pair.a_key), alpha=self.scale)
             return rows if dtype in (None, torch.float32) else rows.to(dtype)
         finally:
             self.bytes_read += self.base.bytes_read - before
 
-    def _factor(self, key: str) -> torch.Tensor:
-        """One factor of the adapter file, as fp32."""
-        tensor = self._handle.get_tensor(key)
+    def _factor(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """One factor of the adapter file (only ``rows`` of it where given: B's rows are the update's),
+        as fp32."""
+        tensor = self._handle.get_tensor(key) if rows is None else self._handle.read_rows(key, *rows)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor.to(torch.float32)
 
