@@ -21,6 +21,8 @@ RUN_CONFIG ?= overrides='trainer.mode=persistent'
 # (--dist loadfile), so a module-scoped fixture (a simulation checked by several tests) is built once;
 # the modules with the most slow tests go first (tests/conftest.py).
 TEST_WORKERS ?= 2
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS=tests/checkpoint` for one folder.
+PYTEST_ARGS ?=
 
 export FLWR_HOME
 # flwr starts flower-superlink, flower-superexec and flwr-simulation by name.
@@ -58,7 +60,7 @@ run: install
 
 # Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) all the repository's Python code
 # and type-check (mypy) the package and the arms tools (their numbers go into docs/results.md), with
-# the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it first.
+# the versions pinned in the test extra; settings in pyproject.toml. `make test` runs it beside the suite.
 LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
 TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py \
   tools/gpu/arms_steps.py tools/gpu/vllm_repro.py tools/gpu/fingerprints.py
@@ -68,8 +70,17 @@ lint: install
 	$(VENV)/bin/mypy fedagent_flwr
 	$(VENV)/bin/mypy $(TYPED_TOOLS)
 
-test: install alfworld-venv lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# The lint runs in the background beside the suite, its output printed after the tests': a cold mypy
+# takes ~55 s of one core, which before the suite left the other core idle and, during it, fills the
+# time the simulations spend waiting (process and Ray start-up, polling). Either failing fails the target.
+test: install alfworld-venv
+	@lint_log=$$(mktemp); \
+	$(MAKE) --no-print-directory lint > "$$lint_log" 2>&1 & lint_pid=$$!; \
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); tests=$$?; \
+	wait $$lint_pid; lint=$$?; \
+	echo "--- make lint (ran beside the tests) ---"; cat "$$lint_log"; rm -f "$$lint_log"; \
+	if [ $$lint -ne 0 ]; then echo "make test: the lint failed (above): fix it, or see it alone with make lint"; fi; \
+	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
 
 clean:
 	rm -rf $(VENV) $(FLWR_HOME)
