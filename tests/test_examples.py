@@ -122,8 +122,10 @@ def test_service_env_serves_each_client_its_round_robin_partition(
 ) -> None:
     from examples.partition_round_robin import round_robin
 
-    summary, run_dir = _run(superlink, tmp_path,
-                            f"model.path={tiny_model_dir} {SERVICE_OVERRIDES} {PARTITION_OVERRIDES} {CI}")
+    # Persistent trainers (one per node, not one per job): the env runs in the service, and the
+    # trainer, which only plays the built-in Service env against it, is not what is checked here.
+    summary, run_dir = _run(superlink, tmp_path, f"model.path={tiny_model_dir} {SERVICE_OVERRIDES} "
+                            f"{PARTITION_OVERRIDES} {CI} trainer.mode=persistent")
     (entry,) = summary["rounds"]
     assert entry["client_actor_ids"] == [0, 1] and entry["aggregated_actor"]
     knobs = {"strategy": ROUND_ROBIN, "min_goals_per_client": 4}

@@ -27,8 +27,11 @@ COMMON = ("num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=
 # The node's one long-lived reference trainer instead of a fresh one per job (a 2 x 2 run starts
 # ~10, each ~4.5 s of CPU importing torch and transformers), for the tests that are not about how
 # the trainer is started: test_simulation_persistent checks that it gives the subprocess mode's
-# checkpoints bit for bit. The crashing-client and partition tests here, and the fail-fast,
-# windowed, per-client-validation and http-store tests, keep subprocess mode covered.
+# checkpoints bit for bit. The crashing-client and partition tests here, the fail-fast tests whose
+# clients fail, the http-store crash case and the deployment's http-store run keep subprocess mode
+# covered.
+# Tests that never read the base model's score skip the round-0 evaluation (eval.before_train=false):
+# in subprocess mode it costs one trainer start (~4.5 s of CPU) per evaluating node.
 PERSISTENT = "trainer.mode=persistent"
 
 
@@ -121,7 +124,7 @@ def test_custom_strategy_by_dotted_path_and_a_crashing_client(
     summary, run_dir, output = run_job(
         superlink, tmp_path,
         f"model.path={tiny_model_dir} strategy.class_path=testkit.strategies.ClientIdWeighted "
-        f"strategy.name=client-id-weighted {COMMON}",
+        f"strategy.name=client-id-weighted {COMMON} eval.before_train=false",
         supernodes=2,
     )
     # A round that lost a client trained on part of the federation: the run says so in its status
@@ -167,7 +170,7 @@ def test_each_client_serves_its_own_partition_and_nothing_outlives_the_run(
     # Flower's typed run-config keys for the common settings, overrides for the rest
     proc = superlink.run(
         f"output_dir={tmp_path} run_name=job eval.num_episodes=2 trainer.max_new_tokens=8 "
-        "partition.min_goals_per_client=5",  # FedAgent's 100 > 10 secrets: all to both
+        "partition.min_goals_per_client=5 eval.before_train=false",  # FedAgent's 100 > 10 secrets: all to both
         supernodes=2, extra_run_config=f"num-server-rounds=1 env='tinyguess_service' model-path='{tiny_model_dir}'",
     )
     output = proc.stdout + proc.stderr
@@ -248,7 +251,7 @@ def test_verl_backend_without_a_gpu_fails_every_client_alike_and_the_run_stops_w
     line as its reason instead of running on without training."""
     summary, run_dir, output = run_job(
         superlink, tmp_path,
-        f"model.path={tiny_model_dir} trainer=verl num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 "
+        f"model.path={tiny_model_dir} trainer=verl num_rounds=2 eval.num_episodes=1 trainer.max_new_tokens=8 "
         "trainer.ray_num_cpus=2 trainer.rollout_n=2",
         supernodes=2,
     )

@@ -4,7 +4,8 @@ travel through a bucket, killed once and resumed.
 No real S3 can run here: moto's S3 server, a subprocess on a free loopback port
 (:mod:`testkit.s3_harness`), stands in for the service, reached through the real s3fs/boto stack.
 The fake key pair is in the environment of the SuperLink's processes only, never in the run's
-config, its messages or its summary.
+config, its messages or its summary. The trainers run persistent (one per node for a run, not one
+per job): what is checked here is the store, which the ClientApp drives, not the trainer.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def test_one_round_through_an_s3_bucket_killed_and_resumed(
             fs.pipe_file(key, data)
         overrides = (f"model.path={tiny_model_dir} num_rounds=1 eval.num_episodes=2 trainer.max_new_tokens=8 "
                      f"storage.kind=s3 storage.url=s3://fedagent-e2e/fed storage.endpoint_url={endpoint} "
-                     "storage.keep_last_k=1")
+                     "storage.keep_last_k=1 trainer.mode=persistent")
+        # A node-local store's clients (and their trainers) work in the node's directory, which in a
+        # simulation is "fedagent-work" in the apps' cwd (tmp_path): the killed run's trainers are
+        # waited for there.
         run_to_crash_point(link, f"output_dir={tmp_path} run_name=job {overrides}", 2, tmp_path / "crashed.log",
-                           tmp_path / "job")
+                           tmp_path / "fedagent-work")
         assert not crash_file.exists(), (tmp_path / "crashed.log").read_text()[-4000:]
         killed = json.loads((tmp_path / "job" / "federated_summary.json").read_text())["run_id"]
         fs.invalidate_cache()
