@@ -65,20 +65,24 @@ LINT_PATHS = fedagent_flwr tests testkit tools benchmarks examples
 TYPED_TOOLS = tools/gpu/arms.py tools/gpu/arms_pool.py tools/gpu/arms_report.py tools/gpu/arms_dynamics.py \
   tools/gpu/arms_steps.py tools/gpu/vllm_repro.py tools/gpu/fingerprints.py
 
+LINT = $(VENV)/bin/ruff check $(LINT_PATHS) && $(VENV)/bin/mypy fedagent_flwr && $(VENV)/bin/mypy $(TYPED_TOOLS)
+
 lint: install
-	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(VENV)/bin/mypy fedagent_flwr
-	$(VENV)/bin/mypy $(TYPED_TOOLS)
+	$(LINT)
 
 # The lint runs in the background beside the suite, its output printed after the tests': a cold mypy
 # takes ~55 s of one core, which before the suite left the other core idle and, during it, fills the
-# time the simulations spend waiting (process and Ray start-up, polling). Either failing fails the target.
+# time the simulations spend waiting (process and Ray start-up, polling). Either failing fails the
+# target. The lint runs in a session of its own (setsid), so that an interrupted `make test` stops
+# it, its processes included, on the way out (the EXIT trap), and leaves no temporary file.
 test: install alfworld-venv
 	@lint_log=$$(mktemp); \
-	$(MAKE) --no-print-directory lint > "$$lint_log" 2>&1 & lint_pid=$$!; \
+	setsid -w sh -c '$(LINT)' > "$$lint_log" 2>&1 < /dev/null & lint_pid=$$!; \
+	trap 'kill -TERM -$$lint_pid 2>/dev/null; rm -f "$$lint_log"' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); tests=$$?; \
 	wait $$lint_pid; lint=$$?; \
-	echo "--- make lint (ran beside the tests) ---"; cat "$$lint_log"; rm -f "$$lint_log"; \
+	echo "--- make lint (ran beside the tests) ---"; cat "$$lint_log"; \
+	if [ $$tests -ne 0 ]; then echo "make test: the tests failed (exit status $$tests, above)"; fi; \
 	if [ $$lint -ne 0 ]; then echo "make test: the lint failed (above): fix it, or see it alone with make lint"; fi; \
 	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
 

@@ -231,14 +231,16 @@ def wait_until(check: Callable[[], T], what: str, limit_s: float = 600.0) -> T:
     return value
 
 
-def run_to_crash_point(link: SuperLink, overrides: str, supernodes: int, log: Path, run_dir: Path) -> None:
+def run_to_crash_point(link: SuperLink, overrides: str, supernodes: int, log: Path, trainers_in: Path) -> None:
     """Start a run on ``link`` (a SuperLink started with a crash point armed, ``CRASH_FILE_ENV``)
-    and wait until its ServerApp has killed itself there and the run's trainers have exited."""
+    and wait until its ServerApp has killed itself there and no trainer of the run works in
+    ``trainers_in`` any more (the run directory with the shared-filesystem store; with a node-local
+    store, the nodes' own directory, where the clients and their trainers work)."""
     job = link.start(overrides, supernodes, log)
     try:
         serverapp = wait_until(lambda: next(iter(link.simulation_pids()), 0), "the ServerApp to start")
         wait_until(lambda: not is_running(serverapp), "the ServerApp to kill itself at its crash point")
-        wait_until(lambda: not pids_with_cmdline(str(run_dir)), "the killed run's trainers to exit")
+        wait_until(lambda: not pids_with_cmdline(str(trainers_in)), "the killed run's trainers to exit")
     finally:
         job.terminate()  # `flwr run --stream` would wait for the dead run for ever
         job.wait()

@@ -143,10 +143,10 @@ def test_too_few_supernodes_are_named_without_waiting_for_them(
     # The fix the line suggests, in the same run directory: a run that failed before any round is
     # no record to protect, so the corrected config is not refused as "another configuration".
     # (Persistent trainers, one start per node instead of one per job, and no evaluation: neither
-    # is what this checks, and the other runs here keep subprocess mode.)
+    # is what this checks, and the runs here whose clients fail keep subprocess mode.)
     returncode, lines = _run(
         superlink, f"output_dir={tmp_path} run_name=job model.path={tiny_model_dir} clients.total=2 "
-                   f"clients.per_round=2 num_rounds=1 {COMMON} trainer.mode=persistent eval.enabled=false")
+                   f"clients.per_round=2 num_rounds=1 {COMMON} trainer.mode=persistent {NO_EVAL}")
     assert ran_every_round(_summary(tmp_path)), "\n".join(lines[-60:])
     assert returncode == expected_end(_summary(tmp_path))[1]
 

@@ -13,12 +13,12 @@ as well: the re-run's round 2 steps from round 1's model and state and ends with
 run's model and state, bit for bit (the round-2 state would differ had the moments restarted).
 One uninterrupted run, shared by the cases and run on the session's SuperLink with the
 shared-filesystem store and persistent trainers, is the reference (for the http case too: the store
-moves files and changes no weight). The http case's runs keep subprocess trainers, so a run killed
-while a fresh trainer process works on its job is resumed too, and its result is compared with the
-persistent reference across modes; the other cases run persistent (one trainer per node for a run
-instead of one per job, ~4.5 s of CPU saved on each job). Each case has a SuperLink of its own: the
-re-run goes to the SuperLink that outlived the killed ServerApp, and stopping it afterwards clears
-whatever the killed simulation left behind.
+moves files and changes no weight). The http case's runs keep subprocess trainers (a round-2
+client's trainer process may still be working when its ServerApp is killed), so a subprocess-mode
+run is resumed too, and its result is compared with the persistent reference across modes; the other
+cases run persistent (one trainer per node for a run instead of one per job, ~4.5 s of CPU saved on
+each job). Each case has a SuperLink of its own: the re-run goes to the SuperLink that outlived the
+killed ServerApp, and stopping it afterwards clears whatever the killed simulation left behind.
 """
 
 from __future__ import annotations

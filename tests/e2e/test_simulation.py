@@ -27,9 +27,9 @@ COMMON = ("num_rounds=2 eval.num_episodes=2 trainer.max_new_tokens=8 trainer.lr=
 # The node's one long-lived reference trainer instead of a fresh one per job (a 2 x 2 run starts
 # ~10, each ~4.5 s of CPU importing torch and transformers), for the tests that are not about how
 # the trainer is started: test_simulation_persistent checks that it gives the subprocess mode's
-# checkpoints bit for bit. The crashing-client and partition tests here, the fail-fast tests whose
-# clients fail, the http-store crash case and the deployment's http-store run keep subprocess mode
-# covered.
+# checkpoints bit for bit. Here the crashing-client test, the TinyGuess partition test and the verl
+# test, elsewhere the fail-fast tests whose clients fail, the http-store crash case and the
+# deployment's http-store run keep subprocess mode covered.
 # Tests that never read the base model's score skip the round-0 evaluation (eval.before_train=false):
 # in subprocess mode it costs one trainer start (~4.5 s of CPU) per evaluating node.
 PERSISTENT = "trainer.mode=persistent"
