@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fedagent_flwr.checkpoint import audit_digests, audit_sources, mean_audit, verify, verify_optimizer
 from fedagent_flwr.serverapp.strategy import FedAdamFSDP, FedAvgFSDP
@@ -175,3 +176,36 @@ def test_a_source_changed_while_the_audit_reads_it_is_caught(
     assert status == 1 and lines[0].startswith(f"round 1: cannot verify: {target.resolve()} changed while it was "
                                                "read"), lines
     assert all(line.endswith(" ok") for line in lines[1:]), lines
+
+
+
+@pytest.mark.parametrize("what", ["previous-global", "previous-state", "new-state"])
+def test_a_step_input_changed_while_the_audit_reads_it_is_caught(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, what: str,
+) -> None:
+    """Round 2's previous global model or either optimiser state, hashed a moment before its reads,
+    changed (mtime restored) once they have begun: the step was recomputed partly from bytes no hash
+    covered, and the round passed. Each file's stat is checked again once the round is read."""
+    run_root = _run(suite, tmp_path, FedAdamFSDP, ADAM)
+    monkeypatch.setattr(audit_digests, "RACY_NS", 0)
+    target = {"previous-global": run_root / "round_1" / "global" / "model.safetensors",
+              "previous-state": run_root / "round_1" / "server_optimizer" / "global.safetensors",
+              "new-state": run_root / "round_2" / "server_optimizer" / "global.safetensors"}[what].resolve()
+    armed, changed = [False], []
+
+    def after(read: torch.Tensor, file: Path) -> torch.Tensor:
+        if armed[0] and not changed and file.resolve() == target:
+            _flip_byte(target, restore_mtime=True)  # after its first read: the reads go on
+            changed.append(target)
+        return read
+
+    plain_reader, plain_handle = verify_optimizer.reader_rows, verify_optimizer.handle_rows
+    monkeypatch.setattr(verify_optimizer, "reader_rows", lambda reader, *args, **kwargs: after(
+        plain_reader(reader, *args, **kwargs), Path(reader.directory) / "model.safetensors"))
+    monkeypatch.setattr(verify_optimizer, "handle_rows", lambda handle, *args: after(
+        plain_handle(handle, *args), handle.path))
+    _before_round(monkeypatch, 2, lambda: armed.__setitem__(0, True))  # round 1 read them too: untouched
+    status, lines = _audit(run_root, capsys)
+    assert changed == [target]
+    assert status == 1 and lines[0].endswith(" ok") and lines[1].startswith(
+        f"round 2: cannot verify: {target} changed while it was read"), lines
