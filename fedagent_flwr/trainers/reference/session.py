@@ -51,15 +51,19 @@ class ModelCache:
 
     def _load_weights(self, path: Path) -> bool:
         """Copy the safetensors weights of ``path`` into the cached model; False if they do not fit
-        it (other architecture or shapes), so the caller loads the directory afresh."""
-        from safetensors.torch import load_file
+        it (other architecture or shapes), so the caller loads the directory afresh. Read through
+        the package's one safetensors reader (:class:`.SafetensorsFile`): a damaged file is refused
+        by name at opening, and one shortened while it is read fails its read (CheckpointError)
+        rather than killing the trainer with SIGBUS, as a memory-mapped read would."""
+        from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
             return False
         state: dict[str, Any] = {}
         for file in files:
-            state.update(load_file(str(file)))
+            with SafetensorsFile(file) as handle:
+                state.update({key: handle.get_tensor(key) for key in handle.keys()})
         own = self.model.state_dict()
         if any(key not in own or own[key].shape != value.shape for key, value in state.items()):
             return False
