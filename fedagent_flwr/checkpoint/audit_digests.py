@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from fedagent_flwr.checkpoint import content_hash
-from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, fresh_stat
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, fresh_stat, stat_now
+from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = ["RACY_NS", "AuditDigests"]
 
@@ -91,6 +92,24 @@ class AuditDigests:
         None for a file it never hashed. For a file outside a checkpoint's hashed files (a server
         optimiser's state)."""
         return self._hashed.get(Path(path).resolve())
+
+    def check_read(self, path: str | os.PathLike[str], held: FileStat | str) -> None:
+        """CheckpointError when a file this audit hashed and then read (an optimiser state, a written
+        global model: files outside a checkpoint reader's watch) is no longer the file hashed: its
+        stat now at ``path``, or ``held`` (through the descriptor read,
+        :meth:`.SafetensorsFile.held_stat`), differs from the one its hash recorded
+        (:meth:`hashed_stat`). Its values were then compared with bytes the hash never covered. A
+        file this audit never hashed is not checked: nothing trusted it."""
+        hashed = self.hashed_stat(path)
+        if hashed is None:
+            return
+        now = stat_now(path)
+        if now != hashed or held != hashed:
+            gone = ("; it is gone from its path: removed while the audit read it (by the run's retention, if "
+                    "the run is still going: audit again once it has ended)") if isinstance(now, str) else ""
+            raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its hash "
+                                  f"was taken at: {hashed} at the hash, {held} of the file read, {now} at its path "
+                                  f"now){gone}")
 
     def _valid(self, path: Path) -> TrustedFile | None:
         """The remembered digest of ``path`` if its stat is still the one it was hashed with."""

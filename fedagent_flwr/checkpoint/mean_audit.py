@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fedagent_flwr.checkpoint.audit_digests import AuditDigests
 from fedagent_flwr.checkpoint.audit_rows import handle_rows, reader_rows, row_chunks, tie_error
 from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
@@ -34,13 +35,15 @@ from fedagent_flwr.checkpoint.verify_step import max_of, non_finite_in_audit
 __all__ = ["verify_mean"]
 
 
-def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str]) -> float:
+def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str | os.PathLike[str],
+                digests: AuditDigests | None = None) -> float:
     """The max abs error of the mean written in ``out_dir`` against the sources' float64 weighted
     mean (module docstring). CheckpointError when the written keys or shapes are not the sources',
     an integer tensor differs, a float tensor is not float32, a value read is NaN or Inf, or a
     source fails :meth:`.CheckpointReader.verify_content` once read (a file whose content was
     checked at opening, hashed or from a trusted digest, changed while it was read; a hash deferred
-    to reading that does not match)."""
+    to reading that does not match). With the audit's ``digests``, the written file too must still
+    be the file their hash was taken of, if they hashed it (:meth:`.AuditDigests.check_read`)."""
     out_dir = Path(out_dir)
     readers = [reader for reader, _ in sources]
     weights = normalise_weights([weight for _, weight in sources])
@@ -54,6 +57,8 @@ def verify_mean(sources: Sequence[tuple[CheckpointReader, float]], out_dir: str 
             )
         for key in sorted(expected_keys):
             worst = max(worst, _key_error(readers, weights, written, key, out_dir))
+        if digests is not None:
+            digests.check_read(written.path, written.held_stat())
     worst = max(worst, tie_error(readers, ties))
     for reader in readers:  # what was read is trusted only now: a file trusted at opening is unchanged since
         reader.verify_content()

@@ -113,7 +113,7 @@ def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, al
                                                  allow_unhashed, [] if notes is None else notes, digests,
                                                  start),
                             float(source["weight"])))
-        return verify_mean(sources, global_dir)
+        return verify_mean(sources, global_dir, digests)
     finally:
         for reader, _ in sources:
             reader.close()

@@ -70,11 +70,12 @@ the run record's previous model: the latest earlier round's aggregate, or the ba
 first (a header pointing at an older round's model or at a client's checkpoint fails), with the
 content the run record committed for it, compared whatever the header records. A hash not
 recorded (the header's of ``x``, the run record's of ``x`` or of the base model) fails unless
-``--allow-unhashed`` (:mod:`.audit_hashes`). Once the round is read, each file whose hash was
-checked (the sources, ``x``, both states) must still have the stat it was hashed at, through its
-path and through the descriptor read: a file rewritten between its hash and the end of the reads
-fails the round by name ("changed while it was read"), as the values compared came partly from
-bytes no hash covered. A NaN or Inf in any input read or value computed fails
+``--allow-unhashed`` (:mod:`.audit_hashes`). Once the round is read, each file this audit hashed
+must still have the stat it was hashed at, through its path and through the descriptor read: the
+sources, ``x`` (always hashed, for its reference), both states and the written global model where
+their hashes were taken (:meth:`.AuditDigests.check_read`). A file rewritten between its hash and
+the end of the reads fails the round by name ("changed while it was read"), as the values compared
+came partly from bytes no hash covered. A NaN or Inf in any input read or value computed fails
 the round with the file and tensor named (:func:`.verify_step.require_finite`): NaN compares false
 with every bound.
 
@@ -111,7 +112,6 @@ from fedagent_flwr.checkpoint.hf_files import MODEL_FILE, tied_weight_keys
 from fedagent_flwr.checkpoint.key_checks import count_non_finite, effective_keys, normalise_weights
 from fedagent_flwr.checkpoint.open_ref import open_checkpoint
 from fedagent_flwr.checkpoint.reader import CheckpointReader
-from fedagent_flwr.checkpoint.receipts import stat_now
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 from fedagent_flwr.checkpoint.verify_step import (
@@ -262,28 +262,11 @@ def verify_optimizer_round(global_dir: Path, run_root: Path, server_round: int, 
         audit.ratio = max(audit.ratio, tied / tolerance if tolerance else math.inf if tied else 0.0)
         for reader, _ in sources:  # a file trusted at opening must be unchanged now that it was read
             reader.verify_content()
-        x_reader.verify_content()  # so must x and the two states, which the step was recomputed from
-        for handle in (old_state, new_state):
+        x_reader.verify_content()  # so must x and the two states, which the step was recomputed from,
+        for handle in (written, old_state, new_state):  # and the written global model compared with it
             if handle is not None:
-                _check_read(handle, digests)
+                digests.check_read(handle.path, handle.held_stat())
     return audit
-
-
-def _check_read(handle: SafetensorsFile, digests: AuditDigests) -> None:
-    """CheckpointError when an optimiser state file read for the audit is no longer the file its
-    hash was taken of: its stat at its path now, or through the descriptor read, differs from the
-    one the audit's hash recorded (:meth:`.AuditDigests.hashed_stat`), as a checkpoint reader checks
-    its files (:meth:`.CheckpointReader.check_unchanged`). Its values were compared with bytes the
-    hash never covered. A file never hashed (no recorded hash, or hashes not compared) is not
-    checked: nothing trusted it."""
-    hashed = digests.hashed_stat(handle.path)
-    if hashed is None:
-        return
-    now, read = stat_now(handle.path), handle.held_stat()
-    if now != hashed or read != hashed:
-        raise CheckpointError(f"{handle.path} changed while it was read (its stat no longer matches the one its "
-                              f"hash was taken at: {hashed} at the hash, {read} of the file read, {now} at its "
-                              "path now)")
 
 
 @dataclass

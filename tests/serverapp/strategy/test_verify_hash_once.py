@@ -179,18 +179,26 @@ def test_a_source_changed_while_the_audit_reads_it_is_caught(
 
 
 
-@pytest.mark.parametrize("what", ["previous-global", "previous-state", "new-state"])
-def test_a_step_input_changed_while_the_audit_reads_it_is_caught(
-    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, what: str,
+STEP_INPUTS = [(FedAdamFSDP, "previous-global"), (FedAdamFSDP, "previous-state"), (FedAdamFSDP, "new-state"),
+               (FedAdamFSDP, "written"), (FedAvgFSDP, "written")]
+
+
+@pytest.mark.parametrize(("cls", "what"), STEP_INPUTS, ids=[f"{cls.__name__}-{what}" for cls, what in STEP_INPUTS])
+def test_a_round_file_changed_while_the_audit_reads_it_is_caught(
+    suite: Suite, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    cls: type[FedAvgFSDP], what: str,
 ) -> None:
-    """Round 2's previous global model or either optimiser state, hashed a moment before its reads,
-    changed (mtime restored) once they have begun: the step was recomputed partly from bytes no hash
-    covered, and the round passed. Each file's stat is checked again once the round is read."""
-    run_root = _run(suite, tmp_path, FedAdamFSDP, ADAM)
+    """Round 2's previous global model or either optimiser state (a server optimiser's inputs), or
+    the global model it wrote (any rule's), hashed a moment before its reads, changed (mtime
+    restored) once they have begun: the round was recomputed or compared partly with bytes no hash
+    covered, and passed (the previous global model) or failed on its values alone. Each file's stat
+    is checked again once the round is read."""
+    run_root = _run(suite, tmp_path, cls, ADAM if cls is FedAdamFSDP else {})
     monkeypatch.setattr(audit_digests, "RACY_NS", 0)
     target = {"previous-global": run_root / "round_1" / "global" / "model.safetensors",
               "previous-state": run_root / "round_1" / "server_optimizer" / "global.safetensors",
-              "new-state": run_root / "round_2" / "server_optimizer" / "global.safetensors"}[what].resolve()
+              "new-state": run_root / "round_2" / "server_optimizer" / "global.safetensors",
+              "written": run_root / "round_2" / "global" / "model.safetensors"}[what].resolve()
     armed, changed = [False], []
 
     def after(read: torch.Tensor, file: Path) -> torch.Tensor:
@@ -199,11 +207,12 @@ def test_a_step_input_changed_while_the_audit_reads_it_is_caught(
             changed.append(target)
         return read
 
-    plain_reader, plain_handle = verify_optimizer.reader_rows, verify_optimizer.handle_rows
-    monkeypatch.setattr(verify_optimizer, "reader_rows", lambda reader, *args, **kwargs: after(
-        plain_reader(reader, *args, **kwargs), Path(reader.directory) / "model.safetensors"))
-    monkeypatch.setattr(verify_optimizer, "handle_rows", lambda handle, *args: after(
-        plain_handle(handle, *args), handle.path))
+    for module in (verify_optimizer, mean_audit):
+        plain_reader, plain_handle = module.reader_rows, module.handle_rows
+        monkeypatch.setattr(module, "reader_rows", lambda reader, *args, _plain=plain_reader, **kwargs: after(
+            _plain(reader, *args, **kwargs), Path(reader.directory) / "model.safetensors"))
+        monkeypatch.setattr(module, "handle_rows", lambda handle, *args, _plain=plain_handle: after(
+            _plain(handle, *args), handle.path))
     _before_round(monkeypatch, 2, lambda: armed.__setitem__(0, True))  # round 1 read them too: untouched
     status, lines = _audit(run_root, capsys)
     assert changed == [target]
