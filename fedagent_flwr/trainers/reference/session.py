@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,28 +52,40 @@ class ModelCache:
 
     def _load_weights(self, path: Path) -> bool:
         """Copy the safetensors weights of ``path`` into the cached model; False if they do not fit
-        it (other architecture or shapes), so the caller loads the directory afresh. Read through
-        the package's one safetensors reader (:class:`.SafetensorsFile`): a damaged file is refused
-        by name at opening, and one shortened while it is read fails its read (CheckpointError)
-        rather than killing the trainer with SIGBUS, as a memory-mapped read would."""
+        it (other architecture or shapes), so the caller loads the directory afresh.
+
+        The files are read with the package's safetensors reader (:class:`.SafetensorsFile`), each
+        tensor straight into the model's own parameter (cast on the way where the dtypes differ):
+        the fit is checked from the headers alone, and no second copy of the model is held. A
+        damaged file is refused by name at opening, and one shortened while it is read fails its
+        read (CheckpointError) instead of killing the trainer with SIGBUS, as a memory-mapped read
+        would; a model left half-loaded by a failed read is dropped, so the next job loads afresh.
+        (The first load and a full load go through transformers, memory-mapped as before.)"""
+        import torch
+
         from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 
         files = sorted(path.glob("*.safetensors"))
         if not files:
             return False
-        state: dict[str, Any] = {}
-        for file in files:
-            with SafetensorsFile(file) as handle:
-                state.update({key: handle.get_tensor(key) for key in handle.keys()})
-        own = self.model.state_dict()
-        if any(key not in own or own[key].shape != value.shape for key, value in state.items()):
-            return False
-        loaded = {own[key].data_ptr() for key in state}
-        # A key the files leave out is fine only if it is tied to one they hold (lm_head ->
-        # embed_tokens); anything else would silently keep the previous round's weights.
-        if any(own[key].data_ptr() not in loaded for key in own if key not in state):
-            return False
-        self.model.load_state_dict(state, strict=False)
+        with ExitStack() as stack:
+            where = {key: handle for handle in (stack.enter_context(SafetensorsFile(f)) for f in files)
+                     for key in handle.keys()}
+            own = self.model.state_dict()
+            if any(key not in own or tuple(own[key].shape) != handle.shape(key) for key, handle in where.items()):
+                return False
+            loaded = {own[key].data_ptr() for key in where}
+            # A key the files leave out is fine only if it is tied to one they hold (lm_head ->
+            # embed_tokens); anything else would silently keep the previous round's weights.
+            if any(own[key].data_ptr() not in loaded for key in own if key not in where):
+                return False
+            try:
+                with torch.no_grad():
+                    for key, handle in where.items():
+                        handle.read_into(key, own[key])
+            except BaseException:
+                self.model = None
+                raise
         return True
 
 
