@@ -9,12 +9,14 @@ every file whole with ``safetensors.torch.load_file`` (memory-mapped) and copied
 model's parameter (``read_into``), so no second copy of the model is held. This times both on one
 model: ``--layers`` linear layers of ``width x width`` in fp32 (96 x 2048: 1.6 GB, ~ a 400M
 model), saved in fp32 and in bf16 (a cast on the way), the files' pages warm (a node has just
-fetched them). The peak RSS growth counts the memory-mapped file's pages the previous
-way touched (file-backed: the kernel can reclaim them, but they are resident while it copies).
-Each repeat runs ``previous`` then ``current`` in fresh child processes, so that each child's
-peak RSS over its baseline (``ru_maxrss``) is its own. The output: per repeat and way, seconds
-and peak RSS growth; then per dtype the median seconds and the ratio ``previous / current``
-(above 1: the current way is faster) over the repeats.
+fetched them). The peak RSS growth is measured in the child: its peak
+resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` once the model is built) less its
+resident set then. (``ru_maxrss`` would not do: a child started by exec keeps its parent's peak,
+here the parent's copies of both files.) It counts the memory-mapped file's pages the previous way
+touched (file-backed: the kernel can reclaim them, but they are resident while it copies). Each
+repeat runs ``previous`` then ``current`` in fresh child processes. The output: per repeat and
+way, seconds and peak RSS growth; then per dtype the median seconds and the ratio ``previous /
+current`` (above 1: the current way is faster) over the repeats.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import torch
 from safetensors.torch import load_file
 from fedagent_flwr.checkpoint.safetensors_file import SafetensorsFile
 
+def status(field):
+    with open("/proc/self/status") as lines:
+        return next(int(line.split()[1]) for line in lines if line.startswith(field + ":")) / 1024
+
 way, path, layers, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 own = model.state_dict()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/clear_refs", "w") as clear:
+    clear.write("5")  # the peak (VmHWM) starts again from the resident set now
+base = status("VmRSS")
 began = time.perf_counter()
 if way == "previous":
     model.load_state_dict(load_file(path), strict=False)
@@ -45,10 +53,8 @@ else:
         for key in handle.keys():
             handle.read_into(key, own[key])
 seconds = time.perf_counter() - began
-grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
-print(json.dumps({"seconds": seconds, "rss_growth_mb": grown}))
+print(json.dumps({"seconds": seconds, "rss_growth_mb": status("VmHWM") - base}))
 """
-
 
 def _write(directory: Path, layers: int, width: int) -> dict[str, Path]:
     """The model's weights in fp32 and in bf16 (seeded: the same bytes every run)."""

@@ -106,7 +106,7 @@ class AuditDigests:
         now = stat_now(path)
         if now != hashed or held != hashed:
             gone = ("; it is gone from its path: removed while the audit read it (by the run's retention, if "
-                    "the run is still going: audit again once it has ended)") if isinstance(now, str) else ""
+                    "the run is still going: audit again once it has ended)") if not os.path.lexists(path) else ""
             raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its hash "
                                   f"was taken at: {hashed} at the hash, {held} of the file read, {now} at its path "
                                   f"now){gone}")

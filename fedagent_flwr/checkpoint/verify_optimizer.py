@@ -72,8 +72,9 @@ content the run record committed for it, compared whatever the header records. A
 recorded (the header's of ``x``, the run record's of ``x`` or of the base model) fails unless
 ``--allow-unhashed`` (:mod:`.audit_hashes`). Once the round is read, each file this audit hashed
 must still have the stat it was hashed at, through its path and through the descriptor read: the
-sources, ``x`` (always hashed, for its reference), both states and the written global model where
-their hashes were taken (:meth:`.AuditDigests.check_read`). A file rewritten between its hash and
+sources and ``x`` (always hashed, for its reference) through :meth:`.CheckpointReader.verify_content`,
+both states and the written global model, where their hashes were taken, through
+:meth:`.AuditDigests.check_read`. A file rewritten between its hash and
 the end of the reads fails the round by name ("changed while it was read"), as the values compared
 came partly from bytes no hash covered. A NaN or Inf in any input read or value computed fails
 the round with the file and tensor named (:func:`.verify_step.require_finite`): NaN compares false

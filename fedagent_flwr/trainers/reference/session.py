@@ -76,8 +76,10 @@ class ModelCache:
                 return False
             loaded = {own[key].data_ptr() for key in where}
             # A key the files leave out is fine only if it is tied to one they hold (lm_head ->
-            # embed_tokens); anything else would silently keep the previous round's weights.
-            if any(own[key].data_ptr() not in loaded for key in own if key not in where):
+            # embed_tokens); anything else would silently keep the previous round's weights. Files
+            # that hold both of two tied keys may hold two values, which a fresh load keeps apart
+            # and one storage cannot: loaded afresh too.
+            if len(loaded) < len(where) or any(own[key].data_ptr() not in loaded for key in own if key not in where):
                 return False
             try:
                 with torch.no_grad():

@@ -2,7 +2,12 @@
 model's weights are read into the live model, with the package's safetensors reader, and give the
 model a fresh load gives; a directory that does not fit is loaded afresh; a damaged file is refused
 by name; and a read that fails part-way drops the half-loaded model, so the next job loads afresh
-instead of training from a mix of two models. Real tiny Qwen2 models and real files throughout."""
+instead of training from a mix of two models. Real tiny Qwen2 models and real files throughout.
+
+Against which code: the damaged-file case fails on the loader before stop 58 (``load_file``: the
+library's SafetensorError, no file named); the failed-read case guards the direct reads into the
+live model (without dropping it, the half-loaded model would stay cached); the tied-pair case
+guards those reads too (one storage, two values: the last read would win)."""
 
 from __future__ import annotations
 
@@ -57,6 +62,19 @@ def test_a_model_that_does_not_fit_is_loaded_afresh(models: tuple[Path, Path]) -
     first, second = models
     weights = load_file(str(second / WEIGHTS))
     del weights["model.norm.weight"]
+    save_file(weights, str(second / WEIGHTS), metadata={"format": "pt"})
+    cache = ModelCache()
+    cache.get(first, 1)
+    cache.get(second, 1)
+    assert (cache.loads, cache.reloads) == (2, 0)
+
+
+def test_files_holding_both_of_two_tied_weights_are_loaded_afresh(models: tuple[Path, Path]) -> None:
+    """The tiny model ties lm_head to the embeddings and its files hold the embeddings alone; files
+    that hold both may hold two values, which the live model's one storage cannot."""
+    first, second = models
+    weights = load_file(str(second / WEIGHTS))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
     save_file(weights, str(second / WEIGHTS), metadata={"format": "pt"})
     cache = ModelCache()
     cache.get(first, 1)
