@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,25 +57,21 @@ def test_a_later_model_is_read_into_the_live_model_as_a_fresh_load_gives_it(mode
     assert all(torch.equal(model.state_dict()[k], v.to(torch.float32)) for k, v in half.items())
 
 
-def test_a_model_that_does_not_fit_is_loaded_afresh(models: tuple[Path, Path]) -> None:
-    """A file that leaves out a weight tied to none it holds would keep the previous model's: loaded
-    afresh instead."""
-    first, second = models
-    weights = load_file(str(second / WEIGHTS))
-    del weights["model.norm.weight"]
-    save_file(weights, str(second / WEIGHTS), metadata={"format": "pt"})
-    cache = ModelCache()
-    cache.get(first, 1)
-    cache.get(second, 1)
-    assert (cache.loads, cache.reloads) == (2, 0)
+def _untied_norm(weights: dict[str, torch.Tensor]) -> None:
+    del weights["model.norm.weight"]  # tied to none the file holds: the previous model's would stay
 
 
-def test_files_holding_both_of_two_tied_weights_are_loaded_afresh(models: tuple[Path, Path]) -> None:
-    """The tiny model ties lm_head to the embeddings and its files hold the embeddings alone; files
-    that hold both may hold two values, which the live model's one storage cannot."""
-    first, second = models
-    weights = load_file(str(second / WEIGHTS))
+def _both_tied(weights: dict[str, torch.Tensor]) -> None:
+    # the tiny model ties lm_head to the embeddings and its files hold the embeddings alone; files
+    # holding both may hold two values, which the live model's one storage cannot
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1
+
+
+@pytest.mark.parametrize("change", [_untied_norm, _both_tied], ids=["a-weight-left-out", "both-tied-weights"])
+def test_files_that_do_not_fit_the_live_model_are_loaded_afresh(models: tuple[Path, Path], change: Any) -> None:
+    first, second = models
+    weights = load_file(str(second / WEIGHTS))
+    change(weights)
     save_file(weights, str(second / WEIGHTS), metadata={"format": "pt"})
     cache = ModelCache()
     cache.get(first, 1)
