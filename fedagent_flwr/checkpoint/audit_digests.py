@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from fedagent_flwr.checkpoint import content_hash
-from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, fresh_stat, stat_now
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, changed_while_read, fresh_stat
 from fedagent_flwr.checkpoint.ref import CheckpointError
 
 __all__ = ["RACY_NS", "AuditDigests"]
@@ -101,15 +101,11 @@ class AuditDigests:
         (:meth:`hashed_stat`). Its values were then compared with bytes the hash never covered. A
         file this audit never hashed is not checked: nothing trusted it."""
         hashed = self.hashed_stat(path)
-        if hashed is None:
-            return
-        now = stat_now(path)
-        if now != hashed or held != hashed:
+        changed = changed_while_read(path, hashed, held) if hashed is not None else None
+        if changed is not None:
             gone = ("; it is gone from its path: removed while the audit read it (by the run's retention, if "
                     "the run is still going: audit again once it has ended)") if not os.path.lexists(path) else ""
-            raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its hash "
-                                  f"was taken at: {hashed} at the hash, {held} of the file read, {now} at its path "
-                                  f"now){gone}")
+            raise CheckpointError(changed + gone)
 
     def _valid(self, path: Path) -> TrustedFile | None:
         """The remembered digest of ``path`` if its stat is still the one it was hashed with."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedagent_flwr.checkpoint.receipts import FileStat, stat_now
+from fedagent_flwr.checkpoint.receipts import FileStat, changed_while_read
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef
 
 __all__ = ["CheckpointReader", "check_out_buffer", "check_rows"]
@@ -126,14 +126,9 @@ class CheckpointReader(ABC):
         the reader holds open (:meth:`_held_stat`), is not the one its digest was trusted at. One
         ``open`` and ``fstat`` per file."""
         for name, trusted in self._watched.items():
-            path = self.directory / name
-            now = stat_now(path)
-            read = self._held_stat(name)
-            if now != trusted or (read is not None and read != trusted):
-                held = f", {read} of the file read" if read is not None else ""
-                raise CheckpointError(f"{path} changed while it was read (its stat no longer matches the one its "
-                                      f"digest was taken at: {trusted} at opening{held}, {now} at its path "
-                                      "now)")
+            changed = changed_while_read(self.directory / name, trusted, self._held_stat(name))
+            if changed is not None:
+                raise CheckpointError(changed)
 
     def _held_stat(self, name: str) -> FileStat | str | None:
         """The stat, through the reader's own descriptor, of the file ``name`` it read (a string

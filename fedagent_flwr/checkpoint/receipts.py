@@ -53,6 +53,7 @@ __all__ = [
     "ReceiptCheck",
     "TrustedDigests",
     "TrustedFile",
+    "changed_while_read",
     "fresh_stat",
     "stat_now",
     "receipt_key",
@@ -99,6 +100,20 @@ def stat_now(path: str | os.PathLike[str]) -> FileStat | str:
         return fresh_stat(path)
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
+
+
+def changed_while_read(path: str | os.PathLike[str], trusted: FileStat, held: FileStat | str | None) -> str | None:
+    """None while the file at ``path`` is still the one whose digest was taken at stat ``trusted``:
+    its stat now (:func:`stat_now`) and ``held``, the stat through the descriptor it was read from
+    (None: no descriptor held), both equal it. Otherwise the message naming the file and the stats,
+    which a reader (:meth:`.CheckpointReader.check_unchanged`) and the audit
+    (:meth:`.AuditDigests.check_read`) raise once their reads are done."""
+    now = stat_now(path)
+    if now == trusted and (held is None or held == trusted):
+        return None
+    through = f", {held} of the file read" if held is not None else ""
+    return (f"{path} changed while it was read (its stat no longer matches the one its digest was taken at: "
+            f"{trusted} then{through}, {now} at its path now)")
 
 
 @dataclass(frozen=True)
