@@ -18,7 +18,7 @@ import torch
 
 from fedagent_flwr.checkpoint.content_hash import combine_file_digests, file_digest, hashed_files
 from fedagent_flwr.checkpoint.reader import CheckpointReader, check_out_buffer, check_rows
-from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile
+from fedagent_flwr.checkpoint.receipts import FileStat, TrustedFile, changed_while_read
 from fedagent_flwr.checkpoint.ref import CheckpointError, CheckpointRef, content_mismatch
 from fedagent_flwr.checkpoint.shard_file import Entry, IoMode, ShardFile, wait_hashed
 
@@ -251,15 +251,10 @@ class FsdpShardReader(CheckpointReader):
             if receipt is not None:
                 # Both the file read (still open, or as it was closed) and what the path leads to
                 # now must be the file the receipt describes, unchanged since the opening.
-                now = FileStat.of(path.stat())
-                read = file.held_stat() if file is not None else now
-                if now != receipt.stat or read != receipt.stat:
-                    raise CheckpointError(
-                        f"{path} changed while it was read (its stat no longer matches the store's receipt: "
-                        f"{receipt.stat} at opening, {read} of the file read, {now} at its path now); "
-                        "the round leaves this checkpoint out"
-                    )
-                digests.append((path.name, now.size, receipt.digest))
+                changed = changed_while_read(path, receipt.stat, file.held_stat() if file is not None else None)
+                if changed is not None:
+                    raise CheckpointError(f"{changed}; the round leaves this checkpoint out")
+                digests.append((path.name, receipt.stat.size, receipt.digest))
             elif file is not None:
                 # The size now: a file that grew since opening must not match.
                 digests.append((path.name, path.stat().st_size, file.content_digest()))
