@@ -4,6 +4,9 @@
 # "WebShop on the GPU"). Only the catalogue and its instructions are read by the env (products,
 # attributes; the goals are generated from them); human goals and lookalike decoys are left
 # behind unless LOOKALIKE=1 (partition=lookalike needs them).
+# With EXPERT=1 it also plays the warm start's expert episodes here, on the CPU (~50 s on 2 cores),
+# into .gpu-data/webshop-expert, which webshop_warm_start.sh on the node reuses when their key matches
+# (same settings, data and code), instead of playing them again there.
 # usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
 set -eu
 cd "$(dirname "$0")/../.."
@@ -21,3 +24,12 @@ done
 if [ "${LOOKALIKE:-0}" = 1 ]; then cp -r "$SRC/lookalike" "$DEST/"; fi
 (cd "$DEST" && sha256sum items_*.json > SHA256SUMS)
 echo "$DEST: $(du -sb "$DEST" | cut -f1) bytes; on the node: env.data_dir=\$PWD/$DEST"
+if [ "${EXPERT:-0}" = 1 ]; then
+  PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+  LOG=${WORK:-/tmp/ws-expert-stage}.log
+  if ! EXPERT_ONLY=1 SAVE_EXPERT_CACHE=1 EXPERT_CACHE=.gpu-data/webshop-expert PYTHON=$PY \
+       WORK=${WORK:-/tmp/ws-expert-stage} bash tools/gpu/webshop_warm_start.sh /tmp/ws-expert-unused > "$LOG" 2>&1; then
+    tail -5 "$LOG" >&2; echo "stage_webshop_data.sh: playing the expert episodes failed (above; $LOG)" >&2; exit 1
+  fi
+  tail -2 "$LOG"
+fi

@@ -21,6 +21,13 @@
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
 #                              are taken from the caller's directory
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
+#   EXPERT_CACHE=<repo>/.gpu-data/webshop-expert   a folder of expert episodes played before (expert.jsonl.gz
+#                              and its key): reused, not played again, when its key is this run's (the
+#                              settings above that shape the episodes, the data files' sha256 and a digest
+#                              of the package's code); SAVE_EXPERT_CACHE=1 writes it after playing.
+#                              stage_webshop_data.sh plays it on the CPU before a GPU session (EXPERT=1), so
+#                              the node skips the 15-29 s of playing: the episodes are the same bytes
+#                              (sha256 0efebc81... on the node and on this 2-core machine alike, 2026-12-07)
 set -eu
 OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
 # Resolved from the caller's directory (and .. and links folded) before moving to the repository root.
@@ -29,6 +36,7 @@ WORK=$(realpath -m "${WORK:-/tmp/ws-warm-work}")
 DATA=${DATA:+$(realpath -m "$DATA")}
 cd "$(dirname "$0")/../.."
 DATA=${DATA:-$PWD/.gpu-data/webshop}  # the default is the repository's, where stage_webshop_data.sh puts it
+EXPERT_CACHE=$(realpath -m "${EXPERT_CACHE:-$PWD/.gpu-data/webshop-expert}")
 EPISODES=${EPISODES:-1000}; SHARDS=${SHARDS:-8}
 DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; MAX_LEN=${MAX_LEN:-4608}
 # Off CUDA (cpu, or auto on a box without a GPU) a batch of 8 windows keeps their attention for the
@@ -69,7 +77,18 @@ print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_re
 PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
 rm -rf "$WORK"; mkdir -p "$WORK"
+# What the episodes depend on: the settings that shape them, the data (by content, not path) and the
+# code that plays them. A cache with another key is not used (and not removed).
+KEY="episodes=$EPISODES shards=$SHARDS turns=$TURNS new=$NEW prompt=$PROMPT response=$RESPONSE history=$HISTORY"
+KEY="$KEY return_n=$RETURN_N data=$(cat "$DATA"/items_shuffle_1000.json "$DATA"/items_ins_v2_1000.json | sha256sum | cut -c1-64)"
+KEY="$KEY code=$(find fedagent_flwr -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-64)"
 PER=$(( (EPISODES + SHARDS - 1) / SHARDS )); left=$EPISODES; pids=()
+if [ -f "$EXPERT_CACHE/expert.jsonl.gz" ] && [ "$(cat "$EXPERT_CACHE/key" 2>/dev/null)" = "$KEY" ]; then
+  gzip -dc "$EXPERT_CACHE/expert.jsonl.gz" > "$WORK/expert.jsonl"
+  cat "$EXPERT_CACHE/wrote.log"
+  echo "expert: reused the episodes in $EXPERT_CACHE (its key is this run's)"
+  SHARDS=0  # nothing to play
+fi
 for k in $(seq 0 $((SHARDS - 1))); do
   n=$(( left < PER ? left : PER )); left=$(( left - n ))
   [ "$n" -gt 0 ] || break
@@ -86,9 +105,21 @@ for k in "${!pids[@]}"; do
   wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2
                           kill "${pids[@]}" 2>/dev/null || true; exit 1; }
 done
-cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
+if [ "${#pids[@]}" -gt 0 ]; then
+  cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
+  grep -h "^wrote" "$WORK"/expert-*.log > "$WORK/wrote.log"
+  cat "$WORK/wrote.log"
+  if [ "${SAVE_EXPERT_CACHE:-0}" = 1 ]; then  # written under temporary names, then renamed
+    mkdir -p "$EXPERT_CACHE"
+    rm -f "$EXPERT_CACHE/key"  # the key goes last: no moment where a key names other episodes
+    gzip -c "$WORK/expert.jsonl" > "$EXPERT_CACHE/expert.jsonl.gz.tmp"
+    mv "$EXPERT_CACHE/expert.jsonl.gz.tmp" "$EXPERT_CACHE/expert.jsonl.gz"
+    cp "$WORK/wrote.log" "$EXPERT_CACHE/wrote.log"
+    echo "$KEY" > "$EXPERT_CACHE/key.tmp" && mv "$EXPERT_CACHE/key.tmp" "$EXPERT_CACHE/key"
+    echo "expert: saved to $EXPERT_CACHE"
+  fi
+fi
 EXPERT_S=$SECONDS
-grep -h "^wrote" "$WORK"/expert-*.log
 echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.jsonl") windows, $(sha256sum "$WORK/expert.jsonl" | cut -c1-16), ${EXPERT_S} s"
 [ "${EXPERT_ONLY:-0}" = 1 ] && exit 0
 # --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
