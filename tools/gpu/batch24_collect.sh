@@ -7,7 +7,8 @@
 #   batch24-s<SEED>-arms.md, -arms.png, -hostmem.jsonl, phases-s<SEED>.md, gpu-memory-s<SEED>.log,
 #   warm_start-s<SEED>-<CARD>.json, warm-start-s<SEED>.log
 # It refuses a seed whose files are already there (FORCE=1 overwrites), and one whose runs lack a
-# summary, metrics or curve; it prints what it filed and each run's status and last completed round.
+# summary, metrics or curve; it prints what it filed, each run's status and last completed round, and
+# whether the warm start trained on the batch's expert episodes (data_sha256, the same in every seed).
 # usage: bash tools/gpu/batch24_collect.sh SEED CARD FILES_AT   (CARD: h100 or h200, the reply's device)
 #        DEST=<folder> overrides the batch's folder (tests)
 set -eu
@@ -63,3 +64,9 @@ for arm in federated local; do
 print(sys.argv[2] + ": status", s.get("status"), "last completed round", s.get("last_completed_round"))' \
     "$DEST/$arm-s$SEED-summary.json" "$arm-s$SEED"
 done
+# Seeds 4-8's warm starts all trained on these expert episodes (warm_start-s*.json); from seed 9 on they
+# are played on the CPU before the session and carried (stage_webshop_data.sh EXPERT=1).
+python3 -c 'import json, sys; got = json.load(open(sys.argv[1])).get("data_sha256")
+print("warm start: the batch'"'"'s expert episodes (data_sha256 %s...)" % got[:16] if got == sys.argv[2] else
+      "warm start: NOT the batch'"'"'s expert episodes: data_sha256 %s, the batch'"'"'s %s" % (got, sys.argv[2]))' \
+  "$DEST/warm_start-s$SEED-$CARD.json" 0efebc81be2d9d5bc9333bb3558d6c03dba1804a0590b8dc70ee980b030c39a8

@@ -14,6 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "tools" / "gpu" / "batch24_collect.sh"
 SEED = 9
+EXPERT_SHA256 = "0efebc81be2d9d5bc9333bb3558d6c03dba1804a0590b8dc70ee980b030c39a8"  # seeds 4-8's (warm_start-s*.json)
 
 
 def _reply(root: Path, leave_out: str | None = None) -> Path:
@@ -38,7 +39,7 @@ def _reply(root: Path, leave_out: str | None = None) -> Path:
                     filter=lambda member: None if leave_out and member.name.endswith(leave_out) else member)
     (reply / "smi.log").write_text("22:00:00 1 MiB\n")
     (reply / "warm" / "ws-warm.log").write_text("ws-warm: ...\n")
-    (reply / "warm" / "warm_start.json").write_text('{"seed": 9}')
+    (reply / "warm" / "warm_start.json").write_text(json.dumps({"seed": 9, "data_sha256": EXPERT_SHA256}))
     return reply
 
 
@@ -60,10 +61,16 @@ def test_a_seed_is_filed_under_the_earlier_seeds_names_and_not_twice(tmp_path: P
                  "batch24-s9-hostmem.jsonl", "phases-s9.md", "gpu-memory-s9.log", "warm_start-s9-h200.json",
                  "warm-start-s9.log"}
     assert {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()} == expected
-    assert (dest / "warm_start-s9-h200.json").read_text() == '{"seed": 9}'
+    assert json.loads((dest / "warm_start-s9-h200.json").read_text()) == {"seed": 9, "data_sha256": EXPERT_SHA256}
+    assert "warm start: the batch's expert episodes (data_sha256 0efebc81be2d9d5b...)" in done.stdout
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in dest.rglob("*") if p.is_file())
     assert "federated-s9: status completed last completed round 5" in done.stdout
     assert "local-s9: status completed last completed round 5" in done.stdout
+
+    # Other episodes are named, not hidden (the seed is filed: its record says what it trained on).
+    (reply / "warm" / "warm_start.json").write_text(json.dumps({"seed": 9, "data_sha256": "1" * 64}))
+    other = _collect(reply, tmp_path / "other")
+    assert other.returncode == 0 and "warm start: NOT the batch's expert episodes: data_sha256 1111" in other.stdout
 
     again = _collect(reply, dest)
     assert again.returncode == 1 and "already holds files of seed 9; FORCE=1 overwrites" in again.stderr
