@@ -251,7 +251,7 @@ class FsdpShardReader(CheckpointReader):
             if receipt is not None:
                 # Both the file read (still open, or as it was closed) and what the path leads to
                 # now must be the file the receipt describes, unchanged since the opening.
-                changed = changed_while_read(path, receipt.stat, file.held_stat() if file is not None else None)
+                changed = changed_while_read(path, receipt.stat, self._held_stat(path.name))
                 if changed is not None:
                     raise CheckpointError(f"{changed}; the round leaves this checkpoint out")
                 digests.append((path.name, receipt.stat.size, receipt.digest))

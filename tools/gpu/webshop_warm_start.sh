@@ -21,22 +21,26 @@
 #   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
 #                              are taken from the caller's directory
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
-#   EXPERT_CACHE=<repo>/.gpu-data/webshop-expert   a folder of expert episodes played before (expert.jsonl.gz
-#                              and its key): reused, not played again, when its key is this run's (the
-#                              settings above that shape the episodes, the data files' sha256 and a digest
-#                              of the package's code); SAVE_EXPERT_CACHE=1 writes it after playing.
-#                              stage_webshop_data.sh plays it on the CPU before a GPU session (EXPERT=1), so
-#                              the node skips the 15-29 s of playing: the episodes are the same bytes
-#                              (sha256 0efebc81... on the node and on this 2-core machine alike, 2026-12-07)
+#   EXPERT_CACHE=<repo>/.gpu-data/webshop-expert   a folder of expert episodes played before (expert.jsonl.gz,
+#                              its key, the expert's summary lines): reused, not played again, when its key
+#                              is this run's (the settings above that shape the episodes, the data files'
+#                              sha256, a digest of the package's code) and the file still has the sha256 the
+#                              key records; played otherwise. SAVE_EXPERT_CACHE=1 writes it after playing.
+#                              stage_webshop_data.sh fills it on the CPU before a GPU session (EXPERT=1), so
+#                              the node skips the 15-29 s of playing. The key leaves out the Python and
+#                              library versions (the venv here and the node's wheels differ): on 2026-12-07
+#                              both played the same bytes (sha256 0efebc81...); check again after upgrading
+#                              either (warm_start.json's data_sha256 records what was trained on)
 set -eu
 OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
 # Resolved from the caller's directory (and .. and links folded) before moving to the repository root.
 OUT_DIR=$(realpath -m "$OUT_DIR")
 WORK=$(realpath -m "${WORK:-/tmp/ws-warm-work}")
 DATA=${DATA:+$(realpath -m "$DATA")}
+EXPERT_CACHE=${EXPERT_CACHE:+$(realpath -m "$EXPERT_CACHE")}
 cd "$(dirname "$0")/../.."
 DATA=${DATA:-$PWD/.gpu-data/webshop}  # the default is the repository's, where stage_webshop_data.sh puts it
-EXPERT_CACHE=$(realpath -m "${EXPERT_CACHE:-$PWD/.gpu-data/webshop-expert}")
+EXPERT_CACHE=${EXPERT_CACHE:-$PWD/.gpu-data/webshop-expert}
 EPISODES=${EPISODES:-1000}; SHARDS=${SHARDS:-8}
 DEVICE=${DEVICE:-cuda}; EPOCHS=${EPOCHS:-1}; LR=${LR:-5e-5}; MAX_LEN=${MAX_LEN:-4608}
 # Off CUDA (cpu, or auto on a box without a GPU) a batch of 8 windows keeps their attention for the
@@ -78,16 +82,23 @@ PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
 rm -rf "$WORK"; mkdir -p "$WORK"
 # What the episodes depend on: the settings that shape them, the data (by content, not path) and the
-# code that plays them. A cache with another key is not used (and not removed).
+# code that plays them. A cache with another key is not used (and not removed); its key's second line
+# is the episodes' sha256, so a damaged or mismatched file is played again rather than trusted.
 KEY="episodes=$EPISODES shards=$SHARDS turns=$TURNS new=$NEW prompt=$PROMPT response=$RESPONSE history=$HISTORY"
 KEY="$KEY return_n=$RETURN_N data=$(cat "$DATA"/items_shuffle_1000.json "$DATA"/items_ins_v2_1000.json | sha256sum | cut -c1-64)"
 KEY="$KEY code=$(find fedagent_flwr -name '*.py' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-64)"
 PER=$(( (EPISODES + SHARDS - 1) / SHARDS )); left=$EPISODES; pids=()
-if [ -f "$EXPERT_CACHE/expert.jsonl.gz" ] && [ "$(cat "$EXPERT_CACHE/key" 2>/dev/null)" = "$KEY" ]; then
-  gzip -dc "$EXPERT_CACHE/expert.jsonl.gz" > "$WORK/expert.jsonl"
-  cat "$EXPERT_CACHE/wrote.log"
-  echo "expert: reused the episodes in $EXPERT_CACHE (its key is this run's)"
-  SHARDS=0  # nothing to play
+if [ "$(head -n 1 "$EXPERT_CACHE/key" 2>/dev/null)" = "$KEY" ]; then
+  recorded=$(sed -n 's/^episodes_sha256=//p' "$EXPERT_CACHE/key")
+  if gzip -dc "$EXPERT_CACHE/expert.jsonl.gz" > "$WORK/expert.jsonl" 2>/dev/null \
+     && [ "$(sha256sum < "$WORK/expert.jsonl" | cut -c1-64)" = "$recorded" ]; then
+    echo "expert: reused the episodes in $EXPERT_CACHE, played before under this run's key; their summary then:"
+    sed 's/^/  /' "$EXPERT_CACHE/wrote.log" 2>/dev/null || true
+    SHARDS=0  # nothing to play
+  else
+    echo "expert: the episodes in $EXPERT_CACHE are not the ones their key records (damaged or partly written): playing them"
+    rm -f "$WORK/expert.jsonl"
+  fi
 fi
 for k in $(seq 0 $((SHARDS - 1))); do
   n=$(( left < PER ? left : PER )); left=$(( left - n ))
@@ -101,21 +112,23 @@ for k in $(seq 0 $((SHARDS - 1))); do
       --out "$WORK/expert-$k.jsonl" --quiet > "$WORK/expert-$k.log" 2>&1 &
   pids+=($!)
 done
-for k in "${!pids[@]}"; do
-  wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2
-                          kill "${pids[@]}" 2>/dev/null || true; exit 1; }
-done
-if [ "${#pids[@]}" -gt 0 ]; then
+if [ "${#pids[@]}" -gt 0 ]; then  # (none when reused; an empty "${!pids[@]}" is unbound before bash 4.4)
+  for k in "${!pids[@]}"; do
+    wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2
+                            kill "${pids[@]}" 2>/dev/null || true; exit 1; }
+  done
   cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
   grep -h "^wrote" "$WORK"/expert-*.log > "$WORK/wrote.log"
   cat "$WORK/wrote.log"
   if [ "${SAVE_EXPERT_CACHE:-0}" = 1 ]; then  # written under temporary names, then renamed
     mkdir -p "$EXPERT_CACHE"
     rm -f "$EXPERT_CACHE/key"  # the key goes last: no moment where a key names other episodes
-    gzip -c "$WORK/expert.jsonl" > "$EXPERT_CACHE/expert.jsonl.gz.tmp"
-    mv "$EXPERT_CACHE/expert.jsonl.gz.tmp" "$EXPERT_CACHE/expert.jsonl.gz"
-    cp "$WORK/wrote.log" "$EXPERT_CACHE/wrote.log"
-    echo "$KEY" > "$EXPERT_CACHE/key.tmp" && mv "$EXPERT_CACHE/key.tmp" "$EXPERT_CACHE/key"
+    gzip -c "$WORK/expert.jsonl" > "$EXPERT_CACHE/expert.jsonl.gz.tmp.$$"
+    mv "$EXPERT_CACHE/expert.jsonl.gz.tmp.$$" "$EXPERT_CACHE/expert.jsonl.gz"
+    cp "$WORK/wrote.log" "$EXPERT_CACHE/wrote.log.tmp.$$"
+    mv "$EXPERT_CACHE/wrote.log.tmp.$$" "$EXPERT_CACHE/wrote.log"
+    printf '%s\nepisodes_sha256=%s\n' "$KEY" "$(sha256sum < "$WORK/expert.jsonl" | cut -c1-64)" > "$EXPERT_CACHE/key.tmp.$$"
+    mv "$EXPERT_CACHE/key.tmp.$$" "$EXPERT_CACHE/key"
     echo "expert: saved to $EXPERT_CACHE"
   fi
 fi
