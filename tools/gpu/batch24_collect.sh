@@ -66,7 +66,12 @@ print(sys.argv[2] + ": status", s.get("status"), "last completed round", s.get("
 done
 # Seeds 4-8's warm starts all trained on these expert episodes (warm_start-s*.json); from seed 9 on they
 # are played on the CPU before the session and carried (stage_webshop_data.sh EXPERT=1).
-python3 -c 'import json, sys; got = json.load(open(sys.argv[1])).get("data_sha256")
-print("warm start: the batch'"'"'s expert episodes (data_sha256 %s...)" % got[:16] if got == sys.argv[2] else
-      "warm start: NOT the batch'"'"'s expert episodes: data_sha256 %s, the batch'"'"'s %s" % (got, sys.argv[2]))' \
-  "$DEST/warm_start-s$SEED-$CARD.json" 0efebc81be2d9d5bc9333bb3558d6c03dba1804a0590b8dc70ee980b030c39a8
+python3 - "$DEST/warm_start-s$SEED-$CARD.json" 0efebc81be2d9d5bc9333bb3558d6c03dba1804a0590b8dc70ee980b030c39a8 <<'PY'
+import json, sys
+record, batch = sys.argv[1:]
+got = json.load(open(record)).get("data_sha256")
+if got == batch:
+    print(f"warm start: the batch's expert episodes (data_sha256 {got[:16]}...)")
+else:
+    print(f"warm start: NOT the batch's expert episodes: data_sha256 {got}, the batch's {batch}")
+PY
