@@ -6,8 +6,8 @@
 # behind unless LOOKALIKE=1 (partition=lookalike needs them).
 # With EXPERT=1 it also plays the warm start's expert episodes here, on the CPU (~40 s on 2 cores),
 # into .gpu-data/webshop-expert, which webshop_warm_start.sh on the node reuses when their key matches
-# (same settings, data and code), instead of playing them again there. EXPERT_WORK (default
-# /tmp/ws-expert-stage) is the scratch folder it plays in: emptied first.
+# (same settings, data and code), instead of playing them again there (in a scratch folder of its
+# own under TMPDIR, removed afterwards; the log stays in $TMPDIR/ws-expert-stage.log).
 # usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
 set -eu
 cd "$(dirname "$0")/../.."
@@ -27,11 +27,10 @@ if [ "${LOOKALIKE:-0}" = 1 ]; then cp -r "$SRC/lookalike" "$DEST/"; fi
 echo "$DEST: $(du -sb "$DEST" | cut -f1) bytes; on the node: env.data_dir=\$PWD/$DEST"
 if [ "${EXPERT:-0}" = 1 ]; then
   PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-  # Its own variable: many clusters export WORK (a user's work filesystem), which the script empties.
-  EXPERT_WORK=$(realpath -m "${EXPERT_WORK:-/tmp/ws-expert-stage}")
-  LOG=$EXPERT_WORK.log
+  LOG=${TMPDIR:-/tmp}/ws-expert-stage.log
+  # EXPERT_ONLY: the OUT_DIR argument is checked but never written.
   if ! EXPERT_ONLY=1 SAVE_EXPERT_CACHE=1 EXPERT_CACHE=.gpu-data/webshop-expert PYTHON=$PY \
-       WORK=$EXPERT_WORK bash tools/gpu/webshop_warm_start.sh /tmp/ws-expert-unused > "$LOG" 2>&1; then
+       bash tools/gpu/webshop_warm_start.sh /tmp/ws-expert-unused > "$LOG" 2>&1; then
     tail -5 "$LOG" >&2; echo "stage_webshop_data.sh: playing the expert episodes failed (above; $LOG)" >&2; exit 1
   fi
   tail -2 "$LOG"

@@ -18,8 +18,11 @@
 #                              H100, whose backward is not deterministic; math pins the deterministic one
 #   MAX_GPU_MEM_FRACTION=      unset: no cap; F: --max-gpu-memory-fraction F, the process's share of the
 #                              card (it then stops with its own out-of-memory line, not its neighbours)
-#   DATA=<repo>/.gpu-data/webshop  WORK=/tmp/ws-warm-work (the expert files); relative paths (OUT_DIR too)
-#                              are taken from the caller's directory
+#   DATA=<repo>/.gpu-data/webshop  relative paths (OUT_DIR, WARM_SCRATCH too) are taken from the caller's directory
+#   WARM_SCRATCH=              unset: the expert files go to a new folder under TMPDIR (/tmp), removed at the
+#                              end; DIR: a new or empty folder, kept. The script never empties a folder it did
+#                              not make, and does not read WORK (many clusters export it: a user's work filesystem)
+#   OUT_DIR must be new, empty or an earlier warm start's (it has warm_start.json): only such a folder is replaced
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
 #   EXPERT_CACHE=<repo>/.gpu-data/webshop-expert   a folder of expert episodes played before (expert.jsonl.gz,
 #                              its key, the expert's summary lines): reused, not played again, when its key
@@ -35,7 +38,7 @@ set -eu
 OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
 # Resolved from the caller's directory (and .. and links folded) before moving to the repository root.
 OUT_DIR=$(realpath -m "$OUT_DIR")
-WORK=$(realpath -m "${WORK:-/tmp/ws-warm-work}")
+WARM_SCRATCH=${WARM_SCRATCH:+$(realpath -m "$WARM_SCRATCH")}
 DATA=${DATA:+$(realpath -m "$DATA")}
 EXPERT_CACHE=${EXPERT_CACHE:+$(realpath -m "$EXPERT_CACHE")}
 cd "$(dirname "$0")/../.."
@@ -53,6 +56,14 @@ MEMORY_ARGS=()
 [ -n "${MAX_GPU_MEM_FRACTION:-}" ] && MEMORY_ARGS+=(--max-gpu-memory-fraction "$MAX_GPU_MEM_FRACTION")
 RECIPE=webshop_windowed_verl
 case "$OUT_DIR/" in "$(realpath -m "$PWD")"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
+# `warm-start --force` below replaces OUT_DIR whole: refuse anything but a new or empty folder or an
+# earlier warm start's (its warm_start.json is written last), before minutes of work.
+if [ -e "$OUT_DIR" ] && { [ ! -d "$OUT_DIR" ] || { [ -n "$(ls -A "$OUT_DIR")" ] && [ ! -f "$OUT_DIR/warm_start.json" ]; }; }; then
+  echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR exists and is not an earlier warm start's folder (no warm_start.json), so it would be replaced: name a new folder (e.g. /tmp/ws-warm)" >&2; exit 2
+fi
+if [ -n "$WARM_SCRATCH" ] && [ -e "$WARM_SCRATCH" ] && { [ ! -d "$WARM_SCRATCH" ] || [ -n "$(ls -A "$WARM_SCRATCH")" ]; }; then
+  echo "webshop_warm_start.sh: WARM_SCRATCH $WARM_SCRATCH exists and is not an empty folder; it is never emptied: name a new one, or leave WARM_SCRATCH unset" >&2; exit 2
+fi
 # Shard k starts at seed k * 6410 / SHARDS: more episodes than the 6,410 training goals would make
 # shards overlap and repeat goals in the supervised data.
 if [ "$SHARDS" -lt 1 ] || [ "$EPISODES" -lt "$SHARDS" ] || [ "$EPISODES" -gt 6410 ]; then
@@ -80,7 +91,12 @@ print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_re
       json.dumps(dict(s.raw["model"].get("chat_template_kwargs") or {})))
 PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
-rm -rf "$WORK"; mkdir -p "$WORK"
+if [ -n "$WARM_SCRATCH" ]; then WORK=$WARM_SCRATCH; mkdir -p "$WORK"
+else
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/ws-warm-work.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+  trap 'exit 143' TERM INT HUP  # (a signal otherwise ends bash without its EXIT trap)
+fi
 # What the episodes depend on: the settings that shape them, the data (by content, not path) and the
 # code that plays them. A cache with another key is not used (and not removed); its key's second line
 # is the episodes' sha256, so a damaged or mismatched file is played again rather than trusted.

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not (WEBSHOP_DATA / DATA_FILES[0]).exists(),
 def expert_only(work: Path, cache: Path, shards: int = 2, save: bool = False) -> str:
     """Run the script up to its 4 expert episodes; its output. Fails the test on an error."""
     env = {**os.environ, "EXPERT_ONLY": "1", "EPISODES": "4", "SHARDS": str(shards), "PYTHON": sys.executable,
-           "DATA": str(WEBSHOP_DATA), "WORK": str(work), "EXPERT_CACHE": str(cache),
+           "DATA": str(WEBSHOP_DATA), "WARM_SCRATCH": str(work), "EXPERT_CACHE": str(cache),
            "SAVE_EXPERT_CACHE": "1" if save else "0"}
     done = subprocess.run(["bash", str(SCRIPT), str(work.parent / "unused-model")], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -74,3 +74,40 @@ def test_episodes_are_reused_only_under_the_same_key_and_intact(tmp_path: Path) 
     out = expert_only(tmp_path / "damaged", cache)
     assert "are not the ones their key records" in out and "in 2 shards" in out, out
     assert (tmp_path / "damaged" / "expert.jsonl").read_bytes() == played
+
+
+def test_it_never_empties_or_replaces_a_folder_it_did_not_make(tmp_path: Path) -> None:
+    """WORK (many clusters export it: a user's work filesystem) is not read; a named scratch folder or
+    OUT_DIR that holds someone's files is refused before any work, with a line naming it; the default
+    scratch folder is the script's own, under TMPDIR, and is gone afterwards."""
+    def keepsake(folder: Path) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "thesis.tex").write_text("years of work")
+        return folder / "thesis.tex"
+
+    users_work, tmpdir = keepsake(tmp_path / "cluster-work"), tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "EXPERT_ONLY": "1", "EPISODES": "1", "SHARDS": "1", "PYTHON": sys.executable,
+           "DATA": str(WEBSHOP_DATA), "EXPERT_CACHE": str(tmp_path / "cache"), "SAVE_EXPERT_CACHE": "0",
+           "WORK": str(users_work.parent), "TMPDIR": str(tmpdir)}
+
+    def run(out_dir: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(SCRIPT), str(out_dir)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+
+    # A scratch folder named but not empty, and an OUT_DIR that is not a warm start's: refused.
+    scratch_file = keepsake(tmp_path / "scratch")
+    done = run(tmp_path / "model", WARM_SCRATCH=str(scratch_file.parent))
+    assert done.returncode == 2 and f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder" in done.stderr
+    out_file = keepsake(tmp_path / "models")
+    done = run(out_file.parent)
+    assert done.returncode == 2 and f"OUT_DIR {out_file.parent} exists and is not an earlier warm start" in done.stderr
+    # An earlier warm start's folder may be replaced; the episodes are played in the script's own folder.
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "warm_start.json").write_text("{}")
+    done = run(tmp_path / "earlier")
+    assert done.returncode == 0 and "expert: 1 episodes in 1 shards" in done.stdout, done.stdout + done.stderr
+    for kept in (users_work, scratch_file, out_file):
+        assert kept.read_text() == "years of work"
+    assert sorted(users_work.parent.iterdir()) == [users_work]
+    assert not list(tmpdir.glob("ws-warm-work*"))  # (torch leaves its own cache folder there)
