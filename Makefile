@@ -86,5 +86,12 @@ test: install alfworld-venv
 	if [ $$lint -ne 0 ]; then echo "make test: the lint failed (above): fix it, or see it alone with make lint"; fi; \
 	[ $$tests -eq 0 ] && [ $$lint -eq 0 ]
 
+# Only what lies inside this checkout: FLWR_HOME (or VENV) exported for other work, e.g. ~/.flwr as
+# docs/deployment.md sets it, is someone's Flower configuration, not this checkout's to delete.
 clean:
-	rm -rf $(VENV) $(FLWR_HOME)
+	@for d in "$(VENV)" "$(FLWR_HOME)"; do \
+	  case "$$(realpath -m -- "$$d")/" in \
+	    "$(CURDIR)"/?*) rm -rf -- "$$d" ;; \
+	    *) echo "make clean: left $$d alone: it is outside this checkout (remove it yourself if you mean to)" ;; \
+	  esac; \
+	done

@@ -58,3 +58,22 @@ def test_installed_script_builds_the_smoke_model(tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tiny"))
     assert model.config.num_hidden_layers == 2
     assert AutoTokenizer.from_pretrained(str(tmp_path / "tiny")).eos_token == "<|im_end|>"
+
+
+def test_the_smoke_model_replaces_only_a_smoke_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Written again over a tiny model it replaces it; a directory holding anything else (a real
+    model, whose weight shards transformers' save would delete) is refused, nothing touched."""
+    from fedagent_flwr.models import tiny
+
+    assert tiny.main([str(tmp_path / "tiny"), "--seed", "1"]) == 0
+    assert tiny.main([str(tmp_path / "tiny"), "--seed", "2"]) == 0
+    real = tmp_path / "Qwen2.5-7B"
+    real.mkdir()
+    files = {"config.json": '{"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28}',
+             "model-00001-of-00004.safetensors": "weights"}
+    for name, text in files.items():
+        (real / name).write_text(text)
+    capsys.readouterr()
+    assert tiny.main([str(real)]) == 2
+    assert f"tiny-model: {real} exists and is not an empty directory or a tiny model" in capsys.readouterr().err
+    assert {p.name: p.read_text() for p in real.iterdir()} == files

@@ -7,7 +7,9 @@ model in a fraction of a second per step.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
@@ -24,6 +26,10 @@ def make_tiny_model(
     fp32 safetensors next to the tokenizer (SmolLM2's by default), so ``from_pretrained`` and the
     trainers load it like any other model directory.
     """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _holds_tiny_model(out))):
+        raise FileExistsError(f"{out} exists and is not an empty directory or a tiny model written here, and "
+                              "writing the model there would overwrite or remove its files: name a new directory")
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -49,11 +55,23 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def _holds_tiny_model(directory: Path) -> bool:
+    """Whether ``directory``'s config.json is this module's shape (then rewriting it loses nothing of
+    value). transformers' ``save_pretrained`` also deletes weight shards it did not write, so a real
+    model's directory must never be written over."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (config.get("model_type"), config.get("hidden_size"),
+                                         config.get("intermediate_size"), config.get("num_hidden_layers")) == (
+        "qwen2", 64, 128, 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m fedagent_flwr.models.tiny",
         description="Write a tiny random-weight model with the SmolLM2 tokenizer, for smoke runs "
                     "(e.g. model.path=DIR): every code path runs in seconds, nothing is learned.")
-    parser.add_argument("directory", help="where to write it (created; an existing model there is replaced)")
+    parser.add_argument("directory", help="where to write it (created; a tiny model there is replaced, any "
+                                          "other non-empty directory refused)")
     parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this seed")
     args = parser.parse_args(argv)
-    print(make_tiny_model(args.directory, seed=args.seed))
+    try:
+        print(make_tiny_model(args.directory, seed=args.seed))
+    except FileExistsError as exc:
+        print(f"tiny-model: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -133,6 +133,13 @@ def test_the_command_writes_a_loadable_model_with_its_record(tiny_model_dir: Pat
                "--force") == 0
     assert json.loads((out / ws.RECORD_FILE).read_text())["steps"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["expert.jsonl", "warm"]
+    # --force replaces only an earlier warm start's output, never a folder of other things.
+    (tmp_path / "models" / "other-model").mkdir(parents=True)
+    (tmp_path / "models" / "other-model" / "model.safetensors").write_text("weights")
+    assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "models", "--epochs", 1,
+               "--device", "cpu", "--force") == 1
+    assert f"holds files but no {ws.RECORD_FILE}" in capsys.readouterr().err
+    assert (tmp_path / "models" / "other-model" / "model.safetensors").read_text() == "weights"
 
 
 def test_same_seed_same_weights(tiny_model_dir: Path, data: Path, tmp_path: Path) -> None:

@@ -288,11 +288,19 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
 
 
 def check_out_dir(out: Path, force: bool) -> None:
-    """WarmStartError if ``out`` is a file, or a non-empty directory and ``force`` is not set."""
+    """WarmStartError if ``out`` is a file, or a non-empty directory that ``force`` may not replace.
+
+    ``force`` replaces only an earlier warm start's output (it holds ``warm_start.json``, written
+    last): the directory is replaced whole, and ``--out ~/models --force`` must not take the user's
+    other models with it."""
     if out.exists() and not out.is_dir():
         raise WarmStartError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise WarmStartError(f"--out {out} exists and is not empty; pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise WarmStartError(f"--out {out} exists and is not empty; pass --force to replace it")
+        if not (out / RECORD_FILE).is_file():
+            raise WarmStartError(f"--out {out} holds files but no {RECORD_FILE}, so it is not an earlier warm "
+                                 "start's output, the only kind --force replaces: name a new directory")
 
 
 def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:

@@ -1,0 +1,44 @@
+"""`make clean` removes this checkout's venv and Flower state and nothing outside the checkout:
+FLWR_HOME or VENV exported for other work (docs/deployment.md sets FLWR_HOME=$HOME/.flwr) points at
+someone's Flower configuration or environment. Run on a copy of the real Makefile in a scratch
+checkout, so the repository's own .venv is never at stake."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def test_clean_leaves_what_lies_outside_the_checkout(tmp_path: Path) -> None:
+    checkout = tmp_path / "my checkout"  # a space: every path is quoted
+    checkout.mkdir()
+    shutil.copy(REPO / "Makefile", checkout / "Makefile")
+    for inside in (checkout / ".venv", checkout / ".flwr"):
+        (inside / "state").mkdir(parents=True)
+    users_flwr = tmp_path / "home" / ".flwr"
+    users_flwr.mkdir(parents=True)
+    (users_flwr / "config.toml").write_text("[superlink.cluster]\n")
+
+    # Not the caller's own FLWR_HOME, VENV or make flags (`make test` exports FLWR_HOME to the tests).
+    env = {k: v for k, v in os.environ.items() if k not in ("FLWR_HOME", "VENV", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    done = subprocess.run(["make", "-s", "-C", str(checkout), "clean", f"FLWR_HOME={users_flwr}"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"make clean: left {users_flwr} alone: it is outside this checkout" in done.stdout
+    assert (users_flwr / "config.toml").read_text() == "[superlink.cluster]\n"
+    assert not (checkout / ".venv").exists() and (checkout / ".flwr" / "state").is_dir()
+
+    # The defaults (both inside the checkout) are removed; the checkout itself stays.
+    assert subprocess.run(["make", "-s", "-C", str(checkout), "clean"], timeout=60, env=env).returncode == 0
+    assert sorted(p.name for p in checkout.iterdir()) == ["Makefile"]
+    assert subprocess.run(["make", "-s", "-C", str(checkout), "clean", "VENV=."], capture_output=True,
+                          timeout=60, env=env).returncode == 0
+    assert (checkout / "Makefile").exists()
