@@ -138,7 +138,7 @@ def test_the_command_writes_a_loadable_model_with_its_record(tiny_model_dir: Pat
     (tmp_path / "models" / "other-model" / "model.safetensors").write_text("weights")
     assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "models", "--epochs", 1,
                "--device", "cpu", "--force") == 1
-    assert f"holds files but no {ws.RECORD_FILE}" in capsys.readouterr().err
+    assert f"it holds no {ws.RECORD_FILE}, so it is not an earlier warm start" in capsys.readouterr().err
     assert (tmp_path / "models" / "other-model" / "model.safetensors").read_text() == "weights"
 
 

@@ -28,13 +28,11 @@ torch version may pick other kernels (bf16 autocast makes such differences visib
 auto`` lets torch pick cuDNN's attention on an H100, whose backward is not deterministic (two warm
 starts from one data file: last step loss 0.0122 and 0.0164); ``math`` pins the deterministic one.
 
-The output directory is written under a temporary name, its files and itself fsynced, and renamed
-into place; the weights in fp32 unless ``--save-dtype bfloat16`` (half the bytes, each weight rounded
-once; the config's ``dtype`` says which); besides the model and tokenizer it holds
-``warm_start.json`` (:data:`RECORD_FILE`): the sha256 of the data bytes as read (not re-read after
-training), the examples used and dropped, epochs, steps, losses, seed, saved dtype and base model,
-the loss's logits, checkpointing, memory cap and peak GPU memory, so a run whose base model it is
-records where that model came from.
+The output directory is written under a temporary name, fsynced and renamed into place (``--force``
+replaces only an earlier one, holding ``warm_start.json``, :data:`RECORD_FILE`), weights in fp32 unless
+``--save-dtype bfloat16`` (half the bytes, each rounded once). The record: the data's sha256 as read,
+examples used and dropped, epochs, steps, losses, seed, saved dtype, base model, logits, checkpointing,
+memory cap and peak GPU memory, so a run whose base model it is records where that model came from.
 """
 
 from __future__ import annotations
@@ -288,19 +286,13 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
 
 
 def check_out_dir(out: Path, force: bool) -> None:
-    """WarmStartError if ``out`` is a file, or a non-empty directory that ``force`` may not replace.
-
-    ``force`` replaces only an earlier warm start's output (it holds ``warm_start.json``, written
-    last): the directory is replaced whole, and ``--out ~/models --force`` must not take the user's
-    other models with it."""
+    """WarmStartError if ``out`` is a file or non-empty, unless ``force`` and it is an earlier output (replaced)."""
     if out.exists() and not out.is_dir():
         raise WarmStartError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise WarmStartError(f"--out {out} exists and is not empty; pass --force to replace it")
-        if not (out / RECORD_FILE).is_file():
-            raise WarmStartError(f"--out {out} holds files but no {RECORD_FILE}, so it is not an earlier warm "
-                                 "start's output, the only kind --force replaces: name a new directory")
+    if out.is_dir() and any(out.iterdir()) and not (force and (out / RECORD_FILE).is_file()):
+        raise WarmStartError(f"--out {out} exists and is not empty; " + (
+            f"it holds no {RECORD_FILE}, so it is not an earlier warm start's output, the only kind --force "
+            "replaces: name a new directory" if force else "pass --force to replace it"))
 
 
 def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:

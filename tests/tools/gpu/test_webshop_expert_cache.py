@@ -98,7 +98,8 @@ def test_it_never_empties_or_replaces_a_folder_it_did_not_make(tmp_path: Path) -
     # A scratch folder named but not empty, and an OUT_DIR that is not a warm start's: refused.
     scratch_file = keepsake(tmp_path / "scratch")
     done = run(tmp_path / "model", WARM_SCRATCH=str(scratch_file.parent))
-    assert done.returncode == 2 and f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder" in done.stderr
+    refused = f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder"
+    assert done.returncode == 2 and refused in done.stderr
     out_file = keepsake(tmp_path / "models")
     done = run(out_file.parent)
     assert done.returncode == 2 and f"OUT_DIR {out_file.parent} exists and is not an earlier warm start" in done.stderr
