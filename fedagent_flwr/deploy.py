@@ -5,8 +5,8 @@ self-signed CA and a server certificate for local testing and small private fede
 authentication keys must be elliptic-curve keys in OpenSSH format (Flower loads them with
 ``load_ssh_private_key``), which :func:`make_node_key` writes.
 
-    python -m fedagent_flwr.deploy tls DIR --host 10.0.0.5 [--host superlink.example.org]
-    python -m fedagent_flwr.deploy node-key DIR/supernode-0
+    python -m fedagent_flwr.deploy tls DIR --host 10.0.0.5 [--host superlink.example.org] [--force]
+    python -m fedagent_flwr.deploy node-key DIR/supernode-0 [--force]
     python -m fedagent_flwr.deploy connection FLWR_HOME NAME ADDRESS --root-certificates DIR/ca.crt
 """
 
@@ -47,14 +47,56 @@ class NodeKey:
     public_key: Path
 
 
-def _write(path: Path, data: bytes, private: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = 0o600 if private else 0o644
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    os.fchmod(fd, mode)  # also when the file existed with other permissions
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    return path
+def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: str, elsewhere: str) -> None:
+    """Write every ``(path, data, mode)`` of a set, or none of them.
+
+    Any path that exists already (a symlink included, even a dangling one) refuses the whole set
+    before anything is written, unless ``force``. Each file is written to a private temporary name
+    in its own directory, flushed, given its mode and renamed into place, so a link at the target
+    is replaced, never written through, and no half-written file is ever seen under the real name.
+    """
+    existing = [path for path, _, _ in files if os.path.lexists(path)]
+    if existing and not force:
+        names = ", ".join(str(path) for path in existing)
+        raise FileExistsError(f"{names} already exist{'s' if len(existing) == 1 else ''}; nothing was written. "
+                              f"Pass --force to replace {'it' if len(existing) == 1 else 'them'} ({consequence}), "
+                              f"or choose another {elsewhere}")
+    temps: list[tuple[str, Path]] = []
+    placed: list[Path] = []
+    try:
+        for path, data, mode in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            temps.append((tmp, path))
+            with os.fdopen(fd, "wb") as handle:
+                os.fchmod(handle.fileno(), mode)  # the mode asked for, whatever the umask
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        for tmp, path in temps:
+            if force:
+                os.replace(tmp, path)
+            else:
+                # a hard link never replaces an existing name: a file that appeared since the check
+                # above is refused too, not overwritten
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise
+                except OSError:  # a file system without hard links: check again, then rename
+                    if os.path.lexists(path):
+                        raise FileExistsError(f"{path} appeared while writing; nothing was replaced") from None
+                    os.rename(tmp, path)
+                else:
+                    os.unlink(tmp)
+            placed.append(path)
+    except BaseException:
+        for tmp, _ in temps:
+            Path(tmp).unlink(missing_ok=True)
+        if not force:  # only files this call created; nothing of the user's is touched
+            for path in placed:
+                path.unlink(missing_ok=True)
+        raise
 
 
 def _san_entry(host: str) -> x509.GeneralName:
@@ -65,12 +107,13 @@ def _san_entry(host: str) -> x509.GeneralName:
 
 
 def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | list[str] = ("127.0.0.1",),
-                   days: int = 365) -> TlsFiles:
+                   days: int = 365, force: bool = False) -> TlsFiles:
     """Write ``ca.crt``, ``server.pem`` and ``server.key`` into ``directory``.
 
     ``hosts`` are the addresses SuperNodes and ``flwr`` use to reach the SuperLink (IP addresses
     or DNS names); each becomes a subjectAltName of the server certificate, which TLS checks.
-    The CA's private key is not kept: nothing else can be signed with it later.
+    The CA's private key is not kept: nothing else can be signed with it later, so files that
+    exist already are never replaced (:class:`FileExistsError`, nothing written) unless ``force``.
     """
     if not hosts:
         raise ValueError("the server certificate needs at least one host (IP address or DNS name)")
@@ -111,18 +154,22 @@ def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | l
     )
 
     pem = serialization.Encoding.PEM
-    return TlsFiles(
-        ca_cert=_write(out / "ca.crt", ca_cert.public_bytes(pem)),
-        server_cert=_write(out / "server.pem", server_cert.public_bytes(pem)),
-        server_key=_write(out / "server.key", server_key.private_bytes(
-            pem, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()), private=True),
-    )
+    files = TlsFiles(ca_cert=out / "ca.crt", server_cert=out / "server.pem", server_key=out / "server.key")
+    _write_new([
+        (files.ca_cert, ca_cert.public_bytes(pem), 0o644),
+        (files.server_cert, server_cert.public_bytes(pem), 0o644),
+        (files.server_key, server_key.private_bytes(
+            pem, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()), 0o600),
+    ], force, "a new CA: the old one's key is not kept, so every SuperNode and flwr user needs the new ca.crt",
+       "directory")
+    return files
 
 
-def make_node_key(path: str | os.PathLike[str]) -> NodeKey:
+def make_node_key(path: str | os.PathLike[str], force: bool = False) -> NodeKey:
     """Write an ECDSA (P-384) key pair in OpenSSH format: ``path`` and ``path.pub``.
 
-    The same files ``ssh-keygen -t ecdsa -b 384 -N "" -f path`` would write.
+    The same files ``ssh-keygen -t ecdsa -b 384 -N "" -f path`` would write. If either exists
+    already, nothing is written (:class:`FileExistsError`) unless ``force``.
     """
     private = Path(path)
     key = ec.generate_private_key(ec.SECP384R1())
@@ -130,8 +177,10 @@ def make_node_key(path: str | os.PathLike[str]) -> NodeKey:
                                       serialization.NoEncryption())
     public_bytes = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                                  serialization.PublicFormat.OpenSSH)
-    return NodeKey(private_key=_write(private, private_bytes, private=True),
-                   public_key=_write(private.with_name(private.name + ".pub"), public_bytes + b"\n"))
+    pair = NodeKey(private_key=private, public_key=private.with_name(private.name + ".pub"))
+    _write_new([(pair.private_key, private_bytes, 0o600), (pair.public_key, public_bytes + b"\n", 0o644)],
+               force, "a replaced key cannot be recovered", "path")
+    return pair
 
 
 def _toml_string(value: str) -> str:
@@ -216,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_argument("--host", action="append", required=True,
                      help="address SuperNodes use to reach the SuperLink (repeat for several)")
     tls.add_argument("--days", type=int, default=365)
+    tls.add_argument("--force", action="store_true", help="replace ca.crt, server.pem, server.key if they exist")
     key = sub.add_parser("node-key", help="ECDSA key pair in OpenSSH format for one SuperNode")
     key.add_argument("path")
+    key.add_argument("--force", action="store_true", help="replace PATH and PATH.pub if they exist")
     conn = sub.add_parser("connection", help="add a connection to FLWR_HOME/config.toml (others are kept)")
     conn.add_argument("flwr_home")
     conn.add_argument("name")
@@ -229,12 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     conn.add_argument("--no-default", action="store_true", help="keep the current default connection")
     args = parser.parse_args(argv)
     if args.command == "tls":
-        files = make_tls_files(args.directory, args.host, args.days)
+        try:
+            files = make_tls_files(args.directory, args.host, args.days, force=args.force)
+        except FileExistsError as exc:
+            print(f"deploy tls: {exc}", file=sys.stderr)
+            return 2
         print(f"CA certificate:     {files.ca_cert}  (give to every SuperNode and flwr user)")
         print(f"server certificate: {files.server_cert}")
         print(f"server key:         {files.server_key}  (SuperLink only)")
     elif args.command == "node-key":
-        pair = make_node_key(args.path)
+        try:
+            pair = make_node_key(args.path, force=args.force)
+        except FileExistsError as exc:
+            print(f"deploy node-key: {exc}", file=sys.stderr)
+            return 2
         print(f"private key: {pair.private_key}  (this SuperNode only)")
         print(f"public key:  {pair.public_key}  (flwr supernode register)")
     else:

@@ -265,6 +265,113 @@ def test_node_keys_are_ec_in_openssh_format(tmp_path: Path) -> None:
     assert pair.private_key.stat().st_mode & 0o777 == 0o600
 
 
+def _snapshot(directory: Path) -> dict[str, tuple[bool, bytes, int]]:
+    """Every entry's (is a link, content or link target, mode), to show nothing changed."""
+    out = {}
+    for entry in sorted(directory.iterdir()):
+        if entry.is_symlink():
+            out[entry.name] = (True, str(entry.readlink()).encode(), 0)
+        else:
+            out[entry.name] = (False, entry.read_bytes(), entry.stat().st_mode & 0o777)
+    return out
+
+
+def _assert_valid_node_key(private_path: Path, public_path: Path) -> None:
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    private = load_ssh_private_key(private_path.read_bytes(), password=None)
+    public = load_ssh_public_key(public_path.read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey)
+    assert private.public_key().public_numbers() == public.public_numbers()
+    assert private_path.stat().st_mode & 0o777 == 0o600
+    assert public_path.stat().st_mode & 0o777 == 0o644
+
+
+def test_node_key_never_overwrites_an_existing_key_unless_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deploy node-key ~/.ssh/id_ecdsa` must not silently replace the user's key: any existing file
+    of the pair refuses the whole pair (nothing written); --force replaces both."""
+    from fedagent_flwr.deploy import main
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    key, pub = keys / "id_ecdsa", keys / "id_ecdsa.pub"
+    key.write_bytes(b"the user's own private key\n")
+    key.chmod(0o600)
+    pub.write_bytes(b"ecdsa-sha2-nistp384 AAAA the user's own public key\n")
+    before = _snapshot(keys)
+
+    assert main(["node-key", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert str(key) in err and str(pub) in err and "--force" in err, err
+    assert _snapshot(keys) == before  # both byte-identical, no temporary file left
+
+    # only the .pub exists: still refused, and the private key is not created either
+    key.unlink()
+    before = _snapshot(keys)
+    assert main(["node-key", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert str(pub) in err and "--force" in err, err
+    assert _snapshot(keys) == before
+
+    key.write_bytes(b"the user's own private key\n")
+    assert main(["node-key", str(key), "--force"]) == 0
+    _assert_valid_node_key(key, pub)
+    assert sorted(p.name for p in keys.iterdir()) == ["id_ecdsa", "id_ecdsa.pub"]  # no temporary file left
+
+
+def test_node_key_never_writes_through_a_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link at the target counts as existing (even a dangling one); --force replaces the link
+    itself, never the file it points to."""
+    from fedagent_flwr.deploy import main
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"someone else's file\n")
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "node").symlink_to(elsewhere)
+    (keys / "node.pub").symlink_to(tmp_path / "missing")  # dangling
+    before = _snapshot(keys)
+    assert main(["node-key", str(keys / "node")]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert _snapshot(keys) == before and not (tmp_path / "missing").exists()
+
+    assert main(["node-key", str(keys / "node"), "--force"]) == 0
+    assert not (keys / "node").is_symlink() and not (keys / "node.pub").is_symlink()
+    _assert_valid_node_key(keys / "node", keys / "node.pub")
+    assert elsewhere.read_bytes() == b"someone else's file\n" and not (tmp_path / "missing").exists()
+
+
+def test_tls_never_overwrites_a_deployed_directory_unless_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CA's private key is not kept, so replacing ca.crt loses the old deployment's trust: any
+    one of the files existing refuses the whole set (nothing written); --force replaces them."""
+    from cryptography import x509
+
+    from fedagent_flwr.deploy import main
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    (certs / "server.pem").write_bytes(b"the deployed server certificate\n")
+    (certs / "notes.txt").write_bytes(b"unrelated\n")
+    before = _snapshot(certs)
+    assert main(["tls", str(certs), "--host", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert str(certs / "server.pem") in err and "--force" in err, err
+    assert str(certs / "ca.crt") not in err and str(certs / "server.key") not in err, err  # only what exists
+    assert _snapshot(certs) == before  # ca.crt and server.key not written either
+
+    assert main(["tls", str(certs), "--host", "127.0.0.1", "--force"]) == 0
+    assert sorted(p.name for p in certs.iterdir()) == ["ca.crt", "notes.txt", "server.key", "server.pem"]
+    ca = x509.load_pem_x509_certificate((certs / "ca.crt").read_bytes())
+    x509.load_pem_x509_certificate((certs / "server.pem").read_bytes()).verify_directly_issued_by(ca)
+    assert (certs / "server.key").stat().st_mode & 0o777 == 0o600
+    assert (certs / "notes.txt").read_bytes() == b"unrelated\n"
+
+
 def test_connection_config_is_tls_unless_insecure_is_explicit(tmp_path: Path) -> None:
     import tomllib
 
