@@ -27,7 +27,7 @@ import posixpath
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-__all__ = ["REMOVING", "gone_by_note", "noted_as_gone"]
+__all__ = ["REMOVING", "gone_by_note", "noted_as_gone", "noted_path"]
 
 #: A round entry's note of the removals its commit lets go, in progress.
 REMOVING = "removing"
@@ -41,12 +41,21 @@ def noted_as_gone(rounds: list[dict[str, Any]], run_dir: Path) -> frozenset[str]
     gone: set[str] = set()
     for entry in rounds:
         for item in entry.get(REMOVING) or []:
-            path = posixpath.normpath(str(item["path"]))
-            if path.startswith(("/", "..")) or path == ".":
-                continue
-            if not os.path.lexists(run_dir / path):
+            path = noted_path(item["path"])
+            if path is not None and not os.path.lexists(run_dir / path):
                 gone.add(path)
     return frozenset(gone)
+
+
+def noted_path(path: object) -> str | None:
+    """A note's ``path`` normalised (posix, ``..`` folded), or None when it would lead out of the
+    run directory (absolute, or up through ``..``) or name the run directory itself: retention
+    writes none such, so a note that lists one is damaged (or edited by hand) and that path is
+    neither read as removed (:func:`noted_as_gone`) nor removed (retention)."""
+    normal = posixpath.normpath(str(path))
+    if normal.startswith(("/", "..")) or normal == ".":
+        return None
+    return normal
 
 
 def gone_by_note(path: str | os.PathLike[str], run_dir: Path, gone: frozenset[str]) -> bool:

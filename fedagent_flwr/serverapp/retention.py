@@ -79,9 +79,10 @@ from typing import TYPE_CHECKING, Any
 from flwr.common import log
 
 from fedagent_flwr.atomic import fsync_dir
-from fedagent_flwr.checkpoint.removal_note import REMOVING
+from fedagent_flwr.checkpoint.removal_note import REMOVING, noted_path
 from fedagent_flwr.checkpoint.store import Release, Released
 from fedagent_flwr.schema.run import Storage
+from fedagent_flwr.serverapp.recorder import SUMMARY_FILE
 from fedagent_flwr.serverapp.resume import STATE_DIR, earlier_run_ids, store_freed_totals
 
 if TYPE_CHECKING:
@@ -243,7 +244,10 @@ class Retention:
         """Remove every path the entries' ``removing`` notes list (already gone: removed by an
         attempt that died before recording it) and drop the notes; the bytes removed, as noted, by
         the round they belonged to (one without an entry: the round whose entry noted them). A path
-        that cannot be removed is left out (a later commit notes it again)."""
+        that cannot be removed is left out (a later commit notes it again). A noted path that would
+        lead out of the run directory (absolute, or up through ``..``: retention writes none, so the
+        summary is damaged or was edited by hand) is never removed: one warning line naming the
+        summary and the path, and it is dropped from the note like any other."""
         self._sweep_trash()
         noted = [(r, item) for r, entry in sorted(entries.items()) if REMOVING in entry for item in entry.pop(REMOVING)]
         if noted:
@@ -251,7 +255,13 @@ class Retention:
         freed: dict[int, dict[str, int]] = {}
         # kind by kind, each over the rounds: the clients' checkpoints (the bulk) first, as ever
         for r, item in sorted(noted, key=lambda n: (_KIND_ORDER.get(n[1]["kind"], len(_KIND_ORDER)), n[1]["round"])):
-            if _remove(self.run_dir / item["path"]):
+            relative = noted_path(item["path"])
+            if relative is None:
+                log(WARNING, "[fedagent] %s: round %s's note of what to remove lists %r, which is outside the run "
+                    "directory %s: not removed (the summary is damaged or was edited by hand)",
+                    self.run_dir / SUMMARY_FILE, item.get("round", r), item["path"], self.run_dir)
+                continue
+            if _remove(self.run_dir / relative):
                 owner = int(item["round"]) if int(item["round"]) in entries else r
                 self._note(freed, owner, str(item["kind"]), int(item["bytes"]))
         return freed

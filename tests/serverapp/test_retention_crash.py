@@ -12,6 +12,7 @@ model ... is missing") and no later commit ever counted those bytes."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -345,3 +346,39 @@ def test_an_input_noted_and_gone_is_removed_by_the_run_and_one_still_there_is_re
     assert all((run_root / "round_1" / f"client_{c}" / "output").is_dir() for c in (0, 1))
     stdout = _audited(run_root, "round 1: clients [0, 1] fedadam step 1 max abs error ", REMOVED_LINES[1])
     assert stdout.splitlines()[0].endswith(" ok"), stdout
+
+
+def test_a_damaged_note_never_removes_outside_the_run_directory(
+    suite: Suite, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A summary whose note lists a path out of the run directory (``../outside/victim``, an absolute
+    path: damaged, or edited by hand; retention writes neither) used to make the resume remove it
+    (``run_dir / "/x"`` is ``/x``). It is left, with one warning line naming the summary and the
+    path; the note's own paths are removed and counted as ever."""
+    run_root, _, header = _run(suite, tmp_path)
+    outside = tmp_path / "outside" / "victim"
+    outside.parent.mkdir()
+    outside.write_text("not the run's")
+    absolute = tmp_path / "absolute-victim"
+    absolute.mkdir()
+    (absolute / "data").write_text("not the run's either")
+    summary = _stored(run_root)
+    summary["rounds"][1]["removing"] = [
+        {"round": 1, "kind": "global_model", "path": "round_1/global", "bytes": 7},
+        {"round": 1, "kind": "client_checkpoints", "path": "../outside/victim", "bytes": 13},
+        {"round": 1, "kind": "client_checkpoints", "path": str(absolute), "bytes": 20},
+        {"round": 2, "kind": "client_checkpoints", "path": "round_2/../../outside/victim", "bytes": 13},
+    ]
+    (run_root / "federated_summary.json").write_text(json.dumps(summary))
+
+    again = _resumed(run_root, header)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        Retention(run_root, keep_last_k=1).after_resume(again)
+    assert outside.read_text() == "not the run's" and (absolute / "data").is_file()
+    assert not (run_root / "round_1" / "global").exists()
+    stored = _stored(run_root)
+    assert _removed(stored) == {1: {"global_model": 7}} and not any("removing" in e for e in stored["rounds"])
+    warned = [r.getMessage() for r in caplog.records if "outside the run directory" in r.getMessage()]
+    assert len(warned) == 3, warned
+    for line, path in zip(warned, ("../outside/victim", str(absolute), "round_2/../../outside/victim")):
+        assert str(run_root / "federated_summary.json") in line and repr(path) in line, line

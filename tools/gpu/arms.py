@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,22 +130,49 @@ def _pid_line(pid: int) -> str:
     return f"{pid} {_start_ticks(pid)}\n"
 
 
+def _own_pid_files(out: Path) -> list[Path]:
+    """The pid files in ``out`` that this script writes: ``schedule.pid`` and ``<run name>.pid``, a
+    run being one of ``out``'s matrix (``matrix.json``) or named as :func:`run_name` names them (an
+    earlier launch into the same folder may have had other runs). Others' (a database's, say, where
+    ``OUT`` points at a shared folder) are not ours to read, signal or delete."""
+    names = {"schedule"}
+    try:
+        names |= {str(r["name"]) for r in json.loads((out / MATRIX_FILE).read_text())["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    pattern = re.compile(rf"(?:{'|'.join(map(re.escape, ARMS))})-s-?\d+")
+    return [path for path in out.glob("*.pid") if path.stem in names or pattern.fullmatch(path.stem)]
+
+
 def stop(out: Path) -> list[str]:
     """Stop ``out``'s scheduler (no further waves) and every run still going; return their names.
 
     Each run's launcher leads its own process group, and its TERM trap stops the run's SuperLink and
-    simulation, which Flower starts outside that group.
+    simulation, which Flower starts outside that group. Only this script's pid files
+    (:func:`_own_pid_files`) are read; one that does not hold "pid start-ticks" is left as it is
+    (one line on stderr), never taken for an ended run and deleted.
     """
     stopped = []
     # the scheduler first, so that it cannot start another wave while the runs are stopped
-    for pid_file in sorted(out.glob("*.pid"), key=lambda path: (path.name != "schedule.pid", path.name)):
+    for pid_file in sorted(_own_pid_files(out), key=lambda path: (path.name != "schedule.pid", path.name)):
         try:
-            pid, started = pid_file.read_text().split()
+            text = pid_file.read_text(errors="replace")
+        except OSError as exc:
+            print(f"arms.py stop: left {pid_file} alone: cannot read it ({exc})", file=sys.stderr)
+            continue
+        try:
+            pid, started = text.split()
+            int(pid)
+        except ValueError:
+            print(f"arms.py stop: left {pid_file} alone: it holds {text[:60]!r}, not '<pid> <start ticks>' "
+                  "as arms.py writes", file=sys.stderr)
+            continue
+        try:
             # the same process (pids wrap: a recycled one is a stranger), still leading its group
             if _start_ticks(int(pid)) != started or os.getpgid(int(pid)) != int(pid):
                 raise ProcessLookupError
             os.killpg(int(pid), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
+        except ProcessLookupError:
             pid_file.unlink(missing_ok=True)  # already ended
             continue
         stopped.append(pid_file.stem)

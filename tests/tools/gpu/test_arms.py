@@ -194,6 +194,41 @@ def test_stop_ends_every_running_launcher_group_and_forgets_ended_ones(tmp_path:
     assert arms.stop(tmp_path) == []
 
 
+def test_stop_leaves_pid_files_that_are_not_its_own_alone(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``--out`` defaults to ``$OUT``, a folder others may use too: ``arms.py stop`` used to read every
+    ``*.pid`` there, delete each one not holding "pid start-ticks" (a database's) and signal the
+    group of any that did. It reads only its own (``schedule.pid``, ``<run>.pid``); one of those that
+    it cannot parse is left and named on stderr; its runs' pid files are handled as before."""
+    import subprocess
+
+    arms = _arms_module()
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"runs": [{"name": "federated-s1"}, {"name": "local-s2"}]}))
+    ours = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    theirs = subprocess.Popen(["sleep", "300"], start_new_session=True)  # another tool's daemon, own group
+    try:
+        (tmp_path / "federated-s1.pid").write_text(arms._pid_line(ours.pid))
+        (tmp_path / "local-s2.pid").write_text("12")  # ours by name, but cut short: not a pid line of ours
+        foreign = {"postgres.pid": "4242\n/var/lib/postgresql/data\n1700000000\n5432\n",
+                   "daemon.pid": arms._pid_line(theirs.pid)}  # even one in arms.py's own format
+        for name, text in foreign.items():
+            (tmp_path / name).write_text(text)
+
+        assert arms.main(["stop", "--out", str(tmp_path)]) == 0
+        assert ours.wait(timeout=10) != 0 and not (tmp_path / "federated-s1.pid").exists()
+        assert theirs.poll() is None, "a foreign pid file's process was signalled"
+        for name, text in foreign.items():
+            assert (tmp_path / name).read_text() == text, name
+        assert (tmp_path / "local-s2.pid").read_text() == "12"
+        printed = capsys.readouterr()
+        assert printed.out == "stopped: federated-s1\n"
+        assert printed.err.splitlines() == [f"arms.py stop: left {tmp_path / 'local-s2.pid'} alone: it holds '12', "
+                                            "not '<pid> <start ticks>' as arms.py writes"]
+    finally:
+        for process in (ours, theirs):
+            process.kill()
+            process.wait()
+
+
 def _gpu_share_module():  # noqa: ANN202 - tools/gpu/gpu_share.py, as arms.py imports it
     _arms_module()  # puts tools/gpu on sys.path
     import gpu_share
