@@ -18,6 +18,7 @@ import torch
 
 from fedagent_flwr.rollout import tokenize_conversation
 from fedagent_flwr.trainers.common import warm_start as ws
+from fedagent_flwr.trainers.common import warm_start_output as wso
 from testkit.guess_conversations import CONVERSATIONS, conversation
 from testkit.torch_state import deterministic_algorithms_restored
 
@@ -138,8 +139,16 @@ def test_the_command_writes_a_loadable_model_with_its_record(tiny_model_dir: Pat
     (tmp_path / "models" / "other-model" / "model.safetensors").write_text("weights")
     assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "models", "--epochs", 1,
                "--device", "cpu", "--force") == 1
-    assert f"it holds no {ws.RECORD_FILE}, so it is not an earlier warm start" in capsys.readouterr().err
+    assert "it is not an earlier warm start's output" in capsys.readouterr().err
     assert (tmp_path / "models" / "other-model" / "model.safetensors").read_text() == "weights"
+    # ... nor a folder of run records that merely holds a copy of a warm start's record.
+    (tmp_path / "records" / "eval.log").parent.mkdir()
+    (tmp_path / "records" / "eval.log").write_text("log")
+    shutil.copy(out / ws.RECORD_FILE, tmp_path / "records" / ws.RECORD_FILE)
+    assert run("--data", data, "--model", tiny_model_dir, "--out", tmp_path / "records", "--epochs", 1,
+               "--device", "cpu", "--force") == 1
+    assert "it is not an earlier warm start's output" in capsys.readouterr().err
+    assert (tmp_path / "records" / "eval.log").read_text() == "log"
 
 
 def test_same_seed_same_weights(tiny_model_dir: Path, data: Path, tmp_path: Path) -> None:
@@ -302,9 +311,9 @@ def test_output_is_fsynced_before_the_rename(tiny_model_dir: Path, tmp_path: Pat
             assert {p for p in staged.rglob("*")} | {staged} <= set(synced), "renamed before fsync"
         real_replace(src, dst)
 
-    monkeypatch.setattr(ws, "fsync_file", lambda path: synced.append(Path(path)))
-    monkeypatch.setattr(ws, "fsync_dir", lambda path: synced.append(Path(path)))
-    monkeypatch.setattr(ws.os, "replace", replace)
+    monkeypatch.setattr(wso, "fsync_file", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(wso, "fsync_dir", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(wso.os, "replace", replace)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)
     assert (out / "model.safetensors").is_file() and synced[-1] == tmp_path  # the parent after the rename
@@ -324,7 +333,7 @@ def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, t
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ws.os, "replace", replace)
+    monkeypatch.setattr(wso.os, "replace", replace)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with pytest.raises(OSError, match="No space left"):
         ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)

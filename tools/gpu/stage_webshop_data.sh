@@ -7,7 +7,7 @@
 # With EXPERT=1 it also plays the warm start's expert episodes here, on the CPU (~40 s on 2 cores),
 # into .gpu-data/webshop-expert, which webshop_warm_start.sh on the node reuses when their key matches
 # (same settings, data and code), instead of playing them again there (in a scratch folder of its
-# own under TMPDIR, removed afterwards; the log stays in $TMPDIR/ws-expert-stage.log).
+# own under TMPDIR, removed afterwards; the log stays in ${TMPDIR:-/tmp}/ws-expert-stage.log).
 # usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
 set -eu
 cd "$(dirname "$0")/../.."

@@ -20,9 +20,11 @@
 #                              card (it then stops with its own out-of-memory line, not its neighbours)
 #   DATA=<repo>/.gpu-data/webshop  relative paths (OUT_DIR, WARM_SCRATCH too) are taken from the caller's directory
 #   WARM_SCRATCH=              unset: the expert files go to a new folder under TMPDIR (/tmp), removed at the
-#                              end; DIR: a new or empty folder, kept. The script never empties a folder it did
-#                              not make, and does not read WORK (many clusters export it: a user's work filesystem)
-#   OUT_DIR must be new, empty or an earlier warm start's (it has warm_start.json): only such a folder is replaced
+#                              end (kept, and named, if the script fails); DIR: a new or empty folder outside
+#                              OUT_DIR, kept. The script never empties a folder it did not make, and neither reads
+#                              nor sets WORK (many clusters export it: a user's work filesystem)
+#   OUT_DIR must be new, empty or an earlier warm start's output (a model with its warm_start.json): only such
+#                              a folder is replaced, and any other is refused before any work
 #   EXPERT_ONLY=1              stop after the expert episodes (to time them)
 #   EXPERT_CACHE=<repo>/.gpu-data/webshop-expert   a folder of expert episodes played before (expert.jsonl.gz,
 #                              its key, the expert's summary lines): reused, not played again, when its key
@@ -39,6 +41,7 @@ OUT_DIR=${1:?usage: webshop_warm_start.sh OUT_DIR}
 # Resolved from the caller's directory (and .. and links folded) before moving to the repository root.
 OUT_DIR=$(realpath -m "$OUT_DIR")
 WARM_SCRATCH=${WARM_SCRATCH:+$(realpath -m "$WARM_SCRATCH")}
+SCRATCH_PARENT=$(realpath -m "${TMPDIR:-/tmp}")
 DATA=${DATA:+$(realpath -m "$DATA")}
 EXPERT_CACHE=${EXPERT_CACHE:+$(realpath -m "$EXPERT_CACHE")}
 cd "$(dirname "$0")/../.."
@@ -56,13 +59,12 @@ MEMORY_ARGS=()
 [ -n "${MAX_GPU_MEM_FRACTION:-}" ] && MEMORY_ARGS+=(--max-gpu-memory-fraction "$MAX_GPU_MEM_FRACTION")
 RECIPE=webshop_windowed_verl
 case "$OUT_DIR/" in "$(realpath -m "$PWD")"/*) echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR is inside the checkout; \`flwr run .\` would pack it into the app: put it elsewhere (e.g. /tmp/ws-warm)" >&2; exit 2;; esac
-# `warm-start --force` below replaces OUT_DIR whole: refuse anything but a new or empty folder or an
-# earlier warm start's (its warm_start.json is written last), before minutes of work.
-if [ -e "$OUT_DIR" ] && { [ ! -d "$OUT_DIR" ] || { [ -n "$(ls -A "$OUT_DIR")" ] && [ ! -f "$OUT_DIR/warm_start.json" ]; }; }; then
-  echo "webshop_warm_start.sh: OUT_DIR $OUT_DIR exists and is not an earlier warm start's folder (no warm_start.json), so it would be replaced: name a new folder (e.g. /tmp/ws-warm)" >&2; exit 2
-fi
-if [ -n "$WARM_SCRATCH" ] && [ -e "$WARM_SCRATCH" ] && { [ ! -d "$WARM_SCRATCH" ] || [ -n "$(ls -A "$WARM_SCRATCH")" ]; }; then
-  echo "webshop_warm_start.sh: WARM_SCRATCH $WARM_SCRATCH exists and is not an empty folder; it is never emptied: name a new one, or leave WARM_SCRATCH unset" >&2; exit 2
+if [ -n "$WARM_SCRATCH" ]; then
+  if [ -e "$WARM_SCRATCH" ] && { [ ! -d "$WARM_SCRATCH" ] || [ -n "$(ls -A "$WARM_SCRATCH")" ]; }; then
+    echo "webshop_warm_start.sh: WARM_SCRATCH $WARM_SCRATCH exists and is not an empty folder; it is never emptied: name a new one, or leave WARM_SCRATCH unset" >&2; exit 2
+  fi
+  case "$WARM_SCRATCH/" in "$OUT_DIR"/*)
+    echo "webshop_warm_start.sh: WARM_SCRATCH $WARM_SCRATCH is inside OUT_DIR $OUT_DIR, which the warm start replaces: put it elsewhere" >&2; exit 2;; esac
 fi
 # Shard k starts at seed k * 6410 / SHARDS: more episodes than the 6,410 training goals would make
 # shards overlap and repeat goals in the supervised data.
@@ -72,6 +74,8 @@ fi
 if [ -d "${FEDAGENT_SITE:-/tmp/site}" ]; then source tools/gpu/node_env.sh  # the node: its tree, cache dir
 else export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; fi
 PY=${PYTHON:-python3}
+# `warm-start --force` below replaces OUT_DIR whole: the package's own check (no torch), before minutes of work.
+$PY -m fedagent_flwr.trainers.common.warm_start_output "$OUT_DIR" || { echo "webshop_warm_start.sh: OUT_DIR refused (above)" >&2; exit 2; }
 # cuBLAS is deterministic only with this set before the process starts (README, "Supervised warm
 # start"): two GPU sessions on the same node type and wheels then make the same model more likely.
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
@@ -91,12 +95,17 @@ print(train["max_turns"], t["max_new_tokens"], t["max_prompt_length"], t["max_re
       json.dumps(dict(s.raw["model"].get("chat_template_kwargs") or {})))
 PY
 ) || { echo "webshop_warm_start.sh: could not read the recipe $RECIPE with $PY (see above)" >&2; exit 1; }
-if [ -n "$WARM_SCRATCH" ]; then WORK=$WARM_SCRATCH; mkdir -p "$WORK"
-else
-  WORK=$(mktemp -d "${TMPDIR:-/tmp}/ws-warm-work.XXXXXX")
-  trap 'rm -rf "$WORK"' EXIT
-  trap 'exit 143' TERM INT HUP  # (a signal otherwise ends bash without its EXIT trap)
-fi
+running=()  # expert shards not yet waited for (a reaped pid may be reused): stopped with the script
+if [ -n "$WARM_SCRATCH" ]; then SCRATCH=$WARM_SCRATCH; mkdir -p "$SCRATCH"
+else SCRATCH=$(mktemp -d "$SCRATCH_PARENT/ws-warm-work.XXXXXX"); fi
+finish() {
+  local rc=$?
+  kill ${running[@]+"${running[@]}"} 2>/dev/null || true
+  if [ -z "$WARM_SCRATCH" ] && [ "$rc" = 0 ]; then rm -rf "$SCRATCH"
+  elif [ -z "$WARM_SCRATCH" ]; then echo "webshop_warm_start.sh: the expert files and logs are kept in $SCRATCH (remove it when done)" >&2; fi
+}
+trap finish EXIT
+trap 'exit 130' INT; trap 'exit 143' TERM HUP  # (a signal otherwise ends bash without its EXIT trap)
 # What the episodes depend on: the settings that shape them, the data (by content, not path) and the
 # code that plays them. A cache with another key is not used (and not removed); its key's second line
 # is the episodes' sha256, so a damaged or mismatched file is played again rather than trusted.
@@ -106,14 +115,14 @@ KEY="$KEY code=$(find fedagent_flwr -name '*.py' | LC_ALL=C sort | xargs sha256s
 PER=$(( (EPISODES + SHARDS - 1) / SHARDS )); left=$EPISODES; pids=()
 if [ "$(head -n 1 "$EXPERT_CACHE/key" 2>/dev/null)" = "$KEY" ]; then
   recorded=$(sed -n 's/^episodes_sha256=//p' "$EXPERT_CACHE/key")
-  if gzip -dc "$EXPERT_CACHE/expert.jsonl.gz" > "$WORK/expert.jsonl" 2>/dev/null \
-     && [ "$(sha256sum < "$WORK/expert.jsonl" | cut -c1-64)" = "$recorded" ]; then
+  if gzip -dc "$EXPERT_CACHE/expert.jsonl.gz" > "$SCRATCH/expert.jsonl" 2>/dev/null \
+     && [ "$(sha256sum < "$SCRATCH/expert.jsonl" | cut -c1-64)" = "$recorded" ]; then
     echo "expert: reused the episodes in $EXPERT_CACHE, played before under this run's key; their summary then:"
     sed 's/^/  /' "$EXPERT_CACHE/wrote.log" 2>/dev/null || true
     SHARDS=0  # nothing to play
   else
     echo "expert: the episodes in $EXPERT_CACHE are not the ones their key records (damaged or partly written): playing them"
-    rm -f "$WORK/expert.jsonl"
+    rm -f "$SCRATCH/expert.jsonl"
   fi
 fi
 for k in $(seq 0 $((SHARDS - 1))); do
@@ -125,39 +134,41 @@ for k in $(seq 0 $((SHARDS - 1))); do
       --first-seed $(( k * 6410 / SHARDS )) --max-turns "$TURNS" --max-new-tokens "$NEW" \
       --max-prompt-length "$PROMPT" --max-response-length "$RESPONSE" --history-length "$HISTORY" \
       --search-return-n "$RETURN_N" \
-      --out "$WORK/expert-$k.jsonl" --quiet > "$WORK/expert-$k.log" 2>&1 &
-  pids+=($!)
+      --out "$SCRATCH/expert-$k.jsonl" --quiet > "$SCRATCH/expert-$k.log" 2>&1 &
+  pids+=($!); running+=($!)
 done
 if [ "${#pids[@]}" -gt 0 ]; then  # (none when reused; an empty "${!pids[@]}" is unbound before bash 4.4)
   for k in "${!pids[@]}"; do
-    wait "${pids[$k]}" || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2; tail -3 "$WORK/expert-$k.log" >&2
-                            kill "${pids[@]}" 2>/dev/null || true; exit 1; }
+    shard_rc=0; wait "${pids[$k]}" || shard_rc=$?
+    running=(${running[@]+"${running[@]:1}"})  # waited for, in order: reaped, no longer ours to signal
+    [ "$shard_rc" = 0 ] || { echo "webshop_warm_start.sh: expert shard $k failed:" >&2
+                             tail -3 "$SCRATCH/expert-$k.log" >&2; exit 1; }  # (the EXIT trap stops the others)
   done
-  cat $(for k in "${!pids[@]}"; do echo "$WORK/expert-$k.jsonl"; done) > "$WORK/expert.jsonl"
-  grep -h "^wrote" "$WORK"/expert-*.log > "$WORK/wrote.log"
-  cat "$WORK/wrote.log"
+  cat $(for k in "${!pids[@]}"; do echo "$SCRATCH/expert-$k.jsonl"; done) > "$SCRATCH/expert.jsonl"
+  grep -h "^wrote" "$SCRATCH"/expert-*.log > "$SCRATCH/wrote.log"
+  cat "$SCRATCH/wrote.log"
   if [ "${SAVE_EXPERT_CACHE:-0}" = 1 ]; then  # written under temporary names, then renamed
     mkdir -p "$EXPERT_CACHE"
     rm -f "$EXPERT_CACHE/key"  # the key goes last: no moment where a key names other episodes
-    gzip -c "$WORK/expert.jsonl" > "$EXPERT_CACHE/expert.jsonl.gz.tmp.$$"
+    gzip -c "$SCRATCH/expert.jsonl" > "$EXPERT_CACHE/expert.jsonl.gz.tmp.$$"
     mv "$EXPERT_CACHE/expert.jsonl.gz.tmp.$$" "$EXPERT_CACHE/expert.jsonl.gz"
-    cp "$WORK/wrote.log" "$EXPERT_CACHE/wrote.log.tmp.$$"
+    cp "$SCRATCH/wrote.log" "$EXPERT_CACHE/wrote.log.tmp.$$"
     mv "$EXPERT_CACHE/wrote.log.tmp.$$" "$EXPERT_CACHE/wrote.log"
-    printf '%s\nepisodes_sha256=%s\n' "$KEY" "$(sha256sum < "$WORK/expert.jsonl" | cut -c1-64)" > "$EXPERT_CACHE/key.tmp.$$"
+    printf '%s\nepisodes_sha256=%s\n' "$KEY" "$(sha256sum < "$SCRATCH/expert.jsonl" | cut -c1-64)" > "$EXPERT_CACHE/key.tmp.$$"
     mv "$EXPERT_CACHE/key.tmp.$$" "$EXPERT_CACHE/key"
     echo "expert: saved to $EXPERT_CACHE"
   fi
 fi
 EXPERT_S=$SECONDS
-echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$WORK/expert.jsonl") windows, $(sha256sum "$WORK/expert.jsonl" | cut -c1-16), ${EXPERT_S} s"
+echo "expert: $EPISODES episodes in ${#pids[@]} shards, $(wc -l < "$SCRATCH/expert.jsonl") windows, $(sha256sum "$SCRATCH/expert.jsonl" | cut -c1-16), ${EXPERT_S} s"
 [ "${EXPERT_ONLY:-0}" = 1 ] && exit 0
 # --min-reward 10: the successful episodes' turns only (WebShop's reward is 10 for a purchase scoring 1.0).
-$PY -m fedagent_flwr.cli warm-start --data "$WORK/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
+$PY -m fedagent_flwr.cli warm-start --data "$SCRATCH/expert.jsonl" --out "$OUT_DIR" --force --min-reward 10 \
     --epochs "$EPOCHS" --lr "$LR" --batch-size "$BATCH" --max-len "$MAX_LEN" --seed "$SEED" --device "$DEVICE" \
     --save-dtype "$SAVE_DTYPE" --attention "$ATTENTION" --log-every 50 --chat-template-kwargs "$TEMPLATE_KWARGS" \
     ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"}
 WARM_S=$(( SECONDS - EXPERT_S ))
-$PY - "$OUT_DIR" "$WORK/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
+$PY - "$OUT_DIR" "$SCRATCH/expert.jsonl" "$EXPERT_S" "$WARM_S" <<'PY'
 import json, sys
 out, data, expert_s, warm_s = sys.argv[1:]
 r = json.load(open(f"{out}/warm_start.json"))

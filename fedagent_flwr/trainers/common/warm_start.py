@@ -41,8 +41,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,7 +49,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file, temporary_dir, write_json_atomic
 from fedagent_flwr.rollout.episode import (
     ChatTemplateError,
     ConversationError,
@@ -62,15 +59,12 @@ from fedagent_flwr.rollout.episode import (
 from fedagent_flwr.schema.trainer import chat_template_kwargs_from_json
 from fedagent_flwr.trainers.common.gpu_memory_cap import apply_memory_cap, out_of_memory_message
 from fedagent_flwr.trainers.common.reply_loss import IGNORE, head_matches_full_logits, reply_loss
+from fedagent_flwr.trainers.common.warm_start_output import RECORD_FILE as RECORD_FILE  # re-exported
+from fedagent_flwr.trainers.common.warm_start_output import WarmStartError, check_out_dir, save_output
 
-RECORD_FILE = "warm_start.json"
 #: ``--save-dtype`` choices: the weights train in fp32 either way; bfloat16 halves the saved model
 #: (SmolLM2-135M: ~538 MB in fp32, ~269 MB in bf16) at the price of rounding every weight once.
 SAVE_DTYPES = ("float32", "bfloat16")
-
-
-class WarmStartError(ValueError):
-    """Bad input or output for the warm start; the message is the one line the command prints."""
 
 
 @dataclass(frozen=True)
@@ -285,50 +279,6 @@ def train(model: Any, examples: Sequence[Example], config: TrainConfig, pad_id: 
     return stats
 
 
-def check_out_dir(out: Path, force: bool) -> None:
-    """WarmStartError if ``out`` is a file or non-empty, unless ``force`` and it is an earlier output (replaced)."""
-    if out.exists() and not out.is_dir():
-        raise WarmStartError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (force and (out / RECORD_FILE).is_file()):
-        raise WarmStartError(f"--out {out} exists and is not empty; " + (
-            f"it holds no {RECORD_FILE}, so it is not an earlier warm start's output, the only kind --force "
-            "replaces: name a new directory" if force else "pass --force to replace it"))
-
-
-def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:
-    """Write model, tokenizer and ``warm_start.json`` to a temporary directory beside ``out``, fsync
-    its files and itself, then rename it to ``out`` and fsync the parent, so that a renamed ``out``
-    is never missing bytes after a crash. An existing ``out`` is moved aside first (two renames: a
-    directory cannot replace a non-empty one) and removed only once the new one is in place; if
-    that last rename fails it is moved back, and a crash between the two leaves it under
-    ``.<name>.old-*``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = temporary_dir(out.parent, f".{out.name}.tmp-")
-    aside: Path | None = None
-    try:
-        model.save_pretrained(str(staged))
-        tokenizer.save_pretrained(str(staged))
-        write_json_atomic(staged / RECORD_FILE, record)
-        for path in sorted(staged.rglob("*"), reverse=True):  # files before the directories holding them
-            (fsync_dir if path.is_dir() else fsync_file)(path)
-        fsync_dir(staged)
-        if out.exists():
-            aside = temporary_dir(out.parent, f".{out.name}.old-")
-            os.replace(out, aside / out.name)
-        try:
-            os.replace(staged, out)
-        except BaseException:
-            if aside is not None:  # put the previous output back; if even that fails, leave it aside
-                previous, aside = aside, None
-                os.replace(previous / out.name, out)
-                shutil.rmtree(previous, ignore_errors=True)
-            raise
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-
 ATTENTION_KERNELS = {"auto": None, "math": "MATH", "efficient": "EFFICIENT_ATTENTION"}  # --attention: SDPBackend
 
 
@@ -351,7 +301,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", type=Path, required=True, help="JSONL file, one {'messages': [...]} per line")
     parser.add_argument("--model", default="", help="base model dir or hub id ('' = the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--out", type=Path, required=True, help="output model directory")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier warm start's --out (a model with its warm_start.json)")
     parser.add_argument("--epochs", type=int, default=TrainConfig.epochs)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)

@@ -19,7 +19,7 @@ SCRIPT = REPO / "tools" / "gpu" / "webshop_warm_start.sh"
 WEBSHOP_DATA = REPO.parent / "shared" / "data" / "webshop"
 DATA_FILES = ("items_shuffle_1000.json", "items_ins_v2_1000.json")
 
-pytestmark = pytest.mark.skipif(not (WEBSHOP_DATA / DATA_FILES[0]).exists(),
+needs_data = pytest.mark.skipif(not (WEBSHOP_DATA / DATA_FILES[0]).exists(),
                                 reason=f"the WebShop data is not at {WEBSHOP_DATA}")
 
 
@@ -44,6 +44,7 @@ def code_digest() -> str:
     return sha256("".join(f"{sha256((REPO / path).read_bytes())}  {path}\n" for path in paths).encode())
 
 
+@needs_data
 def test_episodes_are_reused_only_under_the_same_key_and_intact(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     out = expert_only(tmp_path / "first", cache, save=True)
@@ -76,39 +77,57 @@ def test_episodes_are_reused_only_under_the_same_key_and_intact(tmp_path: Path) 
     assert (tmp_path / "damaged" / "expert.jsonl").read_bytes() == played
 
 
-def test_it_never_empties_or_replaces_a_folder_it_did_not_make(tmp_path: Path) -> None:
-    """WORK (many clusters export it: a user's work filesystem) is not read; a named scratch folder or
-    OUT_DIR that holds someone's files is refused before any work, with a line naming it; the default
-    scratch folder is the script's own, under TMPDIR, and is gone afterwards."""
-    def keepsake(folder: Path) -> Path:
-        folder.mkdir(parents=True)
-        (folder / "thesis.tex").write_text("years of work")
-        return folder / "thesis.tex"
+def keepsake(folder: Path) -> Path:
+    """A folder holding someone's file; the file."""
+    folder.mkdir(parents=True)
+    (folder / "thesis.tex").write_text("years of work")
+    return folder / "thesis.tex"
 
+
+def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The script's environment for 1 expert episode, without the caller's WARM_SCRATCH or TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WARM_SCRATCH", "TMPDIR", "WORK")}
+    return {**env, "EXPERT_ONLY": "1", "EPISODES": "1", "SHARDS": "1", "PYTHON": sys.executable,
+            "DATA": str(WEBSHOP_DATA), "EXPERT_CACHE": str(tmp_path / "cache"), "SAVE_EXPERT_CACHE": "0", **extra}
+
+
+def run_script(out_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), str(out_dir)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_folder_of_someone_elses_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A named scratch folder that holds files or lies inside OUT_DIR, and an OUT_DIR that is not an
+    earlier warm start's output (a folder of models; run records with a copy of a warm_start.json)
+    are refused with a line naming them, before the recipe or the data is read; nothing is touched."""
+    scratch_file = keepsake(tmp_path / "scratch")
+    done = run_script(tmp_path / "model", script_env(tmp_path, WARM_SCRATCH=str(scratch_file.parent)))
+    refused = f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder"
+    assert done.returncode == 2 and refused in done.stderr, done.stderr
+    done = run_script(tmp_path / "model", script_env(tmp_path, WARM_SCRATCH=str(tmp_path / "model" / "scratch")))
+    assert done.returncode == 2 and "is inside OUT_DIR" in done.stderr, done.stderr
+    records = keepsake(tmp_path / "records")
+    (records.parent / "warm_start.json").write_text("{}")
+    for out_dir in (keepsake(tmp_path / "models").parent, records.parent):
+        done = run_script(out_dir, script_env(tmp_path))
+        assert done.returncode == 2 and f"--out {out_dir} exists and is not empty; it is not an earlier warm " \
+            "start's output" in done.stderr and "OUT_DIR refused" in done.stderr, done.stderr
+    for kept in (scratch_file, records, tmp_path / "models" / "thesis.tex"):
+        assert kept.read_text() == "years of work"
+    assert not (tmp_path / "model").exists() and not (tmp_path / "cache").exists()
+
+
+@needs_data
+def test_it_neither_empties_work_nor_leaves_its_scratch_folder(tmp_path: Path) -> None:
+    """WORK (many clusters export it: a user's work filesystem) is neither read nor emptied; an
+    earlier warm start's output is accepted; the default scratch folder is the script's own, under
+    TMPDIR, and is gone afterwards."""
     users_work, tmpdir = keepsake(tmp_path / "cluster-work"), tmp_path / "tmp"
     tmpdir.mkdir()
-    env = {**os.environ, "EXPERT_ONLY": "1", "EPISODES": "1", "SHARDS": "1", "PYTHON": sys.executable,
-           "DATA": str(WEBSHOP_DATA), "EXPERT_CACHE": str(tmp_path / "cache"), "SAVE_EXPERT_CACHE": "0",
-           "WORK": str(users_work.parent), "TMPDIR": str(tmpdir)}
-
-    def run(out_dir: Path, **extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", str(SCRIPT), str(out_dir)], env={**env, **extra},
-                              capture_output=True, text=True, timeout=300)
-
-    # A scratch folder named but not empty, and an OUT_DIR that is not a warm start's: refused.
-    scratch_file = keepsake(tmp_path / "scratch")
-    done = run(tmp_path / "model", WARM_SCRATCH=str(scratch_file.parent))
-    refused = f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder"
-    assert done.returncode == 2 and refused in done.stderr
-    out_file = keepsake(tmp_path / "models")
-    done = run(out_file.parent)
-    assert done.returncode == 2 and f"OUT_DIR {out_file.parent} exists and is not an earlier warm start" in done.stderr
-    # An earlier warm start's folder may be replaced; the episodes are played in the script's own folder.
-    (tmp_path / "earlier").mkdir()
-    (tmp_path / "earlier" / "warm_start.json").write_text("{}")
-    done = run(tmp_path / "earlier")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for name in ("warm_start.json", "config.json", "model.safetensors"):
+        (earlier / name).write_text("{}")
+    done = run_script(earlier, script_env(tmp_path, WORK=str(users_work.parent), TMPDIR=str(tmpdir)))
     assert done.returncode == 0 and "expert: 1 episodes in 1 shards" in done.stdout, done.stdout + done.stderr
-    for kept in (users_work, scratch_file, out_file):
-        assert kept.read_text() == "years of work"
-    assert sorted(users_work.parent.iterdir()) == [users_work]
+    assert users_work.read_text() == "years of work" and sorted(users_work.parent.iterdir()) == [users_work]
     assert not list(tmpdir.glob("ws-warm-work*"))  # (torch leaves its own cache folder there)
