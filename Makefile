@@ -91,7 +91,7 @@ test: install alfworld-venv
 clean:
 	@for d in "$(VENV)" "$(FLWR_HOME)"; do \
 	  case "$$(realpath -m -- "$$d")/" in \
-	    "$(CURDIR)"/?*) rm -rf -- "$$d" ;; \
+	    "$(CURDIR)"/?*) rm -rf -- "$$d" || exit 1 ;; \
 	    *) echo "make clean: left $$d alone: it is outside this checkout (remove it yourself if you mean to)" ;; \
 	  esac; \
 	done

@@ -48,12 +48,14 @@ class NodeKey:
 
 
 def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: str, elsewhere: str) -> None:
-    """Write every ``(path, data, mode)`` of a set, or none of them.
+    """Write every ``(path, data, mode)`` of a set; without ``force``, all of them or none.
 
     Any path that exists already (a symlink included, even a dangling one) refuses the whole set
-    before anything is written, unless ``force``. Each file is written to a private temporary name
-    in its own directory, flushed, given its mode and renamed into place, so a link at the target
-    is replaced, never written through, and no half-written file is ever seen under the real name.
+    before anything is written, unless ``force`` (then a failure partway, e.g. a directory at a
+    target, can leave the set partly replaced: the files already renamed stay). Each file is written
+    to a private temporary name in its own directory, flushed, given its mode and renamed into place,
+    so a link at the target is replaced, never written through, and no half-written file is ever
+    seen under the real name.
     """
     existing = [path for path, _, _ in files if os.path.lexists(path)]
     if existing and not force:

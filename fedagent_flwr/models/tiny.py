@@ -14,6 +14,9 @@ from pathlib import Path
 
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
 
+#: The tiny model's size, in its config.json: also how :func:`_holds_tiny_model` recognises one.
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+
 
 def make_tiny_model(
     out_dir: str | os.PathLike[str],
@@ -36,9 +39,9 @@ def make_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or smollm2_tokenizer_dir()))
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=SHAPE["hidden_size"],
+        intermediate_size=SHAPE["intermediate_size"],
+        num_hidden_layers=SHAPE["num_hidden_layers"],
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
@@ -69,9 +72,8 @@ def _holds_tiny_model(directory: Path) -> bool:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and (config.get("model_type"), config.get("hidden_size"),
-                                         config.get("intermediate_size"), config.get("num_hidden_layers")) == (
-        "qwen2", 64, 128, 2)
+    return (isinstance(config, dict) and config.get("model_type") == "qwen2"
+            and all(config.get(key) == value for key, value in SHAPE.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

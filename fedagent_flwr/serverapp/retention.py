@@ -259,7 +259,7 @@ class Retention:
             if relative is None:
                 log(WARNING, "[fedagent] %s: round %s's note of what to remove lists %r, which is outside the run "
                     "directory %s: not removed (the summary is damaged or was edited by hand)",
-                    self.run_dir / SUMMARY_FILE, item.get("round", r), item["path"], self.run_dir)
+                    self.run_dir / SUMMARY_FILE, r, item["path"], self.run_dir)
                 continue
             if _remove(self.run_dir / relative):
                 owner = int(item["round"]) if int(item["round"]) in entries else r

@@ -319,9 +319,10 @@ def status(out: Path) -> None:
 def running(out: Path) -> list[str]:
     """The names of ``out``'s launchers (runs, and the scheduler of later waves) still alive."""
     alive = []
-    for pid_file in sorted(out.glob("*.pid")):
+    for pid_file in sorted(_own_pid_files(out)):  # another program's pid file is not a launcher of ours
         try:
             pid, started = pid_file.read_text().split()
+            int(pid)
         except (OSError, ValueError):
             continue
         if gpu_share.is_running(int(pid), started):  # not a recycled pid, not an unreaped zombie
