@@ -253,16 +253,21 @@ def test_tls_files_chain_to_the_ca_and_name_the_hosts(tmp_path: Path) -> None:
     assert files.server_key.stat().st_mode & 0o777 == 0o600
 
 
-def test_node_keys_are_ec_in_openssh_format(tmp_path: Path) -> None:
+def _assert_valid_node_key(private_path: Path, public_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-    pair = make_node_key(tmp_path / "node")
-    private = load_ssh_private_key(pair.private_key.read_bytes(), password=None)
-    public = load_ssh_public_key(pair.public_key.read_bytes())
+    private = load_ssh_private_key(private_path.read_bytes(), password=None)
+    public = load_ssh_public_key(public_path.read_bytes())
     assert isinstance(private, ec.EllipticCurvePrivateKey)
     assert private.public_key().public_numbers() == public.public_numbers()
-    assert pair.private_key.stat().st_mode & 0o777 == 0o600
+    assert private_path.stat().st_mode & 0o777 == 0o600
+    assert public_path.stat().st_mode & 0o777 == 0o644
+
+
+def test_node_keys_are_ec_in_openssh_format(tmp_path: Path) -> None:
+    pair = make_node_key(tmp_path / "node")
+    _assert_valid_node_key(pair.private_key, pair.public_key)
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[bool, bytes, int]]:
@@ -274,18 +279,6 @@ def _snapshot(directory: Path) -> dict[str, tuple[bool, bytes, int]]:
         else:
             out[entry.name] = (False, entry.read_bytes(), entry.stat().st_mode & 0o777)
     return out
-
-
-def _assert_valid_node_key(private_path: Path, public_path: Path) -> None:
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
-
-    private = load_ssh_private_key(private_path.read_bytes(), password=None)
-    public = load_ssh_public_key(public_path.read_bytes())
-    assert isinstance(private, ec.EllipticCurvePrivateKey)
-    assert private.public_key().public_numbers() == public.public_numbers()
-    assert private_path.stat().st_mode & 0o777 == 0o600
-    assert public_path.stat().st_mode & 0o777 == 0o644
 
 
 def test_node_key_never_overwrites_an_existing_key_unless_force(

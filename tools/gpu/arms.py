@@ -130,6 +130,17 @@ def _pid_line(pid: int) -> str:
     return f"{pid} {_start_ticks(pid)}\n"
 
 
+def _pid_record(pid_file: Path) -> tuple[int, str]:
+    """A pid file's pid and start ticks, as :func:`_pid_line` writes them; OSError if it cannot be
+    read, ValueError (saying what it holds) if it holds anything else."""
+    text = pid_file.read_text(errors="replace")
+    try:
+        pid, started = text.split()
+        return int(pid), started
+    except ValueError:
+        raise ValueError(f"it holds {text[:60]!r}, not '<pid> <start ticks>' as arms.py writes") from None
+
+
 def _own_pid_files(out: Path) -> list[Path]:
     """The pid files in ``out`` that this script writes: ``schedule.pid`` and ``<run name>.pid``, a
     run being one of ``out``'s matrix (``matrix.json``) or named as :func:`run_name` names them (an
@@ -156,22 +167,18 @@ def stop(out: Path) -> list[str]:
     # the scheduler first, so that it cannot start another wave while the runs are stopped
     for pid_file in sorted(_own_pid_files(out), key=lambda path: (path.name != "schedule.pid", path.name)):
         try:
-            text = pid_file.read_text(errors="replace")
+            pid, started = _pid_record(pid_file)
         except OSError as exc:
             print(f"arms.py stop: left {pid_file} alone: cannot read it ({exc})", file=sys.stderr)
             continue
-        try:
-            pid, started = text.split()
-            int(pid)
-        except ValueError:
-            print(f"arms.py stop: left {pid_file} alone: it holds {text[:60]!r}, not '<pid> <start ticks>' "
-                  "as arms.py writes", file=sys.stderr)
+        except ValueError as exc:
+            print(f"arms.py stop: left {pid_file} alone: {exc}", file=sys.stderr)
             continue
         try:
             # the same process (pids wrap: a recycled one is a stranger), still leading its group
-            if _start_ticks(int(pid)) != started or os.getpgid(int(pid)) != int(pid):
+            if _start_ticks(pid) != started or os.getpgid(pid) != pid:
                 raise ProcessLookupError
-            os.killpg(int(pid), signal.SIGTERM)
+            os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pid_file.unlink(missing_ok=True)  # already ended
             continue
@@ -321,11 +328,10 @@ def running(out: Path) -> list[str]:
     alive = []
     for pid_file in sorted(_own_pid_files(out)):  # another program's pid file is not a launcher of ours
         try:
-            pid, started = pid_file.read_text().split()
-            int(pid)
+            pid, started = _pid_record(pid_file)
         except (OSError, ValueError):
             continue
-        if gpu_share.is_running(int(pid), started):  # not a recycled pid, not an unreaped zombie
+        if gpu_share.is_running(pid, started):  # not a recycled pid, not an unreaped zombie
             alive.append(pid_file.stem)
     return alive
 

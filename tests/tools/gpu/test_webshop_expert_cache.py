@@ -23,13 +23,22 @@ needs_data = pytest.mark.skipif(not (WEBSHOP_DATA / DATA_FILES[0]).exists(),
                                 reason=f"the WebShop data is not at {WEBSHOP_DATA}")
 
 
+def script_env(cache: Path, **extra: str) -> dict[str, str]:
+    """The script's environment for 1 expert episode (``extra`` overrides), without the caller's
+    WARM_SCRATCH, TMPDIR or WORK."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WARM_SCRATCH", "TMPDIR", "WORK")}
+    return {**env, "EXPERT_ONLY": "1", "EPISODES": "1", "SHARDS": "1", "PYTHON": sys.executable,
+            "DATA": str(WEBSHOP_DATA), "EXPERT_CACHE": str(cache), "SAVE_EXPERT_CACHE": "0", **extra}
+
+
+def run_script(out_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(SCRIPT), str(out_dir)], env=env, capture_output=True, text=True, timeout=300)
+
+
 def expert_only(work: Path, cache: Path, shards: int = 2, save: bool = False) -> str:
     """Run the script up to its 4 expert episodes; its output. Fails the test on an error."""
-    env = {**os.environ, "EXPERT_ONLY": "1", "EPISODES": "4", "SHARDS": str(shards), "PYTHON": sys.executable,
-           "DATA": str(WEBSHOP_DATA), "WARM_SCRATCH": str(work), "EXPERT_CACHE": str(cache),
-           "SAVE_EXPERT_CACHE": "1" if save else "0"}
-    done = subprocess.run(["bash", str(SCRIPT), str(work.parent / "unused-model")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_script(work.parent / "unused-model", script_env(
+        cache, EPISODES="4", SHARDS=str(shards), WARM_SCRATCH=str(work), SAVE_EXPERT_CACHE="1" if save else "0"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
 
@@ -84,31 +93,21 @@ def keepsake(folder: Path) -> Path:
     return folder / "thesis.tex"
 
 
-def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """The script's environment for 1 expert episode, without the caller's WARM_SCRATCH or TMPDIR."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WARM_SCRATCH", "TMPDIR", "WORK")}
-    return {**env, "EXPERT_ONLY": "1", "EPISODES": "1", "SHARDS": "1", "PYTHON": sys.executable,
-            "DATA": str(WEBSHOP_DATA), "EXPERT_CACHE": str(tmp_path / "cache"), "SAVE_EXPERT_CACHE": "0", **extra}
-
-
-def run_script(out_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), str(out_dir)], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_a_folder_of_someone_elses_is_refused_before_any_work(tmp_path: Path) -> None:
     """A named scratch folder that holds files or lies inside OUT_DIR, and an OUT_DIR that is not an
     earlier warm start's output (a folder of models; run records with a copy of a warm_start.json)
     are refused with a line naming them, before the recipe or the data is read; nothing is touched."""
     scratch_file = keepsake(tmp_path / "scratch")
-    done = run_script(tmp_path / "model", script_env(tmp_path, WARM_SCRATCH=str(scratch_file.parent)))
+    done = run_script(tmp_path / "model", script_env(tmp_path / "cache", WARM_SCRATCH=str(scratch_file.parent)))
     refused = f"WARM_SCRATCH {scratch_file.parent} exists and is not an empty folder"
     assert done.returncode == 2 and refused in done.stderr, done.stderr
-    done = run_script(tmp_path / "model", script_env(tmp_path, WARM_SCRATCH=str(tmp_path / "model" / "scratch")))
+    inside = tmp_path / "model" / "scratch"
+    done = run_script(tmp_path / "model", script_env(tmp_path / "cache", WARM_SCRATCH=str(inside)))
     assert done.returncode == 2 and "is inside OUT_DIR" in done.stderr, done.stderr
     records = keepsake(tmp_path / "records")
     (records.parent / "warm_start.json").write_text("{}")
     for out_dir in (keepsake(tmp_path / "models").parent, records.parent):
-        done = run_script(out_dir, script_env(tmp_path))
+        done = run_script(out_dir, script_env(tmp_path / "cache"))
         assert done.returncode == 2 and f"--out {out_dir} exists and is not empty; it is not an earlier warm " \
             "start's output" in done.stderr and "OUT_DIR refused" in done.stderr, done.stderr
     for kept in (scratch_file, records, tmp_path / "models" / "thesis.tex"):
@@ -127,7 +126,7 @@ def test_it_neither_empties_work_nor_leaves_its_scratch_folder(tmp_path: Path) -
     earlier.mkdir()
     for name in ("warm_start.json", "config.json", "model.safetensors"):
         (earlier / name).write_text("{}")
-    done = run_script(earlier, script_env(tmp_path, WORK=str(users_work.parent), TMPDIR=str(tmpdir)))
+    done = run_script(earlier, script_env(tmp_path / "cache", WORK=str(users_work.parent), TMPDIR=str(tmpdir)))
     assert done.returncode == 0 and "expert: 1 episodes in 1 shards" in done.stdout, done.stdout + done.stderr
     assert users_work.read_text() == "years of work" and sorted(users_work.parent.iterdir()) == [users_work]
     assert not list(tmpdir.glob("ws-warm-work*"))  # (torch leaves its own cache folder there)
