@@ -18,11 +18,10 @@ import ipaddress
 import os
 import sys
 import tempfile
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomli_w
+import tomlkit
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -222,37 +221,40 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     unless ``force`` (then it is replaced). The file is written to a temporary name and renamed.
     """
     path = Path(flwr_home) / "config.toml"
-    if path.exists():
-        try:
-            config = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path} is not valid TOML ({exc}); fix or move it away, then run this again") from exc
-    else:
-        config = tomllib.loads(DEFAULT_FLOWER_CONFIG_TOML)
-    connections = config.setdefault("superlink", {})
+    # a link to a config kept elsewhere stays a link: the file it points to is the one rewritten
+    target = path.resolve() if path.is_symlink() else path
+    try:
+        # tomlkit keeps the user's comments, order and layout; only the new connection is added
+        config = tomlkit.parse(target.read_text(encoding="utf-8") if target.exists() else DEFAULT_FLOWER_CONFIG_TOML)
+    except tomlkit.exceptions.ParseError as exc:
+        raise ValueError(f"{target} is not valid TOML ({exc}); fix or move it away, then run this again") from exc
+    connections = config.setdefault("superlink", tomlkit.table(is_super_table=True))
     if not isinstance(connections, dict):
-        raise ValueError(f"{path}: 'superlink' is not a table; fix the file, then run this again")
+        raise ValueError(f"{target}: 'superlink' is not a table; fix the file, then run this again")
     if name == "default":
         raise ValueError("a connection cannot be named 'default' (Flower's [superlink] default key)")
     if name in connections and not force:
-        raise ValueError(f"{path} already has a connection named {name!r}; choose another name, "
+        raise ValueError(f"{target} already has a connection named {name!r}; choose another name, "
                          "or pass --force to replace it")
-    connections[name] = tomllib.loads(connection_toml(name, address, root_certificates, insecure,
-                                                      default=False))["superlink"][name]
+    connection = tomlkit.parse(connection_toml(name, address, root_certificates, insecure, default=False))
+    table = tomlkit.table()
+    table.update(connection["superlink"][name])  # type: ignore[index]
+    table.add(tomlkit.nl())
+    connections[name] = table
     if make_default:
         connections["default"] = name
     # a private temporary name next to it (never a fixed name a link could redirect), the file's
     # own mode kept (a user's 0600 stays 0600), flushed to disk before it replaces the original
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(tomli_w.dumps(config).encode())
+            handle.write(tomlkit.dumps(config).encode())
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -419,3 +419,38 @@ def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path
     path.chmod(0o600)  # a user's private config stays private
     write_connection(home, "site-c", "10.0.0.8:8000", insecure=True)
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_connection_keeps_the_users_comments_and_a_linked_config_stays_a_link(tmp_path: Path) -> None:
+    """`deploy connection` edits ``config.toml`` rather than rewriting it: the user's comments and
+    order survive, and a ``config.toml`` that links to a file kept elsewhere stays that link (the
+    file it points to gets the new connection)."""
+    import tomllib
+
+    from flwr.cli.flower_config import parse_superlink_connection
+
+    from fedagent_flwr.deploy import write_connection
+
+    kept = tmp_path / "dotfiles" / "flower.toml"
+    kept.parent.mkdir()
+    kept.write_text('# my Flower settings, kept in dotfiles\n[superlink]\ndefault = "local"  # the simulation\n\n'
+                    '[superlink.local]\naddress = ":local:"\n\n# the lab cluster, via the VPN\n'
+                    '[superlink.lab]\naddress = "10.1.0.2:9093"\ninsecure = true\n')
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").symlink_to(kept)
+    write_connection(home, "site", "10.0.0.5:8000", root_certificates=tmp_path / "ca.crt")
+    assert (home / "config.toml").is_symlink() and (home / "config.toml").resolve() == kept
+    text = kept.read_text()
+    for comment in ("# my Flower settings, kept in dotfiles", "# the simulation", "# the lab cluster, via the VPN"):
+        assert comment in text
+    assert text.index("[superlink.local]") < text.index("[superlink.lab]") < text.index("[superlink.site]")
+    config = tomllib.loads(text)["superlink"]
+    assert config["default"] == "site" and config["lab"] == {"address": "10.1.0.2:9093", "insecure": True}
+    assert parse_superlink_connection(config["site"], "site").address == "10.0.0.5:8000"
+    assert sorted(p.name for p in kept.parent.iterdir()) == ["flower.toml"]  # no temporary file left
+    # a file that is not TOML is named and left as it was
+    kept.write_text("[superlink\n")
+    with pytest.raises(ValueError, match=r"flower\.toml is not valid TOML.*fix or move it away"):
+        write_connection(home, "other", "10.0.0.6:8000", insecure=True)
+    assert kept.read_text() == "[superlink\n"
