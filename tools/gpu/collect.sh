@@ -67,6 +67,14 @@ for log in "$OUT"/*.log; do
   [ -f "$log" ] || continue
   tail -c 300000 "$log" > "$STAGE/results/$(basename "$log").tail"
 done
-tar czf "$ARCHIVE" -C "$STAGE" results
+# packed under a temporary name beside it, then renamed: a call cut off mid-pack (its time limit)
+# returns the previous complete archive, never a truncated one in its place
+PARTIAL="$(dirname "$ARCHIVE")/.$(basename "$ARCHIVE").partial.$$"
+if tar czf "$PARTIAL" -C "$STAGE" results; then
+  mv -f "$PARTIAL" "$ARCHIVE"
+else
+  rm -f "$PARTIAL" && rm -rf "$STAGE" && echo "collect.sh: packing $ARCHIVE failed; the previous archive is kept" >&2
+  exit 1
+fi
 rm -rf "$STAGE"
 ls -la "$ARCHIVE"

@@ -1,0 +1,52 @@
+"""``tools/gpu/collect.sh`` packs under a temporary name and renames: a session's wait calls re-pack
+the same archive, and one cut off mid-pack must leave the last complete archive, not a truncated one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from testkit.gpu_tools import GPU_TOOLS, collected
+
+
+def _run(out: Path, archive: Path, path: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OUT": str(out), "PATH": path}
+    return subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), str(archive)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run = out / "runs" / "federated-s9"
+    run.mkdir(parents=True)
+    (run / "federated_summary.json").write_text('{"status": "completed"}\n')
+    (out / "session.log").write_text("round 1 of 5\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    results = collected(out, work)  # a first, complete archive at work/r.tgz
+    assert (results / "federated-s9" / "federated_summary.json").read_text() == '{"status": "completed"}\n'
+    before = (work / "r.tgz").read_bytes()
+
+    # the next pack dies part-way: this tar writes some bytes to its output, then fails, as a tar
+    # killed by the call's time limit or a full disk would
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tar").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = czf ] && { printf partial > "$2"; '
+                              'exit 1; }; shift; done\nexit 1\n')
+    (fake / "tar").chmod(0o755)
+    (out / "session.log").write_text("round 2 of 5\n")
+    failed = _run(out, work / "r.tgz", f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert failed.returncode == 1 and "the previous archive is kept" in failed.stderr
+    assert (work / "r.tgz").read_bytes() == before
+    assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
+
+    # and a pack that succeeds replaces it
+    packed = _run(out, work / "r.tgz", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert packed.returncode == 0, packed.stderr
+    with tarfile.open(work / "r.tgz") as archive:
+        log = archive.extractfile("results/session.log.tail")
+        assert log is not None and log.read() == b"round 2 of 5\n"
+    assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
