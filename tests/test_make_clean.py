@@ -42,3 +42,30 @@ def test_clean_leaves_what_lies_outside_the_checkout(tmp_path: Path) -> None:
     assert subprocess.run(["make", "-s", "-C", str(checkout), "clean", "VENV=."], capture_output=True,
                           timeout=60, env=env).returncode == 0
     assert (checkout / "Makefile").exists()
+
+
+def test_clean_needs_only_posix_tools(tmp_path: Path) -> None:
+    """Without GNU ``realpath`` (macOS without coreutils) clean still tells inside from outside,
+    following links: a venv linked to a folder outside the checkout is left alone."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(REPO / "Makefile", checkout / "Makefile")
+    (checkout / ".flwr" / "state").mkdir(parents=True)
+    elsewhere = tmp_path / "shared-venv"
+    (elsewhere / "bin").mkdir(parents=True)
+    (checkout / ".venv").symlink_to(elsewhere)
+    tools = tmp_path / "bin"  # sh and the POSIX tools the recipe calls; no realpath
+    tools.mkdir()
+    for name in ("sh", "rm", "dirname", "basename"):
+        found = shutil.which(name)
+        assert found is not None
+        (tools / name).symlink_to(found)
+    env = {k: v for k, v in os.environ.items() if k not in ("FLWR_HOME", "VENV", "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    make = shutil.which("make")
+    assert make is not None
+    done = subprocess.run([make, "-s", "-C", str(checkout), "clean"], capture_output=True, text=True,
+                          timeout=60, env={**env, "PATH": str(tools)})
+    assert done.returncode == 0, done.stderr
+    assert "make clean: left .venv alone: it is outside this checkout" in done.stdout
+    assert (elsewhere / "bin").is_dir() and (checkout / ".venv").is_symlink()
+    assert not (checkout / ".flwr").exists()
