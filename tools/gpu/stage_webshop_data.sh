@@ -10,8 +10,16 @@
 # own under TMPDIR, removed afterwards; the log stays in ${TMPDIR:-/tmp}/ws-expert-stage.log).
 # usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
 set -eu
+# SRC and TMPDIR as the caller means them: a relative one is taken from the caller's folder, made
+# absolute before the script moves to the repository root
+SRC=
+if [ -n "${1:-}" ]; then SRC=$(cd -- "$1" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: no folder $1" >&2; exit 1; }; fi
+if [ -n "${TMPDIR:-}" ]; then
+  tmp_abs=$(cd -- "$TMPDIR" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: TMPDIR=$TMPDIR is not a folder" >&2; exit 1; }
+  export TMPDIR=$tmp_abs
+fi
 cd "$(dirname "$0")/../.."
-SRC=${1:-../shared/data/webshop}
+SRC=${SRC:-../shared/data/webshop}
 DEST=.gpu-data/webshop
 if ! git check-ignore -q "$DEST/"; then
   echo "stage_webshop_data.sh: $DEST is not git-ignored; add /.gpu-data/ to .gitignore" >&2
