@@ -184,8 +184,20 @@ def make_node_key(path: str | os.PathLike[str], force: bool = False) -> NodeKey:
     return pair
 
 
-def _toml_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+def _connection_table(name: str, address: str, root_certificates: str | os.PathLike[str] | None,
+                      insecure: bool) -> tomlkit.items.Table:
+    """The ``[superlink.<name>]`` table of one connection (tomlkit quotes and escapes the values)."""
+    if not name or not all(ch.isalnum() or ch in "-_" for ch in name):
+        raise ValueError(f"connection name {name!r} must be letters, digits, '-' or '_'")
+    if insecure == (root_certificates is not None):
+        raise ValueError("give either root_certificates (TLS) or insecure=True, not both or neither")
+    table = tomlkit.table()
+    table.add("address", address)
+    if insecure:
+        table.add("insecure", True)
+    else:
+        table.add("root-certificates", str(Path(root_certificates).resolve()))  # type: ignore[arg-type]
+    return table
 
 
 def connection_toml(name: str, address: str, root_certificates: str | os.PathLike[str] | None = None,
@@ -195,19 +207,11 @@ def connection_toml(name: str, address: str, root_certificates: str | os.PathLik
     TLS is the default: give ``root_certificates`` (the CA that signed the SuperLink's
     certificate), or ``insecure=True`` for local testing only.
     """
-    if not name or not all(ch.isalnum() or ch in "-_" for ch in name):
-        raise ValueError(f"connection name {name!r} must be letters, digits, '-' or '_'")
-    if insecure == (root_certificates is not None):
-        raise ValueError("give either root_certificates (TLS) or insecure=True, not both or neither")
-    lines = []
+    connections = tomlkit.table(is_super_table=not default)
     if default:
-        lines += ["[superlink]", f"default = {_toml_string(name)}", ""]
-    lines += [f"[superlink.{name}]", f"address = {_toml_string(address)}"]
-    if insecure:
-        lines.append("insecure = true")
-    else:
-        lines.append(f"root-certificates = {_toml_string(str(Path(root_certificates).resolve()))}")  # type: ignore[arg-type]
-    return "\n".join(lines) + "\n"
+        connections.add("default", name)
+    connections.add(name, _connection_table(name, address, root_certificates, insecure))
+    return tomlkit.dumps({"superlink": connections})
 
 
 def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
@@ -236,10 +240,8 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     if name in connections and not force:
         raise ValueError(f"{target} already has a connection named {name!r}; choose another name, "
                          "or pass --force to replace it")
-    connection = tomlkit.parse(connection_toml(name, address, root_certificates, insecure, default=False))
-    table = tomlkit.table()
-    table.update(connection["superlink"][name])  # type: ignore[index]
-    table.add(tomlkit.nl())
+    table = _connection_table(name, address, root_certificates, insecure)
+    table.add(tomlkit.nl())  # a blank line before whatever follows it in the file
     connections[name] = table
     if make_default:
         connections["default"] = name

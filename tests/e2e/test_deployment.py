@@ -379,6 +379,9 @@ def test_connection_config_is_tls_unless_insecure_is_explicit(tmp_path: Path) ->
         connection_toml("site", "10.0.0.5:8000", root_certificates="ca.crt", insecure=True)
     with pytest.raises(ValueError, match="connection name"):
         connection_toml("a.b", "10.0.0.5:8000", insecure=True)
+    # any string value round-trips: quotes, backslashes and control characters are escaped
+    odd = 'C:\\certs\\"ca"\n\t.crt'
+    assert tomllib.loads(connection_toml("site", odd, insecure=True))["superlink"]["site"]["address"] == odd
 
 
 def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path: Path) -> None:
