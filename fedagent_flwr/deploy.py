@@ -18,6 +18,8 @@ import ipaddress
 import os
 import sys
 import tempfile
+import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,25 +216,82 @@ def connection_toml(name: str, address: str, root_certificates: str | os.PathLik
     return tomlkit.dumps({"superlink": connections})
 
 
+def _config_target(path: Path) -> Path:
+    """The file to rewrite for ``path``: itself, or what it links to (a config kept elsewhere, in
+    dotfiles, stays linked). A link to nothing, or a loop of links, is refused by name: following
+    it would create folders wherever it points."""
+    if not path.is_symlink():
+        return path
+    try:
+        return path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a loop, on Python 3.11
+        raise ValueError(f"{path} is a link to {os.readlink(path)}, which does not exist or loops ({exc}); "
+                         "fix or remove the link, then run this again") from exc
+
+
+def _moved_comments(table: tomlkit.items.Table) -> list[tuple[None, tomlkit.items.Item]]:
+    """Take the comments (and what follows them) off the end of ``table``: tomlkit keeps the
+    comment lines above a table's header as the tail of the table before it, so they must move
+    with that header, not stay with a table that is replaced or that a new one follows."""
+    body = table.value.body
+    start = len(body)
+    while start > 0 and body[start - 1][0] is None:
+        start -= 1
+    while start < len(body) and isinstance(body[start][1], tomlkit.items.Whitespace):
+        start += 1  # the blank lines that end the table stay with it
+    moved = body[start:]
+    del body[start:]
+    return moved  # type: ignore[return-value]
+
+
+def _with_layout(original: str, name: str, table: tomlkit.items.Table, make_default: bool) -> str | None:
+    """``original`` with the connection set and the rest of the text as it was (comments, order,
+    blank lines); None where tomlkit cannot edit this file's shape (``superlink`` as an inline table)."""
+    doc = tomlkit.parse(original)
+    connections = doc.setdefault("superlink", tomlkit.table(is_super_table=True))
+    if not isinstance(connections, tomlkit.items.Table):
+        return None
+    old = connections.get(name)
+    if isinstance(old, tomlkit.items.Table):
+        tail = _moved_comments(old)  # the comments above the header that follows it
+    else:
+        children = [item for _, item in connections.value.body if isinstance(item, tomlkit.items.Table)]
+        tail = _moved_comments(children[-1]) if children else []
+        for _ in range(2):  # a blank line before the new header, also after a file's last line without one
+            if children and not children[-1].as_string().endswith("\n\n"):
+                children[-1].add(tomlkit.nl())
+    table.add(tomlkit.nl())  # the blank line before what follows (kept off the file's end below)
+    for key, item in tail:
+        table.value.body.append((key, item))
+    connections[name] = table
+    if make_default:
+        connections["default"] = name
+    return tomlkit.dumps(doc).rstrip("\n") + "\n"  # the new table's blank line is not left at the end
+
+
 def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
                      root_certificates: str | os.PathLike[str] | None = None, insecure: bool = False,
                      make_default: bool = True, force: bool = False) -> Path:
     """Add this connection to ``flwr_home/config.toml`` (made the default); return its path.
 
     The file is merged, never replaced: Flower's own connections (``local``, ``supergrid``) and the
-    user's stay, so ``flwr run .`` keeps working. A missing file starts from Flower's default
-    configuration, as Flower itself would create it. A connection of the same name is an error
-    unless ``force`` (then it is replaced). The file is written to a temporary name and renamed.
+    user's stay, so ``flwr run .`` keeps working, and so do the file's comments and layout (a
+    ``config.toml`` that links elsewhere stays a link: the file it points to is edited). A missing
+    file starts from Flower's default configuration, as Flower itself would create it. A connection
+    of the same name is an error unless ``force`` (then it is replaced). The edit is checked against
+    the file's values: where it would not give exactly them plus the connection (a shape tomlkit
+    cannot edit in place, e.g. ``superlink`` as dotted keys or an inline table), the file is written
+    from its values instead, without its comments, with a warning. The file is written to a
+    temporary name and renamed.
     """
     path = Path(flwr_home) / "config.toml"
-    # a link to a config kept elsewhere stays a link: the file it points to is the one rewritten
-    target = path.resolve() if path.is_symlink() else path
+    target = _config_target(path)
+    original = target.read_text(encoding="utf-8") if target.exists() else DEFAULT_FLOWER_CONFIG_TOML
     try:
-        # tomlkit keeps the user's comments, order and layout; only the new connection is added
-        config = tomlkit.parse(target.read_text(encoding="utf-8") if target.exists() else DEFAULT_FLOWER_CONFIG_TOML)
-    except tomlkit.exceptions.ParseError as exc:
+        config = tomllib.loads(original)  # the values, by the standard library's strict parser
+    except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{target} is not valid TOML ({exc}); fix or move it away, then run this again") from exc
-    connections = config.setdefault("superlink", tomlkit.table(is_super_table=True))
+    connections = config.setdefault("superlink", {})
     if not isinstance(connections, dict):
         raise ValueError(f"{target}: 'superlink' is not a table; fix the file, then run this again")
     if name == "default":
@@ -241,10 +300,14 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
         raise ValueError(f"{target} already has a connection named {name!r}; choose another name, "
                          "or pass --force to replace it")
     table = _connection_table(name, address, root_certificates, insecure)
-    table.add(tomlkit.nl())  # a blank line before whatever follows it in the file
-    connections[name] = table
+    connections[name] = table.unwrap()
     if make_default:
         connections["default"] = name
+    text = _with_layout(original, name, table, make_default)
+    if text is None or tomllib.loads(text) != config:
+        warnings.warn(f"{target}: its layout could not be kept with the new connection; it is written "
+                      "from its values, without its comments", stacklevel=2)
+        text = tomlkit.dumps(config)
     # a private temporary name next to it (never a fixed name a link could redirect), the file's
     # own mode kept (a user's 0600 stays 0600), flushed to disk before it replaces the original
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
@@ -252,7 +315,7 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(tomlkit.dumps(config).encode())
+            handle.write(text.encode())
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)

@@ -10,6 +10,7 @@ The fast tests at the end check the generated certificates, keys and connection 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -426,8 +427,10 @@ def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path
 
 def test_connection_keeps_the_users_comments_and_a_linked_config_stays_a_link(tmp_path: Path) -> None:
     """`deploy connection` edits ``config.toml`` rather than rewriting it: the user's comments and
-    order survive, and a ``config.toml`` that links to a file kept elsewhere stays that link (the
-    file it points to gets the new connection)."""
+    order survive, also where a connection is added before another tool's table or replaced with
+    --force (tomlkit files the comments above a header under the table before it), and a
+    ``config.toml`` that links to a file kept elsewhere stays that link (the file it points to gets
+    the new connection). A link to nothing is refused by name, and nothing is created."""
     import tomllib
 
     from flwr.cli.flower_config import parse_superlink_connection
@@ -438,22 +441,60 @@ def test_connection_keeps_the_users_comments_and_a_linked_config_stays_a_link(tm
     kept.parent.mkdir()
     kept.write_text('# my Flower settings, kept in dotfiles\n[superlink]\ndefault = "local"  # the simulation\n\n'
                     '[superlink.local]\naddress = ":local:"\n\n# the lab cluster, via the VPN\n'
-                    '[superlink.lab]\naddress = "10.1.0.2:9093"\ninsecure = true\n')
+                    '[superlink.lab]\naddress = "10.1.0.2:9093"\ninsecure = true\n\n'
+                    '# settings of another tool\n[tool.other]\nlevel = 3\n')
     home = tmp_path / "flwr-home"
     home.mkdir()
-    (home / "config.toml").symlink_to(kept)
+    (home / "config.toml").symlink_to("../dotfiles/flower.toml")  # a relative link
     write_connection(home, "site", "10.0.0.5:8000", root_certificates=tmp_path / "ca.crt")
+    write_connection(home, "local", "127.0.0.1:9093", insecure=True, make_default=False, force=True)
     assert (home / "config.toml").is_symlink() and (home / "config.toml").resolve() == kept
     text = kept.read_text()
-    for comment in ("# my Flower settings, kept in dotfiles", "# the simulation", "# the lab cluster, via the VPN"):
+    for comment in ("# my Flower settings, kept in dotfiles", "# the simulation"):
         assert comment in text
+    # each comment still stands above the header it was written for (tomlkit puts a blank line
+    # between them where it replaces the table before, a cosmetic change only)
+    assert re.search(r"# the lab cluster, via the VPN\n\n?\[superlink\.lab\]\n", text), text
+    assert "# settings of another tool\n[tool.other]\n" in text
     assert text.index("[superlink.local]") < text.index("[superlink.lab]") < text.index("[superlink.site]")
-    config = tomllib.loads(text)["superlink"]
-    assert config["default"] == "site" and config["lab"] == {"address": "10.1.0.2:9093", "insecure": True}
-    assert parse_superlink_connection(config["site"], "site").address == "10.0.0.5:8000"
+    assert text.endswith("\n") and not text.endswith("\n\n")
+    config = tomllib.loads(text)
+    assert config["tool"] == {"other": {"level": 3}}
+    connections = config["superlink"]
+    assert connections["default"] == "site" and connections["lab"] == {"address": "10.1.0.2:9093", "insecure": True}
+    assert connections["local"] == {"address": "127.0.0.1:9093", "insecure": True}
+    assert parse_superlink_connection(connections["site"], "site").address == "10.0.0.5:8000"
     assert sorted(p.name for p in kept.parent.iterdir()) == ["flower.toml"]  # no temporary file left
+
     # a file that is not TOML is named and left as it was
     kept.write_text("[superlink\n")
     with pytest.raises(ValueError, match=r"flower\.toml is not valid TOML.*fix or move it away"):
         write_connection(home, "other", "10.0.0.6:8000", insecure=True)
     assert kept.read_text() == "[superlink\n"
+    # a link to nothing: named, and no folder made where it points
+    dangling = tmp_path / "dangling-home"
+    dangling.mkdir()
+    (dangling / "config.toml").symlink_to(tmp_path / "unmounted" / "flower.toml")
+    with pytest.raises(ValueError, match=r"config\.toml is a link to .*unmounted.*fix or remove the link"):
+        write_connection(dangling, "site", "10.0.0.5:8000", insecure=True)
+    assert not (tmp_path / "unmounted").exists()
+
+
+@pytest.mark.parametrize("shape", ['superlink.default = "local"\nsuperlink.local.address = ":local:"\n',
+                                   'superlink = { default = "local", local = { address = ":local:" } }\n'],
+                         ids=["dotted-keys", "inline-table"])
+def test_a_config_whose_layout_cannot_be_kept_keeps_its_values(tmp_path: Path, shape: str) -> None:
+    """``superlink`` written as dotted keys or an inline table: tomlkit cannot add a table there
+    without changing what the other lines mean, so the file is written from its values (every
+    connection kept) with a warning that its comments are gone, never edited into something else."""
+    import tomllib
+
+    from fedagent_flwr.deploy import write_connection
+
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text("# mine\n" + shape)
+    with pytest.warns(UserWarning, match="layout could not be kept.*without its comments"):
+        write_connection(home, "site", "10.0.0.5:8000", insecure=True)
+    assert tomllib.loads((home / "config.toml").read_text())["superlink"] == {
+        "default": "site", "local": {"address": ":local:"}, "site": {"address": "10.0.0.5:8000", "insecure": True}}
