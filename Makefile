@@ -88,12 +88,13 @@ test: install alfworld-venv
 
 # Only what lies inside this checkout: FLWR_HOME (or VENV) exported for other work, e.g. ~/.flwr as
 # docs/deployment.md sets it, is someone's Flower configuration, not this checkout's to delete.
-# Where each one really is comes from POSIX cd -P/pwd -P, not GNU realpath (absent on macOS).
+# Where each one really is comes from POSIX cd -P/pwd -P, not GNU realpath (absent on macOS);
+# CDPATH is emptied, or a name like .venv could be looked up in the caller's CDPATH.
 clean:
 	@for d in "$(VENV)" "$(FLWR_HOME)"; do \
 	  [ -e "$$d" ] || [ -L "$$d" ] || continue; \
-	  if [ -d "$$d" ]; then at=$$(cd -P -- "$$d" && pwd -P); \
-	  else at=$$(cd -P -- "$$(dirname -- "$$d")" && pwd -P)/$$(basename -- "$$d"); fi || exit 1; \
+	  if [ -d "$$d" ]; then at=$$(CDPATH= cd -P -- "$$d" && pwd -P) || exit 1; \
+	  else at=$$(CDPATH= cd -P -- "$$(dirname -- "$$d")" && pwd -P) || exit 1; at=$$at/$$(basename -- "$$d"); fi; \
 	  case "$$at/" in \
 	    "$(CURDIR)"/?*) rm -rf -- "$$d" || exit 1 ;; \
 	    *) echo "make clean: left $$d alone: it is outside this checkout (remove it yourself if you mean to)" ;; \

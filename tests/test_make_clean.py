@@ -69,3 +69,13 @@ def test_clean_needs_only_posix_tools(tmp_path: Path) -> None:
     assert "make clean: left .venv alone: it is outside this checkout" in done.stdout
     assert (elsewhere / "bin").is_dir() and (checkout / ".venv").is_symlink()
     assert not (checkout / ".flwr").exists()
+
+    # a caller's CDPATH holding a folder of the same name as the (relative) VENV: cd must not go there
+    (checkout / ".venv").unlink()
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    decoy = tmp_path / "cdpath"
+    (decoy / ".venv" / "bin").mkdir(parents=True)
+    done = subprocess.run([make, "-s", "-C", str(checkout), "clean"], capture_output=True, text=True,
+                          timeout=60, env={**env, "PATH": str(tools), "CDPATH": str(decoy)})
+    assert done.returncode == 0, done.stderr
+    assert not (checkout / ".venv").exists() and (decoy / ".venv" / "bin").is_dir()

@@ -14,6 +14,15 @@ cd "$(dirname "$0")/../.."
 python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
 python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true
 STAGE=$(mktemp -d)
+# The archive is packed under a temporary name beside it, then renamed: a call cut off mid-pack
+# (its time limit) returns the previous complete archive, never a truncated one in its place. The
+# partial file is removed on any exit (and one that a killed earlier call left, at the start), so
+# it never travels back with $OUT.
+PARTIAL="$(dirname "$ARCHIVE")/.$(basename "$ARCHIVE").partial.$$"
+rm -f "$(dirname "$ARCHIVE")/.$(basename "$ARCHIVE").partial."*
+trap 'rm -f "$PARTIAL"; rm -rf "$STAGE"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 mkdir -p "$STAGE/results"
 # keep_per_client_round RUN NAME FILE FOLDER: each RUN/round_<r>/client_<c>/verl/FILE as
 # results/NAME/FOLDER/round_<r>-client_<c>.jsonl
@@ -67,14 +76,8 @@ for log in "$OUT"/*.log; do
   [ -f "$log" ] || continue
   tail -c 300000 "$log" > "$STAGE/results/$(basename "$log").tail"
 done
-# packed under a temporary name beside it, then renamed: a call cut off mid-pack (its time limit)
-# returns the previous complete archive, never a truncated one in its place
-PARTIAL="$(dirname "$ARCHIVE")/.$(basename "$ARCHIVE").partial.$$"
-if tar czf "$PARTIAL" -C "$STAGE" results; then
-  mv -f "$PARTIAL" "$ARCHIVE"
-else
-  rm -f "$PARTIAL" && rm -rf "$STAGE" && echo "collect.sh: packing $ARCHIVE failed; the previous archive is kept" >&2
+if ! tar czf "$PARTIAL" -C "$STAGE" results || ! mv -f -T "$PARTIAL" "$ARCHIVE"; then
+  echo "collect.sh: packing $ARCHIVE failed; any previous archive is kept" >&2
   exit 1
 fi
-rm -rf "$STAGE"
 ls -la "$ARCHIVE"

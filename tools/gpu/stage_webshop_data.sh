@@ -8,14 +8,15 @@
 # into .gpu-data/webshop-expert, which webshop_warm_start.sh on the node reuses when their key matches
 # (same settings, data and code), instead of playing them again there (in a scratch folder of its
 # own under TMPDIR, removed afterwards; the log stays in ${TMPDIR:-/tmp}/ws-expert-stage.log).
-# usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (SRC default: ../shared/data/webshop)
+# usage: bash tools/gpu/stage_webshop_data.sh [SRC]   (a given SRC is taken from the caller's folder;
+#        the default, ../shared/data/webshop, from the repository root)
 set -eu
 # SRC and TMPDIR as the caller means them: a relative one is taken from the caller's folder, made
 # absolute before the script moves to the repository root
 SRC=
-if [ -n "${1:-}" ]; then SRC=$(cd -- "$1" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: no folder $1" >&2; exit 1; }; fi
+if [ -n "${1:-}" ]; then SRC=$(CDPATH= cd -- "$1" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: no folder $1" >&2; exit 1; }; fi
 if [ -n "${TMPDIR:-}" ]; then
-  tmp_abs=$(cd -- "$TMPDIR" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: TMPDIR=$TMPDIR is not a folder" >&2; exit 1; }
+  tmp_abs=$(CDPATH= cd -- "$TMPDIR" 2>/dev/null && pwd) || { echo "stage_webshop_data.sh: TMPDIR=$TMPDIR is not a folder" >&2; exit 1; }
   export TMPDIR=$tmp_abs
 fi
 cd "$(dirname "$0")/../.."

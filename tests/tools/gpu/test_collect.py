@@ -39,9 +39,19 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
     (fake / "tar").chmod(0o755)
     (out / "session.log").write_text("round 2 of 5\n")
     failed = _run(out, work / "r.tgz", f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
-    assert failed.returncode == 1 and "the previous archive is kept" in failed.stderr
+    assert failed.returncode == 1 and "any previous archive is kept" in failed.stderr
     assert (work / "r.tgz").read_bytes() == before
     assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
+
+    # a TERM mid-pack (the call's time limit): the script stops, and its partial file goes with it;
+    # one left by a call killed outright (SIGKILL, no trap) is removed by the next pack
+    (fake / "tar").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = czf ] && { printf partial > "$2"; '
+                              'kill -TERM $PPID; exit 1; }; shift; done\nexit 1\n')
+    stopped = _run(out, work / "r.tgz", f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert stopped.returncode == 143, stopped.stderr
+    assert (work / "r.tgz").read_bytes() == before
+    assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
+    (work / ".r.tgz.partial.12345").write_bytes(b"left by a killed call")
 
     # and a pack that succeeds replaces it
     packed = _run(out, work / "r.tgz", f"{Path(sys.executable).parent}:{os.environ['PATH']}")

@@ -28,7 +28,8 @@ def test_a_relative_source_is_the_callers(tmp_path: Path) -> None:
     (caller / "my-webshop").mkdir(parents=True)
     for name in DATA_FILES:
         (caller / "my-webshop" / name).write_text(f'[{{"from": "{name}"}}]\n')
-    env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
+    # not the caller's TMPDIR, CDPATH or switches of the script (EXPERT would play episodes)
+    env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "CDPATH", "EXPERT", "LOOKALIKE")}
     done = subprocess.run(["bash", str(checkout / "tools" / "gpu" / "stage_webshop_data.sh"), "my-webshop"],
                           cwd=caller, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
