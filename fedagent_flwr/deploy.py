@@ -303,7 +303,10 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     connections[name] = table.unwrap()
     if make_default:
         connections["default"] = name
-    text = _with_layout(original, name, table, make_default)
+    try:
+        text = _with_layout(original, name, table, make_default)
+    except (tomlkit.exceptions.TOMLKitError, ValueError, TypeError, KeyError):
+        text = None  # a shape tomlkit refuses to edit: the values are written, as below
     if text is None or tomllib.loads(text) != config:
         warnings.warn(f"{target}: its layout could not be kept with the new connection; it is written "
                       "from its values, without its comments", stacklevel=2)

@@ -10,6 +10,9 @@
 set -u
 OUT=${OUT:-/tmp/out}
 ARCHIVE=${1:-$OUT/results.tgz}
+# a relative OUT or ARCHIVE is the caller's, not the repository root's (where the script works)
+case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
+case $ARCHIVE in /*) ;; *) ARCHIVE=$PWD/$ARCHIVE ;; esac
 cd "$(dirname "$0")/../.."
 python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
 python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true

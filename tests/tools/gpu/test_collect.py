@@ -60,3 +60,11 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
         log = archive.extractfile("results/session.log.tail")
         assert log is not None and log.read() == b"round 2 of 5\n"
     assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
+
+    # a relative OUT and ARCHIVE are the caller's
+    env = {**os.environ, "OUT": "out", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    here = subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), "work/here.tgz"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert here.returncode == 0, here.stderr
+    with tarfile.open(work / "here.tgz") as archive:
+        assert "results/federated-s9/federated_summary.json" in archive.getnames()
