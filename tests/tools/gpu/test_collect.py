@@ -11,11 +11,16 @@ from pathlib import Path
 
 from testkit.gpu_tools import GPU_TOOLS, collected
 
+#: this interpreter's folder first, so the script's python3 is the test's
+PATH = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
 
-def _run(out: Path, archive: Path, path: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OUT": str(out), "PATH": path}
-    return subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), str(archive)], env=env,
-                          capture_output=True, text=True, timeout=300)
+
+def _run(out: Path | str, archive: Path | str, path: str = PATH,
+         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``OUT=out collect.sh archive`` with ``path`` as PATH, from ``cwd``."""
+    return subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), str(archive)], cwd=cwd,
+                          env={**os.environ, "OUT": str(out), "PATH": path}, capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp_path: Path) -> None:
@@ -38,7 +43,7 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
                               'exit 1; }; shift; done\nexit 1\n')
     (fake / "tar").chmod(0o755)
     (out / "session.log").write_text("round 2 of 5\n")
-    failed = _run(out, work / "r.tgz", f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    failed = _run(out, work / "r.tgz", f"{fake}:{PATH}")
     assert failed.returncode == 1 and "any previous archive is kept" in failed.stderr
     assert (work / "r.tgz").read_bytes() == before
     assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
@@ -47,14 +52,14 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
     # one left by a call killed outright (SIGKILL, no trap) is removed by the next pack
     (fake / "tar").write_text('#!/bin/bash\nwhile [ $# -gt 0 ]; do [ "$1" = czf ] && { printf partial > "$2"; '
                               'kill -TERM $PPID; exit 1; }; shift; done\nexit 1\n')
-    stopped = _run(out, work / "r.tgz", f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}")
+    stopped = _run(out, work / "r.tgz", f"{fake}:{PATH}")
     assert stopped.returncode == 143, stopped.stderr
     assert (work / "r.tgz").read_bytes() == before
     assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
     (work / ".r.tgz.partial.12345").write_bytes(b"left by a killed call")
 
     # and a pack that succeeds replaces it
-    packed = _run(out, work / "r.tgz", f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    packed = _run(out, work / "r.tgz")
     assert packed.returncode == 0, packed.stderr
     with tarfile.open(work / "r.tgz") as archive:
         log = archive.extractfile("results/session.log.tail")
@@ -62,9 +67,7 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
     assert sorted(p.name for p in work.iterdir()) == ["r.tgz", "unpacked"]
 
     # a relative OUT and ARCHIVE are the caller's
-    env = {**os.environ, "OUT": "out", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    here = subprocess.run(["bash", str(GPU_TOOLS / "collect.sh"), "work/here.tgz"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    here = _run("out", "work/here.tgz", cwd=tmp_path)
     assert here.returncode == 0, here.stderr
     with tarfile.open(work / "here.tgz") as archive:
         assert "results/federated-s9/federated_summary.json" in archive.getnames()

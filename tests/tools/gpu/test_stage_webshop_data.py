@@ -22,6 +22,12 @@ def scratch_checkout(root: Path) -> Path:
     return root
 
 
+def stage(checkout: Path, args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The scratch checkout's script with ``args``, run from ``cwd``."""
+    return subprocess.run(["bash", str(checkout / "tools" / "gpu" / "stage_webshop_data.sh"), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
 def test_a_relative_source_is_the_callers(tmp_path: Path) -> None:
     checkout = scratch_checkout(tmp_path / "checkout")
     caller = tmp_path / "caller"
@@ -30,8 +36,7 @@ def test_a_relative_source_is_the_callers(tmp_path: Path) -> None:
         (caller / "my-webshop" / name).write_text(f'[{{"from": "{name}"}}]\n')
     # not the caller's TMPDIR, CDPATH or switches of the script (EXPERT would play episodes)
     env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "CDPATH", "EXPERT", "LOOKALIKE")}
-    done = subprocess.run(["bash", str(checkout / "tools" / "gpu" / "stage_webshop_data.sh"), "my-webshop"],
-                          cwd=caller, env=env, capture_output=True, text=True, timeout=60)
+    done = stage(checkout, ["my-webshop"], caller, env)
     assert done.returncode == 0, done.stderr
     for name in DATA_FILES:
         assert (checkout / ".gpu-data" / "webshop" / name).read_text() == f'[{{"from": "{name}"}}]\n'
@@ -41,7 +46,6 @@ def test_a_relative_source_is_the_callers(tmp_path: Path) -> None:
     shutil.rmtree(checkout / ".gpu-data")
     for args, extra, named in ((["no-such-folder"], {}, "no folder no-such-folder"),
                                (["my-webshop"], {"TMPDIR": "no-such-tmp"}, "TMPDIR=no-such-tmp is not a folder")):
-        done = subprocess.run(["bash", str(checkout / "tools" / "gpu" / "stage_webshop_data.sh"), *args],
-                              cwd=caller, env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        done = stage(checkout, args, caller, {**env, **extra})
         assert done.returncode == 1 and named in done.stderr, done.stderr
         assert not (checkout / ".gpu-data").exists()
