@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from fedagent_flwr.checkpoint.store import StorageSettings, is_loopback
+from fedagent_flwr.config_groups import check_selections
 from fedagent_flwr.config_keys import ConfigError
 from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
@@ -75,6 +76,7 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
             raise ConfigError(f"config key '{key}' must be bool, got {value!r}")
         if key == CHAT_TEMPLATE_KEY:
             _check_mapping_override(item, key, value)
+    items = check_selections(items, conf_dir(), config_name)
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

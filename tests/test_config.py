@@ -29,6 +29,14 @@ def test_per_round_larger_than_total_means_all_clients() -> None:
     assert load_settings(overrides="clients.per_round=5").clients_per_round == 2
 
 
+def test_null_deselects_the_optional_recipe() -> None:
+    # Hydra raises a bare ValueError on group=null; for the optional recipe it means "no preset"
+    preset = load_settings(overrides="recipe=tinyguess_verl")
+    assert preset.run.num_rounds != load_settings().run.num_rounds
+    assert load_settings(overrides="recipe=null").run == load_settings().run
+    assert load_settings(overrides="recipe=tinyguess_verl recipe=null").run == load_settings().run
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -43,6 +51,13 @@ def test_per_round_larger_than_total_means_all_clients() -> None:
         ("trainer=verl trainer.stall_timeout_s=-1", "config key 'trainer.stall_timeout_s'"),
         ("strategy=nope", "config group 'strategy' has no option 'nope' (available: fedadagrad fedadam fedavg fedavgm "
                            "fedprox fedyogi)"),
+        ("strategy=fedprxo", "config group 'strategy' has no option 'fedprxo' (available: fedadagrad fedadam fedavg "
+                             "fedavgm fedprox fedyogi); did you mean 'fedprox'?"),
+        # an optional group: Hydra alone skipped an option it lacks, and the default job ran
+        ("recipe=tinyguess_verll", "config group 'recipe' has no option 'tinyguess_verll' (available: tinyguess_verl "
+                                   "webshop_verl webshop_windowed_verl); did you mean 'tinyguess_verl'?"),
+        ("+recipe=nope", "config group 'recipe' has no option 'nope' (available: tinyguess_verl"),
+        ("env=null", "config group 'env' needs one of its options, not null (available: alfworld tinyguess "),
         ("strategy.weights=[1,0]", "config key 'strategy.weights'"),
         ("strategy.weights=[1,2,3]", "has 3 entries but clients.total is 2"),
         ("strategy.proximal_mu=-0.1", "config key 'strategy.proximal_mu'"),

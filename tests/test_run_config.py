@@ -62,6 +62,10 @@ def test_values_flower_cannot_type_and_unmapped_keys_are_refused() -> None:
         hydra_arguments({"num-rounds": 3})
     with pytest.raises(ConfigError, match="unknown config key 'num_roundz'"):
         load_settings(*hydra_arguments(_flower_run_config("overrides='num_roundz=3'")))
+    # a typed group key's value reaches Hydra quoted; the refusal names it as the user wrote it
+    refusal = "^config group 'recipe' has no option 'webshop' .*did you mean 'webshop_verl'"
+    with pytest.raises(ConfigError, match=refusal):
+        load_settings(*hydra_arguments(_flower_run_config("recipe='webshop'")))
 
 
 def test_the_example_run_config_file_composes() -> None:

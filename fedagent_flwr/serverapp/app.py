@@ -232,10 +232,6 @@ def main(grid: Grid, context: Context) -> None:
     except (ConfigError, ValueError, OSError) as exc:
         raise setup_failed(exc) from None
     log(INFO, "[fedagent] run directory: %s", run_dir)
-    if settings.run.clients.total > 100:
-        log(WARNING, "[fedagent] with more than 100 clients FedAgent's data seed rule "
-            "(seed + 100 * round + client) gives some clients the seed another client had a "
-            "round later")
     try:
         with exclusive_run_directory(run_dir):
             start_run(grid, settings, run_dir, context.run_id)
@@ -257,6 +253,7 @@ def start_run(grid: Grid, settings: RunSettings, run_dir: Path, run_id: int) -> 
     try:
         warnings = preflight.check_env_specs(settings, data_is_local=is_simulation(grid))
         warnings += preflight.service_pool_warnings(settings)
+        warnings += preflight.client_count_warnings(settings)
         preflight.check_request_seed_groups(settings)
         try:
             base = preflight.base_model(resolve_model_path(settings.run.model.path), settings.run.model.path)

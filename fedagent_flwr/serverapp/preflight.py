@@ -112,6 +112,19 @@ def service_pool_warnings(settings: RunSettings) -> list[str]:
     return warnings
 
 
+def client_count_warnings(settings: RunSettings) -> list[str]:
+    """Warn about client counts that run, but not as a reader of the config might expect."""
+    clients = settings.run.clients
+    warnings = []
+    if clients.per_round > clients.total:  # sampling takes everyone (FedAgent's M >= N rule), as documented
+        warnings.append(f"config key 'clients.per_round' = {clients.per_round} is more than clients.total = "
+                        f"{clients.total}: every round trains all {clients.total} clients")
+    if clients.total > 100:
+        warnings.append("with more than 100 clients FedAgent's data seed rule (seed + 100 * round + client) "
+                        "gives some clients the seed another client had a round later")
+    return warnings
+
+
 def check_request_seed_groups(settings: RunSettings) -> None:
     """Refuse ``trainer.request_seeds`` with a client whose agent-loop workers would split a GRPO group.
 

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from fedagent_flwr.config import ConfigError, load_settings
-from fedagent_flwr.serverapp.preflight import base_model, check_env_specs, check_lora_targets, service_pool_warnings
+from fedagent_flwr.serverapp.preflight import (
+    base_model,
+    check_env_specs,
+    check_lora_targets,
+    client_count_warnings,
+    service_pool_warnings,
+)
 from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
 WEBSHOP_DOWNLOAD = "python -m fedagent_flwr.envs.webshop.download"
@@ -109,3 +115,12 @@ def test_lora_without_peft_installed_is_refused_at_start_naming_the_extra(tiny_m
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError, as without the package
     with pytest.raises(ConfigError, match=r"config key 'model.lora.rank' = 4 needs peft, .*fedagent-flwr\[lora\]"):
         check_lora_targets(load_settings(overrides="model.lora.rank=4"), tiny_model_dir)
+
+
+def test_client_counts_that_run_otherwise_than_written_are_warned_about() -> None:
+    (warning,) = client_count_warnings(load_settings(overrides="clients.per_round=5"))
+    assert warning == ("config key 'clients.per_round' = 5 is more than clients.total = 2: every round trains all 2 "
+                       "clients")
+    assert client_count_warnings(load_settings(overrides="clients.total=4 clients.per_round=4")) == []
+    (many,) = client_count_warnings(load_settings(overrides="clients.total=101 clients.per_round=2"))
+    assert many.startswith("with more than 100 clients FedAgent's data seed rule")
