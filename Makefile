@@ -52,11 +52,12 @@ alfworld-venv: install
 	$(VENV)/bin/python -m fedagent_flwr.envs.alfworld.service_venv
 
 # `flwr run --stream` exits 0 even when the run failed; fedagent_flwr.outcome passes its log through
-# and exits with the run's own status (0 completed, 3 degraded, 1 failed).
+# and exits with the run's own status (0 completed, 3 degraded, 1 failed; make itself then exits 2
+# and prints it as "Error N"). Then, or on Ctrl-C, it stops the local SuperLink that `flwr run`
+# started for this FLWR_HOME, and with it the run: Flower leaves both running otherwise.
 run: install
-	$(VENV)/bin/python -m fedagent_flwr.outcome run -- $(VENV)/bin/flwr run . --stream \
-	  $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)") $(ARGS); status=$$?; \
-	$(VENV)/bin/python -m fedagent_flwr.launch stop-local "$(FLWR_HOME)"; exit $$status
+	$(VENV)/bin/python -m fedagent_flwr.outcome run --stop-local "$(FLWR_HOME)" -- $(VENV)/bin/flwr run . --stream \
+	  $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)") $(ARGS)
 
 # Lint (ruff: pycodestyle, pyflakes, import order, bugbear, pyupgrade) all the repository's Python code
 # and type-check (mypy) the package and the arms tools (their numbers go into docs/results.md), with

@@ -9,6 +9,8 @@ turns that into an exit status::
     python -m fedagent_flwr.outcome status outputs/run-<id>       # one line, exit status below
     python -m fedagent_flwr.outcome run -- flwr run . --stream ...  # run it, pass the log through,
                                                                      # exit with the run's status
+    python -m fedagent_flwr.outcome run --stop-local .flwr -- ...   # then, or at Ctrl-C, stop the
+                                                                     # local SuperLink and its run
 
 Exit status: 0 completed, 3 degraded (some round aggregated nothing or lost a selected client, no
 round had a learning signal, or an evaluation recorded nothing or lacked a client), 1 failed, still
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -172,8 +175,10 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
                 lines.append(line)
                 if deadline is None and _ENDED.search(_ANSI.sub("", line)):
                     deadline = time.monotonic() + grace_s
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C reaches flwr too; a SIGTERM (below) only this process
+            process.terminate()
             process.wait()
+            print("[fedagent] interrupted: stopped following the run's log", flush=True)
             return 130
         returncode = process.wait()
     if returncode != 0 and not stopped:
@@ -190,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = commands.add_parser("status", help="print a run directory's outcome; exit 0/3/1")
     status.add_argument("run_dir", type=Path)
     run = commands.add_parser("run", help="run `flwr run ... --stream` and exit with the run's outcome")
+    run.add_argument("--stop-local", metavar="FLWR_HOME",
+                     help="then stop this FLWR_HOME's local SuperLink and what it runs, also when interrupted "
+                          "(make run: Ctrl-C stops the run, not only the log stream)")
     run.add_argument("flwr_command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "status":
@@ -199,7 +207,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.flwr_command[1:] if args.flwr_command[:1] == ["--"] else args.flwr_command
     if not command:
         parser.error("run needs the flwr command, e.g. run -- flwr run . --stream")
-    return run_and_report(command)
+    if args.stop_local is None:
+        return run_and_report(command)
+    # The local SuperLink runs in a session of its own, so a Ctrl-C reaches only flwr's log stream
+    # and the run would go on in the background; a SIGTERM (make's, on its way out) is handled alike.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run_and_report(command)
+    finally:
+        from fedagent_flwr.launch import stop_local_superlink
+
+        for handled in (signal.SIGINT, signal.SIGTERM):  # the stop is bounded (a grace period); let it finish
+            signal.signal(handled, signal.SIG_IGN)
+        pids = stop_local_superlink(args.stop_local)
+        print(f"[fedagent] stopped the local SuperLink {pids}, and the run on it if any" if pids
+              else "[fedagent] no local SuperLink runs for this FLWR_HOME", flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """A SIGTERM, taken as a Ctrl-C: the run is stopped the same way."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
