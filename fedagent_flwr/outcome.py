@@ -22,6 +22,7 @@ before it had one (an unknown config key) is failed by its ``[fedagent] cannot s
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -189,6 +190,45 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
     return outcome.exit_code
 
 
+def _flat_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of a TOML table, as Flower flattens ``[tool.flwr.app.config]``."""
+    keys: set[str] = set()
+    for key, value in table.items():
+        keys |= _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+    return keys
+
+
+def undeclared_run_config(command: Sequence[str]) -> str | None:
+    """Why ``flwr run`` will refuse this command's ``--run-config``, or None if it will not (or it
+    cannot be told here: another app argument, a value Flower cannot parse; Flower answers those).
+
+    A key the app does not declare gets only Flower's "Invalid run configuration" (code 15), after its
+    SuperLink has started; this names the key, the closest declared one, and where other settings go.
+    """
+    if len(command) < 2 or command[1] != "run":
+        return None
+    app = Path(command[2]) if len(command) > 2 and not command[2].startswith("-") else Path(".")
+    values = [value for option, value in zip(command, command[1:]) if option in ("--run-config", "-c")]
+    values += [word.split("=", 1)[1] for word in command if word.startswith("--run-config=")]
+    try:
+        import tomllib
+
+        from flwr.common.config import parse_config_args
+
+        declared = _flat_keys(tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+        given = parse_config_args(values) if values else {}
+    except Exception:  # noqa: BLE001 - any fault here is Flower's to report, with its own words
+        return None
+    unknown = sorted(set(given) - declared)
+    if not unknown:
+        return None
+    close = difflib.get_close_matches(unknown[0], sorted(declared), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    named = f"key {unknown[0]!r}{hint} is" if len(unknown) == 1 else f"keys {', '.join(map(repr, unknown))} are"
+    return (f"run config {named} not declared by the app ({app / 'pyproject.toml'}, [tool.flwr.app.config]); "
+            "any other setting goes in overrides='key=value ...' (README, \"Configuration\")")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.outcome", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.flwr_command[1:] if args.flwr_command[:1] == ["--"] else args.flwr_command
     if not command:
         parser.error("run needs the flwr command, e.g. run -- flwr run . --stream")
+    if problem := undeclared_run_config(command):
+        print(f"[fedagent] cannot start the run: {problem}", flush=True)
+        return EXIT_FAILED
     if args.stop_local is None:
         return run_and_report(command)
     # The local SuperLink runs in a session of its own, so a Ctrl-C reaches only flwr's log stream

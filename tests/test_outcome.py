@@ -82,3 +82,31 @@ def test_the_wrapper_stops_following_a_log_that_outlives_the_servers_last_words(
         f"(summary: {run_dir / 'federated_summary.json'})",
     ], proc.stdout + proc.stderr
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize(("run_config", "message"), [
+    ("num-server-roundz=3", "run config key 'num-server-roundz' (did you mean 'num-server-rounds'?) is not declared "
+                            "by the app ("),
+    ("num-server-rounds=3 foo=1 bar=2", "run config keys 'bar', 'foo' are not declared by the app ("),
+])
+def test_a_run_config_key_the_app_does_not_declare_is_named_before_flower_starts(run_config: str, message: str) -> None:
+    # Flower says only "Invalid run configuration" (code 15), after starting its SuperLink. The flwr
+    # named here does not exist: the refusal must come before anything is started.
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "fedagent_flwr.outcome", "run", "--stop-local", str(repo / "no-such-home"), "--",
+               "/nonexistent/flwr", "run", str(repo), "--stream", "--run-config", run_config]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"[fedagent] cannot start the run: {message}{repo / 'pyproject.toml'}, [tool.flwr.app.config]); any other "
+        "setting goes in overrides='key=value ...' (README, \"Configuration\")"]
+
+
+def test_declared_run_config_keys_pass_the_check() -> None:
+    from fedagent_flwr.outcome import undeclared_run_config
+
+    repo = str(Path(__file__).resolve().parents[1])
+    assert undeclared_run_config(["flwr", "run", repo, "--run-config", "num-server-rounds=3 overrides='seed=1'",
+                                  "-c", "strategy='fedprox'"]) is None
+    assert undeclared_run_config(["flwr", "run", repo, "--run-config=foo=1"]) is not None
+    assert undeclared_run_config(["flwr", "ls"]) is None  # not a run: nothing to check
