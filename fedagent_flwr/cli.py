@@ -28,6 +28,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def program(module_command: str) -> str:
+    """A command's name for its usage and error lines: ``fedagent NAME`` when it runs through this
+    script (:func:`main` sets ``sys.argv[0]`` so), else ``module_command`` (``python -m MODULE``)."""
+    return sys.argv[0] if sys.argv[0].startswith("fedagent ") else module_command
+
+
 def usage() -> str:
     """The list of commands, as ``fedagent --help`` prints it."""
     width = max(map(len, COMMANDS))

@@ -30,6 +30,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML  # what Flower writes when it finds no config.toml
 
+from fedagent_flwr.cli import program
+
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -330,7 +332,8 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.deploy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.deploy"),
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     tls = sub.add_parser("tls", help="self-signed CA + SuperLink server certificate")
     tls.add_argument("directory")

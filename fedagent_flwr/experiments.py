@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.schema.run import ALGORITHMS
 
 #: FedAgent's paper protocol (``gen_paper_configs.py``: N, M, T, E, goals per client; base seed).
@@ -237,7 +238,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m fedagent_flwr.experiments",
+    parser = _Parser(prog=program("python -m fedagent_flwr.experiments"),
                      description="List FedAgent's paper experiment matrix with the flwr run line of each entry.")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--family", choices=FAMILIES, help="only this family")

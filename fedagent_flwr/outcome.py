@@ -37,6 +37,8 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from fedagent_flwr.cli import program
+
 SUMMARY_FILE = "federated_summary.json"  # fedagent_flwr.serverapp.recorder.SUMMARY_FILE, without importing Flower
 EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
 
@@ -230,7 +232,8 @@ def undeclared_run_config(command: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.outcome", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.outcome"),
+                                     description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="print a run directory's outcome; exit 0/3/1")
     status.add_argument("run_dir", type=Path)

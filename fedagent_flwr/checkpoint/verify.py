@@ -73,6 +73,7 @@ from fedagent_flwr.checkpoint.verify_optimizer import (
     header_of,
     verify_optimizer_round,
 )
+from fedagent_flwr.cli import program
 
 #: (summary key of the aggregate, of its content hash, retention's label, the line's suffix)
 _KINDS = (("aggregated_actor", "aggregated_sha256", "global_model", ""),
@@ -120,7 +121,7 @@ def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, al
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.checkpoint.verify",
+    parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.checkpoint.verify"),
                                      description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory holding federated_summary.json")
     parser.add_argument("--tolerance", type=float, default=1e-6)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.envs.base import BaseTextEnv
 from fedagent_flwr.envs.registry import get_env_class, make_env
 from fedagent_flwr.envs.spec import DEFAULT_MAX_TURNS
@@ -110,7 +111,8 @@ def _served(name: str, config: dict[str, Any], state_dir: Path) -> tuple[Any, di
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m fedagent_flwr.envs.check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.envs.check"),
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("env", help="registered name or dotted path of the environment class")
     parser.add_argument("--config", default="{}", help="environment config as a JSON object")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.hetero import (
     STRATEGIES,
     GoalInfo,
@@ -67,7 +68,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m fedagent_flwr.hetero.inspect",
+        prog=program("python -m fedagent_flwr.hetero.inspect"),
         description="Print each client's goals under a partition strategy, as FedAgent computes them.",
     )
     parser.add_argument("--env", required=True, choices=ENVS, help="environment whose pool is partitioned")

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
 
 #: The tiny model's size, in its config.json: also how :func:`_holds_tiny_model` recognises one.
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m fedagent_flwr.models.tiny",
+        prog=program("python -m fedagent_flwr.models.tiny"),
         description="Write a tiny random-weight model with the SmolLM2 tokenizer, for smoke runs "
                     "(e.g. model.path=DIR): every code path runs in seconds, nothing is learned.")
     parser.add_argument("directory", help="where to write it (created; a tiny model there is replaced, any "

@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.envs.alfworld.data import (
     DATA_VERSION_DIR,
     OFFICIAL_SPLIT_SIZES,
@@ -92,7 +93,7 @@ def _fetch_summary(data_dir: Path, base_url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return download_main(argv, prog="python -m fedagent_flwr.envs.alfworld.download",
+    return download_main(argv, prog=program("python -m fedagent_flwr.envs.alfworld.download"),
                          description=__doc__.splitlines()[0], base_url=GITHUB,
                          base_url_help="a mirror laid out as <owner>/<repo>/releases/download/...",
                          download=_fetch_summary)

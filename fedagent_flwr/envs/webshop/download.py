@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # The fetcher is shared with ALFWorld's download command; tests import these names from here too.
+from fedagent_flwr.cli import program
 from fedagent_flwr.fetch import DataFile, download_main, fetch_files
 from fedagent_flwr.fetch import DownloadError as DownloadError  # re-exported: tests import it from here
 
@@ -54,7 +55,7 @@ def _fetch_summary(data_dir: Path, base_url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return download_main(argv, prog="python -m fedagent_flwr.envs.webshop.download",
+    return download_main(argv, prog=program("python -m fedagent_flwr.envs.webshop.download"),
                          description=__doc__.splitlines()[0], base_url=_RAW,
                          base_url_help="a mirror laid out as <owner>/<repo>/<commit>/<path>", download=_fetch_summary)
 
