@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
+from fedagent_flwr.cli import program
 from fedagent_flwr.compare_report import STATISTICS, markdown, paired
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
@@ -403,7 +404,7 @@ def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the comparison; exit 0 on a report, 2 on input that cannot be compared (one line why)."""
     parser = argparse.ArgumentParser(
-        prog="fedagent compare",
+        prog=program("python -m fedagent_flwr.compare"),
         description="Does one arm beat another across your own runs? Per run its statistics, per arm the mean "
         "over its runs (one a seed), per pair of arms the difference with Welch's 95% interval over runs. "
         "Exit 0 with a report, 2 with one line saying which run cannot be compared and what to do.",

@@ -41,31 +41,49 @@ def _selected(item: str) -> object:
     try:
         return OverridesParser.create().parse_overrides([item])[0].value()
     except HydraException:
-        return item.split("=", 1)[1]  # Hydra names the fault itself when it composes
+        return item.split("=", 1)[1]  # unparsable: checked as the text it is, which no option is
+
+
+def _check_option(group: str, value: object, text: str, options: list[str], optional: bool) -> None:
+    """ConfigError unless ``value`` (``text`` as written) names one option of ``group`` (None: no
+    option, where ``optional``)."""
+    listed = f"(available: {' '.join(options)})"
+    if value is None:
+        if not optional:
+            raise ConfigError(f"config group '{group}' needs one of its options, not null {listed}")
+    elif isinstance(value, (list, dict)):
+        raise ConfigError(f"config group '{group}' takes one option, not {value!r} {listed}")
+    elif value == "":
+        none = f"; {group}=null selects none" if optional else ""
+        raise ConfigError(f"config group '{group}' needs an option's name, got '' {listed}{none}")
+    elif str(value) not in options:
+        name = value if isinstance(value, str) else text  # recipe=true: 'true', not Python's True
+        close = difflib.get_close_matches(str(name), options, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"config group '{group}' has no option '{name}' {listed}{hint}")
 
 
 def check_selections(items: list[str], conf: Path, config_name: str) -> list[str]:
-    """``items`` with each config-group selection checked: an option that ``conf/<group>/`` lacks is a
-    :class:`ConfigError`, and so is ``null`` for a required group; ``null`` for an optional group
-    becomes Hydra's deletion (``~group``), i.e. no preset."""
+    """``items`` with each config-group selection checked, and only the last one of a group kept
+    (Hydra's rule, made explicit so that ``null`` can be translated): an option that
+    ``conf/<group>/`` lacks, a list or ``null`` for a required group is a :class:`ConfigError`;
+    ``null`` for an optional group becomes Hydra's deletion (``~group``), i.e. no preset."""
     groups = {path.name for path in conf.iterdir() if path.is_dir() and not path.name.startswith(("_", "."))}
     optional = optional_groups(conf, config_name)
-    checked = []
-    for item in items:
+    last: dict[str, int] = {}
+    selections: dict[int, tuple[str, object]] = {}
+    for index, item in enumerate(items):
         group = item.split("=", 1)[0].lstrip("+")
-        if group not in groups:
+        if group in groups:
+            value = _selected(item)
+            _check_option(group, value, item.split("=", 1)[1], group_options(conf, group), group in optional)
+            last[group], selections[index] = index, (group, value)
+    checked = []
+    for index, item in enumerate(items):
+        if index not in selections:
             checked.append(item)
             continue
-        value, options = _selected(item), group_options(conf, group)
-        listed = f"(available: {' '.join(options)})"
-        if value is None:
-            if group not in optional:
-                raise ConfigError(f"config group '{group}' needs one of its options, not null {listed}")
-            checked.append(f"~{group}")
-        elif isinstance(value, str) and value not in options:
-            close = difflib.get_close_matches(value, options, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"config group '{group}' has no option '{value}' {listed}{hint}")
-        else:
-            checked.append(item)
+        group, value = selections[index]
+        if last[group] == index:
+            checked.append(f"~{group}" if value is None else item)
     return checked

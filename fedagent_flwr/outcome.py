@@ -178,9 +178,13 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
                 lines.append(line)
                 if deadline is None and _ENDED.search(_ANSI.sub("", line)):
                     deadline = time.monotonic() + grace_s
-        except KeyboardInterrupt:  # Ctrl-C reaches flwr too; a SIGTERM (below) only this process
+        except KeyboardInterrupt:  # Ctrl-C reaches flwr too; a SIGTERM or SIGHUP (main) only this process
             process.terminate()
-            process.wait()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             print("[fedagent] interrupted: stopped following the run's log", flush=True)
             return 130
         returncode = process.wait()
@@ -209,7 +213,9 @@ def undeclared_run_config(command: Sequence[str]) -> str | None:
     """
     if len(command) < 2 or command[1] != "run":
         return None
-    app = Path(command[2]) if len(command) > 2 and not command[2].startswith("-") else Path(".")
+    if len(command) > 2 and command[2].startswith("-"):
+        return None  # options before the app: which word is the app is Flower's to parse
+    app = Path(command[2]) if len(command) > 2 else Path(".")
     values = [value for option, value in zip(command, command[1:]) if option in ("--run-config", "-c")]
     values += [word.split("=", 1)[1] for word in command if word.startswith("--run-config=")]
     try:
@@ -255,24 +261,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     if args.stop_local is None:
         return run_and_report(command)
-    # The local SuperLink runs in a session of its own, so a Ctrl-C reaches only flwr's log stream
-    # and the run would go on in the background; a SIGTERM (make's, on its way out) is handled alike.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return run_and_report(command)
-    finally:
-        from fedagent_flwr.launch import stop_local_superlink
+    return _run_then_stop_local(command, args.stop_local)
 
-        for handled in (signal.SIGINT, signal.SIGTERM):  # the stop is bounded (a grace period); let it finish
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _run_then_stop_local(command: Sequence[str], flwr_home: str) -> int:
+    """:func:`run_and_report`, then stop ``flwr_home``'s local SuperLink and the run on it, also when
+    interrupted: that SuperLink runs in a session of its own, so a Ctrl-C reaches only flwr's log
+    stream and the run would go on in the background. A SIGTERM (make's, on its way out) or a SIGHUP
+    (the terminal closed) is taken as a Ctrl-C; the status is then 128 + the signal's number."""
+    from fedagent_flwr.launch import stop_local_superlink
+
+    received: list[int] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    for handled in _STOP_SIGNALS[1:]:
+        signal.signal(handled, interrupt)
+    try:
+        status = run_and_report(command)
+    finally:
+        for handled in _STOP_SIGNALS:  # the stop is bounded (a grace period); let it finish
             signal.signal(handled, signal.SIG_IGN)
-        pids = stop_local_superlink(args.stop_local)
+        pids = stop_local_superlink(flwr_home)
         print(f"[fedagent] stopped the local SuperLink {pids}, and the run on it if any" if pids
               else "[fedagent] no local SuperLink runs for this FLWR_HOME", flush=True)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """A SIGTERM, taken as a Ctrl-C: the run is stopped the same way."""
-    raise KeyboardInterrupt
+    return 128 + received[0] if received else status
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def test_null_deselects_the_optional_recipe() -> None:
     assert preset.run.num_rounds != load_settings().run.num_rounds
     assert load_settings(overrides="recipe=null").run == load_settings().run
     assert load_settings(overrides="recipe=tinyguess_verl recipe=null").run == load_settings().run
+    # the last selection of a group wins (Hydra's rule), null included: no preset dropped in silence
+    assert load_settings(overrides="recipe=null recipe=tinyguess_verl").run == preset.run
+    assert load_settings(overrides="recipe=tinyguess_verl recipe=null recipe=tinyguess_verl").run == preset.run
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,13 @@ def test_null_deselects_the_optional_recipe() -> None:
                                    "webshop_verl webshop_windowed_verl); did you mean 'tinyguess_verl'?"),
         ("+recipe=nope", "config group 'recipe' has no option 'nope' (available: tinyguess_verl"),
         ("env=null", "config group 'env' needs one of its options, not null (available: alfworld tinyguess "),
+        ("recipe=[nope]", "config group 'recipe' takes one option, not ['nope'] (available: "),
+        ("strategy=[fedavg,fedprox]", "config group 'strategy' takes one option, not ['fedavg', 'fedprox']"),
+        ("recipe=true", "config group 'recipe' has no option 'true' (available: "),
+        ("strategy=1.5", "config group 'strategy' has no option '1.5' (available: "),
+        ("recipe=''", "config group 'recipe' needs an option's name, got '' (available: tinyguess_verl webshop_verl "
+                      "webshop_windowed_verl); recipe=null selects none"),
+        ("recipe=tinyguess_verl recipe=nope", "config group 'recipe' has no option 'nope'"),  # each one is checked
         ("strategy.weights=[1,0]", "config key 'strategy.weights'"),
         ("strategy.weights=[1,2,3]", "has 3 entries but clients.total is 2"),
         ("strategy.proximal_mu=-0.1", "config key 'strategy.proximal_mu'"),

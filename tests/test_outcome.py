@@ -4,6 +4,7 @@ around real `flwr run` simulations."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,29 @@ def test_declared_run_config_keys_pass_the_check() -> None:
                                   "-c", "strategy='fedprox'"]) is None
     assert undeclared_run_config(["flwr", "run", repo, "--run-config=foo=1"]) is not None
     assert undeclared_run_config(["flwr", "ls"]) is None  # not a run: nothing to check
+    # options before the app: which word is the app is Flower's to parse, so nothing is refused here
+    assert undeclared_run_config(["flwr", "run", "--stream", "/elsewhere/app", "-c", "foo=2"]) is None
+
+
+def test_a_sigterm_to_the_wrapper_stops_what_it_runs_and_exits_143(tmp_path: Path) -> None:
+    """make, on its way out, or a closed terminal signals only the wrapper: it stops its command and
+    the local SuperLink (none runs for this FLWR_HOME here) as at a Ctrl-C, with 128 + the signal."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    wrapper = subprocess.Popen([sys.executable, "-m", "fedagent_flwr.outcome", "run", "--stop-local",
+                                str(tmp_path / "home"), "--", sys.executable, "-c", child],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()[0]
+        time.sleep(0.1)
+    wrapper.send_signal(signal.SIGTERM)
+    output = wrapper.communicate(timeout=60)[0]
+    assert wrapper.returncode == 128 + signal.SIGTERM, output
+    assert output.splitlines() == ["[fedagent] interrupted: stopped following the run's log",
+                                   "[fedagent] no local SuperLink runs for this FLWR_HOME"]
+    with pytest.raises(ProcessLookupError):  # the command was stopped (and reaped), not left running
+        os.kill(int(pid_file.read_text()), 0)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.envs.webshop.expert import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -37,7 +38,7 @@ from fedagent_flwr.rollout.episode import ChatTemplateError, require_chat_templa
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fedagent webshop-expert",
+        prog=program("python -m fedagent_flwr.envs.webshop.expert_cli"),
         description="Play WebShop training goals with the expert (oracle) policy and write the episodes "
                     "as JSON lines (SFT data for a warm start).")
     parser.add_argument("--data-dir", default=None,

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.cli import program
 from fedagent_flwr.rollout.episode import (
     ChatTemplateError,
     ConversationError,
@@ -295,7 +296,7 @@ def attention_kernels(choice: str) -> AbstractContextManager[Any]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line of ``fedagent warm-start``."""
     parser = argparse.ArgumentParser(
-        prog="fedagent warm-start",
+        prog=program("python -m fedagent_flwr.trainers.common.warm_start"),
         description="Supervised warm start: fine-tune a causal LM on recorded conversations (loss on the "
                     "replies only, laid out as the concat rollout lays out episodes).")
     parser.add_argument("--data", type=Path, required=True, help="JSONL file, one {'messages': [...]} per line")
