@@ -8,6 +8,7 @@ multi-hour RL run should never silently fall back to a default.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shlex
@@ -26,7 +27,7 @@ from fedagent_flwr.config_groups import check_selections
 from fedagent_flwr.config_keys import ConfigError
 from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
-from fedagent_flwr.schema import RunSchema, SettingError, check, declared_type, register
+from fedagent_flwr.schema import RunSchema, SettingError, check, declared_keys, declared_type, register
 from fedagent_flwr.schema.run import Storage, StrategyKwargs
 from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, CHAT_TEMPLATE_KEY, CHAT_TEMPLATE_USAGE, ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
@@ -119,7 +120,7 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
         key = item.split("=", 1)[0].lstrip("+~")
         if f"'{key}'" in text or f"override '{key}'" in text.lower():
             if "not in struct" in text or "Could not override" in text:
-                return f"{_unknown_key(key)} (from override '{item}')"
+                return _unknown_key(key, f" (from override '{item}')")
             if "Could not find" in text or "not found" in text:
                 found = re.search(r"Available options in '[^']*': (.*?) Config search path", text)
                 options = f" (available: {found.group(1).strip()})" if found else ""
@@ -142,14 +143,16 @@ def _declared_form(item: str) -> str:
     return item
 
 
-def _unknown_key(key: str) -> str:
-    """An unknown key, or a trainer key that the run sets from another key (``rollout.*``, ``model.*``)."""
+def _unknown_key(key: str, given: str = "") -> str:
+    """An unknown key (``given``: where it came from, e.g. " (from override 'x=1')"), with the closest
+    declared one; or a trainer key that the run sets from another key (``rollout.*``, ``model.*``)."""
     if (source := AGENT_LOOP_KEYS.get(key.removeprefix("trainer."))) and key.startswith("trainer."):
-        return f"config key '{key}' is set from '{source}'; set {source} instead"
+        return f"config key '{key}' is set from '{source}'; set {source} instead{given}"
     if key.startswith(_STRATEGY_KWARGS):
         return (f"unknown config key '{key}': strategy.kwargs is an open mapping for a custom Strategy's own "
-                f"arguments; add a key to it with '+{key}=...'")
-    return f"unknown config key '{key}'"
+                f"arguments; add a key to it with '+{key}=...'{given}")
+    close = difflib.get_close_matches(key, declared_keys(), n=1)
+    return f"unknown config key '{key}'{given}" + (f"; did you mean '{close[0]}'?" if close else "")
 
 
 @dataclass(frozen=True)

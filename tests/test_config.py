@@ -44,7 +44,11 @@ def test_null_deselects_the_optional_recipe() -> None:
     ("override", "message"),
     [
         ("foo=1", "unknown config key 'foo'"),
-        ("model.pathh=x", "unknown config key 'model.pathh'"),
+        ("model.pathh=x", "unknown config key 'model.pathh' (from override 'model.pathh=x'); did you mean "
+                          "'model.path'?"),
+        ("num_roundz=3", "unknown config key 'num_roundz' (from override 'num_roundz=3'); did you mean 'num_rounds'?"),
+        ("trainer=verl trainer.rollout_m=4", "unknown config key 'trainer.rollout_m' (from override "
+                                            "'trainer.rollout_m=4'); did you mean 'trainer.rollout_n'?"),
         ("num_rounds=abc", "config key 'num_rounds' must be int"),
         ("num_rounds=0", "config key 'num_rounds' = 0 is invalid"),
         ("clients.per_round=0", "config key 'clients.per_round'"),

@@ -20,7 +20,7 @@ from fedagent_flwr.schema.run import RunSchema
 from fedagent_flwr.schema.trainer import CLIENTAPP_TRAINER_KEYS, TRAINER_GROUPS, TRAINER_MODES, TRAINER_SCHEMAS
 
 __all__ = ["CLIENTAPP_TRAINER_KEYS", "TRAINER_GROUPS", "TRAINER_MODES", "TRAINER_SCHEMAS", "RunSchema", "SettingError",
-           "check", "declared_type", "register", "setting"]
+           "check", "declared_keys", "declared_type", "register", "setting"]
 
 
 def register() -> None:
@@ -68,3 +68,21 @@ def declared_type(dotted: str) -> Any:
         if node is not None:
             return node
     return None
+
+
+def declared_keys() -> list[str]:
+    """Every dotted key the schema declares (``trainer.*``: either backend's), sorted: what an
+    unknown key is matched against for a "did you mean" (:mod:`fedagent_flwr.config`)."""
+
+    def walk(node: Any, prefix: str) -> set[str]:
+        keys: set[str] = set()
+        for field in dataclasses.fields(node):
+            hint = field.metadata.get("keys") or get_type_hints(node)[field.name]
+            keys |= walk(hint, f"{prefix}{field.name}.") if dataclasses.is_dataclass(hint) else {prefix + field.name}
+        return keys
+
+    keys = walk(RunSchema, "") - {"trainer"}
+    for schema in TRAINER_GROUPS.values():
+        keys |= walk(schema, "trainer.")
+    return sorted(keys)
+
