@@ -77,7 +77,7 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
             raise ConfigError(f"config key '{key}' must be bool, got {value!r}")
         if key == CHAT_TEMPLATE_KEY:
             _check_mapping_override(item, key, value)
-    items = check_selections(items, conf_dir(), config_name)
+    items = check_selections(items, conf_dir())
     register()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -123,8 +123,12 @@ def _explain_hydra_error(exc: Exception, items: list[str]) -> str:
                 return _unknown_key(key, f" (from override '{item}')")
             if "Could not find" in text or "not found" in text:
                 found = re.search(r"Available options in '[^']*': (.*?) Config search path", text)
-                options = f" (available: {found.group(1).strip()})" if found else ""
-                return f"config group '{key}' has no option '{item.split('=', 1)[1]}'{options}"
+                options = found.group(1).split() if found else []
+                missing = re.search(rf"Could not find '{re.escape(key)}/([^']*)'", text)  # which one, of several
+                name = missing.group(1) if missing else item.split("=", 1)[1].strip("'\"")  # a typed key's is quoted
+                close = difflib.get_close_matches(name, options, n=1)
+                return (f"config group '{key}' has no option '{name}'" + (f" (available: {' '.join(options)})"
+                        if options else "") + (f"; did you mean '{close[0]}'?" if close else ""))
     return f"configuration error: {text}"
 
 

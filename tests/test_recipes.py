@@ -17,7 +17,7 @@ from fedagent_flwr.trainers.verl.settings import VerlSettings
 from testkit.verl_probe import compose_verl_config
 from testkit.webshop_data import DATA_DIR as WEBSHOP_DATA
 
-RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml") if p.stem != "none")  # none: no preset
 ARMS = ["", "experiment=local", "experiment=centralized", "strategy=fedprox"]
 
 

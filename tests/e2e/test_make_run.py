@@ -54,8 +54,11 @@ def test_ctrl_c_stops_the_run_and_its_local_superlink(tmp_path: Path, tiny_model
     command = ["make", "-s", "-C", str(REPO), "-o", "install", "run", f"VENV={venv}", f"FLWR_HOME={flwr_home}",
                f'ARGS=--run-config "{run_config}"']
     with log.open("wb") as out:
-        # a process group of its own, as a terminal's foreground job is: Ctrl-C signals all of it
-        make = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # A process group of its own, as a terminal's foreground job is: Ctrl-C signals all of it. And
+        # SIGINT at its default, as in a terminal: a suite started in the background (`make test &`, a
+        # CI runner) inherits it ignored, and an ignored SIGINT would reach no process of the run.
+        make = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(log, "[fedagent] run directory:", make, timeout_s=240)
         assert local_superlink_pids(flwr_home), log.read_text()[-4000:]
