@@ -38,6 +38,7 @@ from queue import Empty, Queue
 from typing import Any
 
 from fedagent_flwr.cli import program
+from fedagent_flwr.procs import end_process
 
 SUMMARY_FILE = "federated_summary.json"  # fedagent_flwr.serverapp.recorder.SUMMARY_FILE, without importing Flower
 EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
@@ -179,12 +180,7 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
                 if deadline is None and _ENDED.search(_ANSI.sub("", line)):
                     deadline = time.monotonic() + grace_s
         except KeyboardInterrupt:  # Ctrl-C reaches flwr too; a SIGTERM or SIGHUP (main) only this process
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end_process(process, grace_s=30)
             print("[fedagent] interrupted: stopped following the run's log", flush=True)
             return 130
         returncode = process.wait()

@@ -33,6 +33,16 @@ except ModuleNotFoundError:  # an env's own interpreter: only OwnerWatch is used
 _POLL_S = 0.05
 
 
+def end_process(process: subprocess.Popen[Any], grace_s: float) -> None:
+    """Terminate the child ``process`` and reap it, killed if it has not ended within ``grace_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @functools.cache
 def boot_id() -> str:
     """This machine's boot id: a pid and a start time mean something only within one boot (a

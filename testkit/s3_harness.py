@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from fedagent_flwr.procs import end_process
 from testkit.flower_harness import free_port
 
 # moto accepts any key pair; real credentials never belong in a test.
@@ -47,10 +48,5 @@ def moto_s3(log_dir: Path) -> Iterator[str]:
                 time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        end_process(process, grace_s=20)
         log.close()

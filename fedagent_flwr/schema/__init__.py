@@ -85,4 +85,3 @@ def declared_keys() -> list[str]:
     for schema in TRAINER_GROUPS.values():
         keys |= walk(schema, "trainer.")
     return sorted(keys)
-
