@@ -479,7 +479,8 @@ def readme_setting_problems(text: str) -> tuple[list[str], int]:
                 continue
             if part is None or not re.fullmatch(r"[\w.\[\]{},\"-]*", part):
                 continue
-            stated = None if part == "none" else yaml.safe_load(part)
+            # a group's default is an option's name (recipe: none, the no-preset option); elsewhere none is null
+            stated = part if key in groups else None if part == "none" else yaml.safe_load(part)
             actual = _composed_default(key, configs, groups)
             compared += 1
             if actual is _UNSET or stated != actual:
