@@ -77,10 +77,11 @@ def compose_config(config_name: str = "config", overrides: str | Sequence[str] =
             raise ConfigError(f"config key '{key}' must be bool, got {value!r}")
         if key == CHAT_TEMPLATE_KEY:
             _check_mapping_override(item, key, value)
-    items = check_selections(items, conf_dir())
+    conf = conf_dir()
+    items = check_selections(items, conf)
     register()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
             cfg = compose(config_name=config_name, overrides=items)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, items)) from None

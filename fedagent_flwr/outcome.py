@@ -192,14 +192,6 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
     return outcome.exit_code
 
 
-def _flat_keys(table: dict[str, Any], prefix: str = "") -> set[str]:
-    """The dotted keys of a TOML table, as Flower flattens ``[tool.flwr.app.config]``."""
-    keys: set[str] = set()
-    for key, value in table.items():
-        keys |= _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
-    return keys
-
-
 def undeclared_run_config(command: Sequence[str]) -> str | None:
     """Why ``flwr run`` will refuse this command's ``--run-config``, or None if it will not (or it
     cannot be told here: another app argument, a value Flower cannot parse; Flower answers those).
@@ -215,11 +207,10 @@ def undeclared_run_config(command: Sequence[str]) -> str | None:
     values = [value for option, value in zip(command, command[1:]) if option in ("--run-config", "-c")]
     values += [word.split("=", 1)[1] for word in command if word.startswith("--run-config=")]
     try:
-        import tomllib
+        from flwr.common.config import flatten_dict, get_project_config, parse_config_args
 
-        from flwr.common.config import parse_config_args
-
-        declared = _flat_keys(tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+        # the keys as Flower reads and flattens them for its own check (fuse_dicts)
+        declared = set(flatten_dict(get_project_config(app)["tool"]["flwr"]["app"]["config"]))
         given = parse_config_args(values) if values else {}
     except Exception:  # noqa: BLE001 - any fault here is Flower's to report, with its own words
         return None
