@@ -45,6 +45,7 @@ EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_DIR = re.compile(r"\[fedagent\] run directory: (?P<value>.+?)\s*$")
+_STARTED = re.compile(r"Successfully started run (?P<run_id>\d+)")
 _CANNOT_START = re.compile(r"\[fedagent\] cannot start the run: (?P<value>.+?)\s*$")
 # The ServerApp's last words when it stops early: the outcome is known from here on.
 _ENDED = re.compile(r"\[fedagent\] (?:cannot start the run|run failed): ")
@@ -136,9 +137,13 @@ def outcome_of_log(lines: Sequence[str]) -> Outcome:
                    "(see the log above)")
 
 
-def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> int:
+def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S, stops_the_run: bool = False) -> int:
     """Run ``command`` (``flwr run ... --stream``), pass its output through, then print the run's
     outcome in one line and return its exit status (flwr's own when flwr failed).
+
+    A Ctrl-C stops only the log stream: the run goes on on its SuperLink, so unless the caller stops
+    it (``stops_the_run``: ``--stop-local``), the message names the run and the ``flwr stop``
+    command that ends it.
 
     Once the ServerApp has logged that the run cannot start or has failed, the outcome is known; in a
     simulation Flower still waits for Ray to come up before it ends the run (half a minute on a small
@@ -182,6 +187,8 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
         except KeyboardInterrupt:  # Ctrl-C reaches flwr too; a SIGTERM or SIGHUP (main) only this process
             end_process(process, grace_s=30)
             print("[fedagent] interrupted: stopped following the run's log", flush=True)
+            if not stops_the_run and (hint := _stop_hint(command, lines)):
+                print(hint, flush=True)
             return 130
         returncode = process.wait()
     if returncode != 0 and not stopped:
@@ -190,6 +197,20 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S) -> 
     outcome = outcome_of_log(lines)
     print(outcome.line(), flush=True)
     return outcome.exit_code
+
+
+def _stop_hint(command: Sequence[str], lines: Sequence[str]) -> str | None:
+    """How to stop the run that ``command`` started, from flwr's "Successfully started run N" line
+    (None before that line: no run was started yet, or flwr's wording changed)."""
+    started = next((m for line in lines if (m := _STARTED.search(_ANSI.sub("", line)))), None)
+    if started is None:
+        return None
+    # `flwr run [APP] [SUPERLINK]`: the connection name, if given, is the word after the app
+    positional = list(command[1:4]) if len(command) > 3 else []
+    named = positional[0] == "run" and not any(word.startswith("-") for word in positional[1:]) if positional else False
+    connection = f" {command[3]}" if named else ""
+    run_id = started.group("run_id")
+    return f"[fedagent] run {run_id} goes on on its SuperLink; to stop it: flwr stop {run_id}{connection}"
 
 
 def undeclared_run_config(command: Sequence[str]) -> str | None:
@@ -270,7 +291,7 @@ def _run_then_stop_local(command: Sequence[str], flwr_home: str) -> int:
     for handled in _STOP_SIGNALS[1:]:
         signal.signal(handled, interrupt)
     try:
-        status = run_and_report(command)
+        status = run_and_report(command, stops_the_run=True)
     finally:
         for handled in _STOP_SIGNALS:  # the stop is bounded (a grace period); let it finish
             signal.signal(handled, signal.SIG_IGN)

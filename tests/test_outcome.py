@@ -137,3 +137,41 @@ def test_a_sigterm_to_the_wrapper_stops_what_it_runs_and_exits_143(tmp_path: Pat
                                    "[fedagent] no local SuperLink runs for this FLWR_HOME"]
     with pytest.raises(ProcessLookupError):  # the command was stopped (and reaped), not left running
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_a_ctrl_c_without_stop_local_names_the_run_and_how_to_stop_it(tmp_path: Path) -> None:
+    """Without --stop-local (a deployment's SuperLink) a Ctrl-C stops only the log stream; the run
+    goes on, so the wrapper says which run it is and the `flwr stop` command that ends it."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, time; print('\\x1b[32mSuccessfully started run 4242\\x1b[0m', flush=True); "
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    # SIGINT back to its default, so Python turns it into KeyboardInterrupt even where the test
+    # runner was started with it ignored (a background job)
+    wrapper = subprocess.Popen([sys.executable, "-m", "fedagent_flwr.outcome", "run", "--",
+                                sys.executable, "-c", child],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()[0]
+        time.sleep(0.1)
+    wrapper.send_signal(signal.SIGINT)
+    output = wrapper.communicate(timeout=60)[0]
+    assert wrapper.returncode == 130, output
+    assert output.splitlines()[-2:] == [
+        "[fedagent] interrupted: stopped following the run's log",
+        "[fedagent] run 4242 goes on on its SuperLink; to stop it: flwr stop 4242"]
+
+
+def test_the_stop_hint_names_the_superlink_connection_the_run_was_started_on() -> None:
+    from fedagent_flwr.outcome import _stop_hint
+
+    started = ["Loading project configuration...\n", "Successfully started run 7 in federation lab\n"]
+    assert _stop_hint(["flwr", "run", ".", "lab", "--stream"], started) == (
+        "[fedagent] run 7 goes on on its SuperLink; to stop it: flwr stop 7 lab")
+    assert _stop_hint(["flwr", "run", ".", "--stream"], started) == (
+        "[fedagent] run 7 goes on on its SuperLink; to stop it: flwr stop 7")
+    assert _stop_hint(["flwr", "run", ".", "lab"], ["Loading project configuration...\n"]) is None
