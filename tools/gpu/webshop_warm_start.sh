@@ -124,6 +124,14 @@ if [ "$(head -n 1 "$EXPERT_CACHE/key" 2>/dev/null)" = "$KEY" ]; then
     echo "expert: the episodes in $EXPERT_CACHE are not the ones their key records (damaged or partly written): playing them"
     rm -f "$SCRATCH/expert.jsonl"
   fi
+elif [ -f "$EXPERT_CACHE/key" ]; then
+  # Say which of the key's fields differ, so that a session that carried them to skip the playing
+  # (stage_webshop_data.sh EXPERT=1) sees why it did not: most often a commit after the staging.
+  differ=$(diff <(head -n 1 "$EXPERT_CACHE/key" | tr ' ' '\n') <(printf '%s\n' "$KEY" | tr ' ' '\n') \
+           | sed -n 's/^> \([^=]*\)=.*/\1/p' | paste -sd ' ' -)
+  hint=""
+  case " $differ " in *" code "*) hint=" (code: the package changed since they were played; stage them again after the last commit)" ;; esac
+  echo "expert: the episodes in $EXPERT_CACHE were played under another key (differs in: ${differ:-its layout})$hint: playing them"
 fi
 for k in $(seq 0 $((SHARDS - 1))); do
   n=$(( left < PER ? left : PER )); left=$(( left - n ))

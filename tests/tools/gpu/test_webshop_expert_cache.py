@@ -76,7 +76,16 @@ def test_episodes_are_reused_only_under_the_same_key_and_intact(tmp_path: Path) 
     # Another setting (one shard: other first seeds) changes the key: played, the cache left as it was.
     out = expert_only(tmp_path / "other", cache, shards=1)
     assert "expert: reused" not in out and "in 1 shards" in out, out
+    assert f"expert: the episodes in {cache} were played under another key (differs in: shards): playing them" in out
     assert (cache / "key").read_text().splitlines() == [key, recorded]
+
+    # Another package (a commit after the staging) changes the key's code field, which is named.
+    lines = (cache / "key").read_text().splitlines()
+    (cache / "key").write_text("\n".join([lines[0].replace(" code=", " code=0"), lines[1]]) + "\n")
+    out = expert_only(tmp_path / "recommitted", cache)
+    assert "(differs in: code) (code: the package changed since they were played; stage them again after " \
+        "the last commit): playing them" in out and "in 2 shards" in out, out
+    (cache / "key").write_text("\n".join([key, recorded]) + "\n")
 
     # A damaged file under a matching key is played again, not trusted.
     gz = (cache / "expert.jsonl.gz").read_bytes()
