@@ -2,8 +2,10 @@
 
 A client of this app is a *partition* (``partition-id`` in a SuperNode's node config), not a
 node: the strategies select partitions with FedAgent's seeded rule and address each instruction to
-the node that serves it. :class:`NodeRegistry` asks every newly connected node once which partition
-it serves (a ``query.partition`` message), forgets nodes that left, and at the end of the run sends
+the node that serves it. :class:`NodeRegistry` asks every newly connected node which partition it
+serves (a ``query.partition`` message), asks again a node that has not answered yet (it failed, or
+was restarted under the same node id after fixing its config), forgets nodes that left (asking them
+again if they come back), and at the end of the run sends
 every known node a ``query.shutdown`` so that it stops what it started (env services, persistent
 trainers).
 """
@@ -29,6 +31,13 @@ R = TypeVar("R")
 # In a simulation Flower registers every SuperNode at once; a node set unchanged for this long is the
 # whole federation.
 SIMULATION_SETTLE_S = 1.0
+# How long a node that has not answered the partition query yet is waited for when it is asked again
+# (each later discovery, so each round): short, so that a node that never answers delays a round by
+# this much at most, not by the whole discovery timeout.
+RETRY_TIMEOUT_S = 10.0
+# ...and at most this often (the wait before round 1 checks every second; a node that answers with
+# an error would otherwise log its reason every second).
+RETRY_INTERVAL_S = 10.0
 
 
 class NoClientsError(RunFailedError):
@@ -60,7 +69,9 @@ class NodeRegistry:
         self.num_clients = num_clients
         self.discovery_timeout = discovery_timeout
         self._node_of_client: dict[int, int] = {}
-        self._asked: set[int] = set()
+        self._asked: set[int] = set()  # online nodes asked for their partition
+        self._answered: set[int] = set()  # the asked nodes that answered it (a partition, used or not)
+        self._next_retry = 0.0  # time.monotonic() from which unanswered nodes may be asked again
 
     def node_of(self, client: int) -> int | None:
         """The node serving ``client`` as last seen, or None."""
@@ -78,7 +89,8 @@ class NodeRegistry:
         return self.discover(grid, (), wait=False)
 
     def discover(self, grid: Grid, needed: Collection[int], wait: bool = True) -> dict[int, int]:
-        """Map client (partition) id -> node id, asking each newly connected node once.
+        """Map client (partition) id -> node id, asking each newly connected node, and each connected
+        node that has not answered yet, for its partition.
 
         With ``wait`` (before the first round) it waits, up to ``discovery_timeout``, until every
         partition of ``needed`` is served; otherwise it takes whoever is connected, so a SuperNode
@@ -102,12 +114,21 @@ class NodeRegistry:
                     continue
                 self._check_simulation_size(len(online), missing_set)
                 simulated = False
-            # Forget nodes that left (deployment), ask nodes not asked yet.
+            # Forget nodes that left (deployment): one that comes back, under the same node id (a
+            # restart with node authentication) or another, is asked again, as is an online node that
+            # has not answered yet (its query failed or timed out), with a shorter wait.
             self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
+            self._asked &= online
+            self._answered &= online
+            retry = sorted(self._asked - self._answered) if time.monotonic() >= self._next_retry else []
             new_nodes = sorted(online - self._asked)
             if new_nodes:
-                self._ask_partitions(grid, new_nodes)
+                self._ask_partitions(grid, new_nodes, self.discovery_timeout)
                 self._asked.update(new_nodes)
+            if retry:
+                self._ask_partitions(grid, retry, min(RETRY_TIMEOUT_S, self.discovery_timeout))
+            if new_nodes or retry:
+                self._next_retry = time.monotonic() + RETRY_INTERVAL_S
             missing = missing_set - set(self._node_of_client)
             if not missing or not wait:
                 return dict(self._node_of_client)
@@ -131,10 +152,11 @@ class NodeRegistry:
                 f"--federation-config 'num-supernodes={self.num_clients}' or set clients.total={supernodes}"
             )
 
-    def _ask_partitions(self, grid: Grid, node_ids: list[int]) -> None:
-        answers = _answers(grid, PartitionQuery(), node_ids, PartitionReply.from_record, self.discovery_timeout,
+    def _ask_partitions(self, grid: Grid, node_ids: list[int], timeout: float) -> None:
+        answers = _answers(grid, PartitionQuery(), node_ids, PartitionReply.from_record, timeout,
                            "report its partition")
         for node, answer in answers:
+            self._answered.add(node)
             partition, count = answer.partition_id, answer.num_partitions
             if partition in self._node_of_client and self._node_of_client[partition] != node:
                 log(WARNING, "Partition %d is served by two nodes; using node %d", partition,

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid.http_grid import HttpGrid
 
-from fedagent_flwr.protocol import ShutdownInstruction, ShutdownReply
-from fedagent_flwr.serverapp import exchange, rounds
+from fedagent_flwr.protocol import PartitionReply, ShutdownInstruction, ShutdownReply
+from fedagent_flwr.serverapp import exchange, nodes, rounds
 from fedagent_flwr.serverapp.nodes import NodeRegistry
 
 
@@ -41,9 +41,9 @@ class ScriptedSuperLink:
         grid.pull_messages = self.pull  # type: ignore[method-assign]
 
     def push(self, run_id: int, messages: Iterable[Message]) -> list[str]:
-        for message in messages:
-            self.pushed[message.metadata.message_id] = message
-        return list(self.pushed)
+        batch = list(messages)
+        self.pushed.update((message.metadata.message_id, message) for message in batch)
+        return [message.metadata.message_id for message in batch]
 
     def pull(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
@@ -106,3 +106,33 @@ def test_a_timeout_of_zero_pulls_nothing_as_flowers_grid_does(sleeps: list[float
     message = Message(RecordDict(), dst_node_id=100, message_type="train")
     assert exchange.send_and_receive(grid, [message], timeout=0) == []
     assert list(link.pushed) == [message.metadata.message_id] and link.pulls == [] and sleeps == []
+
+
+def test_a_node_that_failed_to_answer_or_left_and_came_back_is_asked_again(
+        sleeps: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SuperNode whose partition query failed (a bad node config) is asked again at the next
+    discovery: restarted with a good config under the same node id (node authentication keeps the
+    id), it serves its client from that round on. A node that left and came back is asked again; one
+    that answered is not."""
+    grid = HttpGrid(token="test")
+    online, broken, partition = {100, 101}, {101}, {100: 0, 101: 1}
+    monkeypatch.setattr(grid, "get_node_ids", lambda: set(online))
+    monkeypatch.setattr(nodes, "RETRY_INTERVAL_S", 0.0)  # each discovery may ask again (a round apart in a run)
+
+    def answer(message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        if node in broken:
+            return Message(Error(code=0, reason="config key 'cache-keep' must be a whole number"), reply_to=message)
+        return Message(PartitionReply(partition[node], 2).to_record(), reply_to=message)
+
+    link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0}, answer=answer)
+    registry = NodeRegistry(num_clients=2)
+    assert registry.online(grid) == {0: 100}
+    broken.clear()  # restarted with a good config, under the same node id
+    assert registry.online(grid) == {0: 100, 1: 101}
+    asked = len(link.pushed)
+    assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked  # both answered: no query
+    online.discard(100)
+    assert registry.online(grid) == {1: 101}
+    online.add(100)  # back under the same id
+    assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked + 1
