@@ -141,7 +141,7 @@ def run_and_report(command: Sequence[str], grace_s: float = STOPPED_GRACE_S, sto
     """Run ``command`` (``flwr run ... --stream``), pass its output through, then print the run's
     outcome in one line and return its exit status (flwr's own when flwr failed).
 
-    A Ctrl-C stops only the log stream: the run goes on on its SuperLink, so unless the caller stops
+    A Ctrl-C stops only the log stream: the run keeps running on its SuperLink, so unless the caller stops
     it (``stops_the_run``: ``--stop-local``), the message names the run and the ``flwr stop``
     command that ends it.
 
@@ -206,11 +206,10 @@ def _stop_hint(command: Sequence[str], lines: Sequence[str]) -> str | None:
     if started is None:
         return None
     # `flwr run [APP] [SUPERLINK]`: the connection name, if given, is the word after the app
-    positional = list(command[1:4]) if len(command) > 3 else []
-    named = positional[0] == "run" and not any(word.startswith("-") for word in positional[1:]) if positional else False
+    named = len(command) > 3 and command[1] == "run" and not any(word.startswith("-") for word in command[2:4])
     connection = f" {command[3]}" if named else ""
     run_id = started.group("run_id")
-    return f"[fedagent] run {run_id} goes on on its SuperLink; to stop it: flwr stop {run_id}{connection}"
+    return f"[fedagent] run {run_id} is still running on its SuperLink; to stop it: flwr stop {run_id}{connection}"
 
 
 def undeclared_run_config(command: Sequence[str]) -> str | None:

@@ -115,21 +115,28 @@ def test_declared_run_config_keys_pass_the_check() -> None:
     assert undeclared_run_config(["flwr", "run", "--stream", "/elsewhere/app", "-c", "foo=2"]) is None
 
 
+def wait_for_the_child(wrapper: subprocess.Popen[str], pid_file: Path) -> None:
+    """Wait (up to a minute) until the wrapper's command has written its pid, failing the test with
+    the wrapper's output if the wrapper ends first."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()[0]
+        time.sleep(0.1)
+
+
 def test_a_sigterm_to_the_wrapper_stops_what_it_runs_and_exits_143(tmp_path: Path) -> None:
     """make, on its way out, or a closed terminal signals only the wrapper: it stops its command and
     the local SuperLink (none runs for this FLWR_HOME here) as at a Ctrl-C, with 128 + the signal."""
     import signal
-    import time
 
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     wrapper = subprocess.Popen([sys.executable, "-m", "fedagent_flwr.outcome", "run", "--stop-local",
                                 str(tmp_path / "home"), "--", sys.executable, "-c", child],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() or not pid_file.read_text():
-        assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()[0]
-        time.sleep(0.1)
+    wait_for_the_child(wrapper, pid_file)
     wrapper.send_signal(signal.SIGTERM)
     output = wrapper.communicate(timeout=60)[0]
     assert wrapper.returncode == 128 + signal.SIGTERM, output
@@ -143,7 +150,6 @@ def test_a_ctrl_c_without_stop_local_names_the_run_and_how_to_stop_it(tmp_path: 
     """Without --stop-local (a deployment's SuperLink) a Ctrl-C stops only the log stream; the run
     goes on, so the wrapper says which run it is and the `flwr stop` command that ends it."""
     import signal
-    import time
 
     pid_file = tmp_path / "child.pid"
     child = ("import os, time; print('\\x1b[32mSuccessfully started run 4242\\x1b[0m', flush=True); "
@@ -154,16 +160,13 @@ def test_a_ctrl_c_without_stop_local_names_the_run_and_how_to_stop_it(tmp_path: 
                                 sys.executable, "-c", child],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() or not pid_file.read_text():
-        assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()[0]
-        time.sleep(0.1)
+    wait_for_the_child(wrapper, pid_file)
     wrapper.send_signal(signal.SIGINT)
     output = wrapper.communicate(timeout=60)[0]
     assert wrapper.returncode == 130, output
     assert output.splitlines()[-2:] == [
         "[fedagent] interrupted: stopped following the run's log",
-        "[fedagent] run 4242 goes on on its SuperLink; to stop it: flwr stop 4242"]
+        "[fedagent] run 4242 is still running on its SuperLink; to stop it: flwr stop 4242"]
 
 
 def test_the_stop_hint_names_the_superlink_connection_the_run_was_started_on() -> None:
@@ -171,7 +174,7 @@ def test_the_stop_hint_names_the_superlink_connection_the_run_was_started_on() -
 
     started = ["Loading project configuration...\n", "Successfully started run 7 in federation lab\n"]
     assert _stop_hint(["flwr", "run", ".", "lab", "--stream"], started) == (
-        "[fedagent] run 7 goes on on its SuperLink; to stop it: flwr stop 7 lab")
+        "[fedagent] run 7 is still running on its SuperLink; to stop it: flwr stop 7 lab")
     assert _stop_hint(["flwr", "run", ".", "--stream"], started) == (
-        "[fedagent] run 7 goes on on its SuperLink; to stop it: flwr stop 7")
+        "[fedagent] run 7 is still running on its SuperLink; to stop it: flwr stop 7")
     assert _stop_hint(["flwr", "run", ".", "lab"], ["Loading project configuration...\n"]) is None
