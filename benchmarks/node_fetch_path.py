@@ -104,7 +104,8 @@ def one_kind(kind: str, source: Path, work: Path, endpoint: str, repeat: int) ->
     try:
         ref = store.share(CheckpointRef.for_directory(global_dir, "actor"))
         fields = store.instruction_fields()
-        done = subprocess.run([sys.executable, "-c", _NODE, json.dumps(fields), json.dumps(ref.__dict__),
+        # -P: the working directory must not come before PYTHONPATH's checkout on sys.path.
+        done = subprocess.run([sys.executable, "-P", "-c", _NODE, json.dumps(fields), json.dumps(ref.__dict__),
                                str(work / f"node-{kind}-{repeat}"), RUN], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{kind} node fetch failed:\n{done.stdout}\n{done.stderr}")

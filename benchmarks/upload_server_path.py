@@ -148,7 +148,8 @@ def one_kind(kind: str, source: Path, work: Path, endpoint: str, repeat: int) ->
         store = open_server_store(StorageSettings(kind="http", host="127.0.0.1", port=0), run_root, RUN)
         fields = {**store.instruction_fields(), **store.upload_grant(1, 0)}
         t0, cpu0 = time.perf_counter(), time.process_time()
-        done = subprocess.run([sys.executable, "-c", _HTTP_CLIENT, json.dumps(fields), str(source),
+        # -P: the working directory must not come before PYTHONPATH's checkout on sys.path.
+        done = subprocess.run([sys.executable, "-P", "-c", _HTTP_CLIENT, json.dumps(fields), str(source),
                                str(work / f"node-{repeat}")], capture_output=True, text=True, check=True)
         upload_wall, upload_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         line = next(line for line in done.stdout.splitlines() if line.startswith("REF "))
