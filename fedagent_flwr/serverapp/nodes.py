@@ -70,7 +70,9 @@ class NodeRegistry:
         self.discovery_timeout = discovery_timeout
         self._node_of_client: dict[int, int] = {}
         self._asked: set[int] = set()  # online nodes asked for their partition
-        self._answered: set[int] = set()  # the asked nodes that answered it (a partition, used or not)
+        # The asked nodes that answered, with the partition each reported (used or not: a second node
+        # of one partition waits here, and serves it if the first leaves).
+        self._answered: dict[int, int] = {}
         self._next_retry = 0.0  # time.monotonic() from which unanswered nodes may be asked again
 
     def node_of(self, client: int) -> int | None:
@@ -119,8 +121,9 @@ class NodeRegistry:
             # has not answered yet (its query failed or timed out), with a shorter wait.
             self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
             self._asked &= online
-            self._answered &= online
-            retry = sorted(self._asked - self._answered) if time.monotonic() >= self._next_retry else []
+            self._answered = {n: p for n, p in self._answered.items() if n in online}
+            self._take_over_left_partitions()
+            retry = sorted(self._asked - set(self._answered)) if time.monotonic() >= self._next_retry else []
             new_nodes = sorted(online - self._asked)
             if new_nodes:
                 self._ask_partitions(grid, new_nodes, self.discovery_timeout)
@@ -156,8 +159,8 @@ class NodeRegistry:
         answers = _answers(grid, PartitionQuery(), node_ids, PartitionReply.from_record, timeout,
                            "report its partition")
         for node, answer in answers:
-            self._answered.add(node)
             partition, count = answer.partition_id, answer.num_partitions
+            self._answered[node] = partition
             if partition in self._node_of_client and self._node_of_client[partition] != node:
                 log(WARNING, "Partition %d is served by two nodes; using node %d", partition,
                     self._node_of_client[partition])
@@ -167,6 +170,14 @@ class NodeRegistry:
                     "it trains partition %d of %d", node, count, self.num_clients, partition,
                     self.num_clients)
             self._node_of_client[partition] = node
+
+    def _take_over_left_partitions(self) -> None:
+        """Give a partition whose node left to another online node that reported it (the lowest id),
+        so a second SuperNode started for one partition serves it once the first is gone."""
+        for node, partition in sorted(self._answered.items()):
+            if partition not in self._node_of_client:
+                log(INFO, "Partition %d is now served by node %d (its other node left)", partition, node)
+                self._node_of_client[partition] = node
 
     def shutdown(self, grid: Grid, instruction: ShutdownInstruction, timeout: float = 120.0) -> None:
         """Tell every known node the run is over, so it stops what it started (env services)."""
