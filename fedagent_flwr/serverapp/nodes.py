@@ -71,7 +71,7 @@ class NodeRegistry:
         self._node_of_client: dict[int, int] = {}
         self._asked: set[int] = set()  # online nodes asked for their partition
         # The asked nodes that answered, with the partition each reported (used or not: a second node
-        # of one partition waits here, and serves it if the first leaves).
+        # of one partition waits here, and is asked again if the first leaves).
         self._answered: dict[int, int] = {}
         self._next_retry = 0.0  # time.monotonic() from which unanswered nodes may be asked again
 
@@ -118,12 +118,14 @@ class NodeRegistry:
                 simulated = False
             # Forget nodes that left (deployment): one that comes back, under the same node id (a
             # restart with node authentication) or another, is asked again, as is an online node that
-            # has not answered yet (its query failed or timed out), with a shorter wait.
+            # has not answered yet (its query failed or timed out), with a shorter wait, and at once a
+            # stand-by node of a partition whose node left.
             self._node_of_client = {c: n for c, n in self._node_of_client.items() if n in online}
             self._asked &= online
             self._answered = {n: p for n, p in self._answered.items() if n in online}
-            self._take_over_left_partitions()
-            retry = sorted(self._asked - set(self._answered)) if time.monotonic() >= self._next_retry else []
+            stand_bys = self._forget_stand_bys_of_left_partitions()
+            due = time.monotonic() >= self._next_retry
+            retry = sorted(self._asked - set(self._answered)) if due else stand_bys
             new_nodes = sorted(online - self._asked)
             if new_nodes:
                 self._ask_partitions(grid, new_nodes, self.discovery_timeout)
@@ -162,8 +164,8 @@ class NodeRegistry:
             partition, count = answer.partition_id, answer.num_partitions
             self._answered[node] = partition
             if partition in self._node_of_client and self._node_of_client[partition] != node:
-                log(WARNING, "Partition %d is served by two nodes; using node %d", partition,
-                    self._node_of_client[partition])
+                log(WARNING, "Partition %d is served by two nodes; using node %d, node %d stands by",
+                    partition, self._node_of_client[partition], node)
                 continue
             if count != self.num_clients and partition < self.num_clients:
                 log(WARNING, "Node %d reports num-partitions=%d but the run has %d clients; "
@@ -171,13 +173,15 @@ class NodeRegistry:
                     self.num_clients)
             self._node_of_client[partition] = node
 
-    def _take_over_left_partitions(self) -> None:
-        """Give a partition whose node left to another online node that reported it (the lowest id),
-        so a second SuperNode started for one partition serves it once the first is gone."""
-        for node, partition in sorted(self._answered.items()):
-            if partition not in self._node_of_client:
-                log(INFO, "Partition %d is now served by node %d (its other node left)", partition, node)
-                self._node_of_client[partition] = node
+    def _forget_stand_bys_of_left_partitions(self) -> list[int]:
+        """The online nodes that reported a partition whose node has left, forgotten as answered so
+        that they are asked again: one still serving it takes it over (its answer is not trusted as
+        it was, since it may have restarted under the same node id with another partition)."""
+        stand_bys = sorted(n for n, p in self._answered.items() if p not in self._node_of_client)
+        for node in stand_bys:
+            log(INFO, "Partition %d lost its node; asking node %d, which reported it too",
+                self._answered.pop(node), node)
+        return stand_bys
 
     def shutdown(self, grid: Grid, instruction: ShutdownInstruction, timeout: float = 120.0) -> None:
         """Tell every known node the run is over, so it stops what it started (env services)."""

@@ -141,22 +141,27 @@ def test_a_node_that_failed_to_answer_or_left_and_came_back_is_asked_again(
 def test_a_second_node_of_one_partition_serves_it_once_the_first_left(
         sleeps: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
     """Two SuperNodes started for partition 0 (a stand-by, or a restart under a new node id before
-    the old one timed out): the first serves it; once it leaves, the second takes over without being
-    asked again (before: it had answered, so it was never asked again, and partition 0 went
-    untrained for the rest of the run)."""
+    the old one timed out): the first to answer serves it; once it leaves, the other is asked again at
+    once and takes over (before: it had answered, so it was never asked again, and partition 0 went
+    untrained for the rest of the run). A stand-by restarted meanwhile with another partition, under
+    the same node id, is not given partition 0 on the strength of its old answer."""
     grid = HttpGrid(token="test")
-    online, partition = {100, 101, 102}, {100: 0, 101: 1, 102: 0}
     monkeypatch.setattr(grid, "get_node_ids", lambda: set(online))
 
     def answer(message: Message) -> Message:
         return Message(PartitionReply(partition[message.metadata.dst_node_id], 2).to_record(), reply_to=message)
 
     link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0, 102: 0}, answer=answer)
-    registry = NodeRegistry(num_clients=2)
-    first = registry.online(grid)
-    assert first[1] == 101 and first[0] in (100, 102)  # whichever answered first
-    other = ({100, 102} - {first[0]}).pop()
-    asked = len(link.pushed)
-    online.discard(first[0])
-    assert registry.online(grid) == {0: other, 1: 101} and len(link.pushed) == asked
-    assert registry.client_of(other) == 0
+    for restarted_as in (0, 1):
+        online, partition = {100, 101, 102}, {100: 0, 101: 1, 102: 0}
+        registry = NodeRegistry(num_clients=2)
+        first = registry.online(grid)
+        assert first[1] == 101 and first[0] in (100, 102)  # whichever answered first
+        other = ({100, 102} - {first[0]}).pop()
+        asked = len(link.pushed)
+        assert registry.online(grid) == first and len(link.pushed) == asked  # all answered: no query
+        partition[other] = restarted_as
+        online.discard(first[0])
+        expected = {0: other, 1: 101} if restarted_as == 0 else {1: 101}
+        assert registry.online(grid) == expected and len(link.pushed) == asked + 1
+        assert registry.client_of(other) == (0 if restarted_as == 0 else -1)
