@@ -146,6 +146,8 @@ def test_a_second_node_of_one_partition_serves_it_once_the_first_left(
     untrained for the rest of the run). A stand-by restarted meanwhile with another partition, under
     the same node id, is not given partition 0 on the strength of its old answer."""
     grid = HttpGrid(token="test")
+    online: set[int] = set()  # the SuperLink's nodes, and the partition each node reports
+    partition: dict[int, int] = {}
     monkeypatch.setattr(grid, "get_node_ids", lambda: set(online))
 
     def answer(message: Message) -> Message:
@@ -153,7 +155,8 @@ def test_a_second_node_of_one_partition_serves_it_once_the_first_left(
 
     link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0, 102: 0}, answer=answer)
     for restarted_as in (0, 1):
-        online, partition = {100, 101, 102}, {100: 0, 101: 1, 102: 0}
+        online.clear(), online.update({100, 101, 102})
+        partition.clear(), partition.update({100: 0, 101: 1, 102: 0})
         registry = NodeRegistry(num_clients=2)
         first = registry.online(grid)
         assert first[1] == 101 and first[0] in (100, 102)  # whichever answered first
