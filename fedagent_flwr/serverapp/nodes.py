@@ -5,7 +5,8 @@ node: the strategies select partitions with FedAgent's seeded rule and address e
 the node that serves it. :class:`NodeRegistry` asks every newly connected node which partition it
 serves (a ``query.partition`` message), asks again a node that has not answered yet (it failed, or
 was restarted under the same node id after fixing its config), forgets nodes that left (asking them
-again if they come back), and at the end of the run sends
+again if they come back), leaves out (with a warning) a node whose partition is not one of the
+run's ``clients.total``, and at the end of the run sends
 every known node a ``query.shutdown`` so that it stops what it started (env services, persistent
 trainers).
 """
@@ -160,9 +161,15 @@ class NodeRegistry:
     def _ask_partitions(self, grid: Grid, node_ids: list[int], timeout: float) -> None:
         answers = _answers(grid, PartitionQuery(), node_ids, PartitionReply.from_record, timeout,
                            "report its partition")
+        outside: list[tuple[int, int]] = []
         for node, answer in answers:
             partition, count = answer.partition_id, answer.num_partitions
             self._answered[node] = partition
+            if not 0 <= partition < self.num_clients:
+                # Not one of this run's clients: it would never train, yet it would count toward
+                # min_available_nodes and be handed evaluation seeds. It is not asked again.
+                outside.append((node, partition))
+                continue
             if partition in self._node_of_client and self._node_of_client[partition] != node:
                 log(WARNING, "Partition %d is served by two nodes; using node %d, node %d stands by",
                     partition, self._node_of_client[partition], node)
@@ -172,12 +179,18 @@ class NodeRegistry:
                     "it trains partition %d of %d", node, count, self.num_clients, partition,
                     self.num_clients)
             self._node_of_client[partition] = node
+        if outside:
+            log(WARNING, "Node(s) %s serve partition(s) %s, outside this run's clients 0-%d (config key "
+                "'clients.total' = %d); they get no work: restart them with a partition-id below %d, or "
+                "raise clients.total", [n for n, _ in outside], [p for _, p in outside], self.num_clients - 1,
+                self.num_clients, self.num_clients)
 
     def _forget_stand_bys_of_left_partitions(self) -> list[int]:
         """The online nodes that reported a partition whose node has left, forgotten as answered so
         that they are asked again: one still serving it takes it over (its answer is not trusted as
         it was, since it may have restarted under the same node id with another partition)."""
-        stand_bys = sorted(n for n, p in self._answered.items() if p not in self._node_of_client)
+        stand_bys = sorted(n for n, p in self._answered.items()
+                           if p not in self._node_of_client and 0 <= p < self.num_clients)
         for node in stand_bys:
             log(INFO, "Partition %d lost its node; asking node %d, which reported it too",
                 self._answered.pop(node), node)

@@ -10,6 +10,7 @@ SuperLink.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -168,3 +169,30 @@ def test_a_second_node_of_one_partition_serves_it_once_the_first_left(
         expected = {0: other, 1: 101} if restarted_as == 0 else {1: 101}
         assert registry.online(grid) == expected and len(link.pushed) == asked + 1
         assert registry.client_of(other) == (0 if restarted_as == 0 else -1)
+
+
+def test_a_node_of_a_partition_outside_the_run_gets_no_work_and_is_not_asked_again(
+        sleeps: list[float], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SuperNode started with ``partition-id=2`` for a run of ``clients.total=2`` (partitions 0-1) is
+    no client of the run: before, it was mapped as client 2, counted toward ``min_available_nodes``
+    and handed evaluation seeds though no round ever selects it. It is left out with one warning
+    naming it and the config key, and it is not asked again at each discovery."""
+    grid = HttpGrid(token="test")
+    partition = {100: 0, 101: 1, 102: 2}
+    monkeypatch.setattr(grid, "get_node_ids", lambda: set(partition))
+    monkeypatch.setattr(nodes, "RETRY_INTERVAL_S", 0.0)
+
+    def answer(message: Message) -> Message:
+        return Message(PartitionReply(partition[message.metadata.dst_node_id], 3).to_record(), reply_to=message)
+
+    link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0, 102: 0}, answer=answer)
+    registry = NodeRegistry(num_clients=2)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        assert registry.online(grid) == {0: 100, 1: 101}
+        asked = len(link.pushed)
+        assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked
+    assert registry.client_of(102) == -1
+    outside = [r.getMessage() for r in caplog.records if "outside this run's clients" in r.getMessage()]
+    assert outside == ["Node(s) [102] serve partition(s) [2], outside this run's clients 0-1 (config key "
+                       "'clients.total' = 2); they get no work: restart them with a partition-id below 2, "
+                       "or raise clients.total"]
