@@ -282,16 +282,21 @@ def _run_then_stop_local(command: Sequence[str], flwr_home: str) -> int:
     from fedagent_flwr.launch import stop_local_superlink
 
     received: list[int] = []
+    stopping = False
 
     def interrupt(signum: int, frame: object) -> None:
         received.append(signum)
-        raise KeyboardInterrupt
+        # Once the stop has begun, a signal must not break it off: one caught between entering the
+        # finally block and ignoring the signals below would otherwise skip stopping the SuperLink.
+        if not stopping:
+            raise KeyboardInterrupt
 
     for handled in _STOP_SIGNALS[1:]:
         signal.signal(handled, interrupt)
     try:
         status = run_and_report(command, stops_the_run=True)
     finally:
+        stopping = True  # first, before any call: Python runs pending signal handlers after calls
         for handled in _STOP_SIGNALS:  # the stop is bounded (a grace period); let it finish
             signal.signal(handled, signal.SIG_IGN)
         pids = stop_local_superlink(flwr_home)
