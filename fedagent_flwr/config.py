@@ -320,6 +320,7 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
     # the group as given (a custom strategy's own keys too), with the checked values of the known ones
     partition = {**raw["partition"], **{k: v for k, v in asdict(run.partition).items() if k in raw["partition"]}}
     from fedagent_flwr.hetero import STRATEGIES, PartitionError, check_strategy
+    from fedagent_flwr.hetero.common import unknown_knob
     from fedagent_flwr.hetero.env_level import ENV_LEVEL_STRATEGIES
     from fedagent_flwr.plugins import is_dotted_path
 
@@ -333,6 +334,8 @@ def validate(cfg: DictConfig, config_name: str = "config") -> RunSettings:
             check_strategy(strategy)
         except PartitionError as exc:
             raise ConfigError(f"config key 'partition.strategy': {exc}") from None
+    elif unknown := unknown_knob(raw["partition"]):
+        raise ConfigError(f"config key 'partition.{unknown[0]}' {unknown[1]}")
     min_goals = run.partition.min_goals_per_client
     if strategy == "coverage" and min_goals > 500:
         raise ConfigError(f"config key 'partition.min_goals_per_client' = {min_goals} must be <= 500 for coverage "

@@ -122,9 +122,15 @@ def test_partition_strategies_and_knobs_are_checked() -> None:
         ("partition=preference", "needs goal metadata, which environment TinyGuess does not provide"),
         ("env=webshop partition=preference partition.omega=1.5", "config key 'partition.omega'"),
         ("env=webshop partition=hardness", "config key 'partition.trajectories_file'"),
+        # a misspelt knob of a built-in strategy would silently leave the default in force
+        ("env=webshop partition=coverage +partition.sizestd=16",
+         "config key 'partition.sizestd' is not a knob of the built-in partition strategies: did you mean 'size_std'"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_settings(overrides=override)
+    # a partition function of one's own reads keys of its own: they pass, unchecked
+    custom = load_settings(overrides="partition.strategy=examples.partition_round_robin.round_robin +partition.stride=3")
+    assert custom.partition["stride"] == 3
 
 
 def test_partition_defaults_are_fedagents_and_knobs_are_checked() -> None:

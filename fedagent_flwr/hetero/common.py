@@ -10,8 +10,9 @@ helpers (§6). :func:`shared_rng` / :func:`client_rng` are seeding helpers for y
 
 from __future__ import annotations
 
+import difflib
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,22 @@ def knob(knobs: Mapping[str, Any], name: str) -> Any:
         return check_value(Partition, name, knobs[name], "partition")
     except SettingError as exc:
         raise PartitionError(str(exc)) from None
+
+
+def unknown_knob(keys: Iterable[str]) -> tuple[str, str] | None:
+    """None when every key is a declared knob of :class:`~fedagent_flwr.schema.run.Partition`, else
+    the first unknown key and why it is refused, with the nearest known name. Only for the built-in
+    strategies: they read only declared knobs, so an undeclared key is a typo whose intended value
+    would silently be the default; a custom partition function reads keys of its own."""
+    known = sorted(Partition.__dataclass_fields__)
+    unknown = sorted(set(keys) - set(known))
+    if not unknown:
+        return None
+    near = difflib.get_close_matches(unknown[0], known, n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return unknown[0], (f"is not a knob of the built-in partition strategies: {hint}the knobs are "
+                        f"{', '.join(k for k in known if k != 'strategy')} (a partition function of "
+                        "your own, given by dotted path, may read keys of its own)")
 
 
 def first_knob(knobs: Mapping[str, Any], names: Sequence[str], default_of: str) -> Any:

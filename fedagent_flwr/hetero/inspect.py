@@ -41,10 +41,12 @@ from fedagent_flwr.hetero import (
     needs_goal_info,
     partition_goals,
 )
+from fedagent_flwr.hetero.common import knob, unknown_knob
 from fedagent_flwr.hetero.env_level import CATALOG_SPLIT, ENV_LEVEL_STRATEGIES, POOL_STRATEGIES, pool_variant
 from fedagent_flwr.hetero.task import all_clients, load_hardness_labels
 from fedagent_flwr.hetero.uniform import DEFAULT_MIN_GOALS
 from fedagent_flwr.plugins import is_dotted_path
+from fedagent_flwr.schema.run import Partition
 
 ENVS = ("alfworld", "webshop", "tinyguess")
 #: FedAgent's WebShop validation split: goals[0:500].
@@ -243,6 +245,19 @@ def _option_or_knob(knobs: dict[str, Any], key: str, value: int | None, option: 
     return out
 
 
+def _check_knobs(strategy: str, knobs: dict[str, Any]) -> None:
+    """Refuse what a run's config would refuse: for a built-in strategy a knob it does not know (a
+    typo would print the default's partition), and for any strategy a known knob of the wrong type
+    or out of its bound, even one this strategy does not read."""
+    if not is_dotted_path(strategy) and (unknown := unknown_knob(knobs)):
+        raise UsageError(f"--knob {unknown[0]}", unknown[1])
+    for key in sorted(set(knobs) & set(Partition.__dataclass_fields__)):
+        try:
+            knob(knobs, key)
+        except PartitionError as exc:
+            raise UsageError(f"--knob {key}", str(exc)) from None
+
+
 def compute(args: argparse.Namespace) -> tuple[dict[int, list[int]], Pool, str, dict[str, Any]]:
     """``({client: printed indices}, pool, strategy, knobs)`` for parsed options."""
     if args.clients < 1:
@@ -252,6 +267,7 @@ def compute(args: argparse.Namespace) -> tuple[dict[int, list[int]], Pool, str, 
     args.min_goals = _option_or_knob(knobs, "min_goals_per_client", args.min_goals, "--min-goals", DEFAULT_MIN_GOALS)
     args.seed = _option_or_knob(knobs, "base_seed", args.seed, "--seed", 42)
     knobs["min_goals_per_client"] = args.min_goals
+    _check_knobs(strategy, knobs)
     if args.labels is not None:
         knobs["trajectories_file"] = args.labels
     labels = None

@@ -305,6 +305,12 @@ def test_command_summary_and_errors(paths_file: Path) -> None:
         (["--env", "alfworld", "--strategy", "env_disjoint", "--knob", "fallback=rooms", "--paths", str(paths_file)],
          "inspect: error: --knob fallback: "),
         (["--env", "tinyguess", "--knob", "omega"], "inspect: error: --knob: expected KEY=VALUE"),
+        # what a run's config refuses: a misspelt knob (it would print the default's partition), and a
+        # known knob of the wrong type even where the strategy does not read it
+        (["--env", "alfworld", "--strategy", "coverage", "--num-goals", "3553", "--knob", "sizestd=16"],
+         "inspect: error: --knob sizestd: is not a knob of the built-in partition strategies: did you mean 'size_std'?"),
+        (["--env", "tinyguess", "--knob", "size_std=abc"],
+         "inspect: error: --knob size_std: config key 'partition.size_std' must be float, got 'abc'"),
         (["--env", "tinyguess", "--strategy", "catalog_split"], "inspect: error: --strategy: "),
         (["--env", "alfworld"], "inspect: error: --data-dir: "),
         (["--env", "alfworld", "--clients", "three"], "inspect: error: argument --clients: invalid int value"),
