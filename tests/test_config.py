@@ -129,7 +129,8 @@ def test_partition_strategies_and_knobs_are_checked() -> None:
         with pytest.raises(ConfigError, match=message):
             load_settings(overrides=override)
     # a partition function of one's own reads keys of its own: they pass, unchecked
-    custom = load_settings(overrides="partition.strategy=examples.partition_round_robin.round_robin +partition.stride=3")
+    custom = load_settings(
+        overrides="partition.strategy=examples.partition_round_robin.round_robin +partition.stride=3")
     assert custom.partition["stride"] == 3
 
 

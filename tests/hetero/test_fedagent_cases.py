@@ -308,7 +308,8 @@ def test_command_summary_and_errors(paths_file: Path) -> None:
         # what a run's config refuses: a misspelt knob (it would print the default's partition), and a
         # known knob of the wrong type even where the strategy does not read it
         (["--env", "alfworld", "--strategy", "coverage", "--num-goals", "3553", "--knob", "sizestd=16"],
-         "inspect: error: --knob sizestd: is not a knob of the built-in partition strategies: did you mean 'size_std'?"),
+         "inspect: error: --knob sizestd: is not a knob of the built-in partition strategies: "
+         "did you mean 'size_std'?"),
         (["--env", "tinyguess", "--knob", "size_std=abc"],
          "inspect: error: --knob size_std: config key 'partition.size_std' must be float, got 'abc'"),
         (["--env", "tinyguess", "--strategy", "catalog_split"], "inspect: error: --strategy: "),
