@@ -28,7 +28,7 @@ from fedagent_flwr.config_keys import ConfigError
 from fedagent_flwr.config_keys import get_key as _get
 from fedagent_flwr.per_client import PER_CLIENT_KEY, resolve
 from fedagent_flwr.schema import RunSchema, SettingError, check, declared_keys, declared_type, register
-from fedagent_flwr.schema.run import Storage, StrategyKwargs
+from fedagent_flwr.schema.run import Partition, Storage, StrategyKwargs
 from fedagent_flwr.schema.trainer import AGENT_LOOP_KEYS, CHAT_TEMPLATE_KEY, CHAT_TEMPLATE_USAGE, ClientAppKeys
 from fedagent_flwr.schema.trainer import trainer_settings as check_trainer
 
@@ -145,6 +145,8 @@ def _declared_form(item: str) -> str:
         return f"++{item}"  # an open mapping (the template's own keywords), set or extended as verl's is
     if key.startswith(_STRATEGY_KWARGS) and key.removeprefix(_STRATEGY_KWARGS) in StrategyKwargs.__dataclass_fields__:
         return f"++{item}"
+    if key.startswith("partition.") and key.removeprefix("partition.") in Partition.__dataclass_fields__:
+        return f"++{item}"  # a declared knob that the chosen group's file leaves out (omega on coverage)
     return item
 
 

@@ -128,6 +128,14 @@ def test_partition_strategies_and_knobs_are_checked() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_settings(overrides=override)
+    # every key a built-in strategy reads is declared, so none of them is refused, and a declared knob
+    # that the chosen group's file leaves out is set without Hydra's '+'
+    lookalike = load_settings(overrides="env=webshop partition=lookalike partition.lookalike_pool=[v_color] "
+                                        "partition.lookalike_dir=/x").partition
+    assert (lookalike["lookalike_pool"], lookalike["lookalike_dir"]) == (["v_color"], "/x")
+    scenes = load_settings(overrides="env=alfworld partition=env_disjoint partition.holdout_scenes=[FloorPlan1]")
+    assert scenes.partition["holdout_scenes"] == ["FloorPlan1"]
+    assert load_settings(overrides="env=webshop partition=coverage partition.omega=0.3").partition["omega"] == 0.3
     # a partition function of one's own reads keys of its own: they pass, unchecked
     custom = load_settings(
         overrides="partition.strategy=examples.partition_round_robin.round_robin +partition.stride=3")

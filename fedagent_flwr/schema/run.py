@@ -140,6 +140,9 @@ class Partition:
     unit: str | None = setting("game", choices=UNITS)  # env_disjoint: what a client takes
     catalog_targets: str | None = setting("served", choices=CATALOG_TARGETS)  # catalog_split's goal ASINs
     holdout_file: str | None = setting(None)
+    holdout_scenes: list[str] | None = setting(None)  # env_disjoint: scenes held out, beside holdout_file's
+    lookalike_pool: list[str] | None = setting(None)  # lookalike: the variant files to draw from (names)
+    lookalike_dir: str | None = setting(None)  # lookalike: their folder (default <data_dir>/lookalike)
     trajectories_file: str | None = setting(None)
 
 
