@@ -23,6 +23,9 @@ unreadable or unfinished run (status running or failed, or fewer rounds than pla
 ``--allow-unfinished`` includes it, flagged, on the rounds it has, which its cells name), a run
 without a validation curve or without the rounds its statistic needs, runs of different total
 rounds, a run given twice; with ``--paired``, a run without a seed or two runs of one seed in an arm.
+A summary whose keys are not as the recorder writes them (``val_curve`` not a list of points, a point
+without a success rate from 0 to 1, ``total_rounds`` not a number) is refused naming the file and the
+key or round; so is a ``--json`` file that is an input summary or any run's record, before any write.
 
 Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
 uses these functions on a GPU node's bare ``python3``. The within-seed rows and the markdown are in
@@ -41,10 +44,10 @@ from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.cli import program
-from fedagent_flwr.compare_report import STATISTICS, markdown, paired
+from fedagent_flwr.compare_report import STATISTICS, markdown, paired, point_problem, summary_problem
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
-from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
+from fedagent_flwr.outcome import SUMMARY_FILE, SummaryError, load_summary, summary_path
 
 #: The last-rounds window: each run's mean validation success over the last this-many rounds it was
 #: planned to run (rounds 8-10 of a 10-round run), the statistic docs/results.md §4 declares for
@@ -60,10 +63,19 @@ class CompareError(ValueError):
 
 
 def validation_by_round(curve: list[dict[str, Any]]) -> dict[int, float]:
-    """``round -> validation success`` of a summary's ``val_curve`` (a point without a
-    ``success_rate`` counts 0.0). One reading for :func:`window_mean`, the final round and the GPU
-    tools' tables (``arms_dynamics``), so that they cannot disagree on a run's rounds."""
-    return {int(p["round"]): float(p.get("success_rate", 0.0)) for p in curve}
+    """``round -> validation success`` of a summary's ``val_curve``. One reading for :func:`window_mean`,
+    the final round and the GPU tools' tables (``arms_dynamics``), so that they cannot disagree on a
+    run's rounds.
+
+    Raises :class:`CompareError` for a point without a round or a success rate from 0 to 1
+    (:func:`fedagent_flwr.compare_report.point_problem`): no point the recorder writes lacks one, and
+    counting it 0.0 moved its run's window mean without a word. :func:`run_statistic` checks the whole
+    summary first, so that compare's refusal names the file as well."""
+    for index, point in enumerate(curve):
+        problem = point_problem(point, index)
+        if problem:
+            raise CompareError(problem)
+    return {int(p["round"]): float(p["success_rate"]) for p in curve}
 
 
 def window_mean(curve: list[dict[str, Any]], total_rounds: int, window: int = WINDOW) -> float | None:
@@ -171,10 +183,17 @@ def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinis
     Raises :class:`CompareError` for a run without a readable summary or validation curve, and for an
     unfinished one unless ``allow_unfinished``: then its statistics are those of the rounds it has (its
     last ``window`` validated rounds, its last point) and ``unfinished`` says so."""
+    if not os.path.exists(run):  # a typo, not a run that wrote no record
+        raise CompareError(f"{run} does not exist: check the path")
     try:
         summary = load_summary(run)
-    except SummaryError as exc:
-        raise CompareError(f"{exc}; give a run directory holding federated_summary.json") from None
+    except SummaryError as exc:  # a summary found says itself what is wrong with it
+        raise CompareError(str(exc) if summary_path(run).exists() else f"{exc}; give a run directory holding "
+                           "federated_summary.json") from None
+    problem = summary_problem(summary)
+    if problem:  # before any key is read: a value compare would have to guess is refused, not guessed
+        raise CompareError(f"{summary_path(run)}: {problem}: restore the summary as its run wrote it, or leave "
+                           "the run out")
     curve = summary.get("val_curve") or []
     if not curve:
         raise CompareError(f"{run} has no validation curve (val_curve is empty: the run evaluated nothing); "
@@ -392,6 +411,27 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
+def _json_overwrites(path: Path, arms: Mapping[str, Sequence[str]]) -> str | None:
+    """The input that writing the comparison to ``path`` would replace, or None: any run's record (a
+    file named federated_summary.json, whether given or not, or a link to one) or one of the summaries
+    given (the same file by another name, a link or a hard link included). Checked before anything is
+    written, so that a slip of ``--json`` cannot destroy the record a comparison is made from."""
+    target = path.resolve()
+    for runs in arms.values():
+        for run in runs:
+            summary = summary_path(run)
+            try:
+                same = target == summary.resolve() or (target.exists() and summary.exists()
+                                                       and os.path.samefile(target, summary))
+            except OSError:  # a file that cannot be looked at cannot be compared either: compare says so
+                same = False
+            if same:
+                return f"the summary of run {run}, an input of this comparison"
+    if SUMMARY_FILE in (path.name, target.name):
+        return f"a run's record (a file named {SUMMARY_FILE})"
+    return None
+
+
 def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
     """``--arm NAME DIR [DIR ...]`` or ``--arm NAME=DIR [DIR ...]`` as ``(name, dirs)``."""
     first, rest = values[0], values[1:]
@@ -434,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"--arm {name!r}: {'an empty name' if not name else 'named twice'}; give each "
                                    "arm once, as --arm NAME DIR [DIR ...]")
             arms[name] = runs
+        overwrites = None if args.json is None else _json_overwrites(args.json, arms)
+        if overwrites:
+            raise CompareError(f"--json {args.json} would overwrite {overwrites}: name another file for the "
+                               "comparison")
         problem = None if args.json is None else _json_problem(args.json)
         if problem:
             raise CompareError(f"cannot write --json {args.json}: {problem}; name a file in a directory you can "

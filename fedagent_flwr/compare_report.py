@@ -1,13 +1,17 @@
 """``fedagent compare``'s within-seed rows (``--paired``) and its report as markdown: the tables
 :func:`fedagent_flwr.compare.compare`'s report is printed as (runs, arms, pairs of arms with Welch's
 interval over runs, and with ``--paired`` the within-seed differences), apart from the reading of runs
-and the Welch rows so that each module stays small.
+and the Welch rows so that each module stays small. Also the check that the keys of a summary compare
+reads have the shapes the recorder writes (:func:`summary_problem`), as a message that ``compare``
+refuses the run with.
 
 Standard library only, as ``compare`` (``tools/gpu/arms_report.py`` runs on a GPU node's bare ``python3``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +20,87 @@ from fedagent_flwr.intervals import paired_difference_interval
 #: The statistics a run has, in the order the tables show them: ``window`` (the mean validation success
 #: over the last rounds, :func:`fedagent_flwr.compare.window_mean`) and ``final`` (the last round's success).
 STATISTICS = ("window", "final")
+
+
+def _shown(value: object) -> str:
+    """``value`` as the summary's JSON spells it (``null``, ``"high"``, ``NaN``), cut short so that a
+    message stays one line."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _count(value: object) -> bool:
+    """Whether ``value`` is a whole number of 0 or more, as the recorder writes rounds and episode
+    counts: not a bool (an int to Python), a string or a fraction, which ``int()`` would turn into a
+    traceback or another number."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _rate(value: object) -> bool:
+    """Whether ``value`` is a success rate: a number from 0 to 1, not a bool, NaN or an infinity."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= 1)
+
+
+def point_problem(point: object, index: int) -> str | None:
+    """What makes ``val_curve[index]`` unreadable, naming its round where it has one; None if nothing.
+
+    Every point the recorder writes (``RunRecorder.record_eval``) has a round and a ``success_rate``
+    from 0 to 1, from its first version on; a round whose evaluation recorded nothing gets no point
+    (``record_eval_failure`` records it in ``eval_failures``), which compare handles as a round without
+    a value. So no legitimate point lacks a success rate: one without it was altered, and reading it as
+    0.0 would move its run's means without a word."""
+    if not isinstance(point, dict):
+        return f"val_curve[{index}] is {_shown(point)}, not a validation point (an object)"
+    if not _count(point.get("round")):
+        return f"val_curve[{index}] has round {_shown(point.get('round'))}, not a round number (0 or more)"
+    where = f"val_curve round {point['round']}"
+    if "success_rate" not in point:
+        return (f"{where} has no success_rate (every point the recorder writes has one; a round whose "
+                "evaluation recorded nothing has no point)")
+    if not _rate(point["success_rate"]):
+        return f"{where} has success_rate {_shown(point['success_rate'])}, not a number from 0 to 1"
+    if "n" in point and not _count(point["n"]):
+        return f"{where} has n {_shown(point['n'])}, not an episode count (a whole number of 0 or more)"
+    if point.get("failed") and not isinstance(point["failed"], dict):
+        return f"{where} has failed {_shown(point['failed'])}, not an object (client -> why)"
+    return None
+
+
+def _round_problem(entry: object, index: int) -> str | None:
+    """What makes ``rounds[index]`` unreadable for ``compare.deviations``, or None."""
+    if not isinstance(entry, dict) or not _count(entry.get("round")):
+        return f"rounds[{index}] is {_shown(entry)}, not a round entry (an object with a round number)"
+    where = f"rounds round {entry['round']}"
+    if entry.get("rejected") and not isinstance(entry["rejected"], dict):
+        return f"{where} has rejected {_shown(entry['rejected'])}, not an object (client -> why)"
+    for key in ("clients", "client_actor_ids"):
+        value = entry.get(key)
+        if value and not (isinstance(value, list) and all(_count(c) for c in value)):
+            return f"{where} has {key} {_shown(value)}, not a list of client numbers"
+    return None
+
+
+def summary_problem(summary: Mapping[str, Any]) -> str | None:
+    """What in ``summary`` compare cannot read as the recorder writes it, naming the key (and the
+    round), or None: ``val_curve`` (a list of points, :func:`point_problem`), ``total_rounds`` and
+    ``last_completed_round`` (whole numbers; absent or null as an older summary may have them) and
+    ``rounds`` (:func:`_round_problem`). Checked before any of them is read, so that a summary edited
+    by hand or torn is refused in one line rather than with a traceback or a guessed value."""
+    curve = summary.get("val_curve")
+    if curve is not None and not isinstance(curve, list):
+        return f"val_curve is {_shown(curve)}, not a list of validation points (objects)"
+    for index, point in enumerate(curve or []):
+        problem = point_problem(point, index)
+        if problem:
+            return problem
+    for key in ("total_rounds", "last_completed_round"):
+        if summary.get(key) is not None and not _count(summary[key]):
+            return f"{key} is {_shown(summary[key])}, not a number of rounds (a whole number of 0 or more)"
+    entries = summary.get("rounds")
+    if entries is not None and not isinstance(entries, list):
+        return f"rounds is {_shown(entries)}, not a list of round entries (objects)"
+    return next((p for p in (_round_problem(e, i) for i, e in enumerate(entries or [])) if p), None)
 
 
 def _paired_reading(first: str, second: str, n: int, low: float | None, high: float | None) -> str:

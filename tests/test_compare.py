@@ -285,8 +285,13 @@ def test_runs_that_cannot_be_compared_are_refused_in_one_line(
         "it out, or choose a smaller --window or --statistic final")
     missing = tmp_path / "nowhere"
     assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(missing)]) == (
+        f"fedagent compare: {missing} does not exist: check the path")
+    missing.mkdir()  # a run directory without its record
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(missing)]) == (
         f"fedagent compare: {missing}/federated_summary.json does not exist: the run wrote no record; give a run "
         "directory holding federated_summary.json")
+    (missing / "federated_summary.json").write_text("{}")  # found: it says what is wrong itself, once
+    assert _refusal(capsys, ["--arm", "a", *good, "--arm", "b", str(missing)]).count("give") == 1
     assert "named twice" in _refusal(capsys, ["--arm", "a", *good, "--arm", "a", *good])
     assert _refusal(capsys, ["--arm", "a", *good]) == (
         "fedagent compare: 1 arm given: compare needs two or more --arm NAME DIR [DIR ...]")
