@@ -14,7 +14,8 @@ turns that into an exit status::
 
 Exit status: 0 completed, 3 degraded (some round aggregated nothing or lost a selected client, no
 round had a learning signal, or an evaluation recorded nothing or lacked a client), 1 failed, still
-running or no record found; ``run`` returns flwr's own status when flwr itself failed. ``run``
+running or no record found (a run directory without a readable summary), 2 for ``status`` of a path
+that does not exist (a typo, not a run); ``run`` returns flwr's own status when flwr itself failed. ``run``
 finds the run directory in the ServerApp's ``[fedagent] run directory:`` log line; a run refused
 before it had one (an unknown config key) is failed by its ``[fedagent] cannot start the run:`` line.
 """
@@ -42,6 +43,7 @@ from fedagent_flwr.procs import end_process
 
 SUMMARY_FILE = "federated_summary.json"  # fedagent_flwr.serverapp.recorder.SUMMARY_FILE, without importing Flower
 EXIT_COMPLETED, EXIT_FAILED, EXIT_DEGRADED = 0, 1, 3
+EXIT_USAGE = 2  # ``status`` given a path that does not exist (argparse's own errors exit 2 too)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_DIR = re.compile(r"\[fedagent\] run directory: (?P<value>.+?)\s*$")
@@ -91,14 +93,29 @@ def load_summary(run: str | os.PathLike[str]) -> dict[str, Any]:
     path = summary_path(run)
     try:
         summary = json.loads(path.read_text())
-        if not isinstance(summary, dict):
-            raise TypeError(f"a JSON {type(summary).__name__}, not an object")
-        summary["status"] = str(summary["status"])
     except FileNotFoundError:
         raise SummaryError(f"{path} does not exist: the run wrote no record") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not JSON (a torn write), or not UTF-8
         raise SummaryError(f"{path} cannot be read: {type(exc).__name__}: {exc}") from None
+    # Read but not a run record: say which key is wrong, not how Python tripped over it.
+    not_a_record = "not a run's federated_summary.json as the ServerApp writes it; give that file or its run directory"
+    if not isinstance(summary, dict):
+        raise SummaryError(f"{path} holds a JSON {json_kind(summary)}, not an object: {not_a_record}")
+    if "status" not in summary:
+        raise SummaryError(f"{path} lacks key 'status' (every run record has it from its start): {not_a_record}")
+    if not isinstance(summary["status"], str):
+        raise SummaryError(f"{path}: key 'status' is a JSON {json_kind(summary['status'])}, not a string: "
+                           f"{not_a_record}")
     return summary
+
+
+def json_kind(value: object) -> str:
+    """JSON's name for the type of a parsed ``value`` (object, array, string, ...), for messages
+    about a file a person wrote or edited, who knows the JSON words rather than Python's."""
+    if isinstance(value, bool):  # before int: bool is an int in Python
+        return "boolean"
+    kinds = ((dict, "object"), (list, "array"), (str, "string"), ((int, float), "number"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def read_outcome(run_dir: str | os.PathLike[str]) -> Outcome:
@@ -248,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.outcome"),
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="print a run directory's outcome; exit 0/3/1")
+    status = commands.add_parser("status", help="print a run directory's outcome; exit 0/3/1 (2: no such path)")
     status.add_argument("run_dir", type=Path)
     run = commands.add_parser("run", help="run `flwr run ... --stream` and exit with the run's outcome")
     run.add_argument("--stop-local", metavar="FLWR_HOME",
@@ -257,9 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("flwr_command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "status":
-        outcome = read_outcome(args.run_dir)
-        print(outcome.line())
-        return outcome.exit_code
+        return _status(args.run_dir, parser.prog)
     command = args.flwr_command[1:] if args.flwr_command[:1] == ["--"] else args.flwr_command
     if not command:
         parser.error("run needs the flwr command, e.g. run -- flwr run . --stream")
@@ -269,6 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stop_local is None:
         return run_and_report(command)
     return _run_then_stop_local(command, args.stop_local)
+
+
+def _status(run: Path, prog: str) -> int:
+    """``status``: print ``run``'s outcome and return its exit status, or 2 when ``run`` itself does
+    not exist. A mistyped path is bad input, not a failed run: only a run directory that exists and
+    holds no summary is a run that wrote no record (failed, 1). :func:`read_outcome` cannot tell the
+    two apart for :func:`outcome_of_log`, whose run directory comes from the ServerApp's own log line
+    (and may lie on another machine), so the check is here, on the path a person typed."""
+    if not os.path.exists(run):  # a link to nothing leads nowhere either
+        print(f"{prog}: {run} does not exist: check the path (give a run directory holding {SUMMARY_FILE}, "
+              "or a summary file)", file=sys.stderr)
+        return EXIT_USAGE
+    outcome = read_outcome(run)
+    print(outcome.line())
+    return outcome.exit_code
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

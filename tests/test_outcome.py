@@ -4,14 +4,17 @@ around real `flwr run` simulations."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fedagent_flwr.outcome import outcome_of_log
+from fedagent_flwr.outcome import SUMMARY_FILE, SummaryError, load_summary, outcome_of_log
 from fedagent_flwr.serverapp.recorder import RunRecorder
 
 
@@ -35,9 +38,49 @@ def test_the_status_command_turns_a_summary_into_an_exit_status(
     assert proc.returncode == code, proc.stdout + proc.stderr
     (line,) = proc.stdout.splitlines()
     assert line.startswith(f"[fedagent] run {status or 'failed'}") and reason in line
-    missing = subprocess.run([sys.executable, "-m", "fedagent_flwr.outcome", "status", str(tmp_path / "nope")],
-                             capture_output=True, text=True)
-    assert missing.returncode == 1 and "does not exist" in missing.stdout
+
+
+def _status(run: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedagent_flwr.outcome", "status", str(run)],
+                          capture_output=True, text=True)
+
+
+def test_a_mistyped_path_is_bad_input_and_a_run_directory_without_a_record_a_failed_run(tmp_path: Path) -> None:
+    """Before, both were "run failed: ... does not exist: the run wrote no record" (exit 1)."""
+    typo = _status(tmp_path / "nope")
+    assert (typo.returncode, typo.stdout) == (2, ""), typo.stdout + typo.stderr
+    assert typo.stderr == (f"python -m fedagent_flwr.outcome: {tmp_path / 'nope'} does not exist: check the path "
+                           "(give a run directory holding federated_summary.json, or a summary file)\n")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # a link to nothing: no path to a run either
+    assert _status(tmp_path / "link").returncode == 2
+    empty = _status(tmp_path)  # a run directory whose run wrote no record: a failed run, as before
+    assert (empty.returncode, empty.stderr) == (1, "")
+    assert empty.stdout == f"[fedagent] run failed: {tmp_path / SUMMARY_FILE} does not exist: the run wrote no record\n"
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda s: {k: v for k, v in s.items() if k != "status"},
+     " lacks key 'status' (every run record has it from its start)"),
+    (lambda s: {**s, "status": None}, ": key 'status' is a JSON null, not a string"),
+    (lambda s: list(s), " holds a JSON array, not an object"),
+])
+def test_a_summary_lacking_its_status_is_named_with_the_key_not_a_python_error(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], Any], problem: str
+) -> None:
+    """A real summary, edited: the line names the file and the key (before: "cannot be read:
+    KeyError: 'status'"), from :func:`load_summary` (which ``compare`` reads summaries with too) and
+    in ``status``'s line."""
+    path = _summary(tmp_path, "completed") / SUMMARY_FILE
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    expected = (f"{path}{problem}: not a run's federated_summary.json as the ServerApp writes it; give that file "
+                "or its run directory")
+    with pytest.raises(SummaryError) as refused:
+        load_summary(tmp_path)
+    assert str(refused.value) == expected
+    for given in (tmp_path, path):  # the run directory, or its summary file
+        proc = _status(given)
+        assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr
+        assert proc.stdout == f"[fedagent] run failed: {expected}\n"
 
 
 def test_the_outcome_of_a_log_is_its_run_directorys_summary_or_its_refusal(tmp_path: Path) -> None:
