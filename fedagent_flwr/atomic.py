@@ -96,3 +96,22 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
     checked file's ``.part`` to its name) are on disk before ``root`` itself is renamed into place."""
     for directory in (Path(root), *sorted(p for p in Path(root).rglob("*") if p.is_dir())):
         fsync_dir(directory)
+
+
+def parent_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path``'s directory can neither be found nor made for a write (a path through a regular
+    file or a dangling link, a directory one may not write), or None. A command checks this with
+    its inputs, before its work, because :func:`atomic_path` and the like make the parent only when
+    they write: after the work, which the failure would then cost, as an OSError traceback."""
+    for ancestor in Path(path).parents:
+        if ancestor.is_symlink() and not ancestor.exists():  # mkdir would fail on the dangling link
+            return f"{ancestor} is a broken symbolic link; give a path inside an existing directory"
+        if not ancestor.exists():
+            continue  # made by the write, as are the ones below it
+        if not ancestor.is_dir():
+            return f"{ancestor} is a file, not a directory; give a path inside a directory"
+        # write to make the temporary file (or the missing parents) in it, search to reach it
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            return f"cannot write in {ancestor} (permission denied); give a path inside a directory you may write"
+        return None
+    return None

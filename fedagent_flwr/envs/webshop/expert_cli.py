@@ -8,12 +8,15 @@ warm start; 0 on success, 2 with one line naming the culprit on bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedagent_flwr.atomic import parent_problem
 from fedagent_flwr.cli import program
+from fedagent_flwr.envs.webshop.data import ATTRIBUTES_FILE, DATA_ENV_VAR, PRODUCTS_FILE
 from fedagent_flwr.envs.webshop.env import WebShopEnv
 from fedagent_flwr.envs.webshop.expert import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -86,6 +89,33 @@ def _load_tokenizer(model: str) -> Any:
     return tokenizer
 
 
+def _check_data_dir(data_dir: str | None) -> None:
+    """ExpertInputError unless ``--data-dir`` (or ``$FEDAGENT_WEBSHOP_DATA``) names a directory
+    holding the catalogue files.
+
+    Why here and not only in the env's check: that one speaks to a run's config (``env.data_dir``,
+    ``python -m ...download``); this command's user sets ``--data-dir`` and has ``fedagent download-webshop``.
+    """
+    source = "--data-dir"
+    if not data_dir:
+        data_dir, source = os.environ.get(DATA_ENV_VAR) or None, f"${DATA_ENV_VAR}"
+    if data_dir is None:
+        raise ExpertInputError(f"no WebShop data directory: pass --data-dir DIR (or set {DATA_ENV_VAR}); "
+                               "fetch the data with: fedagent download-webshop DIR")
+    path = Path(data_dir).expanduser()
+    for name in (PRODUCTS_FILE, ATTRIBUTES_FILE):
+        if not (path / name).is_file():
+            raise ExpertInputError(f"{source} {path} has no {name}; fetch the data with: "
+                                   f"fedagent download-webshop {path}")
+
+
+def _check_out_parent(out: Path) -> None:
+    """ExpertInputError unless the directory that will hold ``--out`` exists or can be made: the
+    atomic write makes it only when it writes, after every episode was played."""
+    if problem := parent_problem(out):
+        raise ExpertInputError(f"--out {out}: {problem}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``fedagent webshop-expert``: write expert episodes; 0 on success, 2 on bad input."""
     args = _parser().parse_args(argv)
@@ -96,10 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ExpertInputError(f"--first-seed must be >= 0, got {args.first_seed}")
         if Path(args.out).is_dir():
             raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
+        _check_out_parent(Path(args.out))
         config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
         settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
                                    args.max_response_length, args.history_length)
-        WebShopEnv.check_config(config)  # the data directory holds the catalogue files
+        _check_data_dir(args.data_dir)  # in this command's words: --data-dir, fedagent download-webshop
+        WebShopEnv.check_config(config)  # the rest of the config
         tokenizer = _load_tokenizer(args.model)
         least = WebShopExpert.min_new_tokens(tokenizer)
         if args.max_new_tokens < least:

@@ -293,6 +293,25 @@ def attention_kernels(choice: str) -> AbstractContextManager[Any]:
     return sdpa_kernel(getattr(SDPBackend, backend))
 
 
+#: files of which a tokenizer directory holds at least one (save_pretrained writes tokenizer_config.json)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_dir(base: Path, given: str) -> None:
+    """WarmStartError naming ``--model`` unless ``base`` holds a model's ``config.json`` and a tokenizer.
+
+    Why: from a directory without them transformers does not say so; an empty one ends in advice to
+    install sentencepiece, one with only ``config.json`` in "the tokenizer has no chat template".
+    """
+    what = f"--model {given or base}"
+    if not (base / "config.json").is_file():
+        raise WarmStartError(f"{what}: {base} holds no model (no config.json); give a Hugging Face model "
+                             "directory (as save_pretrained writes it) or leave --model empty for the bundled model")
+    if not any((base / name).is_file() for name in TOKENIZER_FILES):
+        raise WarmStartError(f"{what}: {base} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                             "save the model's tokenizer into it (tokenizer.save_pretrained)")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line of ``fedagent warm-start``."""
     parser = argparse.ArgumentParser(
@@ -340,8 +359,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "max_len", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.lr > 0 or not args.max_grad_norm > 0:
-        parser.error("--lr and --max-grad-norm must be > 0")
+    # one line per flag, naming only the one that is wrong (NaN fails "> 0" too)
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not args.max_grad_norm > 0:  # inf is allowed: no clipping
+        parser.error(f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    if args.min_reward is not None and math.isnan(args.min_reward):  # every comparison with NaN is false
+        parser.error("--min-reward must be a number, got nan: it would keep every line")
     return args
 
 
@@ -360,14 +384,16 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         base = resolve_model_path(args.model)
     except ModelResolutionError as exc:
         raise WarmStartError(str(exc)) from None
+    check_model_dir(base, args.model)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise WarmStartError("--device cuda but torch sees no CUDA device")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(base))
         require_chat_template(tokenizer, str(base))
     except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
-        raise WarmStartError(f"no usable tokenizer in {base}: {exc}" if not isinstance(exc, ChatTemplateError)
-                             else str(exc)) from None
+        # transformers' messages run over several lines: the command prints one
+        raise WarmStartError(f"--model: no usable tokenizer in {base}: {' '.join(str(exc).split())}"
+                             if not isinstance(exc, ChatTemplateError) else str(exc)) from None
     examples, dropped = build_examples(tokenizer, conversations, args.max_len, str(args.data),
                                        args.chat_template_kwargs)
     if dropped:
@@ -383,7 +409,10 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         cap = apply_memory_cap(args.max_gpu_memory_fraction, device)
     except ValueError as exc:
         raise WarmStartError(str(exc)) from None
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
+    except OSError as exc:  # e.g. a directory with config and tokenizer but no weights
+        raise WarmStartError(f"--model: cannot load the model in {base}: {' '.join(str(exc).split())}") from None
     if args.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise WarmStartError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file, temporary_dir, write_json_atomic
+from fedagent_flwr.atomic import fsync_dir, fsync_file, parent_problem, temporary_dir, write_json_atomic
 
-__all__ = ["RECORD_FILE", "WarmStartError", "check_out_dir", "is_earlier_output", "save_output"]
+__all__ = ["RECORD_FILE", "WarmStartError", "check_out_dir", "check_out_parent", "is_earlier_output", "save_output"]
 
 RECORD_FILE = "warm_start.json"
 
@@ -36,9 +36,18 @@ def is_earlier_output(out: Path) -> bool:
             and any(out.glob("*.safetensors")))
 
 
+def check_out_parent(out: Path) -> None:
+    """WarmStartError unless ``out``'s parent exists as a writable directory or can be made in one:
+    :func:`save_output` makes it only once training is over, which a failure then would cost."""
+    if problem := parent_problem(out):
+        raise WarmStartError(f"--out {out}: {problem}")
+
+
 def check_out_dir(out: Path, force: bool) -> None:
-    """WarmStartError if ``out`` is a file, or a non-empty directory unless ``force`` is set and it
-    is an earlier warm start's output (:func:`is_earlier_output`)."""
+    """WarmStartError if ``out``'s parent cannot hold it (:func:`check_out_parent`), if ``out`` is a
+    file, or a non-empty directory unless ``force`` is set and it is an earlier warm start's output
+    (:func:`is_earlier_output`)."""
+    check_out_parent(out)
     if out.exists() and not out.is_dir():
         raise WarmStartError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (force and is_earlier_output(out)):

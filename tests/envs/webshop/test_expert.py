@@ -217,6 +217,40 @@ def test_command_refuses_missing_data_and_a_directory_as_out(tmp_path: Path,
 
 
 @needs_data
+@pytest.mark.parametrize("below", ["x.jsonl", "sub/x.jsonl"])
+def test_command_refuses_an_out_under_a_regular_file(below: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    out = afile / below
+    assert _cli("--data-dir", str(DATA_DIR), "--out", str(out), "--episodes", "1", "--quiet") == 2
+    assert capsys.readouterr().err == (f"fedagent webshop-expert: error: --out {out}: {afile} is a file, "
+                                       "not a directory; give a path inside a directory\n")
+    assert afile.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(("given", "env", "message"), [
+    (None, None, "no WebShop data directory: pass --data-dir DIR (or set FEDAGENT_WEBSHOP_DATA); "
+                 "fetch the data with: fedagent download-webshop DIR"),
+    ("nowhere", None, "--data-dir {dir} has no items_shuffle_1000.json; "
+                      "fetch the data with: fedagent download-webshop {dir}"),
+    (None, "nowhere", "$FEDAGENT_WEBSHOP_DATA {dir} has no items_shuffle_1000.json; "
+                      "fetch the data with: fedagent download-webshop {dir}"),
+])
+def test_missing_data_points_to_the_commands_flag_and_download_command(
+        given: str | None, env: str | None, message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    where = tmp_path / "nowhere"
+    if env is None:
+        monkeypatch.delenv("FEDAGENT_WEBSHOP_DATA", raising=False)
+    else:
+        monkeypatch.setenv("FEDAGENT_WEBSHOP_DATA", str(where))
+    flags = ["--data-dir", str(where)] if given else []
+    assert _cli(*flags, "--out", str(tmp_path / "x.jsonl")) == 2
+    assert capsys.readouterr().err == f"fedagent webshop-expert: error: {message.format(dir=where)}\n"
+
+
+@needs_data
 def test_a_max_new_tokens_too_small_for_a_goal_is_one_line_and_exit_2(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Above the up-front floor (the goal-independent replies fit) but below what a goal's product
