@@ -31,6 +31,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML  # what Flower writes when it finds no config.toml
 
 from fedagent_flwr.cli import program
+from fedagent_flwr.deploy_checks import (
+    MAX_DAYS,
+    check_address,
+    check_days,
+    check_folder,
+    check_given,
+    check_hosts,
+    check_root_certificates,
+    os_error_message,
+)
 
 
 @dataclass(frozen=True)
@@ -50,16 +60,38 @@ class NodeKey:
     public_key: Path
 
 
+def _make_folders(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing parents; return the ones this call created, deepest first,
+    so a write that fails afterwards can remove them (:func:`_remove_folders`) and leave no trace."""
+    missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_folders(created: list[Path]) -> None:
+    """Remove the folders :func:`_make_folders` created, deepest first, where they are still empty."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile) or gone: leave it
+            pass
+
+
 def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: str, elsewhere: str) -> None:
     """Write every ``(path, data, mode)`` of a set; without ``force``, all of them or none.
 
     Any path that exists already (a symlink included, even a dangling one) refuses the whole set
-    before anything is written, unless ``force`` (then a failure partway, e.g. a directory at a
-    target, can leave the set partly replaced: the files already renamed stay). Each file is written
+    before anything is written, unless ``force`` (then a failure partway, e.g. a rename the file
+    system refuses, can leave the set partly replaced: the files already renamed stay). Each file is written
     to a private temporary name in its own directory, flushed, given its mode and renamed into place,
     so a link at the target is replaced, never written through, and no half-written file is ever
-    seen under the real name.
+    seen under the real name. A folder at a target, or a file where a parent folder should be, is
+    refused first (:class:`ValueError`), also with ``force``: no rename could put a file there.
     """
+    for path, _, _ in files:
+        check_folder(path.parent, f"choose another {elsewhere}")
+        if os.path.isdir(path) and not os.path.islink(path):  # a link to a folder is replaced like any link
+            raise ValueError(f"{path} is a folder; nothing was written. Move it away, or choose another {elsewhere}")
     existing = [path for path, _, _ in files if os.path.lexists(path)]
     if existing and not force:
         names = ", ".join(str(path) for path in existing)
@@ -68,9 +100,10 @@ def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: s
                               f"or choose another {elsewhere}")
     temps: list[tuple[str, Path]] = []
     placed: list[Path] = []
+    created: list[Path] = []
     try:
         for path, data, mode in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            created += _make_folders(path.parent)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
             temps.append((tmp, path))
             with os.fdopen(fd, "wb") as handle:
@@ -86,8 +119,8 @@ def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: s
                 # above is refused too, not overwritten
                 try:
                     os.link(tmp, path)
-                except FileExistsError:
-                    raise
+                except FileExistsError:  # its own message would name the temporary file
+                    raise FileExistsError(f"{path} appeared while writing; nothing was replaced") from None
                 except OSError:  # a file system without hard links: check again, then rename
                     if os.path.lexists(path):
                         raise FileExistsError(f"{path} appeared while writing; nothing was replaced") from None
@@ -101,6 +134,7 @@ def _write_new(files: list[tuple[Path, bytes, int]], force: bool, consequence: s
         if not force:  # only files this call created; nothing of the user's is touched
             for path in placed:
                 path.unlink(missing_ok=True)
+        _remove_folders(created)  # kept only where a file of the set was placed in them
         raise
 
 
@@ -119,9 +153,12 @@ def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | l
     or DNS names); each becomes a subjectAltName of the server certificate, which TLS checks.
     The CA's private key is not kept: nothing else can be signed with it later, so files that
     exist already are never replaced (:class:`FileExistsError`, nothing written) unless ``force``.
+    ``days`` (1 to :data:`~fedagent_flwr.deploy_checks.MAX_DAYS`) and ``hosts`` are checked before
+    any key is made (:class:`ValueError`).
     """
-    if not hosts:
-        raise ValueError("the server certificate needs at least one host (IP address or DNS name)")
+    check_given(directory, "DIRECTORY")
+    check_days(days)
+    check_hosts(hosts)
     out = Path(directory)
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
@@ -144,9 +181,12 @@ def make_tls_files(directory: str | os.PathLike[str], hosts: tuple[str, ...] | l
     )
 
     server_key = ec.generate_private_key(ec.SECP384R1())
+    # X.509 caps a common name at 64 characters while a DNS name may have 253; TLS checks the
+    # subjectAltNames, so a longer first host only needs a stand-in here
+    common_name = hosts[0] if len(hosts[0]) <= 64 else "fedagent-flwr SuperLink"
     server_cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_name)
         .public_key(server_key.public_key())
         .serial_number(x509.random_serial_number())
@@ -174,9 +214,14 @@ def make_node_key(path: str | os.PathLike[str], force: bool = False) -> NodeKey:
     """Write an ECDSA (P-384) key pair in OpenSSH format: ``path`` and ``path.pub``.
 
     The same files ``ssh-keygen -t ecdsa -b 384 -N "" -f path`` would write. If either exists
-    already, nothing is written (:class:`FileExistsError`) unless ``force``.
+    already, nothing is written (:class:`FileExistsError`) unless ``force``. An empty path, or one
+    that names no file (``.``, ``..``, a folder), is refused (:class:`ValueError`).
     """
+    check_given(path, "PATH")
     private = Path(path)
+    if private.name in ("", ".", ".."):  # Path("..").name is "..": there is no file name to add ".pub" to
+        raise ValueError(f"PATH {os.fspath(path)!r} names no file: give the private key's file path, "
+                         "e.g. keys/supernode-0 (keys/supernode-0.pub is written next to it)")
     key = ec.generate_private_key(ec.SECP384R1())
     private_bytes = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                       serialization.NoEncryption())
@@ -284,11 +329,26 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     the file's values: where it would not give exactly them plus the connection (a shape tomlkit
     cannot edit in place, e.g. ``superlink`` as dotted keys or an inline table), the file is written
     from its values instead, without its comments, with a warning. The file is written to a
-    temporary name and renamed.
+    temporary name and renamed. The address (``HOST:PORT``), the root certificates (an existing
+    PEM file), ``flwr_home`` (a folder or none yet) and its ``config.toml`` (a file or none yet) are
+    checked before anything is written (:class:`ValueError`).
     """
+    check_given(flwr_home, "FLWR_HOME")
+    check_folder(Path(flwr_home), "give FLWR_HOME as a folder (it is created if missing)")
+    check_address(address)
+    if root_certificates is not None and not insecure:
+        check_root_certificates(root_certificates)
     path = Path(flwr_home) / "config.toml"
     target = _config_target(path)
-    original = target.read_text(encoding="utf-8") if target.exists() else DEFAULT_FLOWER_CONFIG_TOML
+    if target.exists() and not target.is_file():
+        kind = "a folder" if target.is_dir() else "not a regular file"
+        raise ValueError(f"{target} is {kind}, not a Flower config; nothing was written. Move it away, "
+                         "or give another FLWR_HOME")
+    try:
+        original = target.read_text(encoding="utf-8") if target.exists() else DEFAULT_FLOWER_CONFIG_TOML
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{target} is not UTF-8 text ({exc.reason}); fix or move it away, "
+                         "then run this again") from None
     try:
         config = tomllib.loads(original)  # the values, by the standard library's strict parser
     except tomllib.TOMLDecodeError as exc:
@@ -316,9 +376,10 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
     # a private temporary name next to it (never a fixed name a link could redirect), the file's
     # own mode kept (a user's 0600 stays 0600), flushed to disk before it replaces the original
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    created = _make_folders(target.parent)
+    tmp: str | None = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
         with os.fdopen(fd, "wb") as handle:
             handle.write(text.encode())
             handle.flush()
@@ -326,12 +387,20 @@ def write_connection(flwr_home: str | os.PathLike[str], name: str, address: str,
         os.chmod(tmp, mode)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        _remove_folders(created)  # a failed write leaves no empty FLWR_HOME behind
         raise
     return path
 
 
+def _one_line(exc: ValueError | OSError) -> str:
+    """The message a refusal prints: an OSError's file and reason, or the check's own sentence."""
+    return os_error_message(exc) if isinstance(exc, OSError) else str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``fedagent deploy tls|node-key|connection``: bad input is one line on stderr and exit 2."""
     parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.deploy"),
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     tls.add_argument("directory")
     tls.add_argument("--host", action="append", required=True,
                      help="address SuperNodes use to reach the SuperLink (repeat for several)")
-    tls.add_argument("--days", type=int, default=365)
+    tls.add_argument("--days", type=int, default=365, help=f"certificate lifetime in days, 1 to {MAX_DAYS}")
     tls.add_argument("--force", action="store_true", help="replace ca.crt, server.pem, server.key if they exist")
     key = sub.add_parser("node-key", help="ECDSA key pair in OpenSSH format for one SuperNode")
     key.add_argument("path")
@@ -357,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tls":
         try:
             files = make_tls_files(args.directory, args.host, args.days, force=args.force)
-        except FileExistsError as exc:
-            print(f"deploy tls: {exc}", file=sys.stderr)
+        except (ValueError, OSError) as exc:  # bad input, a file in the way, or a folder it cannot write
+            print(f"deploy tls: {_one_line(exc)}", file=sys.stderr)
             return 2
         print(f"CA certificate:     {files.ca_cert}  (give to every SuperNode and flwr user)")
         print(f"server certificate: {files.server_cert}")
@@ -366,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "node-key":
         try:
             pair = make_node_key(args.path, force=args.force)
-        except FileExistsError as exc:
-            print(f"deploy node-key: {exc}", file=sys.stderr)
+        except (ValueError, OSError) as exc:
+            print(f"deploy node-key: {_one_line(exc)}", file=sys.stderr)
             return 2
         print(f"private key: {pair.private_key}  (this SuperNode only)")
         print(f"public key:  {pair.public_key}  (flwr supernode register)")
@@ -375,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             path = write_connection(args.flwr_home, args.name, args.address, args.root_certificates, args.insecure,
                                     make_default=not args.no_default, force=args.force)
-        except ValueError as exc:
-            print(f"deploy connection: {exc}", file=sys.stderr)
+        except (ValueError, OSError) as exc:
+            print(f"deploy connection: {_one_line(exc)}", file=sys.stderr)
             return 2
         print(path)
     return 0

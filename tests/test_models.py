@@ -31,3 +31,16 @@ def test_tokenizer_entry_is_built_once_into_place_and_a_damaged_one_is_rebuilt(
 
     assert smollm2_tokenizer_dir() == built  # now only read from the cache
     assert "building" not in capsys.readouterr().err
+
+
+def test_the_smoke_model_under_a_file_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tiny-model afile/tm`` (afile a regular file): one line naming the file in the way, exit 2,
+    before any model is built; nothing is written."""
+    from fedagent_flwr.models import tiny
+
+    (tmp_path / "afile").write_text("a file\n")
+    assert tiny.main([str(tmp_path / "afile" / "tm")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"tiny-model: {tmp_path / 'afile'} is not a folder, so {tmp_path / 'afile' / 'tm'} cannot be "
+                   "made there: name a directory whose parents are folders\n"), err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "a file\n"

@@ -28,9 +28,11 @@ def make_tiny_model(
 
     The weights are a pure function of ``seed`` (the global torch RNG is left untouched), saved as
     fp32 safetensors next to the tokenizer (SmolLM2's by default), so ``from_pretrained`` and the
-    trainers load it like any other model directory.
+    trainers load it like any other model directory. A file where ``out_dir`` or one of its parents
+    should be a folder is refused (:class:`NotADirectoryError`) before the model is built.
     """
     out = Path(out_dir)
+    _check_parents(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _holds_tiny_model(out))):
         raise FileExistsError(f"{out} exists and is not an empty directory or a tiny model written here, and "
                               "writing the model there would overwrite or remove its files: name a new directory")
@@ -65,6 +67,17 @@ def make_tiny_model(
     return out
 
 
+def _check_parents(out: Path) -> None:
+    """Refuse ``out`` where the nearest of its parents that exists is not a folder: ``mkdir`` would
+    fail only after the model was built, with the bare errno of a path the user did not type."""
+    for parent in out.parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():  # a link to a folder is a folder
+                raise NotADirectoryError(f"{parent} is not a folder, so {out} cannot be made there: "
+                                         "name a directory whose parents are folders")
+            return
+
+
 def _holds_tiny_model(directory: Path) -> bool:
     """Whether ``directory``'s config.json is this module's shape (then rewriting it loses nothing of
     value). transformers' ``save_pretrained`` also deletes weight shards it did not write, so a real
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(make_tiny_model(args.directory, seed=args.seed))
-    except FileExistsError as exc:
+    except (FileExistsError, NotADirectoryError) as exc:  # raised by the checks above, with their sentence
         print(f"tiny-model: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -401,6 +401,7 @@ def test_connection_is_merged_into_the_flower_config_never_replacing_it(tmp_path
     assert config["default"] == "site-a"
     assert config["local"] == {"address": ":local:"} and "supergrid" in config
     # an existing file (here: Flower's default plus a user's connection) is merged
+    make_tls_files(tmp_path, hosts=("127.0.0.1",))  # the ca.crt a TLS connection must name
     path.write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n\n'
                     '[superlink.mine]\naddress = "192.168.1.2:9093"\ninsecure = true\n')
     assert main(["connection", str(home), "site-b", "10.0.0.6:8000", "--root-certificates",
@@ -446,6 +447,7 @@ def test_connection_keeps_the_users_comments_and_a_linked_config_stays_a_link(tm
     home = tmp_path / "flwr-home"
     home.mkdir()
     (home / "config.toml").symlink_to("../dotfiles/flower.toml")  # a relative link
+    make_tls_files(tmp_path, hosts=("127.0.0.1",))  # the ca.crt a TLS connection must name
     write_connection(home, "site", "10.0.0.5:8000", root_certificates=tmp_path / "ca.crt")
     write_connection(home, "local", "127.0.0.1:9093", insecure=True, make_default=False, force=True)
     assert (home / "config.toml").is_symlink() and (home / "config.toml").resolve() == kept
