@@ -5,8 +5,8 @@ node: the strategies select partitions with FedAgent's seeded rule and address e
 the node that serves it. :class:`NodeRegistry` asks every newly connected node which partition it
 serves (a ``query.partition`` message), asks again a node that has not answered yet (it failed, or
 was restarted under the same node id after fixing its config), forgets nodes that left (asking them
-again if they come back), leaves out (with a warning) a node whose partition is not one of the
-run's ``clients.total``, and at the end of the run sends
+again if they come back), leaves out (with a warning, and asks again later) a node whose partition
+is not one of the run's ``clients.total``, and at the end of the run sends
 every known node a ``query.shutdown`` so that it stops what it started (env services, persistent
 trainers).
 """
@@ -164,12 +164,14 @@ class NodeRegistry:
         outside: list[tuple[int, int]] = []
         for node, answer in answers:
             partition, count = answer.partition_id, answer.num_partitions
-            self._answered[node] = partition
             if not 0 <= partition < self.num_clients:
                 # Not one of this run's clients: it would never train, yet it would count toward
-                # min_available_nodes and be handed evaluation seeds. It is not asked again.
+                # min_available_nodes and be handed evaluation seeds. Left unanswered, so that it is
+                # asked again as a failed node is: restarted under the same node id with a partition
+                # of the run, it serves it.
                 outside.append((node, partition))
                 continue
+            self._answered[node] = partition
             if partition in self._node_of_client and self._node_of_client[partition] != node:
                 log(WARNING, "Partition %d is served by two nodes; using node %d, node %d stands by",
                     partition, self._node_of_client[partition], node)
@@ -189,8 +191,7 @@ class NodeRegistry:
         """The online nodes that reported a partition whose node has left, forgotten as answered so
         that they are asked again: one still serving it takes it over (its answer is not trusted as
         it was, since it may have restarted under the same node id with another partition)."""
-        stand_bys = sorted(n for n, p in self._answered.items()
-                           if p not in self._node_of_client and 0 <= p < self.num_clients)
+        stand_bys = sorted(n for n, p in self._answered.items() if p not in self._node_of_client)
         for node in stand_bys:
             log(INFO, "Partition %d lost its node; asking node %d, which reported it too",
                 self._answered.pop(node), node)

@@ -171,28 +171,31 @@ def test_a_second_node_of_one_partition_serves_it_once_the_first_left(
         assert registry.client_of(other) == (0 if restarted_as == 0 else -1)
 
 
-def test_a_node_of_a_partition_outside_the_run_gets_no_work_and_is_not_asked_again(
+def test_a_node_of_a_partition_outside_the_run_gets_no_work_until_it_serves_one_of_the_runs(
         sleeps: list[float], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A SuperNode started with ``partition-id=2`` for a run of ``clients.total=2`` (partitions 0-1) is
     no client of the run: before, it was mapped as client 2, counted toward ``min_available_nodes``
-    and handed evaluation seeds though no round ever selects it. It is left out with one warning
-    naming it and the config key, and it is not asked again at each discovery."""
+    and handed evaluation seeds though no round ever selects it. It is left out with a warning naming
+    it and the config key, and asked again as a node that failed to answer is: restarted under the
+    same node id with partition 1, as the warning advises, it serves partition 1."""
     grid = HttpGrid(token="test")
-    partition = {100: 0, 101: 1, 102: 2}
+    partition = {100: 0, 101: 2}
     monkeypatch.setattr(grid, "get_node_ids", lambda: set(partition))
-    monkeypatch.setattr(nodes, "RETRY_INTERVAL_S", 0.0)
+    monkeypatch.setattr(nodes, "RETRY_INTERVAL_S", 0.0)  # each discovery may ask again (a round apart in a run)
 
     def answer(message: Message) -> Message:
         return Message(PartitionReply(partition[message.metadata.dst_node_id], 3).to_record(), reply_to=message)
 
-    link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0, 102: 0}, answer=answer)
+    link = ScriptedSuperLink(grid, silent_pulls={100: 0, 101: 0}, answer=answer)
     registry = NodeRegistry(num_clients=2)
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        assert registry.online(grid) == {0: 100, 1: 101}
-        asked = len(link.pushed)
-        assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked
-    assert registry.client_of(102) == -1
+        assert registry.online(grid) == {0: 100}
+    assert registry.client_of(101) == -1
     outside = [r.getMessage() for r in caplog.records if "outside this run's clients" in r.getMessage()]
-    assert outside == ["Node(s) [102] serve partition(s) [2], outside this run's clients 0-1 (config key "
+    assert outside == ["Node(s) [101] serve partition(s) [2], outside this run's clients 0-1 (config key "
                        "'clients.total' = 2); they get no work: restart them with a partition-id below 2, "
                        "or raise clients.total"]
+    asked = len(link.pushed)
+    partition[101] = 1  # restarted with a partition of the run, under the same node id
+    assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked + 1
+    assert registry.online(grid) == {0: 100, 1: 101} and len(link.pushed) == asked + 1  # both answered
