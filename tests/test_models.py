@@ -41,6 +41,6 @@ def test_the_smoke_model_under_a_file_is_refused_by_name(tmp_path: Path, capsys:
     (tmp_path / "afile").write_text("a file\n")
     assert tiny.main([str(tmp_path / "afile" / "tm")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"tiny-model: {tmp_path / 'afile'} is not a folder, so {tmp_path / 'afile' / 'tm'} cannot be "
-                   "made there: name a directory whose parents are folders\n"), err
+    assert err == (f"tiny-model: {tmp_path / 'afile' / 'tm'}: {tmp_path / 'afile'} is a file, not a directory; "
+                   "give a path inside a directory\n"), err
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "a file\n"

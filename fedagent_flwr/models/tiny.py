@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from fedagent_flwr.atomic import parent_problem
 from fedagent_flwr.cli import program
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
 
@@ -68,14 +69,10 @@ def make_tiny_model(
 
 
 def _check_parents(out: Path) -> None:
-    """Refuse ``out`` where the nearest of its parents that exists is not a folder: ``mkdir`` would
-    fail only after the model was built, with the bare errno of a path the user did not type."""
-    for parent in out.parents:
-        if os.path.lexists(parent):
-            if not parent.is_dir():  # a link to a folder is a folder
-                raise NotADirectoryError(f"{parent} is not a folder, so {out} cannot be made there: "
-                                         "name a directory whose parents are folders")
-            return
+    """Refuse ``out`` where its folder can neither be found nor made (:func:`~fedagent_flwr.atomic.parent_problem`):
+    ``mkdir`` would fail only after the model was built, with the bare errno of a path the user did not type."""
+    if problem := parent_problem(out):
+        raise NotADirectoryError(f"{out}: {problem}")
 
 
 def _holds_tiny_model(directory: Path) -> bool:
