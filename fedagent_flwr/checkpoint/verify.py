@@ -18,7 +18,9 @@ at all (no round recorded, as in a run that stopped before its first round; no a
 removed by the run) or the record lacks an entry for a round its ``last_completed_round`` says was
 completed: an audit that checked nothing must not pass. Exit status 2, with one line naming the file
 and the key, when the argument is not a run directory (or its ``federated_summary.json``, whose
-folder is then the run directory) or the record is not one as the ServerApp writes it. A round whose
+folder is then the run directory) or the record is not one as the ServerApp writes it (a key of
+another type; a round number below 1, or one that two entries record: which of them the round
+committed cannot be told, and the audit could pass). A round whose
 client checkpoints, previous global model (a LoRA source's base model: the global model its round
 started from) or previous optimiser state the run record says it removed after its commit
 (``storage.keep_client_checkpoints=false``, the default, or ``storage.keep_last_k``) is reported as
@@ -160,7 +162,8 @@ def verify_round(global_dir: Path, run_root: Path, check_hashes: bool = True, al
 def main(argv: list[str] | None = None) -> int:
     """The ``verify`` command: audit every recorded round of a run, one line per aggregate; exit 0
     when every round passed and at least one was checked, 1 when one failed or none was checked (or
-    rounds the record says were completed have no entry), 2 when the run record cannot be read."""
+    rounds the record says were completed have no entry), 2 when the run record cannot be read (or
+    is not one as the ServerApp writes it: :func:`read_record`)."""
     parser = argparse.ArgumentParser(prog=program("python -m fedagent_flwr.checkpoint.verify"),
                                      description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help=f"a run directory holding {SUMMARY_FILE} (or that file itself)")
@@ -262,8 +265,11 @@ def locate_record(given: Path) -> tuple[Path, Path]:
 
 def read_record(summary_path: Path) -> dict[str, Any]:
     """The run record at ``summary_path``, with every key this audit reads of the type it reads it
-    as: BadRecord naming the file and the key otherwise, so that a damaged or hand-edited record is
-    refused in one line instead of failing deep in the audit with a Python error."""
+    as, and each round numbered from 1 and listed once: BadRecord naming the file and the key (and
+    the round) otherwise, so that a damaged or hand-edited record is refused in one line instead of
+    failing deep in the audit with a Python error, or passing where nothing can be told: each entry
+    of a round listed twice would be audited (its removals looked up in the last), whichever one the
+    run committed."""
     try:
         summary = json.loads(summary_path.read_text())
     except OSError as exc:
@@ -275,6 +281,7 @@ def read_record(summary_path: Path) -> dict[str, Any]:
     if "rounds" not in summary:  # the ServerApp writes it (empty) before its first round
         raise BadRecord(f"{summary_path} lacks key 'rounds', so no round can be audited: {_NOT_A_RECORD}")
     _check_types(summary, _RECORD_KEYS, f"{summary_path}: key", summary_path)
+    entry_of: dict[int, int] = {}  # each round number: the index of the entry that records it
     for index, entry in enumerate(summary["rounds"]):
         where = f"{summary_path}: rounds[{index}]"
         if not isinstance(entry, dict):
@@ -282,6 +289,14 @@ def read_record(summary_path: Path) -> dict[str, Any]:
         if "round" not in entry:
             raise BadRecord(f"{where} lacks key 'round' (the round's number): {_NOT_A_RECORD}")
         _check_types(entry, {"round": (int,), **_ENTRY_KEYS}, f"{where} key", summary_path)
+        number = entry["round"]
+        if number < 1:  # round 0 (the base model's evaluation) has no entry: the ServerApp's rounds count from 1
+            raise BadRecord(f"{where} key 'round' is {number}, not a positive integer (the ServerApp numbers rounds "
+                            f"from 1): {_NOT_A_RECORD}")
+        if number in entry_of:  # each entry would be audited, and pass, whichever one the round committed
+            raise BadRecord(f"{where} key 'round' repeats round {number} of rounds[{entry_of[number]}] (the ServerApp "
+                            f"records a round once: which entry its commit wrote cannot be told): {_NOT_A_RECORD}")
+        entry_of[number] = index
         for item in entry.get("removing") or []:
             if not isinstance(item, dict) or not isinstance(item.get("path"), str):
                 raise BadRecord(f"{where} key 'removing' lists {json.dumps(item)[:80]}, not an object with a "

@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fedagent_flwr.checkpoint.verify import main as verify
+from fedagent_flwr.cli import main as fedagent
 from fedagent_flwr.serverapp.recorder import RunRecorder
 from testkit.near_one import near_one, small_change_round
 from testkit.round_harness import recorder_of
@@ -26,11 +27,12 @@ from testkit.strategy_setup import connected_strategy
 SUMMARY = "federated_summary.json"
 
 
-def _audit(*argv: str) -> tuple[int, str, str]:
-    """The audit's exit status, stdout and stderr, run in this process as ``testkit.audit`` does."""
+def _audit(*argv: str, command: Callable[[list[str]], int] = verify) -> tuple[int, str, str]:
+    """The audit's exit status, stdout and stderr, run in this process as ``testkit.audit`` does
+    (``command``: the module's ``main``, or ``fedagent`` given ``verify`` first)."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = verify(list(argv))
+        code = command(list(argv))
     return code, stdout.getvalue(), stderr.getvalue()
 
 
@@ -90,6 +92,10 @@ def test_the_runs_summary_file_is_audited_as_its_run_directory(real_run: Path, t
     ({"rounds": [], "last_completed_round": "5"},
      ": key 'last_completed_round' is a JSON string, not an integer or null"),
     ({}, " lacks key 'rounds', so no round can be audited"),
+    ({"rounds": [{"round": 0}]}, ": rounds[0] key 'round' is 0, not a positive integer (the ServerApp numbers rounds "
+     "from 1)"),
+    ({"rounds": [{"round": 1}, {"round": 1}]}, ": rounds[1] key 'round' repeats round 1 of rounds[0] (the ServerApp "
+     "records a round once: which entry its commit wrote cannot be told)"),
 ])
 def test_a_record_not_as_the_server_writes_it_is_refused_in_one_line_naming_the_key(
     tmp_path: Path, record: Any, named: str
@@ -164,3 +170,48 @@ def test_an_audit_that_checked_no_aggregate_fails(real_run: Path) -> None:
     code, stdout, stderr = _audit(str(run_root))
     assert (code, stderr) == (0, "") and stdout.count("content hash as committed; client checkpoints removed") == 2
 
+
+
+#: A real run's round entries (rounds 1 and 2) edited into a record that lists a round twice, the
+#: index of the repeat and of the entry it repeats; each passed the audit before (exit 0).
+_TWICE: dict[str, tuple[Callable[[dict[str, Any], dict[str, Any]], list[dict[str, Any]]], int, int, int]] = {
+    "round 2's entry twice": (lambda r1, r2: [r1, r2, r2], 2, 2, 1),
+    "round 1 again, naming round 2's aggregate": (lambda r1, r2: [r1, {**r2, "round": 1}, r2], 1, 1, 0),
+    "round 2 again, naming round 1's aggregate": (lambda r1, r2: [r1, r2, {**r1, "round": 2}], 2, 2, 1),
+    "round 2 again, out of order": (lambda r1, r2: [r2, r1, r2], 2, 2, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(_TWICE))
+def test_a_round_listed_twice_is_refused_in_one_line_naming_the_round(real_run: Path, case: str) -> None:
+    """A real run's record with a round listed twice: which entry the round committed cannot be
+    told, so the audit refuses it as a record the ServerApp does not write (before: exit 0, the
+    round audited twice, each entry passing, the repeat of round 1 with round 2's aggregate too)."""
+    edit, index, number, first = _TWICE[case]
+    path = real_run / SUMMARY
+    record = json.loads(path.read_text())
+    assert [e["round"] for e in record["rounds"]] == [1, 2] and _audit(str(real_run))[0] == 0
+    path.write_text(json.dumps({**record, "rounds": edit(*record["rounds"])}))
+    refusal = (f"verify: {path}: rounds[{index}] key 'round' repeats round {number} of rounds[{first}] (the ServerApp "
+               f"records a round once: which entry its commit wrote cannot be told): not a run record as the ServerApp "
+               f"writes it; give the run directory holding the run's own {SUMMARY}\n")
+    for flags in ((), ("--allow-unhashed",)):
+        assert _audit(str(real_run), *flags) == (2, "", refusal)
+    # as users run it: the fedagent console script's command, given the run or its record
+    assert _audit("verify", str(real_run), command=fedagent) == (2, "", refusal)
+    assert _audit("verify", str(path), command=fedagent) == (2, "", refusal)
+
+
+@pytest.mark.parametrize("number", [0, -1, -2])
+def test_a_round_numbered_below_one_is_refused_in_one_line(real_run: Path, number: int) -> None:
+    """A real run's record with an entry for round 0 or a negative round (round 1's, renumbered):
+    the ServerApp numbers rounds from 1 (before: exit 0, ``round 0: clients [0, 1] ... ok``). A
+    string or a boolean is refused as a JSON type (the parametrized test above)."""
+    path = real_run / SUMMARY
+    record = json.loads(path.read_text())
+    first, second = record["rounds"]
+    path.write_text(json.dumps({**record, "rounds": [first, {**first, "round": number}, second]}))
+    assert _audit("verify", str(real_run), command=fedagent) == (2, "", (
+        f"verify: {path}: rounds[1] key 'round' is {number}, not a positive integer (the ServerApp numbers rounds "
+        f"from 1): not a run record as the ServerApp writes it; give the run directory holding the run's own "
+        f"{SUMMARY}\n"))
