@@ -24,12 +24,14 @@ unreadable or unfinished run (status running or failed, or fewer rounds than pla
 without a validation curve or without the rounds its statistic needs, runs of different total
 rounds, a run given twice; with ``--paired``, a run without a seed or two runs of one seed in an arm.
 A summary whose keys are not as the recorder writes them (``val_curve`` not a list of points, a point
-without a success rate from 0 to 1, ``total_rounds`` not a number) is refused naming the file and the
-key or round; so is a ``--json`` file that is an input summary or any run's record, before any write.
+without a success rate from 0 to 1, a round with two points, ``total_rounds`` not a number, ``base_seed``
+not a whole number) is refused naming the file and the key or round; so, before any write, is a
+``--json`` file that is an input summary or any run's record, or an existing file that is not an
+earlier comparison (:func:`fedagent_flwr.compare_report.json_refusal`).
 
 Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
-uses these functions on a GPU node's bare ``python3``. The within-seed rows and the markdown are in
-:mod:`fedagent_flwr.compare_report` (its names importable from here too).
+uses these functions on a GPU node's bare ``python3``. The within-seed rows, the markdown and the
+``--json`` checks are in :mod:`fedagent_flwr.compare_report` (its names importable from here too).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ from typing import Any
 
 from fedagent_flwr.atomic import write_json_atomic
 from fedagent_flwr.cli import program
-from fedagent_flwr.compare_report import STATISTICS, markdown, paired, point_problem, summary_problem
+from fedagent_flwr.compare_report import STATISTICS, curve_problem, json_refusal, markdown, paired, summary_problem
 from fedagent_flwr.intervals import seed_difference_interval, seeds_for_difference, wilson_interval
 from fedagent_flwr.losses import evaluation_losses, round_losses
-from fedagent_flwr.outcome import SUMMARY_FILE, SummaryError, load_summary, summary_path
+from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
 
 #: The last-rounds window: each run's mean validation success over the last this-many rounds it was
 #: planned to run (rounds 8-10 of a 10-round run), the statistic docs/results.md §4 declares for
@@ -67,14 +69,14 @@ def validation_by_round(curve: list[dict[str, Any]]) -> dict[int, float]:
     the final round and the GPU tools' tables (``arms_dynamics``), so that they cannot disagree on a
     run's rounds.
 
-    Raises :class:`CompareError` for a point without a round or a success rate from 0 to 1
-    (:func:`fedagent_flwr.compare_report.point_problem`): no point the recorder writes lacks one, and
-    counting it 0.0 moved its run's window mean without a word. :func:`run_statistic` checks the whole
-    summary first, so that compare's refusal names the file as well."""
-    for index, point in enumerate(curve):
-        problem = point_problem(point, index)
-        if problem:
-            raise CompareError(problem)
+    Raises :class:`CompareError` for a point without a round or a success rate from 0 to 1, and for a
+    round with two points (:func:`fedagent_flwr.compare_report.curve_problem`): no curve the recorder
+    writes has either, and counting the point 0.0, or the round's later point, moved its run's window
+    mean without a word. :func:`run_statistic` checks the whole summary first, so that compare's
+    refusal names the file as well."""
+    problem = curve_problem(curve)
+    if problem:
+        raise CompareError(problem)
     return {int(p["round"]): float(p["success_rate"]) for p in curve}
 
 
@@ -218,7 +220,7 @@ def run_statistic(arm: str, run: str | Path, window: int = WINDOW, allow_unfinis
     seed = summary.get("base_seed")
     config = " ".join(str(summary.get(key, "?")) for key in ("env_kind", "mode", "strategy"))
     return RunStatistic(arm=arm, run=str(run), run_id=summary.get("run_id"),
-                        seed=int(seed) if isinstance(seed, int) else None, status=status, config=config,
+                        seed=seed, status=status, config=config,  # an int or None: summary_problem refused the rest
                         total_rounds=total, last_round=last, window=window_mean(curve, end, window), final=rate,
                         window_rounds=(end - window + 1, end) if end >= window else None, final_round=end,
                         final_n=n, final_ci95=(round(low, 4), round(high, 4)), unfinished=unfinished,
@@ -394,44 +396,6 @@ def compare(arms: Mapping[str, Sequence[str | Path]], window: int = WINDOW, stat
     return report
 
 
-
-def _json_problem(path: Path) -> str | None:
-    """Why the comparison cannot be written to ``path``, or None. Checked before anything is printed,
-    so that a report is not printed and then lost to a bad ``--json``; a missing directory is no
-    problem (the atomic write makes it, as every run file's does)."""
-    if path.is_dir():
-        return "it is a directory"
-    parent = path.parent
-    while not parent.exists() and not parent.is_symlink():  # the nearest that exists decides
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable"
-    return None
-
-
-def _json_overwrites(path: Path, arms: Mapping[str, Sequence[str]]) -> str | None:
-    """The input that writing the comparison to ``path`` would replace, or None: any run's record (a
-    file named federated_summary.json, whether given or not, or a link to one) or one of the summaries
-    given (the same file by another name, a link or a hard link included). Checked before anything is
-    written, so that a slip of ``--json`` cannot destroy the record a comparison is made from."""
-    target = path.resolve()
-    for runs in arms.values():
-        for run in runs:
-            summary = summary_path(run)
-            try:
-                same = target == summary.resolve() or (target.exists() and summary.exists()
-                                                       and os.path.samefile(target, summary))
-            except OSError:  # a file that cannot be looked at cannot be compared either: compare says so
-                same = False
-            if same:
-                return f"the summary of run {run}, an input of this comparison"
-    if SUMMARY_FILE in (path.name, target.name):
-        return f"a run's record (a file named {SUMMARY_FILE})"
-    return None
-
-
 def _arm_argument(values: list[str]) -> tuple[str, list[str]]:
     """``--arm NAME DIR [DIR ...]`` or ``--arm NAME=DIR [DIR ...]`` as ``(name, dirs)``."""
     first, rest = values[0], values[1:]
@@ -474,14 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise CompareError(f"--arm {name!r}: {'an empty name' if not name else 'named twice'}; give each "
                                    "arm once, as --arm NAME DIR [DIR ...]")
             arms[name] = runs
-        overwrites = None if args.json is None else _json_overwrites(args.json, arms)
-        if overwrites:
-            raise CompareError(f"--json {args.json} would overwrite {overwrites}: name another file for the "
-                               "comparison")
-        problem = None if args.json is None else _json_problem(args.json)
-        if problem:
-            raise CompareError(f"cannot write --json {args.json}: {problem}; name a file in a directory you can "
-                               "write (missing directories are made)")
+        refusal = None if args.json is None else json_refusal(args.json, arms)
+        if refusal:
+            raise CompareError(refusal)
         report = compare(arms, args.window, args.statistic, args.allow_unfinished, args.paired)
     except CompareError as exc:
         print(f"fedagent compare: {exc}", file=sys.stderr)

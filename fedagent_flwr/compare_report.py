@@ -3,23 +3,37 @@
 interval over runs, and with ``--paired`` the within-seed differences), apart from the reading of runs
 and the Welch rows so that each module stays small. Also the check that the keys of a summary compare
 reads have the shapes the recorder writes (:func:`summary_problem`), as a message that ``compare``
-refuses the run with.
+refuses the run with, and the check of where ``--json`` would write the report (:func:`json_refusal`):
+not over an input, nor over a file that is not an earlier report.
 
-Standard library only, as ``compare`` (``tools/gpu/arms_report.py`` runs on a GPU node's bare ``python3``).
+Standard library only (with ``intervals`` and ``outcome``), as ``compare`` (``tools/gpu/arms_report.py`` runs
+on a GPU node's bare ``python3``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.intervals import paired_difference_interval
+from fedagent_flwr.outcome import SUMMARY_FILE, summary_path
 
 #: The statistics a run has, in the order the tables show them: ``window`` (the mean validation success
 #: over the last rounds, :func:`fedagent_flwr.compare.window_mean`) and ``final`` (the last round's success).
 STATISTICS = ("window", "final")
+#: The top-level keys of the report ``fedagent compare --json`` writes (:func:`fedagent_flwr.compare.compare`),
+#: the same in every version so far; ``paired`` is added with ``--paired``. How :func:`json_refusal` tells
+#: an earlier report, which ``--json`` may replace, from any other file, which it must not.
+REPORT_KEYS = frozenset({"statistic", "secondary", "window", "total_rounds", "window_rounds", "runs", "arms",
+                         "pairs", "notes"})
+#: Larger than any report (a run's row is about 1 kB): a bigger file is no earlier report, and is not read
+#: to find out (a long run's metrics.jsonl may be far bigger).
+REPORT_MAX_BYTES = 16 * 1024 * 1024
 
 
 def _shown(value: object) -> str:
@@ -81,22 +95,46 @@ def _round_problem(entry: object, index: int) -> str | None:
     return None
 
 
-def summary_problem(summary: Mapping[str, Any]) -> str | None:
-    """What in ``summary`` compare cannot read as the recorder writes it, naming the key (and the
-    round), or None: ``val_curve`` (a list of points, :func:`point_problem`), ``total_rounds`` and
-    ``last_completed_round`` (whole numbers; absent or null as an older summary may have them) and
-    ``rounds`` (:func:`_round_problem`). Checked before any of them is read, so that a summary edited
-    by hand or torn is refused in one line rather than with a traceback or a guessed value."""
-    curve = summary.get("val_curve")
-    if curve is not None and not isinstance(curve, list):
-        return f"val_curve is {_shown(curve)}, not a list of validation points (objects)"
-    for index, point in enumerate(curve or []):
+def curve_problem(curve: Sequence[object]) -> str | None:
+    """What makes the validation curve ``curve`` unreadable, or None: its first unreadable point
+    (:func:`point_problem`), else a round with two points. The recorder writes one point a round (a
+    resumed run keeps only its committed rounds' points and evaluates none of them again), so a second
+    point of a round was added by hand or by a merge; reading the curve by round would keep the later
+    one without a word, and which of the two is the run's value is not compare's to choose."""
+    first: dict[int, int] = {}
+    for index, point in enumerate(curve):
         problem = point_problem(point, index)
         if problem:
             return problem
+        assert isinstance(point, dict)  # point_problem refuses anything else
+        round_ = point["round"]
+        if round_ in first:
+            return (f"val_curve has round {round_} twice (val_curve[{first[round_]}] and val_curve[{index}]; "
+                    "the recorder writes one point a round)")
+        first[round_] = index
+    return None
+
+
+def summary_problem(summary: Mapping[str, Any]) -> str | None:
+    """What in ``summary`` compare cannot read as the recorder writes it, naming the key (and the
+    round), or None: ``val_curve`` (a list of points, one a round: :func:`curve_problem`),
+    ``total_rounds`` and ``last_completed_round`` (whole numbers; absent or null as an older summary may
+    have them), ``base_seed`` (a whole number, or absent or null) and ``rounds`` (:func:`_round_problem`).
+    Checked before any of them is read, so that a summary edited by hand or torn is refused in one line
+    rather than with a traceback or a guessed value."""
+    curve = summary.get("val_curve")
+    if curve is not None and not isinstance(curve, list):
+        return f"val_curve is {_shown(curve)}, not a list of validation points (objects)"
+    problem = curve_problem(curve or [])
+    if problem:
+        return problem
     for key in ("total_rounds", "last_completed_round"):
         if summary.get(key) is not None and not _count(summary[key]):
             return f"{key} is {_shown(summary[key])}, not a number of rounds (a whole number of 0 or more)"
+    seed = summary.get("base_seed")
+    # --paired matches runs by it: ``true`` is an int to Python and would pair as seed 1, "4" as no seed
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        return f"base_seed is {_shown(seed)}, not a seed (a whole number, as the run's seed setting)"
     entries = summary.get("rounds")
     if entries is not None and not isinstance(entries, list):
         return f"rounds is {_shown(entries)}, not a list of round entries (objects)"
@@ -257,3 +295,94 @@ def _paired_lines(report: dict[str, Any], roles: tuple[tuple[str, str], ...]) ->
                   "has (named in its row of the runs table), not the headings' rounds."]
     return lines + ["", "Paired within seed: runs of two arms matched by seed, where both arms ran one session from "
                     "one shared start; seeds with a run in one arm only are left out, named below."]
+
+
+def is_report(value: object) -> bool:
+    """Whether ``value`` (a parsed JSON file) has the shape of a report ``fedagent compare --json`` wrote:
+    an object with exactly :data:`REPORT_KEYS` (and ``paired``), both statistics named, runs, pairs and
+    notes as lists, each run a row naming its arm and run, arms as an object. Conservative, as the
+    report has no key of its own to tell it by: anything else is no report, and is not replaced."""
+    if not isinstance(value, dict) or not REPORT_KEYS <= value.keys() <= REPORT_KEYS | {"paired"}:
+        return False
+    return (value["statistic"] in STATISTICS and value["secondary"] in STATISTICS
+            and all(isinstance(value[key], list) for key in ("runs", "pairs", "notes"))
+            and isinstance(value["arms"], dict)
+            and all(isinstance(run, dict) and "arm" in run and "run" in run for run in value["runs"]))
+
+
+def _not_a_report(path: Path) -> str | None:
+    """What the file at ``path`` is, if it exists and is not an earlier report (:func:`is_report`),
+    which writing the comparison there would replace; None where nothing is there, or an earlier
+    report. Only a regular file of at most :data:`REPORT_MAX_BYTES` is read (a FIFO would block)."""
+    if not os.path.lexists(path) or path.is_dir():  # nothing to lose; a directory is refused as unwritable
+        return None
+    if not path.exists():  # the write would replace the link, not make the file it names
+        return "a broken symbolic link"
+    what = "an existing file that is not an earlier comparison (the JSON report fedagent compare writes)"
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > REPORT_MAX_BYTES:
+            return what
+        found = json.loads(path.read_bytes())
+    except OSError as exc:  # a file it may not read: whose it is cannot be told
+        return f"an existing file that cannot be read to tell whether it is an earlier comparison ({exc.strerror})"
+    except (ValueError, RecursionError):  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return what
+    return None if is_report(found) else what
+
+
+def _overwritten_input(path: Path, arms: Mapping[str, Sequence[str | Path]]) -> str | None:
+    """The input that writing the comparison to ``path`` would replace, or None: any run's record (a
+    file named federated_summary.json, whether given or not, or a link to one) or one of the summaries
+    given (the same file by another name, a link or a hard link included). Checked before anything is
+    written, so that a slip of ``--json`` cannot destroy the record a comparison is made from."""
+    target = path.resolve()
+    for runs in arms.values():
+        for run in runs:
+            summary = summary_path(run)
+            try:
+                same = target == summary.resolve() or (target.exists() and summary.exists()
+                                                       and os.path.samefile(target, summary))
+            except OSError:  # a file that cannot be looked at cannot be compared either: compare says so
+                same = False
+            if same:
+                return f"the summary of run {run}, an input of this comparison"
+    if SUMMARY_FILE in (path.name, target.name):
+        return f"a run's record (a file named {SUMMARY_FILE})"
+    return None
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the comparison cannot be written to ``path``, or None; a missing directory is no problem
+    (the atomic write makes it, as every run file's does)."""
+    if path.is_dir():
+        return "it is a directory"
+    parent = path.parent
+    while not parent.exists() and not parent.is_symlink():  # the nearest that exists decides
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
+
+
+def json_refusal(path: Path, arms: Mapping[str, Sequence[str | Path]]) -> str | None:
+    """Why ``fedagent compare`` must not write its report to ``path`` (``--json``), as its one line
+    saying what to do, or None: it would replace an input (:func:`_overwritten_input`), it cannot be
+    written (:func:`_unwritable`), or it would replace a file that is not an earlier report
+    (:func:`_not_a_report`: a run's metrics.jsonl, notes, anything; an earlier report is replaced, as
+    rerunning a comparison to the same file does). Checked before the runs are read or anything is
+    printed, so that a report is not printed and then lost to a bad ``--json``, and nothing is lost to it."""
+    overwrites = _overwritten_input(path, arms)
+    if overwrites:
+        return f"--json {path} would overwrite {overwrites}: name another file for the comparison"
+    problem = _unwritable(path)
+    if problem:
+        return (f"cannot write --json {path}: {problem}; name a file in a directory you can write (missing "
+                "directories are made)")
+    existing = _not_a_report(path)
+    if existing:
+        return (f"--json {path} would overwrite {existing}: name another file for the comparison, or delete "
+                f"{path} first")
+    return None
