@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -115,3 +116,36 @@ def parent_problem(path: str | os.PathLike[str]) -> str | None:
             return f"cannot write in {ancestor} (permission denied); give a path inside a directory you may write"
         return None
     return None
+
+
+def replace_dir(out: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+    """Have ``write`` fill a temporary directory beside ``out``, fsync every file and directory in
+    it, then rename it to ``out`` and fsync the parent: a crash or an error midway leaves ``out`` as
+    it was, never half written. An existing ``out`` is moved aside first (two renames: a directory
+    cannot replace a non-empty one) and removed only once the new one is in place; if that last
+    rename fails it is moved back, and a crash between the two leaves it under ``.<name>.old-*``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = temporary_dir(out.parent, f".{out.name}.tmp-")
+    aside: Path | None = None
+    try:
+        write(staged)
+        for path in sorted(staged.rglob("*"), reverse=True):  # files before the directories holding them
+            (fsync_dir if path.is_dir() else fsync_file)(path)
+        fsync_dir(staged)
+        if out.exists():
+            aside = temporary_dir(out.parent, f".{out.name}.old-")
+            os.replace(out, aside / out.name)
+        try:
+            os.replace(staged, out)
+        except BaseException:
+            if aside is not None:  # put the previous one back; if even that fails, leave it aside
+                previous, aside = aside, None
+                os.replace(previous / out.name, out)
+                shutil.rmtree(previous, ignore_errors=True)
+            raise
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)

@@ -44,3 +44,45 @@ def test_the_smoke_model_under_a_file_is_refused_by_name(tmp_path: Path, capsys:
     assert err == (f"tiny-model: {tmp_path / 'afile' / 'tm'}: {tmp_path / 'afile'} is a file, not a directory; "
                    "give a path inside a directory\n"), err
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "a file\n"
+
+
+@pytest.mark.parametrize("seed", [str(2**70), str(2**64), "-1"])
+def test_a_seed_torch_cannot_take_is_one_line_naming_seed(
+        seed: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fedagent tiny-model DIR --seed 2**70`` (before: an OverflowError traceback from torch.manual_seed
+    after the tokenizer was loaded) and ``--seed -1`` (before: accepted, the weights of seed 2**64 - 1
+    under a second name): one line naming --seed and its range, exit 2 as for the command's other bad
+    input, nothing written."""
+    from fedagent_flwr import cli
+
+    assert cli.main(["tiny-model", str(tmp_path / "tm"), "--seed", seed]) == 2
+    assert capsys.readouterr().err == ("tiny-model: --seed must be an integer from 0 to 18446744073709551615 "
+                                       f"(2**64 - 1, what torch.manual_seed takes), got {seed}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_fails_midway_leaves_no_half_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The model is written beside the target and renamed into place: a failure after the weights
+    were saved but before the tokenizer was (a full disk, here injected) leaves no folder at a new
+    target and an earlier tiny model there as it was; no temporary folder is left either. The
+    earlier model is seeded with the largest seed torch takes, which is accepted."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from fedagent_flwr import cli
+
+    earlier = tmp_path / "tm"
+    assert cli.main(["tiny-model", str(earlier), "--seed", str(2**64 - 1)]) == 0
+    assert capsys.readouterr().out == f"{earlier}\n"
+    before = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(before)
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full_disk)
+    for target in (tmp_path / "new", earlier):
+        with pytest.raises(OSError, match="No space left on device"):
+            cli.main(["tiny-model", str(target), "--seed", "1"])
+        assert [p.name for p in tmp_path.iterdir()] == ["tm"], sorted(p.name for p in tmp_path.iterdir())
+        assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before

@@ -12,12 +12,15 @@ import os
 import sys
 from pathlib import Path
 
-from fedagent_flwr.atomic import parent_problem
+from fedagent_flwr.atomic import parent_problem, replace_dir
 from fedagent_flwr.cli import program
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
 
 #: The tiny model's size, in its config.json: also how :func:`_holds_tiny_model` recognises one.
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+#: The largest seed: ``torch.manual_seed`` takes 0 to 2**64 - 1 (a larger one ends in an OverflowError
+#: traceback; a negative one it takes as 2**64 plus it, the weights of another seed under a second name).
+MAX_SEED = 2**64 - 1
 
 
 def make_tiny_model(
@@ -29,10 +32,16 @@ def make_tiny_model(
 
     The weights are a pure function of ``seed`` (the global torch RNG is left untouched), saved as
     fp32 safetensors next to the tokenizer (SmolLM2's by default), so ``from_pretrained`` and the
-    trainers load it like any other model directory. A file where ``out_dir`` or one of its parents
-    should be a folder is refused (:class:`NotADirectoryError`) before the model is built.
+    trainers load it like any other model directory. They are written to a temporary folder beside
+    ``out_dir`` and renamed into place (:func:`~fedagent_flwr.atomic.replace_dir`), so a failure
+    midway leaves no half model there. Refused before the model is built: a seed outside 0 to :data:`MAX_SEED`
+    (:class:`ValueError`), a file where ``out_dir`` or one of its parents should be a folder
+    (:class:`NotADirectoryError`), and an ``out_dir`` holding anything but an earlier tiny model
+    (:class:`FileExistsError`).
     """
     out = Path(out_dir)
+    if problem := seed_problem(seed):
+        raise ValueError(f"seed {problem}")
     _check_parents(out)
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _holds_tiny_model(out))):
         raise FileExistsError(f"{out} exists and is not an empty directory or a tiny model written here, and "
@@ -62,10 +71,22 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    final = out.resolve()  # "." has no name to stage beside; a link to a folder: the model goes where it points
+
+    def write(staged: Path) -> None:
+        model.save_pretrained(str(staged))
+        tokenizer.save_pretrained(str(staged))
+
+    replace_dir(final, write)
     return out
+
+
+def seed_problem(seed: int) -> str | None:
+    """Why ``seed`` cannot seed the weights (outside 0 to :data:`MAX_SEED`), or None: checked with the
+    other inputs, before torch is imported, so that a wrong seed costs no model build and no traceback."""
+    if 0 <= seed <= MAX_SEED:
+        return None
+    return f"must be an integer from 0 to {MAX_SEED} (2**64 - 1, what torch.manual_seed takes), got {seed}"
 
 
 def _check_parents(out: Path) -> None:
@@ -95,10 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         prog=program("python -m fedagent_flwr.models.tiny"),
         description="Write a tiny random-weight model with the SmolLM2 tokenizer, for smoke runs "
                     "(e.g. model.path=DIR): every code path runs in seconds, nothing is learned.")
-    parser.add_argument("directory", help="where to write it (created; a tiny model there is replaced, any "
-                                          "other non-empty directory refused)")
-    parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this seed")
+    parser.add_argument("directory", help="where to write it (written beside it, then renamed into place; a tiny "
+                                          "model there is replaced, any other non-empty directory refused)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help=f"the weights are a pure function of this seed (0 to {MAX_SEED}, default 0)")
     args = parser.parse_args(argv)
+    if problem := seed_problem(args.seed):
+        print(f"tiny-model: --seed {problem}", file=sys.stderr)
+        return 2
     try:
         print(make_tiny_model(args.directory, seed=args.seed))
     except (FileExistsError, NotADirectoryError) as exc:  # raised by the checks above, with their sentence

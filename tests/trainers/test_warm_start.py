@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from fedagent_flwr import atomic
 from fedagent_flwr.rollout import tokenize_conversation
 from fedagent_flwr.trainers.common import warm_start as ws
-from fedagent_flwr.trainers.common import warm_start_output as wso
 from testkit.guess_conversations import CONVERSATIONS, conversation
 from testkit.torch_state import deterministic_algorithms_restored
 
@@ -311,9 +311,9 @@ def test_output_is_fsynced_before_the_rename(tiny_model_dir: Path, tmp_path: Pat
             assert {p for p in staged.rglob("*")} | {staged} <= set(synced), "renamed before fsync"
         real_replace(src, dst)
 
-    monkeypatch.setattr(wso, "fsync_file", lambda path: synced.append(Path(path)))
-    monkeypatch.setattr(wso, "fsync_dir", lambda path: synced.append(Path(path)))
-    monkeypatch.setattr(wso.os, "replace", replace)
+    monkeypatch.setattr(atomic, "fsync_file", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(atomic, "fsync_dir", lambda path: synced.append(Path(path)))
+    monkeypatch.setattr(atomic.os, "replace", replace)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)
     assert (out / "model.safetensors").is_file() and synced[-1] == tmp_path  # the parent after the rename
@@ -333,7 +333,7 @@ def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, t
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(wso.os, "replace", replace)
+    monkeypatch.setattr(atomic.os, "replace", replace)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with pytest.raises(OSError, match="No space left"):
         ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)

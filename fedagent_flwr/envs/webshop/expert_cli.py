@@ -51,22 +51,71 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--first-seed", type=int, default=0,
                         help="episodes use seeds first-seed, first-seed+1, ... (seed s plays train goal s %% 6410)")
     parser.add_argument("--model", default="",
-                        help="model directory whose tokenizer renders the chat "
-                             "('' = the bundled SmolLM2-135M-Instruct)")
+                        help="model directory (or hub id) whose tokenizer renders the chat: it must hold the "
+                             "tokenizer's files ('' = the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--out", required=True, help="output JSON-lines file (written via a temp name + rename)")
     parser.add_argument("--mode", default="concat", choices=MODES, help="rollout mode (default concat, the recipe's)")
-    parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS)
-    parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N)
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--max-turns", type=int, default=DEFAULT_MAX_TURNS,
+                        help=f"turns an episode may take (at least 1; default {DEFAULT_MAX_TURNS})")
+    parser.add_argument("--search-return-n", type=int, default=DEFAULT_SEARCH_RETURN_N,
+                        help=f"results a search returns (at least 1; default {DEFAULT_SEARCH_RETURN_N})")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                        help="tokens a reply may take: at least the expert's shortest reply with EOS, counted "
+                             f"with --model's tokenizer (default {DEFAULT_MAX_NEW_TOKENS})")
     parser.add_argument("--max-prompt-length", type=int, default=0,
                         help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_PROMPT_LENGTH} concat, "
                              f"{WINDOWED_MAX_PROMPT_LENGTH} windowed)")
     parser.add_argument("--max-response-length", type=int, default=0,
                         help=f"0 (default): the mode's recipe's ({DEFAULT_MAX_RESPONSE_LENGTH} concat, "
                              f"{WINDOWED_MAX_RESPONSE_LENGTH} windowed)")
-    parser.add_argument("--history-length", type=int, default=2, help="windowed mode: steps each prompt shows")
+    parser.add_argument("--history-length", type=int, default=2,
+                        help="windowed mode: steps each prompt shows (0 or more)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
     return parser
+
+
+#: argparse destination -> (option, least value) of each numeric option. This command checks them
+#: itself, before anything is loaded, so that a message names the option the user typed rather than the
+#: setting (``max_new_tokens``) that :class:`EpisodeSettings` would name. A budget of 0 is the recipe's.
+LEAST: dict[str, tuple[str, int]] = {
+    "episodes": ("--episodes", 1),
+    "first_seed": ("--first-seed", 0),
+    "max_turns": ("--max-turns", 1),
+    "search_return_n": ("--search-return-n", 1),
+    "max_new_tokens": ("--max-new-tokens", 1),
+    "max_prompt_length": ("--max-prompt-length", 0),
+    "max_response_length": ("--max-response-length", 0),
+    "history_length": ("--history-length", 0),
+}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """ExpertInputError naming the first numeric option below its least value (:data:`LEAST`)."""
+    for dest, (option, least) in LEAST.items():
+        if (value := getattr(args, dest)) < least:
+            raise ExpertInputError(f"{option} must be >= {least}, got {value}")
+
+
+def _check_model_dir(model: str) -> None:
+    """ExpertInputError naming ``--model`` when it is a local folder without a tokenizer's files.
+
+    Why: only the tokenizer is loaded (a folder of them alone, without ``config.json``, serves), and
+    from a folder without one transformers does not say so: an empty one ends in advice to install
+    sentencepiece, one with only ``config.json`` in "the tokenizer has no chat template". Checked
+    before the bundled model or anything else is loaded; a hub id is left to the download.
+    """
+    from fedagent_flwr.trainers.common.warm_start import TOKENIZER_FILES  # warm-start's own check's list
+
+    folder = Path(model).expanduser()
+    if not model.strip() or not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return
+    where = f"--model {model}: {folder.resolve()}"
+    if (folder / "config.json").is_file():
+        raise ExpertInputError(f"{where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                               "save the model's tokenizer into it (tokenizer.save_pretrained)")
+    raise ExpertInputError(f"{where} holds no model (no config.json, and none of {', '.join(TOKENIZER_FILES)}); "
+                           "give a Hugging Face model directory (as save_pretrained writes it) or leave --model "
+                           "empty for the bundled SmolLM2-135M-Instruct")
 
 
 def _load_tokenizer(model: str) -> Any:
@@ -120,13 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``fedagent webshop-expert``: write expert episodes; 0 on success, 2 on bad input."""
     args = _parser().parse_args(argv)
     try:
-        if args.episodes < 1:
-            raise ExpertInputError(f"--episodes must be >= 1, got {args.episodes}")
-        if args.first_seed < 0:
-            raise ExpertInputError(f"--first-seed must be >= 0, got {args.first_seed}")
+        _check_numbers(args)
         if Path(args.out).is_dir():
             raise ExpertInputError(f"--out {args.out} is a directory; give a file name")
         _check_out_parent(Path(args.out))
+        _check_model_dir(args.model)
         config = expert_env_config(args.data_dir, args.split, args.max_turns, args.search_return_n)
         settings = EpisodeSettings(args.mode, args.max_turns, args.max_new_tokens, args.max_prompt_length,
                                    args.max_response_length, args.history_length)

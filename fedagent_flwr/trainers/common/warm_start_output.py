@@ -13,13 +13,11 @@ writes: the record, the model's ``config.json`` and its safetensors weights.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.atomic import fsync_dir, fsync_file, parent_problem, temporary_dir, write_json_atomic
+from fedagent_flwr.atomic import parent_problem, replace_dir, write_json_atomic
 
 __all__ = ["RECORD_FILE", "WarmStartError", "check_out_dir", "check_out_parent", "is_earlier_output", "save_output"]
 
@@ -57,38 +55,15 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 
 def save_output(model: Any, tokenizer: Any, record: dict[str, Any], out: Path) -> None:
-    """Write model, tokenizer and ``warm_start.json`` to a temporary directory beside ``out``, fsync
-    its files and itself, then rename it to ``out`` and fsync the parent, so that a renamed ``out``
-    is never missing bytes after a crash. An existing ``out`` is moved aside first (two renames: a
-    directory cannot replace a non-empty one) and removed only once the new one is in place; if
-    that last rename fails it is moved back, and a crash between the two leaves it under
-    ``.<name>.old-*``."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = temporary_dir(out.parent, f".{out.name}.tmp-")
-    aside: Path | None = None
-    try:
+    """Write model, tokenizer and ``warm_start.json`` to ``out`` through
+    :func:`~fedagent_flwr.atomic.replace_dir`, so that a renamed ``out`` is never missing bytes after a
+    crash and an earlier output is kept until the new one is in place."""
+    def write(staged: Path) -> None:
         model.save_pretrained(str(staged))
         tokenizer.save_pretrained(str(staged))
         write_json_atomic(staged / RECORD_FILE, record)
-        for path in sorted(staged.rglob("*"), reverse=True):  # files before the directories holding them
-            (fsync_dir if path.is_dir() else fsync_file)(path)
-        fsync_dir(staged)
-        if out.exists():
-            aside = temporary_dir(out.parent, f".{out.name}.old-")
-            os.replace(out, aside / out.name)
-        try:
-            os.replace(staged, out)
-        except BaseException:
-            if aside is not None:  # put the previous output back; if even that fails, leave it aside
-                previous, aside = aside, None
-                os.replace(previous / out.name, out)
-                shutil.rmtree(previous, ignore_errors=True)
-            raise
-        fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+
+    replace_dir(out, write)
 
 
 def main(argv: list[str] | None = None) -> int:

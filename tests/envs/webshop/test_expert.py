@@ -189,7 +189,7 @@ def test_command_writes_the_file_atomically(tiny_model_dir: Path, tmp_path: Path
     (["--split", "test"], "split must be 'train'"),
     (["--episodes", "0"], "--episodes must be >= 1"),
     (["--first-seed", "-1"], "--first-seed must be >= 0"),
-    (["--max-turns", "0"], "max_turns must be >= 1"),
+    (["--max-turns", "0"], "--max-turns must be >= 1"),
     (["--model", "./no-such-model"], "is not a directory"),
     (["--max-new-tokens", "12"], "--max-new-tokens must be >= "),  # below any reply: refused before playing
 ])
@@ -227,6 +227,59 @@ def test_command_refuses_an_out_under_a_regular_file(below: str, tmp_path: Path,
     assert capsys.readouterr().err == (f"fedagent webshop-expert: error: --out {out}: {afile} is a file, "
                                        "not a directory; give a path inside a directory\n")
     assert afile.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize(("option", "value", "least"), [
+    ("--max-new-tokens", "0", 1), ("--max-new-tokens", "-5", 1), ("--max-turns", "-1", 1),
+    ("--search-return-n", "0", 1), ("--max-prompt-length", "-1", 0), ("--max-response-length", "-1", 0),
+    ("--history-length", "-1", 0),
+])
+def test_a_numeric_option_below_its_least_is_named_before_any_work(
+        option: str, value: str, least: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each numeric option below its least value is one line naming the option as typed (before: the
+    setting's name, ``max_new_tokens must be >= 1``), exit 2; checked before the data directory (none
+    here) and before any model is loaded."""
+    out = tmp_path / "x.jsonl"
+    assert _cli("--data-dir", str(tmp_path / "nowhere"), "--out", str(out), option, value) == 2
+    assert capsys.readouterr().err == f"fedagent webshop-expert: error: {option} must be >= {least}, got {value}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_data
+def test_a_model_folder_without_a_tokenizer_says_so(tiny_model_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model EMPTYDIR`` (before: transformers' advice to install sentencepiece) says the folder holds
+    no model and what to give instead; a folder with only a model's config.json (before: "the tokenizer
+    has no chat template") says it holds no tokenizer; exit 2, no file written."""
+    tokenizer_files = "tokenizer_config.json, tokenizer.json, tokenizer.model, vocab.json, vocab.txt"
+    out = tmp_path / "x.jsonl"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _cli("--data-dir", str(DATA_DIR), "--out", str(out), "--model", str(empty)) == 2
+    assert capsys.readouterr().err == (
+        f"fedagent webshop-expert: error: --model {empty}: {empty} holds no model (no config.json, and none of "
+        f"{tokenizer_files}); give a Hugging Face model directory (as save_pretrained writes it) or leave "
+        "--model empty for the bundled SmolLM2-135M-Instruct\n")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    assert _cli("--data-dir", str(DATA_DIR), "--out", str(out), "--model", str(config_only)) == 2
+    assert capsys.readouterr().err == (
+        f"fedagent webshop-expert: error: --model {config_only}: {config_only} holds no tokenizer (none of "
+        f"{tokenizer_files}); save the model's tokenizer into it (tokenizer.save_pretrained)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only", "empty"]
+
+
+@needs_data
+def test_a_tokenizer_folder_without_config_json_still_serves(smollm2_tokenizer_dir: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the tokenizer is loaded, so a folder of its files alone passes the --model check: the run
+    gets as far as the --max-new-tokens floor, which is counted with that tokenizer."""
+    assert not (smollm2_tokenizer_dir / "config.json").exists()
+    assert _cli("--data-dir", str(DATA_DIR), "--out", str(tmp_path / "x.jsonl"), "--model",
+                str(smollm2_tokenizer_dir), "--max-new-tokens", "12") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fedagent webshop-expert: error: --max-new-tokens must be >= "), err
 
 
 @pytest.mark.parametrize(("given", "env", "message"), [
