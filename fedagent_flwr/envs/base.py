@@ -48,22 +48,46 @@ class EnvDataError(EnvConfigError):
     """
 
 
+def config_int(config: Mapping[str, Any], key: str, default: int, minimum: int, env: str) -> int:
+    """``config[key]`` (``default`` when absent) as an integer ``>= minimum``; an error naming the key
+    otherwise. One check, so that every environment refuses a bad count with the same words."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise EnvConfigError(f"{env} config '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def optional_config_int(config: Mapping[str, Any], key: str, default: int | None, minimum: int,
+                        env: str) -> int | None:
+    """:func:`config_int` for a key where None (given, or the default) means unset."""
+    value = config.get(key, default)
+    return None if value is None else config_int(config, key, value, minimum, env)
+
+
+def config_int_list(config: Mapping[str, Any], key: str, env: str) -> list[int] | None:
+    """``config[key]`` as a non-empty list of integers; None when unset."""
+    raw = config.get(key)
+    if raw is None:
+        return None
+    if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
+            or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
+        raise EnvConfigError(f"{env} config '{key}' must be a non-empty list of integers, got {raw!r}")
+    return list(raw)
+
+
 def configured_goal_indices(env_name: str, config: Mapping[str, Any], pool_size: int) -> list[int] | None:
     """``config["goal_indices"]`` checked against a pool of ``pool_size`` goals; None when unset.
 
     Shared by the environments that keep their goal restriction in the config (WebShop and the
     TextWorld game pools), so that they refuse a bad list with the same words.
     """
-    raw = config.get("goal_indices")
-    if raw is None:
+    indices = config_int_list(config, "goal_indices", env_name)
+    if indices is None:
         return None
-    if (isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or not raw
-            or any(isinstance(g, bool) or not isinstance(g, int) for g in raw)):
-        raise EnvConfigError(f"{env_name} config 'goal_indices' must be a non-empty list of integers, got {raw!r}")
-    bad = [g for g in raw if not 0 <= g < pool_size]
+    bad = [g for g in indices if not 0 <= g < pool_size]
     if bad:
         raise EnvConfigError(f"{env_name} goal_indices {bad[:5]} are outside the split's pool of {pool_size}")
-    return list(raw)
+    return indices
 
 
 def pool_index_for_seed(seed: int, goal_indices: Sequence[int] | None, pool_size: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from fedagent_flwr.envs.base import (
     BaseTextEnv,
     EnvConfigError,
+    config_int,
     configured_goal_indices,
     pool_index_for_seed,
     restricted_goal_config,
@@ -35,6 +36,14 @@ WIN_REWARD = 10.0
 #: FedAgent's ``alfworld_projection`` keeps the last 30 characters of a reply without action tags.
 FALLBACK_CHARS = 30
 DEFAULT_ENGINE_WORKERS = 2
+#: The system prompt's instructions after its first line (the game's setting), shared by the game pools.
+ACTION_INSTRUCTIONS = (
+    "Now it's your turn to take an action.\n"
+    "You should first reason step-by-step about the current situation. This reasoning "
+    "process MUST be enclosed within <think> </think> tags.\n"
+    "Once you've finished your reasoning, you should choose an admissible action for "
+    "current step and present it within <action> </action> tags."
+)
 
 
 def format_observation(observation: str, commands: Sequence[str]) -> str:
@@ -42,14 +51,6 @@ def format_observation(observation: str, commands: Sequence[str]) -> str:
     actions = "\n ".join(f"'{c}'" for c in commands)
     return (f"Your current observation is: {observation}\n"
             f"Your admissible actions of the current situation are: [{actions}].")
-
-
-def config_int(config: Mapping[str, Any], key: str, default: int, minimum: int, env: str) -> int:
-    """An integer config value ``>= minimum``; a clear error naming the key otherwise."""
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EnvConfigError(f"{env} config '{key}' must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class GamePoolEnv(BaseTextEnv):

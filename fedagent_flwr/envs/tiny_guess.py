@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError
+from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError, config_int_list
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.envs.window import Window
 
@@ -80,20 +80,6 @@ def _int_field(config: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
-def _targets(config: Mapping[str, Any]) -> list[int] | None:
-    raw = config.get("targets")
-    if raw is None:
-        return None
-    if (
-        isinstance(raw, (str, bytes))
-        or not isinstance(raw, Sequence)
-        or not raw
-        or any(isinstance(t, bool) or not isinstance(t, int) for t in raw)
-    ):
-        raise EnvConfigError(f"TinyGuess config 'targets' must be a non-empty list of integers, got {raw!r}")
-    return list(raw)
-
-
 @register_env("TinyGuess")
 class TinyGuess(BaseTextEnv):
     """Number guessing in ``[lo, hi]`` with higher/lower feedback."""
@@ -107,7 +93,7 @@ class TinyGuess(BaseTextEnv):
             raise EnvConfigError(f"TinyGuess config 'hi' ({self.hi}) must be >= 'lo' ({self.lo})")
         if self.max_turns < 1:
             raise EnvConfigError(f"TinyGuess config 'max_turns' must be >= 1, got {self.max_turns}")
-        self.targets = _targets(self.config)
+        self.targets = config_int_list(self.config, "targets", "TinyGuess")
         self._secret: int | None = None
         self._turn = 0
         self._done = True
@@ -115,7 +101,7 @@ class TinyGuess(BaseTextEnv):
     @classmethod
     def num_goals(cls, config: Mapping[str, Any]) -> int | None:
         """Pool size: ``len(targets)`` if given, else ``hi - lo + 1``."""
-        targets = _targets(config)
+        targets = config_int_list(config, "targets", "TinyGuess")
         if targets is not None:
             return len(targets)
         lo = _int_field(config, "lo", DEFAULT_LO)
@@ -131,7 +117,7 @@ class TinyGuess(BaseTextEnv):
         bad = [g for g in goal_indices if not 0 <= g < pool_size]
         if bad:
             raise EnvConfigError(f"TinyGuess goal indices {bad[:5]} are outside the pool of {pool_size}")
-        targets = _targets(config)
+        targets = config_int_list(config, "targets", "TinyGuess")
         lo = _int_field(config, "lo", DEFAULT_LO)
         secrets = [targets[g] if targets is not None else lo + g for g in goal_indices]
         return {**dict(config), "targets": secrets}

@@ -104,19 +104,33 @@ def resolve_data_root(data_dir: str | os.PathLike[str] | None) -> Path:
     return root
 
 
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise AlfWorldDataError(f"ALFWorld split must be one of {SPLITS}, got {split!r}")
+
+
+def _check_task_types(names: Iterable[Any]) -> None:
+    unknown = sorted(set(names) - set(TASK_TYPES.values()))
+    if unknown:
+        raise AlfWorldDataError(f"unknown ALFWorld task types {unknown} (known: {sorted(TASK_TYPES.values())})")
+
+
+def _split_dir(root: Path, split: str) -> Path:
+    """The split's directory under the data root; :class:`AlfWorldDataMissing` if it was never fetched."""
+    split_dir = root / DATA_VERSION_DIR / split
+    if not split_dir.is_dir():
+        raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory; "
+                                  f"{DOWNLOAD_HINT.format(data_dir=root)}")
+    return split_dir
+
+
 def check_config_data(config: Mapping[str, Any]) -> None:
     """What :func:`games_for_config` needs, checked without reading a game: the split and task types
     are known and the data root holds the split's directory."""
     split = str(config.get("split", "train"))
-    if split not in SPLITS:
-        raise AlfWorldDataError(f"ALFWorld split must be one of {SPLITS}, got {split!r}")
-    unknown = sorted(set(_task_type_names(config.get("task_types"))) - set(TASK_TYPES.values()))
-    if unknown:
-        raise AlfWorldDataError(f"unknown ALFWorld task types {unknown} (known: {sorted(TASK_TYPES.values())})")
-    root = resolve_data_root(config.get("data_dir"))
-    if not (root / DATA_VERSION_DIR / split).is_dir():
-        raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory; "
-                                f"{DOWNLOAD_HINT.format(data_dir=root)}")
+    _check_split(split)
+    _check_task_types(_task_type_names(config.get("task_types")))
+    _split_dir(resolve_data_root(config.get("data_dir")), split)
 
 
 def _task_type_names(task_types: Any) -> list[Any]:
@@ -176,13 +190,10 @@ def load_games(
     ``num_games`` caps the list: train keeps the first ``num_games`` (FedAgent's ``num_train_games``),
     an evaluation split samples ``num_games`` (default 500) with ``random.Random(42)``.
     """
-    if split not in SPLITS:
-        raise AlfWorldDataError(f"ALFWorld split must be one of {SPLITS}, got {split!r}")
+    _check_split(split)
     root = resolve_data_root(data_dir)
     wanted = frozenset(task_types) if task_types is not None else frozenset(TASK_TYPES.values())
-    unknown = sorted(wanted - set(TASK_TYPES.values()))
-    if unknown:
-        raise AlfWorldDataError(f"unknown ALFWorld task types {unknown} (known: {sorted(TASK_TYPES.values())})")
+    _check_task_types(wanted)
     if split != "train" and num_games is None:
         num_games = DEFAULT_NUM_EVAL_GAMES
     key = (str(root), split, int(shuffle_seed), num_games, tuple(sorted(wanted)))
@@ -190,10 +201,7 @@ def load_games(
         cached = _GAMES.get(key)
         if cached is not None:
             return cached
-        split_dir = root / DATA_VERSION_DIR / split
-        if not split_dir.is_dir():
-            raise AlfWorldDataMissing(f"ALFWorld data root {root} has no {DATA_VERSION_DIR}/{split}/ directory; "
-                                      f"{DOWNLOAD_HINT.format(data_dir=root)}")
+        split_dir = _split_dir(root, split)
         games = sorted(_walk_split(split_dir, split, wanted), key=lambda g: g.game_file)
         if not games:
             raise AlfWorldDataError(

@@ -39,7 +39,13 @@ from fedagent_flwr.envs.alfworld.data import (
     games_for_config,
 )
 from fedagent_flwr.envs.base import EnvConfigError, EnvDataError
-from fedagent_flwr.envs.game_pool import FALLBACK_CHARS, WIN_REWARD, GamePoolEnv, format_observation
+from fedagent_flwr.envs.game_pool import (
+    ACTION_INSTRUCTIONS,
+    FALLBACK_CHARS,
+    WIN_REWARD,
+    GamePoolEnv,
+    format_observation,
+)
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.envs.window import Window
 
@@ -48,14 +54,7 @@ __all__ = ["FALLBACK_CHARS", "SYSTEM_PROMPT", "WIN_REWARD", "AlfWorldEnv", "form
 DEFAULT_MAX_TURNS = 50
 _T = TypeVar("_T")
 
-SYSTEM_PROMPT = (
-    "You are an expert agent operating in the ALFRED Embodied Environment.\n"
-    "Now it's your turn to take an action.\n"
-    "You should first reason step-by-step about the current situation. This reasoning "
-    "process MUST be enclosed within <think> </think> tags.\n"
-    "Once you've finished your reasoning, you should choose an admissible action for "
-    "current step and present it within <action> </action> tags."
-)
+SYSTEM_PROMPT = "You are an expert agent operating in the ALFRED Embodied Environment.\n" + ACTION_INSTRUCTIONS
 
 
 def _env_errors(read: Callable[[Mapping[str, Any]], _T], config: Mapping[str, Any]) -> _T:

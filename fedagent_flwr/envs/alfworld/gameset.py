@@ -32,7 +32,6 @@ import json
 import random
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,24 +200,17 @@ def ensure_variant_set(source_trial: str | Path) -> Path:
     Built under the service interpreter (building the service venv first if needed) into the cache,
     in a temporary directory renamed into place, so concurrent callers build once.
     """
-    from fedagent_flwr.cache import build_once
-    from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python, venv_name
-    from fedagent_flwr.envs.service.launch import module_command
+    from fedagent_flwr.envs.alfworld.service_venv import build_with_service_python, venv_name
 
     source = Path(source_trial).resolve()
     digest = hashlib.sha256(venv_name().encode())
     for name in ("traj_data.json", "initial_state.pddl"):
         digest.update((source / name).read_bytes())
     digest.update(Path(__file__).read_bytes())
-    python = str(ensure_service_python())
-
-    def build(work: Path, _final: Path) -> None:
-        cmd = module_command(__name__, python) + ["--trial", str(source), "--out", str(work)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise GameBuildError(f"building the ALFWorld variant set failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-
-    return build_once(f"alfworld-variants-{digest.hexdigest()[:12]}", build, "json_2.1.1")
+    return build_with_service_python(
+        f"alfworld-variants-{digest.hexdigest()[:12]}", "json_2.1.1", __name__,
+        lambda work: ["--trial", str(source), "--out", str(work)],
+        GameBuildError, "building the ALFWorld variant set failed")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

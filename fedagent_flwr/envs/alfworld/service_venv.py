@@ -37,7 +37,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fedagent_flwr.cache import CacheEntryError, build_once, cache_dir, progress
@@ -133,6 +133,23 @@ def ensure_service_python() -> Path:
         return _python_in(build_once(venv_name(), _build, _MARKER))
     except CacheEntryError as exc:
         raise ServiceVenvError(str(exc)) from None
+
+
+def build_with_service_python(name: str, complete: str, module: str, args: Callable[[Path], list[str]],
+                              error: type[Exception], failure: str) -> Path:
+    """Cache entry ``name`` (done when it holds ``complete``), built by ``python -m module *args(work)``
+    under the service interpreter (itself built first if missing); on failure ``error`` with
+    ``failure`` and the output's tail. The one way the service venv's game sets are generated."""
+    from fedagent_flwr.envs.service.launch import module_command
+
+    python = str(ensure_service_python())
+
+    def build(work: Path, _final: Path) -> None:
+        proc = subprocess.run(module_command(module, python) + args(work), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise error(f"{failure}:\n{(proc.stderr or proc.stdout)[-3000:]}")
+
+    return build_once(name, build, complete)
 
 
 def _run(cmd: Sequence[str], what: str) -> None:

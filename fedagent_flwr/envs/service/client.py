@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError
+from fedagent_flwr.envs.base import BaseTextEnv, EnvConfigError, config_int, optional_config_int
 from fedagent_flwr.envs.registry import get_env_class, register_env
 from fedagent_flwr.envs.window import Window
 
@@ -106,10 +106,7 @@ class ServiceTextEnv(BaseTextEnv):
         self.remote_env: str | None = remote.strip() if remote else None
         self.timeout_s = _number(self.config, "timeout_s", DEFAULT_TIMEOUT_S, minimum=0.001)
         self.create_timeout_s = _number(self.config, "create_timeout_s", None, minimum=0.001)
-        retries = self.config.get("max_retries", DEFAULT_MAX_RETRIES)
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise EnvConfigError(f"Service config 'max_retries' must be an integer >= 0, got {retries!r}")
-        self.max_retries = retries
+        self.max_retries = config_int(self.config, "max_retries", DEFAULT_MAX_RETRIES, 0, "Service")
         self.max_concurrent(self.config)  # a bad pool_size is refused here, when the job is checked
         self.backoff_base_s = _number(self.config, "backoff_base_s", DEFAULT_BACKOFF_BASE_S, minimum=0.0) or 0.0
         self.backoff_cap_s = _number(self.config, "backoff_cap_s", DEFAULT_BACKOFF_CAP_S, minimum=0.0) or 0.0
@@ -129,12 +126,7 @@ class ServiceTextEnv(BaseTextEnv):
     def max_concurrent(cls, config: Mapping[str, Any]) -> int | None:
         """The service's pool (``config["pool_size"]``, which the client's services always set), or
         None when the entry does not say: more sessions than that wait for a slot."""
-        pool = config.get("pool_size")
-        if pool is None:
-            return None
-        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
-            raise EnvConfigError(f"Service config 'pool_size' must be an integer >= 1, got {pool!r}")
-        return pool
+        return optional_config_int(config, "pool_size", None, 1, "Service")
 
     # --- transport -------------------------------------------------------------------------
 

@@ -26,21 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from fedagent_flwr.envs.base import EnvConfigError
-from fedagent_flwr.envs.game_pool import GamePoolEnv
+from fedagent_flwr.envs.game_pool import ACTION_INSTRUCTIONS, GamePoolEnv
 from fedagent_flwr.envs.registry import register_env
 from fedagent_flwr.envs.twcooking.games import GameSetError, ensure_game_set
 
 DEFAULT_LEVELS = ("easy", "medium", "hard")
 DEFAULT_GAMES_PER_LEVEL = 4
 
-SYSTEM_PROMPT = (
-    "You are an expert agent playing a text-based cooking game in a house.\n"
-    "Now it's your turn to take an action.\n"
-    "You should first reason step-by-step about the current situation. This reasoning "
-    "process MUST be enclosed within <think> </think> tags.\n"
-    "Once you've finished your reasoning, you should choose an admissible action for "
-    "current step and present it within <action> </action> tags."
-)
+SYSTEM_PROMPT = "You are an expert agent playing a text-based cooking game in a house.\n" + ACTION_INSTRUCTIONS
 
 
 @dataclass(frozen=True)

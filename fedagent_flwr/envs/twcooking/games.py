@@ -100,7 +100,7 @@ def generate(
 
 def ensure_game_set(levels: Sequence[str | Mapping[str, Any]], per_level: int, seed: int, split: str) -> Path:
     """Directory of the game set (``games.json`` + ``.z8`` files), generated once and cached."""
-    from fedagent_flwr.cache import build_once, cache_dir
+    from fedagent_flwr.cache import cache_dir
     from fedagent_flwr.envs.alfworld.service_venv import venv_name
 
     resolved = resolve_levels(levels)
@@ -112,20 +112,13 @@ def ensure_game_set(levels: Sequence[str | Mapping[str, Any]], per_level: int, s
     name = f"twcooking-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (cache_dir() / name / "games.json").is_file():  # the usual case, and the only one in a service
         return cache_dir() / name
-    from fedagent_flwr.envs.alfworld.service_venv import ensure_service_python
-    from fedagent_flwr.envs.service.launch import module_command
+    from fedagent_flwr.envs.alfworld.service_venv import build_with_service_python
 
-    python = str(ensure_service_python())
-
-    def build(work: Path, _final: Path) -> None:
-        cmd = module_command(__name__, python) + [
-            "--out", str(work), "--levels", json.dumps(resolved), "--per-level", str(per_level),
-            "--seed", str(int(seed)), "--split", split]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise GameSetError(f"generating TextWorld cooking games failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-
-    return build_once(name, build, "games.json")
+    return build_with_service_python(
+        name, "games.json", __name__,
+        lambda work: ["--out", str(work), "--levels", json.dumps(resolved), "--per-level", str(per_level),
+                      "--seed", str(int(seed)), "--split", split],
+        GameSetError, "generating TextWorld cooking games failed")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,7 @@ from fedagent_flwr.envs.base import (
     EnvConfigError,
     EnvDataError,
     configured_goal_indices,
+    optional_config_int,
     pool_index_for_seed,
     restricted_goal_config,
 )
@@ -80,12 +81,7 @@ _SEARCHERS: dict[tuple[Any, ...], Searcher] = {}
 
 
 def _int(config: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int | None:
-    value = config.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EnvConfigError(f"WebShop config '{key}' must be an integer >= {minimum}, got {value!r}")
-    return value
+    return optional_config_int(config, key, default, minimum, "WebShop")
 
 
 def _world_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
