@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import argparse
 
 # command -> (module, one line for --help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,6 +36,26 @@ def program(module_command: str) -> str:
     """A command's name for its usage and error lines: ``fedagent NAME`` when it runs through this
     script (:func:`main` sets ``sys.argv[0]`` so), else ``module_command`` (``python -m MODULE``)."""
     return sys.argv[0] if sys.argv[0].startswith("fedagent ") else module_command
+
+
+def one_line_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """An ArgumentParser(``**kwargs``) whose usage errors are one line, ``NAME: error: MESSAGE (see --help)``,
+    not argparse's usage block. argparse is imported here, not with this module: ``fedagent --help`` stays instant."""
+    import argparse
+
+    class OneLineParser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            self.exit(2, f"{name}: error: {message} (see --help)\n")
+
+    return OneLineParser(**kwargs)
+
+
+def print_output(text: str) -> None:
+    """Print a command's output; a reader that stops early (piped into ``head``) ends it without a traceback."""
+    try:
+        print(text)
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
 
 
 def usage() -> str:

@@ -22,9 +22,9 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-from fedagent_flwr.cli import program
+from fedagent_flwr.cli import one_line_parser, print_output, program
 from fedagent_flwr.schema.run import ALGORITHMS
 
 #: FedAgent's paper protocol (``gen_paper_configs.py``: N, M, T, E, goals per client; base seed).
@@ -232,14 +232,9 @@ def not_reproduced(with_epochs: bool) -> list[str]:
     return notes
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        self.exit(2, f"experiments: error: {message} (see --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=program("python -m fedagent_flwr.experiments"),
-                     description="List FedAgent's paper experiment matrix with the flwr run line of each entry.")
+    parser = one_line_parser("experiments", prog=program("python -m fedagent_flwr.experiments"), description=(
+        "List FedAgent's paper experiment matrix with the flwr run line of each entry."))
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--family", choices=FAMILIES, help="only this family")
     parser.add_argument("--env", choices=ENVS, help="only this environment")
@@ -295,11 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "settings": entry.settings(with_epochs=with_epochs), "overrides": overrides,
                      "flwr_run": entry.flwr_run(overrides)})
     notes = not_reproduced(with_epochs)
-    try:
-        print(json.dumps({"entries": rows, "not_reproduced": notes}, indent=1) if args.json
-              else render_text(rows, notes))
-    except BrokenPipeError:  # e.g. piped into head
-        sys.stderr.close()
+    print_output(json.dumps({"entries": rows, "not_reproduced": notes}, indent=1) if args.json
+                 else render_text(rows, notes))
     return 0
 
 

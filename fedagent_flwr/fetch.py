@@ -8,7 +8,6 @@ where one is pinned) is kept, so re-running after an interruption fetches only w
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from fedagent_flwr.checkpoint.manifest import file_sha256
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,6 @@ class DownloadError(RuntimeError):
     """A file could not be fetched or did not match its pinned hash."""
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], base_url: str,
           timeout_s: float = 120.0) -> list[Path]:
     """Download every missing (or wrong-hash) file into ``data_dir``; return the paths fetched."""
@@ -47,7 +39,7 @@ def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], bas
     with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
         for item in files:
             target = root / item.name
-            if target.exists() and (not item.sha256 or sha256_file(target) == item.sha256):
+            if target.exists() and (not item.sha256 or file_sha256(target) == item.sha256):
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.part")
@@ -63,7 +55,7 @@ def fetch_files(data_dir: str | os.PathLike[str], files: Sequence[DataFile], bas
             except httpx.HTTPError as exc:
                 partial.unlink(missing_ok=True)
                 raise DownloadError(f"cannot fetch {url}: {exc} (no network? copy the files by hand)") from None
-            if item.sha256 and (actual := sha256_file(partial)) != item.sha256:
+            if item.sha256 and (actual := file_sha256(partial)) != item.sha256:
                 partial.unlink(missing_ok=True)
                 raise DownloadError(f"{item.name} from {url} has sha256 {actual}, expected {item.sha256}")
             os.replace(partial, target)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from fedagent_flwr.hetero import uniform
 from fedagent_flwr.hetero.uniform import PartitionError, uniform_bounds
 from fedagent_flwr.schema.fields import SettingError, check_value
 from fedagent_flwr.schema.run import Partition, RunSchema
@@ -52,18 +53,25 @@ class GoalInfo:
     trial: str | None = None
 
 
+INTEGERS = (int, np.integer)  # what the task-level checks take: numpy's too (sizes computed with numpy)
+
+
 def check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise PartitionError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    """:func:`~fedagent_flwr.hetero.uniform.check_int` taking numpy integers too."""
+    return uniform.check_int(name, value, minimum, INTEGERS)
 
 
 def check_args(client_id: int, num_clients: int, num_goals: int) -> None:
     check_int("num_clients", num_clients, 1)
     check_int("num_goals", num_goals, 1)
-    check_int("client_id", client_id, 0)
-    if client_id >= num_clients:
-        raise PartitionError(f"client_id {client_id} is out of range for {num_clients} clients")
+    uniform.check_client(client_id, num_clients, INTEGERS)
+
+
+def check_sizes(num_clients: int, num_goals: int, min_goals_per_client: int) -> int:
+    """Check a whole-federation partition's sizes (as :func:`check_args`); the floor as an int."""
+    check_int("num_clients", num_clients, 1)
+    check_int("num_goals", num_goals, 1)
+    return check_int("min_goals_per_client", min_goals_per_client, 0)
 
 
 def knob_int(knobs: Mapping[str, Any], key: str, default: int, minimum: int = 0) -> int:

@@ -31,9 +31,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from fedagent_flwr.cli import program
+from fedagent_flwr.cli import one_line_parser, print_output, program
 from fedagent_flwr.hetero import (
     STRATEGIES,
     GoalInfo,
@@ -63,13 +63,9 @@ class UsageError(Exception):
         self.option = option
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
-        self.exit(2, f"inspect: error: {message} (see --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = one_line_parser(
+        "inspect",
         prog=program("python -m fedagent_flwr.hetero.inspect"),
         description="Print each client's goals under a partition strategy, as FedAgent computes them.",
     )
@@ -356,10 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"inspect: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        print(summary(args, clients, pool, strategy, knobs) if args.summary else render(clients))
-    except BrokenPipeError:  # e.g. piped into head
-        sys.stderr.close()
+    print_output(summary(args, clients, pool, strategy, knobs) if args.summary else render(clients))
     return 0
 
 

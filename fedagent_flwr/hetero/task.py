@@ -42,6 +42,7 @@ from fedagent_flwr.hetero.common import (
     check_args,
     check_goal_info,
     check_int,
+    check_sizes,
     default_r,
     fedagent_slice,
     first_knob,
@@ -164,9 +165,7 @@ COVERAGE_HIGH = 1000
 
 def _coverage_setup(num_clients: int, num_goals: int, min_goals_per_client: int, size_std: float,
                     base_seed: int) -> tuple[np.random.Generator, float, list[int]]:
-    check_int("num_clients", num_clients, 1)
-    check_int("num_goals", num_goals, 1)
-    low = check_int("min_goals_per_client", min_goals_per_client, 0)
+    low = check_sizes(num_clients, num_goals, min_goals_per_client)
     if low > COVERAGE_CENTER:
         raise PartitionError(f"coverage needs min_goals_per_client <= {COVERAGE_CENTER} (FedAgent's centre size), "
                              f"got {low}")
@@ -186,9 +185,7 @@ def _beta_sizes(num_clients: int, num_goals: int, low: int, center: int, high: i
 def coverage_assignment(num_clients: int, num_goals: int, min_goals_per_client: int = DEFAULT_MIN_GOALS,
                         size_std: float = DEFAULT_SIZE_STD, base_seed: int = DEFAULT_SEED) -> list[list[int]]:
     """Every client's goals under ``coverage`` (what :func:`coverage_partition` returns, for all clients)."""
-    check_int("num_clients", num_clients, 1)
-    check_int("num_goals", num_goals, 1)
-    check_int("min_goals_per_client", min_goals_per_client, 0)
+    check_sizes(num_clients, num_goals, min_goals_per_client)
     parts = _coverage_cached(num_clients, num_goals, min_goals_per_client, float(size_std), int(base_seed))
     return [list(part) for part in parts]
 
@@ -247,9 +244,7 @@ def load_hardness_labels(path: str | os.PathLike[str]) -> dict[str, bool]:
 
 def _hardness_setup(num_clients: int, num_goals: int, min_goals_per_client: int, success_std: float,
                     base_seed: int) -> tuple[np.random.Generator, int, list[int]]:
-    check_int("num_clients", num_clients, 1)
-    check_int("num_goals", num_goals, 1)
-    L = check_int("min_goals_per_client", min_goals_per_client, 0)
+    L = check_sizes(num_clients, num_goals, min_goals_per_client)
     rng, _, total, quotas = _beta_sizes(num_clients, num_goals, 0, L // 2, L, success_std, base_seed)
     return rng, total, quotas
 

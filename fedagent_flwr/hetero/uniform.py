@@ -14,6 +14,8 @@ The function is pure arithmetic: no RNG, so it is identical across processes, ma
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedagent_flwr.schema.run import Partition
 
 #: FedAgent's ``min_samples_per_client`` default (``MIN_GOALS_PER_CLIENT``), declared in the schema.
@@ -24,20 +26,28 @@ class PartitionError(ValueError):
     """Partition arguments that cannot describe a valid client slice."""
 
 
-def _check_int(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def check_int(name: str, value: Any, minimum: int, kinds: type[Any] | tuple[type[Any], ...] = int) -> int:
+    """``value`` as an int, or PartitionError unless it is a ``kinds`` instance (not a bool) >= ``minimum``:
+    the one check (and message) of every partition argument; :mod:`.common` adds numpy's integers."""
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
         raise PartitionError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_client(client_id: Any, num_clients: int, kinds: type[Any] | tuple[type[Any], ...] = int) -> None:
+    """PartitionError unless ``client_id`` is a ``kinds`` integer in ``[0, num_clients)``."""
+    check_int("client_id", client_id, 0, kinds)
+    if client_id >= num_clients:
+        raise PartitionError(f"client_id {client_id} is out of range for {num_clients} clients")
 
 
 def uniform_bounds(client_id: int, num_clients: int, num_goals: int,
                    min_goals_per_client: int = DEFAULT_MIN_GOALS) -> tuple[int, int]:
     """``(start, end)`` of ``client_id``'s slice of a pool of ``num_goals`` (specs/partitions.md §4)."""
-    _check_int("num_clients", num_clients, 1)
-    _check_int("num_goals", num_goals, 0)
-    _check_int("min_goals_per_client", min_goals_per_client, 0)
-    _check_int("client_id", client_id, 0)
-    if client_id >= num_clients:
-        raise PartitionError(f"client_id {client_id} is out of range for {num_clients} clients")
+    check_int("num_clients", num_clients, 1)
+    check_int("num_goals", num_goals, 0)
+    check_int("min_goals_per_client", min_goals_per_client, 0)
+    check_client(client_id, num_clients)
     n = num_goals
     if n == 0:
         return 0, 0

@@ -23,12 +23,15 @@ worker (:mod:`fedagent_flwr.trainers.verl.user_hooks`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 from fedagent_flwr.plugins import PluginError, load_object
 from fedagent_flwr.schema.trainer import RULE_KEYS
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
+
+S = TypeVar("S")  # a backend's settings type (backend_settings)
 
 
 class ClientRuleError(ValueError):
@@ -49,6 +52,16 @@ class ClientRule(Protocol):
 def without_rule_keys(trainer: Mapping[str, Any]) -> dict[str, Any]:
     """The trainer knobs minus the client-rule keys (which backends' own settings do not know)."""
     return {key: value for key, value in trainer.items() if key not in RULE_KEYS}
+
+
+def backend_settings(from_mapping: Callable[[Mapping[str, Any]], tuple[S, list[str]]], trainer: Mapping[str, Any],
+                     prog: str) -> S:
+    """A backend's settings read by ``from_mapping`` from the trainer knobs (rule keys left out), noting on
+    stderr the keys it ignores (another backend's knobs, or a typo) so that none is dropped unseen."""
+    settings, ignored = from_mapping(without_rule_keys(trainer))
+    if ignored:
+        print(f"{prog}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    return settings
 
 
 def load_client_rule(trainer: Mapping[str, Any]) -> ClientRule | None:

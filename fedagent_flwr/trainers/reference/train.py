@@ -5,7 +5,6 @@ result file. :func:`train_loaded` / :func:`evaluate_loaded` are shared with the 
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from fedagent_flwr.seeding import train_env_seed, train_group_ids
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import check_eval_job as check_eval_fields
 from fedagent_flwr.trainers.common.checks import check_train_header, check_train_world, check_turns_fit
-from fedagent_flwr.trainers.common.client_rule import RuleChain, without_rule_keys
+from fedagent_flwr.trainers.common.client_rule import RuleChain, backend_settings
 from fedagent_flwr.trainers.common.evaluator import episode_metrics, load_model, mean
 from fedagent_flwr.trainers.common.sampler import EpisodeTask, HFPolicy, play_episodes
 from fedagent_flwr.trainers.common.seeds import derive_seed, seed_everything
@@ -47,10 +46,7 @@ def step_tasks(spec: EnvSpec, data_seed: int, step: int, rollout_n: int) -> list
 
 
 def _config(job: TrainJob | EvalJob) -> GRPOConfig:
-    cfg, ignored = GRPOConfig.from_mapping(without_rule_keys(job.trainer))
-    if ignored:
-        print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
-    return cfg
+    return backend_settings(GRPOConfig.from_mapping, job.trainer, PROG)
 
 
 def check_train_job(job: TrainJob) -> tuple[EnvSpec, GRPOConfig, Path, RuleChain]:

@@ -27,7 +27,7 @@ from fedagent_flwr.rollout.groups import zero_variance_group_share
 from fedagent_flwr.schema.run import ALGORITHMS
 from fedagent_flwr.trainers.common import evaluator
 from fedagent_flwr.trainers.common.checks import InputError, check_train_header, check_train_world
-from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, job_rule_specs, without_rule_keys
+from fedagent_flwr.trainers.common.client_rule import RULE_KEYS, backend_settings, job_rule_specs
 from fedagent_flwr.trainers.common.evaluator import EvalSettings
 from fedagent_flwr.trainers.common.fedprox import FEDPROX_RULE
 from fedagent_flwr.trainers.verl import critic_attention, engine_hooks, user_hooks, weight_sync
@@ -129,9 +129,7 @@ def check_train_job(job: TrainJob) -> tuple[VerlSettings, Any, Path, dict[str, A
     check_train_header(job, "verl backend", ALGORITHMS)
     if job.critic_path and not Path(job.critic_path).is_dir():
         raise InputError(f"critic_path {job.critic_path} is not a directory")
-    settings, ignored = VerlSettings.from_mapping(without_rule_keys(job.trainer))
-    if ignored:
-        print(f"{PROG}: note: ignoring trainer keys {ignored}", file=sys.stderr)
+    settings = backend_settings(VerlSettings.from_mapping, job.trainer, PROG)
     for name in settings.plugin_modules:
         # Located, not run (it imports verl): a typo fails here instead of in a Ray worker.
         if _module_spec(name) is None:
