@@ -341,6 +341,30 @@ def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["warm"]  # no staging or aside left
 
 
+def test_a_save_that_fails_after_training_is_one_line_and_keeps_the_previous_output(
+        tiny_model_dir: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "warm"
+    shutil.copytree(tiny_model_dir, out)  # an earlier output, which --force may replace
+    (out / ws.RECORD_FILE).write_text('{"steps": 7}')
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst) == out and Path(src).name.startswith(".warm.tmp-"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--batch-size", 1, "--device", "cpu",
+               "--min-reward", 1.0, "--force") == 1
+    last = capsys.readouterr().err.splitlines()[-1]  # after transformers' progress bars
+    assert last == (f"fedagent warm-start: --out {out}: saving the trained model failed (No space left on device); "
+                    "the training is lost and anything at --out is as it was: free space or name another --out, "
+                    "then run again")
+    assert json.loads((out / ws.RECORD_FILE).read_text()) == {"steps": 7}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["expert.jsonl", "warm"]  # no staging or aside left
+
+
 def test_one_epoch_prints_its_first_and_last_step_loss(tiny_model_dir: Path, data: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     torch.use_deterministic_algorithms(False)

@@ -457,7 +457,12 @@ def warm_start(args: argparse.Namespace, log: Any = print) -> dict[str, Any]:
         "max_gpu_memory_fraction": args.max_gpu_memory_fraction,
         "peak_gpu_memory_gib": peak,
     }
-    save_output(model.to(device="cpu", dtype=getattr(torch, args.save_dtype)), tokenizer, record, args.out)
+    try:
+        save_output(model.to(device="cpu", dtype=getattr(torch, args.save_dtype)), tokenizer, record, args.out)
+    except OSError as exc:  # a full disk, a quota: say so in one line, and that an earlier output is kept
+        raise WarmStartError(f"--out {args.out}: saving the trained model failed ({exc.strerror or exc}); the "
+                             "training is lost and anything at --out is as it was: free space or name another "
+                             "--out, then run again") from None
     if peak is not None:
         log(f"peak GPU memory allocated by the warm start: {peak} GiB"
             + (f" (cap {cap / 2**30:.1f} GiB)" if cap is not None else ""))
