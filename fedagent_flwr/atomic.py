@@ -120,10 +120,12 @@ def parent_problem(path: str | os.PathLike[str]) -> str | None:
 
 def replace_dir(out: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
     """Have ``write`` fill a temporary directory beside ``out``, fsync every file and directory in
-    it, then rename it to ``out`` and fsync the parent: a crash or an error midway leaves ``out`` as
-    it was, never half written. An existing ``out`` is moved aside first (two renames: a directory
+    it, then rename it to ``out`` and fsync the parent: an error midway leaves ``out`` as it was, and
+    it is never half written. An existing ``out`` is moved aside first (two renames: a directory
     cannot replace a non-empty one) and removed only once the new one is in place; if that last
-    rename fails it is moved back, and a crash between the two leaves it under ``.<name>.old-*``."""
+    rename fails it is moved back, and a crash between the two leaves it under ``.<name>.old-*``
+    (a crash before leaves the temporary ``.<name>.tmp-*`` beside it). A link at ``out`` is replaced,
+    not followed: resolve it first to write where it points."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = temporary_dir(out.parent, f".{out.name}.tmp-")

@@ -31,7 +31,7 @@ earlier comparison (:func:`fedagent_flwr.compare_report.json_refusal`).
 
 Standard library only (with ``intervals``, ``losses``, ``outcome``, ``atomic``): ``tools/gpu/arms_report.py``
 uses these functions on a GPU node's bare ``python3``. The within-seed rows, the markdown and the
-``--json`` checks are in :mod:`fedagent_flwr.compare_report` (its names importable from here too).
+``--json`` checks are in :mod:`fedagent_flwr.compare_report`.
 """
 
 from __future__ import annotations

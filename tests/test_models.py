@@ -82,7 +82,31 @@ def test_a_write_that_fails_midway_leaves_no_half_model(
 
     monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full_disk)
     for target in (tmp_path / "new", earlier):
-        with pytest.raises(OSError, match="No space left on device"):
-            cli.main(["tiny-model", str(target), "--seed", "1"])
+        assert cli.main(["tiny-model", str(target), "--seed", "1"]) == 1
+        last = capsys.readouterr().err.splitlines()[-1]  # after transformers' progress bar
+        assert last == f"tiny-model: writing the model to {target} failed (No space left on device): free space or " \
+                       "name another directory"
         assert [p.name for p in tmp_path.iterdir()] == ["tm"], sorted(p.name for p in tmp_path.iterdir())
         assert {p.name: p.read_bytes() for p in earlier.iterdir()} == before
+
+
+def test_an_existing_folder_is_written_into_and_keeps_its_identity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An existing empty folder, here the working directory given as ".", gets the model in place:
+    the same inode and mode (it may be a mount point, the shell's folder, or set up with its own
+    group), no temporary folder left; rewriting it with another seed changes the weights there."""
+    from fedagent_flwr import cli
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o2770)
+    identity = (folder.stat().st_ino, folder.stat().st_mode)
+    monkeypatch.chdir(folder)
+    assert cli.main(["tiny-model", "."]) == 0
+    first = (folder / "model.safetensors").read_bytes()
+    assert cli.main(["tiny-model", ".", "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert (folder.stat().st_ino, folder.stat().st_mode) == identity
+    assert (folder / "model.safetensors").read_bytes() != first
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
-from fedagent_flwr.atomic import parent_problem, replace_dir
+from fedagent_flwr.atomic import fsync_dir, fsync_file, parent_problem, replace_dir, temporary_dir
 from fedagent_flwr.cli import program
 from fedagent_flwr.models.smollm2 import smollm2_tokenizer_dir
 
@@ -32,10 +34,10 @@ def make_tiny_model(
 
     The weights are a pure function of ``seed`` (the global torch RNG is left untouched), saved as
     fp32 safetensors next to the tokenizer (SmolLM2's by default), so ``from_pretrained`` and the
-    trainers load it like any other model directory. They are written to a temporary folder beside
-    ``out_dir`` and renamed into place (:func:`~fedagent_flwr.atomic.replace_dir`), so a failure
-    midway leaves no half model there. Refused before the model is built: a seed outside 0 to :data:`MAX_SEED`
-    (:class:`ValueError`), a file where ``out_dir`` or one of its parents should be a folder
+    trainers load it like any other model directory. They are written to a temporary folder and
+    renamed into place (:func:`_write`), so a failure midway leaves no half model there. Refused
+    before the model is built: a seed outside 0 to :data:`MAX_SEED` (:class:`ValueError`), a file
+    where ``out_dir`` or one of its parents should be a folder, or a folder one may not write
     (:class:`NotADirectoryError`), and an ``out_dir`` holding anything but an earlier tiny model
     (:class:`FileExistsError`).
     """
@@ -43,6 +45,8 @@ def make_tiny_model(
     if problem := seed_problem(seed):
         raise ValueError(f"seed {problem}")
     _check_parents(out)
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        raise NotADirectoryError(f"{out}: cannot write in it (permission denied); name a directory you may write")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _holds_tiny_model(out))):
         raise FileExistsError(f"{out} exists and is not an empty directory or a tiny model written here, and "
                               "writing the model there would overwrite or remove its files: name a new directory")
@@ -71,14 +75,33 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    final = out.resolve()  # "." has no name to stage beside; a link to a folder: the model goes where it points
-
-    def write(staged: Path) -> None:
-        model.save_pretrained(str(staged))
-        tokenizer.save_pretrained(str(staged))
-
-    replace_dir(final, write)
+    _write(out, [model, tokenizer])
     return out
+
+
+def _write(out: Path, parts: list[Any]) -> None:
+    """Save each of ``parts`` (``save_pretrained``) to ``out`` through a temporary folder, so that a
+    failure midway (a full disk) leaves no half model. A new ``out`` is the renamed folder
+    (:func:`~fedagent_flwr.atomic.replace_dir`); an existing one (empty, or an earlier tiny model) is
+    written into, each file renamed over its namesake, since it may be a mount point, the working
+    directory or a folder with its own owner and mode, which renaming a new folder in would lose."""
+    def save(folder: Path) -> None:
+        for part in parts:
+            part.save_pretrained(str(folder))
+
+    if not out.is_dir():
+        replace_dir(out.resolve(), save)  # a link's target's parent gets the temporary folder
+        return
+    staged = temporary_dir(out, ".tiny-model.tmp-")
+    try:
+        save(staged)
+        for path in staged.iterdir():
+            fsync_file(path)
+        for path in staged.iterdir():
+            os.replace(path, out / path.name)
+        fsync_dir(out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
 
 
 def seed_problem(seed: int) -> str | None:
@@ -129,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, NotADirectoryError) as exc:  # raised by the checks above, with their sentence
         print(f"tiny-model: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # while writing (a full disk): one line, not a traceback
+        print(f"tiny-model: writing the model to {args.directory} failed ({exc.strerror or exc}): free space or "
+              "name another directory", file=sys.stderr)
+        return 1
     return 0
 
 
