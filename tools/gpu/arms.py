@@ -59,6 +59,8 @@ from arms_pool import DEFAULT_PREFIX, PoolError, pool  # noqa: E402
 from arms_report import MATRIX_FILE, phases_report, report, run_summary  # noqa: E402
 from arms_steps import DEFAULT_KEYS, StepsError, parse_run, steps_report  # noqa: E402
 
+from fedagent_flwr.compare import CompareError  # noqa: E402
+
 #: Overrides, Flower federation and verl sessions of each arm (the recipe and seed are added in
 #: front). A session is one persistent trainer that trains; "local" has a second node that only
 #: evaluates (Hugging Face generation, a few GB).
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dynamics":
         try:
             table = dynamics(args.source, args.out, args.arms, args.min_seed, args.prefix)
-        except (PoolError, DynamicsError) as exc:
+        except (PoolError, DynamicsError, CompareError) as exc:  # CompareError: a summary compare refuses
             print(f"arms.py dynamics: {exc}", file=sys.stderr)
             return 2
         print(table["markdown"], end="")
@@ -461,10 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pool":
         try:
             pool(args.source, args.out, args.arms, args.min_seed, args.recipe, args.prefix, args.leave_out)
-        except PoolError as exc:
+            text = report(args.out)
+        except (PoolError, CompareError) as exc:  # CompareError: a summary compare refuses
             print(f"arms.py pool: {exc}", file=sys.stderr)
             return 2
-        print(report(args.out), end="")
+        print(text, end="")
         return 0
     if args.command == "wait":
         try:
@@ -494,7 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "phases":
         print(phases_report(args.out, args.from_round), end="")
     else:
-        print(report(args.out), end="")
+        try:
+            text = report(args.out)
+        except CompareError as exc:  # a run's summary compare refuses (arms_report.check_summary): nothing written
+            print(f"arms.py report: {exc}", file=sys.stderr)
+            return 2
+        print(text, end="")
     return 0
 
 

@@ -22,7 +22,6 @@ and the output says so.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report read
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
 from arms_pool import DEFAULT_PREFIX, find_runs, metrics_file, ordered_runs, require_empty_folder  # noqa: E402
-from arms_report import train_client_means  # noqa: E402
+from arms_report import read_checked_summary, train_client_means  # noqa: E402
 
 from fedagent_flwr.atomic import write_json_atomic, write_text_atomic  # noqa: E402
 from fedagent_flwr.compare import WINDOW, deviations, validation_by_round, window_mean  # noqa: E402
@@ -94,8 +93,10 @@ def run_row(arm: str, seed: int, summary_path: Path, metrics_path: Path | None) 
     the aggregate's move from the round's start (``checkpoint.update_stats``): the applied update,
     which weighs clients by their aggregation weights (``num-examples`` by default), whereas the
     training columns weigh each client equally; the two weightings agree only when the clients'
-    weights are equal (one client, or equal shares)."""
-    summary = json.loads(summary_path.read_text())
+    weights are equal (one client, or equal shares). Raises :class:`fedagent_flwr.compare.CompareError`,
+    naming the file, for a summary that cannot be read or that ``fedagent compare`` would refuse
+    (:func:`arms_report.read_checked_summary`)."""
+    summary = read_checked_summary(summary_path)
     total = int(summary.get("total_rounds") or 0)
     curve = summary.get("val_curve", [])
     val_by_round = validation_by_round(curve)
@@ -236,7 +237,9 @@ def dynamics(source: Path, out: Path, arms: list[str], min_seed: int,
     """Write ``out/dynamics.json`` and ``out/dynamics.md`` for the committed runs ``arms.py pool``
     would pick (``find_runs``; raises its PoolError when there are none, or a run is committed
     twice); return the JSON's content, with the markdown under ``"markdown"``. ``out`` must be new
-    or empty, as ``pool``'s: a table left there from other runs would read as this one's."""
+    or empty, as ``pool``'s: a table left there from other runs would read as this one's. A summary
+    that cannot be read or that compare would refuse raises CompareError (:func:`run_row`), before
+    anything is written."""
     require_empty_folder(out, DynamicsError, "write the dynamics into a new or empty folder")
     found = find_runs(source, prefix, arms, min_seed)
     rows = [run_row(arm, seed, summary, metrics_file(summary)) for (arm, seed), summary in ordered_runs(found, arms)]

@@ -23,9 +23,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # arms_report reads fedagent_flwr
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/gpu is not a package
 
-from arms_report import MATRIX_FILE  # noqa: E402
+from arms_report import MATRIX_FILE, check_summary  # noqa: E402
 
 from fedagent_flwr.atomic import write_json_atomic  # noqa: E402
+from fedagent_flwr.outcome import SummaryError, load_summary  # noqa: E402
 
 #: The prefix of the 10-round recipe's committed runs (``recipe10r-federated-s4-summary.json``).
 DEFAULT_PREFIX = "recipe10r"
@@ -95,7 +96,9 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
     committed) for the runs :func:`find_runs` picks, less those named in ``leave_out``
     (``<arm>-s<seed>``: a sensitivity check by command, not by hand; the matrix and the report name
     them); return the matrix. ``out`` must be new or empty: pooling into a used folder would mix
-    what it holds with these runs."""
+    what it holds with these runs. A committed summary that ``fedagent compare`` would refuse raises
+    :class:`fedagent_flwr.compare.CompareError` naming it (``arms_report.check_summary``), before
+    anything is written."""
     require_empty_folder(out, PoolError, "pool into a new or empty folder (a run's old metrics or a "
                          "hostmem.jsonl left there would enter the report)")
     found = find_runs(source, prefix, arms, min_seed)
@@ -113,6 +116,15 @@ def pool(source: Path, out: Path, arms: list[str], min_seed: int, recipe: str = 
     if emptied:
         raise PoolError(f"--leave-out leaves no run of {', '.join(emptied)}: leave fewer out, or drop the arm "
                         "from --arms")
+    # A summary the report would refuse is refused here, naming the committed file, before anything is
+    # written (the folder would be left in use, without a report); an unreadable one the report lists
+    # as a run without a result.
+    for summary in found.values():
+        try:
+            record = load_summary(summary)
+        except SummaryError:
+            continue
+        check_summary(summary, record)
     runs = []
     for (arm, seed), summary in ordered_runs(found, arms):
         name = f"{arm}-s{seed}"

@@ -7,7 +7,9 @@ repository on ``sys.path``. Like ``status`` and ``phases``, everything here but 
 runs on a GPU node's bare ``python3``: the standard library and ``fedagent_flwr``'s ``intervals``,
 ``losses``, ``compare`` (with ``outcome``, ``atomic`` and ``compare_report``) only. A run's statistics (the last-rounds
 window) and deviations, the mean and spread over seeds and the differences over seeds are ``fedagent compare``'s
-(:mod:`fedagent_flwr.compare`), so that the command and this table cannot disagree.
+(:mod:`fedagent_flwr.compare`), so that the command and this table cannot disagree; so is the check of each
+summary (:func:`fedagent_flwr.compare_report.summary_problem`): a summary compare refuses, this refuses too
+(:class:`fedagent_flwr.compare.CompareError`, one line naming the file and the key or round).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedagent_flwr.compare import WINDOW, deviations, mean_and_sd, seed_difference, window_mean
+from fedagent_flwr.compare import WINDOW, CompareError, deviations, mean_and_sd, seed_difference, window_mean
+from fedagent_flwr.compare_report import summary_problem
 from fedagent_flwr.intervals import pooled_difference_interval, wilson_interval
-from fedagent_flwr.outcome import SummaryError, load_summary
+from fedagent_flwr.outcome import SummaryError, load_summary, summary_path
 
 #: The matrix a launch wrote: its recipe, runs and waves (``arms.py launch``).
 MATRIX_FILE = "matrix.json"
@@ -33,13 +36,39 @@ def run_summary(out: Path, name: str) -> dict[str, Any] | None:
         return None
 
 
+def check_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Raise :class:`CompareError` where ``fedagent compare`` would refuse the summary ``summary`` read
+    from ``path`` (:func:`fedagent_flwr.compare_report.summary_problem`: a validation point without a
+    success rate from 0 to 1, a round with two points, ``total_rounds`` not a number, ...), in its words,
+    naming the file and the key or round. Before any key is read: such a point used to count as 0.0 in
+    the arm's means, without a word, or to end the report in a traceback."""
+    problem = summary_problem(summary)
+    if problem:
+        raise CompareError(f"{path}: {problem}: restore the summary as its run wrote it, or leave the run out")
+
+
+def read_checked_summary(path: Path) -> dict[str, Any]:
+    """The summary file ``path`` as :func:`check_summary` lets it be read; :class:`CompareError` (one
+    line naming the file) where it cannot be read or compare would refuse it."""
+    try:
+        summary = load_summary(path)
+    except SummaryError as exc:
+        raise CompareError(str(exc)) from None
+    check_summary(path, summary)
+    return summary
+
+
 def collect(out: Path) -> dict[str, Any]:
-    """Every run's curve and final point, grouped by arm, with intervals."""
+    """Every run's curve and final point, grouped by arm, with intervals. A run without a readable
+    summary is listed as without a result; a summary that ``fedagent compare`` would refuse
+    (:func:`check_summary`) raises :class:`CompareError`, before anything is written."""
     matrix = json.loads((out / MATRIX_FILE).read_text())
     runs: list[dict[str, Any]] = []
     arms: dict[str, list[dict[str, Any]]] = {}
     for run in matrix["runs"]:
         summary = run_summary(out, run["name"])
+        if summary is not None:
+            check_summary(summary_path(out / "runs" / run["name"]), summary)
         curve = (summary or {}).get("val_curve", [])
         if summary is None or not curve:
             runs.append({**run, "status": "no result"})
@@ -68,8 +97,10 @@ def collect(out: Path) -> dict[str, Any]:
 
 
 def _point(point: dict[str, Any]) -> dict[str, Any]:
+    """A validation point with its Wilson interval; its summary passed :func:`check_summary`, so it has a
+    success rate (no default: a point without one is refused, not read as 0.0)."""
     n = int(point.get("n", 0))
-    rate = float(point.get("success_rate", 0.0))
+    rate = float(point["success_rate"])
     low, high = wilson_interval(rate * n, n)
     return {"round": point["round"], "n": n, "success_rate": rate, "ci95": [round(low, 4), round(high, 4)]}
 
@@ -199,7 +230,8 @@ def _seeds_needed(difference: dict[str, Any]) -> str:
 
 
 def report(out: Path) -> str:
-    """Write arms.json, arms.md and arms.png under ``out``; return the markdown table."""
+    """Write arms.json, arms.md and arms.png under ``out``; return the markdown table. Raises
+    :class:`CompareError`, writing nothing, where a run's summary is one compare refuses (:func:`collect`)."""
     data = collect(out)
     data["differences"] = differences(data["arms"])
     data["memory_peak"] = _memory_peak(out)

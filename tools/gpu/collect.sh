@@ -13,6 +13,15 @@ ARCHIVE=${1:-$OUT/results.tgz}
 # a relative OUT or ARCHIVE is the caller's, not the repository root's (where the script works)
 case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
 case $ARCHIVE in /*) ;; *) ARCHIVE=$PWD/$ARCHIVE ;; esac
+# The archive is renamed into place below with a plain (POSIX) mv, which, given a directory (or a link
+# to one), moves the file INTO it and succeeds: the archive would land at $ARCHIVE/.<name>.partial.<pid>,
+# none where the caller looks. So a directory there is refused first, before anything is packed. (This
+# was GNU mv -T at the rename, which BSD and macOS mv lack; -T replaced a link to a directory, which is
+# refused here too. Nothing else in this script is GNU-only.)
+if [ -d "$ARCHIVE" ]; then
+  echo "collect.sh: $ARCHIVE is a directory: name a file for the archive; nothing packed" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/../.."
 python3 tools/gpu/arms.py report --out "$OUT" > /dev/null 2>&1 || true
 python3 tools/gpu/arms.py phases --out "$OUT" > /dev/null 2>&1 || true
@@ -79,7 +88,7 @@ for log in "$OUT"/*.log; do
   [ -f "$log" ] || continue
   tail -c 300000 "$log" > "$STAGE/results/$(basename "$log").tail"
 done
-if ! tar czf "$PARTIAL" -C "$STAGE" results || ! mv -f -T "$PARTIAL" "$ARCHIVE"; then
+if ! tar czf "$PARTIAL" -C "$STAGE" results || ! mv -f "$PARTIAL" "$ARCHIVE"; then
   echo "collect.sh: packing $ARCHIVE failed; any previous archive is kept" >&2
   exit 1
 fi

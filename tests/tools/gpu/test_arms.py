@@ -476,3 +476,92 @@ def test_pool_leaves_out_named_runs_and_says_so(tmp_path: Path, capsys) -> None:
                       "--arms", "federated", "local", "--min-seed", "4", "--leave-out", *every_local]) == 2
     assert "--leave-out leaves no run of local: leave fewer out" in capsys.readouterr().err
     assert not (tmp_path / "typo" / "matrix.json").exists()
+
+
+#: compare's advice after its refusal of a summary (``fedagent_flwr.compare.run_statistic``), which the
+#: arms tools repeat word for word
+RESTORE = "restore the summary as its run wrote it, or leave the run out"
+NO_RATE = ("has no success_rate (every point the recorder writes has one; a round whose evaluation recorded "
+           "nothing has no point)")
+
+
+def _alter(path: Path, change) -> Path:  # noqa: ANN001 - change: a function editing the parsed summary
+    """``path``'s summary edited by ``change`` by hand, as someone (or a merge) might."""
+    summary = json.loads(path.read_text())
+    change(summary)
+    path.write_text(json.dumps(summary))
+    return path
+
+
+def _twice(summary: dict) -> None:
+    summary["val_curve"].append({**summary["val_curve"][-1], "success_rate": 0.0})
+
+
+@pytest.mark.parametrize(("rates", "change", "problem"), [
+    # 2 rounds (fewer than the window): the old report counted the point as 0.0, exit 0, federated's final
+    # mean 0.25 instead of 0.5, without a word
+    ([0.1, 0.5, 0.5], lambda s: s["val_curve"][-1].pop("success_rate"), f"val_curve round 2 {NO_RATE}"),
+    # 4 rounds (a whole window): the old report ended in compare's CompareError traceback
+    ([0.1, 0.5, 0.5, 0.5, 0.5], lambda s: s["val_curve"][-1].pop("success_rate"), f"val_curve round 4 {NO_RATE}"),
+    # a null rate: a TypeError traceback from float(None)
+    ([0.1, 0.5, 0.5], lambda s: s["val_curve"][-1].update(success_rate=None),
+     "val_curve round 2 has success_rate null, not a number from 0 to 1"),
+    # round 2 twice, the later point 0.0: the old report took that one as the final round's, without a word
+    ([0.1, 0.5, 0.5], _twice,
+     "val_curve has round 2 twice (val_curve[2] and val_curve[3]; the recorder writes one point a round)"),
+], ids=["no-rate-short-run", "no-rate-whole-window", "null-rate", "round-twice"])
+def test_report_refuses_a_summary_compare_refuses_in_one_line(tmp_path: Path, capsys, rates: list[float],  # noqa: ANN001
+                                                              change, problem: str) -> None:  # noqa: ANN001
+    """A run's summary that ``fedagent compare`` refuses (``compare_report.summary_problem``) is refused
+    by ``arms.py report`` too, in compare's words with the file named, exit 2 and nothing written: its
+    point is not read as 0.0 (nor the round's later point kept), and no traceback."""
+    arms = _arms_module()
+    runs = [{"name": arms.run_name(arm, seed), "arm": arm, "seed": seed} for arm in ("federated", "local")
+            for seed in (1, 2)]
+    (tmp_path / arms.MATRIX_FILE).write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
+    for run in runs:
+        _run(tmp_path, run["name"], rates)
+    path = _alter(tmp_path / "runs" / "federated-s1" / "federated_summary.json", change)
+    assert arms.main(["report", "--out", str(tmp_path)]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == f"arms.py report: {path}: {problem}: {RESTORE}\n"
+    assert printed.out == ""
+    assert not list(tmp_path.glob("arms.*"))
+
+
+def test_report_refusal_is_one_line_from_the_command(tmp_path: Path) -> None:
+    """The command as a GPU node runs it (``python3 tools/gpu/arms.py report``): exit 2, one line on
+    stderr naming the tool, the file and the round, no traceback."""
+    import subprocess
+    import sys
+
+    runs = [{"name": f"{arm}-s1", "arm": arm, "seed": 1} for arm in ("federated", "local")]
+    (tmp_path / "matrix.json").write_text(json.dumps({"recipe": "tinyguess_verl", "runs": runs}))
+    for run in runs:
+        _run(tmp_path, run["name"], [0.1, 0.2, 0.3, 0.4, 0.5])
+    path = _alter(tmp_path / "runs" / "local-s1" / "federated_summary.json",
+                  lambda s: s["val_curve"][3].pop("success_rate"))
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "gpu" / "arms.py"), "report", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"arms.py report: {path}: val_curve round 3 {NO_RATE}: {RESTORE}\n"
+
+
+def test_pool_refuses_a_committed_summary_compare_refuses_before_writing(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``arms.py pool`` checks the committed summaries before it lays anything out: one that compare
+    refuses is named (the committed file, not the pooled copy), exit 2, and ``--out`` is not made (it
+    used to be a CompareError traceback from the report, the folder left half made and in use)."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    (source / "2026-12-03").mkdir(parents=True)
+    for arm in ("federated", "local"):
+        name = f"recipe10r-{arm}-s5-summary.json"
+        (source / "2026-12-03" / name).write_bytes((REPO / "docs" / "gpu-runs" / "2026-12-03" / name).read_bytes())
+    path = _alter(source / "2026-12-03" / "recipe10r-federated-s5-summary.json",
+                  lambda s: s["val_curve"][9].pop("success_rate"))
+    out = tmp_path / "pooled"
+    assert arms.main(["pool", "--from", str(source), "--out", str(out), "--arms", "federated", "local",
+                      "--min-seed", "4"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == f"arms.py pool: {path}: val_curve round 9 {NO_RATE}: {RESTORE}\n"
+    assert printed.out == "" and not out.exists()

@@ -195,3 +195,31 @@ def test_an_out_that_is_a_file_is_refused(tmp_path: Path, capsys) -> None:  # no
     assert f"{taken} is a file, not a folder: give --out a new or empty folder ({taken / 'dyn'}" in (
         capsys.readouterr().err)
     assert taken.read_text() == "someone's notes\n"
+
+
+def test_a_summary_compare_refuses_or_that_cannot_be_read_is_refused_in_one_line(tmp_path: Path,
+                                                                                 capsys) -> None:  # noqa: ANN001
+    """A committed summary whose round-4 point lacks its success rate is refused as ``fedagent compare``
+    refuses it (its file, round and advice named), and a torn one as unreadable: exit 2, one line each,
+    nothing written. Both used to end in a traceback (CompareError, JSONDecodeError)."""
+    arms = _arms_module()
+    source = tmp_path / "gpu-runs"
+    _committed_run(source, "local-s4", [120, 100, 58, 40, 30], with_metrics=True)
+    _committed_run(source, "local-s5", [120, 100, 58, 40, 30], with_metrics=False)
+    path = source / "2026-12-09" / "recipe10r-local-s5-summary.json"
+    summary = json.loads(path.read_text())
+    del summary["val_curve"][4]["success_rate"]
+    path.write_text(json.dumps(summary))
+    out = tmp_path / "dynamics"
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "local"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err == (f"arms.py dynamics: {path}: val_curve round 4 has no success_rate (every point the "
+                           "recorder writes has one; a round whose evaluation recorded nothing has no point): "
+                           "restore the summary as its run wrote it, or leave the run out\n")
+    assert printed.out == "" and not out.exists()
+
+    path.write_text(json.dumps(summary)[:40])  # cut off mid-write
+    assert arms.main(["dynamics", "--from", str(source), "--out", str(out), "--arms", "local"]) == 2
+    printed = capsys.readouterr()
+    assert printed.err.startswith(f"arms.py dynamics: {path} cannot be read: JSONDecodeError: ")
+    assert printed.err.count("\n") == 1 and printed.out == "" and not out.exists()

@@ -4,6 +4,7 @@ the same archive, and one cut off mid-pack must leave the last complete archive,
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -71,3 +72,50 @@ def test_a_failed_pack_keeps_the_previous_archive_and_leaves_no_partial_file(tmp
     assert here.returncode == 0, here.stderr
     with tarfile.open(work / "here.tgz") as archive:
         assert "results/federated-s9/federated_summary.json" in archive.getnames()
+
+
+def _posix_mv(folder: Path) -> str:
+    """A PATH whose ``mv`` has only the options POSIX (and BSD, macOS) mv has: ``-T`` (GNU's "treat the
+    target as a file") is refused as BSD mv refuses it; otherwise the real mv, which without ``-T``
+    moves a file INTO a target that is a directory, as every mv does."""
+    real = shutil.which("mv")
+    assert real is not None
+    folder.mkdir()
+    (folder / "mv").write_text(
+        "#!/bin/bash\nfor arg in \"$@\"; do case $arg in\n"
+        "  --) break ;;\n"
+        "  --*) echo \"mv: illegal option -- ${arg#--}\" >&2; exit 64 ;;\n"
+        "  -*T*) echo 'mv: illegal option -- T' >&2; exit 64 ;;\n"
+        "  -*) ;;\n"
+        "  *) break ;;\n"
+        f"esac; done\nexec {real} \"$@\"\n")
+    (folder / "mv").chmod(0o755)
+    return f"{folder}:{PATH}"
+
+
+def test_packs_with_a_posix_mv_and_refuses_a_directory_as_the_archive(tmp_path: Path) -> None:
+    """collect.sh renames its archive into place with the options every mv has (it used GNU's ``-T``,
+    so with BSD's or macOS's mv no archive was ever packed). What ``-T`` guarded against, a directory
+    at ARCHIVE that a plain mv would move the archive INTO, reporting success, is refused before
+    packing, with any mv, leaving the directory as it was."""
+    out = tmp_path / "out"
+    (out / "runs" / "federated-s9").mkdir(parents=True)
+    (out / "runs" / "federated-s9" / "federated_summary.json").write_text('{"status": "completed"}\n')
+    path = _posix_mv(tmp_path / "bin")
+
+    packed = _run(out, tmp_path / "r.tgz", path)
+    assert packed.returncode == 0, packed.stderr
+    with tarfile.open(tmp_path / "r.tgz") as archive:
+        assert "results/federated-s9/federated_summary.json" in archive.getnames()
+
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(taken)
+    for archive_path, mv_path in ((taken, path), (taken, PATH), (link, path)):
+        refused = _run(out, archive_path, mv_path)
+        assert refused.returncode == 1
+        assert refused.stderr == (f"collect.sh: {archive_path} is a directory: name a file for the archive; "
+                                  "nothing packed\n")
+        assert list(taken.iterdir()) == [] and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "link", "out", "r.tgz", "taken"]
