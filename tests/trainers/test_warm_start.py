@@ -319,6 +319,18 @@ def test_output_is_fsynced_before_the_rename(tiny_model_dir: Path, tmp_path: Pat
     assert (out / "model.safetensors").is_file() and synced[-1] == tmp_path  # the parent after the rename
 
 
+def _fail_the_final_rename(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the rename of the staged folder to ``out`` fail as on a full disk; other renames run."""
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst) == out and Path(src).name.startswith(f".{out.name}.tmp-"):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+
+
 def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -326,14 +338,7 @@ def test_a_failed_final_rename_keeps_the_previous_output(tiny_model_dir: Path, t
     out = tmp_path / "warm"
     out.mkdir()
     (out / ws.RECORD_FILE).write_text('{"steps": 7}')
-    real_replace = os.replace
-
-    def replace(src: Any, dst: Any) -> None:
-        if Path(dst) == out and Path(src).name.startswith(".warm.tmp-"):
-            raise OSError(28, "No space left on device")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(atomic.os, "replace", replace)
+    _fail_the_final_rename(out, monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     with pytest.raises(OSError, match="No space left"):
         ws.save_output(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)), {"steps": 1}, out)
@@ -347,14 +352,7 @@ def test_a_save_that_fails_after_training_is_one_line_and_keeps_the_previous_out
     out = tmp_path / "warm"
     shutil.copytree(tiny_model_dir, out)  # an earlier output, which --force may replace
     (out / ws.RECORD_FILE).write_text('{"steps": 7}')
-    real_replace = os.replace
-
-    def replace(src: Any, dst: Any) -> None:
-        if Path(dst) == out and Path(src).name.startswith(".warm.tmp-"):
-            raise OSError(28, "No space left on device")
-        real_replace(src, dst)
-
-    monkeypatch.setattr(atomic.os, "replace", replace)
+    _fail_the_final_rename(out, monkeypatch)
     assert run("--data", data, "--model", tiny_model_dir, "--out", out, "--batch-size", 1, "--device", "cpu",
                "--min-reward", 1.0, "--force") == 1
     last = capsys.readouterr().err.splitlines()[-1]  # after transformers' progress bars
